@@ -1,0 +1,127 @@
+//! Text generation: chunked prompt processing, then batch-1 decode until EOS, the token limit or a
+//! full context; timings for the run summary.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use serde::Serialize;
+
+use crate::model::Model;
+use crate::sampler::{Sampler, SamplerConfig};
+use crate::tokenizer::{TextStream, Tokenizer};
+
+/// Prompt tokens per forward call: large enough for mat-mat speed, small enough to bound scratch.
+pub const PROMPT_CHUNK: usize = 64;
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub ctx: usize,
+    pub sampler: SamplerConfig,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    Eos,
+    MaxTokens,
+    ContextFull,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Decode rate: tokens after the first, over the time from first to last token.
+    pub tokens_per_s: f64,
+    pub prompt_tokens_per_s: f64,
+    /// Prompt processing plus the first sampled token.
+    pub ttft_ms: f64,
+    pub stop_reason: StopReason,
+}
+
+pub struct Generation {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub stats: GenerationStats,
+}
+
+/// Generates from `prompt` (token ids), calling `on_text` with each completed piece of text.
+pub fn generate(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        bail!("the prompt is empty: give at least one token of text");
+    }
+    if prompt.len() > opts.ctx {
+        bail!(
+            "the prompt has {} tokens but the context holds {}: shorten it or raise --ctx",
+            prompt.len(),
+            opts.ctx
+        );
+    }
+    let mut cache = model.new_cache(opts.ctx);
+    let mut sampler = Sampler::new(opts.sampler.clone());
+    let start = Instant::now();
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(PROMPT_CHUNK) {
+        logits = model.forward(chunk, &mut cache, false)?;
+    }
+    let prompt_s = start.elapsed().as_secs_f64();
+    let mut history = prompt.to_vec();
+    let mut stream = TextStream::default();
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    let mut first_token_at = None;
+    let stop_reason = loop {
+        let tok = sampler.sample(&mut logits, &history);
+        let now = Instant::now();
+        first_token_at.get_or_insert(now);
+        if opts.eos_token_ids.contains(&tok) {
+            break StopReason::Eos;
+        }
+        history.push(tok);
+        tokens.push(tok);
+        if let Some(piece) = stream.push(tokenizer, tok)? {
+            on_text(&piece);
+            text.push_str(&piece);
+        }
+        if tokens.len() >= opts.max_tokens {
+            break StopReason::MaxTokens;
+        }
+        if cache.len() >= opts.ctx {
+            break StopReason::ContextFull;
+        }
+        logits = model.forward(&[tok], &mut cache, false)?;
+    };
+    let end = Instant::now();
+    if let Some(piece) = stream.finish(tokenizer)? {
+        on_text(&piece);
+        text.push_str(&piece);
+    }
+    let first = first_token_at.expect("at least one token is sampled");
+    let decode_s = (end - first).as_secs_f64();
+    let stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        generated_tokens: tokens.len(),
+        tokens_per_s: if tokens.len() > 1 {
+            (tokens.len() - 1) as f64 / decode_s
+        } else {
+            0.0
+        },
+        prompt_tokens_per_s: prompt.len() as f64 / prompt_s,
+        ttft_ms: (first - start).as_secs_f64() * 1e3,
+        stop_reason,
+    };
+    Ok(Generation {
+        text,
+        tokens,
+        stats,
+    })
+}

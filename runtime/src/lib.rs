@@ -1,0 +1,16 @@
+//! LeanStream runtime: generates text from LLMs whose FFN weights stream from flash under a hard
+//! memory budget. This crate holds the engine (model, kernels, KV cache, sampler) and the
+//! `leanstream` command-line tool.
+
+pub mod config;
+pub mod generate;
+pub mod kernels;
+pub mod kv_cache;
+pub mod memory;
+pub mod model;
+pub mod perplexity;
+pub mod rope;
+pub mod safetensors_dir;
+pub mod sampler;
+pub mod source;
+pub mod tokenizer;

@@ -1,0 +1,338 @@
+//! The dense f32 transformer: Llama-family block (RMSNorm, rotary GQA attention, SwiGLU or ReLU
+//! FFN) with Qwen3's q/k norms and Mistral's sliding window. This is the reference path every
+//! streaming policy must reproduce.
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+
+use crate::config::ModelConfig;
+use crate::kernels::{dot, matmul_t, Matrix};
+use crate::kv_cache::KvCache;
+use crate::rope::Rope;
+use crate::safetensors_dir::SafetensorsDir;
+
+/// Weights of one transformer block.
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub wq: Matrix,
+    pub wk: Matrix,
+    pub wv: Matrix,
+    pub wo: Matrix,
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub gate: Matrix,
+    pub up: Matrix,
+    pub down: Matrix,
+}
+
+/// A model held entirely in DRAM as f32.
+pub struct Model {
+    config: ModelConfig,
+    embed: Matrix,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    /// `None` when the output head is tied to the embedding.
+    lm_head: Option<Matrix>,
+    rope: Rope,
+}
+
+/// Per-call scratch space for a chunk of `t` tokens.
+struct Scratch {
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+}
+
+impl Model {
+    /// Loads a Hugging Face model directory (`config.json` + safetensors).
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::from_hf_dir(dir)?;
+        let tensors = SafetensorsDir::open(dir)?;
+        Self::from_hf_tensors(config, |name, shape| tensors.tensor_f32(name, shape))
+    }
+
+    /// Builds the model from tensors named as in Hugging Face checkpoints; `get` returns a tensor
+    /// as f32 after checking its shape.
+    pub fn from_hf_tensors(
+        config: ModelConfig,
+        get: impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
+        let c = &config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let mat = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
+            Ok(Matrix::new(rows, cols, get(name, &[rows, cols])?))
+        };
+        let embed = mat("model.embed_tokens.weight", c.vocab_size, h)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let norm_opt = |name: &str| -> Result<Option<Vec<f32>>> {
+                if c.qk_norm {
+                    Ok(Some(get(&format!("{p}.self_attn.{name}.weight"), &[hd])?))
+                } else {
+                    Ok(None)
+                }
+            };
+            layers.push(Layer {
+                attn_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
+                wq: mat(&format!("{p}.self_attn.q_proj.weight"), c.num_heads * hd, h)?,
+                wk: mat(
+                    &format!("{p}.self_attn.k_proj.weight"),
+                    c.num_kv_heads * hd,
+                    h,
+                )?,
+                wv: mat(
+                    &format!("{p}.self_attn.v_proj.weight"),
+                    c.num_kv_heads * hd,
+                    h,
+                )?,
+                wo: mat(&format!("{p}.self_attn.o_proj.weight"), h, c.num_heads * hd)?,
+                q_norm: norm_opt("q_norm")?,
+                k_norm: norm_opt("k_norm")?,
+                ffn_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                gate: mat(&format!("{p}.mlp.gate_proj.weight"), c.intermediate_size, h)?,
+                up: mat(&format!("{p}.mlp.up_proj.weight"), c.intermediate_size, h)?,
+                down: mat(&format!("{p}.mlp.down_proj.weight"), h, c.intermediate_size)?,
+            });
+        }
+        let norm = get("model.norm.weight", &[h])?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(mat("lm_head.weight", c.vocab_size, h)?)
+        };
+        let rope = Rope::new(c);
+        Ok(Self {
+            config,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    /// A KV cache for up to `ctx` positions.
+    pub fn new_cache(&self, ctx: usize) -> KvCache {
+        KvCache::new(&self.config, ctx)
+    }
+
+    /// Bytes of weights held in DRAM.
+    pub fn weight_bytes(&self) -> usize {
+        let layer_bytes: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|m| m.bytes())
+                    .sum::<usize>()
+                    + 4 * (l.attn_norm.len() + l.ffn_norm.len())
+                    + 4 * (l.q_norm.as_ref().map_or(0, Vec::len)
+                        + l.k_norm.as_ref().map_or(0, Vec::len))
+            })
+            .sum();
+        self.embed.bytes()
+            + layer_bytes
+            + 4 * self.norm.len()
+            + self.lm_head.as_ref().map_or(0, Matrix::bytes)
+    }
+
+    /// Runs `tokens` at the positions following those already in `cache` and appends their keys and
+    /// values. Returns the logits of every position (`tokens.len() × vocab`, row-major) when
+    /// `all_logits`, else those of the last position only.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let t = tokens.len();
+        let start = cache.len();
+        if t == 0 {
+            bail!("forward needs at least one token");
+        }
+        if start + t > cache.capacity() {
+            bail!(
+                "context full: {} positions needed, the cache holds {}",
+                start + t,
+                cache.capacity()
+            );
+        }
+        let h = c.hidden_size;
+        let mut x = vec![0.0f32; t * h];
+        for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
+            if tok as usize >= c.vocab_size {
+                bail!(
+                    "token id {tok} is outside the vocabulary ({} entries)",
+                    c.vocab_size
+                );
+            }
+            row.copy_from_slice(self.embed.row(tok as usize));
+        }
+        let tables: Vec<(Vec<f32>, Vec<f32>)> =
+            (start..start + t).map(|p| self.rope.tables(p)).collect();
+        let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let mut s = Scratch {
+            xn: vec![0.0; t * h],
+            q: vec![0.0; t * qd],
+            k: vec![0.0; t * kvd],
+            v: vec![0.0; t * kvd],
+            att: vec![0.0; t * qd],
+            proj: vec![0.0; t * h],
+            gate: vec![0.0; t * c.intermediate_size],
+            up: vec![0.0; t * c.intermediate_size],
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            self.attention_block(l, layer, start, &tables, &mut x, cache, &mut s);
+            self.ffn_block(layer, t, &mut x, &mut s);
+        }
+        cache.advance(t);
+        let rows = if all_logits { t } else { 1 };
+        let last = &x[(t - rows) * h..];
+        let mut xn = vec![0.0; rows * h];
+        for (src, dst) in last.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
+            rms_norm(src, &self.norm, c.rms_norm_eps, dst);
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0.0; rows * c.vocab_size];
+        matmul_t(head, &xn, rows, &mut logits);
+        Ok(logits)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_block(
+        &self,
+        l: usize,
+        layer: &Layer,
+        start: usize,
+        tables: &[(Vec<f32>, Vec<f32>)],
+        x: &mut [f32],
+        cache: &mut KvCache,
+        s: &mut Scratch,
+    ) {
+        let c = &self.config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let t = tables.len();
+        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+        for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
+            rms_norm(src, &layer.attn_norm, c.rms_norm_eps, dst);
+        }
+        matmul_t(&layer.wq, &s.xn, t, &mut s.q);
+        matmul_t(&layer.wk, &s.xn, t, &mut s.k);
+        matmul_t(&layer.wv, &s.xn, t, &mut s.v);
+        let rows = s.q.chunks_exact_mut(qd).zip(s.k.chunks_exact_mut(kvd));
+        for (i, ((q, k), (cos, sin))) in rows.zip(tables).enumerate() {
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                q.chunks_exact_mut(hd)
+                    .for_each(|head| rms_norm_in_place(head, qn, c.rms_norm_eps));
+                k.chunks_exact_mut(hd)
+                    .for_each(|head| rms_norm_in_place(head, kn, c.rms_norm_eps));
+            }
+            Rope::apply(q, hd, cos, sin);
+            Rope::apply(k, hd, cos, sin);
+            cache.store(l, start + i, k, &s.v[i * kvd..(i + 1) * kvd]);
+        }
+        self.attend(l, start, t, &s.q, cache, &mut s.att);
+        matmul_t(&layer.wo, &s.att, t, &mut s.proj);
+        x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+    }
+
+    /// Causal softmax attention of `t` queries at positions `start..start+t` over the cache.
+    fn attend(
+        &self,
+        l: usize,
+        start: usize,
+        t: usize,
+        q: &[f32],
+        cache: &KvCache,
+        out: &mut [f32],
+    ) {
+        let c = &self.config;
+        let (hd, nh, group) = (c.head_dim, c.num_heads, c.gqa_group());
+        let scale = 1.0 / (hd as f32).sqrt();
+        let one = |idx: usize, o: &mut [f32]| {
+            let (i, head) = (idx / nh, idx % nh);
+            let pos = start + i;
+            let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let (keys, values) = cache.head(l, head / group, lo, pos + 1);
+            let qh = &q[idx * hd..(idx + 1) * hd];
+            let mut scores: Vec<f32> = keys.chunks_exact(hd).map(|k| dot(qh, k) * scale).collect();
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for sc in scores.iter_mut() {
+                *sc = (*sc - max).exp();
+                sum += *sc;
+            }
+            o.fill(0.0);
+            for (w, v) in scores.iter().zip(values.chunks_exact(hd)) {
+                let w = w / sum;
+                o.iter_mut().zip(v).for_each(|(a, b)| *a += w * b);
+            }
+        };
+        let work = t * nh * (start + t) * hd;
+        if work >= 1 << 16 && rayon::current_num_threads() > 1 {
+            out.par_chunks_mut(hd)
+                .enumerate()
+                .for_each(|(idx, o)| one(idx, o));
+        } else {
+            out.chunks_mut(hd)
+                .enumerate()
+                .for_each(|(idx, o)| one(idx, o));
+        }
+    }
+
+    fn ffn_block(&self, layer: &Layer, t: usize, x: &mut [f32], s: &mut Scratch) {
+        let c = &self.config;
+        let h = c.hidden_size;
+        for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
+            rms_norm(src, &layer.ffn_norm, c.rms_norm_eps, dst);
+        }
+        matmul_t(&layer.gate, &s.xn, t, &mut s.gate);
+        matmul_t(&layer.up, &s.xn, t, &mut s.up);
+        let act = c.activation;
+        s.gate
+            .iter_mut()
+            .zip(&s.up)
+            .for_each(|(g, u)| *g = act.apply(*g) * u);
+        matmul_t(&layer.down, &s.gate, t, &mut s.proj);
+        x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+    }
+}
+
+/// `out = x / sqrt(mean(x²) + eps) * weight`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let inv = inv_rms(x, eps);
+    for ((o, a), w) in out.iter_mut().zip(x).zip(weight) {
+        *o = a * inv * w;
+    }
+}
+
+fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let inv = inv_rms(x, eps);
+    x.iter_mut()
+        .zip(weight)
+        .for_each(|(a, w)| *a = *a * inv * w);
+}
+
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    let mean_sq = dot(x, x) / x.len() as f32;
+    1.0 / (mean_sq + eps).sqrt()
+}

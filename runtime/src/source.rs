@@ -1,0 +1,60 @@
+//! Opens what `--model PATH` names: today a Hugging Face model directory.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+
+/// A model ready to generate: weights, tokenizer and the tokens that end a generation.
+pub struct LoadedModel {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Loads a model directory (`config.json`, safetensors, `tokenizer.json`).
+pub fn open(path: &Path) -> Result<LoadedModel> {
+    if !path.exists() {
+        bail!("model path {} does not exist", path.display());
+    }
+    if !path.is_dir() {
+        bail!(
+            "{} is not a model directory: give a folder with config.json, *.safetensors and tokenizer.json",
+            path.display()
+        );
+    }
+    let model = Model::load(path)?;
+    let tokenizer = Tokenizer::from_dir(path)?;
+    let mut eos_token_ids = model.config().eos_token_ids.clone();
+    eos_token_ids.extend(generation_config_eos(path)?);
+    eos_token_ids.sort_unstable();
+    eos_token_ids.dedup();
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        eos_token_ids,
+    })
+}
+
+/// `eos_token_id` of `generation_config.json` (chat models list their end-of-turn token there).
+fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
+    let path = dir.join("generation_config.json");
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", path.display()))?;
+    Ok(match json.get("eos_token_id") {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|n| n as u32)
+            .collect(),
+        _ => Vec::new(),
+    })
+}
