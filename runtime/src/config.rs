@@ -163,31 +163,10 @@ impl ModelConfig {
             bail!("attention_bias / mlp_bias = true is not supported");
         }
         let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
-        if hf.num_attention_heads == 0
-            || num_kv_heads == 0
-            || hf.num_attention_heads % num_kv_heads != 0
-        {
-            bail!(
-                "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({num_kv_heads})",
-                hf.num_attention_heads
-            );
-        }
         let head_dim = hf
             .head_dim
-            .unwrap_or(hf.hidden_size / hf.num_attention_heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
-            bail!("head_dim ({head_dim}) must be even and positive for rotary embeddings");
-        }
-        for (name, v) in [
-            ("hidden_size", hf.hidden_size),
-            ("intermediate_size", hf.intermediate_size),
-            ("num_hidden_layers", hf.num_hidden_layers),
-            ("vocab_size", hf.vocab_size),
-        ] {
-            if v == 0 {
-                bail!("{name} must be positive");
-            }
-        }
+            .or_else(|| hf.hidden_size.checked_div(hf.num_attention_heads))
+            .unwrap_or(0);
         let rope_params = hf.rope_parameters.as_ref();
         let rope_theta = hf
             .rope_theta
@@ -219,7 +198,7 @@ impl ModelConfig {
             Architecture::Qwen3 if hf.use_sliding_window != Some(true) => None,
             _ => hf.sliding_window,
         };
-        Ok(ModelConfig {
+        let config = ModelConfig {
             architecture,
             activation,
             hidden_size: hf.hidden_size,
@@ -238,7 +217,41 @@ impl ModelConfig {
             qk_norm: architecture == Architecture::Qwen3,
             bos_token_id: hf.bos_token_id.and_then(|b| b.into_vec().first().copied()),
             eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
-        })
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the shape invariants the forward pass relies on, whatever file the config came from.
+    pub fn validate(&self) -> Result<()> {
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || self.num_heads % self.num_kv_heads != 0
+        {
+            bail!(
+                "the number of attention heads ({}) must be a positive multiple of the number of \
+                 key/value heads ({})",
+                self.num_heads,
+                self.num_kv_heads
+            );
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            bail!(
+                "head_dim ({}) must be even and positive for rotary embeddings",
+                self.head_dim
+            );
+        }
+        for (name, v) in [
+            ("hidden size", self.hidden_size),
+            ("intermediate (FFN) size", self.intermediate_size),
+            ("number of layers", self.num_layers),
+            ("vocabulary size", self.vocab_size),
+        ] {
+            if v == 0 {
+                bail!("the {name} must be positive");
+            }
+        }
+        Ok(())
     }
 
     /// Query heads that share one key/value head.

@@ -10,8 +10,9 @@ use crate::model::Model;
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::tokenizer::{TextStream, Tokenizer};
 
-/// Prompt tokens per forward call: large enough for mat-mat speed, small enough to bound scratch.
-pub const PROMPT_CHUNK: usize = 64;
+/// Prompt tokens per forward call: large enough for mat-mat speed (256 scored perplexity 1.2-1.3x
+/// faster than 64 on the embedded model), small enough to bound the scratch buffers.
+pub const PROMPT_CHUNK: usize = 256;
 
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {

@@ -4,6 +4,8 @@
 
 pub mod config;
 pub mod generate;
+pub mod gguf;
+pub mod gguf_tokenizer;
 pub mod kernels;
 pub mod kv_cache;
 pub mod memory;

@@ -34,7 +34,7 @@ enum Command {
 
 #[derive(Args)]
 struct CommonArgs {
-    /// Model: a Hugging Face model directory.
+    /// Model: a Hugging Face model directory or a GGUF file.
     #[arg(long)]
     model: PathBuf,
     /// Context length in tokens (capped at the model's maximum).

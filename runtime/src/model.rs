@@ -39,6 +39,15 @@ pub struct Model {
     rope: Rope,
 }
 
+/// What a profiling probe sees of one FFN: `t` rows each.
+pub struct FfnProbe<'a> {
+    pub layer: usize,
+    /// The normalised FFN input (`t × hidden`).
+    pub ffn_input: &'a [f32],
+    /// Gate pre-activations `gate · x` (`t × intermediate`).
+    pub gate: &'a [f32],
+}
+
 /// Per-call scratch space for a chunk of `t` tokens.
 struct Scratch {
     xn: Vec<f32>,
@@ -49,6 +58,22 @@ struct Scratch {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(c: &ModelConfig, t: usize) -> Self {
+        let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        Self {
+            xn: vec![0.0; t * c.hidden_size],
+            q: vec![0.0; t * qd],
+            k: vec![0.0; t * kvd],
+            v: vec![0.0; t * kvd],
+            att: vec![0.0; t * qd],
+            proj: vec![0.0; t * c.hidden_size],
+            gate: vec![0.0; t * c.intermediate_size],
+            up: vec![0.0; t * c.intermediate_size],
+        }
+    }
 }
 
 impl Model {
@@ -163,7 +188,6 @@ impl Model {
         cache: &mut KvCache,
         all_logits: bool,
     ) -> Result<Vec<f32>> {
-        let c = &self.config;
         let t = tokens.len();
         let start = cache.len();
         if t == 0 {
@@ -176,8 +200,22 @@ impl Model {
                 cache.capacity()
             );
         }
+        let mut x = self.embed(tokens)?;
+        let tables = self.rope_tables(start, t);
+        let mut s = Scratch::new(&self.config, t);
+        for l in 0..self.layers.len() {
+            self.block_with(l, start, &tables, &mut x, cache, &mut s, None);
+        }
+        cache.advance(t);
+        let rows = if all_logits { t } else { 1 };
+        Ok(self.logits(&x[(t - rows) * self.config.hidden_size..]))
+    }
+
+    /// The embedding rows of `tokens` (`tokens.len() × hidden`).
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let c = &self.config;
         let h = c.hidden_size;
-        let mut x = vec![0.0f32; t * h];
+        let mut x = vec![0.0f32; tokens.len() * h];
         for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
             if tok as usize >= c.vocab_size {
                 bail!(
@@ -187,34 +225,60 @@ impl Model {
             }
             row.copy_from_slice(self.embed.row(tok as usize));
         }
-        let tables: Vec<(Vec<f32>, Vec<f32>)> =
-            (start..start + t).map(|p| self.rope.tables(p)).collect();
-        let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-        let mut s = Scratch {
-            xn: vec![0.0; t * h],
-            q: vec![0.0; t * qd],
-            k: vec![0.0; t * kvd],
-            v: vec![0.0; t * kvd],
-            att: vec![0.0; t * qd],
-            proj: vec![0.0; t * h],
-            gate: vec![0.0; t * c.intermediate_size],
-            up: vec![0.0; t * c.intermediate_size],
-        };
-        for (l, layer) in self.layers.iter().enumerate() {
-            self.attention_block(l, layer, start, &tables, &mut x, cache, &mut s);
-            self.ffn_block(layer, t, &mut x, &mut s);
-        }
-        cache.advance(t);
-        let rows = if all_logits { t } else { 1 };
-        let last = &x[(t - rows) * h..];
+        Ok(x)
+    }
+
+    /// Runs block `l` on the hidden states `x` (`t × hidden`) of positions `start..start+t`,
+    /// storing their keys and values in `cache` (whose length is not advanced: the caller does that
+    /// once every layer has run). `probe` sees the FFN input and gate pre-activations; prep
+    /// profiles through it, one layer at a time.
+    pub fn block(
+        &self,
+        l: usize,
+        start: usize,
+        x: &mut [f32],
+        cache: &mut KvCache,
+        probe: Option<&mut dyn FnMut(FfnProbe)>,
+    ) {
+        let t = x.len() / self.config.hidden_size;
+        let tables = self.rope_tables(start, t);
+        let mut s = Scratch::new(&self.config, t);
+        self.block_with(l, start, &tables, x, cache, &mut s, probe);
+    }
+
+    /// Final norm and output head over the rows of `x` (`rows × hidden`).
+    pub fn logits(&self, x: &[f32]) -> Vec<f32> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let rows = x.len() / h;
         let mut xn = vec![0.0; rows * h];
-        for (src, dst) in last.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
+        for (src, dst) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
             rms_norm(src, &self.norm, c.rms_norm_eps, dst);
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0.0; rows * c.vocab_size];
         matmul_t(head, &xn, rows, &mut logits);
-        Ok(logits)
+        logits
+    }
+
+    fn rope_tables(&self, start: usize, t: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+        (start..start + t).map(|p| self.rope.tables(p)).collect()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn block_with(
+        &self,
+        l: usize,
+        start: usize,
+        tables: &[(Vec<f32>, Vec<f32>)],
+        x: &mut [f32],
+        cache: &mut KvCache,
+        s: &mut Scratch,
+        probe: Option<&mut dyn FnMut(FfnProbe)>,
+    ) {
+        let layer = &self.layers[l];
+        self.attention_block(l, layer, start, tables, x, cache, s);
+        self.ffn_block(l, layer, tables.len(), x, s, probe);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -299,7 +363,15 @@ impl Model {
         }
     }
 
-    fn ffn_block(&self, layer: &Layer, t: usize, x: &mut [f32], s: &mut Scratch) {
+    fn ffn_block(
+        &self,
+        l: usize,
+        layer: &Layer,
+        t: usize,
+        x: &mut [f32],
+        s: &mut Scratch,
+        probe: Option<&mut dyn FnMut(FfnProbe)>,
+    ) {
         let c = &self.config;
         let h = c.hidden_size;
         for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
@@ -307,6 +379,13 @@ impl Model {
         }
         matmul_t(&layer.gate, &s.xn, t, &mut s.gate);
         matmul_t(&layer.up, &s.xn, t, &mut s.up);
+        if let Some(probe) = probe {
+            probe(FfnProbe {
+                layer: l,
+                ffn_input: &s.xn,
+                gate: &s.gate,
+            });
+        }
         let act = c.activation;
         s.gate
             .iter_mut()

@@ -1,9 +1,11 @@
-//! Opens what `--model PATH` names: today a Hugging Face model directory.
+//! Opens what `--model PATH` names: a Hugging Face model directory or a GGUF file.
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
+use crate::gguf::GgufFile;
+use crate::gguf_tokenizer;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
@@ -14,14 +16,17 @@ pub struct LoadedModel {
     pub eos_token_ids: Vec<u32>,
 }
 
-/// Loads a model directory (`config.json`, safetensors, `tokenizer.json`).
+/// Loads a GGUF file, or a model directory (`config.json`, safetensors, `tokenizer.json`).
 pub fn open(path: &Path) -> Result<LoadedModel> {
     if !path.exists() {
         bail!("model path {} does not exist", path.display());
     }
+    if path.is_file() {
+        return open_gguf(path);
+    }
     if !path.is_dir() {
         bail!(
-            "{} is not a model directory: give a folder with config.json, *.safetensors and tokenizer.json",
+            "{} is not a model directory: give a folder with config.json, *.safetensors and tokenizer.json, or a .gguf file",
             path.display()
         );
     }
@@ -35,6 +40,17 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
         model,
         tokenizer,
         eos_token_ids,
+    })
+}
+
+/// Loads a GGUF file: weights, and the tokenizer from its metadata.
+fn open_gguf(path: &Path) -> Result<LoadedModel> {
+    let file = GgufFile::open(path)?;
+    let tokenizer = gguf_tokenizer::from_gguf(&file)?;
+    Ok(LoadedModel {
+        model: file.load_model()?,
+        tokenizer: tokenizer.tokenizer,
+        eos_token_ids: tokenizer.eos_token_ids,
     })
 }
 

@@ -1,4 +1,5 @@
-//! The model's tokenizer (`tokenizer.json` through the `tokenizers` crate) and streaming detokenization.
+//! The model's tokenizer (`tokenizer.json`, or one rebuilt from GGUF metadata, through the
+//! `tokenizers` crate) and streaming detokenization.
 
 use std::path::Path;
 
@@ -24,7 +25,12 @@ impl Tokenizer {
     /// Parses the contents of a `tokenizer.json`.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| anyhow::anyhow!("{e}"))?;
-        Ok(Self { inner })
+        Ok(Self::new(inner))
+    }
+
+    /// Wraps a tokenizer built in code (from a GGUF file's metadata).
+    pub fn new(inner: tokenizers::Tokenizer) -> Self {
+        Self { inner }
     }
 
     /// Token ids of `text`; with `special`, the tokenizer's post-processor adds its special tokens

@@ -1,0 +1,417 @@
+//! Models in llama.cpp's GGUF files (v2/v3): metadata → [`ModelConfig`], GGUF tensor names →
+//! Hugging Face names, and the tensors in Hugging Face's row order, so that the engine builds the
+//! model through the same [`Model::from_hf_tensors`] as for a safetensors directory.
+//!
+//! Weights are dequantized to f32 at load. [`GgufFile::raw_tensor`] keeps the stored block
+//! encoding (rows already in Hugging Face order) for the kernels that compute on it directly.
+
+use std::borrow::Cow;
+use std::fs::File;
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::Device;
+use memmap2::Mmap;
+
+use crate::config::{Activation, Architecture, ModelConfig};
+use crate::model::Model;
+
+/// A GGUF file, memory-mapped, with its parsed header.
+pub struct GgufFile {
+    path: PathBuf,
+    mmap: Mmap,
+    content: Content,
+}
+
+/// A tensor as stored in the file: its GGML type, shape (`[rows, cols]` or `[len]`) and blocks.
+pub struct RawTensor<'a> {
+    pub dtype: GgmlDType,
+    pub shape: Vec<usize>,
+    pub data: Cow<'a, [u8]>,
+}
+
+impl GgufFile {
+    /// Maps `path` and parses its header (metadata and tensor directory).
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        // SAFETY: read-only mapping of a model file that is not expected to change while loaded;
+        // every tensor is copied out of it at load.
+        let mmap = unsafe { Mmap::map(&file) }
+            .with_context(|| format!("cannot map {}", path.display()))?;
+        if !mmap.starts_with(b"GGUF") {
+            bail!(
+                "{} is not a GGUF file (it does not start with the GGUF magic): --model takes a \
+                 .gguf file or a Hugging Face model directory",
+                path.display()
+            );
+        }
+        let content = Content::read(&mut Cursor::new(&mmap[..]))
+            .map_err(|e| anyhow::anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
+        let gguf = Self {
+            path: path.to_path_buf(),
+            mmap,
+            content,
+        };
+        gguf.architecture()?;
+        Ok(gguf)
+    }
+
+    /// The engine's architecture for `general.architecture`.
+    fn architecture(&self) -> Result<Architecture> {
+        match self.required_str("general.architecture")? {
+            // llama.cpp's converter also writes Mistral checkpoints as `llama`.
+            "llama" => Ok(Architecture::Llama),
+            "qwen3" => Ok(Architecture::Qwen3),
+            other => bail!(
+                "{}: architecture {other:?} is not supported (GGUF files of architecture llama \
+                 and qwen3 are)",
+                self.path.display()
+            ),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The model: configuration from the metadata, weights dequantized to f32.
+    pub fn load_model(&self) -> Result<Model> {
+        Model::from_hf_tensors(self.config()?, |name, shape| self.tensor_f32(name, shape))
+    }
+
+    /// The model configuration from the `{architecture}.*` and `tokenizer.ggml.*` metadata.
+    pub fn config(&self) -> Result<ModelConfig> {
+        let arch = self.required_str("general.architecture")?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let num_heads = self.required_usize(&key("attention.head_count"))?;
+        let hidden_size = self.required_usize(&key("embedding_length"))?;
+        let head_dim = match self.usize(&key("attention.key_length"))? {
+            Some(d) => d,
+            None => hidden_size.checked_div(num_heads).unwrap_or(0),
+        };
+        for (k, what) in [
+            ("attention.value_length", "value head size"),
+            ("rope.dimension_count", "rotary dimension (partial rotary is not supported)"),
+        ] {
+            if let Some(d) = self.usize(&key(k))? {
+                if d != head_dim {
+                    bail!(
+                        "{}: {arch}.{k} = {d}: the {what} must equal the head size {head_dim}",
+                        self.path.display()
+                    );
+                }
+            }
+        }
+        if let Some(kind) = self.str(&key("rope.scaling.type"))? {
+            if kind != "none" {
+                bail!(
+                    "{}: rope scaling {kind:?} is not supported",
+                    self.path.display()
+                );
+            }
+        }
+        if self.content.tensor_infos.contains_key("rope_freqs.weight") {
+            bail!(
+                "{}: per-frequency rope factors (rope_freqs.weight, Llama 3.1 style) are not \
+                 supported yet",
+                self.path.display()
+            );
+        }
+        let embd = self.info("token_embd.weight")?;
+        let vocab_size = embd.shape.dims().first().copied().unwrap_or(0);
+        let architecture = self.architecture()?;
+        let config = ModelConfig {
+            architecture,
+            // llama.cpp's llama and qwen3 graphs gate the FFN with SiLU; GGUF has no key for it.
+            activation: Activation::Silu,
+            hidden_size,
+            intermediate_size: self.required_usize(&key("feed_forward_length"))?,
+            num_layers: self.required_usize(&key("block_count"))?,
+            num_heads,
+            num_kv_heads: self
+                .usize(&key("attention.head_count_kv"))?
+                .unwrap_or(num_heads),
+            head_dim,
+            vocab_size,
+            max_position_embeddings: self.usize(&key("context_length"))?.unwrap_or(2048),
+            rms_norm_eps: self
+                .f32(&key("attention.layer_norm_rms_epsilon"))?
+                .with_context(|| self.missing(&key("attention.layer_norm_rms_epsilon")))?,
+            rope_theta: self.f32(&key("rope.freq_base"))?.unwrap_or(10000.0),
+            rope_scaling: None,
+            sliding_window: None,
+            tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
+            qk_norm: architecture == Architecture::Qwen3,
+            bos_token_id: self.u32("tokenizer.ggml.bos_token_id")?,
+            eos_token_ids: self.u32("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
+        };
+        config
+            .validate()
+            .with_context(|| format!("{}: invalid model metadata", self.path.display()))?;
+        Ok(config)
+    }
+
+    /// Hugging Face tensor `name` as f32, after checking it has `shape`.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let raw = self.raw_tensor(name, shape)?;
+        let gguf_name = gguf_name(name).unwrap_or_default();
+        let dequantized = QStorage::from_data(raw.data, &Device::Cpu, raw.dtype)
+            .and_then(|storage| QTensor::new(storage, raw.shape))
+            .and_then(|q| q.dequantize(&Device::Cpu))
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>());
+        dequantized.map_err(|e| {
+            anyhow::anyhow!(
+                "{}: cannot dequantize tensor {gguf_name} ({:?}): {e}",
+                self.path.display(),
+                raw.dtype
+            )
+        })
+    }
+
+    /// Hugging Face tensor `name` in its stored encoding, after checking it has `shape`. Query and
+    /// key rows of `llama` files are put back into Hugging Face's order (see [`unpermute_rope_rows`]).
+    pub fn raw_tensor(&self, name: &str, shape: &[usize]) -> Result<RawTensor<'_>> {
+        let gguf_name = gguf_name(name).with_context(|| {
+            format!(
+                "{}: no GGUF tensor corresponds to {name}",
+                self.path.display()
+            )
+        })?;
+        let info = self.info(&gguf_name)?;
+        if info.shape.dims() != shape {
+            bail!(
+                "{}: tensor {gguf_name} has shape {:?} but the metadata implies {shape:?}",
+                self.path.display(),
+                info.shape.dims()
+            );
+        }
+        let dtype = info.ggml_dtype;
+        let cols = shape.last().copied().unwrap_or(1);
+        if cols % dtype.block_size() != 0 {
+            bail!(
+                "{}: tensor {gguf_name}: rows of {cols} values do not fill whole {dtype:?} blocks",
+                self.path.display()
+            );
+        }
+        let row_bytes = cols / dtype.block_size() * dtype.type_size();
+        let len = shape.iter().product::<usize>() / cols * row_bytes;
+        let start = self.content.tensor_data_offset as usize + info.offset as usize;
+        let data = self.mmap.get(start..start + len).with_context(|| {
+            format!(
+                "{}: tensor {gguf_name} lies past the end of the file (truncated download?)",
+                self.path.display()
+            )
+        })?;
+        let data = match (self.architecture()?, name.rsplit('.').nth(1)) {
+            (Architecture::Llama, Some(proj @ ("q_proj" | "k_proj"))) => {
+                let (q_heads, kv_heads) = self.head_counts()?;
+                let heads = if proj == "q_proj" { q_heads } else { kv_heads };
+                Cow::Owned(unpermute_rope_rows(data, heads, row_bytes))
+            }
+            _ => Cow::Borrowed(data),
+        };
+        Ok(RawTensor {
+            dtype,
+            shape: shape.to_vec(),
+            data,
+        })
+    }
+
+    /// Query and key/value head counts, which the row order of `attn_q` and `attn_k` depends on.
+    fn head_counts(&self) -> Result<(usize, usize)> {
+        let arch = self.required_str("general.architecture")?;
+        let q = self.required_usize(&format!("{arch}.attention.head_count"))?;
+        let kv = self
+            .usize(&format!("{arch}.attention.head_count_kv"))?
+            .unwrap_or(q);
+        Ok((q, kv))
+    }
+
+    fn info(&self, gguf_name: &str) -> Result<&candle_core::quantized::gguf_file::TensorInfo> {
+        self.content
+            .tensor_infos
+            .get(gguf_name)
+            .with_context(|| format!("{}: missing tensor {gguf_name}", self.path.display()))
+    }
+
+    fn value(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    fn missing(&self, key: &str) -> String {
+        format!("{}: missing metadata {key}", self.path.display())
+    }
+
+    fn wrong_type(&self, key: &str, v: &Value, expected: &str) -> anyhow::Error {
+        anyhow::anyhow!(
+            "{}: metadata {key} is {:?}, expected {expected}",
+            self.path.display(),
+            v.value_type()
+        )
+    }
+
+    /// An unsigned integer of any GGUF integer type.
+    pub fn usize(&self, key: &str) -> Result<Option<usize>> {
+        let Some(v) = self.value(key) else {
+            return Ok(None);
+        };
+        let n = match *v {
+            Value::U8(n) => Some(n as u64),
+            Value::U16(n) => Some(n as u64),
+            Value::U32(n) => Some(n as u64),
+            Value::U64(n) => Some(n),
+            Value::I8(n) => u64::try_from(n).ok(),
+            Value::I16(n) => u64::try_from(n).ok(),
+            Value::I32(n) => u64::try_from(n).ok(),
+            Value::I64(n) => u64::try_from(n).ok(),
+            _ => None,
+        };
+        n.and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| self.wrong_type(key, v, "a non-negative integer"))
+    }
+
+    pub fn u32(&self, key: &str) -> Result<Option<u32>> {
+        match self.usize(key)? {
+            None => Ok(None),
+            Some(n) => u32::try_from(n)
+                .map(Some)
+                .map_err(|_| anyhow::anyhow!("{}: {key} = {n} is too large", self.path.display())),
+        }
+    }
+
+    fn required_usize(&self, key: &str) -> Result<usize> {
+        self.usize(key)?.with_context(|| self.missing(key))
+    }
+
+    pub fn f32(&self, key: &str) -> Result<Option<f32>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::F32(x)) => Ok(Some(*x)),
+            Some(Value::F64(x)) => Ok(Some(*x as f32)),
+            Some(v) => Err(self.wrong_type(key, v, "a float")),
+        }
+    }
+
+    pub fn bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.wrong_type(key, v, "a bool")),
+        }
+    }
+
+    pub fn str(&self, key: &str) -> Result<Option<&str>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(self.wrong_type(key, v, "a string")),
+        }
+    }
+
+    fn required_str(&self, key: &str) -> Result<&str> {
+        self.str(key)?.with_context(|| self.missing(key))
+    }
+
+    /// An array value; `None` when the key is absent.
+    pub fn array(&self, key: &str) -> Result<Option<&[Value]>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => Ok(Some(a)),
+            Some(v) => Err(self.wrong_type(key, v, "an array")),
+        }
+    }
+}
+
+/// The GGUF name of a Hugging Face tensor name (llama.cpp's naming for llama and qwen3).
+pub fn gguf_name(hf_name: &str) -> Option<String> {
+    let fixed = match hf_name {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(name) = fixed {
+        return Some(name.to_string());
+    }
+    let (layer, part) = hf_name.strip_prefix("model.layers.")?.split_once('.')?;
+    let part = match part.strip_suffix(".weight")? {
+        "input_layernorm" => "attn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    let layer: usize = layer.parse().ok()?;
+    Some(format!("blk.{layer}.{part}.weight"))
+}
+
+/// llama.cpp's converter reorders each head's query/key rows from Hugging Face's rope layout
+/// (rotate-half: first half of the head, then second half) to interleaved pairs (row `2i + j` holds
+/// Hugging Face row `j * head_dim/2 + i`). This puts `data` (rows of `row_bytes`, in any block
+/// encoding, since blocks never span rows) back into Hugging Face order.
+pub fn unpermute_rope_rows(data: &[u8], heads: usize, row_bytes: usize) -> Vec<u8> {
+    let head_dim = data.len() / row_bytes / heads;
+    let half = head_dim / 2;
+    let mut out = vec![0u8; data.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for j in 0..2 {
+                let src = h * head_dim + 2 * i + j;
+                let dst = h * head_dim + j * half + i;
+                out[dst * row_bytes..(dst + 1) * row_bytes]
+                    .copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_map_to_llama_cpp() {
+        assert_eq!(
+            gguf_name("model.layers.12.self_attn.o_proj.weight").as_deref(),
+            Some("blk.12.attn_output.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.self_attn.k_norm.weight").as_deref(),
+            Some("blk.0.attn_k_norm.weight")
+        );
+        assert_eq!(gguf_name("lm_head.weight").as_deref(), Some("output.weight"));
+        assert_eq!(gguf_name("model.layers.x.mlp.up_proj.weight"), None);
+        assert_eq!(gguf_name("model.layers.0.mlp.experts.weight"), None);
+    }
+
+    #[test]
+    fn unpermute_inverts_the_converters_permutation() {
+        // Two heads of head_dim 4, one byte per row: Hugging Face rows 0..8.
+        let (heads, head_dim) = (2, 4);
+        let hf: Vec<u8> = (0..8).collect();
+        // The converter's permute: view rows as (head, half, i) and swap the last two axes.
+        let mut gguf = vec![0u8; 8];
+        for h in 0..heads {
+            for j in 0..2 {
+                for i in 0..head_dim / 2 {
+                    gguf[h * head_dim + 2 * i + j] = hf[h * head_dim + j * head_dim / 2 + i];
+                }
+            }
+        }
+        assert_eq!(gguf, [0, 2, 1, 3, 4, 6, 5, 7]);
+        assert_eq!(unpermute_rope_rows(&gguf, heads, 1), hf);
+    }
+}
