@@ -1,1 +1,18 @@
+//! The LeanStream neuron-bundle file format: types, reader, writer and validation. `FORMAT.md` is
+//! the normative description; this crate is the only code that reads or writes the file.
 
+mod codec;
+pub mod container;
+pub mod dense;
+pub mod error;
+pub mod ffn;
+pub mod file;
+pub mod meta;
+pub mod model_config;
+pub mod predictor;
+pub mod quant;
+pub mod refine;
+pub mod sketch;
+
+pub use error::FormatError;
+pub use file::{verify, LsbFile};

@@ -1,1 +1,191 @@
-fn main(){}
+//! `leanstream-prep`: the workstation tool that converts a Hugging Face model into one checksummed
+//! LeanStream file.
+
+mod calib;
+mod convert;
+mod hub;
+mod inspect;
+mod placement;
+mod profile;
+mod sparsity;
+mod tensors;
+mod train;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use leanstream_format::quant::QuantType;
+
+#[derive(Parser)]
+#[command(
+    name = "leanstream-prep",
+    version,
+    about = "Convert Hugging Face models into LeanStream files"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Profile, sparsify, cluster, train predictors and write one file.
+    Convert {
+        /// A model directory, or a Hugging Face hub id (owner/name).
+        model: String,
+        /// Output file.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Weight encoding: f32, f16, bf16, q8 or q4.
+        #[arg(long, default_value = "q8")]
+        quant: QuantType,
+        /// auto, relu, or threshold:F (skip fraction F of the neurons per layer).
+        #[arg(long, default_value = "auto")]
+        sparsity: String,
+        /// Calibration text (default: the public-domain text shipped with LeanStream).
+        #[arg(long)]
+        calib: Option<PathBuf>,
+        /// Calibration tokens to profile.
+        #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u64).range(128..))]
+        calib_tokens: u64,
+        /// Rank of the predictors (default: hidden/8, between 16 and 128).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        predictor_rank: Option<u64>,
+        /// Training epochs of the predictors.
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+        epochs: u64,
+        /// Target size of a neuron cluster (one read), in KiB.
+        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(4..=4096))]
+        cluster_kib: u32,
+        /// Print the summary as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Describe a converted file: sizes, sparsity, predictor quality.
+    Inspect {
+        file: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every checksum of a converted file.
+    Verify { file: PathBuf },
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse().command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(command: Command) -> Result<()> {
+    match command {
+        Command::Convert {
+            model,
+            output,
+            quant,
+            sparsity,
+            calib,
+            calib_tokens,
+            predictor_rank,
+            epochs,
+            cluster_kib,
+            json,
+        } => {
+            let model_dir = convert::resolve_model(&model)?;
+            let opts = convert::ConvertOptions {
+                model_dir,
+                source_name: model,
+                output,
+                quant,
+                sparsity,
+                calib,
+                calib_tokens: calib_tokens as usize,
+                predictor_rank: predictor_rank.map(|r| r as usize),
+                epochs: epochs as usize,
+                cluster_kib,
+                progress: !json,
+            };
+            let summary = convert::convert(&opts)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&summary)?);
+            } else {
+                print_summary(&summary);
+            }
+        }
+        Command::Inspect { file, json } => {
+            let f = leanstream_format::LsbFile::open(&file)?;
+            let v = inspect::describe(&f);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                inspect::print(&v);
+            }
+        }
+        Command::Verify { file } => {
+            let bytes =
+                leanstream_format::verify(&file, |_, _| {}).context("verification failed")?;
+            println!(
+                "{}: OK ({bytes} bytes, every checksum matches)",
+                file.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn print_summary(s: &convert::Summary) {
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    println!(
+        "wrote {} ({:.1} MiB: dense {:.1} MiB, FFN bundles {:.1} MiB, {})",
+        s.output.display(),
+        mib(s.file_bytes),
+        mib(s.dense_bytes),
+        mib(s.ffn_bytes),
+        s.quant
+    );
+    println!(
+        "calibration: {} tokens ({} held out); sparsity {}",
+        s.calib_tokens, s.heldout_tokens, s.sparsity_mode
+    );
+    println!("layer  sparsity  own recall/prec  look-ahead recall/prec  static recall  cluster fill (unordered)");
+    for (i, l) in s.layers.iter().enumerate() {
+        println!(
+            "{i:>5}  {:>8.3}  {:>6.3}/{:<6.3}    {:>6.3}/{:<6.3}           {:>6.3}         {:.3} ({:.3})",
+            l.sparsity,
+            l.predictor_recall,
+            l.predictor_precision,
+            l.lookahead_recall,
+            l.lookahead_precision,
+            l.static_recall,
+            l.cluster_fill,
+            l.cluster_fill_unordered
+        );
+    }
+    let q = &s.quality;
+    println!(
+        "held-out perplexity: dense {:.3}, sparse {:.3} ({:+.2} %); KL {:.4} nats; top-1 agreement {:.3}",
+        q.dense_perplexity,
+        q.sparse_perplexity,
+        100.0 * (q.sparse_perplexity / q.dense_perplexity - 1.0),
+        q.kl,
+        q.top1_agreement
+    );
+    let p = &s.seconds;
+    println!(
+        "time: load {:.1}s, dense {:.1}s, profile {:.1}s, place {:.1}s, train {:.1}s, bundles {:.1}s, finish {:.1}s; peak RSS {:.0} MiB",
+        p.load,
+        p.dense,
+        p.profile,
+        p.place,
+        p.train,
+        p.bundles,
+        p.finish,
+        mib(s.peak_rss_bytes.unwrap_or(0))
+    );
+}

@@ -1,70 +1,14 @@
-//! Model configuration: parsed from a Hugging Face `config.json` into one validated struct that the
-//! engine, prep and the file format share.
+//! Model configuration from a Hugging Face `config.json`. The struct itself belongs to the file
+//! format (a converted file carries it), so it is defined in `leanstream-format`.
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-/// Model families the engine implements. They share the Llama block; Qwen3 adds per-head q/k norms
-/// and Mistral a sliding attention window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Architecture {
-    Llama,
-    Qwen3,
-    Mistral,
-}
-
-/// FFN activation applied to the gate projection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Activation {
-    Silu,
-    Relu,
-}
-
-impl Activation {
-    #[inline]
-    pub fn apply(self, x: f32) -> f32 {
-        match self {
-            Activation::Silu => x / (1.0 + (-x).exp()),
-            Activation::Relu => x.max(0.0),
-        }
-    }
-}
-
-/// Llama-3 style rope frequency scaling (`rope_type: "llama3"`).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Llama3RopeScaling {
-    pub factor: f32,
-    pub low_freq_factor: f32,
-    pub high_freq_factor: f32,
-    pub original_max_position_embeddings: usize,
-}
-
-/// Everything the forward pass needs to know about a model's shape.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelConfig {
-    pub architecture: Architecture,
-    pub activation: Activation,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_layers: usize,
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab_size: usize,
-    pub max_position_embeddings: usize,
-    pub rms_norm_eps: f32,
-    pub rope_theta: f32,
-    pub rope_scaling: Option<Llama3RopeScaling>,
-    /// Attend only to this many most recent positions (Mistral); `None` = full causal attention.
-    pub sliding_window: Option<usize>,
-    pub tie_word_embeddings: bool,
-    /// Per-head RMSNorm on queries and keys before rope (Qwen3).
-    pub qk_norm: bool,
-    pub bos_token_id: Option<u32>,
-    pub eos_token_ids: Vec<u32>,
-}
+pub use leanstream_format::model_config::{
+    Activation, Architecture, Llama3RopeScaling, ModelConfig,
+};
 
 /// `eos_token_id` is an integer, a list, or null in the wild.
 #[derive(Debug, Deserialize)]
@@ -122,142 +66,101 @@ struct HfConfig {
     eos_token_id: Option<TokenIds>,
 }
 
-impl ModelConfig {
-    /// Reads and validates `config.json` in a model directory.
-    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).with_context(|| {
-            format!(
-                "cannot read {}: a model directory needs the Hugging Face config.json",
-                path.display()
-            )
-        })?;
-        Self::from_hf_json(&text)
-            .with_context(|| format!("invalid model config {}", path.display()))
-    }
+/// Reads and validates `config.json` in a model directory.
+pub fn from_hf_dir(dir: &Path) -> Result<ModelConfig> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "cannot read {}: a model directory needs the Hugging Face config.json",
+            path.display()
+        )
+    })?;
+    from_hf_json(&text).with_context(|| format!("invalid model config {}", path.display()))
+}
 
-    /// Parses the text of a Hugging Face `config.json`.
-    pub fn from_hf_json(text: &str) -> Result<Self> {
-        let hf: HfConfig = serde_json::from_str(text).context("config.json is not valid")?;
-        let arch_name = hf
-            .architectures
-            .as_ref()
-            .and_then(|a| a.first().cloned())
-            .or_else(|| hf.model_type.clone())
-            .unwrap_or_default();
-        let architecture = match arch_name.as_str() {
-            "LlamaForCausalLM" | "llama" => Architecture::Llama,
-            "Qwen3ForCausalLM" | "qwen3" => Architecture::Qwen3,
-            "MistralForCausalLM" | "mistral" => Architecture::Mistral,
-            other => bail!(
-                "unsupported architecture {other:?}: LeanStream supports LlamaForCausalLM, \
+/// Parses the text of a Hugging Face `config.json`.
+pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
+    let hf: HfConfig = serde_json::from_str(text).context("config.json is not valid")?;
+    let arch_name = hf
+        .architectures
+        .as_ref()
+        .and_then(|a| a.first().cloned())
+        .or_else(|| hf.model_type.clone())
+        .unwrap_or_default();
+    let architecture = match arch_name.as_str() {
+        "LlamaForCausalLM" | "llama" => Architecture::Llama,
+        "Qwen3ForCausalLM" | "qwen3" => Architecture::Qwen3,
+        "MistralForCausalLM" | "mistral" => Architecture::Mistral,
+        other => bail!(
+            "unsupported architecture {other:?}: LeanStream supports LlamaForCausalLM, \
                  Qwen3ForCausalLM and MistralForCausalLM"
-            ),
-        };
-        let activation = match hf.hidden_act.as_deref().unwrap_or("silu") {
-            "silu" | "swish" => Activation::Silu,
-            "relu" => Activation::Relu,
-            other => bail!("unsupported hidden_act {other:?}: supported are \"silu\" and \"relu\""),
-        };
-        if hf.attention_bias == Some(true) || hf.mlp_bias == Some(true) {
-            bail!("attention_bias / mlp_bias = true is not supported");
-        }
-        let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
-        let head_dim = hf
-            .head_dim
-            .or_else(|| hf.hidden_size.checked_div(hf.num_attention_heads))
-            .unwrap_or(0);
-        let rope_params = hf.rope_parameters.as_ref();
-        let rope_theta = hf
-            .rope_theta
-            .or_else(|| rope_params.and_then(|p| p.rope_theta))
-            .unwrap_or(10000.0);
-        let scaling = hf.rope_scaling.as_ref().or(rope_params);
-        let rope_scaling = match scaling.and_then(|s| s.rope_type.as_deref().or(s.kind.as_deref()))
-        {
-            None | Some("default") => None,
-            Some("llama3") => {
-                let s = scaling.expect("checked above");
-                let missing = |f: &str| anyhow::anyhow!("rope_scaling of type llama3 lacks {f}");
-                Some(Llama3RopeScaling {
-                    factor: s.factor.ok_or_else(|| missing("factor"))?,
-                    low_freq_factor: s
-                        .low_freq_factor
-                        .ok_or_else(|| missing("low_freq_factor"))?,
-                    high_freq_factor: s
-                        .high_freq_factor
-                        .ok_or_else(|| missing("high_freq_factor"))?,
-                    original_max_position_embeddings: s
-                        .original_max_position_embeddings
-                        .ok_or_else(|| missing("original_max_position_embeddings"))?,
-                })
-            }
-            Some(other) => bail!("unsupported rope scaling type {other:?} (supported: llama3)"),
-        };
-        let sliding_window = match architecture {
-            Architecture::Qwen3 if hf.use_sliding_window != Some(true) => None,
-            _ => hf.sliding_window,
-        };
-        let config = ModelConfig {
-            architecture,
-            activation,
-            hidden_size: hf.hidden_size,
-            intermediate_size: hf.intermediate_size,
-            num_layers: hf.num_hidden_layers,
-            num_heads: hf.num_attention_heads,
-            num_kv_heads,
-            head_dim,
-            vocab_size: hf.vocab_size,
-            max_position_embeddings: hf.max_position_embeddings.unwrap_or(2048),
-            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
-            rope_theta,
-            rope_scaling,
-            sliding_window,
-            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
-            qk_norm: architecture == Architecture::Qwen3,
-            bos_token_id: hf.bos_token_id.and_then(|b| b.into_vec().first().copied()),
-            eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
-        };
-        config.validate()?;
-        Ok(config)
+        ),
+    };
+    let activation = match hf.hidden_act.as_deref().unwrap_or("silu") {
+        "silu" | "swish" => Activation::Silu,
+        "relu" => Activation::Relu,
+        other => bail!("unsupported hidden_act {other:?}: supported are \"silu\" and \"relu\""),
+    };
+    if hf.attention_bias == Some(true) || hf.mlp_bias == Some(true) {
+        bail!("attention_bias / mlp_bias = true is not supported");
     }
-
-    /// Checks the shape invariants the forward pass relies on, whatever file the config came from.
-    pub fn validate(&self) -> Result<()> {
-        if self.num_heads == 0
-            || self.num_kv_heads == 0
-            || self.num_heads % self.num_kv_heads != 0
-        {
-            bail!(
-                "the number of attention heads ({}) must be a positive multiple of the number of \
-                 key/value heads ({})",
-                self.num_heads,
-                self.num_kv_heads
-            );
+    let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
+    let head_dim = hf
+        .head_dim
+        .or_else(|| hf.hidden_size.checked_div(hf.num_attention_heads))
+        .unwrap_or(0);
+    let rope_params = hf.rope_parameters.as_ref();
+    let rope_theta = hf
+        .rope_theta
+        .or_else(|| rope_params.and_then(|p| p.rope_theta))
+        .unwrap_or(10000.0);
+    let scaling = hf.rope_scaling.as_ref().or(rope_params);
+    let rope_scaling = match scaling.and_then(|s| s.rope_type.as_deref().or(s.kind.as_deref())) {
+        None | Some("default") => None,
+        Some("llama3") => {
+            let s = scaling.expect("checked above");
+            let missing = |f: &str| anyhow::anyhow!("rope_scaling of type llama3 lacks {f}");
+            Some(Llama3RopeScaling {
+                factor: s.factor.ok_or_else(|| missing("factor"))?,
+                low_freq_factor: s
+                    .low_freq_factor
+                    .ok_or_else(|| missing("low_freq_factor"))?,
+                high_freq_factor: s
+                    .high_freq_factor
+                    .ok_or_else(|| missing("high_freq_factor"))?,
+                original_max_position_embeddings: s
+                    .original_max_position_embeddings
+                    .ok_or_else(|| missing("original_max_position_embeddings"))?,
+            })
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
-            bail!(
-                "head_dim ({}) must be even and positive for rotary embeddings",
-                self.head_dim
-            );
-        }
-        for (name, v) in [
-            ("hidden size", self.hidden_size),
-            ("intermediate (FFN) size", self.intermediate_size),
-            ("number of layers", self.num_layers),
-            ("vocabulary size", self.vocab_size),
-        ] {
-            if v == 0 {
-                bail!("the {name} must be positive");
-            }
-        }
-        Ok(())
-    }
-
-    /// Query heads that share one key/value head.
-    pub fn gqa_group(&self) -> usize {
-        self.num_heads / self.num_kv_heads
-    }
+        Some(other) => bail!("unsupported rope scaling type {other:?} (supported: llama3)"),
+    };
+    let sliding_window = match architecture {
+        Architecture::Qwen3 if hf.use_sliding_window != Some(true) => None,
+        _ => hf.sliding_window,
+    };
+    let config = ModelConfig {
+        architecture,
+        activation,
+        hidden_size: hf.hidden_size,
+        intermediate_size: hf.intermediate_size,
+        num_layers: hf.num_hidden_layers,
+        num_heads: hf.num_attention_heads,
+        num_kv_heads,
+        head_dim,
+        vocab_size: hf.vocab_size,
+        max_position_embeddings: hf.max_position_embeddings.unwrap_or(2048),
+        rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
+        rope_theta,
+        rope_scaling,
+        sliding_window,
+        tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+        qk_norm: architecture == Architecture::Qwen3,
+        bos_token_id: hf.bos_token_id.and_then(|b| b.into_vec().first().copied()),
+        eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
+    };
+    config.validate()?;
+    Ok(config)
 }
 
 #[cfg(test)]
@@ -275,7 +178,7 @@ mod tests {
 
     #[test]
     fn parses_llama_with_rope_parameters() {
-        let c = ModelConfig::from_hf_json(&base().to_string()).unwrap();
+        let c = from_hf_json(&base().to_string()).unwrap();
         assert_eq!(c.architecture, Architecture::Llama);
         assert_eq!(c.activation, Activation::Relu);
         assert_eq!(c.head_dim, 64);
@@ -289,7 +192,7 @@ mod tests {
         let mut v = base();
         v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
-        let c = ModelConfig::from_hf_json(&v.to_string()).unwrap();
+        let c = from_hf_json(&v.to_string()).unwrap();
         assert_eq!(c.rope_scaling.unwrap().factor, 8.0);
     }
 
@@ -297,9 +200,7 @@ mod tests {
     fn rejects_unknown_architecture_by_name() {
         let mut v = base();
         v["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
-        let err = ModelConfig::from_hf_json(&v.to_string())
-            .unwrap_err()
-            .to_string();
+        let err = from_hf_json(&v.to_string()).unwrap_err().to_string();
         assert!(err.contains("GPT2LMHeadModel"), "{err}");
     }
 
@@ -307,6 +208,6 @@ mod tests {
     fn rejects_bad_head_grouping() {
         let mut v = base();
         v["num_key_value_heads"] = serde_json::json!(3);
-        assert!(ModelConfig::from_hf_json(&v.to_string()).is_err());
+        assert!(from_hf_json(&v.to_string()).is_err());
     }
 }

@@ -50,13 +50,11 @@ impl GgufFile {
         }
         let content = Content::read(&mut Cursor::new(&mmap[..]))
             .map_err(|e| anyhow::anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
-        let gguf = Self {
+        Ok(Self {
             path: path.to_path_buf(),
             mmap,
             content,
-        };
-        gguf.architecture()?;
-        Ok(gguf)
+        })
     }
 
     /// The engine's architecture for `general.architecture`.
@@ -94,7 +92,10 @@ impl GgufFile {
         };
         for (k, what) in [
             ("attention.value_length", "value head size"),
-            ("rope.dimension_count", "rotary dimension (partial rotary is not supported)"),
+            (
+                "rope.dimension_count",
+                "rotary dimension (partial rotary is not supported)",
+            ),
         ] {
             if let Some(d) = self.usize(&key(k))? {
                 if d != head_dim {
@@ -146,7 +147,10 @@ impl GgufFile {
             tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             qk_norm: architecture == Architecture::Qwen3,
             bos_token_id: self.u32("tokenizer.ggml.bos_token_id")?,
-            eos_token_ids: self.u32("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
+            eos_token_ids: self
+                .u32("tokenizer.ggml.eos_token_id")?
+                .into_iter()
+                .collect(),
         };
         config
             .validate()
@@ -392,7 +396,10 @@ mod tests {
             gguf_name("model.layers.0.self_attn.k_norm.weight").as_deref(),
             Some("blk.0.attn_k_norm.weight")
         );
-        assert_eq!(gguf_name("lm_head.weight").as_deref(), Some("output.weight"));
+        assert_eq!(
+            gguf_name("lm_head.weight").as_deref(),
+            Some("output.weight")
+        );
         assert_eq!(gguf_name("model.layers.x.mlp.up_proj.weight"), None);
         assert_eq!(gguf_name("model.layers.0.mlp.experts.weight"), None);
     }

@@ -56,7 +56,7 @@ pub fn from_gguf(file: &GgufFile) -> Result<GgufTokenizer> {
         .str("tokenizer.ggml.model")?
         .with_context(|| format!("{path}: missing metadata tokenizer.ggml.model"))?;
     let (mut inner, default_add_bos) = match model {
-        "gpt2" => (byte_level_bpe(file, &tokens)?, false),
+        "gpt2" => byte_level_bpe(file, &tokens)?,
         "llama" => (sentencepiece_bpe(file, &tokens)?, true),
         other => bail!(
             "{path}: tokenizer model {other:?} is not supported (gpt2 byte-level BPE and llama \
@@ -150,30 +150,46 @@ pub fn from_gguf(file: &GgufFile) -> Result<GgufTokenizer> {
     })
 }
 
-/// llama.cpp's pre-tokenizer regexes for a `tokenizer.ggml.pre` type, applied one after the other
-/// (each splits the pieces of the previous one), and whether a piece that is itself a token skips
-/// the merges (`ignore_merges`).
-fn pre_tokenizer_regexes(pre: &str) -> Option<(&'static [&'static str], bool)> {
+/// How llama.cpp pre-tokenizes for one `tokenizer.ggml.pre` type.
+struct PreTokenizer {
+    /// Regexes applied one after the other, each splitting the pieces of the previous one.
+    regexes: &'static [&'static str],
+    /// A piece that is itself a token skips the merges.
+    ignore_merges: bool,
+    /// Whether a BOS token is added when the file does not say (`tokenizer.ggml.add_bos_token`).
+    add_bos: bool,
+}
+
+fn pre_tokenizer(pre: &str) -> Option<PreTokenizer> {
     const GPT2: &str =
         r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
     const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    let plain = |regexes| PreTokenizer {
+        regexes,
+        ignore_merges: false,
+        add_bos: false,
+    };
     Some(match pre {
-        "llama-bpe" | "llama3" | "llama-v3" => (&[LLAMA3], true),
-        "dbrx" | "smaug-bpe" => (&[LLAMA3], false),
-        "qwen2" | "deepseek-r1-qwen" | "stablelm2" => (&[QWEN2], false),
+        "llama-bpe" | "llama3" | "llama-v3" => PreTokenizer {
+            regexes: &[LLAMA3],
+            ignore_merges: true,
+            add_bos: true,
+        },
+        "dbrx" | "smaug-bpe" => plain(&[LLAMA3]),
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" => plain(&[QWEN2]),
         // Single digits first, then GPT-2's split.
-        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" => (&[r"\p{N}", GPT2], false),
-        "gpt-2" | "gpt2" | "mpt" | "olmo" | "phi-2" => (&[GPT2], false),
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" => plain(&[r"\p{N}", GPT2]),
+        "gpt-2" | "gpt2" | "mpt" | "olmo" | "phi-2" => plain(&[GPT2]),
         _ => return None,
     })
 }
 
-/// Byte-level BPE (`tokenizer.ggml.model = gpt2`).
-fn byte_level_bpe(file: &GgufFile, tokens: &[String]) -> Result<tokenizers::Tokenizer> {
+/// Byte-level BPE (`tokenizer.ggml.model = gpt2`), and whether it adds a BOS token by default.
+fn byte_level_bpe(file: &GgufFile, tokens: &[String]) -> Result<(tokenizers::Tokenizer, bool)> {
     let path = file.path().display();
     let pre = file.str("tokenizer.ggml.pre")?.unwrap_or("");
-    let (regexes, ignore_merges) = pre_tokenizer_regexes(pre).with_context(|| {
+    let pre = pre_tokenizer(pre).with_context(|| {
         format!(
             "{path}: BPE pre-tokenizer type {pre:?} (tokenizer.ggml.pre) is not supported; \
              supported are llama-bpe, qwen2, smollm, gpt-2 and their llama.cpp aliases"
@@ -193,11 +209,11 @@ fn byte_level_bpe(file: &GgufFile, tokens: &[String]) -> Result<tokenizers::Toke
         .collect::<Result<Vec<_>>>()?;
     let bpe = BPE::builder()
         .vocab_and_merges(vocab(tokens), merges)
-        .ignore_merges(ignore_merges)
+        .ignore_merges(pre.ignore_merges)
         .build()
         .map_err(|e| anyhow::anyhow!("{path}: invalid BPE vocabulary or merges: {e}"))?;
     let mut steps: Vec<PreTokenizerWrapper> = Vec::new();
-    for regex in regexes {
+    for regex in pre.regexes {
         let split = Split::new(
             SplitPattern::Regex(regex.to_string()),
             SplitDelimiterBehavior::Isolated,
@@ -210,7 +226,7 @@ fn byte_level_bpe(file: &GgufFile, tokens: &[String]) -> Result<tokenizers::Toke
     let mut tokenizer = tokenizers::Tokenizer::new(bpe);
     tokenizer.with_pre_tokenizer(Some(PreTokenizerSequence::new(steps)));
     tokenizer.with_decoder(Some(ByteLevel::new(false, false, false)));
-    Ok(tokenizer)
+    Ok((tokenizer, pre.add_bos))
 }
 
 /// SentencePiece BPE (`tokenizer.ggml.model = llama`). llama.cpp merges the adjacent pair whose
@@ -251,9 +267,9 @@ fn sentencepiece_bpe(file: &GgufFile, tokens: &[String]) -> Result<tokenizers::T
         .byte_fallback(true)
         .fuse_unk(true);
     if let Some(unk) = file.u32("tokenizer.ggml.unknown_token_id")? {
-        let unk = tokens
-            .get(unk as usize)
-            .with_context(|| format!("{path}: the unknown token {unk} is outside the vocabulary"))?;
+        let unk = tokens.get(unk as usize).with_context(|| {
+            format!("{path}: the unknown token {unk} is outside the vocabulary")
+        })?;
         builder = builder.unk_token(unk.clone());
     }
     let bpe = builder

@@ -44,8 +44,10 @@ pub struct FfnProbe<'a> {
     pub layer: usize,
     /// The normalised FFN input (`t × hidden`).
     pub ffn_input: &'a [f32],
-    /// Gate pre-activations `gate · x` (`t × intermediate`).
-    pub gate: &'a [f32],
+    /// Gate pre-activations `gate · x` (`t × intermediate`). A probe may zero entries to drop
+    /// those neurons (act(0) = 0 for every supported activation): prep measures sparsity's
+    /// quality cost that way.
+    pub gate: &'a mut [f32],
 }
 
 /// Per-call scratch space for a chunk of `t` tokens.
@@ -79,7 +81,7 @@ impl Scratch {
 impl Model {
     /// Loads a Hugging Face model directory (`config.json` + safetensors).
     pub fn load(dir: &Path) -> Result<Self> {
-        let config = ModelConfig::from_hf_dir(dir)?;
+        let config = crate::config::from_hf_dir(dir)?;
         let tensors = SafetensorsDir::open(dir)?;
         Self::from_hf_tensors(config, |name, shape| tensors.tensor_f32(name, shape))
     }
@@ -383,7 +385,7 @@ impl Model {
             probe(FfnProbe {
                 layer: l,
                 ffn_input: &s.xn,
-                gate: &s.gate,
+                gate: &mut s.gate,
             });
         }
         let act = c.activation;

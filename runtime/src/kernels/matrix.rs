@@ -7,6 +7,8 @@
 
 use rayon::prelude::*;
 
+use super::PARALLEL_MIN_WEIGHTS;
+
 /// A row-major matrix of `rows × cols` f32 (a Hugging Face linear weight is `[out, in]`).
 #[derive(Debug, Clone)]
 pub struct Matrix {
@@ -90,8 +92,6 @@ fn has_avx2_fma() -> bool {
     *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
 }
 
-/// Below this many weights a mat-vec runs on the calling thread: splitting costs more than it saves.
-const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
 const ROWS_PER_TASK: usize = 32;
 
 /// `out[r] = W[r,:] · x` for every row of `w`.
@@ -121,15 +121,32 @@ pub fn matmul_t(w: &Matrix, x: &[f32], t: usize, out: &mut [f32]) {
     if t == 1 {
         return matvec(w, x, out);
     }
+    gemm_t(&w.data, w.rows, w.cols, x, t, out, w.rows);
+}
+
+/// `out[i·out_stride + r] = X[i,:] · W[r,:]` for a row-major `rows × cols` weight `w` and `t` input
+/// vectors, through `gemm` (which reads `W` transposed through its strides).
+pub(super) fn gemm_t(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    assert_eq!(w.len(), rows * cols);
+    assert_eq!(x.len(), t * cols);
+    assert!(t > 0 && out_stride >= rows && out.len() >= (t - 1) * out_stride + rows);
     let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 && t * w.rows * w.cols >= PARALLEL_MIN_WEIGHTS {
+    let parallelism = if threads > 1 && t * rows * cols >= PARALLEL_MIN_WEIGHTS {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
     };
-    let (m, n, k) = (t, w.rows, w.cols);
-    // SAFETY: the pointers cover m×k (lhs), k×n (rhs, Wᵀ read through strides) and m×n (dst) f32
-    // elements, as asserted above; dst does not alias the inputs.
+    let (m, n, k) = (t, rows, cols);
+    // SAFETY: the pointers cover m×k (lhs), k×n (rhs, Wᵀ read through strides) and m rows of n
+    // f32 at stride out_stride (dst), as asserted above; dst does not alias the inputs.
     unsafe {
         gemm::gemm(
             m,
@@ -137,12 +154,12 @@ pub fn matmul_t(w: &Matrix, x: &[f32], t: usize, out: &mut [f32]) {
             k,
             out.as_mut_ptr(),
             1,
-            n as isize,
+            out_stride as isize,
             false,
             x.as_ptr(),
             1,
             k as isize,
-            w.data.as_ptr(),
+            w.as_ptr(),
             k as isize,
             1,
             0.0,

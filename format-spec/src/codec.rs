@@ -1,0 +1,143 @@
+//! Little-endian encoding of the binary index sections, with bounds-checked decoding so that a
+//! damaged section is an error, never a panic.
+
+use crate::FormatError;
+
+/// Appends little-endian values to a byte buffer.
+#[derive(Default)]
+pub struct Enc {
+    pub buf: Vec<u8>,
+}
+
+impl Enc {
+    pub fn u16(&mut self, v: u16) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn u32(&mut self, v: u32) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn u64(&mut self, v: u64) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn f32(&mut self, v: f32) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn u32s(&mut self, v: &[u32]) {
+        v.iter().for_each(|x| self.u32(*x));
+    }
+    pub fn f32s(&mut self, v: &[f32]) {
+        v.iter().for_each(|x| self.f32(*x));
+    }
+    /// f32 values stored as IEEE half precision.
+    pub fn f16s(&mut self, v: &[f32]) {
+        v.iter()
+            .for_each(|x| self.u16(half::f16::from_f32(*x).to_bits()));
+    }
+    pub fn bytes(&mut self, v: &[u8]) {
+        self.buf.extend_from_slice(v);
+    }
+    pub fn str(&mut self, s: &str) {
+        self.u16(s.len() as u16);
+        self.bytes(s.as_bytes());
+    }
+}
+
+/// Reads little-endian values from a section, naming the section in its errors.
+pub struct Dec<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    what: &'static str,
+}
+
+impl<'a> Dec<'a> {
+    pub fn new(buf: &'a [u8], what: &'static str) -> Self {
+        Self { buf, pos: 0, what }
+    }
+
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8], FormatError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|e| *e <= self.buf.len())
+            .ok_or_else(|| {
+                FormatError::invalid(format!(
+                    "{} section is truncated at byte {}",
+                    self.what, self.pos
+                ))
+            })?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    pub fn u16(&mut self) -> Result<u16, FormatError> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    pub fn u32(&mut self) -> Result<u32, FormatError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    pub fn u64(&mut self) -> Result<u64, FormatError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    pub fn f32(&mut self) -> Result<f32, FormatError> {
+        Ok(f32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    /// A count that must fit in what is left of the section (`min_bytes` per item), so a damaged
+    /// count cannot trigger a huge allocation.
+    pub fn count(&mut self, min_bytes: usize) -> Result<usize, FormatError> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min_bytes.max(1)) > self.buf.len() - self.pos {
+            return Err(self.invalid(format!("a count of {n} exceeds the section")));
+        }
+        Ok(n)
+    }
+    pub fn u32s(&mut self, n: usize) -> Result<Vec<u32>, FormatError> {
+        let b = self.take(
+            n.checked_mul(4)
+                .ok_or_else(|| self.invalid("count overflow"))?,
+        )?;
+        Ok(b.chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4")))
+            .collect())
+    }
+    pub fn f32s(&mut self, n: usize) -> Result<Vec<f32>, FormatError> {
+        let b = self.take(
+            n.checked_mul(4)
+                .ok_or_else(|| self.invalid("count overflow"))?,
+        )?;
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
+            .collect())
+    }
+    pub fn f16s(&mut self, n: usize) -> Result<Vec<f32>, FormatError> {
+        let b = self.take(
+            n.checked_mul(2)
+                .ok_or_else(|| self.invalid("count overflow"))?,
+        )?;
+        Ok(b.chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect())
+    }
+    pub fn str(&mut self) -> Result<String, FormatError> {
+        let n = self.u16()? as usize;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| self.invalid("a name is not UTF-8"))
+    }
+    /// Fails unless every byte was consumed.
+    pub fn finish(self) -> Result<(), FormatError> {
+        if self.pos != self.buf.len() {
+            return Err(self.invalid(format!("{} trailing bytes", self.buf.len() - self.pos)));
+        }
+        Ok(())
+    }
+    pub fn invalid(&self, msg: impl std::fmt::Display) -> FormatError {
+        FormatError::invalid(format!("{} section: {msg}", self.what))
+    }
+}

@@ -1,0 +1,245 @@
+//! Opening a file: the header and every index section are read, checksummed and cross-checked up
+//! front; tensor and cluster extents are read on demand and checked as they arrive.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use crate::container::{checksum, read_at, Encoding, Header, SectionEntry, SectionKind, PAGE};
+use crate::dense::{DenseIndex, DenseTensor};
+use crate::ffn::FfnIndex;
+use crate::meta::Meta;
+use crate::predictor::Predictors;
+use crate::refine::Refine;
+use crate::sketch::Sketch;
+use crate::FormatError;
+
+/// An open LeanStream file with its indexes decoded.
+#[derive(Debug)]
+pub struct LsbFile {
+    pub path: PathBuf,
+    pub header: Header,
+    pub meta: Meta,
+    pub tokenizer_json: Vec<u8>,
+    pub dense: DenseIndex,
+    pub ffn: FfnIndex,
+    pub predictors: Predictors,
+    pub sketch: Sketch,
+    pub refine: Refine,
+    dense_data: SectionEntry,
+    ffn_data: SectionEntry,
+}
+
+impl LsbFile {
+    /// Opens and validates `path`. Every error names the file and what is wrong with it.
+    pub fn open(path: &Path) -> Result<Self, FormatError> {
+        Self::open_inner(path).map_err(|e| match e {
+            FormatError::Io { .. } => e,
+            other => FormatError::invalid(format!("{}: {other}", path.display())),
+        })
+    }
+
+    fn open_inner(path: &Path) -> Result<Self, FormatError> {
+        let mut file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+        let len = file.metadata().map_err(|e| FormatError::io(path, e))?.len();
+        let page = read_at(&mut file, path, 0, len.min(PAGE))?;
+        let header = Header::decode(&page, len)?;
+        let mut section = |kind: SectionKind| -> Result<Vec<u8>, FormatError> {
+            let s = header.section(kind).ok_or_else(|| {
+                FormatError::invalid(format!("the {} section is missing", kind.name()))
+            })?;
+            let stored = read_at(&mut file, path, s.offset, s.stored_size)?;
+            if checksum(&stored) != s.checksum {
+                return Err(FormatError::Checksum {
+                    what: format!("the {} section", kind.name()),
+                });
+            }
+            let content = &stored[..s.length as usize];
+            if s.encoding == Encoding::Zstd as u32 {
+                zstd::stream::decode_all(content)
+                    .map_err(|e| FormatError::invalid(format!("{} section: {e}", kind.name())))
+            } else {
+                Ok(content.to_vec())
+            }
+        };
+        let meta: Meta = serde_json::from_slice(&section(SectionKind::Meta)?)
+            .map_err(|e| FormatError::invalid(format!("META section: {e}")))?;
+        let tokenizer_json = section(SectionKind::Tokenizer)?;
+        let dense_data = *header
+            .section(SectionKind::DenseData)
+            .ok_or_else(|| missing("DENSE_DATA"))?;
+        let ffn_data = *header
+            .section(SectionKind::FfnData)
+            .ok_or_else(|| missing("FFN_DATA"))?;
+        let dense = DenseIndex::decode(&section(SectionKind::DenseIndex)?, dense_data.length)?;
+        let ffn = FfnIndex::decode(&section(SectionKind::FfnIndex)?, ffn_data.length)?;
+        let predictors = Predictors::decode(&section(SectionKind::Predictors)?)?;
+        let sketch = Sketch::decode(&section(SectionKind::Sketch)?)?;
+        let refine = Refine::decode(&section(SectionKind::Refine)?)?;
+        let f = Self {
+            path: path.to_path_buf(),
+            header,
+            meta,
+            tokenizer_json,
+            dense,
+            ffn,
+            predictors,
+            sketch,
+            refine,
+            dense_data,
+            ffn_data,
+        };
+        f.cross_check()?;
+        Ok(f)
+    }
+
+    /// The sections agree with each other and with the model config.
+    fn cross_check(&self) -> Result<(), FormatError> {
+        let c = &self.meta.model;
+        c.validate()?;
+        let layers = c.num_layers;
+        let bad = |what: &str| {
+            Err(FormatError::invalid(format!(
+                "{what} disagrees with the model config"
+            )))
+        };
+        if self.meta.layers.len() != layers {
+            return bad("META's layer list");
+        }
+        if self.ffn.layers.len() != layers
+            || self
+                .ffn
+                .layers
+                .iter()
+                .any(|l| l.neurons() != c.intermediate_size || l.hidden as usize != c.hidden_size)
+        {
+            return bad("FFN_INDEX");
+        }
+        if self.sketch.layers.len() != layers
+            || self.sketch.layers.iter().any(|l| {
+                l.err_norm.len() != c.intermediate_size || l.hidden as usize != c.hidden_size
+            })
+        {
+            return bad("SKETCH");
+        }
+        let p = &self.predictors;
+        if p.own.len() != layers
+            || p.lookahead.len() != layers
+            || p.own.iter().chain(&p.lookahead).any(|q| {
+                q.input_dim as usize != c.hidden_size
+                    || q.outputs as usize != c.intermediate_size
+                    || q.source_layer as usize >= layers
+            })
+        {
+            return bad("PREDICTORS");
+        }
+        if self.refine.layers.len() != layers
+            || self
+                .refine
+                .layers
+                .iter()
+                .zip(&self.ffn.layers)
+                .any(|(r, f)| {
+                    r.cluster_freq.len() != f.clusters.len() || r.neuron_freq.len() != f.neurons()
+                })
+        {
+            return bad("REFINE");
+        }
+        Ok(())
+    }
+
+    /// File offset and size of a dense tensor's extent.
+    pub fn dense_extent(&self, t: &DenseTensor) -> (u64, u64) {
+        (self.dense_data.offset + t.offset, t.extent_size)
+    }
+
+    /// File offset and size of cluster `cluster` of layer `layer`.
+    pub fn cluster_extent(&self, layer: usize, cluster: usize) -> (u64, u64) {
+        let c = &self.ffn.layers[layer].clusters[cluster];
+        (self.ffn_data.offset + c.offset, c.extent_size)
+    }
+
+    /// Reads a dense tensor (checked against its checksum); returns its encoded data.
+    pub fn read_dense(&self, file: &mut File, t: &DenseTensor) -> Result<Vec<u8>, FormatError> {
+        let (offset, size) = self.dense_extent(t);
+        let mut bytes = read_at(file, &self.path, offset, size)?;
+        check_extent(&bytes, t.checksum, || format!("tensor {}", t.name))?;
+        bytes.truncate(t.size as usize);
+        Ok(bytes)
+    }
+
+    /// Bytes of the file's sections, by name (for `inspect`).
+    pub fn section_sizes(&self) -> Vec<(String, u64)> {
+        self.header
+            .sections
+            .iter()
+            .map(|s| (s.name(), s.stored_size))
+            .collect()
+    }
+}
+
+fn missing(name: &str) -> FormatError {
+    FormatError::invalid(format!("the {name} section is missing"))
+}
+
+/// Checks an extent read from the file against its stored checksum.
+pub fn check_extent(
+    bytes: &[u8],
+    expected: u64,
+    what: impl FnOnce() -> String,
+) -> Result<(), FormatError> {
+    if checksum(bytes) != expected {
+        return Err(FormatError::Checksum { what: what() });
+    }
+    Ok(())
+}
+
+/// Checks every checksum of the file: the header, each section, each tensor and each cluster
+/// extent. Returns the number of bytes checked; the error names the first bad extent.
+pub fn verify(path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<u64, FormatError> {
+    let f = LsbFile::open(path)?;
+    let mut file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+    let total = f.header.file_size;
+    let mut done = PAGE;
+    let named = |what: String| FormatError::invalid(format!("{}: {what}", path.display()));
+    for s in &f.header.sections {
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        if s.kind == SectionKind::DenseData as u32 {
+            for t in &f.dense.tensors {
+                let (off, size) = f.dense_extent(t);
+                let bytes = read_at(&mut file, path, off, size)?;
+                check_extent(&bytes, t.checksum, || {
+                    format!("tensor {} at offset {off}", t.name)
+                })
+                .map_err(|e| named(e.to_string()))?;
+                hasher.update(&bytes);
+                done += size;
+                progress(done, total);
+            }
+        } else if s.kind == SectionKind::FfnData as u32 {
+            for (li, layer) in f.ffn.layers.iter().enumerate() {
+                for ci in 0..layer.clusters.len() {
+                    let (off, size) = f.cluster_extent(li, ci);
+                    let bytes = read_at(&mut file, path, off, size)?;
+                    check_extent(&bytes, layer.clusters[ci].checksum, || {
+                        format!("layer {li} cluster {ci} at offset {off}")
+                    })
+                    .map_err(|e| named(e.to_string()))?;
+                    hasher.update(&bytes);
+                    done += size;
+                    progress(done, total);
+                }
+            }
+        } else {
+            hasher.update(&read_at(&mut file, path, s.offset, s.stored_size)?);
+            done += s.stored_size;
+            progress(done, total);
+        }
+        if hasher.digest() != s.checksum {
+            return Err(named(format!(
+                "checksum mismatch in the {} section",
+                s.name()
+            )));
+        }
+    }
+    Ok(total)
+}

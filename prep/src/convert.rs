@@ -1,0 +1,485 @@
+//! `leanstream-prep convert`: profile, sparsify, place, train predictors, quantize and write one
+//! checksummed file, one layer at a time.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use leanstream::config::ModelConfig;
+use leanstream::model::Model;
+use leanstream::safetensors_dir::SafetensorsDir;
+use leanstream::tokenizer::Tokenizer;
+use leanstream_format::container::{ContainerWriter, SectionKind};
+use leanstream_format::dense::{DenseIndex, DenseTensor};
+use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
+use leanstream_format::meta::{LayerMeta, Meta};
+use leanstream_format::predictor::{Predictor, PredictorInput, Predictors};
+use leanstream_format::quant::{dequantize_row, quantize_row, row_bytes, QuantType};
+use leanstream_format::refine::{Refine, RefineLayer};
+use leanstream_format::sketch::{Sketch, SketchLayer};
+use serde::Serialize;
+
+use crate::calib::Calibration;
+use crate::placement::{cluster_fill, place};
+use crate::profile::{Profiler, SparsityQuality};
+use crate::sparsity::{masks, threshold, SparsityMode};
+use crate::tensors::{dense_specs, ffn_names, quantize_rows};
+use crate::train::{
+    normalise_rows, score_threshold, targets, top_k_quality, train, TrainConfig, Trained,
+};
+
+/// The gate sketch's encoding: 4-bit, a sixth of an f32 gate row's size.
+const SKETCH_QUANT: QuantType = QuantType::Q4_0;
+/// Partners per cluster kept in the refine statistics.
+const NEIGHBOURS: usize = 8;
+/// Predicted-active budget, as a multiple of the true active fraction, at which recall is judged.
+const BUDGET_FACTOR: f32 = 1.5;
+
+pub struct ConvertOptions {
+    pub model_dir: PathBuf,
+    pub source_name: String,
+    pub output: PathBuf,
+    pub quant: QuantType,
+    pub sparsity: String,
+    pub calib: Option<PathBuf>,
+    pub calib_tokens: usize,
+    pub predictor_rank: Option<usize>,
+    pub epochs: usize,
+    pub cluster_kib: u32,
+    pub progress: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    pub output: PathBuf,
+    pub file_bytes: u64,
+    pub dense_bytes: u64,
+    pub ffn_bytes: u64,
+    pub quant: String,
+    pub sparsity_mode: String,
+    pub calib_tokens: usize,
+    pub heldout_tokens: usize,
+    pub cluster_neurons: Vec<usize>,
+    pub layers: Vec<LayerMeta>,
+    pub quality: SparsityQuality,
+    pub seconds: Phases,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Phases {
+    pub load: f64,
+    pub dense: f64,
+    pub profile: f64,
+    pub place: f64,
+    pub train: f64,
+    pub bundles: f64,
+    pub finish: f64,
+}
+
+pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
+    let mut phases = Phases::default();
+    let t = Instant::now();
+    let dir = &opts.model_dir;
+    let config = leanstream::config::from_hf_dir(dir)?;
+    let source = SafetensorsDir::open(dir)?;
+    let get = |name: &str, shape: &[usize]| source.tensor_f32(name, shape);
+    let model = Model::from_hf_tensors(config.clone(), get)?;
+    let tokenizer = Tokenizer::from_dir(dir)?;
+    let tokenizer_json = std::fs::read(dir.join("tokenizer.json"))?;
+    let mode = SparsityMode::parse(&opts.sparsity, config.activation)?;
+    check_block_shapes(&config, opts.quant)?;
+    let calib = Calibration::new(&tokenizer, opts.calib.as_deref(), opts.calib_tokens)?;
+    phases.load = t.elapsed().as_secs_f64();
+
+    let mut writer = ContainerWriter::create(&opts.output)
+        .with_context(|| format!("cannot write {}", opts.output.display()))?;
+    let t = Instant::now();
+    let dense = write_dense(&mut writer, &config, opts.quant, &get)?;
+    phases.dense = t.elapsed().as_secs_f64();
+
+    let (train_rows, eval_rows) = calib.split_rows();
+    let rank = opts
+        .predictor_rank
+        .unwrap_or((config.hidden_size / 8).clamp(16, 128));
+    let mut profiler = Profiler::new(&model, &calib)?;
+    let bar = bar(opts.progress, config.num_layers as u64, "layers");
+    let mut ffn = FfnIndex::default();
+    let (mut predictors, mut sketch, mut refine) =
+        (Predictors::default(), Sketch::default(), Refine::default());
+    let mut layer_meta = Vec::new();
+    let mut cluster_neurons = Vec::new();
+    let mut prev_residual: Option<Vec<f32>> = None;
+    writer.begin_section(SectionKind::FfnData);
+    let (h, n) = (config.hidden_size, config.intermediate_size);
+    let act = config.activation;
+    for l in 0..config.num_layers {
+        bar.set_message(format!("layer {l}: profile"));
+        let t = Instant::now();
+        let prof = profiler.layer(l);
+        let thr = threshold(mode, act, &prof.gate, n, &train_rows);
+        profiler.sparse_layer(l, thr);
+        let mask = masks(act, &prof.gate, thr);
+        phases.profile += t.elapsed().as_secs_f64();
+
+        bar.set_message(format!("layer {l}: place"));
+        let t = Instant::now();
+        let bundle_bytes = 3 * row_bytes(opts.quant, h)?;
+        let cluster_size = (opts.cluster_kib as usize * 1024 / bundle_bytes).clamp(1, n);
+        let perm = place(&mask, n, &train_rows, cluster_size);
+        let identity: Vec<u32> = (0..n as u32).collect();
+        let fill = cluster_fill(&mask, n, &eval_rows, &perm, cluster_size);
+        let fill_unordered = cluster_fill(&mask, n, &eval_rows, &identity, cluster_size);
+        phases.place += t.elapsed().as_secs_f64();
+
+        bar.set_message(format!("layer {l}: train"));
+        let t = Instant::now();
+        let y_train = targets(&mask, n, &train_rows);
+        let y_eval = targets(&mask, n, &eval_rows);
+        let active_frac = y_train.mean().unwrap_or(0.0);
+        let k = ((BUDGET_FACTOR * active_frac * n as f32).ceil() as usize).clamp(1, n);
+        let cfg = TrainConfig {
+            rank,
+            epochs: opts.epochs,
+            batch: 128,
+            lr: 3e-3,
+            pos_weight: 3.0,
+            seed: l as u64,
+        };
+        let source_layer = l.saturating_sub(1);
+        let lookahead_input = prev_residual.as_deref().unwrap_or(&prof.residual);
+        let fit = |x: &[f32]| {
+            let xt = normalise_rows(x, h, &train_rows);
+            let trained = train(&xt, &y_train, &cfg);
+            let quality = top_k_quality(
+                &trained.scores(normalise_rows(x, h, &eval_rows).view()),
+                &y_eval,
+                k,
+            );
+            let thr = score_threshold(&trained.scores(xt.view()), k as f32 / n as f32);
+            (trained, quality, thr)
+        };
+        let (own, own_q, own_thr) = fit(&prof.ffn_input);
+        let (look, look_q, look_thr) = fit(lookahead_input);
+        let freq = y_train.mean_axis(ndarray::Axis(0)).expect("rows");
+        let static_scores = ndarray::Array2::from_shape_fn(y_eval.dim(), |(_, j)| freq[j]);
+        let static_q = top_k_quality(&static_scores, &y_eval, k);
+        predictors.own.push(to_predictor(
+            own,
+            &perm,
+            l,
+            PredictorInput::FfnInput,
+            own_thr,
+        ));
+        predictors.lookahead.push(to_predictor(
+            look,
+            &perm,
+            source_layer,
+            PredictorInput::Residual,
+            look_thr,
+        ));
+        phases.train += t.elapsed().as_secs_f64();
+
+        bar.set_message(format!("layer {l}: bundles"));
+        let t = Instant::now();
+        let [gate_name, up_name, down_name] = ffn_names(l);
+        let gate = get(&gate_name, &[n, h])?;
+        let up = get(&up_name, &[n, h])?;
+        let down = get(&down_name, &[h, n])?;
+        let mut sketch_layer = SketchLayer {
+            qtype: SKETCH_QUANT,
+            hidden: h as u32,
+            rows: Vec::new(),
+            err_norm: Vec::new(),
+        };
+        let mut clusters = Vec::new();
+        for (ci, chunk) in perm.chunks(cluster_size).enumerate() {
+            let mut extent = Vec::with_capacity(chunk.len() * bundle_bytes);
+            for &i in chunk {
+                let i = i as usize;
+                let column: Vec<f32> = (0..h).map(|r| down[r * n + i]).collect();
+                let g = quantize_row(opts.quant, &gate[i * h..(i + 1) * h])?;
+                add_sketch_row(&mut sketch_layer, opts.quant, &g, h)?;
+                extent.extend(g);
+                extent.extend(quantize_row(opts.quant, &up[i * h..(i + 1) * h])?);
+                extent.extend(quantize_row(opts.quant, &column)?);
+            }
+            let (offset, extent_size, checksum) = writer.write_extent(&extent)?;
+            let first = (ci * cluster_size) as u32;
+            clusters.push(Cluster {
+                first,
+                count: chunk.len() as u32,
+                offset,
+                extent_size,
+                checksum,
+            });
+        }
+        sketch.layers.push(sketch_layer);
+        refine.layers.push(refine_stats(
+            &mask,
+            &prof.gate,
+            act,
+            n,
+            &train_rows,
+            &perm,
+            cluster_size,
+        ));
+        ffn.layers.push(FfnLayer {
+            qtype: opts.quant,
+            hidden: h as u32,
+            perm,
+            clusters,
+        });
+        phases.bundles += t.elapsed().as_secs_f64();
+
+        let eval_sparsity = 1.0 - y_eval.mean().unwrap_or(0.0);
+        layer_meta.push(LayerMeta {
+            threshold: thr,
+            sparsity: eval_sparsity,
+            predictor_recall: own_q.recall,
+            predictor_precision: own_q.precision,
+            lookahead_recall: look_q.recall,
+            lookahead_precision: look_q.precision,
+            static_recall: static_q.recall,
+            cluster_fill: fill,
+            cluster_fill_unordered: fill_unordered,
+        });
+        cluster_neurons.push(cluster_size);
+        prev_residual = Some(prof.residual);
+        bar.inc(1);
+    }
+    writer.end_section();
+    bar.finish_and_clear();
+
+    let t = Instant::now();
+    let quality = profiler.quality();
+    let meta = Meta {
+        model: config.clone(),
+        dense_quant: opts.quant.name().into(),
+        ffn_quant: opts.quant.name().into(),
+        sparsity_mode: mode.name().into(),
+        sparsity_target: mode.target(),
+        cluster_kib: opts.cluster_kib,
+        layers: layer_meta.clone(),
+        provenance: serde_json::json!({
+            "source": opts.source_name,
+            "converter": concat!("leanstream-prep ", env!("CARGO_PKG_VERSION")),
+            "calib_tokens": calib.tokens(),
+            "heldout_tokens": eval_rows.len(),
+            "predictor_rank": rank,
+            "epochs": opts.epochs,
+            "sparsity_quality": quality,
+        }),
+    };
+    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
+    writer.add_section(SectionKind::Tokenizer, &tokenizer_json, true)?;
+    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
+    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
+    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
+    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
+    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
+    writer.finish()?;
+    phases.finish = t.elapsed().as_secs_f64();
+    Ok(Summary {
+        file_bytes: std::fs::metadata(&opts.output)?.len(),
+        output: opts.output.clone(),
+        dense_bytes: dense.data_bytes(),
+        ffn_bytes: ffn.bundle_bytes(),
+        quant: opts.quant.name().into(),
+        sparsity_mode: mode.name().into(),
+        calib_tokens: calib.tokens(),
+        heldout_tokens: eval_rows.len(),
+        cluster_neurons,
+        layers: layer_meta,
+        quality,
+        seconds: phases,
+        peak_rss_bytes: leanstream::memory::peak_rss_bytes(),
+    })
+}
+
+/// Block types need rows of whole blocks; say so before any work is done.
+fn check_block_shapes(c: &ModelConfig, q: QuantType) -> Result<()> {
+    for (what, n) in [
+        ("hidden_size", c.hidden_size),
+        ("intermediate_size", c.intermediate_size),
+        ("head_dim × heads", c.num_heads * c.head_dim),
+    ] {
+        row_bytes(q, n).with_context(|| {
+            format!("--quant {q} cannot encode this model ({what} = {n}); use f16 or bf16")
+        })?;
+    }
+    Ok(())
+}
+
+fn write_dense(
+    writer: &mut ContainerWriter,
+    config: &ModelConfig,
+    quant: QuantType,
+    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+) -> Result<DenseIndex> {
+    writer.begin_section(SectionKind::DenseData);
+    let mut index = DenseIndex::default();
+    for spec in dense_specs(config) {
+        let data = get(&spec.name, &spec.shape)?;
+        let qtype = if spec.is_vector() {
+            QuantType::F32
+        } else {
+            quant
+        };
+        let cols = *spec.shape.last().expect("shape");
+        let bytes = quantize_rows(qtype, &data, cols, &spec.name)?;
+        let (offset, extent_size, checksum) = writer.write_extent(&bytes)?;
+        index.tensors.push(DenseTensor {
+            name: spec.name,
+            qtype,
+            shape: spec.shape.iter().map(|&d| d as u64).collect(),
+            offset,
+            size: bytes.len() as u64,
+            extent_size,
+            checksum,
+        });
+    }
+    writer.end_section();
+    Ok(index)
+}
+
+/// Appends the sketch of one bundle gate row: its low-bit copy and the error norm against the
+/// row as the bundle stores it.
+fn add_sketch_row(
+    s: &mut SketchLayer,
+    bundle_q: QuantType,
+    gate_bytes: &[u8],
+    h: usize,
+) -> Result<()> {
+    let mut exact = vec![0.0f32; h];
+    dequantize_row(bundle_q, gate_bytes, &mut exact)?;
+    let sk = quantize_row(SKETCH_QUANT, &exact)?;
+    let mut approx = vec![0.0f32; h];
+    dequantize_row(SKETCH_QUANT, &sk, &mut approx)?;
+    let err = exact
+        .iter()
+        .zip(&approx)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    s.rows.extend(sk);
+    // Round up so the bound stays a bound after the f32 conversion.
+    s.err_norm
+        .push((err * (1.0 + 1e-6)) as f32 + f32::MIN_POSITIVE);
+    Ok(())
+}
+
+/// Cluster and neuron statistics in stored order.
+fn refine_stats(
+    mask: &[bool],
+    gate: &[f32],
+    act: leanstream::config::Activation,
+    n: usize,
+    rows: &[usize],
+    perm: &[u32],
+    cluster_size: usize,
+) -> RefineLayer {
+    let clusters = n.div_ceil(cluster_size);
+    let mut active = ndarray::Array2::<f32>::zeros((rows.len(), clusters));
+    let (mut freq, mut mag) = (vec![0.0f32; n], vec![0.0f32; n]);
+    for (ri, &r) in rows.iter().enumerate() {
+        for (p, &i) in perm.iter().enumerate() {
+            let i = i as usize;
+            if mask[r * n + i] {
+                active[[ri, p / cluster_size]] = 1.0;
+                freq[p] += 1.0;
+                mag[p] += act.apply(gate[r * n + i]).abs();
+            }
+        }
+    }
+    for p in 0..n {
+        if freq[p] > 0.0 {
+            mag[p] /= freq[p];
+        }
+        freq[p] /= rows.len().max(1) as f32;
+    }
+    let co = active.t().dot(&active);
+    let cluster_count: Vec<f32> = (0..clusters).map(|c| co[[c, c]]).collect();
+    let k = NEIGHBOURS.min(clusters.saturating_sub(1));
+    let neighbours = (0..clusters)
+        .map(|c| {
+            let mut others: Vec<(u32, f32)> = (0..clusters)
+                .filter(|&o| o != c)
+                .map(|o| {
+                    (
+                        o as u32,
+                        if cluster_count[c] > 0.0 {
+                            co[[c, o]] / cluster_count[c]
+                        } else {
+                            0.0
+                        },
+                    )
+                })
+                .collect();
+            others.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            others.truncate(k);
+            others
+        })
+        .collect();
+    let denom = rows.len().max(1) as f32;
+    RefineLayer {
+        cluster_freq: cluster_count.iter().map(|c| c / denom).collect(),
+        neighbours,
+        neuron_freq: freq,
+        neuron_mag: mag,
+    }
+}
+
+/// Reorders a predictor's outputs into stored order and packs it for the file.
+fn to_predictor(
+    t: Trained,
+    perm: &[u32],
+    source_layer: usize,
+    input: PredictorInput,
+    threshold: f32,
+) -> Predictor {
+    let (rank, d) = t.w1.dim();
+    let mut w2 = Vec::with_capacity(perm.len() * rank);
+    let mut b2 = Vec::with_capacity(perm.len());
+    for &i in perm {
+        w2.extend(t.w2.row(i as usize).iter());
+        b2.push(t.b2[i as usize]);
+    }
+    Predictor {
+        source_layer: source_layer as u32,
+        input,
+        input_dim: d as u32,
+        rank: rank as u32,
+        outputs: perm.len() as u32,
+        threshold,
+        w1: t.w1.iter().copied().collect(),
+        b1: t.b1.to_vec(),
+        w2,
+        b2,
+    }
+}
+
+fn bar(show: bool, len: u64, what: &str) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let b = ProgressBar::new(len);
+    b.set_style(
+        ProgressStyle::with_template(&format!(
+            "{{bar:40}} {{pos}}/{{len}} {what}  {{elapsed}} (eta {{eta}})  {{msg}}"
+        ))
+        .expect("valid template"),
+    );
+    b
+}
+
+/// The model directory a MODEL argument names: a local directory, or a hub id resolved through
+/// the Hugging Face cache (downloading unless `HF_HUB_OFFLINE=1`).
+pub fn resolve_model(model: &str) -> Result<PathBuf> {
+    let path = Path::new(model);
+    if path.exists() {
+        return Ok(path.to_path_buf());
+    }
+    crate::hub::resolve(model)
+}

@@ -1,0 +1,99 @@
+//! `leanstream-prep inspect`: what a converted file holds, its sizes and predictor quality.
+
+use leanstream_format::LsbFile;
+use serde_json::{json, Value};
+
+/// The file described as one JSON object.
+pub fn describe(f: &LsbFile) -> Value {
+    let m = &f.meta;
+    let predictor_params: usize = f
+        .predictors
+        .own
+        .iter()
+        .chain(&f.predictors.lookahead)
+        .map(|p| p.params())
+        .sum();
+    let extents: Vec<u64> = f
+        .ffn
+        .layers
+        .iter()
+        .flat_map(|l| l.clusters.iter().map(|c| c.extent_size))
+        .collect();
+    let layers: Vec<Value> = m
+        .layers
+        .iter()
+        .zip(&f.ffn.layers)
+        .map(|(lm, fl)| {
+            let mut v = serde_json::to_value(lm).expect("serialisable");
+            v["clusters"] = fl.clusters.len().into();
+            v["neurons_per_cluster"] = fl.clusters.first().map_or(0, |c| c.count).into();
+            v
+        })
+        .collect();
+    json!({
+        "path": f.path,
+        "format_version": format!("{}.{}", f.header.version_major, f.header.version_minor),
+        "file_bytes": f.header.file_size,
+        "architecture": m.model.architecture,
+        "activation": m.model.activation,
+        "layers_count": m.model.num_layers,
+        "hidden_size": m.model.hidden_size,
+        "intermediate_size": m.model.intermediate_size,
+        "quant": m.ffn_quant,
+        "dense_quant": m.dense_quant,
+        "sparsity_mode": m.sparsity_mode,
+        "sparsity_target": m.sparsity_target,
+        "dense_bytes": f.dense.data_bytes(),
+        "ffn_bytes": f.ffn.bundle_bytes(),
+        "sketch_bytes": f.sketch.bytes(),
+        // The runtime holds predictor weights as f32.
+        "predictor_bytes": predictor_params * 4,
+        "cluster_bytes": extents.iter().sum::<u64>() / extents.len().max(1) as u64,
+        "sections": f.section_sizes().into_iter().map(|(n, s)| json!({"name": n, "bytes": s})).collect::<Vec<_>>(),
+        "provenance": m.provenance,
+        "layers": layers,
+    })
+}
+
+/// A human-readable rendering of [`describe`].
+pub fn print(v: &Value) {
+    println!("{}", v["path"].as_str().unwrap_or(""));
+    println!(
+        "  format {}  {:?} ({})  {} layers, hidden {}, FFN {}",
+        v["format_version"].as_str().unwrap_or(""),
+        v["architecture"].as_str().unwrap_or(""),
+        v["activation"].as_str().unwrap_or(""),
+        v["layers_count"],
+        v["hidden_size"],
+        v["intermediate_size"]
+    );
+    println!(
+        "  quant {}  sparsity {} {}",
+        v["quant"], v["sparsity_mode"], v["sparsity_target"]
+    );
+    for key in [
+        "file_bytes",
+        "dense_bytes",
+        "ffn_bytes",
+        "sketch_bytes",
+        "predictor_bytes",
+        "cluster_bytes",
+    ] {
+        println!("  {key:<16} {:>14}", v[key]);
+    }
+    println!("  layer  sparsity  own recall/prec  look-ahead recall/prec  static recall  cluster fill (unordered)");
+    for (i, l) in v["layers"].as_array().into_iter().flatten().enumerate() {
+        let f = |k: &str| l[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "  {i:>5}  {:>8.3}  {:>6.3}/{:<6.3}    {:>6.3}/{:<6.3}           {:>6.3}         {:.3} ({:.3})",
+            f("sparsity"),
+            f("predictor_recall"),
+            f("predictor_precision"),
+            f("lookahead_recall"),
+            f("lookahead_precision"),
+            f("static_recall"),
+            f("cluster_fill"),
+            f("cluster_fill_unordered")
+        );
+    }
+}

@@ -1,0 +1,95 @@
+//! The tensors a converted file stores, by Hugging Face name, and their quantization.
+
+use anyhow::{Context, Result};
+use leanstream::config::ModelConfig;
+use leanstream_format::quant::{quantize_row, QuantType};
+
+/// A dense (non-FFN) tensor: name and shape `[rows, cols]` or `[len]`.
+pub struct DenseSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+}
+
+impl DenseSpec {
+    fn new(name: String, shape: &[usize]) -> Self {
+        Self {
+            name,
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// Vectors (norm weights) stay f32: they are tiny and every element matters.
+    pub fn is_vector(&self) -> bool {
+        self.shape.len() == 1
+    }
+}
+
+/// Every dense tensor of the model, in file order: embeddings, then each layer's attention and
+/// norms (contiguous, so a layer streams with one sequential read), then the final norm and head.
+pub fn dense_specs(c: &ModelConfig) -> Vec<DenseSpec> {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let mut v = vec![DenseSpec::new(
+        "model.embed_tokens.weight".into(),
+        &[c.vocab_size, h],
+    )];
+    for i in 0..c.num_layers {
+        let p = format!("model.layers.{i}");
+        v.push(DenseSpec::new(format!("{p}.input_layernorm.weight"), &[h]));
+        v.push(DenseSpec::new(
+            format!("{p}.self_attn.q_proj.weight"),
+            &[c.num_heads * hd, h],
+        ));
+        v.push(DenseSpec::new(
+            format!("{p}.self_attn.k_proj.weight"),
+            &[c.num_kv_heads * hd, h],
+        ));
+        v.push(DenseSpec::new(
+            format!("{p}.self_attn.v_proj.weight"),
+            &[c.num_kv_heads * hd, h],
+        ));
+        v.push(DenseSpec::new(
+            format!("{p}.self_attn.o_proj.weight"),
+            &[h, c.num_heads * hd],
+        ));
+        if c.qk_norm {
+            v.push(DenseSpec::new(
+                format!("{p}.self_attn.q_norm.weight"),
+                &[hd],
+            ));
+            v.push(DenseSpec::new(
+                format!("{p}.self_attn.k_norm.weight"),
+                &[hd],
+            ));
+        }
+        v.push(DenseSpec::new(
+            format!("{p}.post_attention_layernorm.weight"),
+            &[h],
+        ));
+    }
+    v.push(DenseSpec::new("model.norm.weight".into(), &[h]));
+    if !c.tie_word_embeddings {
+        v.push(DenseSpec::new("lm_head.weight".into(), &[c.vocab_size, h]));
+    }
+    v
+}
+
+/// Names of layer `l`'s FFN matrices: gate `[n, h]`, up `[n, h]`, down `[h, n]`.
+pub fn ffn_names(l: usize) -> [String; 3] {
+    let p = format!("model.layers.{l}.mlp");
+    [
+        format!("{p}.gate_proj.weight"),
+        format!("{p}.up_proj.weight"),
+        format!("{p}.down_proj.weight"),
+    ]
+}
+
+/// Encodes a row-major matrix (or vector) row by row.
+pub fn quantize_rows(qtype: QuantType, data: &[f32], cols: usize, name: &str) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    for row in data.chunks_exact(cols) {
+        out.extend(
+            quantize_row(qtype, row).with_context(|| format!("cannot encode {name} as {qtype}"))?,
+        );
+    }
+    Ok(out)
+}

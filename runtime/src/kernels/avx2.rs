@@ -1,0 +1,279 @@
+//! Row kernels for x86-64 with AVX2, FMA and F16C (CPUs without AVX-512 VNNI): 8 floats per vector;
+//! block types one block (32 values) per vector, the integer dot product through `vpmaddubsw`
+//! (unsigned × signed bytes into 16-bit pairs, which cannot overflow for these codes) and
+//! `vpmaddwd`.
+//!
+//! Loops are bounded by the shorter input; tails run the portable code.
+
+use std::arch::x86_64::*;
+
+use leanstream_format::quant::BLOCK_LEN;
+
+use super::operand::Q8Vec;
+use super::portable::{self, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
+use super::rows::RowKernels;
+
+pub(super) fn detected() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// The AVX2 kernel table.
+///
+/// # Safety
+/// The CPU must have the features [`detected`] checks.
+pub(super) unsafe fn kernels() -> RowKernels {
+    // SAFETY (every entry): the caller checked the CPU features.
+    RowKernels {
+        isa: "avx2",
+        dot_f32: |w, x| unsafe { dot_float(w, x, Float::F32) },
+        dot_f16: |w, x| unsafe { dot_float(w, x, Float::F16) },
+        dot_bf16: |w, x| unsafe { dot_float(w, x, Float::Bf16) },
+        dot_q8_0: |w, x| unsafe { dot_q8_0(w, x) },
+        dot_q4_0: |w, x| unsafe { dot_q4::<false>(w, x) },
+        dot_q4_1: |w, x| unsafe { dot_q4::<true>(w, x) },
+        axpy_f32: |a, w, o| unsafe { axpy_float(a, w, o, Float::F32) },
+        axpy_f16: |a, w, o| unsafe { axpy_float(a, w, o, Float::F16) },
+        axpy_bf16: |a, w, o| unsafe { axpy_float(a, w, o, Float::Bf16) },
+        axpy_q8_0: |a, w, o| unsafe { axpy_q8_0(a, w, o) },
+        axpy_q4_0: |a, w, o| unsafe { axpy_q4::<false>(a, w, o) },
+        axpy_q4_1: |a, w, o| unsafe { axpy_q4::<true>(a, w, o) },
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Float {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Float {
+    fn bytes(self) -> usize {
+        match self {
+            Float::F32 => 4,
+            Float::F16 | Float::Bf16 => 2,
+        }
+    }
+}
+
+/// 8 values at `p` as f32.
+#[inline(always)]
+unsafe fn load8(p: *const u8, unit: Float) -> __m256 {
+    match unit {
+        Float::F32 => _mm256_loadu_ps(p as *const f32),
+        Float::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+        Float::Bf16 => {
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_float(w: &[u8], x: &[f32], unit: Float) -> f32 {
+    let bytes = unit.bytes();
+    let n = x.len().min(w.len() / bytes);
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (k, a) in acc.iter_mut().enumerate() {
+            let j = i + 8 * k;
+            *a = _mm256_fmadd_ps(
+                load8(wp.add(j * bytes), unit),
+                _mm256_loadu_ps(xp.add(j)),
+                *a,
+            );
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        acc[0] = _mm256_fmadd_ps(
+            load8(wp.add(i * bytes), unit),
+            _mm256_loadu_ps(xp.add(i)),
+            acc[0],
+        );
+        i += 8;
+    }
+    let (tw, tx) = (&w[i * bytes..n * bytes], &x[i..n]);
+    let tail = match unit {
+        Float::F32 => portable::dot_f32(tw, tx),
+        Float::F16 => portable::dot_f16(tw, tx),
+        Float::Bf16 => portable::dot_bf16(tw, tx),
+    };
+    let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    hsum(s) + tail
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_float(a: f32, w: &[u8], out: &mut [f32], unit: Float) {
+    let bytes = unit.bytes();
+    let n = out.len().min(w.len() / bytes);
+    let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+    let av = _mm256_set1_ps(a);
+    let mut i = 0;
+    while i + 8 <= n {
+        let o = op.add(i);
+        _mm256_storeu_ps(
+            o,
+            _mm256_fmadd_ps(av, load8(wp.add(i * bytes), unit), _mm256_loadu_ps(o)),
+        );
+        i += 8;
+    }
+    let (tw, to) = (&w[i * bytes..n * bytes], &mut out[i..n]);
+    match unit {
+        Float::F32 => portable::axpy_f32(a, tw, to),
+        Float::F16 => portable::axpy_f16(a, tw, to),
+        Float::Bf16 => portable::axpy_bf16(a, tw, to),
+    }
+}
+
+/// The f16 at `p` as f32.
+#[inline(always)]
+unsafe fn f16_load(p: *const u8) -> f32 {
+    let h = (p as *const u16).read_unaligned();
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// Sums adjacent pairs of the 16-bit products into 32-bit lanes, as f32.
+#[inline(always)]
+unsafe fn widen(p16: __m256i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
+}
+
+/// One `Q8_0` block against 32 activation quants: per-lane sums as f32.
+#[inline(always)]
+unsafe fn q8_0_block(blk: *const u8, xq: *const i8) -> __m256 {
+    let wv = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+    let xv = _mm256_loadu_si256(xq as *const __m256i);
+    // vpmaddubsw multiplies unsigned by signed bytes: |w| and x with w's sign.
+    widen(_mm256_maddubs_epi16(
+        _mm256_sign_epi8(wv, wv),
+        _mm256_sign_epi8(xv, wv),
+    ))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
+    let nb = (w.len() / Q8_0_BYTES).min(x.scales.len());
+    let (wp, xq) = (w.as_ptr(), x.quants.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut b = 0;
+    while b + 2 <= nb {
+        for (k, a) in acc.iter_mut().enumerate() {
+            let blk = wp.add((b + k) * Q8_0_BYTES);
+            let scale = _mm256_set1_ps(f16_load(blk) * x.scales[b + k]);
+            *a = _mm256_fmadd_ps(q8_0_block(blk, xq.add((b + k) * BLOCK_LEN)), scale, *a);
+        }
+        b += 2;
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1]))
+        + portable::block_dot(w, x, b, Q8_0_BYTES, |blk, q, d, _| {
+            portable::block_q8_0(blk, q, d)
+        })
+}
+
+/// A 4-bit block's 16 nibble bytes as 32 codes in element order.
+#[inline(always)]
+unsafe fn unpack(nibbles: *const u8) -> __m256i {
+    let n = _mm_loadu_si128(nibbles as *const __m128i);
+    let low = _mm_set1_epi8(0x0f);
+    _mm256_set_m128i(
+        _mm_and_si128(_mm_srli_epi16::<4>(n), low),
+        _mm_and_si128(n, low),
+    )
+}
+
+/// `Q4_0` (`WITH_MIN` false: offset −8 through the activation sums) or `Q4_1`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
+    let (bytes, nib) = if WITH_MIN {
+        (Q4_1_BYTES, 4)
+    } else {
+        (Q4_0_BYTES, 2)
+    };
+    let nb = (w.len() / bytes).min(x.scales.len());
+    let (wp, xq) = (w.as_ptr(), x.quants.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut offsets = 0.0f32;
+    let mut b = 0;
+    while b + 2 <= nb {
+        for (k, a) in acc.iter_mut().enumerate() {
+            let blk = wp.add((b + k) * bytes);
+            let xv = _mm256_loadu_si256(xq.add((b + k) * BLOCK_LEN) as *const __m256i);
+            let p = widen(_mm256_maddubs_epi16(unpack(blk.add(nib)), xv));
+            let dw = f16_load(blk);
+            *a = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * x.scales[b + k]), *a);
+            let o = if WITH_MIN { f16_load(blk.add(2)) } else { dw };
+            offsets += o * x.sums[b + k];
+        }
+        b += 2;
+    }
+    let head = hsum(_mm256_add_ps(acc[0], acc[1]));
+    let tail = if WITH_MIN {
+        portable::block_dot(w, x, b, bytes, portable::block_q4_1)
+    } else {
+        portable::block_dot(w, x, b, bytes, portable::block_q4_0)
+    };
+    head + if WITH_MIN { offsets } else { -8.0 * offsets } + tail
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_q8_0(a: f32, w: &[u8], out: &mut [f32]) {
+    let nb = (w.len() / Q8_0_BYTES).min(out.len() / BLOCK_LEN);
+    let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+    for b in 0..nb {
+        let blk = wp.add(b * Q8_0_BYTES);
+        let s = _mm256_set1_ps(a * f16_load(blk));
+        for k in 0..4 {
+            let q = _mm_loadl_epi64(blk.add(2 + 8 * k) as *const __m128i);
+            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+            let dst = op.add(b * BLOCK_LEN + 8 * k);
+            _mm256_storeu_ps(dst, _mm256_fmadd_ps(s, v, _mm256_loadu_ps(dst)));
+        }
+    }
+}
+
+/// `out += s·q + c` per block: `Q4_0` has `c = −8s`, `Q4_1` `c = a·m`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_q4<const WITH_MIN: bool>(a: f32, w: &[u8], out: &mut [f32]) {
+    let (bytes, nib) = if WITH_MIN {
+        (Q4_1_BYTES, 4)
+    } else {
+        (Q4_0_BYTES, 2)
+    };
+    let nb = (w.len() / bytes).min(out.len() / BLOCK_LEN);
+    let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+    for b in 0..nb {
+        let blk = wp.add(b * bytes);
+        let s = a * f16_load(blk);
+        let c = if WITH_MIN {
+            a * f16_load(blk.add(2))
+        } else {
+            -8.0 * s
+        };
+        let (sv, cv) = (_mm256_set1_ps(s), _mm256_set1_ps(c));
+        let codes = unpack(blk.add(nib));
+        let halves = [
+            _mm256_castsi256_si128(codes),
+            _mm256_extracti128_si256::<1>(codes),
+        ];
+        for (h, q) in halves.into_iter().enumerate() {
+            for (k, q8) in [q, _mm_unpackhi_epi64(q, q)].into_iter().enumerate() {
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8));
+                let dst = op.add(b * BLOCK_LEN + 16 * h + 8 * k);
+                let o = _mm256_add_ps(_mm256_loadu_ps(dst), cv);
+                _mm256_storeu_ps(dst, _mm256_fmadd_ps(sv, v, o));
+            }
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! One instruction set's row kernels as a table of function pointers, picked once at run time, and
+//! the dispatch from a row's [`QuantType`] to its kernel.
+//!
+//! A row kernel works on one encoded row: `dot` (the row times the input vector) and `axpy`
+//! (`out += a · row`, which is also how rows are decoded: `a = 1` into zeros, exactly).
+
+use std::sync::OnceLock;
+
+use leanstream_format::quant::{row_bytes, QuantType};
+
+use super::operand::{Operand, Q8Vec};
+use super::portable;
+
+type FloatDot = fn(&[u8], &[f32]) -> f32;
+type BlockDot = fn(&[u8], &Q8Vec) -> f32;
+type Axpy = fn(f32, &[u8], &mut [f32]);
+
+/// The row kernels of one instruction set.
+#[derive(Clone, Copy)]
+pub struct RowKernels {
+    pub isa: &'static str,
+    pub(crate) dot_f32: FloatDot,
+    pub(crate) dot_f16: FloatDot,
+    pub(crate) dot_bf16: FloatDot,
+    pub(crate) dot_q8_0: BlockDot,
+    pub(crate) dot_q4_0: BlockDot,
+    pub(crate) dot_q4_1: BlockDot,
+    pub(crate) axpy_f32: Axpy,
+    pub(crate) axpy_f16: Axpy,
+    pub(crate) axpy_bf16: Axpy,
+    pub(crate) axpy_q8_0: Axpy,
+    pub(crate) axpy_q4_0: Axpy,
+    pub(crate) axpy_q4_1: Axpy,
+}
+
+pub(crate) const PORTABLE: RowKernels = RowKernels {
+    isa: "portable",
+    dot_f32: portable::dot_f32,
+    dot_f16: portable::dot_f16,
+    dot_bf16: portable::dot_bf16,
+    dot_q8_0: portable::dot_q8_0,
+    dot_q4_0: portable::dot_q4_0,
+    dot_q4_1: portable::dot_q4_1,
+    axpy_f32: portable::axpy_f32,
+    axpy_f16: portable::axpy_f16,
+    axpy_bf16: portable::axpy_bf16,
+    axpy_q8_0: portable::axpy_q8_0,
+    axpy_q4_0: portable::axpy_q4_0,
+    axpy_q4_1: portable::axpy_q4_1,
+};
+
+impl RowKernels {
+    /// The fastest kernels this CPU runs.
+    pub fn best() -> &'static RowKernels {
+        static BEST: OnceLock<RowKernels> = OnceLock::new();
+        BEST.get_or_init(|| Self::available()[0])
+    }
+
+    /// Every kernel set this CPU runs, fastest first (tests and benches compare them).
+    pub fn available() -> Vec<RowKernels> {
+        let mut sets = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::avx512::detected() {
+                // SAFETY: the CPU has the features the AVX-512 kernels are compiled for.
+                sets.push(unsafe { super::avx512::kernels() });
+            }
+            if super::avx2::detected() {
+                // SAFETY: the CPU has the features the AVX2 kernels are compiled for.
+                sets.push(unsafe { super::avx2::kernels() });
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        sets.push(super::neon::kernels());
+        sets.push(PORTABLE);
+        sets
+    }
+
+    /// `row · x` for a row of `x.x.len()` values encoded as `qtype`.
+    #[inline]
+    pub fn dot(&self, qtype: QuantType, row: &[u8], x: &Operand) -> f32 {
+        debug_assert_eq!(Ok(row.len()), row_bytes(qtype, x.x.len()));
+        match qtype {
+            QuantType::F32 => (self.dot_f32)(row, x.x),
+            QuantType::F16 => (self.dot_f16)(row, x.x),
+            QuantType::BF16 => (self.dot_bf16)(row, x.x),
+            QuantType::Q8_0 => (self.dot_q8_0)(row, x.q8()),
+            QuantType::Q4_0 => (self.dot_q4_0)(row, x.q8()),
+            QuantType::Q4_1 => (self.dot_q4_1)(row, x.q8()),
+        }
+    }
+
+    /// `out += a · row` for a row of `out.len()` values encoded as `qtype`.
+    #[inline]
+    pub fn axpy(&self, qtype: QuantType, a: f32, row: &[u8], out: &mut [f32]) {
+        debug_assert_eq!(Ok(row.len()), row_bytes(qtype, out.len()));
+        let f = match qtype {
+            QuantType::F32 => self.axpy_f32,
+            QuantType::F16 => self.axpy_f16,
+            QuantType::BF16 => self.axpy_bf16,
+            QuantType::Q8_0 => self.axpy_q8_0,
+            QuantType::Q4_0 => self.axpy_q4_0,
+            QuantType::Q4_1 => self.axpy_q4_1,
+        };
+        f(a, row, out)
+    }
+
+    /// Decodes a row into `out` (exactly as the scalar reference does).
+    pub fn dequantize(&self, qtype: QuantType, row: &[u8], out: &mut [f32]) {
+        out.fill(0.0);
+        self.axpy(qtype, 1.0, row, out);
+    }
+}

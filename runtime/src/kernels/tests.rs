@@ -1,0 +1,369 @@
+//! Every kernel of every instruction set this CPU runs, against scalar f64 references built from the
+//! format's scalar decoder, on fresh random inputs (the seed is in every failure message).
+
+use leanstream_format::quant::{dequantize_row, quantize_row, QuantType, BLOCK_LEN};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::bundles::{ffn_bundles, BundleLayout};
+use super::{Matrix, Operand, Q8Vec, QMatrix, RowKernels, Weight};
+use crate::config::Activation;
+
+fn rng() -> (u64, StdRng) {
+    let seed = rand::random();
+    (seed, StdRng::seed_from_u64(seed))
+}
+
+fn random(n: usize, scale: f32, rng: &mut StdRng) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// Lengths that are not multiples of any SIMD width, for the float types; whole blocks (odd and
+/// even counts, below and above the unrolled steps) for the block types.
+fn lengths(qtype: QuantType) -> Vec<usize> {
+    if qtype.is_block() {
+        [1, 2, 3, 4, 5, 7, 8, 9, 33, 129]
+            .iter()
+            .map(|b| b * BLOCK_LEN)
+            .collect()
+    } else {
+        vec![
+            1, 7, 8, 15, 16, 17, 31, 33, 63, 64, 65, 100, 257, 1000, 4101,
+        ]
+    }
+}
+
+/// A random row encoded as `qtype`, and its decoded values in f64.
+fn encoded_row(qtype: QuantType, n: usize, rng: &mut StdRng) -> (Vec<u8>, Vec<f64>) {
+    let row = random(n, 1.0, rng);
+    let bytes = quantize_row(qtype, &row).unwrap();
+    let mut decoded = vec![0.0f32; n];
+    dequantize_row(qtype, &bytes, &mut decoded).unwrap();
+    (bytes, decoded.iter().map(|v| *v as f64).collect())
+}
+
+/// The input vector as the kernels of `qtype` see it (q8-rounded for block types).
+fn seen(x: &Operand, qtype: QuantType) -> Vec<f64> {
+    if qtype.is_block() {
+        let q = x.q8();
+        (0..q.len()).map(|i| q.value(i) as f64).collect()
+    } else {
+        x.x.iter().map(|v| *v as f64).collect()
+    }
+}
+
+fn dot64(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+fn abs_dot64(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x * y).abs()).sum()
+}
+
+/// f32 accumulation error allowed relative to `Σ|w·x|`.
+const REL: f64 = 1e-5;
+
+#[test]
+fn q8_quantization_is_within_half_a_step() {
+    let (seed, mut rng) = rng();
+    let mut x = random(8 * BLOCK_LEN, 3.0, &mut rng);
+    x[..BLOCK_LEN].fill(0.0);
+    x[BLOCK_LEN] = 1e-30;
+    let q = Q8Vec::quantize(&x);
+    for (i, v) in x.iter().enumerate() {
+        let d = q.scales[i / BLOCK_LEN] as f64;
+        let err = (*v as f64 - q.value(i) as f64).abs();
+        assert!(err <= d / 2.0 * (1.0 + 1e-6), "seed {seed}: element {i}");
+        assert!(
+            q.quants[i] != i8::MIN,
+            "seed {seed}: -128 breaks the sign trick"
+        );
+    }
+    for b in 0..8 {
+        let sum: i32 = q.quants[b * BLOCK_LEN..(b + 1) * BLOCK_LEN]
+            .iter()
+            .map(|v| *v as i32)
+            .sum();
+        assert_eq!(q.sums[b], q.scales[b] * sum as f32);
+    }
+}
+
+#[test]
+fn row_dots_match_f64() {
+    let (seed, mut rng) = rng();
+    for k in RowKernels::available() {
+        for qtype in QuantType::ALL {
+            for n in lengths(qtype) {
+                let (bytes, w) = encoded_row(qtype, n, &mut rng);
+                let xs = random(n, 2.0, &mut rng);
+                let x = Operand::new(&xs, qtype);
+                let got = k.dot(qtype, &bytes, &x) as f64;
+                let want = dot64(&w, &seen(&x, qtype));
+                let tol = REL * abs_dot64(&w, &seen(&x, qtype)) + 1e-30;
+                assert!(
+                    (got - want).abs() <= tol,
+                    "seed {seed}: {} {qtype} n={n}: {got} vs {want}",
+                    k.isa
+                );
+                // Against the unquantized input: the q8 rounding adds at most d_x/2 per element.
+                let exact = dot64(&w, &xs.iter().map(|v| *v as f64).collect::<Vec<_>>());
+                let q8_bound: f64 = if qtype.is_block() {
+                    w.iter()
+                        .enumerate()
+                        .map(|(i, wi)| wi.abs() * x.q8().scales[i / BLOCK_LEN] as f64 / 2.0)
+                        .sum()
+                } else {
+                    0.0
+                };
+                assert!(
+                    (got - exact).abs() <= q8_bound * 1.001 + tol,
+                    "seed {seed}: {} {qtype} n={n}: {got} vs exact {exact}",
+                    k.isa
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn axpy_matches_f64_and_decoding_is_exact() {
+    let (seed, mut rng) = rng();
+    for k in RowKernels::available() {
+        for qtype in QuantType::ALL {
+            for n in lengths(qtype) {
+                let (bytes, w) = encoded_row(qtype, n, &mut rng);
+                let a = rng.random_range(-2.0f32..2.0);
+                let out0 = random(n, 1.0, &mut rng);
+                let mut out = out0.clone();
+                k.axpy(qtype, a, &bytes, &mut out);
+                // Q4_1 adds `a·m` and `a·d·q` separately: allow for their magnitudes.
+                let wmax = w.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                for i in 0..n {
+                    let want = out0[i] as f64 + a as f64 * w[i];
+                    let tol = 1e-6 * (out0[i].abs() as f64 + (a as f64).abs() * wmax) + 1e-30;
+                    assert!(
+                        (out[i] as f64 - want).abs() <= tol,
+                        "seed {seed}: {} {qtype} n={n} element {i}: {} vs {want}",
+                        k.isa,
+                        out[i]
+                    );
+                }
+                let mut decoded = vec![f32::NAN; n];
+                k.dequantize(qtype, &bytes, &mut decoded);
+                let want: Vec<f32> = w.iter().map(|v| *v as f32).collect();
+                assert_eq!(decoded, want, "seed {seed}: {} {qtype} n={n}", k.isa);
+            }
+        }
+    }
+}
+
+#[test]
+fn matvec_and_matmul_match_f64() {
+    let (seed, mut rng) = rng();
+    // 300 × 288 crosses the parallel threshold; 5 rows of 64 stay on one thread.
+    for (rows, cols) in [(300, 288), (5, 64)] {
+        let m = Matrix::new(rows, cols, random(rows * cols, 1.0, &mut rng));
+        for qtype in QuantType::ALL {
+            let q = QMatrix::quantize(&m, qtype).unwrap();
+            let w: Vec<Vec<f64>> = (0..rows)
+                .map(|r| {
+                    let mut row = vec![0.0f32; cols];
+                    dequantize_row(qtype, q.row(r), &mut row).unwrap();
+                    row.iter().map(|v| *v as f64).collect()
+                })
+                .collect();
+            let t = 3;
+            let xs = random(t * cols, 1.0, &mut rng);
+            let mut out = vec![0.0; t * rows];
+            q.matmul_t(&xs, t, &mut out);
+            for i in 0..t {
+                let xi = &xs[i * cols..(i + 1) * cols];
+                let xi64: Vec<f64> = xi.iter().map(|v| *v as f64).collect();
+                let op = Operand::new(xi, qtype);
+                let xq = seen(&op, qtype);
+                for k in RowKernels::available() {
+                    let mut one = vec![0.0; rows];
+                    q.matvec_with(&k, &op, &mut one);
+                    for r in 0..rows {
+                        let want = dot64(&w[r], &xq);
+                        let tol = REL * abs_dot64(&w[r], &xq);
+                        assert!(
+                            (one[r] as f64 - want).abs() <= tol,
+                            "seed {seed}: {} {qtype} {rows}×{cols} matvec row {r}",
+                            k.isa
+                        );
+                    }
+                }
+                for r in 0..rows {
+                    // The mat-mat path decodes to f32 and multiplies the unquantized input.
+                    let want = dot64(&w[r], &xi64);
+                    let tol = REL * abs_dot64(&w[r], &xi64);
+                    assert!(
+                        (out[i * rows + r] as f64 - want).abs() <= tol,
+                        "seed {seed}: {qtype} {rows}×{cols} matmul {i},{r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn weight_quantize_keeps_f32_and_round_trips() {
+    let (seed, mut rng) = rng();
+    let m = Matrix::new(4, 64, random(256, 1.0, &mut rng));
+    let w = Weight::F32(m.clone());
+    assert!(matches!(
+        w.quantize(QuantType::F32).unwrap(),
+        Weight::F32(_)
+    ));
+    let q = w.quantize(QuantType::Q8_0).unwrap();
+    assert_eq!((q.rows(), q.cols(), q.qtype()), (4, 64, QuantType::Q8_0));
+    assert_eq!(q.bytes(), 4 * 2 * 34);
+    let mut row = vec![0.0; 64];
+    q.row_f32(2, &mut row);
+    for (a, b) in row.iter().zip(m.row(2)) {
+        assert!((a - b).abs() <= 1.0 / 127.0, "seed {seed}");
+    }
+}
+
+/// Bundles `[gate | up | down]` for `n` neurons and their decoded parts in f64.
+fn random_bundles(
+    layout: &BundleLayout,
+    n: usize,
+    rng: &mut StdRng,
+) -> (Vec<u8>, Vec<[Vec<f64>; 3]>) {
+    let mut buf = Vec::with_capacity(n * layout.bundle_bytes());
+    let mut parts = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut decoded: [Vec<f64>; 3] = Default::default();
+        for d in decoded.iter_mut() {
+            let (bytes, w) = encoded_row(layout.qtype, layout.hidden, rng);
+            buf.extend(bytes);
+            *d = w;
+        }
+        parts.push(decoded);
+    }
+    (buf, parts)
+}
+
+#[test]
+fn bundle_ffn_matches_f64() {
+    let (seed, mut rng) = rng();
+    for qtype in QuantType::ALL {
+        let hidden = if qtype.is_block() { 288 } else { 100 };
+        // 1200 neurons of 288 cross the parallel threshold.
+        let n = if qtype.is_block() { 1200 } else { 90 };
+        let layout = BundleLayout::new(qtype, hidden).unwrap();
+        let (buf, parts) = random_bundles(&layout, n, &mut rng);
+        // Every other bundle, read in place from the one buffer.
+        let chosen: Vec<usize> = (0..n).step_by(2).collect();
+        let bundles: Vec<&[u8]> = chosen
+            .iter()
+            .map(|&i| &buf[i * layout.bundle_bytes()..(i + 1) * layout.bundle_bytes()])
+            .collect();
+        let xs = random(hidden, 1.0, &mut rng);
+        let x = Operand::new(&xs, qtype);
+        let xq = seen(&x, qtype);
+        for (act, threshold) in [
+            (Activation::Relu, 0.0),
+            (Activation::Silu, 0.5),
+            (Activation::Silu, 0.0),
+        ] {
+            let out0 = random(hidden, 1.0, &mut rng);
+            let mut out = out0.clone();
+            let mut gates = vec![0.0; bundles.len()];
+            let computed =
+                ffn_bundles(&layout, &x, &bundles, act, threshold, &mut out, &mut gates).unwrap();
+            let mut want: Vec<f64> = out0.iter().map(|v| *v as f64).collect();
+            let mut scale = vec![0.0f64; hidden];
+            let mut active = 0;
+            for (&i, &g) in chosen.iter().zip(&gates) {
+                let [gate, up, down] = &parts[i];
+                let g64 = dot64(gate, &xq);
+                let tol = REL * abs_dot64(gate, &xq);
+                assert!(
+                    (g as f64 - g64).abs() <= tol,
+                    "seed {seed}: {qtype} gate of neuron {i}: {g} vs {g64}"
+                );
+                // The skip decision follows the kernel's own gate value.
+                let a = act.apply(g) as f64;
+                if a.abs() > threshold as f64 {
+                    active += 1;
+                    let u = dot64(up, &xq);
+                    for j in 0..hidden {
+                        want[j] += a * u * down[j];
+                        scale[j] += (a * abs_dot64(up, &xq) * down[j]).abs();
+                    }
+                }
+            }
+            assert_eq!(computed, active, "seed {seed}: {qtype} {act:?}");
+            let all = act == Activation::Silu && threshold == 0.0;
+            assert!(active > 0, "seed {seed}: {qtype}");
+            assert_eq!(all, active == bundles.len(), "seed {seed}: {qtype}");
+            for j in 0..hidden {
+                let tol = REL * (scale[j] + out0[j].abs() as f64) + 1e-6;
+                assert!(
+                    (out[j] as f64 - want[j]).abs() <= tol,
+                    "seed {seed}: {qtype} {act:?} output {j}: {} vs {}",
+                    out[j],
+                    want[j]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn relu_skipping_is_exact() {
+    // With ReLU and threshold 0 the sparse FFN equals the dense one over all neurons.
+    let (seed, mut rng) = rng();
+    let layout = BundleLayout::new(QuantType::Q4_0, 64).unwrap();
+    let (buf, _) = random_bundles(&layout, 40, &mut rng);
+    let bundles: Vec<&[u8]> = buf.chunks_exact(layout.bundle_bytes()).collect();
+    let xs = random(64, 1.0, &mut rng);
+    let x = Operand::new(&xs, layout.qtype);
+    let mut sparse = vec![0.0; 64];
+    let mut gates = vec![0.0; 40];
+    let computed = ffn_bundles(
+        &layout,
+        &x,
+        &bundles,
+        Activation::Relu,
+        0.0,
+        &mut sparse,
+        &mut gates,
+    )
+    .unwrap();
+    let mut dense = vec![0.0; 64];
+    let k = RowKernels::best();
+    for b in &bundles {
+        let rb = layout.row_bytes();
+        let a = Activation::Relu.apply(k.dot(layout.qtype, &b[..rb], &x));
+        let u = k.dot(layout.qtype, &b[rb..2 * rb], &x);
+        k.axpy(layout.qtype, a * u, &b[2 * rb..], &mut dense);
+    }
+    assert!(computed < 40, "seed {seed}");
+    assert_eq!(sparse, dense, "seed {seed}");
+}
+
+#[test]
+fn bundle_errors_name_the_problem() {
+    let layout = BundleLayout::new(QuantType::Q8_0, 64).unwrap();
+    assert!(BundleLayout::new(QuantType::Q8_0, 65).is_err());
+    let xs = vec![0.0; 64];
+    let x = Operand::new(&xs, QuantType::Q8_0);
+    let short = vec![0u8; layout.bundle_bytes() - 1];
+    let mut out = vec![0.0; 64];
+    let err = ffn_bundles(
+        &layout,
+        &x,
+        &[&short],
+        Activation::Relu,
+        0.0,
+        &mut out,
+        &mut [0.0],
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("bundle 0"), "{err}");
+}

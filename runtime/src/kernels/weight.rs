@@ -1,0 +1,78 @@
+//! A weight matrix as the model holds it: f32 (the reference path, unchanged) or encoded.
+
+use anyhow::Result;
+use leanstream_format::quant::QuantType;
+
+use super::matrix::{matmul_t, Matrix};
+use super::qmatrix::QMatrix;
+
+#[derive(Debug, Clone)]
+pub enum Weight {
+    F32(Matrix),
+    Encoded(QMatrix),
+}
+
+impl Weight {
+    pub fn rows(&self) -> usize {
+        match self {
+            Weight::F32(m) => m.rows,
+            Weight::Encoded(q) => q.rows,
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            Weight::F32(m) => m.cols,
+            Weight::Encoded(q) => q.cols,
+        }
+    }
+
+    pub fn qtype(&self) -> QuantType {
+        match self {
+            Weight::F32(_) => QuantType::F32,
+            Weight::Encoded(q) => q.qtype,
+        }
+    }
+
+    /// Bytes held in DRAM.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Weight::F32(m) => m.bytes(),
+            Weight::Encoded(q) => q.bytes(),
+        }
+    }
+
+    /// Row `r` as f32.
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        match self {
+            Weight::F32(m) => out.copy_from_slice(m.row(r)),
+            Weight::Encoded(q) => q.dequantize_row(r, out),
+        }
+    }
+
+    /// The same weight encoded as `qtype` (from its f32 values; `F32` keeps the reference path).
+    pub fn quantize(&self, qtype: QuantType) -> Result<Weight> {
+        let f32 = match self {
+            Weight::F32(m) => m.clone(),
+            Weight::Encoded(q) => {
+                let mut data = vec![0.0; q.rows * q.cols];
+                for (r, row) in data.chunks_exact_mut(q.cols).enumerate() {
+                    q.dequantize_row(r, row);
+                }
+                Matrix::new(q.rows, q.cols, data)
+            }
+        };
+        Ok(match qtype {
+            QuantType::F32 => Weight::F32(f32),
+            _ => Weight::Encoded(QMatrix::quantize(&f32, qtype)?),
+        })
+    }
+
+    /// `out (t × rows) = X (t × cols) · Wᵀ` for `t` row-major input vectors.
+    pub fn matmul_t(&self, x: &[f32], t: usize, out: &mut [f32]) {
+        match self {
+            Weight::F32(m) => matmul_t(m, x, t, out),
+            Weight::Encoded(q) => q.matmul_t(x, t, out),
+        }
+    }
+}
