@@ -216,7 +216,9 @@ mod tests {
         };
         let t = train(&x, &y, &cfg);
         let q = top_k_quality(&t.scores(x.view()), &y, 8);
-        assert!(q.recall > 0.9, "recall {}", q.recall);
+        // 0, 4, 8, 12 or 16 neurons fire (binomially); a perfect ranker's recall at k = 8 is
+        // E[min(A, 8)] / E[A] = 6.5 / 8 = 0.8125.
+        assert!(q.recall > 0.78, "recall {}", q.recall);
         // Every neuron fires half the time: a static set of 8 recalls about half.
         let static_scores = Array2::from_shape_fn((rows, n), |(_, j)| -(j as f32));
         assert!(top_k_quality(&static_scores, &y, 8).recall < 0.6);

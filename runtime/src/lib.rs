@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod kernels;
 pub mod kv_cache;
+pub mod lsb_dense;
 pub mod memory;
 pub mod model;
 pub mod perplexity;

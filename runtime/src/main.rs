@@ -43,9 +43,18 @@ struct CommonArgs {
     /// Compute threads (default: all available cores).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
+    /// How weights are held: `dense` loads every weight into DRAM (the reference; the streaming
+    /// policies arrive with the memory planner).
+    #[arg(long, value_enum, default_value_t = Policy::Dense)]
+    policy: Policy,
     /// Print one JSON object on stdout instead of text.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Policy {
+    Dense,
 }
 
 #[derive(Args)]
@@ -107,7 +116,9 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<(LoadedModel, usize)
             .build_global()
             .context("cannot start the thread pool")?;
     }
-    let loaded = source::open(&common.model)?;
+    let loaded = match common.policy {
+        Policy::Dense => source::open(&common.model)?,
+    };
     let max = loaded.model.config().max_position_embeddings;
     let ctx = common.ctx.unwrap_or(default_ctx);
     if ctx < 2 {

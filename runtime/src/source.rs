@@ -22,7 +22,11 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
         bail!("model path {} does not exist", path.display());
     }
     if path.is_file() {
-        return open_gguf(path);
+        return if is_converted(path)? {
+            open_converted(path)
+        } else {
+            open_gguf(path)
+        };
     }
     if !path.is_dir() {
         bail!(
@@ -40,6 +44,30 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
         model,
         tokenizer,
         eos_token_ids,
+    })
+}
+
+/// A converted LeanStream file starts with its magic; anything else is tried as GGUF.
+fn is_converted(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut magic = [0u8; 8];
+    let mut f =
+        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let n = f
+        .read(&mut magic)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(n == 8 && magic == leanstream_format::container::MAGIC)
+}
+
+/// Loads a converted file whole, as the dense model.
+fn open_converted(path: &Path) -> Result<LoadedModel> {
+    let file = leanstream_format::LsbFile::open(path)?;
+    let tokenizer = Tokenizer::from_bytes(&file.tokenizer_json)
+        .with_context(|| format!("{}: the embedded tokenizer is invalid", path.display()))?;
+    Ok(LoadedModel {
+        eos_token_ids: file.meta.model.eos_token_ids.clone(),
+        model: crate::lsb_dense::load(&file)?,
+        tokenizer,
     })
 }
 

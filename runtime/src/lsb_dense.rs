@@ -1,0 +1,85 @@
+//! Loads a converted LeanStream file whole into DRAM as the dense f32 model (the `dense` policy):
+//! every tensor and every neuron bundle is read, checked against its checksum, decoded and put back
+//! in the original neuron order. This is the reference the streaming policies are compared with.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fs::File;
+
+use anyhow::{bail, Context, Result};
+use leanstream_format::container::read_at;
+use leanstream_format::file::check_extent;
+use leanstream_format::quant::dequantize_row;
+use leanstream_format::LsbFile;
+
+use crate::model::Model;
+
+/// Builds the dense model from an open file.
+pub fn load(file: &LsbFile) -> Result<Model> {
+    let config = file.meta.model.clone();
+    let path = &file.path;
+    let mut f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut tensors: HashMap<String, (Vec<usize>, Vec<f32>)> = HashMap::new();
+    for t in &file.dense.tensors {
+        let bytes = file.read_dense(&mut f, t)?;
+        let (rows, cols) = (t.rows(), t.cols());
+        let mut data = vec![0.0f32; rows * cols];
+        let row_bytes = bytes.len() / rows.max(1);
+        for (r, out) in data.chunks_exact_mut(cols).enumerate() {
+            dequantize_row(t.qtype, &bytes[r * row_bytes..(r + 1) * row_bytes], out)?;
+        }
+        tensors.insert(
+            t.name.clone(),
+            (t.shape.iter().map(|&d| d as usize).collect(), data),
+        );
+    }
+    let (h, n) = (config.hidden_size, config.intermediate_size);
+    for (l, layer) in file.ffn.layers.iter().enumerate() {
+        let (mut gate, mut up, mut down) = (
+            vec![0.0f32; n * h],
+            vec![0.0f32; n * h],
+            vec![0.0f32; h * n],
+        );
+        let rb = layer.row_bytes();
+        let mut column = vec![0.0f32; h];
+        for (ci, c) in layer.clusters.iter().enumerate() {
+            let (offset, size) = file.cluster_extent(l, ci);
+            let bytes = read_at(&mut f, path, offset, size)?;
+            check_extent(&bytes, c.checksum, || {
+                format!("{}: layer {l} cluster {ci}", path.display())
+            })?;
+            for k in 0..c.count as usize {
+                let orig = layer.perm[c.first as usize + k] as usize;
+                let b = &bytes[k * 3 * rb..(k + 1) * 3 * rb];
+                dequantize_row(layer.qtype, &b[..rb], &mut gate[orig * h..(orig + 1) * h])?;
+                dequantize_row(
+                    layer.qtype,
+                    &b[rb..2 * rb],
+                    &mut up[orig * h..(orig + 1) * h],
+                )?;
+                dequantize_row(layer.qtype, &b[2 * rb..], &mut column)?;
+                for (r, v) in column.iter().enumerate() {
+                    down[r * n + orig] = *v;
+                }
+            }
+        }
+        let p = format!("model.layers.{l}.mlp");
+        tensors.insert(format!("{p}.gate_proj.weight"), (vec![n, h], gate));
+        tensors.insert(format!("{p}.up_proj.weight"), (vec![n, h], up));
+        tensors.insert(format!("{p}.down_proj.weight"), (vec![h, n], down));
+    }
+    let tensors = RefCell::new(tensors);
+    Model::from_hf_tensors(config, |name, shape| {
+        let (stored_shape, data) = tensors
+            .borrow_mut()
+            .remove(name)
+            .with_context(|| format!("{}: tensor {name} is missing", path.display()))?;
+        if stored_shape != shape {
+            bail!(
+                "{}: tensor {name} has shape {stored_shape:?}, the config implies {shape:?}",
+                path.display()
+            );
+        }
+        Ok(data)
+    })
+}
