@@ -351,3 +351,44 @@ fn failed_conversions_leave_no_output() {
         "an unknown --quant is a usage error"
     );
 }
+
+/// A hub id resolves through the standard cache layout (`$HF_HOME/hub/models--owner--name`) with
+/// `HF_HUB_OFFLINE=1`, without network.
+#[test]
+fn hub_ids_resolve_from_the_offline_cache() {
+    let home = leanstream_tests::fresh_dir(&scratch(), "hf-home");
+    let repo = home.join("hub/models--test-org--austen");
+    let snapshot = repo.join("snapshots/0123456789abcdef");
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123456789abcdef").unwrap();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/austen-relu");
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(model.join(f), snapshot.join(f)).unwrap();
+    }
+    let out = scratch().join("from-hub.lsb");
+    let run = |id: &str| {
+        Command::new(env!("CARGO_BIN_EXE_leanstream-prep"))
+            .args([
+                "convert",
+                id,
+                "-o",
+                out.to_str().unwrap(),
+                "--calib-tokens",
+                "1024",
+                "--epochs",
+                "1",
+                "--json",
+            ])
+            .env("HF_HOME", &home)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap()
+    };
+    let o = run("test-org/austen");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(LsbFile::open(&out).is_ok());
+    let o = run("test-org/absent");
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("HF_HUB_OFFLINE"), "{}", stderr(&o));
+}
