@@ -198,7 +198,10 @@ impl Header {
                 length: u64_at(o + 24),
                 checksum: u64_at(o + 32),
             };
+            // Sizes come from the file: compare without arithmetic that could overflow.
             if s.offset != expected_offset
+                || s.length > file_size
+                || s.stored_size > file_size
                 || s.stored_size != page_align(s.length)
                 || s.encoding > Encoding::Zstd as u32
             {
@@ -424,6 +427,11 @@ mod tests {
         let page = h.encode();
         assert_eq!(Header::decode(&page, 3 * PAGE).unwrap(), h);
         assert!(Header::decode(&page, 4 * PAGE).is_err());
+        // A checksummed header with impossible sizes is an error, not an overflow.
+        let mut huge = h.clone();
+        huge.sections[0].length = u64::MAX;
+        huge.sections[0].stored_size = 0;
+        assert!(Header::decode(&huge.encode(), 3 * PAGE).is_err());
         for i in 0..PAGE as usize {
             let mut bad = page.clone();
             bad[i] ^= 0x10;

@@ -37,7 +37,11 @@ impl DenseTensor {
 
     /// The encoded size its shape and type imply.
     pub fn expected_size(&self) -> Result<u64, FormatError> {
-        Ok((self.rows() * row_bytes(self.qtype, self.cols())?) as u64)
+        (self.rows() as u64)
+            .checked_mul(row_bytes(self.qtype, self.cols())? as u64)
+            .ok_or_else(|| {
+                FormatError::invalid(format!("tensor {} is impossibly large", self.name))
+            })
     }
 }
 
@@ -96,12 +100,16 @@ impl DenseIndex {
                 checksum: d.u64()?,
             };
             if t.offset != next
+                || t.size > data_len
                 || t.extent_size != crate::container::page_align(t.size)
                 || t.size != t.expected_size()?
             {
                 return Err(d.invalid(format!("tensor {} has an inconsistent extent", t.name)));
             }
-            next = t.offset + t.extent_size;
+            next = t
+                .offset
+                .checked_add(t.extent_size)
+                .ok_or_else(|| d.invalid("extent overflow"))?;
             tensors.push(t);
         }
         d.finish()?;

@@ -127,6 +127,7 @@ impl FfnIndex {
                 };
                 if c.first != first
                     || c.count == 0
+                    || c.count as usize > neurons - first as usize
                     || c.offset != next
                     || c.extent_size != page_align(c.count as u64 * bundle)
                 {
@@ -135,7 +136,9 @@ impl FfnIndex {
                     )));
                 }
                 first += c.count;
-                next += c.extent_size;
+                next = next
+                    .checked_add(c.extent_size)
+                    .ok_or_else(|| d.invalid("extent overflow"))?;
                 clusters.push(c);
             }
             if first as usize != neurons {

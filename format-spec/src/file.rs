@@ -8,7 +8,7 @@ use crate::container::{checksum, read_at, Encoding, Header, SectionEntry, Sectio
 use crate::dense::{DenseIndex, DenseTensor};
 use crate::ffn::FfnIndex;
 use crate::meta::Meta;
-use crate::predictor::Predictors;
+use crate::predictor::{PredictorInput, Predictors};
 use crate::refine::Refine;
 use crate::sketch::Sketch;
 use crate::FormatError;
@@ -125,10 +125,16 @@ impl LsbFile {
         if p.own.len() != layers
             || p.lookahead.len() != layers
             || p.own.iter().chain(&p.lookahead).any(|q| {
-                q.input_dim as usize != c.hidden_size
-                    || q.outputs as usize != c.intermediate_size
-                    || q.source_layer as usize >= layers
+                q.input_dim as usize != c.hidden_size || q.outputs as usize != c.intermediate_size
             })
+            || p.own
+                .iter()
+                .enumerate()
+                .any(|(l, q)| q.input != PredictorInput::FfnInput || q.source_layer as usize != l)
+            || p.lookahead
+                .iter()
+                .enumerate()
+                .any(|(l, q)| q.input != PredictorInput::Residual || q.source_layer as usize > l)
         {
             return bad("PREDICTORS");
         }

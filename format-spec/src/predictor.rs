@@ -22,7 +22,7 @@ pub struct Predictor {
     pub input_dim: u32,
     pub rank: u32,
     pub outputs: u32,
-    /// Score above which a neuron is predicted active.
+    /// A neuron is predicted active when its score is at or above this.
     pub threshold: f32,
     /// `rank × input_dim`, row-major.
     pub w1: Vec<f32>,
