@@ -2,8 +2,9 @@
 //! Hugging Face names, and the tensors in Hugging Face's row order, so that the engine builds the
 //! model through the same [`Model::from_hf_tensors`] as for a safetensors directory.
 //!
-//! Weights are dequantized to f32 at load. [`GgufFile::raw_tensor`] keeps the stored block
-//! encoding (rows already in Hugging Face order) for the kernels that compute on it directly.
+//! Weight matrices stored as F16, BF16, Q8_0, Q4_0 or Q4_1 stay in that encoding (rows put in
+//! Hugging Face order by [`GgufFile::raw_tensor`]): the kernels compute on it directly. Other types
+//! are dequantized to f32 at load.
 
 use std::borrow::Cow;
 use std::fs::File;
@@ -14,9 +15,11 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
+use leanstream_format::quant::QuantType;
 use memmap2::Mmap;
 
 use crate::config::{Activation, Architecture, ModelConfig};
+use crate::kernels::{Matrix, QMatrix, Weight};
 use crate::model::Model;
 
 /// A GGUF file, memory-mapped, with its parsed header.
@@ -75,13 +78,39 @@ impl GgufFile {
         &self.path
     }
 
-    /// The model: configuration from the metadata, weights dequantized to f32.
+    /// The model: configuration from the metadata, weight matrices as [`weight`](Self::weight)
+    /// keeps them, norms as f32.
     pub fn load_model(&self) -> Result<Model> {
-        Model::from_hf_tensors(self.config()?, |name, shape| self.tensor_f32(name, shape))
+        Model::from_hf_weights(
+            self.config()?,
+            |name, shape| self.tensor_f32(name, shape),
+            |name, rows, cols| self.weight(name, rows, cols),
+        )
+    }
+
+    /// Hugging Face weight matrix `name` (`rows × cols`): as stored when the kernels read its
+    /// encoding, else dequantized to f32.
+    pub fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+        let raw = self.raw_tensor(name, &[rows, cols])?;
+        let qtype = match raw.dtype {
+            GgmlDType::F16 => QuantType::F16,
+            GgmlDType::BF16 => QuantType::BF16,
+            GgmlDType::Q8_0 => QuantType::Q8_0,
+            GgmlDType::Q4_0 => QuantType::Q4_0,
+            GgmlDType::Q4_1 => QuantType::Q4_1,
+            _ => {
+                let values = self.tensor_f32(name, &[rows, cols])?;
+                return Ok(Weight::F32(Matrix::new(rows, cols, values)));
+            }
+        };
+        let q = QMatrix::new(rows, cols, qtype, raw.data.into_owned())
+            .with_context(|| format!("{}: tensor {name}", self.path.display()))?;
+        Ok(Weight::Encoded(q))
     }
 
     /// The model configuration from the `{architecture}.*` and `tokenizer.ggml.*` metadata.
     pub fn config(&self) -> Result<ModelConfig> {
+        let architecture = self.architecture()?;
         let arch = self.required_str("general.architecture")?;
         let key = |k: &str| format!("{arch}.{k}");
         let num_heads = self.required_usize(&key("attention.head_count"))?;
@@ -123,7 +152,6 @@ impl GgufFile {
         }
         let embd = self.info("token_embd.weight")?;
         let vocab_size = embd.shape.dims().first().copied().unwrap_or(0);
-        let architecture = self.architecture()?;
         let config = ModelConfig {
             architecture,
             // llama.cpp's llama and qwen3 graphs gate the FFN with SiLU; GGUF has no key for it.
@@ -195,7 +223,7 @@ impl GgufFile {
         }
         let dtype = info.ggml_dtype;
         let cols = shape.last().copied().unwrap_or(1);
-        if cols % dtype.block_size() != 0 {
+        if !cols.is_multiple_of(dtype.block_size()) {
             bail!(
                 "{}: tensor {gguf_name}: rows of {cols} values do not fill whole {dtype:?} blocks",
                 self.path.display()
@@ -203,13 +231,24 @@ impl GgufFile {
         }
         let row_bytes = cols / dtype.block_size() * dtype.type_size();
         let len = shape.iter().product::<usize>() / cols * row_bytes;
-        let start = self.content.tensor_data_offset as usize + info.offset as usize;
-        let data = self.mmap.get(start..start + len).with_context(|| {
-            format!(
-                "{}: tensor {gguf_name} lies past the end of the file (truncated download?)",
+        let start = (self.content.tensor_data_offset)
+            .checked_add(info.offset)
+            .and_then(|s| usize::try_from(s).ok());
+        let data = start
+            .and_then(|s| self.mmap.get(s..s.checked_add(len)?))
+            .with_context(|| {
+                format!(
+                    "{}: tensor {gguf_name} lies past the end of the file (truncated download?)",
+                    self.path.display()
+                )
+            })?;
+        // GGUF aligns tensor data (to 32 bytes by default); the block decoders need 4.
+        if !(data.as_ptr() as usize).is_multiple_of(4) {
+            bail!(
+                "{}: tensor {gguf_name} is not aligned in the file as GGUF requires",
                 self.path.display()
-            )
-        })?;
+            );
+        }
         let data = match (self.architecture()?, name.rsplit('.').nth(1)) {
             (Architecture::Llama, Some(proj @ ("q_proj" | "k_proj"))) => {
                 let (q_heads, kv_heads) = self.head_counts()?;

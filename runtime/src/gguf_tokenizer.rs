@@ -97,29 +97,31 @@ pub fn from_gguf(file: &GgufFile) -> Result<GgufTokenizer> {
         .bool("tokenizer.ggml.add_bos_token")?
         .unwrap_or(default_add_bos);
     let add_eos = file.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
-    let mut template = Vec::new();
-    let mut template_tokens = Vec::new();
+    // What `encode(text, true)` adds around the text, as llama.cpp's `add_special`.
+    let mut single = vec!["$A".to_string()];
+    let mut special_ids = Vec::new();
     for (add, id, what) in [(add_bos, bos, "BOS"), (add_eos, eos, "EOS")] {
         if add {
             let id = id.with_context(|| {
                 format!("{path}: the tokenizer adds a {what} token but names none")
             })?;
             let text = tokens[id as usize].clone();
-            template_tokens.push((text.clone(), id));
-            template.push(text);
+            special_ids.push((text.clone(), id));
+            if what == "BOS" {
+                single.insert(0, text);
+            } else {
+                single.push(text);
+            }
         }
     }
-    if !template.is_empty() {
-        let single = match (add_bos, add_eos) {
-            (true, true) => format!("{} $A {}", template[0], template[1]),
-            (true, false) => format!("{} $A", template[0]),
-            _ => format!("$A {}", template[0]),
-        };
+    if !special_ids.is_empty() {
         let processor = TemplateProcessing::builder()
             .try_single(single)
-            .map_err(|e| anyhow::anyhow!("{path}: cannot build the BOS/EOS template: {e}"))?
-            .special_tokens(template_tokens)
-            .build()
+            .and_then(|b| {
+                b.special_tokens(special_ids)
+                    .build()
+                    .map_err(|e| e.to_string())
+            })
             .map_err(|e| anyhow::anyhow!("{path}: cannot build the BOS/EOS template: {e}"))?;
         inner.with_post_processor(Some(processor));
     }

@@ -2,6 +2,7 @@
 //! memory budget. This crate holds the engine (model, kernels, KV cache, sampler) and the
 //! `leanstream` command-line tool.
 
+pub mod certify;
 pub mod config;
 pub mod generate;
 pub mod gguf;
@@ -10,7 +11,9 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod lsb_dense;
 pub mod memory;
+pub mod memory_size;
 pub mod model;
+pub mod neuron_cache;
 pub mod perplexity;
 pub mod rope;
 pub mod safetensors_dir;

@@ -5,10 +5,11 @@
 use std::path::Path;
 
 use anyhow::{bail, Result};
+use leanstream_format::quant::QuantType;
 use rayon::prelude::*;
 
 use crate::config::ModelConfig;
-use crate::kernels::{dot, matmul_t, Matrix};
+use crate::kernels::{dot, Matrix, Weight};
 use crate::kv_cache::KvCache;
 use crate::rope::Rope;
 use crate::safetensors_dir::SafetensorsDir;
@@ -16,26 +17,26 @@ use crate::safetensors_dir::SafetensorsDir;
 /// Weights of one transformer block.
 pub struct Layer {
     pub attn_norm: Vec<f32>,
-    pub wq: Matrix,
-    pub wk: Matrix,
-    pub wv: Matrix,
-    pub wo: Matrix,
+    pub wq: Weight,
+    pub wk: Weight,
+    pub wv: Weight,
+    pub wo: Weight,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
-    pub gate: Matrix,
-    pub up: Matrix,
-    pub down: Matrix,
+    pub gate: Weight,
+    pub up: Weight,
+    pub down: Weight,
 }
 
 /// A model held entirely in DRAM as f32.
 pub struct Model {
     config: ModelConfig,
-    embed: Matrix,
+    embed: Weight,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     /// `None` when the output head is tied to the embedding.
-    lm_head: Option<Matrix>,
+    lm_head: Option<Weight>,
     rope: Rope,
 }
 
@@ -92,11 +93,24 @@ impl Model {
         config: ModelConfig,
         get: impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
     ) -> Result<Self> {
+        Self::from_hf_weights(config, &get, |name, rows, cols| {
+            Ok(Weight::F32(Matrix::new(
+                rows,
+                cols,
+                get(name, &[rows, cols])?,
+            )))
+        })
+    }
+
+    /// As [`from_hf_tensors`](Self::from_hf_tensors), with the weight matrices from `mat`
+    /// (`name`, `rows`, `cols`), which may keep them encoded as stored (GGUF blocks).
+    pub fn from_hf_weights(
+        config: ModelConfig,
+        get: impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+        mat: impl Fn(&str, usize, usize) -> Result<Weight>,
+    ) -> Result<Self> {
         let c = &config;
         let (h, hd) = (c.hidden_size, c.head_dim);
-        let mat = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
-            Ok(Matrix::new(rows, cols, get(name, &[rows, cols])?))
-        };
         let embed = mat("model.embed_tokens.weight", c.vocab_size, h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
@@ -155,6 +169,29 @@ impl Model {
         &self.layers
     }
 
+    /// The model with the linear weights of every block encoded as `layers` and the embedding
+    /// (and untied output head) as `head`. `F32` keeps a weight on the f32 reference path.
+    pub fn quantize(mut self, layers: QuantType, head: QuantType) -> Result<Self> {
+        for l in &mut self.layers {
+            for w in [
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.gate,
+                &mut l.up,
+                &mut l.down,
+            ] {
+                *w = w.quantize(layers)?;
+            }
+        }
+        self.embed = self.embed.quantize(head)?;
+        if let Some(h) = &mut self.lm_head {
+            *h = h.quantize(head)?;
+        }
+        Ok(self)
+    }
+
     /// A KV cache for up to `ctx` positions.
     pub fn new_cache(&self, ctx: usize) -> KvCache {
         KvCache::new(&self.config, ctx)
@@ -178,7 +215,7 @@ impl Model {
         self.embed.bytes()
             + layer_bytes
             + 4 * self.norm.len()
-            + self.lm_head.as_ref().map_or(0, Matrix::bytes)
+            + self.lm_head.as_ref().map_or(0, Weight::bytes)
     }
 
     /// Runs `tokens` at the positions following those already in `cache` and appends their keys and
@@ -225,7 +262,7 @@ impl Model {
                     c.vocab_size
                 );
             }
-            row.copy_from_slice(self.embed.row(tok as usize));
+            self.embed.row_f32(tok as usize, row);
         }
         Ok(x)
     }
@@ -259,7 +296,7 @@ impl Model {
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0.0; rows * c.vocab_size];
-        matmul_t(head, &xn, rows, &mut logits);
+        head.matmul_t(&xn, rows, &mut logits);
         logits
     }
 
@@ -301,9 +338,9 @@ impl Model {
         for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
             rms_norm(src, &layer.attn_norm, c.rms_norm_eps, dst);
         }
-        matmul_t(&layer.wq, &s.xn, t, &mut s.q);
-        matmul_t(&layer.wk, &s.xn, t, &mut s.k);
-        matmul_t(&layer.wv, &s.xn, t, &mut s.v);
+        layer.wq.matmul_t(&s.xn, t, &mut s.q);
+        layer.wk.matmul_t(&s.xn, t, &mut s.k);
+        layer.wv.matmul_t(&s.xn, t, &mut s.v);
         let rows = s.q.chunks_exact_mut(qd).zip(s.k.chunks_exact_mut(kvd));
         for (i, ((q, k), (cos, sin))) in rows.zip(tables).enumerate() {
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
@@ -317,7 +354,7 @@ impl Model {
             cache.store(l, start + i, k, &s.v[i * kvd..(i + 1) * kvd]);
         }
         self.attend(l, start, t, &s.q, cache, &mut s.att);
-        matmul_t(&layer.wo, &s.att, t, &mut s.proj);
+        layer.wo.matmul_t(&s.att, t, &mut s.proj);
         x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
     }
 
@@ -379,8 +416,8 @@ impl Model {
         for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
             rms_norm(src, &layer.ffn_norm, c.rms_norm_eps, dst);
         }
-        matmul_t(&layer.gate, &s.xn, t, &mut s.gate);
-        matmul_t(&layer.up, &s.xn, t, &mut s.up);
+        layer.gate.matmul_t(&s.xn, t, &mut s.gate);
+        layer.up.matmul_t(&s.xn, t, &mut s.up);
         if let Some(probe) = probe {
             probe(FfnProbe {
                 layer: l,
@@ -393,7 +430,7 @@ impl Model {
             .iter_mut()
             .zip(&s.up)
             .for_each(|(g, u)| *g = act.apply(*g) * u);
-        matmul_t(&layer.down, &s.gate, t, &mut s.proj);
+        layer.down.matmul_t(&s.gate, t, &mut s.proj);
         x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
     }
 }

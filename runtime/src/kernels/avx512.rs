@@ -156,19 +156,16 @@ unsafe fn axpy_bf16(a: f32, w: &[u8], out: &mut [f32]) {
     float_axpy(a, w, out, Float::Bf16)
 }
 
-/// Two f16 values at `p` and `p + stride` as the low lanes of a vector.
+// Block types: the integer dot products of two blocks fill one vector (8 lanes per block); the
+// scales of a group of blocks are fetched with one or two loads and a word permute (instead of two
+// scalar loads per block), converted together, and spread over the lanes of each pair.
+
+/// Two f16 values at `p` and `p + stride` as the low lanes of a vector (for the last pairs of a row).
 #[inline(always)]
 unsafe fn f16_pair(p: *const u8, stride: usize) -> __m128 {
     let h0 = (p as *const u16).read_unaligned() as u32;
     let h1 = (p.add(stride) as *const u16).read_unaligned() as u32;
     _mm_cvtph_ps(_mm_cvtsi32_si128((h0 | (h1 << 16)) as i32))
-}
-
-/// Lanes 0..8 from lane 0 of `v`, lanes 8..16 from its lane 1: one scale per block of a pair.
-#[inline(always)]
-unsafe fn spread_pair(v: __m128) -> __m512 {
-    let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v))
 }
 
 /// Two consecutive f32 at `p` as the low lanes of a vector.
@@ -177,10 +174,79 @@ unsafe fn f32_pair(p: *const f32) -> __m128 {
     _mm_castpd_ps(_mm_load_sd(p as *const f64))
 }
 
-/// Two `Q8_0` blocks at `blk` times 64 activation quants at `xq`: per-lane integer sums (8 lanes per
-/// block) as f32, and the two blocks' `d_w·d_x` spread over their lanes.
+/// Lanes `2p` and `2p + 1` of `v`, each spread over 8 lanes: the scales of pair `p` of a group.
 #[inline(always)]
-unsafe fn q8_0_pair(blk: *const u8, xq: *const i8, xd: *const f32) -> (__m512, __m512) {
+unsafe fn spread(v: __m512, p: usize) -> __m512 {
+    static IDX: [[i32; 16]; 4] = {
+        let mut idx = [[0; 16]; 4];
+        let mut p = 0;
+        while p < 4 {
+            let mut l = 0;
+            while l < 16 {
+                idx[p][l] = (2 * p + l / 8) as i32;
+                l += 1;
+            }
+            p += 1;
+        }
+        idx
+    };
+    _mm512_permutexvar_ps(_mm512_loadu_si512(IDX[p].as_ptr() as *const _), v)
+}
+
+/// The f16 words at the word offsets `words` of the 64 bytes at `p` (128 if `TWO`), as f32; lanes
+/// past the offsets given repeat the first.
+#[inline(always)]
+unsafe fn gather_f16<const TWO: bool>(p: *const u8, words: &[i16; 32]) -> __m512 {
+    let idx = _mm512_loadu_si512(words.as_ptr() as *const _);
+    _mm512_cvtph_ps(_mm512_castsi512_si256(permute_words::<TWO>(p, idx)))
+}
+
+/// Word `i` of the result is word `idx[i]` of the 64 (or 128 if `TWO`) bytes at `p`: one load and
+/// one `vpermw`/`vpermi2w`. Written as assembly because LLVM, seeing the constant index and the
+/// loads, rebuilds the neighbouring weight loads from these registers with a dozen shuffles.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn permute_words<const TWO: bool>(p: *const u8, idx: __m512i) -> __m512i {
+    let mut r = idx;
+    if TWO {
+        std::arch::asm!(
+            "vmovdqu64 {t}, zmmword ptr [{p}]",
+            "vpermi2w {r}, {t}, zmmword ptr [{p} + 64]",
+            r = inout(zmm_reg) r,
+            t = out(zmm_reg) _,
+            p = in(reg) p,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    } else {
+        std::arch::asm!(
+            "vpermw {r}, {r}, zmmword ptr [{p}]",
+            r = inout(zmm_reg) r,
+            p = in(reg) p,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    r
+}
+
+/// Word offsets of the scales of 8 `Q4_0` blocks (18 bytes apart), of 4 `Q8_0` blocks (34 bytes),
+/// and of the `d` then `m` of 4 `Q4_1` blocks (20 bytes).
+static Q4_0_D: [i16; 32] = words(&[0, 9, 18, 27, 36, 45, 54, 63]);
+static Q8_0_D: [i16; 32] = words(&[0, 17, 34, 51]);
+static Q4_1_DM: [i16; 32] = words(&[0, 10, 20, 30, 1, 11, 21, 31]);
+
+const fn words(w: &[i16]) -> [i16; 32] {
+    let mut out = [0; 32];
+    let mut i = 0;
+    while i < w.len() {
+        out[i] = w[i];
+        i += 1;
+    }
+    out
+}
+
+/// `Σ q_w·q_x` per lane of two `Q8_0` blocks at `blk` against 64 activation quants, as f32.
+#[inline(always)]
+unsafe fn q8_0_pair(blk: *const u8, xq: *const i8) -> __m512 {
     let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
     let w1 = _mm256_loadu_si256(blk.add(Q8_0_BYTES + 2) as *const __m256i);
     let wv = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1);
@@ -188,28 +254,30 @@ unsafe fn q8_0_pair(blk: *const u8, xq: *const i8, xd: *const f32) -> (__m512, _
     // vpdpbusd multiplies unsigned by signed bytes: move w's sign onto x.
     let zero = _mm512_setzero_si512();
     let sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);
-    let p = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), sx);
-    let scale = _mm_mul_ps(f16_pair(blk, Q8_0_BYTES), f32_pair(xd));
-    (_mm512_cvtepi32_ps(p), spread_pair(scale))
+    _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), sx))
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
     let nb = (w.len() / Q8_0_BYTES).min(x.scales.len());
     let (wp, xq, xd) = (w.as_ptr(), x.quants.as_ptr(), x.scales.as_ptr());
-    let pair = |b: usize| q8_0_pair(wp.add(b * Q8_0_BYTES), xq.add(b * BLOCK_LEN), xd.add(b));
+    let blk = |b: usize| wp.add(b * Q8_0_BYTES);
     let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     let mut b = 0;
+    // Groups of 4 blocks (136 bytes, of which the scales lie in the first 128).
     while b + 4 <= nb {
-        let (p0, s0) = pair(b);
-        let (p1, s1) = pair(b + 2);
-        acc0 = _mm512_fmadd_ps(p0, s0, acc0);
-        acc1 = _mm512_fmadd_ps(p1, s1, acc1);
+        let dw = gather_f16::<true>(blk(b), &Q8_0_D);
+        let s = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(0x0f, xd.add(b)));
+        let p0 = q8_0_pair(blk(b), xq.add(b * BLOCK_LEN));
+        let p1 = q8_0_pair(blk(b + 2), xq.add((b + 2) * BLOCK_LEN));
+        acc0 = _mm512_fmadd_ps(p0, spread(s, 0), acc0);
+        acc1 = _mm512_fmadd_ps(p1, spread(s, 1), acc1);
         b += 4;
     }
     if b + 2 <= nb {
-        let (p0, s0) = pair(b);
-        acc0 = _mm512_fmadd_ps(p0, s0, acc0);
+        let s = _mm_mul_ps(f16_pair(blk(b), Q8_0_BYTES), f32_pair(xd.add(b)));
+        let p0 = q8_0_pair(blk(b), xq.add(b * BLOCK_LEN));
+        acc0 = _mm512_fmadd_ps(p0, spread(_mm512_castps128_ps512(s), 0), acc0);
         b += 2;
     }
     _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
@@ -218,53 +286,30 @@ unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
         })
 }
 
-/// The 32 codes of two 4-bit blocks (16 nibble bytes each at `n0`, `n1`) as 64 bytes in element
-/// order: block 0's low nibbles, its high nibbles, then block 1's.
+/// `Σ q_w·q_x` per lane of two 4-bit blocks (16 nibble bytes each at `n0`, `n1`) against 64
+/// activation quants, as f32.
 #[inline(always)]
-unsafe fn unpack_pair(n0: *const u8, n1: *const u8) -> __m512i {
+unsafe fn q4_pair(n0: *const u8, n1: *const u8, xq: *const i8) -> __m512 {
+    // Each block's 16 bytes twice; shifting the second copy right by 4 (64-bit lanes 2, 3, 6, 7)
+    // and masking gives the codes in element order (low nibbles: 0..15, high: 16..31).
     let a = _mm256_broadcastsi128_si256(_mm_loadu_si128(n0 as *const __m128i));
     let b = _mm256_broadcastsi128_si256(_mm_loadu_si128(n1 as *const __m128i));
     let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
-    // Shift the second copy of each block's bytes right by 4 (64-bit lanes 2, 3, 6, 7); the mask
-    // drops the bits that cross byte boundaries.
     let shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
-    _mm512_and_si512(_mm512_srlv_epi64(v, shifts), _mm512_set1_epi8(0x0f))
+    let wv = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), _mm512_set1_epi8(0x0f));
+    let xv = _mm512_loadu_si512(xq as *const _);
+    _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv))
 }
 
-/// Two 4-bit blocks: per-lane integer sums as f32, the spread `d_w·d_x`, and the pair's offset
-/// term `o·d_x·Σ q_x` (two lanes), where `o` is `d_w` for `Q4_0` (times −8 by the caller) and `m_w`
-/// for `Q4_1`.
-#[inline(always)]
-unsafe fn q4_pair<const WITH_MIN: bool>(
-    blk: *const u8,
-    x: (*const i8, *const f32, *const f32),
-) -> (__m512, __m512, __m128) {
+/// `Q4_0` (`WITH_MIN` false: the offset −8 enters through the activation sums as `−8·d_w·d_x·Σ q_x`)
+/// or `Q4_1` (`m_w·d_x·Σ q_x`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
     let (bytes, nib) = if WITH_MIN {
         (Q4_1_BYTES, 4)
     } else {
         (Q4_0_BYTES, 2)
     };
-    let wv = unpack_pair(blk.add(nib), blk.add(bytes + nib));
-    let xv = _mm512_loadu_si512(x.0 as *const _);
-    let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
-    let dw = f16_pair(blk, bytes);
-    let scale = _mm_mul_ps(dw, f32_pair(x.1));
-    let o = if WITH_MIN {
-        f16_pair(blk.add(2), bytes)
-    } else {
-        dw
-    };
-    (
-        _mm512_cvtepi32_ps(p),
-        spread_pair(scale),
-        _mm_mul_ps(o, f32_pair(x.2)),
-    )
-}
-
-/// `Q4_0` (`WITH_MIN` false: offset −8 through the activation sums) or `Q4_1`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
-    let bytes = if WITH_MIN { Q4_1_BYTES } else { Q4_0_BYTES };
     let nb = (w.len() / bytes).min(x.scales.len());
     let (wp, xq, xd, xs) = (
         w.as_ptr(),
@@ -272,34 +317,55 @@ unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
         x.scales.as_ptr(),
         x.sums.as_ptr(),
     );
-    let pair = |b: usize| {
-        q4_pair::<WITH_MIN>(wp.add(b * bytes), (xq.add(b * BLOCK_LEN), xd.add(b), xs.add(b)))
-    };
+    let blk = |b: usize| wp.add(b * bytes);
+    let pair = |b: usize| q4_pair(blk(b).add(nib), blk(b + 1).add(nib), xq.add(b * BLOCK_LEN));
     let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-    let mut offsets = _mm_setzero_ps();
+    // Σ o·d_x·Σ q_x per block, o = d_w (Q4_0) or m_w (Q4_1).
+    let mut offsets = _mm512_setzero_ps();
     let mut b = 0;
-    while b + 4 <= nb {
-        let (p0, s0, o0) = pair(b);
-        let (p1, s1, o1) = pair(b + 2);
-        acc0 = _mm512_fmadd_ps(p0, s0, acc0);
-        acc1 = _mm512_fmadd_ps(p1, s1, acc1);
-        offsets = _mm_add_ps(offsets, _mm_add_ps(o0, o1));
-        b += 4;
+    // Groups of 8 `Q4_0` blocks (144 bytes; scales in the first 128) or 4 `Q4_1` blocks (80
+    // bytes; d and m in the first 64).
+    let group = if WITH_MIN { 4 } else { 8 };
+    while b + group <= nb {
+        // Exactly the group's lanes, zeros beyond.
+        let load = |p: *const f32| _mm512_maskz_loadu_ps(((1u32 << group) - 1) as __mmask16, p);
+        let (dw, o) = if WITH_MIN {
+            let dm = gather_f16::<false>(blk(b), &Q4_1_DM);
+            // m to lanes 0..4.
+            (dm, _mm512_shuffle_f32x4::<0b01_01_01_01>(dm, dm))
+        } else {
+            let d = gather_f16::<true>(blk(b), &Q4_0_D);
+            (d, d)
+        };
+        let s = _mm512_mul_ps(dw, load(xd.add(b)));
+        offsets = _mm512_fmadd_ps(o, load(xs.add(b)), offsets);
+        for p in 0..group / 2 {
+            let a = if p % 2 == 0 { &mut acc0 } else { &mut acc1 };
+            *a = _mm512_fmadd_ps(pair(b + 2 * p), spread(s, p), *a);
+        }
+        b += group;
     }
-    if b + 2 <= nb {
-        let (p0, s0, o0) = pair(b);
-        acc0 = _mm512_fmadd_ps(p0, s0, acc0);
-        offsets = _mm_add_ps(offsets, o0);
+    let mut offset = _mm512_reduce_add_ps(offsets);
+    while b + 2 <= nb {
+        let dw = f16_pair(blk(b), bytes);
+        let s = _mm_mul_ps(dw, f32_pair(xd.add(b)));
+        acc0 = _mm512_fmadd_ps(pair(b), spread(_mm512_castps128_ps512(s), 0), acc0);
+        let o = if WITH_MIN {
+            f16_pair(blk(b).add(2), bytes)
+        } else {
+            dw
+        };
+        let t = _mm_mul_ps(o, f32_pair(xs.add(b)));
+        offset += _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
         b += 2;
     }
-    let offsets = _mm_cvtss_f32(_mm_add_ss(offsets, _mm_movehdup_ps(offsets)));
     let head = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
     let tail = if WITH_MIN {
         portable::block_dot(w, x, b, bytes, portable::block_q4_1)
     } else {
         portable::block_dot(w, x, b, bytes, portable::block_q4_0)
     };
-    head + if WITH_MIN { offsets } else { -8.0 * offsets } + tail
+    head + if WITH_MIN { offset } else { -8.0 * offset } + tail
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]

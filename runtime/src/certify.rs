@@ -1,0 +1,123 @@
+//! Certified skipping: a neuron may be skipped without reading its bundle only when the resident
+//! gate sketch *proves* it inactive. The sketch gives `ĝ` with `|g − ĝ| ≤ β = err_norm · ‖x‖₂`
+//! (Cauchy–Schwarz), so the exact gate lies in `[ĝ − β, ĝ + β]`; the neuron is skipped iff every
+//! value in that interval has `|act(g)| ≤ threshold` — the same rule the file's sparsity applies
+//! to the exact gate, so certified output equals the `resident` policy's.
+
+use crate::config::Activation;
+
+/// The gate values whose activation is skippable (`|act(g)| ≤ threshold`), as disjoint closed
+/// intervals.
+#[derive(Debug, Clone)]
+pub struct SkipSet {
+    intervals: Vec<(f32, f32)>,
+}
+
+impl SkipSet {
+    pub fn new(act: Activation, threshold: f32) -> Self {
+        let intervals = match act {
+            // relu(g) ≤ t ⇔ g ≤ t (t ≥ 0).
+            Activation::Relu => vec![(f32::NEG_INFINITY, threshold.max(0.0))],
+            Activation::Silu => silu_intervals(threshold as f64),
+        };
+        Self { intervals }
+    }
+
+    /// True when every gate value in `[lo, hi]` is skippable.
+    pub fn contains(&self, lo: f32, hi: f32) -> bool {
+        self.intervals.iter().any(|&(a, b)| a <= lo && hi <= b)
+    }
+}
+
+fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+/// SiLU's minimum is at g ≈ −1.278 (value ≈ −0.2785). `|silu(g)| ≤ t` holds on `[a, b]` around
+/// zero and, when `t` is below the minimum's depth, also on `(−∞, a']` far left.
+fn silu_intervals(t: f64) -> Vec<(f32, f32)> {
+    const G_MIN: f64 = -1.278_464_542_761_074;
+    if t <= 0.0 {
+        // Only g = 0 gives exactly 0; a sketch interval is never a single point in practice.
+        return vec![(0.0, 0.0)];
+    }
+    // Bisection for silu(g) = target on a monotone bracket; rounds inward so the set stays sound.
+    let solve = |mut lo: f64, mut hi: f64, target: f64, increasing: bool| {
+        for _ in 0..200 {
+            let mid = 0.5 * (lo + hi);
+            if (silu(mid) < target) == increasing {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        (lo, hi)
+    };
+    let (b, _) = solve(0.0, t.max(1.0) + 10.0, t, true);
+    if t >= -silu(G_MIN) {
+        return vec![(f32::NEG_INFINITY, shrink_down(b))];
+    }
+    // Right branch of the dip: silu increases from the minimum to 0 on [G_MIN, 0].
+    let (_, a_hi) = solve(G_MIN, 0.0, -t, true);
+    // Left branch: silu decreases from 0 to the minimum on (−∞, G_MIN].
+    let (a_left, _) = solve(-60.0, G_MIN, -t, false);
+    vec![
+        (f32::NEG_INFINITY, shrink_down(a_left)),
+        (shrink_up(a_hi), shrink_down(b)),
+    ]
+}
+
+/// The next f32 at or below `v` (so an interval computed in f64 stays inside the true set).
+fn shrink_down(v: f64) -> f32 {
+    let f = v as f32;
+    if f as f64 > v {
+        f32::from_bits(if f > 0.0 {
+            f.to_bits() - 1
+        } else {
+            f.to_bits() + 1
+        })
+    } else {
+        f
+    }
+}
+
+fn shrink_up(v: f64) -> f32 {
+    -shrink_down(-v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relu_skip_set() {
+        let s = SkipSet::new(Activation::Relu, 0.0);
+        assert!(s.contains(-3.0, -0.1));
+        assert!(s.contains(-3.0, 0.0));
+        assert!(!s.contains(-3.0, 0.01));
+    }
+
+    /// Sound: any interval the set accepts only holds skippable gates (dense sampling).
+    #[test]
+    fn silu_skip_sets_are_sound_and_tight() {
+        for t in [0.05f32, 0.2, 0.27, 0.3, 1.0] {
+            let s = SkipSet::new(Activation::Silu, t);
+            for &(a, b) in &s.intervals {
+                let lo = if a.is_finite() { a } else { -80.0 };
+                for i in 0..=2000 {
+                    let g = lo + (b - lo) * i as f32 / 2000.0;
+                    assert!(
+                        Activation::Silu.apply(g).abs() <= t * (1.0 + 1e-5),
+                        "t {t}: g {g}"
+                    );
+                }
+                // Tight: just outside the right end is not skippable.
+                assert!(Activation::Silu.apply(b + 1e-3).abs() > t, "t {t}: end {b}");
+            }
+            assert!(s.contains(-0.01, 0.01));
+            assert!(!s.contains(-0.01, 5.0));
+        }
+        assert_eq!(SkipSet::new(Activation::Silu, 0.3).intervals.len(), 1);
+        assert_eq!(SkipSet::new(Activation::Silu, 0.2).intervals.len(), 2);
+    }
+}

@@ -1,0 +1,222 @@
+//! The neuron cache: clusters of neuron bundles held in DRAM, within a byte capacity. A pinned hot
+//! set, chosen from the profile, never leaves; the rest is ranked by observed use — how often a
+//! cluster turned out to hold active neurons (an exponential moving average), how strongly, and how
+//! recently — so that what stays is what tokens actually needed, not what was once predicted.
+
+use std::collections::HashMap;
+
+/// A cluster: `(layer, cluster index)`.
+pub type ClusterKey = (u32, u32);
+
+/// How the dynamic part ranks clusters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    /// Observed activity: frequency, magnitude and recency of use.
+    Activity,
+    /// Least recently used first out (an ablation and the prior systems' cold cache).
+    Lru,
+}
+
+struct Entry<B> {
+    data: B,
+    bytes: u64,
+    pinned: bool,
+    /// Moving average of "this cluster held an active neuron when its layer ran".
+    freq: f32,
+    /// Moving average of the mean |activation| of its active neurons.
+    magnitude: f32,
+    last_used: u64,
+}
+
+/// Weight of the newest observation in the moving averages.
+const EMA: f32 = 0.1;
+
+pub struct NeuronCache<B> {
+    capacity: u64,
+    used: u64,
+    entries: HashMap<ClusterKey, Entry<B>>,
+    /// Activity remembered for clusters that are not resident, so a re-read cluster keeps its rank.
+    history: HashMap<ClusterKey, (f32, f32)>,
+    retention: Retention,
+    clock: u64,
+}
+
+impl<B: AsRef<[u8]>> NeuronCache<B> {
+    pub fn new(capacity: u64, retention: Retention) -> Self {
+        Self {
+            capacity,
+            used: 0,
+            entries: HashMap::new(),
+            history: HashMap::new(),
+            retention,
+            clock: 0,
+        }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    pub fn contains(&self, key: ClusterKey) -> bool {
+        self.entries.contains_key(&key)
+    }
+
+    /// The cluster's bytes, if resident.
+    pub fn get(&self, key: ClusterKey) -> Option<&[u8]> {
+        self.entries.get(&key).map(|e| e.data.as_ref())
+    }
+
+    /// Advances the clock: call once per token.
+    pub fn tick(&mut self) {
+        self.clock += 1;
+    }
+
+    /// Pins a cluster of the profile's hot set. Fails (returns false) when it does not fit.
+    pub fn pin(&mut self, key: ClusterKey, data: B, prior_freq: f32) -> bool {
+        let bytes = data.as_ref().len() as u64;
+        if self.used + bytes > self.capacity {
+            return false;
+        }
+        self.used += bytes;
+        let e = Entry {
+            data,
+            bytes,
+            pinned: true,
+            freq: prior_freq,
+            magnitude: 0.0,
+            last_used: self.clock,
+        };
+        self.entries.insert(key, e);
+        true
+    }
+
+    /// Records what the layer's computation showed about a cluster: whether any of its neurons was
+    /// active and their mean |activation|.
+    pub fn observe(&mut self, key: ClusterKey, active: bool, magnitude: f32) {
+        let clock = self.clock;
+        let update = |freq: &mut f32, mag: &mut f32| {
+            *freq += EMA * ((active as u8 as f32) - *freq);
+            if active {
+                *mag += EMA * (magnitude - *mag);
+            }
+        };
+        if let Some(e) = self.entries.get_mut(&key) {
+            update(&mut e.freq, &mut e.magnitude);
+            if active {
+                e.last_used = clock;
+            }
+        } else {
+            let h = self.history.entry(key).or_insert((0.0, 0.0));
+            update(&mut h.0, &mut h.1);
+        }
+    }
+
+    /// Offers a freshly read cluster. It is kept if there is room, or if evicting lower-ranked
+    /// unpinned clusters makes room; otherwise it is dropped (returned as `Some`).
+    pub fn offer(&mut self, key: ClusterKey, data: B) -> Option<B> {
+        let bytes = data.as_ref().len() as u64;
+        if bytes > self.capacity || self.entries.contains_key(&key) {
+            return Some(data);
+        }
+        let (freq, magnitude) = self.history.get(&key).copied().unwrap_or((0.0, 0.0));
+        let candidate = Entry {
+            data,
+            bytes,
+            pinned: false,
+            freq,
+            magnitude,
+            last_used: self.clock,
+        };
+        let rank = self.rank(&candidate);
+        let mut victims: Vec<(f64, ClusterKey, u64)> = Vec::new();
+        if self.used + bytes > self.capacity {
+            let mut ranked: Vec<(f64, ClusterKey, u64)> = self
+                .entries
+                .iter()
+                .filter(|(_, e)| !e.pinned)
+                .map(|(k, e)| (self.rank(e), *k, e.bytes))
+                .collect();
+            ranked.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let mut freed = 0;
+            for v in ranked {
+                if self.used - freed + bytes <= self.capacity {
+                    break;
+                }
+                if v.0 >= rank {
+                    return Some(candidate.data);
+                }
+                freed += v.2;
+                victims.push(v);
+            }
+            if self.used - freed + bytes > self.capacity {
+                return Some(candidate.data);
+            }
+        }
+        for (_, k, _) in victims {
+            let e = self.entries.remove(&k).expect("victim is resident");
+            self.used -= e.bytes;
+            self.history.insert(k, (e.freq, e.magnitude));
+        }
+        self.used += bytes;
+        self.entries.insert(key, candidate);
+        None
+    }
+
+    /// Higher is kept longer.
+    fn rank(&self, e: &Entry<B>) -> f64 {
+        let age = (self.clock - e.last_used.min(self.clock)) as f64;
+        match self.retention {
+            Retention::Lru => -age,
+            Retention::Activity => {
+                (e.freq as f64) * (1.0 + e.magnitude as f64) / (1.0 + 0.25 * age)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buf(n: usize) -> Vec<u8> {
+        vec![0; n]
+    }
+
+    #[test]
+    fn keeps_what_is_used_and_never_evicts_pins() {
+        let mut c = NeuronCache::new(3 * 4096, Retention::Activity);
+        assert!(c.pin((0, 0), buf(4096), 0.9));
+        assert!(c.offer((0, 1), buf(4096)).is_none());
+        assert!(c.offer((0, 2), buf(4096)).is_none());
+        for _ in 0..10 {
+            c.tick();
+            c.observe((0, 1), true, 1.0);
+            c.observe((0, 2), false, 0.0);
+            c.observe((0, 3), true, 1.0);
+        }
+        // (0, 3) has been active; it displaces the idle (0, 2), not the busy (0, 1) or the pin.
+        assert!(c.offer((0, 3), buf(4096)).is_none());
+        assert!(c.contains((0, 0)) && c.contains((0, 1)) && c.contains((0, 3)));
+        assert!(!c.contains((0, 2)));
+        assert_eq!(c.used(), 3 * 4096);
+        // An idle newcomer does not displace active clusters.
+        assert!(c.offer((0, 4), buf(4096)).is_some());
+    }
+
+    #[test]
+    fn lru_evicts_the_oldest() {
+        let mut c = NeuronCache::new(2 * 4096, Retention::Lru);
+        c.offer((1, 0), buf(4096));
+        c.tick();
+        c.offer((1, 1), buf(4096));
+        c.tick();
+        c.observe((1, 0), true, 1.0);
+        c.tick();
+        assert!(c.offer((1, 2), buf(4096)).is_none());
+        assert!(c.contains((1, 0)) && c.contains((1, 2)) && !c.contains((1, 1)));
+    }
+}

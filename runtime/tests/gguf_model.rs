@@ -1,0 +1,203 @@
+//! A tiny random model written as a GGUF file the way llama.cpp's converter writes one (names,
+//! metadata, and for `llama` the query/key rows reordered for llama.cpp's rope) loads to the same
+//! configuration and the same logits as from its Hugging Face tensors, for `llama` and `qwen3`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::Device;
+use leanstream::config::{Activation, Architecture, ModelConfig};
+use leanstream::gguf::{gguf_name, GgufFile};
+use leanstream::model::Model;
+use rand::{Rng, SeedableRng};
+
+fn config(architecture: Architecture) -> ModelConfig {
+    let qwen3 = architecture == Architecture::Qwen3;
+    ModelConfig {
+        architecture,
+        activation: Activation::Silu,
+        hidden_size: 64,
+        intermediate_size: 96,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        // Qwen3's head size is not hidden / heads; GGUF says so in `attention.key_length`.
+        head_dim: if qwen3 { 32 } else { 16 },
+        vocab_size: 50,
+        max_position_embeddings: 256,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        sliding_window: None,
+        tie_word_embeddings: qwen3,
+        qk_norm: qwen3,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+    }
+}
+
+/// Hugging Face name → (shape, values), random.
+fn hf_tensors(c: &ModelConfig) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
+    let (h, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
+    let mut shapes = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![c.vocab_size, h],
+    )];
+    shapes.push(("model.norm.weight".into(), vec![h]));
+    if !c.tie_word_embeddings {
+        shapes.push(("lm_head.weight".into(), vec![c.vocab_size, h]));
+    }
+    for l in 0..c.num_layers {
+        let p = format!("model.layers.{l}");
+        shapes.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (
+                format!("{p}.self_attn.q_proj.weight"),
+                vec![c.num_heads * hd, h],
+            ),
+            (
+                format!("{p}.self_attn.k_proj.weight"),
+                vec![c.num_kv_heads * hd, h],
+            ),
+            (
+                format!("{p}.self_attn.v_proj.weight"),
+                vec![c.num_kv_heads * hd, h],
+            ),
+            (
+                format!("{p}.self_attn.o_proj.weight"),
+                vec![h, c.num_heads * hd],
+            ),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
+        ]);
+        if c.qk_norm {
+            shapes.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+            shapes.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+        }
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    shapes
+        .into_iter()
+        .map(|(name, shape)| {
+            let n = shape.iter().product();
+            let values = if shape.len() == 1 {
+                (0..n).map(|_| rng.random_range(0.5..1.5)).collect()
+            } else {
+                (0..n).map(|_| rng.random_range(-0.3..0.3)).collect()
+            };
+            (name, (shape, values))
+        })
+        .collect()
+}
+
+/// llama.cpp's converter order for query/key rows: within each head, row `2i + j` holds Hugging
+/// Face row `j * head_dim / 2 + i`.
+fn converter_permute(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let head_dim = values.len() / cols / heads;
+    let mut out = vec![0.0; values.len()];
+    for h in 0..heads {
+        for j in 0..2 {
+            for i in 0..head_dim / 2 {
+                let src = h * head_dim + j * head_dim / 2 + i;
+                let dst = h * head_dim + 2 * i + j;
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&values[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+fn write_gguf(c: &ModelConfig, tensors: &HashMap<String, (Vec<usize>, Vec<f32>)>) -> PathBuf {
+    let arch = match c.architecture {
+        Architecture::Qwen3 => "qwen3",
+        _ => "llama",
+    };
+    let key = |k: &str| format!("{arch}.{k}");
+    let metadata = [
+        (
+            "general.architecture".to_string(),
+            Value::String(arch.into()),
+        ),
+        (key("embedding_length"), Value::U32(c.hidden_size as u32)),
+        (
+            key("feed_forward_length"),
+            Value::U32(c.intermediate_size as u32),
+        ),
+        (key("block_count"), Value::U32(c.num_layers as u32)),
+        (key("attention.head_count"), Value::U32(c.num_heads as u32)),
+        (
+            key("attention.head_count_kv"),
+            Value::U32(c.num_kv_heads as u32),
+        ),
+        (key("attention.key_length"), Value::U32(c.head_dim as u32)),
+        (key("attention.value_length"), Value::U32(c.head_dim as u32)),
+        (key("rope.dimension_count"), Value::U32(c.head_dim as u32)),
+        (
+            key("context_length"),
+            Value::U32(c.max_position_embeddings as u32),
+        ),
+        (
+            key("attention.layer_norm_rms_epsilon"),
+            Value::F32(c.rms_norm_eps),
+        ),
+        (key("rope.freq_base"), Value::F32(c.rope_theta)),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(1)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(2)),
+    ];
+    let mut qtensors = Vec::new();
+    for (name, (shape, values)) in tensors {
+        let heads = match name.rsplit('.').nth(1) {
+            Some("q_proj") => c.num_heads,
+            Some("k_proj") => c.num_kv_heads,
+            _ => 0,
+        };
+        let values = if heads > 0 && arch == "llama" {
+            converter_permute(values, heads, shape[1])
+        } else {
+            values.clone()
+        };
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let storage = QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::F32).unwrap();
+        let q = QTensor::new(storage, shape.as_slice()).unwrap();
+        qtensors.push((gguf_name(name).unwrap(), q));
+    }
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("tiny-{arch}.gguf"));
+    let mut file = std::fs::File::create(&path).unwrap();
+    let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let qtensors: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut file, &metadata, &qtensors).unwrap();
+    path
+}
+
+fn logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = model.new_cache(16);
+    model.forward(tokens, &mut cache, true).unwrap()
+}
+
+#[test]
+fn gguf_loads_like_the_hugging_face_tensors() {
+    for architecture in [Architecture::Llama, Architecture::Qwen3] {
+        let c = config(architecture);
+        let tensors = hf_tensors(&c);
+        let gguf = GgufFile::open(&write_gguf(&c, &tensors)).unwrap();
+        assert_eq!(gguf.config().unwrap(), c);
+        let from_gguf = gguf.load_model().unwrap();
+        let from_hf = Model::from_hf_tensors(c.clone(), |name, shape| {
+            let (s, v) = &tensors[name];
+            assert_eq!(s, shape, "{name}");
+            Ok(v.clone())
+        })
+        .unwrap();
+        let tokens = [3, 17, 5, 42, 8, 8, 1];
+        assert_eq!(
+            logits(&from_gguf, &tokens),
+            logits(&from_hf, &tokens),
+            "{architecture:?}"
+        );
+    }
+}

@@ -1,0 +1,156 @@
+//! The real SmolLM2-135M-Instruct from its Q4_1 GGUF (`scripts/fetch-smollm2.sh` puts it in the
+//! cache; CI runs that first): a greedy answer, perplexity against llama.cpp on the same weights,
+//! tokenizer ids equal to llama.cpp's, and errors for a damaged file.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use leanstream::gguf::GgufFile;
+use leanstream::gguf_tokenizer;
+
+const GGUF_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// `$LEANSTREAM_SMOLLM2`, else the file in `$LEANSTREAM_CACHE` or `~/.cache/leanstream`.
+fn smollm2() -> PathBuf {
+    let path = match std::env::var_os("LEANSTREAM_SMOLLM2") {
+        Some(p) => PathBuf::from(p),
+        None => std::env::var_os("LEANSTREAM_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                    .join(".cache/leanstream")
+            })
+            .join(GGUF_NAME),
+    };
+    assert!(
+        path.is_file(),
+        "SmolLM2 is not at {}: run scripts/fetch-smollm2.sh first (it downloads {GGUF_NAME} into \
+         the cache), or point LEANSTREAM_SMOLLM2 at the file",
+        path.display()
+    );
+    path
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn leanstream(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .args(args)
+        .output()
+        .expect("the leanstream binary runs")
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+}
+
+#[test]
+fn greedy_answer_names_paris() {
+    let model = smollm2();
+    let v = json(&leanstream(&[
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "-p",
+        "The capital of France is",
+        "--temp",
+        "0",
+        "-n",
+        "8",
+        "--json",
+    ]));
+    let text = v["text"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{text:?}");
+    assert_eq!(v["prompt_tokens"], 5);
+}
+
+/// Perplexity over the first windows of `data/heldout-head.txt` (what llama.cpp scored: see
+/// `tests/fixtures/smollm2-perplexity.json` and the script named there).
+#[test]
+fn perplexity_matches_llama_cpp_on_the_same_weights() {
+    let reference: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixture("smollm2-perplexity.json")).expect("fixture"),
+    )
+    .unwrap();
+    let text = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data/heldout-head.txt"),
+    )
+    .unwrap();
+    let bytes = reference["text_bytes"].as_u64().unwrap() as usize;
+    let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("smollm2-heldout-part.txt");
+    std::fs::write(&file, &text[..bytes]).unwrap();
+    let model = smollm2();
+    let v = json(&leanstream(&[
+        "perplexity",
+        "--model",
+        model.to_str().unwrap(),
+        "--file",
+        file.to_str().unwrap(),
+        "--ctx",
+        "512",
+        "--json",
+    ]));
+    assert_eq!(v["tokens"], reference["tokens"]);
+    let ppl = v["perplexity"].as_f64().unwrap();
+    let expected = reference["llama_cpp_f32"]["perplexity"].as_f64().unwrap();
+    assert!(ppl < 60.0, "perplexity {ppl}");
+    assert!(
+        (ppl / expected - 1.0).abs() < 1e-4,
+        "perplexity {ppl}, llama.cpp on the same f32 weights {expected}"
+    );
+}
+
+#[test]
+fn tokenizer_ids_equal_llama_cpps() {
+    let fixture: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("smollm2-tokenizer.json")).expect("fixture"))
+            .unwrap();
+    let file = GgufFile::open(&smollm2()).unwrap();
+    let tok = gguf_tokenizer::from_gguf(&file).unwrap();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert!(cases.len() >= 20);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let expected: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        let ids = tok.tokenizer.encode(text, true).unwrap();
+        assert_eq!(ids, expected, "{text:?}");
+        if !text.contains("<|") {
+            assert_eq!(tok.tokenizer.decode(&ids).unwrap(), text);
+        }
+    }
+    // <|endoftext|> and <|im_end|> end a generation.
+    assert_eq!(tok.eos_token_ids, [0, 2]);
+}
+
+#[test]
+fn damaged_files_are_clear_errors() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let bytes = std::fs::read(smollm2()).unwrap();
+    let cases = [
+        (
+            "truncated.gguf",
+            &bytes[..4 << 20],
+            "past the end of the file",
+        ),
+        ("header.gguf", &bytes[..100_000], "not a readable GGUF file"),
+        ("text.gguf", &b"not a model"[..], "not a GGUF file"),
+    ];
+    for (name, content, message) in cases {
+        let path = dir.join(name);
+        std::fs::write(&path, content).unwrap();
+        let out = leanstream(&["run", "--model", path.to_str().unwrap(), "-p", "x"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert!(stderr.contains(path.to_str().unwrap()), "{name}: {stderr}");
+        assert!(stderr.contains(message), "{name}: {stderr}");
+    }
+}
