@@ -7,7 +7,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use leanstream::config::ModelConfig;
-use leanstream::model::Model;
+use leanstream::kernels::{Matrix, Weight};
+use leanstream::model::{DenseFfn, Model};
 use leanstream::safetensors_dir::SafetensorsDir;
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::container::{ContainerWriter, SectionKind};
@@ -30,7 +31,7 @@ use crate::train::{
 };
 
 /// The gate sketch's encoding: 4-bit, a sixth of an f32 gate row's size.
-const SKETCH_QUANT: QuantType = QuantType::Q4_0;
+const SKETCH_QUANT: QuantType = QuantType::Q8_0;
 /// Partners per cluster kept in the refine statistics.
 const NEIGHBOURS: usize = 8;
 /// Predicted-active budget, as a multiple of the true active fraction, at which recall is judged.
@@ -85,7 +86,15 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let config = leanstream::config::from_hf_dir(dir)?;
     let source = SafetensorsDir::open(dir)?;
     let get = |name: &str, shape: &[usize]| source.tensor_f32(name, shape);
-    let model = Model::from_hf_tensors(config.clone(), get)?;
+    // Dense weights only: the FFNs are loaded one layer at a time below, so peak memory is the
+    // dense part plus one layer plus the profiling buffers.
+    let model = Model::without_ffn(config.clone(), get, |name, rows, cols| {
+        Ok(Weight::F32(Matrix::new(
+            rows,
+            cols,
+            get(name, &[rows, cols])?,
+        )))
+    })?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     let tokenizer_json = std::fs::read(dir.join("tokenizer.json"))?;
     let mode = SparsityMode::parse(&opts.sparsity, config.activation)?;
@@ -103,7 +112,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let rank = opts
         .predictor_rank
         .unwrap_or((config.hidden_size / 8).clamp(16, 128));
-    let mut profiler = Profiler::new(&model, &calib)?;
+    let mut profiler = Profiler::new(model, &calib)?;
     let bar = bar(opts.progress, config.num_layers as u64, "layers");
     let mut ffn = FfnIndex::default();
     let (mut predictors, mut sketch, mut refine) =
@@ -117,6 +126,18 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     for l in 0..config.num_layers {
         bar.set_message(format!("layer {l}: profile"));
         let t = Instant::now();
+        let [gate_name, up_name, down_name] = ffn_names(l);
+        let gate = get(&gate_name, &[n, h])?;
+        let up = get(&up_name, &[n, h])?;
+        let down = get(&down_name, &[h, n])?;
+        profiler.model.set_ffn(
+            l,
+            Some(DenseFfn {
+                gate: Weight::F32(Matrix::new(n, h, gate.clone())),
+                up: Weight::F32(Matrix::new(n, h, up.clone())),
+                down: Weight::F32(Matrix::new(h, n, down.clone())),
+            }),
+        );
         let prof = profiler.layer(l);
         let thr = threshold(mode, act, &prof.gate, n, &train_rows);
         profiler.sparse_layer(l, thr);
@@ -183,10 +204,6 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
 
         bar.set_message(format!("layer {l}: bundles"));
         let t = Instant::now();
-        let [gate_name, up_name, down_name] = ffn_names(l);
-        let gate = get(&gate_name, &[n, h])?;
-        let up = get(&up_name, &[n, h])?;
-        let down = get(&down_name, &[h, n])?;
         let mut sketch_layer = SketchLayer {
             qtype: SKETCH_QUANT,
             hidden: h as u32,
@@ -247,6 +264,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         });
         cluster_neurons.push(cluster_size);
         prev_residual = Some(prof.residual);
+        profiler.model.set_ffn(l, None);
         bar.inc(1);
     }
     writer.end_section();

@@ -18,7 +18,8 @@ pub struct LayerProfile {
 }
 
 pub struct Profiler<'a> {
-    model: &'a Model,
+    /// Every weight but the FFNs, which [`Profiler::set_ffn`] installs one layer at a time.
+    pub model: Model,
     calib: &'a Calibration,
     /// Hidden states of every window, dense model.
     dense: Vec<f32>,
@@ -28,7 +29,7 @@ pub struct Profiler<'a> {
 }
 
 impl<'a> Profiler<'a> {
-    pub fn new(model: &'a Model, calib: &'a Calibration) -> anyhow::Result<Self> {
+    pub fn new(model: Model, calib: &'a Calibration) -> anyhow::Result<Self> {
         let mut dense = Vec::new();
         let mut sparse = Vec::new();
         for (w, &held) in calib.windows.iter().zip(&calib.heldout) {

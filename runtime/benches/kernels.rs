@@ -9,8 +9,9 @@
 //! - `bundles/<type>`: the sparse FFN over neuron bundles with 10 % of the neurons active;
 //! - `matmul/<type>`: a 64-token prompt chunk (mat-mat), in multiply-adds per second.
 //!
-//! It ends with a table of GB/s and the fraction of the read bandwidth. A filter argument works as
-//! for any criterion bench (`cargo bench -p leanstream --bench kernels -- matvec/avx512`).
+//! A filter argument works as for any criterion bench (`cargo bench -p leanstream --bench kernels --
+//! matvec/avx512`). The filter `table` instead prints the GB/s table of the report: mat-vec of
+//! every encoding against the read bandwidth, measured interleaved.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -48,17 +49,7 @@ fn bench_read(c: &mut Criterion) {
     let buf = vec![1.0f32; WORKING_SET / 4];
     let mut g = c.benchmark_group("read");
     g.throughput(Throughput::BytesDecimal(WORKING_SET as u64));
-    g.bench_function("sum", |b| {
-        b.iter(|| {
-            let mut acc = [0.0f32; 32];
-            for chunk in black_box(&buf).chunks_exact(32) {
-                for (a, v) in acc.iter_mut().zip(chunk) {
-                    *a += v;
-                }
-            }
-            acc.iter().sum::<f32>()
-        })
-    });
+    g.bench_function("sum", |b| b.iter(|| sum(black_box(&buf))));
     g.finish();
 }
 
@@ -193,74 +184,87 @@ fn bench_matmul(c: &mut Criterion) {
     g.finish();
 }
 
-/// GB/s of every measured benchmark, from criterion's saved estimates, against `read/sum`.
-fn summary() {
-    // Where criterion saves: $CRITERION_HOME, else `criterion` in the target directory, which
-    // holds this binary in `release/deps/`.
-    let dir = match std::env::var_os("CRITERION_HOME") {
-        Some(home) => std::path::PathBuf::from(home),
-        None => match std::env::current_exe()
-            .ok()
-            .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.join("criterion")))
-        {
-            Some(dir) => dir,
-            None => return,
-        },
-    };
-    let mut rows = Vec::new();
-    collect(&dir, &mut rows);
-    rows.sort_by(|a, b| a.0.cmp(&b.0));
-    let read = rows
-        .iter()
-        .find(|(name, _)| name == "read/sum")
-        .map(|(_, gbs)| *gbs);
-    println!("\n{:<36} {:>8} {:>9}", "benchmark", "GB/s", "of read");
-    for (name, gbs) in &rows {
-        let share = read.map_or(String::new(), |r| format!("{:.0} %", 100.0 * gbs / r));
-        println!("{name:<36} {gbs:>8.1} {share:>9}");
+/// The GB/s table: for each encoding, mat-vec passes (best kernels, 1 and 2 threads) alternate
+/// with reads of equally large slices of a plain buffer, so that both see the same load from other
+/// processes (this machine is shared); each figure is the fastest of its calls.
+fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
+    const ROUNDS: usize = 3;
+    let buf = vec![1.0f32; WORKING_SET / 4];
+    let pools = [pool(1), pool(2)];
+    let mut out = vec![0.0f32; ROWS];
+    println!(
+        "\nmat-vec {ROWS}×{COLS} from DRAM, kernels {}, fastest call of {ROUNDS} interleaved passes",
+        RowKernels::best().isa
+    );
+    println!(
+        "{:<6} {:>8} {:>10} {:>18} {:>18}",
+        "type", "MB", "read GB/s", "1 thread GB/s", "2 threads GB/s"
+    );
+    for qtype in QuantType::ALL {
+        let m = QMatrix::quantize(f32_matrix, qtype).expect("a whole number of blocks");
+        let bytes = m.bytes();
+        let ms = copies(m, bytes);
+        let operand = Operand::new(x, qtype);
+        // Fastest seconds per call: read, 1 thread, 2 threads.
+        let mut best = [f64::MAX; 3];
+        let mut timed = |slot: usize, f: &mut dyn FnMut()| {
+            let start = std::time::Instant::now();
+            f();
+            best[slot] = best[slot].min(start.elapsed().as_secs_f64());
+        };
+        for _ in 0..ROUNDS {
+            for slice in buf.chunks_exact(bytes / 4) {
+                timed(0, &mut || {
+                    black_box(sum(black_box(slice)));
+                });
+            }
+            for (p, pool) in pools.iter().enumerate() {
+                for m in &ms {
+                    timed(1 + p, &mut || pool.install(|| m.matvec(&operand, &mut out)));
+                }
+            }
+        }
+        let gbs = |s: f64| bytes as f64 / s / 1e9;
+        let read = gbs(best[0]);
+        println!(
+            "{:<6} {:>8.1} {:>10.1} {:>11.1} ({:>3.0} %) {:>11.1} ({:>3.0} %)",
+            qtype.name(),
+            bytes as f64 / 1e6,
+            read,
+            gbs(best[1]),
+            100.0 * gbs(best[1]) / read,
+            gbs(best[2]),
+            100.0 * gbs(best[2]) / read
+        );
     }
 }
 
-/// Finds `<id>/new/{estimates,benchmark}.json` under `dir` and records bytes per second.
-fn collect(dir: &std::path::Path, rows: &mut Vec<(String, f64)>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let p = e.path();
-        if p.file_name().is_some_and(|n| n == "new") {
-            let read = |f: &str| -> Option<serde_json::Value> {
-                serde_json::from_str(&std::fs::read_to_string(p.join(f)).ok()?).ok()
-            };
-            let (Some(est), Some(meta)) = (read("estimates.json"), read("benchmark.json")) else {
-                continue;
-            };
-            let ns = est["median"]["point_estimate"].as_f64();
-            let bytes = meta["throughput"]["BytesDecimal"].as_f64();
-            if let (Some(ns), Some(bytes)) = (ns, bytes) {
-                let name = meta["full_id"].as_str().unwrap_or("?").to_string();
-                rows.push((name, bytes / ns));
-            }
-        } else if p.is_dir() {
-            collect(&p, rows);
+fn sum(v: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 32];
+    for chunk in v.chunks_exact(32) {
+        for (a, x) in acc.iter_mut().zip(chunk) {
+            *a += x;
         }
     }
+    acc.iter().sum()
 }
 
 fn main() {
+    let mut rng = StdRng::seed_from_u64(1);
+    let m = Matrix::new(ROWS, COLS, random(ROWS * COLS, &mut rng));
+    let x = random(COLS, &mut rng);
+    if std::env::args().any(|a| a == "table") {
+        return bandwidth_table(&m, &x);
+    }
     let mut c = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .configure_from_args();
-    let mut rng = StdRng::seed_from_u64(1);
-    let m = Matrix::new(ROWS, COLS, random(ROWS * COLS, &mut rng));
-    let x = random(COLS, &mut rng);
     bench_read(&mut c);
     bench_matvec(&mut c, &m, &x);
     bench_matvec_hot(&mut c, &x);
     bench_bundles(&mut c, &m, &x);
     bench_matmul(&mut c);
     c.final_summary();
-    summary();
 }

@@ -6,7 +6,8 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::model::Model;
+use crate::kv_cache::KvCache;
+use crate::model::LanguageModel;
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::tokenizer::{TextStream, Tokenizer};
 
@@ -51,7 +52,7 @@ pub struct Generation {
 
 /// Generates from `prompt` (token ids), calling `on_text` with each completed piece of text.
 pub fn generate(
-    model: &Model,
+    mut model: impl LanguageModel,
     tokenizer: &Tokenizer,
     prompt: &[u32],
     opts: &GenerateOptions,
@@ -67,7 +68,7 @@ pub fn generate(
             opts.ctx
         );
     }
-    let mut cache = model.new_cache(opts.ctx);
+    let mut cache = KvCache::new(model.config(), opts.ctx);
     let mut sampler = Sampler::new(opts.sampler.clone());
     let start = Instant::now();
     let mut logits = Vec::new();

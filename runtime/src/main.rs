@@ -9,9 +9,12 @@ use clap::{Args, Parser, Subcommand};
 
 use leanstream::generate::{generate, GenerateOptions, StopReason};
 use leanstream::memory::peak_rss_bytes;
+use leanstream::neuron_cache::Retention;
 use leanstream::perplexity::perplexity;
 use leanstream::sampler::SamplerConfig;
-use leanstream::source::{self, LoadedModel};
+use leanstream::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::storage::FlashProfile;
+use leanstream::streaming::Sparsity;
 
 #[derive(Parser)]
 #[command(
@@ -30,11 +33,13 @@ enum Command {
     Run(RunArgs),
     /// Perplexity of a text file under the model.
     Perplexity(PerplexityArgs),
+    /// Measure a flash device with direct I/O and write a profile for --flash.
+    ProbeFlash(leanstream::probe::ProbeArgs),
 }
 
 #[derive(Args)]
 struct CommonArgs {
-    /// Model: a Hugging Face model directory or a GGUF file.
+    /// Model: a converted LeanStream file, a GGUF file, or a Hugging Face model directory.
     #[arg(long)]
     model: PathBuf,
     /// Context length in tokens (capped at the model's maximum).
@@ -43,18 +48,56 @@ struct CommonArgs {
     /// Compute threads (default: all available cores).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
-    /// How weights are held: `dense` loads every weight into DRAM (the reference; the streaming
-    /// policies arrive with the memory planner).
-    #[arg(long, value_enum, default_value_t = Policy::Dense)]
-    policy: Policy,
+    /// leanstream (stream FFN bundles under --memory; default for converted files), resident
+    /// (all bundles in DRAM, the file's sparsity), dense (every weight and neuron; default otherwise).
+    #[arg(long, value_enum)]
+    policy: Option<PolicyArg>,
+    /// Hard cap on peak memory (RSS): 512MiB, 1.5GiB, 300MB or bytes. Default: everything fits.
+    #[arg(long, value_parser = parse_memory)]
+    memory: Option<u64>,
+    /// Flash device: none (the real disk, direct I/O), ufs4, ufs31, nvme, or a profile FILE.toml.
+    #[arg(long, default_value = "none")]
+    flash: String,
+    /// certified (skip only neurons proven inactive: output equals resident) or predicted (trust
+    /// the predictors, like prior systems).
+    #[arg(long, value_enum, default_value_t = SparsityArg::Certified)]
+    sparsity: SparsityArg,
+    /// Disable look-ahead speculation (an ablation).
+    #[arg(long)]
+    no_lookahead: bool,
+    /// Cache retention: activity (observed use) or lru (an ablation).
+    #[arg(long, value_enum, default_value_t = RetainArg::Activity)]
+    retain: RetainArg,
     /// Print one JSON object on stdout instead of text.
     #[arg(long)]
     json: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
-enum Policy {
+enum PolicyArg {
+    Leanstream,
+    Resident,
     Dense,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum SparsityArg {
+    Certified,
+    Predicted,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RetainArg {
+    Activity,
+    Lru,
+}
+
+fn parse_memory(s: &str) -> Result<u64, String> {
+    match leanstream::memory_size::parse_size(s) {
+        Ok(0) => Err("the budget must be positive".into()),
+        Ok(v) => Ok(v),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[derive(Args)]
@@ -94,10 +137,12 @@ struct PerplexityArgs {
 }
 
 fn main() -> ExitCode {
+    leanstream::memory::startup_rss_bytes();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run(args),
         Command::Perplexity(args) => run_perplexity(args),
+        Command::ProbeFlash(args) => leanstream::probe::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -108,34 +153,47 @@ fn main() -> ExitCode {
     }
 }
 
-/// Loads the model and sets up threads; returns it with the effective context length.
-fn setup(common: &CommonArgs, default_ctx: usize) -> Result<(LoadedModel, usize)> {
+/// Sets up threads and opens the model as the flags ask.
+fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
     if let Some(threads) = common.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads as usize)
             .build_global()
             .context("cannot start the thread pool")?;
     }
-    let loaded = match common.policy {
-        Policy::Dense => source::open(&common.model)?,
-    };
-    let max = loaded.model.config().max_position_embeddings;
-    let ctx = common.ctx.unwrap_or(default_ctx);
-    if ctx < 2 {
-        anyhow::bail!("--ctx must be at least 2 tokens");
-    }
-    if ctx > max {
-        if common.ctx.is_some() {
-            eprintln!("note: --ctx {ctx} exceeds the model's maximum; using {max}");
+    let session = Session::open(&SessionOptions {
+        model: common.model.clone(),
+        policy: common.policy.map(|p| match p {
+            PolicyArg::Leanstream => PolicyChoice::Leanstream,
+            PolicyArg::Resident => PolicyChoice::Resident,
+            PolicyArg::Dense => PolicyChoice::Dense,
+        }),
+        memory: common.memory,
+        flash: FlashProfile::from_flash_arg(&common.flash)?,
+        sparsity: match common.sparsity {
+            SparsityArg::Certified => Sparsity::Certified,
+            SparsityArg::Predicted => Sparsity::Predicted,
+        },
+        ctx: common.ctx,
+        default_ctx,
+        lookahead: !common.no_lookahead,
+        retention: match common.retain {
+            RetainArg::Activity => Retention::Activity,
+            RetainArg::Lru => Retention::Lru,
+        },
+    })?;
+    if let Some(line) = session.describe_memory() {
+        if !common.json {
+            eprintln!("{line}");
         }
-        return Ok((loaded, max));
     }
-    Ok((loaded, ctx))
+    Ok(session)
 }
 
 fn run(args: RunArgs) -> Result<()> {
-    let (loaded, ctx) = setup(&args.common, 2048)?;
-    let prompt = loaded.tokenizer.encode(&args.prompt, true)?;
+    let mut session = setup(&args.common, 2048)?;
+    let ctx = session.ctx;
+    let prompt = session.tokenizer.encode(&args.prompt, true)?;
     let opts = GenerateOptions {
         max_tokens: args.n_tokens as usize,
         ctx,
@@ -147,11 +205,12 @@ fn run(args: RunArgs) -> Result<()> {
             seed: args.seed,
             ..Default::default()
         },
-        eos_token_ids: loaded.eos_token_ids.clone(),
+        eos_token_ids: session.eos_token_ids.clone(),
     };
     let json = args.common.json;
     let mut stdout = std::io::stdout().lock();
-    let generation = generate(&loaded.model, &loaded.tokenizer, &prompt, &opts, |piece| {
+    let tokenizer = session.tokenizer.clone();
+    let generation = generate(session.model(), &tokenizer, &prompt, &opts, |piece| {
         if !json {
             // A closed stdout (e.g. `| head`) should not abort generation with a panic.
             let _ = stdout.write_all(piece.as_bytes());
@@ -165,7 +224,8 @@ fn run(args: RunArgs) -> Result<()> {
         );
     }
     if json {
-        let mut obj = serde_json::to_value(stats)?;
+        let mut obj = session.report();
+        merge(&mut obj, serde_json::to_value(stats)?);
         obj["text"] = generation.text.into();
         obj["peak_rss_bytes"] = peak_rss_bytes().into();
         obj["ctx"] = ctx.into();
@@ -182,12 +242,14 @@ fn run(args: RunArgs) -> Result<()> {
 }
 
 fn run_perplexity(args: PerplexityArgs) -> Result<()> {
-    let (loaded, window) = setup(&args.common, 512)?;
+    let mut session = setup(&args.common, 512)?;
+    let window = session.ctx;
     let text = read_text(&args.file)?;
-    let ids = loaded.tokenizer.encode(&text, false)?;
-    let result = perplexity(&loaded.model, &ids, window, true)?;
+    let ids = session.tokenizer.encode(&text, false)?;
+    let result = perplexity(session.model(), &ids, window, true)?;
     if args.common.json {
-        let mut obj = serde_json::to_value(&result)?;
+        let mut obj = session.report();
+        merge(&mut obj, serde_json::to_value(&result)?);
         obj["ctx"] = window.into();
         obj["peak_rss_bytes"] = peak_rss_bytes().into();
         println!("{}", serde_json::to_string_pretty(&obj)?);
@@ -198,6 +260,13 @@ fn run_perplexity(args: PerplexityArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Adds the fields of `more` (an object) to `obj`.
+fn merge(obj: &mut serde_json::Value, more: serde_json::Value) {
+    if let (Some(o), serde_json::Value::Object(m)) = (obj.as_object_mut(), more) {
+        o.extend(m);
+    }
 }
 
 fn read_text(path: &Path) -> Result<String> {

@@ -24,9 +24,67 @@ pub struct Layer {
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
+    /// `None` when the FFN streams from flash through an [`FfnBackend`].
+    pub ffn: Option<DenseFfn>,
+}
+
+/// A resident FFN: gate `[n, h]`, up `[n, h]`, down `[h, n]`.
+pub struct DenseFfn {
     pub gate: Weight,
     pub up: Weight,
     pub down: Weight,
+}
+
+/// Anything that turns tokens into logits with a KV cache: the resident model, or a streaming one.
+pub trait LanguageModel {
+    fn config(&self) -> &ModelConfig;
+    /// See [`Model::forward`].
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+    ) -> Result<Vec<f32>>;
+}
+
+impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
+    fn config(&self) -> &ModelConfig {
+        (**self).config()
+    }
+
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+    ) -> Result<Vec<f32>> {
+        (**self).forward(tokens, cache, all_logits)
+    }
+}
+
+impl LanguageModel for &Model {
+    fn config(&self) -> &ModelConfig {
+        Model::config(self)
+    }
+
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+    ) -> Result<Vec<f32>> {
+        Model::forward(self, tokens, cache, all_logits)
+    }
+}
+
+/// Computes the FFNs in place of the resident weights: the streaming runtime plugs its scheduler in
+/// here, while attention, norms and the KV cache stay the model's.
+pub trait FfnBackend {
+    /// The residual stream entering layer `l` (`t × hidden`) is ready: the moment to speculate
+    /// about the FFNs ahead.
+    fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()>;
+    /// Adds layer `l`'s FFN output for the normalised inputs `x` (`t × hidden`) to `out`.
+    fn ffn(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()>;
 }
 
 /// A model held entirely in DRAM as f32.
@@ -49,6 +107,13 @@ pub struct FfnProbe<'a> {
     /// those neurons (act(0) = 0 for every supported activation): prep measures sparsity's
     /// quality cost that way.
     pub gate: &'a mut [f32],
+}
+
+/// Who computes a block's FFN.
+enum Ffn<'a, 'b> {
+    /// The resident weights, optionally watched by a profiling probe.
+    Resident(Option<&'a mut dyn FnMut(FfnProbe)>),
+    Backend(&'a mut (dyn FfnBackend + 'b)),
 }
 
 /// Per-call scratch space for a chunk of `t` tokens.
@@ -109,6 +174,24 @@ impl Model {
         get: impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
         mat: impl Fn(&str, usize, usize) -> Result<Weight>,
     ) -> Result<Self> {
+        Self::build(config, get, mat, true)
+    }
+
+    /// Everything but the FFN weights, which an [`FfnBackend`] provides.
+    pub fn without_ffn(
+        config: ModelConfig,
+        get: impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+        mat: impl Fn(&str, usize, usize) -> Result<Weight>,
+    ) -> Result<Self> {
+        Self::build(config, get, mat, false)
+    }
+
+    fn build(
+        config: ModelConfig,
+        get: impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+        mat: impl Fn(&str, usize, usize) -> Result<Weight>,
+        with_ffn: bool,
+    ) -> Result<Self> {
         let c = &config;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let embed = mat("model.embed_tokens.weight", c.vocab_size, h)?;
@@ -139,9 +222,16 @@ impl Model {
                 q_norm: norm_opt("q_norm")?,
                 k_norm: norm_opt("k_norm")?,
                 ffn_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate: mat(&format!("{p}.mlp.gate_proj.weight"), c.intermediate_size, h)?,
-                up: mat(&format!("{p}.mlp.up_proj.weight"), c.intermediate_size, h)?,
-                down: mat(&format!("{p}.mlp.down_proj.weight"), h, c.intermediate_size)?,
+                ffn: if with_ffn {
+                    let n = c.intermediate_size;
+                    Some(DenseFfn {
+                        gate: mat(&format!("{p}.mlp.gate_proj.weight"), n, h)?,
+                        up: mat(&format!("{p}.mlp.up_proj.weight"), n, h)?,
+                        down: mat(&format!("{p}.mlp.down_proj.weight"), h, n)?,
+                    })
+                } else {
+                    None
+                },
             });
         }
         let norm = get("model.norm.weight", &[h])?;
@@ -169,20 +259,22 @@ impl Model {
         &self.layers
     }
 
+    /// Installs or drops layer `l`'s resident FFN (prep holds one layer's FFN at a time).
+    pub fn set_ffn(&mut self, l: usize, ffn: Option<DenseFfn>) {
+        self.layers[l].ffn = ffn;
+    }
+
     /// The model with the linear weights of every block encoded as `layers` and the embedding
     /// (and untied output head) as `head`. `F32` keeps a weight on the f32 reference path.
     pub fn quantize(mut self, layers: QuantType, head: QuantType) -> Result<Self> {
         for l in &mut self.layers {
-            for w in [
-                &mut l.wq,
-                &mut l.wk,
-                &mut l.wv,
-                &mut l.wo,
-                &mut l.gate,
-                &mut l.up,
-                &mut l.down,
-            ] {
+            for w in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo] {
                 *w = w.quantize(layers)?;
+            }
+            if let Some(f) = &mut l.ffn {
+                for w in [&mut f.gate, &mut f.up, &mut f.down] {
+                    *w = w.quantize(layers)?;
+                }
             }
         }
         self.embed = self.embed.quantize(head)?;
@@ -203,10 +295,13 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+                [&l.wq, &l.wk, &l.wv, &l.wo]
                     .iter()
                     .map(|m| m.bytes())
                     .sum::<usize>()
+                    + l.ffn
+                        .as_ref()
+                        .map_or(0, |f| f.gate.bytes() + f.up.bytes() + f.down.bytes())
                     + 4 * (l.attn_norm.len() + l.ffn_norm.len())
                     + 4 * (l.q_norm.as_ref().map_or(0, Vec::len)
                         + l.k_norm.as_ref().map_or(0, Vec::len))
@@ -227,6 +322,17 @@ impl Model {
         cache: &mut KvCache,
         all_logits: bool,
     ) -> Result<Vec<f32>> {
+        self.forward_with(tokens, cache, all_logits, None)
+    }
+
+    /// [`forward`](Self::forward) with the FFNs computed by `backend` when given.
+    pub fn forward_with(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+        mut backend: Option<&mut dyn FfnBackend>,
+    ) -> Result<Vec<f32>> {
         let t = tokens.len();
         let start = cache.len();
         if t == 0 {
@@ -243,7 +349,14 @@ impl Model {
         let tables = self.rope_tables(start, t);
         let mut s = Scratch::new(&self.config, t);
         for l in 0..self.layers.len() {
-            self.block_with(l, start, &tables, &mut x, cache, &mut s, None);
+            let ffn = match backend.as_deref_mut() {
+                Some(b) => {
+                    b.begin_layer(l, &x)?;
+                    Ffn::Backend(b)
+                }
+                None => Ffn::Resident(None),
+            };
+            self.block_with(l, start, &tables, &mut x, cache, &mut s, ffn)?;
         }
         cache.advance(t);
         let rows = if all_logits { t } else { 1 };
@@ -282,7 +395,8 @@ impl Model {
         let t = x.len() / self.config.hidden_size;
         let tables = self.rope_tables(start, t);
         let mut s = Scratch::new(&self.config, t);
-        self.block_with(l, start, &tables, x, cache, &mut s, probe);
+        self.block_with(l, start, &tables, x, cache, &mut s, Ffn::Resident(probe))
+            .expect("a resident FFN cannot fail");
     }
 
     /// Final norm and output head over the rows of `x` (`rows × hidden`).
@@ -313,11 +427,11 @@ impl Model {
         x: &mut [f32],
         cache: &mut KvCache,
         s: &mut Scratch,
-        probe: Option<&mut dyn FnMut(FfnProbe)>,
-    ) {
+        ffn: Ffn,
+    ) -> Result<()> {
         let layer = &self.layers[l];
         self.attention_block(l, layer, start, tables, x, cache, s);
-        self.ffn_block(l, layer, tables.len(), x, s, probe);
+        self.ffn_block(l, layer, tables.len(), x, s, ffn)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -409,15 +523,27 @@ impl Model {
         t: usize,
         x: &mut [f32],
         s: &mut Scratch,
-        probe: Option<&mut dyn FnMut(FfnProbe)>,
-    ) {
+        ffn: Ffn,
+    ) -> Result<()> {
         let c = &self.config;
         let h = c.hidden_size;
         for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
             rms_norm(src, &layer.ffn_norm, c.rms_norm_eps, dst);
         }
-        layer.gate.matmul_t(&s.xn, t, &mut s.gate);
-        layer.up.matmul_t(&s.xn, t, &mut s.up);
+        let probe = match ffn {
+            Ffn::Backend(b) => {
+                s.proj.fill(0.0);
+                b.ffn(l, &s.xn, &mut s.proj)?;
+                x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+                return Ok(());
+            }
+            Ffn::Resident(probe) => probe,
+        };
+        let Some(weights) = &layer.ffn else {
+            bail!("layer {l} has no resident FFN weights: this model streams them (use a streaming policy)");
+        };
+        weights.gate.matmul_t(&s.xn, t, &mut s.gate);
+        weights.up.matmul_t(&s.xn, t, &mut s.up);
         if let Some(probe) = probe {
             probe(FfnProbe {
                 layer: l,
@@ -430,8 +556,9 @@ impl Model {
             .iter_mut()
             .zip(&s.up)
             .for_each(|(g, u)| *g = act.apply(*g) * u);
-        layer.down.matmul_t(&s.gate, t, &mut s.proj);
+        weights.down.matmul_t(&s.gate, t, &mut s.proj);
         x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+        Ok(())
     }
 }
 

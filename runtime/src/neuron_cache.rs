@@ -4,6 +4,7 @@
 //! recently — so that what stays is what tokens actually needed, not what was once predicted.
 
 use std::collections::HashMap;
+use std::ops::Deref;
 
 /// A cluster: `(layer, cluster index)`.
 pub type ClusterKey = (u32, u32);
@@ -41,7 +42,7 @@ pub struct NeuronCache<B> {
     clock: u64,
 }
 
-impl<B: AsRef<[u8]>> NeuronCache<B> {
+impl<B: Deref<Target = [u8]>> NeuronCache<B> {
     pub fn new(capacity: u64, retention: Retention) -> Self {
         Self {
             capacity,
@@ -67,7 +68,7 @@ impl<B: AsRef<[u8]>> NeuronCache<B> {
 
     /// The cluster's bytes, if resident.
     pub fn get(&self, key: ClusterKey) -> Option<&[u8]> {
-        self.entries.get(&key).map(|e| e.data.as_ref())
+        self.entries.get(&key).map(|e| &*e.data)
     }
 
     /// Advances the clock: call once per token.
@@ -77,7 +78,7 @@ impl<B: AsRef<[u8]>> NeuronCache<B> {
 
     /// Pins a cluster of the profile's hot set. Fails (returns false) when it does not fit.
     pub fn pin(&mut self, key: ClusterKey, data: B, prior_freq: f32) -> bool {
-        let bytes = data.as_ref().len() as u64;
+        let bytes = data.len() as u64;
         if self.used + bytes > self.capacity {
             return false;
         }
@@ -118,7 +119,7 @@ impl<B: AsRef<[u8]>> NeuronCache<B> {
     /// Offers a freshly read cluster. It is kept if there is room, or if evicting lower-ranked
     /// unpinned clusters makes room; otherwise it is dropped (returned as `Some`).
     pub fn offer(&mut self, key: ClusterKey, data: B) -> Option<B> {
-        let bytes = data.as_ref().len() as u64;
+        let bytes = data.len() as u64;
         if bytes > self.capacity || self.entries.contains_key(&key) {
             return Some(data);
         }

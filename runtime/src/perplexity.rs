@@ -6,7 +6,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::generate::PROMPT_CHUNK;
-use crate::model::Model;
+use crate::kv_cache::KvCache;
+use crate::model::LanguageModel;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Perplexity {
@@ -18,7 +19,12 @@ pub struct Perplexity {
 }
 
 /// Scores `ids` in windows of `window` tokens; a last window shorter than 2 tokens is dropped.
-pub fn perplexity(model: &Model, ids: &[u32], window: usize, progress: bool) -> Result<Perplexity> {
+pub fn perplexity(
+    mut model: impl LanguageModel,
+    ids: &[u32],
+    window: usize,
+    progress: bool,
+) -> Result<Perplexity> {
     if window < 2 {
         bail!("the perplexity window must hold at least 2 tokens");
     }
@@ -38,7 +44,7 @@ pub fn perplexity(model: &Model, ids: &[u32], window: usize, progress: bool) -> 
         .expect("valid template"),
     );
     let vocab = model.config().vocab_size;
-    let mut cache = model.new_cache(window);
+    let mut cache = KvCache::new(model.config(), window);
     let (mut nll, mut scored) = (0.0f64, 0usize);
     for w in windows {
         cache.clear();

@@ -44,3 +44,58 @@ fn quantized_perplexity_is_close_to_f32() {
         assert!(ratio <= size, "{layers}: {ratio:.3} of the f32 size");
     }
 }
+
+/// Our decoders and kernels read GGUF blocks as llama.cpp writes them: every type the kernels
+/// keep encoded, from the fixture `tests/fixtures/quant-types.gguf` (random blocks written by
+/// llama.cpp's `gguf` package; its values checked against that package by `gguf_quant_types.rs`).
+#[test]
+fn gguf_blocks_decode_like_llama_cpp() {
+    use leanstream::gguf::GgufFile;
+    use leanstream::kernels::{Operand, Weight};
+
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant-types.gguf");
+    let file = GgufFile::open(&path).unwrap();
+    for (name, rows, qtype) in [
+        ("lm_head.weight", 2, QuantType::F16),
+        ("model.layers.0.self_attn.v_proj.weight", 2, QuantType::BF16),
+        ("model.layers.0.self_attn.o_proj.weight", 2, QuantType::Q4_0),
+        ("model.layers.0.mlp.gate_proj.weight", 2, QuantType::Q4_1),
+        ("model.layers.1.self_attn.v_proj.weight", 2, QuantType::Q8_0),
+        ("model.layers.0.self_attn.q_proj.weight", 8, QuantType::Q8_0),
+    ] {
+        let reference = file.tensor_f32(name, &[rows, 256]).unwrap();
+        let Weight::Encoded(q) = file.weight(name, rows, 256).unwrap() else {
+            panic!("{name} was not kept encoded");
+        };
+        assert_eq!(q.qtype, qtype, "{name}");
+        let mut row = vec![0.0f32; 256];
+        for r in 0..rows {
+            q.dequantize_row(r, &mut row);
+            assert_eq!(row, reference[r * 256..(r + 1) * 256], "{name} row {r}");
+        }
+        // The fused kernel on the stored blocks against the decoded values (q8 input for blocks).
+        let x: Vec<f32> = (0..256)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+            .collect();
+        let op = Operand::new(&x, qtype);
+        let mut out = vec![0.0f32; rows];
+        q.matvec(&op, &mut out);
+        for r in 0..rows {
+            let want: f64 = (0..256)
+                .map(|i| {
+                    let xi = if qtype.is_block() {
+                        op.q8().value(i)
+                    } else {
+                        x[i]
+                    };
+                    reference[r * 256 + i] as f64 * xi as f64
+                })
+                .sum();
+            assert!(
+                (out[r] as f64 - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "{name} row {r}: {} vs {want}",
+                out[r]
+            );
+        }
+    }
+}

@@ -38,8 +38,11 @@ impl Q8Vec {
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
             let mut sum = 0i32;
             for (q, a) in qb.iter_mut().zip(xb) {
-                // `as` saturates, so rounding just past ±127 cannot wrap.
-                *q = (a * inv).round_ties_even() as i8;
+                // Round to nearest even by adding and removing 1.5·2²³ (exact for |v| < 2²²; the
+                // baseline target has no rounding instruction, so `round_ties_even` is a libm
+                // call). `as` saturates, so a value just past ±127 cannot wrap.
+                const MAGIC: f32 = 12_582_912.0;
+                *q = ((a * inv + MAGIC) - MAGIC) as i8;
                 sum += *q as i32;
             }
             v.scales.push(d);

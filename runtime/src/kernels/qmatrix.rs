@@ -8,10 +8,15 @@ use rayon::prelude::*;
 use super::matrix::{gemm_t, Matrix};
 use super::operand::Operand;
 use super::rows::RowKernels;
-use super::PARALLEL_MIN_WEIGHTS;
 
 /// Rows per rayon task in a mat-vec: enough work to amortize the task, few enough to balance.
 const ROWS_PER_TASK: usize = 32;
+/// Below this many encoded bytes a mat-vec runs on the calling thread: waking a parked worker
+/// costs more than the second thread saves (measured on this project's 2-vCPU machines).
+const PARALLEL_MIN_BYTES: usize = 1 << 20;
+/// Prompt chunks shorter than this run as one mat-vec per token: decoding every row to f32 for
+/// `gemm` costs about as much as ten mat-vecs.
+pub(super) const GEMM_MIN_TOKENS: usize = 16;
 /// Weights per decoded tile in a mat-mat: a tile (f32) stays within L2 while `gemm` reads it.
 const TILE_WEIGHTS: usize = 1 << 18;
 
@@ -82,7 +87,7 @@ impl QMatrix {
                 *o = k.dot(self.qtype, self.row(r0 + i), x);
             }
         };
-        if self.rows * self.cols >= PARALLEL_MIN_WEIGHTS && rayon::current_num_threads() > 1 {
+        if self.bytes() >= PARALLEL_MIN_BYTES && rayon::current_num_threads() > 1 {
             out.par_chunks_mut(ROWS_PER_TASK)
                 .enumerate()
                 .for_each(|(c, chunk)| rows(c * ROWS_PER_TASK, chunk));
@@ -95,8 +100,14 @@ impl QMatrix {
     pub fn matmul_t(&self, x: &[f32], t: usize, out: &mut [f32]) {
         assert_eq!(x.len(), t * self.cols);
         assert_eq!(out.len(), t * self.rows);
-        if t == 1 {
-            return self.matvec(&Operand::new(x, self.qtype), out);
+        if t < GEMM_MIN_TOKENS {
+            for (xi, oi) in x
+                .chunks_exact(self.cols)
+                .zip(out.chunks_exact_mut(self.rows))
+            {
+                self.matvec(&Operand::new(xi, self.qtype), oi);
+            }
+            return;
         }
         let k = RowKernels::best();
         let tile_rows = (TILE_WEIGHTS / self.cols).clamp(1, self.rows);

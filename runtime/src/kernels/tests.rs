@@ -6,6 +6,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::bundles::{ffn_bundles, BundleLayout};
+use super::qmatrix::GEMM_MIN_TOKENS;
 use super::{Matrix, Operand, Q8Vec, QMatrix, RowKernels, Weight};
 use crate::config::Activation;
 
@@ -160,8 +161,9 @@ fn axpy_matches_f64_and_decoding_is_exact() {
 #[test]
 fn matvec_and_matmul_match_f64() {
     let (seed, mut rng) = rng();
-    // 300 × 288 crosses the parallel threshold; 5 rows of 64 stay on one thread.
-    for (rows, cols) in [(300, 288), (5, 64)] {
+    // Rows, columns, tokens: the first crosses the parallel threshold for every type (≥ 1 MiB);
+    // the last is long enough for the decode-to-f32 + gemm path.
+    for (rows, cols, t) in [(8192, 256, 2), (5, 64, 3), (300, 288, GEMM_MIN_TOKENS + 3)] {
         let m = Matrix::new(rows, cols, random(rows * cols, 1.0, &mut rng));
         for qtype in QuantType::ALL {
             let q = QMatrix::quantize(&m, qtype).unwrap();
@@ -172,14 +174,30 @@ fn matvec_and_matmul_match_f64() {
                     row.iter().map(|v| *v as f64).collect()
                 })
                 .collect();
-            let t = 3;
             let xs = random(t * cols, 1.0, &mut rng);
             let mut out = vec![0.0; t * rows];
             q.matmul_t(&xs, t, &mut out);
             for i in 0..t {
                 let xi = &xs[i * cols..(i + 1) * cols];
-                let xi64: Vec<f64> = xi.iter().map(|v| *v as f64).collect();
                 let op = Operand::new(xi, qtype);
+                // Short chunks run mat-vecs (q8 input for block types); long ones decode the
+                // weights to f32 and multiply the unquantized input.
+                let seen_x = if t < GEMM_MIN_TOKENS {
+                    seen(&op, qtype)
+                } else {
+                    xi.iter().map(|v| *v as f64).collect()
+                };
+                for r in 0..rows {
+                    let want = dot64(&w[r], &seen_x);
+                    let tol = REL * abs_dot64(&w[r], &seen_x);
+                    assert!(
+                        (out[i * rows + r] as f64 - want).abs() <= tol,
+                        "seed {seed}: {qtype} {rows}×{cols} t={t} matmul {i},{r}"
+                    );
+                }
+                if i > 0 {
+                    continue;
+                }
                 let xq = seen(&op, qtype);
                 for k in RowKernels::available() {
                     let mut one = vec![0.0; rows];
@@ -193,15 +211,6 @@ fn matvec_and_matmul_match_f64() {
                             k.isa
                         );
                     }
-                }
-                for r in 0..rows {
-                    // The mat-mat path decodes to f32 and multiplies the unquantized input.
-                    let want = dot64(&w[r], &xi64);
-                    let tol = REL * abs_dot64(&w[r], &xi64);
-                    assert!(
-                        (out[i * rows + r] as f64 - want).abs() <= tol,
-                        "seed {seed}: {qtype} {rows}×{cols} matmul {i},{r}"
-                    );
                 }
             }
         }

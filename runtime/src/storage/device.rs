@@ -1,0 +1,114 @@
+//! What a flash device does for the runtime: page-aligned positional reads, some of them in flight
+//! at once. The real disk ([`super::DirectDevice`]) and the emulated phone flash
+//! ([`super::FlashModel`]) both sit behind this trait, so the scheduler cannot tell them apart.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::time::Instant;
+
+use super::AlignedBuf;
+
+/// A block device holding the model file.
+pub trait Device: Send + Sync {
+    /// Fills `buf` with the bytes at `offset`; blocks until the device has delivered them.
+    /// `offset` and `buf.len()` are multiples of [`AlignedBuf::ALIGN`].
+    fn read_at(&self, offset: u64, buf: &mut AlignedBuf) -> io::Result<()>;
+
+    /// How many reads the device serves at once (its command queue depth).
+    fn queue_depth(&self) -> usize;
+
+    /// A human-readable name that includes the file, for error messages and reports.
+    fn name(&self) -> String;
+
+    /// Reads the consecutive bytes from `offset` into `bufs`, filled in order, as one device read
+    /// that reached the device at `arrival` (at or before now): how merged reads land in their
+    /// callers' buffers without a copy.
+    ///
+    /// A real device completes the read before returning and gives `None`. A device that models
+    /// time ([`Device::models_time`]) fills the buffers at once and returns the instant at which
+    /// the modelled device completes the read, leaving the wait to the caller; `arrival` lets a
+    /// read issued a little late still start when the device could have started it.
+    ///
+    /// The default reads through one bounce buffer with [`Device::read_at`].
+    fn read_scattered(
+        &self,
+        offset: u64,
+        bufs: &mut [AlignedBuf],
+        arrival: Instant,
+    ) -> io::Result<Option<Instant>> {
+        let _ = arrival;
+        if let [buf] = bufs {
+            return self.read_at(offset, buf).map(|()| None);
+        }
+        let mut bounce = AlignedBuf::new(bufs.iter().map(|b| b.len()).sum());
+        self.read_at(offset, &mut bounce)?;
+        let mut start = 0;
+        for buf in bufs {
+            let len = buf.len();
+            buf.copy_from_slice(&bounce[start..start + len]);
+            start += len;
+        }
+        Ok(None)
+    }
+
+    /// Whether [`Device::read_scattered`] returns at once with a modelled completion instant, so
+    /// that issuing a read costs no more than a copy and may happen on the submitting thread.
+    fn models_time(&self) -> bool {
+        false
+    }
+}
+
+/// `preadv` of exactly the buffers' total length at `offset`: retries `EINTR`; a short read is an
+/// `UnexpectedEof` error that names the file and the offset, and other errors name them too.
+pub(crate) fn pread_exact(
+    file: &File,
+    path: &Path,
+    offset: u64,
+    bufs: &mut [AlignedBuf],
+) -> io::Result<()> {
+    let total: usize = bufs.iter().map(|b| b.len()).sum();
+    let iov: Vec<libc::iovec> = bufs
+        .iter_mut()
+        .map(|b| libc::iovec {
+            iov_base: b.as_mut_ptr().cast(),
+            iov_len: b.len(),
+        })
+        .collect();
+    let read = loop {
+        // SAFETY: each iovec covers one live, exclusively borrowed buffer, and at most
+        // `bufs.len()` (≤ the merge bound / 4 KiB, far below IOV_MAX) of them are passed.
+        let n = unsafe {
+            libc::preadv(
+                file.as_raw_fd(),
+                iov.as_ptr(),
+                iov.len() as libc::c_int,
+                offset as libc::off_t,
+            )
+        };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(io::Error::new(
+                e.kind(),
+                format!(
+                    "read of {total} bytes at offset {offset} of {}: {e}",
+                    path.display()
+                ),
+            ));
+        }
+    };
+    if read < total {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "short read of {}: {read} of {total} bytes at offset {offset}",
+                path.display()
+            ),
+        ));
+    }
+    Ok(())
+}

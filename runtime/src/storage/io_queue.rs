@@ -1,0 +1,582 @@
+//! The priority read queue the scheduler streams through: thousands of reads per token, most
+//! urgent first; reads no longer wanted are cancelled before they reach the device; reads found
+//! urgent late are boosted; pending reads that lie end to end go to the device as one read that
+//! lands directly in each caller's buffer.
+//!
+//! The device has `queue_depth` command slots. A read holds a slot from the moment it reaches the
+//! device until it completes. For a real device that is while a worker thread blocks in it (one
+//! worker per slot). For a device that models time ([`Device::models_time`]) issuing is only a copy,
+//! done by whichever thread finds a slot free — usually the submitting one — and the slot stays
+//! held until the modelled completion instant, which the waiting caller sleeps out itself: no
+//! thread is tied up per emulated read and no thread hand-off is paid per read. A read reaches the
+//! device when its slot frees (or when it is submitted, if later) even if the thread that issues
+//! it comes a little after that, as the kernel would have sent it from its own queue.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::busy::BusyClock;
+use super::pending::{Extent, PendingSet, Run};
+use super::{clock, AlignedBuf, Device};
+
+/// Reads that continue each other are merged into device reads of at most this many bytes, so a
+/// merge never delays the read that started it by more than one such transfer.
+pub const MAX_MERGE_BYTES: usize = 1 << 20;
+
+/// Retries of a transient failure (`EINTR`, `EAGAIN`; a short read only once) before it counts.
+const MAX_RETRIES: u32 = 3;
+
+/// A submitted read; redeem it with [`IoQueue::wait`] or [`IoQueue::poll`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ticket(u64);
+
+/// Counters since the queue started.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct IoStats {
+    /// Reads submitted.
+    pub submitted: u64,
+    /// Reads sent to the device (after merging).
+    pub device_reads: u64,
+    /// Submitted reads served by a device read started for another one.
+    pub merged: u64,
+    /// Reads cancelled before they were issued.
+    pub cancelled: u64,
+    /// Device reads retried after a transient failure.
+    pub retries: u64,
+    /// Submitted reads that ended in an error.
+    pub failed: u64,
+    /// Bytes delivered by the device.
+    pub bytes_read: u64,
+    /// Time during which at least one read was in flight.
+    pub busy: Duration,
+    /// Time since the queue started.
+    pub elapsed: Duration,
+}
+
+impl IoStats {
+    /// The share of the time the device was busy.
+    pub fn io_busy_fraction(&self) -> f64 {
+        let elapsed = self.elapsed.as_secs_f64();
+        if elapsed > 0.0 {
+            (self.busy.as_secs_f64() / elapsed).min(1.0)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// A priority read queue with `device.queue_depth()` reads in flight at most.
+pub struct IoQueue {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+struct Shared {
+    device: Arc<dyn Device>,
+    /// `device.models_time()`: reads are issued by whichever thread finds a slot free.
+    timed: bool,
+    state: Mutex<State>,
+    /// Wakes workers: new work, a slot to time, shutdown.
+    work: Condvar,
+    /// Wakes callers of `wait`: a read finished.
+    done: Condvar,
+    started: Instant,
+}
+
+struct State {
+    next_id: u64,
+    pending: PendingSet,
+    requests: HashMap<u64, Request>,
+    slots: Vec<Slot>,
+    /// When the worker sleeping until a slot frees will wake, if one is.
+    timer: Option<Instant>,
+    /// Workers blocked on `work`, and callers blocked on `done`: nobody to notify, no syscall.
+    idle_workers: usize,
+    waiters: usize,
+    shutdown: bool,
+    stats: IoStats,
+    busy: BusyClock,
+}
+
+struct Request {
+    submitted: Instant,
+    /// The caller's buffer to read into (`submit_into`), until the read is issued.
+    buf: Option<AlignedBuf>,
+    state: ReqState,
+}
+
+enum ReqState {
+    Pending,
+    Issued,
+    /// The result, and the instant before which it must not be handed out (timed devices).
+    Done(io::Result<AlignedBuf>, Option<Instant>),
+}
+
+/// Who is blocking: a worker thread, or a caller of `wait`.
+#[derive(Clone, Copy)]
+enum Role {
+    Worker,
+    Waiter,
+}
+
+#[derive(Clone, Copy)]
+struct Slot {
+    /// A thread is inside the device call.
+    reading: bool,
+    /// When the slot's latest read completes (or completed).
+    free_at: Instant,
+}
+
+impl IoQueue {
+    /// Starts one worker thread per device slot.
+    pub fn new(device: Arc<dyn Device>) -> Self {
+        let depth = device.queue_depth().max(1);
+        let now = Instant::now();
+        let free = Slot {
+            reading: false,
+            free_at: now,
+        };
+        let shared = Arc::new(Shared {
+            timed: device.models_time(),
+            device,
+            state: Mutex::new(State {
+                next_id: 0,
+                pending: PendingSet::default(),
+                requests: HashMap::new(),
+                slots: vec![free; depth],
+                timer: None,
+                idle_workers: 0,
+                waiters: 0,
+                shutdown: false,
+                stats: IoStats::default(),
+                busy: BusyClock::default(),
+            }),
+            work: Condvar::new(),
+            done: Condvar::new(),
+            started: now,
+        });
+        let workers = (0..depth)
+            .map(|i| {
+                let shared = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("leanstream-io-{i}"))
+                    .spawn(move || shared.work_loop())
+                    .expect("cannot start an I/O thread")
+            })
+            .collect();
+        Self { shared, workers }
+    }
+
+    /// The device the queue reads from.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.shared.device
+    }
+
+    /// Queues a read of `len` bytes at `offset` (both multiples of [`AlignedBuf::ALIGN`]) into a
+    /// new buffer; higher `priority` goes first, equal priorities in submission order. A
+    /// misaligned read fails at `wait` with `InvalidInput`.
+    pub fn submit(&self, offset: u64, len: usize, priority: u32) -> Ticket {
+        self.submit_batch(&[(offset, len, priority)])[0]
+    }
+
+    /// Queues several `(offset, len, priority)` reads at once, before any of them is issued, so
+    /// that those lying end to end merge even while device slots are free (like the kernel's
+    /// request plugging).
+    pub fn submit_batch(&self, reads: &[(u64, usize, u32)]) -> Vec<Ticket> {
+        let now = Instant::now();
+        let mut st = self.shared.lock();
+        let tickets = reads
+            .iter()
+            .map(|&(offset, len, priority)| st.insert(offset, len, None, priority, now))
+            .collect();
+        self.shared.kick(st);
+        tickets
+    }
+
+    /// Like [`IoQueue::submit`], reading `buf.len()` bytes into `buf`, so that callers can recycle
+    /// buffers instead of faulting in fresh memory for every read. A cancelled read drops `buf`.
+    pub fn submit_into(&self, buf: AlignedBuf, offset: u64, priority: u32) -> Ticket {
+        let now = Instant::now();
+        let mut st = self.shared.lock();
+        let ticket = st.insert(offset, buf.len(), Some(buf), priority, now);
+        self.shared.kick(st);
+        ticket
+    }
+
+    /// Withdraws a read that has not been issued yet; it will never be. False if it was already
+    /// issued (its result still comes through `wait`) or the ticket is unknown.
+    pub fn cancel(&self, ticket: Ticket) -> bool {
+        let mut st = self.shared.lock();
+        if !st.pending.remove(ticket.0) {
+            return false;
+        }
+        st.requests.remove(&ticket.0);
+        st.stats.cancelled += 1;
+        true
+    }
+
+    /// Gives a read that has not been issued yet a new priority; false if it was already issued.
+    pub fn boost(&self, ticket: Ticket, priority: u32) -> bool {
+        self.shared.lock().pending.set_priority(ticket.0, priority)
+    }
+
+    /// Blocks until the read is done and hands over its buffer. A failure names the device, the
+    /// offset and the cause; an unknown, cancelled or already redeemed ticket is `InvalidInput`.
+    pub fn wait(&self, ticket: Ticket) -> io::Result<AlignedBuf> {
+        let mut st = self.shared.lock();
+        loop {
+            match st.requests.get(&ticket.0).map(|r| &r.state) {
+                None => return Err(unknown(ticket)),
+                Some(ReqState::Done(..)) => break,
+                Some(ReqState::Pending) if self.shared.timed => {
+                    // Rather than be woken by whoever issues it, the waiter issues reads itself
+                    // as slots free, in priority order.
+                    st = self.shared.step(st, Role::Waiter);
+                }
+                Some(_) => st = self.shared.block(st, Role::Waiter, None),
+            }
+        }
+        let Some(ReqState::Done(result, at)) = st.requests.remove(&ticket.0).map(|r| r.state)
+        else {
+            unreachable!("checked above")
+        };
+        drop(st);
+        if let Some(at) = at {
+            clock::sleep_until(at);
+        }
+        result
+    }
+
+    /// The read's result if it is done, without blocking; `None` while it is in progress. An
+    /// unknown, cancelled or already redeemed ticket gives `InvalidInput`, as with `wait`.
+    pub fn poll(&self, ticket: Ticket) -> Option<io::Result<AlignedBuf>> {
+        let mut st = self.shared.lock();
+        let Some(request) = st.requests.get(&ticket.0) else {
+            return Some(Err(unknown(ticket)));
+        };
+        if !is_ready(&request.state, Instant::now()) {
+            return None;
+        }
+        match st.requests.remove(&ticket.0)?.state {
+            ReqState::Done(result, _) => Some(result),
+            _ => unreachable!("checked above"),
+        }
+    }
+
+    /// Whether `wait` would return at once.
+    pub fn is_done(&self, ticket: Ticket) -> bool {
+        let st = self.shared.lock();
+        st.requests
+            .get(&ticket.0)
+            .is_none_or(|r| is_ready(&r.state, Instant::now()))
+    }
+
+    /// Counters since the queue started.
+    pub fn stats(&self) -> IoStats {
+        let st = self.shared.lock();
+        IoStats {
+            busy: st.busy.total(),
+            elapsed: self.shared.started.elapsed(),
+            ..st.stats
+        }
+    }
+}
+
+impl Drop for IoQueue {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.work.notify_all();
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
+        }
+    }
+}
+
+fn unknown(ticket: Ticket) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!(
+            "unknown read ticket {} (cancelled or already redeemed)",
+            ticket.0
+        ),
+    )
+}
+
+fn is_ready(state: &ReqState, now: Instant) -> bool {
+    matches!(state, ReqState::Done(_, at) if at.is_none_or(|at| at <= now))
+}
+
+impl State {
+    /// Registers a read submitted at `now`; a misaligned one is failed at once.
+    fn insert(
+        &mut self,
+        offset: u64,
+        len: usize,
+        buf: Option<AlignedBuf>,
+        priority: u32,
+        now: Instant,
+    ) -> Ticket {
+        let align = AlignedBuf::ALIGN;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.stats.submitted += 1;
+        let state = if len > 0 && len.is_multiple_of(align) && offset.is_multiple_of(align as u64) {
+            self.pending.insert(id, Extent { offset, len }, priority);
+            ReqState::Pending
+        } else {
+            self.stats.failed += 1;
+            let msg = format!("read of {len} bytes at offset {offset} is not {align}-aligned");
+            ReqState::Done(Err(io::Error::new(io::ErrorKind::InvalidInput, msg)), None)
+        };
+        let request = Request {
+            submitted: now,
+            buf,
+            state,
+        };
+        self.requests.insert(id, request);
+        Ticket(id)
+    }
+
+    /// The free slot that frees first, with when it does; `None` if every slot is mid-read.
+    fn free_slot(&self) -> Option<(usize, Instant)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.reading)
+            .min_by_key(|(_, s)| s.free_at)
+            .map(|(i, s)| (i, s.free_at))
+    }
+
+    /// Whether pending work needs a worker woken: a slot is free now, or one frees later and no
+    /// worker is timing it yet (a thread finishing a read re-checks by itself).
+    fn worker_needed(&self, now: Instant) -> bool {
+        !self.pending.is_empty()
+            && self
+                .free_slot()
+                .is_some_and(|(_, at)| at <= now || self.timer.is_none_or(|t| t > at))
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Gets newly queued reads going: issued here while slots are free (timed devices), else by a
+    /// worker.
+    fn kick<'a>(&'a self, mut st: MutexGuard<'a, State>) {
+        if self.timed {
+            st = self.issue_ready(st);
+        }
+        self.wake_worker(&st, Instant::now());
+    }
+
+    fn wake_worker(&self, st: &State, now: Instant) {
+        if st.idle_workers > 0 && st.worker_needed(now) {
+            self.work.notify_one();
+        }
+    }
+
+    fn work_loop(&self) {
+        clock::precise_timers();
+        let mut st = self.lock();
+        while !st.shutdown {
+            st = self.step(st, Role::Worker);
+        }
+    }
+
+    /// Serves one pending read if a slot is free now; otherwise blocks until a slot frees (or,
+    /// if nothing is pending or every slot is mid-read, until woken).
+    fn step<'a>(&'a self, st: MutexGuard<'a, State>, role: Role) -> MutexGuard<'a, State> {
+        let now = Instant::now();
+        match st.free_slot() {
+            Some((slot, free_at)) if !st.pending.is_empty() => {
+                if free_at > now {
+                    self.sleep_until_slot_frees(st, role, free_at, now)
+                } else {
+                    self.serve(st, slot, free_at, now)
+                }
+            }
+            _ => self.block(st, role, None),
+        }
+    }
+
+    /// Issues reads while a slot is free now (timed devices, from the submitting thread).
+    fn issue_ready<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        loop {
+            let now = Instant::now();
+            match st.free_slot() {
+                Some((slot, free_at)) if free_at <= now && !st.pending.is_empty() => {
+                    st = self.serve(st, slot, free_at, now);
+                }
+                _ => return st,
+            }
+        }
+    }
+
+    /// Blocks a worker on `work` or a waiter on `done`, for at most `timeout`.
+    fn block<'a>(
+        &self,
+        mut st: MutexGuard<'a, State>,
+        role: Role,
+        timeout: Option<Duration>,
+    ) -> MutexGuard<'a, State> {
+        let (condvar, count) = match role {
+            Role::Worker => (&self.work, &mut st.idle_workers),
+            Role::Waiter => (&self.done, &mut st.waiters),
+        };
+        *count += 1;
+        st = match timeout {
+            None => condvar.wait(st).unwrap_or_else(|e| e.into_inner()),
+            Some(t) => {
+                condvar
+                    .wait_timeout(st, t)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0
+            }
+        };
+        match role {
+            Role::Worker => st.idle_workers -= 1,
+            Role::Waiter => st.waiters -= 1,
+        }
+        st
+    }
+
+    /// Sleeps until `free_at`, when the next slot frees, unless another thread already times an
+    /// earlier or equal instant, in which case it blocks until woken. Waking late costs nothing:
+    /// the read issued then still arrives at `free_at`.
+    fn sleep_until_slot_frees<'a>(
+        &self,
+        mut st: MutexGuard<'a, State>,
+        role: Role,
+        free_at: Instant,
+        now: Instant,
+    ) -> MutexGuard<'a, State> {
+        if st.timer.is_some_and(|t| t <= free_at) {
+            return self.block(st, role, None);
+        }
+        st.timer = Some(free_at);
+        st = self.block(st, role, Some(free_at - now));
+        if st.timer == Some(free_at) {
+            st.timer = None;
+        }
+        st
+    }
+
+    /// Issues the most urgent pending read (merged with its neighbours) in `slot`, which freed at
+    /// `free_at`, reads it with the lock released, and records the outcome.
+    fn serve<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        slot: usize,
+        free_at: Instant,
+        now: Instant,
+    ) -> MutexGuard<'a, State> {
+        let run = st
+            .pending
+            .pop_run(MAX_MERGE_BYTES)
+            .expect("pending is not empty");
+        let mut arrival = free_at;
+        let mut given = Vec::with_capacity(run.parts.len());
+        for (id, _) in &run.parts {
+            let request = st.requests.get_mut(id).expect("pending reads are known");
+            request.state = ReqState::Issued;
+            arrival = arrival.max(request.submitted);
+            given.push(request.buf.take());
+        }
+        st.slots[slot].reading = true;
+        if !self.timed {
+            self.wake_worker(&st, now);
+        }
+        drop(st);
+
+        let mut bufs: Vec<AlignedBuf> = given
+            .into_iter()
+            .zip(&run.parts)
+            .map(|(buf, (_, extent))| buf.unwrap_or_else(|| AlignedBuf::new(extent.len)))
+            .collect();
+        let (result, retries) = read_with_retries(&*self.device, run.offset, &mut bufs, arrival);
+        let finished = Instant::now();
+        // A timed read occupies the device from its arrival to its modelled completion.
+        let (busy_from, completes) = match result {
+            Ok(Some(at)) => (arrival, at),
+            _ => (now, finished),
+        };
+        let outcomes: Vec<io::Result<AlignedBuf>> = match result {
+            Ok(_) => bufs.into_iter().map(Ok).collect(),
+            Err(e) => {
+                let context = self.failure_context(&run, retries);
+                let err = || io::Error::new(e.kind(), format!("{context}: {e}"));
+                run.parts.iter().map(|_| Err(err())).collect()
+            }
+        };
+
+        let mut st = self.lock();
+        st.stats.device_reads += 1;
+        st.stats.merged += run.parts.len() as u64 - 1;
+        st.stats.retries += u64::from(retries);
+        if outcomes[0].is_err() {
+            st.stats.failed += run.parts.len() as u64;
+        } else {
+            st.stats.bytes_read += run.len as u64;
+        }
+        st.busy.add(busy_from, completes);
+        st.slots[slot] = Slot {
+            reading: false,
+            free_at: completes,
+        };
+        let at = (completes > finished).then_some(completes);
+        for ((id, _), outcome) in run.parts.iter().zip(outcomes) {
+            if let Some(request) = st.requests.get_mut(id) {
+                request.state = ReqState::Done(outcome, at);
+            }
+        }
+        if st.waiters > 0 {
+            self.done.notify_all();
+        }
+        st
+    }
+
+    fn failure_context(&self, run: &Run, retries: u32) -> String {
+        let after = if retries > 0 {
+            format!(" (after {retries} retries)")
+        } else {
+            String::new()
+        };
+        format!(
+            "{}: read of {} bytes at offset {}{after}",
+            self.device.name(),
+            run.len,
+            run.offset
+        )
+    }
+}
+
+/// One device read, retried on transient failures; returns the outcome and the retries spent.
+fn read_with_retries(
+    device: &dyn Device,
+    offset: u64,
+    bufs: &mut [AlignedBuf],
+    arrival: Instant,
+) -> (io::Result<Option<Instant>>, u32) {
+    let mut retries = 0;
+    let mut short_read_retried = false;
+    loop {
+        let e = match device.read_scattered(offset, bufs, arrival) {
+            Ok(at) => return (Ok(at), retries),
+            Err(e) => e,
+        };
+        let transient = match e.kind() {
+            io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock => true,
+            io::ErrorKind::UnexpectedEof => !std::mem::replace(&mut short_read_retried, true),
+            _ => false,
+        };
+        if !transient || retries == MAX_RETRIES {
+            return (Err(e), retries);
+        }
+        retries += 1;
+    }
+}

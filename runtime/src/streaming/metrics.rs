@@ -1,0 +1,115 @@
+//! What a streaming run did: predictor quality against the true active sets, cache behaviour,
+//! reads issued, cancelled and late.
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Default)]
+pub struct Metrics {
+    /// FFN evaluations (token × layer).
+    pub layer_steps: u64,
+    pub active: u64,
+    pub neurons: u64,
+    pub own_hits: u64,
+    pub own_predicted: u64,
+    pub lookahead_hits: u64,
+    pub lookahead_predicted: u64,
+    pub lookahead_active: u64,
+    pub cluster_hits: u64,
+    pub cluster_misses: u64,
+    pub clusters_needed: u64,
+    pub clusters_total: u64,
+    pub speculative_reads: u64,
+    pub cancelled_reads: u64,
+    pub late_reads: u64,
+    pub compute_s: f64,
+    pub ffn_s: f64,
+}
+
+impl Metrics {
+    /// Records one token's layer: the true active set, the own predictor's set, the look-ahead's
+    /// set (if it ran) and how many clusters were needed.
+    pub fn record_layer(
+        &mut self,
+        active: &[bool],
+        own: &[bool],
+        lookahead: Option<&[bool]>,
+        needed: usize,
+        clusters: usize,
+    ) {
+        self.layer_steps += 1;
+        self.neurons += active.len() as u64;
+        let count = |v: &[bool]| v.iter().filter(|&&b| b).count() as u64;
+        let both =
+            |a: &[bool], b: &[bool]| a.iter().zip(b).filter(|(x, y)| **x && **y).count() as u64;
+        let n_active = count(active);
+        self.active += n_active;
+        self.own_hits += both(active, own);
+        self.own_predicted += count(own);
+        if let Some(la) = lookahead {
+            self.lookahead_hits += both(active, la);
+            self.lookahead_predicted += count(la);
+            self.lookahead_active += n_active;
+        }
+        self.clusters_needed += needed as u64;
+        self.clusters_total += clusters as u64;
+    }
+
+    pub fn summary(
+        &self,
+        tokens: u64,
+        bytes_read: u64,
+        requests: u64,
+        io_busy: f64,
+        wall_s: f64,
+    ) -> Summary {
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let per_token = |v: u64| {
+            if tokens == 0 {
+                0.0
+            } else {
+                v as f64 / tokens as f64
+            }
+        };
+        Summary {
+            bytes_read_per_token: per_token(bytes_read),
+            reads_per_token: per_token(requests),
+            cache_hit_rate: ratio(self.cluster_hits, self.cluster_hits + self.cluster_misses),
+            predictor_recall: ratio(self.own_hits, self.active),
+            predictor_precision: ratio(self.own_hits, self.own_predicted),
+            lookahead_recall: ratio(self.lookahead_hits, self.lookahead_active),
+            lookahead_precision: ratio(self.lookahead_hits, self.lookahead_predicted),
+            active_fraction: ratio(self.active, self.neurons),
+            needed_cluster_fraction: ratio(self.clusters_needed, self.clusters_total),
+            speculative_reads: self.speculative_reads,
+            cancelled_reads: self.cancelled_reads,
+            late_reads: self.late_reads,
+            io_busy_fraction: io_busy,
+            compute_busy_fraction: if wall_s > 0.0 {
+                self.compute_s / wall_s
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+/// The per-run figures printed in `--json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub bytes_read_per_token: f64,
+    pub reads_per_token: f64,
+    pub cache_hit_rate: f64,
+    pub predictor_recall: f64,
+    pub predictor_precision: f64,
+    pub lookahead_recall: f64,
+    pub lookahead_precision: f64,
+    pub active_fraction: f64,
+    /// Fraction of clusters that held a candidate neuron.
+    pub needed_cluster_fraction: f64,
+    pub speculative_reads: u64,
+    pub cancelled_reads: u64,
+    /// Clusters needed but neither resident nor requested when the FFN input was ready.
+    pub late_reads: u64,
+    pub io_busy_fraction: f64,
+    pub compute_busy_fraction: f64,
+}

@@ -1,0 +1,112 @@
+//! What the scheduler knows about one layer before any token runs: where each cluster of neuron
+//! bundles lives on flash, the predictors, the gate sketch and its skip rule, and the profile's
+//! statistics — all decoded once from the file.
+
+use anyhow::Result;
+use leanstream_format::predictor::Predictor;
+use leanstream_format::quant::QuantType;
+use leanstream_format::refine::RefineLayer;
+use leanstream_format::LsbFile;
+
+use crate::certify::SkipSet;
+use crate::kernels::bundles::BundleLayout;
+use crate::kernels::QMatrix;
+
+/// One cluster: a run of stored neurons read with one request.
+#[derive(Debug, Clone, Copy)]
+pub struct ClusterRef {
+    /// Stored position of its first neuron.
+    pub first: usize,
+    pub count: usize,
+    /// File offset and size of its page-aligned extent.
+    pub offset: u64,
+    pub size: u64,
+    pub checksum: u64,
+}
+
+pub struct LayerPlan {
+    pub layout: BundleLayout,
+    pub clusters: Vec<ClusterRef>,
+    /// Cluster of each stored position.
+    pub cluster_of: Vec<u32>,
+    /// Skip rule on the exact gate: `|act(g)| ≤ threshold`.
+    pub threshold: f32,
+    pub skip: SkipSet,
+    /// Gate sketch rows (stored order), their error norms and their own norms.
+    pub sketch: QMatrix,
+    pub sketch_err: Vec<f32>,
+    pub sketch_norm: Vec<f32>,
+    pub own: Predictor,
+    pub lookahead: Predictor,
+    pub refine: RefineLayer,
+}
+
+impl LayerPlan {
+    /// Decodes every layer's plan from an open file.
+    pub fn all(file: &LsbFile) -> Result<Vec<LayerPlan>> {
+        let c = &file.meta.model;
+        let mut plans = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let f = &file.ffn.layers[l];
+            let clusters: Vec<ClusterRef> = f
+                .clusters
+                .iter()
+                .enumerate()
+                .map(|(ci, cl)| {
+                    let (offset, size) = file.cluster_extent(l, ci);
+                    ClusterRef {
+                        first: cl.first as usize,
+                        count: cl.count as usize,
+                        offset,
+                        size,
+                        checksum: cl.checksum,
+                    }
+                })
+                .collect();
+            let mut cluster_of = vec![0u32; f.neurons()];
+            for (ci, cl) in clusters.iter().enumerate() {
+                cluster_of[cl.first..cl.first + cl.count].fill(ci as u32);
+            }
+            let s = &file.sketch.layers[l];
+            let sketch = QMatrix::new(f.neurons(), c.hidden_size, s.qtype, s.rows.clone())?;
+            let mut row = vec![0.0f32; c.hidden_size];
+            let sketch_norm = (0..f.neurons())
+                .map(|p| {
+                    sketch.dequantize_row(p, &mut row);
+                    row.iter().map(|v| v * v).sum::<f32>().sqrt()
+                })
+                .collect();
+            let threshold = file.meta.layers[l].threshold;
+            plans.push(LayerPlan {
+                layout: BundleLayout::new(f.qtype, c.hidden_size)?,
+                clusters,
+                cluster_of,
+                threshold,
+                skip: SkipSet::new(c.activation, threshold),
+                sketch,
+                sketch_err: s.err_norm.clone(),
+                sketch_norm,
+                own: file.predictors.own[l].clone(),
+                lookahead: file.predictors.lookahead[l].clone(),
+                refine: file.refine.layers[l].clone(),
+            });
+        }
+        Ok(plans)
+    }
+
+    /// Bytes of the resident per-layer state (sketch, predictors as f32, statistics).
+    pub fn resident_bytes(&self) -> u64 {
+        let predictor = |p: &Predictor| 4 * p.params() as u64;
+        (self.sketch.bytes() + 8 * self.sketch_err.len() + 4 * self.cluster_of.len()) as u64
+            + predictor(&self.own)
+            + predictor(&self.lookahead)
+            + 8 * self.refine.neuron_freq.len() as u64
+            + 12 * self.refine.cluster_freq.len() as u64
+                * (1 + self.refine.neighbours.first().map_or(0, Vec::len) as u64)
+    }
+
+    /// Whether the bundles' type quantizes the FFN input (so the gates use its q8 form).
+    pub fn block_bundles(&self) -> bool {
+        self.layout.qtype != QuantType::F32 && self.layout.qtype.is_block()
+    }
+}
