@@ -97,12 +97,13 @@ impl Session {
             lookahead: o.lookahead,
             retention: o.retention,
         };
-        let mut model = StreamingModel::open(&o.model, &file, &stream)?;
+        let eos_token_ids = file.meta.model.eos_token_ids.clone();
+        let mut model = StreamingModel::open(&o.model, file, &stream)?;
         model.reset_clock();
         Ok(Self {
             engine: Engine::Streaming(Box::new(model)),
             tokenizer,
-            eos_token_ids: file.meta.model.eos_token_ids.clone(),
+            eos_token_ids,
             ctx,
             policy,
         })

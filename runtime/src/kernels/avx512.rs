@@ -193,46 +193,39 @@ unsafe fn spread(v: __m512, p: usize) -> __m512 {
     _mm512_permutexvar_ps(_mm512_loadu_si512(IDX[p].as_ptr() as *const _), v)
 }
 
-/// The f16 words at the word offsets `words` of the 64 bytes at `p` (128 if `TWO`), as f32; lanes
-/// past the offsets given repeat the first.
+/// The f16 words at the word offsets `words` of the 64 bytes at `p` and the 64 at `p + HI` (words
+/// 32..64), as f32; lanes past the offsets given repeat the first.
 #[inline(always)]
-unsafe fn gather_f16<const TWO: bool>(p: *const u8, words: &[i16; 32]) -> __m512 {
+unsafe fn gather_f16<const HI: usize>(p: *const u8, words: &[i16; 32]) -> __m512 {
     let idx = _mm512_loadu_si512(words.as_ptr() as *const _);
-    _mm512_cvtph_ps(_mm512_castsi512_si256(permute_words::<TWO>(p, idx)))
+    _mm512_cvtph_ps(_mm512_castsi512_si256(permute_words::<HI>(p, idx)))
 }
 
-/// Word `i` of the result is word `idx[i]` of the 64 (or 128 if `TWO`) bytes at `p`: one load and
-/// one `vpermw`/`vpermi2w`. Written as assembly because LLVM, seeing the constant index and the
-/// loads, rebuilds the neighbouring weight loads from these registers with a dozen shuffles.
+/// Word `i` of the result is word `idx[i]` of the 64 bytes at `p` followed by the 64 at `p + HI`:
+/// one load and one `vpermi2w`. Written as assembly because LLVM, seeing the constant index and
+/// the loads, rebuilds the neighbouring weight loads from these registers with a dozen shuffles.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn permute_words<const TWO: bool>(p: *const u8, idx: __m512i) -> __m512i {
+unsafe fn permute_words<const HI: usize>(p: *const u8, idx: __m512i) -> __m512i {
     let mut r = idx;
-    if TWO {
-        std::arch::asm!(
-            "vmovdqu64 {t}, zmmword ptr [{p}]",
-            "vpermi2w {r}, {t}, zmmword ptr [{p} + 64]",
-            r = inout(zmm_reg) r,
-            t = out(zmm_reg) _,
-            p = in(reg) p,
-            options(pure, readonly, nostack, preserves_flags),
-        );
-    } else {
-        std::arch::asm!(
-            "vpermw {r}, {r}, zmmword ptr [{p}]",
-            r = inout(zmm_reg) r,
-            p = in(reg) p,
-            options(pure, readonly, nostack, preserves_flags),
-        );
-    }
+    std::arch::asm!(
+        "vmovdqu64 {t}, zmmword ptr [{p}]",
+        "vpermi2w {r}, {t}, zmmword ptr [{p} + {hi}]",
+        r = inout(zmm_reg) r,
+        t = out(zmm_reg) _,
+        p = in(reg) p,
+        hi = const HI,
+        options(pure, readonly, nostack, preserves_flags),
+    );
     r
 }
 
-/// Word offsets of the scales of 8 `Q4_0` blocks (18 bytes apart), of 4 `Q8_0` blocks (34 bytes),
-/// and of the `d` then `m` of 4 `Q4_1` blocks (20 bytes).
+/// Word offsets of the scales of 8 `Q4_0` blocks (18 bytes apart: 144 bytes, scales within the
+/// first 128) and of 4 `Q8_0` blocks (34 bytes: 136, the first 128), read as one 128-byte span;
+/// and of the `d` then `m` of 8 `Q4_1` blocks (20 bytes: 160), read as blocks 0..4 and 4..8.
 static Q4_0_D: [i16; 32] = words(&[0, 9, 18, 27, 36, 45, 54, 63]);
 static Q8_0_D: [i16; 32] = words(&[0, 17, 34, 51]);
-static Q4_1_DM: [i16; 32] = words(&[0, 10, 20, 30, 1, 11, 21, 31]);
+static Q4_1_DM: [i16; 32] = words(&[0, 10, 20, 30, 32, 42, 52, 62, 1, 11, 21, 31, 33, 43, 53, 63]);
 
 const fn words(w: &[i16]) -> [i16; 32] {
     let mut out = [0; 32];
@@ -266,7 +259,7 @@ unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
     let mut b = 0;
     // Groups of 4 blocks (136 bytes, of which the scales lie in the first 128).
     while b + 4 <= nb {
-        let dw = gather_f16::<true>(blk(b), &Q8_0_D);
+        let dw = gather_f16::<64>(blk(b), &Q8_0_D);
         let s = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(0x0f, xd.add(b)));
         let p0 = q8_0_pair(blk(b), xq.add(b * BLOCK_LEN));
         let p1 = q8_0_pair(blk(b + 2), xq.add((b + 2) * BLOCK_LEN));
@@ -323,27 +316,26 @@ unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
     // Σ o·d_x·Σ q_x per block, o = d_w (Q4_0) or m_w (Q4_1).
     let mut offsets = _mm512_setzero_ps();
     let mut b = 0;
-    // Groups of 8 `Q4_0` blocks (144 bytes; scales in the first 128) or 4 `Q4_1` blocks (80
-    // bytes; d and m in the first 64).
-    let group = if WITH_MIN { 4 } else { 8 };
-    while b + group <= nb {
+    // Groups of 8 blocks.
+    const GROUP: usize = 8;
+    while b + GROUP <= nb {
         // Exactly the group's lanes, zeros beyond.
-        let load = |p: *const f32| _mm512_maskz_loadu_ps(((1u32 << group) - 1) as __mmask16, p);
+        let load = |p: *const f32| _mm512_maskz_loadu_ps(0xff, p);
         let (dw, o) = if WITH_MIN {
-            let dm = gather_f16::<false>(blk(b), &Q4_1_DM);
-            // m to lanes 0..4.
-            (dm, _mm512_shuffle_f32x4::<0b01_01_01_01>(dm, dm))
+            let dm = gather_f16::<{ 4 * Q4_1_BYTES }>(blk(b), &Q4_1_DM);
+            // m to lanes 0..8.
+            (dm, _mm512_shuffle_f32x4::<0b11_10_11_10>(dm, dm))
         } else {
-            let d = gather_f16::<true>(blk(b), &Q4_0_D);
+            let d = gather_f16::<64>(blk(b), &Q4_0_D);
             (d, d)
         };
         let s = _mm512_mul_ps(dw, load(xd.add(b)));
         offsets = _mm512_fmadd_ps(o, load(xs.add(b)), offsets);
-        for p in 0..group / 2 {
-            let a = if p % 2 == 0 { &mut acc0 } else { &mut acc1 };
-            *a = _mm512_fmadd_ps(pair(b + 2 * p), spread(s, p), *a);
-        }
-        b += group;
+        acc0 = _mm512_fmadd_ps(pair(b), spread(s, 0), acc0);
+        acc1 = _mm512_fmadd_ps(pair(b + 2), spread(s, 1), acc1);
+        acc0 = _mm512_fmadd_ps(pair(b + 4), spread(s, 2), acc0);
+        acc1 = _mm512_fmadd_ps(pair(b + 6), spread(s, 3), acc1);
+        b += GROUP;
     }
     let mut offset = _mm512_reduce_add_ps(offsets);
     while b + 2 <= nb {

@@ -31,18 +31,57 @@ impl AlignedBuf {
             "AlignedBuf length {len} is not a positive multiple of {}",
             Self::ALIGN
         );
-        let layout = Self::layout(len);
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(raw) else {
-            alloc::handle_alloc_error(layout)
-        };
-        Self { ptr, len }
+        Self {
+            ptr: alloc_pages(len),
+            len,
+        }
     }
+}
 
-    fn layout(len: usize) -> Layout {
-        Layout::from_size_align(len, Self::ALIGN).expect("buffer length overflows a Layout")
+/// Read buffers come straight from the kernel (anonymous `mmap`) and go straight back on drop:
+/// page-aligned by construction, and — unlike `malloc`'s aligned allocations, which I/O threads
+/// churning through thousands of them per token fragment into a growing heap — never held after
+/// use, so the memory budget sees only the buffers actually in flight.
+#[cfg(unix)]
+fn alloc_pages(len: usize) -> NonNull<u8> {
+    // SAFETY: an anonymous private mapping; the arguments are valid for any positive `len`.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        alloc::handle_alloc_error(layout(len));
     }
+    NonNull::new(p.cast()).expect("mmap never returns null on success")
+}
+
+#[cfg(unix)]
+fn free_pages(ptr: NonNull<u8>, len: usize) {
+    // SAFETY: `ptr`/`len` describe a mapping made by `alloc_pages` and not yet unmapped.
+    unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
+}
+
+#[cfg(not(unix))]
+fn alloc_pages(len: usize) -> NonNull<u8> {
+    // SAFETY: the layout has a non-zero size.
+    let raw = unsafe { alloc::alloc_zeroed(layout(len)) };
+    NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout(len)))
+}
+
+#[cfg(not(unix))]
+fn free_pages(ptr: NonNull<u8>, len: usize) {
+    // SAFETY: allocated in `alloc_pages` with exactly this layout.
+    unsafe { alloc::dealloc(ptr.as_ptr(), layout(len)) }
+}
+
+fn layout(len: usize) -> Layout {
+    Layout::from_size_align(len, AlignedBuf::ALIGN).expect("buffer length overflows a Layout")
 }
 
 impl Deref for AlignedBuf {
@@ -62,8 +101,7 @@ impl DerefMut for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with exactly this layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        free_pages(self.ptr, self.len);
     }
 }
 

@@ -22,25 +22,14 @@ pub trait Device: Send + Sync {
     /// A human-readable name that includes the file, for error messages and reports.
     fn name(&self) -> String;
 
-    /// Reads the consecutive bytes from `offset` into `bufs`, filled in order, as one device read
-    /// that reached the device at `arrival` (at or before now): how merged reads land in their
-    /// callers' buffers without a copy.
-    ///
-    /// A real device completes the read before returning and gives `None`. A device that models
-    /// time ([`Device::models_time`]) fills the buffers at once and returns the instant at which
-    /// the modelled device completes the read, leaving the wait to the caller; `arrival` lets a
-    /// read issued a little late still start when the device could have started it.
+    /// Reads the consecutive bytes from `offset` into `bufs`, filled in order, as one device read:
+    /// how merged reads land in their callers' buffers without a copy. A device that models time
+    /// only moves the bytes here; the time is booked with [`Device::schedule`].
     ///
     /// The default reads through one bounce buffer with [`Device::read_at`].
-    fn read_scattered(
-        &self,
-        offset: u64,
-        bufs: &mut [AlignedBuf],
-        arrival: Instant,
-    ) -> io::Result<Option<Instant>> {
-        let _ = arrival;
+    fn read_scattered(&self, offset: u64, bufs: &mut [AlignedBuf]) -> io::Result<()> {
         if let [buf] = bufs {
-            return self.read_at(offset, buf).map(|()| None);
+            return self.read_at(offset, buf);
         }
         let mut bounce = AlignedBuf::new(bufs.iter().map(|b| b.len()).sum());
         self.read_at(offset, &mut bounce)?;
@@ -50,11 +39,21 @@ pub trait Device: Send + Sync {
             buf.copy_from_slice(&bounce[start..start + len]);
             start += len;
         }
-        Ok(None)
+        Ok(())
     }
 
-    /// Whether [`Device::read_scattered`] returns at once with a modelled completion instant, so
-    /// that issuing a read costs no more than a copy and may happen on the submitting thread.
+    /// For a device that models time ([`Device::models_time`]): books a `len`-byte read that
+    /// reached the device at `arrival` (at or before now) and returns when the modelled device
+    /// completes it; the caller imposes the wait. Booking is separate from moving the bytes so
+    /// that the read queue can book reads in the order they reach the device, under its own lock,
+    /// however late the thread that copies them runs. Real devices take the time they take: `None`.
+    fn schedule(&self, arrival: Instant, len: usize) -> Option<Instant> {
+        let _ = (arrival, len);
+        None
+    }
+
+    /// Whether reads are timed by [`Device::schedule`], so that [`Device::read_scattered`] costs
+    /// only a copy and may run on the submitting thread.
     fn models_time(&self) -> bool {
         false
     }

@@ -4,7 +4,6 @@
 use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use super::device::pread_exact;
 use super::{AlignedBuf, Device};
@@ -65,13 +64,8 @@ impl Device for DirectDevice {
         pread_exact(&self.file, &self.path, offset, std::slice::from_mut(buf))
     }
 
-    fn read_scattered(
-        &self,
-        offset: u64,
-        bufs: &mut [AlignedBuf],
-        _arrival: Instant,
-    ) -> io::Result<Option<Instant>> {
-        pread_exact(&self.file, &self.path, offset, bufs).map(|()| None)
+    fn read_scattered(&self, offset: u64, bufs: &mut [AlignedBuf]) -> io::Result<()> {
+        pread_exact(&self.file, &self.path, offset, bufs)
     }
 
     fn queue_depth(&self) -> usize {

@@ -64,23 +64,21 @@ fn prefetch(_file: &File) {}
 
 impl Device for FlashModel {
     fn read_at(&self, offset: u64, buf: &mut AlignedBuf) -> io::Result<()> {
-        let bufs = std::slice::from_mut(buf);
-        if let Some(done) = self.read_scattered(offset, bufs, Instant::now())? {
+        let done = self.schedule(Instant::now(), buf.len());
+        pread_exact(&self.file, &self.path, offset, std::slice::from_mut(buf))?;
+        if let Some(done) = done {
             clock::sleep_until(done);
         }
         Ok(())
     }
 
-    fn read_scattered(
-        &self,
-        offset: u64,
-        bufs: &mut [AlignedBuf],
-        arrival: Instant,
-    ) -> io::Result<Option<Instant>> {
-        pread_exact(&self.file, &self.path, offset, bufs)?;
-        let len = bufs.iter().map(|b| b.len()).sum();
+    fn read_scattered(&self, offset: u64, bufs: &mut [AlignedBuf]) -> io::Result<()> {
+        pread_exact(&self.file, &self.path, offset, bufs)
+    }
+
+    fn schedule(&self, arrival: Instant, len: usize) -> Option<Instant> {
         let mut model = self.model.lock().unwrap_or_else(|e| e.into_inner());
-        Ok(Some(model.complete_at(arrival, len)))
+        Some(model.complete_at(arrival, len))
     }
 
     fn models_time(&self) -> bool {

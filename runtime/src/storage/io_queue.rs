@@ -243,6 +243,8 @@ impl IoQueue {
         else {
             unreachable!("checked above")
         };
+        // This thread may have been timing the next free slot: hand that over to a worker.
+        self.shared.wake_worker(&st, Instant::now());
         drop(st);
         if let Some(at) = at {
             clock::sleep_until(at);
@@ -432,6 +434,7 @@ impl Shared {
         st = match timeout {
             None => condvar.wait(st).unwrap_or_else(|e| e.into_inner()),
             Some(t) => {
+                clock::precise_timers();
                 condvar
                     .wait_timeout(st, t)
                     .unwrap_or_else(|e| e.into_inner())
@@ -487,6 +490,8 @@ impl Shared {
             arrival = arrival.max(request.submitted);
             given.push(request.buf.take());
         }
+        // Booked now, in the order reads reach the device, not when this thread gets to copy.
+        let scheduled = self.device.schedule(arrival, run.len);
         st.slots[slot].reading = true;
         if !self.timed {
             self.wake_worker(&st, now);
@@ -498,15 +503,15 @@ impl Shared {
             .zip(&run.parts)
             .map(|(buf, (_, extent))| buf.unwrap_or_else(|| AlignedBuf::new(extent.len)))
             .collect();
-        let (result, retries) = read_with_retries(&*self.device, run.offset, &mut bufs, arrival);
+        let (result, retries) = read_with_retries(&*self.device, run.offset, &mut bufs);
         let finished = Instant::now();
         // A timed read occupies the device from its arrival to its modelled completion.
-        let (busy_from, completes) = match result {
-            Ok(Some(at)) => (arrival, at),
-            _ => (now, finished),
+        let (busy_from, completes) = match scheduled {
+            Some(at) => (arrival, at),
+            None => (now, finished),
         };
         let outcomes: Vec<io::Result<AlignedBuf>> = match result {
-            Ok(_) => bufs.into_iter().map(Ok).collect(),
+            Ok(()) => bufs.into_iter().map(Ok).collect(),
             Err(e) => {
                 let context = self.failure_context(&run, retries);
                 let err = || io::Error::new(e.kind(), format!("{context}: {e}"));
@@ -524,6 +529,7 @@ impl Shared {
             st.stats.bytes_read += run.len as u64;
         }
         st.busy.add(busy_from, completes);
+        if std::env::var_os("IOQ_TRACE").is_some() { eprintln!("TRACE {} {} {} {} {}", (arrival - self.started).as_nanos(), (completes - self.started).as_nanos(), (now - self.started).as_nanos(), (free_at - self.started).as_nanos(), slot); }
         st.slots[slot] = Slot {
             reading: false,
             free_at: completes,
@@ -560,13 +566,12 @@ fn read_with_retries(
     device: &dyn Device,
     offset: u64,
     bufs: &mut [AlignedBuf],
-    arrival: Instant,
-) -> (io::Result<Option<Instant>>, u32) {
+) -> (io::Result<()>, u32) {
     let mut retries = 0;
     let mut short_read_retried = false;
     loop {
-        let e = match device.read_scattered(offset, bufs, arrival) {
-            Ok(at) => return (Ok(at), retries),
+        let e = match device.read_scattered(offset, bufs) {
+            Ok(()) => return (Ok(()), retries),
             Err(e) => e,
         };
         let transient = match e.kind() {

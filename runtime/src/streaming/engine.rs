@@ -208,6 +208,18 @@ impl StreamEngine {
                     self.pending.remove(&key);
                     self.in_flight -= size;
                     self.metrics.cancelled_reads += 1;
+                } else if let Some(done) = io.poll(ticket) {
+                    // Read already, though not needed now: the cache may keep it; either way its
+                    // buffer is released here rather than held by the queue.
+                    self.pending.remove(&key);
+                    self.in_flight -= size;
+                    self.metrics.wasted_reads += 1;
+                    let cl = plan.clusters[key.1 as usize];
+                    if let Ok(buf) = done {
+                        if check_extent(&buf, cl.checksum, String::new).is_ok() {
+                            let _ = self.cache.offer(key, Bytes::Read(buf));
+                        }
+                    }
                 }
             }
             for &ci in &needed {

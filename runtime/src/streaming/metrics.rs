@@ -20,6 +20,8 @@ pub struct Metrics {
     pub clusters_total: u64,
     pub speculative_reads: u64,
     pub cancelled_reads: u64,
+    /// Speculative reads that completed but were not needed.
+    pub wasted_reads: u64,
     pub late_reads: u64,
     pub compute_s: f64,
     pub ffn_s: f64,
@@ -82,6 +84,7 @@ impl Metrics {
             needed_cluster_fraction: ratio(self.clusters_needed, self.clusters_total),
             speculative_reads: self.speculative_reads,
             cancelled_reads: self.cancelled_reads,
+            wasted_reads: self.wasted_reads,
             late_reads: self.late_reads,
             io_busy_fraction: io_busy,
             compute_busy_fraction: if wall_s > 0.0 {
@@ -108,6 +111,7 @@ pub struct Summary {
     pub needed_cluster_fraction: f64,
     pub speculative_reads: u64,
     pub cancelled_reads: u64,
+    pub wasted_reads: u64,
     /// Clusters needed but neither resident nor requested when the FFN input was ready.
     pub late_reads: u64,
     pub io_busy_fraction: f64,

@@ -59,12 +59,12 @@ pub struct StreamingModel {
 }
 
 impl StreamingModel {
-    pub fn open(path: &Path, file: &LsbFile, opts: &StreamOptions) -> Result<Self> {
+    pub fn open(path: &Path, mut file: LsbFile, opts: &StreamOptions) -> Result<Self> {
         let config = file.meta.model.clone();
-        let plans = plan::LayerPlan::all(file)?;
-        let (input, io_budget) = plan_input(file, &plans, opts.ctx, opts.memory, opts.policy);
+        let plans = plan::LayerPlan::all(&mut file)?;
+        let (input, io_budget) = plan_input(&file, &plans, opts.ctx, opts.memory, opts.policy);
         let split = planner::plan(input)?;
-        let model = dense_model(file, config.clone())?;
+        let model = dense_model(&file, config.clone())?;
         let device = open_device(path, opts.flash.clone())
             .with_context(|| format!("cannot open {} for streaming", path.display()))?;
         let sparsity = if opts.policy == Policy::Resident {
@@ -82,7 +82,7 @@ impl StreamingModel {
             io_budget,
             opts.lookahead,
         );
-        pin_hot_set(&mut engine, file, opts.policy, split.neuron_cache)?;
+        pin_hot_set(&mut engine, &file, opts.policy, split.neuron_cache)?;
         Ok(Self {
             model,
             engine,
@@ -170,7 +170,8 @@ fn plan_input(
         dense: file.dense.data_bytes(),
         kv_cache: KvCache::bytes_for(config, ctx) as u64,
         resident_state: plans.iter().map(|p| p.resident_bytes()).sum(),
-        io_buffers: io_budget + max_cluster * 8,
+        // Speculative reads for the next layer while this layer's own reads are in flight.
+        io_buffers: 2 * io_budget,
         scratch: planner::scratch_bytes(config),
         ffn: sizes().sum(),
         needs_all_ffn: policy == Policy::Resident,
@@ -181,9 +182,10 @@ fn plan_input(
 
 /// The smallest `--memory` the `leanstream` policy accepts for `file` at `ctx` (the neuron cache
 /// empty: every bundle streams).
-pub fn minimum_memory(file: &LsbFile, ctx: usize) -> Result<u64> {
-    let plans = plan::LayerPlan::all(file)?;
-    let (input, _) = plan_input(file, &plans, ctx, None, Policy::Leanstream);
+pub fn minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
+    let mut file = LsbFile::open(path)?;
+    let plans = plan::LayerPlan::all(&mut file)?;
+    let (input, _) = plan_input(&file, &plans, ctx, None, Policy::Leanstream);
     Ok(planner::plan(input)?.fixed())
 }
 

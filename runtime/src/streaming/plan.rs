@@ -42,8 +42,12 @@ pub struct LayerPlan {
 }
 
 impl LayerPlan {
-    /// Decodes every layer's plan from an open file.
-    pub fn all(file: &LsbFile) -> Result<Vec<LayerPlan>> {
+    /// Decodes every layer's plan from an open file, taking over its sketch, predictors and
+    /// statistics (so they are not held twice).
+    pub fn all(file: &mut LsbFile) -> Result<Vec<LayerPlan>> {
+        let mut own = std::mem::take(&mut file.predictors.own).into_iter();
+        let mut lookahead = std::mem::take(&mut file.predictors.lookahead).into_iter();
+        let mut refine = std::mem::take(&mut file.refine.layers).into_iter();
         let c = &file.meta.model;
         let mut plans = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
@@ -67,8 +71,13 @@ impl LayerPlan {
             for (ci, cl) in clusters.iter().enumerate() {
                 cluster_of[cl.first..cl.first + cl.count].fill(ci as u32);
             }
-            let s = &file.sketch.layers[l];
-            let sketch = QMatrix::new(f.neurons(), c.hidden_size, s.qtype, s.rows.clone())?;
+            let s = &mut file.sketch.layers[l];
+            let sketch = QMatrix::new(
+                f.neurons(),
+                c.hidden_size,
+                s.qtype,
+                std::mem::take(&mut s.rows),
+            )?;
             let mut row = vec![0.0f32; c.hidden_size];
             let sketch_norm = (0..f.neurons())
                 .map(|p| {
@@ -84,11 +93,11 @@ impl LayerPlan {
                 threshold,
                 skip: SkipSet::new(c.activation, threshold),
                 sketch,
-                sketch_err: s.err_norm.clone(),
+                sketch_err: std::mem::take(&mut s.err_norm),
                 sketch_norm,
-                own: file.predictors.own[l].clone(),
-                lookahead: file.predictors.lookahead[l].clone(),
-                refine: file.refine.layers[l].clone(),
+                own: own.next().expect("validated: one per layer"),
+                lookahead: lookahead.next().expect("validated: one per layer"),
+                refine: refine.next().expect("validated: one per layer"),
             });
         }
         Ok(plans)

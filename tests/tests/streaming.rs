@@ -1,0 +1,265 @@
+//! Convert → run under a memory budget, end to end: certified streaming computes exactly what the
+//! resident model computes, at every budget, and the process stays within its budget.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+use leanstream::neuron_cache::Retention;
+use leanstream::perplexity::perplexity;
+use leanstream::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::storage::FlashProfile;
+use leanstream::streaming::Sparsity;
+use leanstream_tests::tiny::{write_tiny_model, TinySpec};
+
+/// The workspace's binaries, built by `cargo test --workspace` next to this test's directory.
+fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`",
+        p.display()
+    );
+    p
+}
+
+fn scratch() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("leanstream-streaming-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn convert(model: &Path, out: &Path, extra: &[&str]) {
+    let o = Command::new(bin("leanstream-prep"))
+        .arg("convert")
+        .arg(model)
+        .arg("-o")
+        .arg(out)
+        .args([
+            "--calib-tokens",
+            "2048",
+            "--epochs",
+            "2",
+            "--cluster-kib",
+            "8",
+            "--json",
+        ])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// The embedded ReLU model converted to q8 and to f32.
+fn embedded(quant: &str) -> PathBuf {
+    static Q8: OnceLock<PathBuf> = OnceLock::new();
+    static F32: OnceLock<PathBuf> = OnceLock::new();
+    let cell = if quant == "q8" { &Q8 } else { &F32 };
+    cell.get_or_init(|| {
+        let out = scratch().join(format!("austen-{quant}.lsb"));
+        convert(
+            &workspace().join("models/austen-relu"),
+            &out,
+            &["--quant", quant],
+        );
+        out
+    })
+    .clone()
+}
+
+fn session(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
+    Session::open(&SessionOptions {
+        model: file.to_path_buf(),
+        policy: Some(policy),
+        memory,
+        flash: if memory.is_some() {
+            FlashProfile::from_flash_arg("ufs4").unwrap()
+        } else {
+            None
+        },
+        sparsity: Sparsity::Certified,
+        ctx: Some(128),
+        default_ctx: 128,
+        lookahead: true,
+        retention: Retention::Activity,
+    })
+    .unwrap()
+}
+
+fn text_ids(s: &Session, n: usize) -> Vec<u32> {
+    let text = std::fs::read_to_string(workspace().join("data/heldout-head.txt")).unwrap();
+    let mut ids = s.tokenizer.encode(&text, false).unwrap();
+    ids.truncate(n);
+    ids
+}
+
+/// Budgets from the minimum (everything streams) to everything resident.
+fn budgets(file: &Path) -> Vec<u64> {
+    let f = leanstream_format::LsbFile::open(file).unwrap();
+    let min = leanstream::streaming::minimum_memory(file, 128).unwrap();
+    let ffn = f.ffn.bundle_bytes();
+    vec![
+        min,
+        min + ffn / 10,
+        min + ffn / 4,
+        min + ffn / 2,
+        min + 2 * ffn,
+    ]
+}
+
+fn ppl(file: &Path, policy: PolicyChoice, memory: Option<u64>, ids: &[u32]) -> f64 {
+    let mut s = session(file, policy, memory);
+    perplexity(s.model(), ids, 64, false).unwrap().perplexity
+}
+
+#[test]
+fn certified_streaming_equals_resident_at_every_budget() {
+    let file = embedded("q8");
+    let ids = text_ids(&session(&file, PolicyChoice::Resident, None), 300);
+    let resident = ppl(&file, PolicyChoice::Resident, None, &ids);
+    for b in budgets(&file) {
+        let streamed = ppl(&file, PolicyChoice::Leanstream, Some(b), &ids);
+        eprintln!("budget {b}: certified {streamed:.6}, resident {resident:.6}");
+        assert!(
+            (streamed / resident - 1.0).abs() < 1e-5,
+            "budget {b}: {streamed} vs {resident}"
+        );
+    }
+}
+
+#[test]
+fn certified_streaming_of_an_f32_file_equals_dense() {
+    let file = embedded("f32");
+    let ids = text_ids(&session(&file, PolicyChoice::Dense, None), 300);
+    let dense = ppl(&file, PolicyChoice::Dense, None, &ids);
+    for b in budgets(&file).into_iter().step_by(2) {
+        let streamed = ppl(&file, PolicyChoice::Leanstream, Some(b), &ids);
+        eprintln!("budget {b}: certified {streamed:.6}, dense {dense:.6}");
+        assert!(
+            (streamed / dense - 1.0).abs() < 1e-5,
+            "budget {b}: {streamed} vs {dense}"
+        );
+    }
+}
+
+/// A SiLU model with a calibrated threshold: certification works on |silu(g)| too.
+#[test]
+fn certified_threshold_model_equals_resident() {
+    let dir = leanstream_tests::fresh_dir(&scratch(), "tiny-silu");
+    write_tiny_model(&dir, &TinySpec::llama()).unwrap();
+    let file = scratch().join("tiny-silu.lsb");
+    convert(
+        &dir,
+        &file,
+        &["--quant", "q8", "--sparsity", "threshold:0.5"],
+    );
+    let ids = leanstream_tests::tiny::random_ids(3, 200, 4096);
+    let resident = ppl(&file, PolicyChoice::Resident, None, &ids);
+    for b in budgets(&file).into_iter().take(3) {
+        let streamed = ppl(&file, PolicyChoice::Leanstream, Some(b), &ids);
+        assert!(
+            (streamed / resident - 1.0).abs() < 1e-5,
+            "budget {b}: {streamed} vs {resident}"
+        );
+    }
+}
+
+fn run(file: &Path, extra: &[&str]) -> Output {
+    Command::new(bin("leanstream"))
+        .arg("run")
+        .arg("--model")
+        .arg(file)
+        .args([
+            "-p",
+            "It was a fine morning, and Emma",
+            "--temp",
+            "0",
+            "-n",
+            "40",
+            "--ctx",
+            "128",
+            "--json",
+        ])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// Greedy tokens are identical, and the OS-measured peak RSS stays within the budget + 5 %.
+#[test]
+fn the_binary_keeps_its_budget_and_its_tokens() {
+    let file = embedded("q8");
+    let resident = run(&file, &["--policy", "resident"]);
+    assert!(
+        resident.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resident.stderr)
+    );
+    let want: serde_json::Value = serde_json::from_slice(&resident.stdout).unwrap();
+    // The binary's own minimum (its process overhead differs from this test's).
+    let err = String::from_utf8_lossy(&run(&file, &["--memory", "1MiB"]).stderr).into_owned();
+    let min = err
+        .split("below the minimum of ")
+        .nth(1)
+        .and_then(|r| r.split(" for").next())
+        .unwrap();
+    let min = leanstream::memory_size::parse_size(&min.replace(' ', "")).unwrap() + 65536;
+    let ffn = leanstream_format::LsbFile::open(&file)
+        .unwrap()
+        .ffn
+        .bundle_bytes();
+    let mut last_hit = 0.0;
+    for b in [
+        min,
+        min + ffn / 10,
+        min + ffn / 4,
+        min + ffn / 2,
+        min + 2 * ffn,
+    ] {
+        let o = run(&file, &["--memory", &b.to_string(), "--flash", "ufs4"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["text"], want["text"], "budget {b}");
+        let rss = v["peak_rss_bytes"].as_u64().unwrap();
+        eprintln!(
+            "budget {b}: peak RSS {rss}, {} B/token, hit rate {}",
+            v["bytes_read_per_token"], v["cache_hit_rate"]
+        );
+        assert!(rss as f64 <= b as f64 * 1.05, "budget {b}: peak RSS {rss}");
+        for key in [
+            "memory_split",
+            "bytes_read_per_token",
+            "cache_hit_rate",
+            "lookahead_recall",
+            "predictor_recall",
+        ] {
+            assert!(!v[key].is_null(), "{key}");
+        }
+        let hit = v["cache_hit_rate"].as_f64().unwrap();
+        assert!(
+            hit >= last_hit - 0.02,
+            "a larger budget must not hit less: {hit} after {last_hit}"
+        );
+        last_hit = hit;
+    }
+    assert!(
+        last_hit > 0.95,
+        "with the whole FFN affordable almost everything hits: {last_hit}"
+    );
+}
+
+#[test]
+fn a_budget_below_the_minimum_says_the_minimum() {
+    let file = embedded("q8");
+    let o = run(&file, &["--memory", "1MiB"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("below the minimum of"), "{err}");
+    let o = run(&file, &["--memory", "0"]);
+    assert_eq!(o.status.code(), Some(2), "a zero budget is a usage error");
+}
