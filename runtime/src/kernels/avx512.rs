@@ -194,7 +194,8 @@ unsafe fn spread(v: __m512, p: usize) -> __m512 {
 }
 
 /// The f16 words at the word offsets `words` of the 64 bytes at `p` and the 64 at `p + HI` (words
-/// 32..64), as f32; lanes past the offsets given repeat the first.
+/// 32..64), as f32; lanes past the offsets given repeat the first. Both spans must be readable:
+/// the callers' group loops keep them within the row.
 #[inline(always)]
 unsafe fn gather_f16<const HI: usize>(p: *const u8, words: &[i16; 32]) -> __m512 {
     let idx = _mm512_loadu_si512(words.as_ptr() as *const _);

@@ -1,7 +1,8 @@
 //! Row kernels for aarch64 (NEON is part of the base architecture): 4 floats per vector with four
 //! accumulators; block types one block per step, the integer dot product through widening 8-bit
-//! multiplies (`smull`) and pairwise accumulation (`sadalp`), which every ARMv8 core has. Axpy of
-//! the block types uses the portable code, which the compiler vectorizes for NEON by itself.
+//! multiplies (`smull`) and pairwise accumulation (`sadalp`), which every ARMv8 core has. f16 rows
+//! (whose NEON conversion intrinsics need Rust 1.94, past this workspace's minimum) and axpy of
+//! the block types use the portable code, which the compiler vectorizes for NEON by itself.
 //!
 //! Loops are bounded by the shorter input; tails run the portable code.
 
@@ -19,7 +20,6 @@ pub(super) fn kernels() -> RowKernels {
     RowKernels {
         isa: "neon",
         dot_f32: |w, x| unsafe { dot_float(w, x, Float::F32) },
-        dot_f16: |w, x| unsafe { dot_float(w, x, Float::F16) },
         dot_bf16: |w, x| unsafe { dot_float(w, x, Float::Bf16) },
         dot_q8_0: |w, x| unsafe { dot_q8_0(w, x) },
         dot_q4_0: |w, x| unsafe { dot_q4::<false>(w, x) },
@@ -32,7 +32,6 @@ pub(super) fn kernels() -> RowKernels {
 #[derive(Clone, Copy)]
 enum Float {
     F32,
-    F16,
     Bf16,
 }
 
@@ -40,7 +39,7 @@ impl Float {
     fn bytes(self) -> usize {
         match self {
             Float::F32 => 4,
-            Float::F16 | Float::Bf16 => 2,
+            Float::Bf16 => 2,
         }
     }
 }
@@ -50,7 +49,6 @@ impl Float {
 unsafe fn load4(p: *const u8, unit: Float) -> float32x4_t {
     match unit {
         Float::F32 => vld1q_f32(p as *const f32),
-        Float::F16 => vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p as *const u16))),
         Float::Bf16 => {
             let h = vmovl_u16(vld1_u16(p as *const u16));
             vreinterpretq_f32_u32(vshlq_n_u32::<16>(h))
@@ -74,7 +72,6 @@ unsafe fn dot_float(w: &[u8], x: &[f32], unit: Float) -> f32 {
     let (tw, tx) = (&w[i * bytes..n * bytes], &x[i..n]);
     let tail = match unit {
         Float::F32 => portable::dot_f32(tw, tx),
-        Float::F16 => portable::dot_f16(tw, tx),
         Float::Bf16 => portable::dot_bf16(tw, tx),
     };
     vaddvq_f32(vaddq_f32(
