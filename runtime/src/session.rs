@@ -1,7 +1,7 @@
 //! A model opened the way the command line asks: a policy, a memory budget, a flash device and a
 //! context length; the same for `run`, `perplexity` and `bench`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
@@ -53,7 +53,7 @@ pub struct Session {
 
 impl Session {
     pub fn open(o: &SessionOptions) -> Result<Self> {
-        let converted = is_converted(&o.model)?;
+        let converted = o.model.is_file() && source::is_converted(&o.model)?;
         let policy = o.policy.unwrap_or(if converted {
             PolicyChoice::Leanstream
         } else {
@@ -174,19 +174,4 @@ fn cap_ctx(o: &SessionOptions, max: usize) -> Result<usize> {
         return Ok(max);
     }
     Ok(ctx)
-}
-
-/// A converted LeanStream file starts with its magic.
-pub fn is_converted(path: &Path) -> Result<bool> {
-    use std::io::Read;
-    if !path.is_file() {
-        return Ok(false);
-    }
-    let mut magic = [0u8; 8];
-    let mut f =
-        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let n = f
-        .read(&mut magic)
-        .with_context(|| format!("cannot read {}", path.display()))?;
-    Ok(n == 8 && magic == leanstream_format::container::MAGIC)
 }

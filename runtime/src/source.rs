@@ -48,7 +48,7 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
 }
 
 /// A converted LeanStream file starts with its magic; anything else is tried as GGUF.
-fn is_converted(path: &Path) -> Result<bool> {
+pub fn is_converted(path: &Path) -> Result<bool> {
     use std::io::Read;
     let mut magic = [0u8; 8];
     let mut f =
