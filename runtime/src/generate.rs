@@ -41,6 +41,9 @@ pub struct GenerationStats {
     pub prompt_tokens_per_s: f64,
     /// Prompt processing plus the first sampled token.
     pub ttft_ms: f64,
+    /// Time between consecutive generated tokens: median and 99th percentile.
+    pub ms_per_token_p50: f64,
+    pub ms_per_token_p99: f64,
     pub stop_reason: StopReason,
 }
 
@@ -81,10 +84,12 @@ pub fn generate(
     let mut text = String::new();
     let mut tokens = Vec::new();
     let mut first_token_at = None;
+    let mut token_times: Vec<Instant> = Vec::new();
     let stop_reason = loop {
         let tok = sampler.sample(&mut logits, &history);
         let now = Instant::now();
         first_token_at.get_or_insert(now);
+        token_times.push(now);
         if opts.eos_token_ids.contains(&tok) {
             break StopReason::Eos;
         }
@@ -109,7 +114,19 @@ pub fn generate(
     }
     let first = first_token_at.expect("at least one token is sampled");
     let decode_s = (end - first).as_secs_f64();
+    let mut gaps: Vec<f64> = token_times
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+        .collect();
+    gaps.sort_by(f64::total_cmp);
+    let pct = |q: f64| {
+        gaps.get(((gaps.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
     let stats = GenerationStats {
+        ms_per_token_p50: pct(0.5),
+        ms_per_token_p99: pct(0.99),
         prompt_tokens: prompt.len(),
         generated_tokens: tokens.len(),
         tokens_per_s: if tokens.len() > 1 {
