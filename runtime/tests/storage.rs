@@ -115,11 +115,15 @@ fn flash_model_qd1_latency_matches_ufs4() {
     let _t = timing_lock();
     let queue = ufs4_queue();
     let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    // One buffer reused throughout, as the engine's cache does, so that the allocator's work
+    // (freeing and faulting in fresh pages) is not counted as device latency.
+    let mut buf = Some(AlignedBuf::new(PAGE));
     let mut latencies: Vec<f64> = (0..2000)
         .map(|_| {
             let offset = rng.random_range(0..(64 << 20) / PAGE as u64) * PAGE as u64;
             let start = Instant::now();
-            queue.wait(queue.submit(offset, PAGE, 0)).unwrap();
+            let ticket = queue.submit_into(buf.take().unwrap(), offset, 0);
+            buf = Some(queue.wait(ticket).unwrap());
             start.elapsed().as_secs_f64() * 1e6
         })
         .collect();
@@ -172,9 +176,8 @@ fn queued_reads_progress_without_a_waiter() {
         .collect();
     let tickets = queue.submit_batch(&reads);
     queue.wait(tickets[0]).unwrap();
-    let last = *tickets.last().unwrap();
     let deadline = Instant::now() + Duration::from_secs(2);
-    while !queue.is_done(last) {
+    while !tickets.iter().all(|&t| queue.is_done(t)) {
         assert!(
             Instant::now() < deadline,
             "queued reads stalled: {:?}",
@@ -204,13 +207,20 @@ fn flash_model_512k_bandwidth_matches_ufs4() {
 fn flash_model_completes_no_earlier_than_its_latency() {
     let _t = timing_lock();
     let queue = ufs4_queue();
-    let start = Instant::now();
+    for _ in 0..20 {
+        let start = Instant::now();
+        let ticket = queue.submit(0, PAGE, 0);
+        assert!(!queue.is_done(ticket) || start.elapsed() >= Duration::from_micros(60));
+        while !queue.is_done(ticket) {
+            std::hint::spin_loop();
+        }
+        assert!(start.elapsed() >= Duration::from_micros(60));
+        queue.wait(ticket).unwrap();
+    }
     let ticket = queue.submit(0, PAGE, 0);
-    assert!(!queue.is_done(ticket));
     while !queue.is_done(ticket) {
         std::hint::spin_loop();
     }
-    assert!(start.elapsed() >= Duration::from_micros(60));
     let bytes = queue.poll(ticket).unwrap().unwrap();
     assert_eq!(&bytes[..], &data_file().1[..PAGE]);
     assert!(

@@ -5,12 +5,14 @@
 //!
 //! The device has `queue_depth` command slots. A read holds a slot from the moment it reaches the
 //! device until it completes. For a real device that is while a worker thread blocks in it (one
-//! worker per slot). For a device that models time ([`Device::models_time`]) issuing is only a copy,
-//! done by whichever thread finds a slot free — usually the submitting one — and the slot stays
-//! held until the modelled completion instant, which the waiting caller sleeps out itself: no
-//! thread is tied up per emulated read and no thread hand-off is paid per read. A read reaches the
-//! device when its slot frees (or when it is submitted, if later) even if the thread that issues
-//! it comes a little after that, as the kernel would have sent it from its own queue.
+//! worker per slot). For a device that models time ([`Device::models_time`]) the read is booked
+//! with the model when its slot frees, in slot order, and holds the slot until the modelled
+//! completion; moving its bytes is only a copy, done by whichever thread found the slot free —
+//! usually the submitting or the waiting one, a worker otherwise — and the waiting caller sleeps
+//! out the completion itself. So no thread is tied up per emulated read, no hand-off is paid per
+//! read, and a read reaches the device when its slot frees (or when it is submitted, if later)
+//! even if the thread that books it runs a little after that, as the kernel would have sent it
+//! from its own queue.
 
 use std::collections::HashMap;
 use std::io;
@@ -124,7 +126,7 @@ enum Role {
 
 #[derive(Clone, Copy)]
 struct Slot {
-    /// A thread is inside the device call.
+    /// A thread is inside a (real) device's read.
     reading: bool,
     /// When the slot's latest read completes (or completed).
     free_at: Instant,
@@ -490,9 +492,13 @@ impl Shared {
             arrival = arrival.max(request.submitted);
             given.push(request.buf.take());
         }
-        // Booked now, in the order reads reach the device, not when this thread gets to copy.
+        // A timed read is booked now, in the order reads reach the device, and frees its slot
+        // when the modelled device completes it, however late this thread gets to the copy.
         let scheduled = self.device.schedule(arrival, run.len);
-        st.slots[slot].reading = true;
+        match scheduled {
+            Some(at) => st.slots[slot].free_at = at,
+            None => st.slots[slot].reading = true,
+        }
         if !self.timed {
             self.wake_worker(&st, now);
         }
@@ -529,11 +535,12 @@ impl Shared {
             st.stats.bytes_read += run.len as u64;
         }
         st.busy.add(busy_from, completes);
-        if std::env::var_os("IOQ_TRACE").is_some() { eprintln!("TRACE {} {} {} {} {}", (arrival - self.started).as_nanos(), (completes - self.started).as_nanos(), (now - self.started).as_nanos(), (free_at - self.started).as_nanos(), slot); }
-        st.slots[slot] = Slot {
-            reading: false,
-            free_at: completes,
-        };
+        if scheduled.is_none() {
+            st.slots[slot] = Slot {
+                reading: false,
+                free_at: finished,
+            };
+        }
         let at = (completes > finished).then_some(completes);
         for ((id, _), outcome) in run.parts.iter().zip(outcomes) {
             if let Some(request) = st.requests.get_mut(id) {
