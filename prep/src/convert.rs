@@ -9,8 +9,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use leanstream::config::ModelConfig;
 use leanstream::kernels::{Matrix, Weight};
 use leanstream::model::{DenseFfn, Model};
-use leanstream::safetensors_dir::SafetensorsDir;
-use leanstream::tokenizer::Tokenizer;
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::{DenseIndex, DenseTensor};
 use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
@@ -24,6 +22,7 @@ use serde::Serialize;
 use crate::calib::Calibration;
 use crate::placement::{cluster_fill, place};
 use crate::profile::{Profiler, SparsityQuality};
+use crate::source::Source;
 use crate::sparsity::{masks, threshold, SparsityMode};
 use crate::tensors::{dense_specs, ffn_names, quantize_rows};
 use crate::train::{
@@ -82,10 +81,9 @@ pub struct Phases {
 pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let mut phases = Phases::default();
     let t = Instant::now();
-    let dir = &opts.model_dir;
-    let config = leanstream::config::from_hf_dir(dir)?;
-    let source = SafetensorsDir::open(dir)?;
-    let get = |name: &str, shape: &[usize]| source.tensor_f32(name, shape);
+    let source = Source::open(&opts.model_dir)?;
+    let config = source.config.clone();
+    let get = |name: &str, shape: &[usize]| source.tensor(name, shape);
     // Dense weights only: the FFNs are loaded one layer at a time below, so peak memory is the
     // dense part plus one layer plus the profiling buffers.
     let model = Model::without_ffn(config.clone(), get, |name, rows, cols| {
@@ -95,11 +93,10 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             get(name, &[rows, cols])?,
         )))
     })?;
-    let tokenizer = Tokenizer::from_dir(dir)?;
-    let tokenizer_json = std::fs::read(dir.join("tokenizer.json"))?;
+    let (tokenizer, tokenizer_json) = (&source.tokenizer, &source.tokenizer_json);
     let mode = SparsityMode::parse(&opts.sparsity, config.activation)?;
     check_block_shapes(&config, opts.quant)?;
-    let calib = Calibration::new(&tokenizer, opts.calib.as_deref(), opts.calib_tokens)?;
+    let calib = Calibration::new(tokenizer, opts.calib.as_deref(), opts.calib_tokens)?;
     phases.load = t.elapsed().as_secs_f64();
 
     let mut writer = ContainerWriter::create(&opts.output)
@@ -291,7 +288,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         }),
     };
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
-    writer.add_section(SectionKind::Tokenizer, &tokenizer_json, true)?;
+    writer.add_section(SectionKind::Tokenizer, tokenizer_json, true)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
     writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
     writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
@@ -492,8 +489,8 @@ fn bar(show: bool, len: u64, what: &str) -> ProgressBar {
     b
 }
 
-/// The model directory a MODEL argument names: a local directory, or a hub id resolved through
-/// the Hugging Face cache (downloading unless `HF_HUB_OFFLINE=1`).
+/// What a MODEL argument names: a local directory or GGUF file, or a hub id resolved through the
+/// Hugging Face cache (downloading unless `HF_HUB_OFFLINE=1`).
 pub fn resolve_model(model: &str) -> Result<PathBuf> {
     let path = Path::new(model);
     if path.exists() {

@@ -7,6 +7,7 @@ mod hub;
 mod inspect;
 mod placement;
 mod profile;
+mod source;
 mod sparsity;
 mod tensors;
 mod train;
@@ -33,7 +34,7 @@ struct Cli {
 enum Command {
     /// Profile, sparsify, cluster, train predictors and write one file.
     Convert {
-        /// A model directory, or a Hugging Face hub id (owner/name).
+        /// A model directory, a GGUF file, or a Hugging Face hub id (owner/name).
         model: String,
         /// Output file.
         #[arg(short, long)]

@@ -44,6 +44,15 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The tokenizer as `tokenizer.json` bytes (a converted file embeds it).
+    pub fn to_json(&self) -> Result<Vec<u8>> {
+        let json = self
+            .inner
+            .to_string(false)
+            .map_err(|e| anyhow::anyhow!("cannot serialise the tokenizer: {e}"))?;
+        Ok(json.into_bytes())
+    }
+
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner
             .decode(ids, true)

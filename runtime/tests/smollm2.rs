@@ -2,7 +2,7 @@
 //! cache; CI runs that first): a greedy answer, perplexity against llama.cpp on the same weights,
 //! tokenizer ids equal to llama.cpp's, and errors for a damaged file.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use leanstream::gguf::GgufFile;
@@ -153,4 +153,104 @@ fn damaged_files_are_clear_errors() {
         assert!(stderr.contains(path.to_str().unwrap()), "{name}: {stderr}");
         assert!(stderr.contains(message), "{name}: {stderr}");
     }
+}
+
+/// `leanstream-prep`, built by `cargo test --workspace` next to this test's binary.
+fn prep_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let p = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("leanstream-prep");
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`",
+        p.display()
+    );
+    p
+}
+
+/// The real model through the whole product: convert the GGUF (q8, threshold sparsity, a few
+/// thousand calibration tokens), then run it with a quarter of the FFN affordable on an emulated
+/// UFS 4.0 device; certified streaming answers exactly as the resident model does.
+#[test]
+fn converted_smollm2_streams_under_a_budget() {
+    let out = std::env::temp_dir().join(format!("smollm2-{}.lsb", std::process::id()));
+    let o = Command::new(prep_binary())
+        .arg("convert")
+        .arg(smollm2())
+        .arg("-o")
+        .arg(&out)
+        .args([
+            "--quant",
+            "q8",
+            "--sparsity",
+            "threshold:0.5",
+            "--calib-tokens",
+            "2048",
+            "--epochs",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let run = |extra: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+            .arg("run")
+            .arg("--model")
+            .arg(&out)
+            .args([
+                "-p",
+                "The capital of France is",
+                "--temp",
+                "0",
+                "-n",
+                "8",
+                "--ctx",
+                "256",
+                "--json",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        (
+            o.status.success(),
+            serde_json::from_slice::<serde_json::Value>(&o.stdout).ok(),
+            err,
+        )
+    };
+    let (ok, resident, err) = run(&["--policy", "resident"]);
+    assert!(ok, "{err}");
+    let resident = resident.unwrap();
+    assert!(
+        resident["text"].as_str().unwrap().contains("Paris"),
+        "{}",
+        resident["text"]
+    );
+    let (_, _, err) = run(&["--memory", "1MiB"]);
+    let min = err
+        .split("below the minimum of ")
+        .nth(1)
+        .and_then(|r| r.split(" for").next())
+        .expect(&err);
+    let min = leanstream::memory_size::parse_size(&min.replace(' ', "")).unwrap() + (1 << 20);
+    let ffn = resident["memory_split"]["ffn_total"].as_u64().unwrap();
+    let budget = min + ffn / 4;
+    let (ok, v, err) = run(&["--memory", &budget.to_string(), "--flash", "ufs4"]);
+    assert!(ok, "{err}");
+    let v = v.unwrap();
+    assert_eq!(v["text"], resident["text"]);
+    let rss = v["peak_rss_bytes"].as_u64().unwrap();
+    eprintln!(
+        "SmolLM2 at minimum + 25 % FFN ({budget} B): {} tok/s, {} B/token, hit rate {}, peak RSS {rss}",
+        v["tokens_per_s"], v["bytes_read_per_token"], v["cache_hit_rate"]
+    );
+    assert!(
+        rss as f64 <= budget as f64 * 1.05,
+        "peak RSS {rss} over budget {budget}"
+    );
+    std::fs::remove_file(&out).unwrap();
 }

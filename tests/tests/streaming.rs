@@ -201,6 +201,9 @@ fn the_binary_keeps_its_budget_and_its_tokens() {
         String::from_utf8_lossy(&resident.stderr)
     );
     let want: serde_json::Value = serde_json::from_slice(&resident.stdout).unwrap();
+    // Resident means resident: no reads after start-up, every cluster a hit.
+    assert_eq!(want["bytes_read_per_token"], 0.0);
+    assert_eq!(want["cache_hit_rate"], 1.0);
     // The binary's own minimum (its process overhead differs from this test's).
     let err = String::from_utf8_lossy(&run(&file, &["--memory", "1MiB"]).stderr).into_owned();
     let min = err

@@ -73,6 +73,7 @@ impl StreamingModel {
             opts.sparsity
         };
         let cache = NeuronCache::new(split.neuron_cache, opts.retention);
+        let hot = hot_order(&plans);
         let mut engine = StreamEngine::new(
             plans,
             config.activation,
@@ -82,7 +83,7 @@ impl StreamingModel {
             io_budget,
             opts.lookahead,
         );
-        pin_hot_set(&mut engine, &file, opts.policy, split.neuron_cache)?;
+        pin_hot_set(&mut engine, &file, &hot, opts.policy, split.neuron_cache)?;
         Ok(Self {
             model,
             engine,
@@ -237,28 +238,34 @@ fn dense_model(file: &LsbFile, config: ModelConfig) -> Result<Model> {
     )
 }
 
+/// Every cluster as `(profile frequency, layer, cluster)`, most frequently active first.
+fn hot_order(plans: &[plan::LayerPlan]) -> Vec<(f32, usize, usize)> {
+    let mut order: Vec<(f32, usize, usize)> = Vec::new();
+    for (l, p) in plans.iter().enumerate() {
+        for (c, &f) in p.refine.cluster_freq.iter().enumerate() {
+            order.push((f, l, c));
+        }
+    }
+    order.sort_by(|a, b| b.0.total_cmp(&a.0));
+    order
+}
+
 /// Pins clusters before the first token: for `resident`, every cluster; for `leanstream`, the
 /// profile's hottest clusters (by activation frequency) up to half the cache, so the dynamic part
 /// keeps room for what tokens turn out to use.
 fn pin_hot_set(
     engine: &mut StreamEngine,
     file: &LsbFile,
+    order: &[(f32, usize, usize)],
     policy: Policy,
     capacity: u64,
 ) -> Result<()> {
-    let mut order: Vec<(f32, usize, usize)> = Vec::new();
-    for (l, r) in file.refine.layers.iter().enumerate() {
-        for (c, &f) in r.cluster_freq.iter().enumerate() {
-            order.push((f, l, c));
-        }
-    }
-    order.sort_by(|a, b| b.0.total_cmp(&a.0));
     let limit = match policy {
         Policy::Resident => capacity,
         Policy::Leanstream => capacity / 2,
     };
     let mut used = 0u64;
-    for (freq, l, c) in order {
+    for &(freq, l, c) in order {
         let (_, size) = file.cluster_extent(l, c);
         if used + size > limit {
             if policy == Policy::Resident {

@@ -1,0 +1,68 @@
+//! What `convert` reads: a Hugging Face model directory or a GGUF file — the config, the tensors
+//! by Hugging Face name as f32, and the tokenizer (embedded in the output as `tokenizer.json`).
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use leanstream::config::ModelConfig;
+use leanstream::gguf::GgufFile;
+use leanstream::safetensors_dir::SafetensorsDir;
+use leanstream::tokenizer::Tokenizer;
+
+enum Tensors {
+    Dir(SafetensorsDir),
+    Gguf(GgufFile),
+}
+
+pub struct Source {
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    /// The tokenizer serialised as `tokenizer.json`.
+    pub tokenizer_json: Vec<u8>,
+    tensors: Tensors,
+}
+
+impl Source {
+    pub fn open(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            let tokenizer_path = path.join("tokenizer.json");
+            let tokenizer_json = std::fs::read(&tokenizer_path).map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot read {}: {e}; the model directory needs tokenizer.json",
+                    tokenizer_path.display()
+                )
+            })?;
+            return Ok(Self {
+                config: leanstream::config::from_hf_dir(path)?,
+                tokenizer: Tokenizer::from_bytes(&tokenizer_json)?,
+                tokenizer_json,
+                tensors: Tensors::Dir(SafetensorsDir::open(path)?),
+            });
+        }
+        if !path.is_file() {
+            bail!(
+                "{} is neither a model directory nor a GGUF file",
+                path.display()
+            );
+        }
+        let gguf = GgufFile::open(path)?;
+        let mut config = gguf.config()?;
+        let tok = leanstream::gguf_tokenizer::from_gguf(&gguf)?;
+        // Generation stops where llama.cpp stops for this file.
+        config.eos_token_ids = tok.eos_token_ids;
+        Ok(Self {
+            config,
+            tokenizer_json: tok.tokenizer.to_json()?,
+            tokenizer: tok.tokenizer,
+            tensors: Tensors::Gguf(gguf),
+        })
+    }
+
+    /// Tensor `name` (Hugging Face naming) as f32, checked against `shape`.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        match &self.tensors {
+            Tensors::Dir(d) => d.tensor_f32(name, shape),
+            Tensors::Gguf(g) => g.tensor_f32(name, shape),
+        }
+    }
+}
