@@ -114,7 +114,10 @@ impl MemorySplit {
 /// start-up), plus the tokenizer (its parsed form takes a few times its JSON size), plus slack for
 /// the allocator and the file's indexes while they are decoded.
 pub fn baseline_overhead(tokenizer_json_bytes: u64) -> u64 {
-    crate::memory::startup_rss_bytes() + 4 * tokenizer_json_bytes + (4 << 20)
+    // Rounded up to whole MiB: the measured start-up RSS varies by ~100 KiB from run to run, and
+    // the minimum the planner states should not.
+    const MIB: u64 = 1 << 20;
+    (crate::memory::startup_rss_bytes() + 4 * tokenizer_json_bytes + 4 * MIB).div_ceil(MIB) * MIB
 }
 
 /// Activations of one prompt chunk and the logits.
