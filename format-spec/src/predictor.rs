@@ -37,7 +37,7 @@ impl Predictor {
         self.w1.len() + self.b1.len() + self.w2.len() + self.b2.len()
     }
 
-    /// Sigmoid scores for one input (already RMS-normalised).
+    /// Sigmoid scores for one input (already RMS-normalised with [`normalise_input`]).
     pub fn scores(&self, x: &[f32]) -> Vec<f32> {
         let (d, r) = (self.input_dim as usize, self.rank as usize);
         let hidden: Vec<f32> = (0..r)
@@ -95,6 +95,12 @@ impl Predictor {
             b2: d.f16s(o)?,
         })
     }
+}
+
+/// A predictor's input as it is trained and applied: `x / sqrt(mean(x²) + 1e-6)` (FORMAT.md §7).
+pub fn normalise_input(x: &[f32]) -> Vec<f32> {
+    let rms = (x.iter().map(|v| v * v).sum::<f32>() / x.len().max(1) as f32 + 1e-6).sqrt();
+    x.iter().map(|v| v / rms).collect()
 }
 
 /// The look-ahead and own predictor of every layer.

@@ -3,6 +3,7 @@
 //! cross-entropy (a missed active neuron costs more than a wasted read) on the training rows, and
 //! judged on the held-out rows.
 
+use leanstream_format::predictor::normalise_input;
 use ndarray::{Array1, Array2, ArrayView2, Axis};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -36,11 +37,11 @@ pub struct Quality {
 
 /// Divides each row by its RMS: predictors see inputs of one scale whatever the layer.
 pub fn normalise_rows(x: &[f32], d: usize, rows: &[usize]) -> Array2<f32> {
-    Array2::from_shape_fn((rows.len(), d), |(i, j)| {
-        let r = &x[rows[i] * d..(rows[i] + 1) * d];
-        let rms = (r.iter().map(|v| v * v).sum::<f32>() / d as f32 + 1e-6).sqrt();
-        r[j] / rms
-    })
+    let data: Vec<f32> = rows
+        .iter()
+        .flat_map(|&r| normalise_input(&x[r * d..(r + 1) * d]))
+        .collect();
+    Array2::from_shape_vec((rows.len(), d), data).expect("rows × d values")
 }
 
 /// 0/1 targets of `rows`.

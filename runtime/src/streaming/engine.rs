@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use leanstream_format::file::check_extent;
-use leanstream_format::predictor::Predictor;
+use leanstream_format::predictor::{normalise_input, Predictor};
 use leanstream_format::quant::QuantType;
 
 use crate::config::Activation;
@@ -417,7 +417,5 @@ fn x_norm(x: &[f32]) -> f32 {
 
 /// A predictor's sigmoid scores for one input, RMS-normalised as in training.
 fn predictor_scores(p: &Predictor, x: &[f32]) -> Vec<f32> {
-    let rms = (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + 1e-6).sqrt();
-    let xn: Vec<f32> = x.iter().map(|v| v / rms).collect();
-    p.scores(&xn)
+    p.scores(&normalise_input(x))
 }
