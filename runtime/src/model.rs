@@ -62,6 +62,21 @@ impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
     }
 }
 
+impl LanguageModel for Model {
+    fn config(&self) -> &ModelConfig {
+        Model::config(self)
+    }
+
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+    ) -> Result<Vec<f32>> {
+        Model::forward(self, tokens, cache, all_logits)
+    }
+}
+
 impl LanguageModel for &Model {
     fn config(&self) -> &ModelConfig {
         Model::config(self)
@@ -253,10 +268,6 @@ impl Model {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
-    }
-
-    pub fn layers(&self) -> &[Layer] {
-        &self.layers
     }
 
     /// Installs or drops layer `l`'s resident FFN (prep holds one layer's FFN at a time).

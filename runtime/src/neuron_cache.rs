@@ -54,10 +54,6 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
         }
     }
 
-    pub fn capacity(&self) -> u64 {
-        self.capacity
-    }
-
     pub fn used(&self) -> u64 {
         self.used
     }

@@ -139,21 +139,6 @@ impl Session {
     }
 }
 
-impl LanguageModel for Model {
-    fn config(&self) -> &crate::config::ModelConfig {
-        Model::config(self)
-    }
-
-    fn forward(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut crate::kv_cache::KvCache,
-        all: bool,
-    ) -> Result<Vec<f32>> {
-        Model::forward(self, tokens, cache, all)
-    }
-}
-
 pub fn policy_name(p: PolicyChoice) -> &'static str {
     match p {
         PolicyChoice::Dense => "dense",

@@ -63,8 +63,7 @@ pub struct StreamEngine {
     plans: Vec<LayerPlan>,
     act: Activation,
     sparsity: Sparsity,
-    /// `None` when every cluster is resident (the `resident` policy).
-    io: Option<IoQueue>,
+    io: IoQueue,
     cache: NeuronCache<Bytes>,
     pending: HashMap<ClusterKey, (Ticket, u64)>,
     /// Bytes of reads in flight; speculation stops at `io_budget`.
@@ -81,7 +80,7 @@ impl StreamEngine {
         plans: Vec<LayerPlan>,
         act: Activation,
         sparsity: Sparsity,
-        io: Option<IoQueue>,
+        io: IoQueue,
         cache: NeuronCache<Bytes>,
         io_budget: u64,
         lookahead_enabled: bool,
@@ -102,12 +101,8 @@ impl StreamEngine {
         }
     }
 
-    pub fn cache(&self) -> &NeuronCache<Bytes> {
-        &self.cache
-    }
-
-    pub fn io(&self) -> Option<&IoQueue> {
-        self.io.as_ref()
+    pub fn io(&self) -> &IoQueue {
+        &self.io
     }
 
     /// Pins a cluster read at start-up (the hot set).
@@ -117,7 +112,7 @@ impl StreamEngine {
 
     /// Reads a cluster now (for pinning the hot set at start-up), checking its checksum.
     pub fn read_now(&self, l: usize, c: usize) -> Result<AlignedBuf> {
-        let io = self.io.as_ref().expect("reads need a storage queue");
+        let io = &self.io;
         let cl = self.plans[l].clusters[c];
         let buf = io.wait(io.submit(cl.offset, cl.size as usize, URGENT))?;
         check_extent(&buf, cl.checksum, || format!("layer {l} cluster {c}"))?;
@@ -129,14 +124,8 @@ impl StreamEngine {
     fn speculate(&mut self, target: usize, residual: &[f32]) {
         let plan = &self.plans[target];
         let scores = predictor_scores(&plan.lookahead, residual);
-        let predicted: Vec<bool> = scores
-            .iter()
-            .map(|&s| s >= plan.lookahead.threshold)
-            .collect();
-        let Some(io) = &self.io else {
-            self.lookahead_sets[target] = Some(predicted);
-            return;
-        };
+        let predicted = above(&scores, plan.lookahead.threshold);
+        let io = &self.io;
         let mut wanted: Vec<(f32, usize)> = Vec::new();
         for (ci, cl) in plan.clusters.iter().enumerate() {
             let best = scores[cl.first..cl.first + cl.count]
@@ -170,18 +159,16 @@ impl StreamEngine {
 
     /// One token's FFN of layer `l`.
     fn ffn_row(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
-        let started = Instant::now();
         let plan = &self.plans[l];
         let n = plan.cluster_of.len();
         // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
         let operand = Operand::new(x, QuantType::Q8_0);
+        // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
+        let own = above(&predictor_scores(&plan.own, x), plan.own.threshold);
         let candidate: Vec<bool> = match self.sparsity {
             Sparsity::Exact => vec![true; n],
             Sparsity::Certified => certified_candidates(plan, &operand),
-            Sparsity::Predicted => {
-                let s = predictor_scores(&plan.own, x);
-                s.iter().map(|&v| v >= plan.own.threshold).collect()
-            }
+            Sparsity::Predicted => own.clone(),
         };
         let mut needed: Vec<usize> = Vec::new();
         for (ci, cl) in plan.clusters.iter().enumerate() {
@@ -193,7 +180,8 @@ impl StreamEngine {
         // what speculation missed.
         let mut is_needed = vec![false; plan.clusters.len()];
         needed.iter().for_each(|&c| is_needed[c] = true);
-        if let Some(io) = &self.io {
+        {
+            let io = &self.io;
             let keys: Vec<ClusterKey> = self
                 .pending
                 .keys()
@@ -261,8 +249,8 @@ impl StreamEngine {
             let key = (l as u32, ci as u32);
             let (ticket, size) = self.pending.remove(&key).expect("issued above");
             self.in_flight -= size;
-            let io = self.io.as_ref().expect("missing clusters imply storage");
-            let buf = io
+            let buf = self
+                .io
                 .wait(ticket)
                 .with_context(|| format!("reading layer {l} cluster {ci}"))?;
             let cl = plan.clusters[ci];
@@ -275,9 +263,8 @@ impl StreamEngine {
                 plan, self.act, ci, &buf, &candidate, &operand, part, &mut gates,
             )?;
             compute_s += t.elapsed().as_secs_f64();
-            if let Some(rejected) = self.cache.offer(key, Bytes::Read(buf)) {
-                drop(rejected);
-            }
+            // A cluster the cache declines is simply dropped after use.
+            let _ = self.cache.offer(key, Bytes::Read(buf));
         }
         for part in partial.chunks_exact(h) {
             out.iter_mut().zip(part).for_each(|(o, p)| *o += p);
@@ -305,12 +292,6 @@ impl StreamEngine {
                 if count > 0 { mag / count as f32 } else { 0.0 },
             );
         }
-        let own = if self.sparsity == Sparsity::Predicted {
-            candidate.clone()
-        } else {
-            let s = predictor_scores(&plan.own, x);
-            s.iter().map(|&v| v >= plan.own.threshold).collect()
-        };
         self.metrics.record_layer(
             &active,
             &own,
@@ -319,14 +300,13 @@ impl StreamEngine {
             plan.clusters.len(),
         );
         self.metrics.compute_s += compute_s;
-        self.metrics.ffn_s += started.elapsed().as_secs_f64();
         Ok(())
     }
 }
 
 impl FfnBackend for StreamEngine {
     fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()> {
-        if !self.lookahead_enabled && self.io.is_some() {
+        if !self.lookahead_enabled {
             return Ok(());
         }
         let h = residual.len().min(self.plans[0].layout.hidden);
@@ -413,6 +393,11 @@ fn certified_candidates(plan: &LayerPlan, x: &Operand) -> Vec<bool> {
 
 fn x_norm(x: &[f32]) -> f32 {
     x.iter().map(|v| v * v).sum::<f32>().sqrt()
+}
+
+/// Which scores reach the threshold (a predictor's "active" set).
+fn above(scores: &[f32], threshold: f32) -> Vec<bool> {
+    scores.iter().map(|&s| s >= threshold).collect()
 }
 
 /// A predictor's sigmoid scores for one input, RMS-normalised as in training.

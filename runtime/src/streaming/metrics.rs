@@ -24,7 +24,6 @@ pub struct Metrics {
     pub wasted_reads: u64,
     pub late_reads: u64,
     pub compute_s: f64,
-    pub ffn_s: f64,
 }
 
 impl Metrics {

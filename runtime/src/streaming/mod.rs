@@ -78,7 +78,7 @@ impl StreamingModel {
             plans,
             config.activation,
             sparsity,
-            Some(IoQueue::new(device)),
+            IoQueue::new(device),
             cache,
             io_budget,
             opts.lookahead,
@@ -93,10 +93,6 @@ impl StreamingModel {
             tokens: 0,
             io_base: (0, 0, std::time::Duration::ZERO),
         })
-    }
-
-    pub fn config(&self) -> &ModelConfig {
-        self.model.config()
     }
 
     /// Figures of the run so far (call after generation).
@@ -121,12 +117,8 @@ impl StreamingModel {
     }
 
     fn io_counters(&self) -> (u64, u64, std::time::Duration) {
-        self.engine
-            .io()
-            .map_or((0, 0, std::time::Duration::ZERO), |io| {
-                let s = io.stats();
-                (s.bytes_read, s.device_reads, s.busy)
-            })
+        let s = self.engine.io().stats();
+        (s.bytes_read, s.device_reads, s.busy)
     }
 }
 
