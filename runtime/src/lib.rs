@@ -2,6 +2,7 @@
 //! memory budget. This crate holds the engine (model, kernels, KV cache, sampler) and the
 //! `leanstream` command-line tool.
 
+pub mod bench;
 pub mod certify;
 pub mod config;
 pub mod generate;

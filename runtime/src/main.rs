@@ -1,7 +1,7 @@
 //! `leanstream`: the device-side command-line tool.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
@@ -35,6 +35,11 @@ enum Command {
     Perplexity(PerplexityArgs),
     /// Measure a flash device with direct I/O and write a profile for --flash.
     ProbeFlash(leanstream::probe::ProbeArgs),
+    /// Compare policies across memory budgets on one token sequence: table, ratios, JSON, plot.
+    Bench(leanstream::bench::BenchArgs),
+    /// One bench run in its own process (used by `bench`).
+    #[command(hide = true)]
+    BenchWorker { job: PathBuf },
 }
 
 #[derive(Args)]
@@ -143,6 +148,8 @@ fn main() -> ExitCode {
         Command::Run(args) => run(args),
         Command::Perplexity(args) => run_perplexity(args),
         Command::ProbeFlash(args) => leanstream::probe::run(args),
+        Command::Bench(args) => leanstream::bench::run(args),
+        Command::BenchWorker { job } => leanstream::bench::run_worker(&job),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -244,7 +251,7 @@ fn run(args: RunArgs) -> Result<()> {
 fn run_perplexity(args: PerplexityArgs) -> Result<()> {
     let mut session = setup(&args.common, 512)?;
     let window = session.ctx;
-    let text = read_text(&args.file)?;
+    let text = leanstream::tokenizer::read_text(&args.file)?;
     let ids = session.tokenizer.encode(&text, false)?;
     let result = perplexity(session.model(), &ids, window, true)?;
     if args.common.json {
@@ -267,9 +274,4 @@ fn merge(obj: &mut serde_json::Value, more: serde_json::Value) {
     if let (Some(o), serde_json::Value::Object(m)) = (obj.as_object_mut(), more) {
         o.extend(m);
     }
-}
-
-fn read_text(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    String::from_utf8(bytes).with_context(|| format!("{} is not UTF-8 text", path.display()))
 }

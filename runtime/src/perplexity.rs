@@ -70,6 +70,14 @@ pub fn perplexity(
     })
 }
 
+/// `log softmax(row)`, in f64.
+pub fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
+    let norm = max + sum.ln();
+    row.iter().map(|&l| l as f64 - norm).collect()
+}
+
 /// `log softmax(row)[target]`, in f64.
 fn log_softmax_at(row: &[f32], target: usize) -> f64 {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;

@@ -24,6 +24,16 @@ pub enum PolicyChoice {
     Leanstream,
 }
 
+impl PolicyChoice {
+    /// Every policy, references first.
+    pub const ALL: [PolicyChoice; 3] = [Self::Dense, Self::Resident, Self::Leanstream];
+
+    /// The policy a command-line name means.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|&p| policy_name(p) == name)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SessionOptions {
     pub model: PathBuf,
@@ -127,6 +137,13 @@ impl Session {
                 v["memory_split"] = serde_json::to_value(&s.split).expect("serialisable");
                 v
             }
+        }
+    }
+
+    /// Starts the streaming counters and clock afresh, e.g. after a warm-up.
+    pub fn reset_metrics(&mut self) {
+        if let Engine::Streaming(s) = &mut self.engine {
+            s.reset_clock();
         }
     }
 

@@ -5,6 +5,12 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+/// A text file for the tokenizer (a prompt, a perplexity corpus); it must be UTF-8.
+pub fn read_text(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    String::from_utf8(bytes).with_context(|| format!("{} is not UTF-8 text", path.display()))
+}
+
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,

@@ -10,49 +10,13 @@ use leanstream::perplexity::perplexity;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::Sparsity;
+use leanstream_tests::bins::{bin, convert, workspace};
 use leanstream_tests::tiny::{write_tiny_model, TinySpec};
-
-/// The workspace's binaries, built by `cargo test --workspace` next to this test's directory.
-fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: run the tests with `cargo test --workspace`",
-        p.display()
-    );
-    p
-}
 
 fn scratch() -> PathBuf {
     let d = std::env::temp_dir().join(format!("leanstream-streaming-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn convert(model: &Path, out: &Path, extra: &[&str]) {
-    let o = Command::new(bin("leanstream-prep"))
-        .arg("convert")
-        .arg(model)
-        .arg("-o")
-        .arg(out)
-        .args([
-            "--calib-tokens",
-            "2048",
-            "--epochs",
-            "2",
-            "--cluster-kib",
-            "8",
-            "--json",
-        ])
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
 /// The embedded ReLU model converted to q8 and to f32.

@@ -1,0 +1,293 @@
+//! One bench run, executed in a process of its own (`leanstream bench-worker JOB.json`) so that its
+//! peak RSS is its own and a cgroup can hold it: open the model under one policy and budget, warm
+//! up, then decode the shared token sequence one token at a time, timing each step.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::generate::PROMPT_CHUNK;
+use crate::kv_cache::KvCache;
+use crate::memory::peak_rss_bytes;
+use crate::neuron_cache::Retention;
+use crate::perplexity::log_softmax;
+use crate::session::{PolicyChoice, Session, SessionOptions};
+use crate::storage::FlashProfile;
+use crate::streaming::Sparsity;
+
+/// Everything a worker needs; written by the orchestrator as JSON.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Job {
+    pub model: PathBuf,
+    pub variant: Variant,
+    pub memory: Option<u64>,
+    pub flash: String,
+    pub ctx: usize,
+    pub threads: Option<usize>,
+    /// The prompt, prefilled before anything is measured.
+    pub prompt: Vec<u32>,
+    pub task: Task,
+}
+
+/// A policy with its settings; `label` names it in tables and plots.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Variant {
+    pub label: String,
+    pub policy: String,
+    pub predicted: bool,
+    pub lookahead: bool,
+    pub retain_lru: bool,
+}
+
+impl Variant {
+    pub fn new(policy: PolicyChoice) -> Self {
+        Self {
+            label: crate::session::policy_name(policy).to_string(),
+            policy: crate::session::policy_name(policy).to_string(),
+            predicted: false,
+            lookahead: true,
+            retain_lru: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Task {
+    /// Greedy-decode `tokens` tokens after the prompt (the shared sequence, from `resident`).
+    Generate { tokens: usize },
+    /// Decode `sequence` token by token: the first `warmup` steps unmeasured, then the rest timed.
+    /// Log-softmax rows of every measured step go to `record` (the dense reference) or are compared
+    /// with the rows in `reference`.
+    Decode {
+        sequence: Vec<u32>,
+        warmup: usize,
+        record: Option<PathBuf>,
+        reference: Option<PathBuf>,
+    },
+}
+
+/// What a worker prints.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Outcome {
+    /// The greedy continuation (a `Generate` task).
+    pub generated: Vec<u32>,
+    pub tokens: usize,
+    pub tokens_per_s: f64,
+    pub ms_per_token_p50: f64,
+    pub ms_per_token_p99: f64,
+    pub peak_rss_bytes: Option<u64>,
+    /// Mean KL divergence (nats) of the policy's next-token distribution from dense's.
+    pub kl_vs_dense: Option<f64>,
+    /// Fraction of steps whose most likely token is dense's.
+    pub top1_vs_dense: Option<f64>,
+    /// The streaming engine's report (`memory_split`, bytes and reads per token, hit rate...).
+    pub report: serde_json::Value,
+}
+
+/// The `bench-worker` entry point: runs `job_path` and prints the outcome as JSON on stdout.
+pub fn run_worker(job_path: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(job_path)
+        .with_context(|| format!("cannot read bench job {}", job_path.display()))?;
+    let job: Job = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a bench job", job_path.display()))?;
+    if let Some(t) = job.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .context("cannot start the thread pool")?;
+    }
+    let outcome = execute(&job)?;
+    println!("{}", serde_json::to_string(&outcome)?);
+    Ok(())
+}
+
+fn session_options(job: &Job) -> Result<SessionOptions> {
+    let v = &job.variant;
+    let policy = PolicyChoice::from_name(&v.policy)
+        .with_context(|| format!("unknown policy {:?}", v.policy))?;
+    Ok(SessionOptions {
+        model: job.model.clone(),
+        policy: Some(policy),
+        memory: job.memory,
+        flash: FlashProfile::from_flash_arg(&job.flash)?,
+        sparsity: if v.predicted {
+            Sparsity::Predicted
+        } else {
+            Sparsity::Certified
+        },
+        ctx: Some(job.ctx),
+        default_ctx: job.ctx,
+        lookahead: v.lookahead,
+        retention: if v.retain_lru {
+            Retention::Lru
+        } else {
+            Retention::Activity
+        },
+    })
+}
+
+fn execute(job: &Job) -> Result<Outcome> {
+    let mut session = Session::open(&session_options(job)?)?;
+    let model = session.model();
+    let mut cache = KvCache::new(model.config(), job.ctx);
+    let vocab = model.config().vocab_size;
+    let mut logits = Vec::new();
+    for chunk in job.prompt.chunks(PROMPT_CHUNK) {
+        logits = model.forward(chunk, &mut cache, false)?;
+    }
+    match &job.task {
+        Task::Generate { tokens } => {
+            let mut generated = Vec::with_capacity(*tokens);
+            for _ in 0..*tokens {
+                if cache.len() >= job.ctx {
+                    bail!("the bench sequence does not fit in --ctx {}", job.ctx);
+                }
+                let next = argmax(&logits) as u32;
+                generated.push(next);
+                logits = model.forward(&[next], &mut cache, false)?;
+            }
+            Ok(Outcome {
+                generated,
+                ..Default::default()
+            })
+        }
+        Task::Decode {
+            sequence,
+            warmup,
+            record,
+            reference,
+        } => {
+            if job.prompt.len() + sequence.len() > job.ctx {
+                bail!(
+                    "prompt and sequence ({} tokens) do not fit in --ctx {}",
+                    job.prompt.len() + sequence.len(),
+                    job.ctx
+                );
+            }
+            for &t in &sequence[..*warmup] {
+                logits = model.forward(&[t], &mut cache, false)?;
+            }
+            session.reset_metrics();
+            let model = session.model();
+            let mut rows = RowsIo::open(record.as_deref(), reference.as_deref(), vocab)?;
+            let mut times = Vec::with_capacity(sequence.len() - warmup);
+            for &t in &sequence[*warmup..] {
+                rows.step(&logits)?;
+                let start = Instant::now();
+                logits = model.forward(&[t], &mut cache, false)?;
+                times.push(start.elapsed().as_secs_f64());
+            }
+            let mut outcome = timing(&times);
+            (outcome.kl_vs_dense, outcome.top1_vs_dense) = rows.finish()?;
+            outcome.report = session.report();
+            outcome.peak_rss_bytes = peak_rss_bytes();
+            Ok(outcome)
+        }
+    }
+}
+
+/// Throughput and per-token latency percentiles from per-step times (seconds).
+fn timing(times: &[f64]) -> Outcome {
+    let total: f64 = times.iter().sum();
+    let mut ms: Vec<f64> = times.iter().map(|t| t * 1e3).collect();
+    ms.sort_by(f64::total_cmp);
+    let pct = |q: f64| {
+        ms.get(((ms.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
+    Outcome {
+        tokens: times.len(),
+        tokens_per_s: if total > 0.0 {
+            times.len() as f64 / total
+        } else {
+            0.0
+        },
+        ms_per_token_p50: pct(0.5),
+        ms_per_token_p99: pct(0.99),
+        ..Default::default()
+    }
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
+        .map(|(i, _)| i)
+        .unwrap_or(0)
+}
+
+/// Writes the reference's log-softmax rows, or compares each step with them (KL and top-1).
+struct RowsIo {
+    record: Option<BufWriter<std::fs::File>>,
+    reference: Option<(BufReader<std::fs::File>, PathBuf)>,
+    vocab: usize,
+    kl: f64,
+    agree: usize,
+    steps: usize,
+}
+
+impl RowsIo {
+    fn open(record: Option<&Path>, reference: Option<&Path>, vocab: usize) -> Result<Self> {
+        let create = |p: &Path| {
+            std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))
+        };
+        let open = |p: &Path| {
+            std::fs::File::open(p).with_context(|| format!("cannot open {}", p.display()))
+        };
+        Ok(Self {
+            record: record.map(create).transpose()?.map(BufWriter::new),
+            reference: match reference {
+                Some(p) => Some((BufReader::new(open(p)?), p.to_path_buf())),
+                None => None,
+            },
+            vocab,
+            kl: 0.0,
+            agree: 0,
+            steps: 0,
+        })
+    }
+
+    fn step(&mut self, logits: &[f32]) -> Result<()> {
+        if self.record.is_none() && self.reference.is_none() {
+            return Ok(());
+        }
+        let lp = log_softmax(logits);
+        if let Some(w) = &mut self.record {
+            for &v in &lp {
+                w.write_all(&(v as f32).to_le_bytes())?;
+            }
+        }
+        if let Some((r, path)) = &mut self.reference {
+            let mut bytes = vec![0u8; self.vocab * 4];
+            r.read_exact(&mut bytes)
+                .with_context(|| format!("{} ends early", path.display()))?;
+            let reference: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            self.kl += reference
+                .iter()
+                .zip(&lp)
+                .map(|(&p, &q)| (p as f64).exp() * (p as f64 - q))
+                .sum::<f64>();
+            self.agree += usize::from(argmax(&reference) == argmax(logits));
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn finish(self) -> Result<(Option<f64>, Option<f64>)> {
+        if let Some(mut w) = self.record {
+            w.flush()?;
+        }
+        if self.reference.is_none() || self.steps == 0 {
+            return Ok((None, None));
+        }
+        let n = self.steps as f64;
+        Ok((Some(self.kl / n), Some(self.agree as f64 / n)))
+    }
+}

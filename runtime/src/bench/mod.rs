@@ -1,0 +1,323 @@
+//! `leanstream bench`: every policy at every memory budget decodes the same tokens from the same
+//! prompt after the same warm-up, each run in a fresh process; a table, headline ratios, JSON and a
+//! plot come out of one invocation, so ratios are measured side by side.
+//!
+//! The token sequence is the greedy continuation of the prompt under `resident` (the file's
+//! sparsity, every bundle in DRAM); every policy is fed that sequence, so their outputs can be
+//! compared with the dense reference position by position.
+
+mod job;
+mod plot;
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::memory_size::{format_size, parse_size};
+use crate::session::PolicyChoice;
+use crate::tokenizer::Tokenizer;
+
+pub use job::run_worker;
+use job::{Job, Outcome, Task, Variant};
+pub use report::Run;
+
+/// The prompt used when no `--prompt-file` is given.
+const DEFAULT_PROMPT: &str = "It was a fine morning in early spring, and the family had gathered";
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// A converted LeanStream file.
+    #[arg(long)]
+    model: PathBuf,
+    /// Memory budgets, comma-separated: sizes (512MiB, 300MB, bytes) or ffn:P% (the policy
+    /// minimum plus P% of the FFN bundles).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ffn:10%,ffn:25%,ffn:50%,ffn:100%"
+    )]
+    memory: Vec<String>,
+    /// Policies, comma-separated, or `all`. Besides the policies of `run --policy`, the ablations
+    /// leanstream-no-lookahead, leanstream-lru and leanstream-predicted.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    policy: Vec<String>,
+    /// Flash device: ufs4, ufs31, nvme, a profile FILE.toml, or none (the real disk, direct I/O).
+    #[arg(long, default_value = "ufs4")]
+    flash: String,
+    /// Tokens decoded and measured per run (after the warm-up).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    tokens: u64,
+    /// Decode steps run before measuring (they warm the caches).
+    #[arg(long, default_value_t = 4)]
+    warmup: usize,
+    /// A text file whose content is the prompt.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Compute threads of each run.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    threads: Option<u16>,
+    /// Context length of each run (its KV cache counts against the budget).
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Print one JSON object `{"runs": [...], "summary": {...}}` instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG plot of tokens/s versus memory, one line per policy.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let file = leanstream_format::LsbFile::open(&args.model)?;
+    let tokenizer = Tokenizer::from_bytes(&file.tokenizer_json).with_context(|| {
+        format!(
+            "{}: the embedded tokenizer is invalid",
+            args.model.display()
+        )
+    })?;
+    drop(file);
+    let prompt_text = match &args.prompt_file {
+        Some(p) => crate::tokenizer::read_text(p)?,
+        None => DEFAULT_PROMPT.to_string(),
+    };
+    let prompt = tokenizer.encode(&prompt_text, true)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens: give some text");
+    }
+    let budgets = resolve_budgets(&args.model, args.ctx, &args.memory)?;
+    let variants = expand_policies(&args.policy, &args.flash)?;
+    let per_budget: Vec<&Variant> = variants.iter().filter(|v| !budget_free(v)).collect();
+    let total = variants.len() - per_budget.len() + per_budget.len() * budgets.len() + 2;
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(
+        ProgressStyle::with_template("bench {bar:40} {pos}/{len} runs  {elapsed}  {msg}")
+            .expect("valid template"),
+    );
+    let work = tempdir(&args.model)?;
+    let runner = Runner {
+        args: &args,
+        prompt,
+        work: work.path.clone(),
+        bar: &bar,
+    };
+    // The shared sequence, then the dense reference distributions of each measured step.
+    let warmup = args.warmup;
+    bar.set_message("resident: the token sequence");
+    let sequence = runner
+        .execute(
+            &Variant::new(PolicyChoice::Resident),
+            None,
+            Task::Generate {
+                tokens: warmup + args.tokens as usize,
+            },
+        )?
+        .generated;
+    let reference = work.path.join("dense.logprobs");
+    let decode = |record: Option<PathBuf>, reference: Option<PathBuf>| Task::Decode {
+        sequence: sequence.clone(),
+        warmup,
+        record,
+        reference,
+    };
+    bar.set_message("dense: the reference");
+    let dense = Variant::new(PolicyChoice::Dense);
+    let mut runs = vec![Run::new(
+        dense.clone(),
+        None,
+        runner.execute(&dense, None, decode(Some(reference.clone()), None))?,
+    )];
+    for v in variants.iter().filter(|v| budget_free(v) && **v != dense) {
+        bar.set_message(v.label.clone());
+        let outcome = runner.execute(v, None, decode(None, Some(reference.clone())))?;
+        runs.push(Run::new(v.clone(), None, outcome));
+    }
+    for &(budget, ref label) in &budgets {
+        for v in &per_budget {
+            bar.set_message(format!("{} at {label}", v.label));
+            let outcome = runner.execute(v, Some(budget), decode(None, Some(reference.clone())))?;
+            runs.push(Run::new((*v).clone(), Some(budget), outcome));
+        }
+    }
+    bar.finish_and_clear();
+    let summary = report::summarise(&runs);
+    if let Some(path) = &args.plot {
+        plot::write(path, &runs, &args.model)?;
+    }
+    if args.json {
+        let obj = serde_json::json!({ "runs": runs, "summary": summary });
+        println!("{}", serde_json::to_string_pretty(&obj)?);
+    } else {
+        report::print_table(&runs, &budgets);
+        report::print_summary(&summary);
+    }
+    if !summary.oracle_violations.is_empty() {
+        bail!(
+            "a policy beat the oracle, which is impossible if both are right: {}",
+            summary.oracle_violations.join("; ")
+        );
+    }
+    Ok(())
+}
+
+/// Budgets as bytes with their labels, smallest first.
+fn resolve_budgets(model: &Path, ctx: usize, specs: &[String]) -> Result<Vec<(u64, String)>> {
+    let plan = crate::streaming::memory_plan(model, ctx)?;
+    let mut out = Vec::new();
+    for spec in specs {
+        let spec = spec.trim();
+        let budget = match spec.strip_prefix("ffn:") {
+            Some(pct) => {
+                let p: f64 = pct
+                    .trim_end_matches('%')
+                    .parse()
+                    .ok()
+                    .filter(|p: &f64| (0.0..=100.0).contains(p))
+                    .with_context(|| {
+                        format!("--memory {spec}: write ffn:P% with P between 0 and 100")
+                    })?;
+                let b = plan.fixed() + (plan.ffn_total as f64 * p / 100.0) as u64;
+                (b, format!("{spec} ({})", format_size(b)))
+            }
+            None => {
+                let b = parse_size(spec).with_context(|| format!("--memory {spec}"))?;
+                (b, format_size(b))
+            }
+        };
+        out.push(budget);
+    }
+    out.sort_by_key(|b| b.0);
+    out.dedup_by_key(|b| b.0);
+    Ok(out)
+}
+
+/// Policies as runnable variants; `all` is every policy and ablation.
+fn expand_policies(names: &[String], flash: &str) -> Result<Vec<Variant>> {
+    let all: Vec<String> = PolicyChoice::ALL
+        .iter()
+        .map(|&p| crate::session::policy_name(p).to_string())
+        .chain(ABLATIONS.iter().map(|s| s.to_string()))
+        .collect();
+    let names: Vec<String> = if names.iter().any(|n| n == "all") {
+        all.clone()
+    } else {
+        names.to_vec()
+    };
+    let mut out = Vec::new();
+    for name in &names {
+        let variant = variant(name)
+            .with_context(|| format!("unknown policy {name:?}: choose from {}", all.join(", ")))?;
+        if variant.policy == "mmap" && flash != "none" {
+            eprintln!("note: mmap reads through the page cache of the real disk; skipped under --flash {flash}");
+            continue;
+        }
+        if !out.contains(&variant) {
+            out.push(variant);
+        }
+    }
+    Ok(out)
+}
+
+/// Ablations of leanstream: each turns one of its parts off.
+const ABLATIONS: [&str; 3] = [
+    "leanstream-no-lookahead",
+    "leanstream-lru",
+    "leanstream-predicted",
+];
+
+fn variant(name: &str) -> Option<Variant> {
+    if let Some(p) = PolicyChoice::from_name(name) {
+        return Some(Variant::new(p));
+    }
+    let mut v = Variant::new(PolicyChoice::Leanstream);
+    v.label = name.to_string();
+    match name {
+        "leanstream-no-lookahead" => v.lookahead = false,
+        "leanstream-lru" => v.retain_lru = true,
+        "leanstream-predicted" => v.predicted = true,
+        _ => return None,
+    }
+    Some(v)
+}
+
+/// References run once, without a budget.
+fn budget_free(v: &Variant) -> bool {
+    v.policy == "dense" || v.policy == "resident"
+}
+
+/// Spawns workers (this executable's hidden `bench-worker` command) and reads their outcome.
+struct Runner<'a> {
+    args: &'a BenchArgs,
+    prompt: Vec<u32>,
+    work: PathBuf,
+    bar: &'a ProgressBar,
+}
+
+impl Runner<'_> {
+    fn execute(&self, variant: &Variant, memory: Option<u64>, task: Task) -> Result<Outcome> {
+        let job = Job {
+            model: self.args.model.clone(),
+            variant: variant.clone(),
+            memory,
+            flash: if budget_free(variant) {
+                "none".into()
+            } else {
+                self.args.flash.clone()
+            },
+            ctx: self.args.ctx,
+            threads: self.args.threads.map(usize::from),
+            prompt: self.prompt.clone(),
+            task,
+        };
+        let path = self.work.join("job.json");
+        std::fs::write(&path, serde_json::to_vec(&job)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        let exe = std::env::current_exe().context("cannot locate the leanstream executable")?;
+        let out = Command::new(exe)
+            .arg("bench-worker")
+            .arg(&path)
+            .output()
+            .context("cannot start a bench worker")?;
+        self.bar.inc(1);
+        let at = memory
+            .map(format_size)
+            .unwrap_or_else(|| "no budget".into());
+        if !out.status.success() {
+            bail!(
+                "the {} run at {at} failed: {}",
+                variant.label,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("the {} run at {at} printed no outcome", variant.label))
+    }
+}
+
+/// A scratch folder beside nothing the user owns, removed when the bench ends.
+struct TempDir {
+    path: PathBuf,
+}
+
+fn tempdir(model: &Path) -> Result<TempDir> {
+    let name = format!(
+        "leanstream-bench-{}-{}",
+        std::process::id(),
+        model
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("model")
+    );
+    let path = std::env::temp_dir().join(name);
+    std::fs::create_dir_all(&path)
+        .with_context(|| format!("cannot create the scratch folder {}", path.display()))?;
+    Ok(TempDir { path })
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}

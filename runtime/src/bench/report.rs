@@ -1,0 +1,258 @@
+//! The bench's results: one row per run, and the headline figures the product is judged by.
+
+use serde::Serialize;
+
+use super::job::{Outcome, Variant};
+use crate::memory_size::format_size;
+
+/// Policies that reproduce published prior systems.
+const PRIOR: [&str; 3] = ["mmap", "powerinfer2", "llm-in-flash"];
+
+/// Throughput ties within this factor are noise, not an oracle violation.
+const ORACLE_SLACK: f64 = 1.10;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    pub policy: String,
+    pub label: String,
+    pub memory_budget_bytes: Option<u64>,
+    pub tokens_per_s: f64,
+    pub ms_per_token_p50: f64,
+    pub ms_per_token_p99: f64,
+    pub bytes_read_per_token: f64,
+    pub reads_per_token: f64,
+    pub cache_hit_rate: Option<f64>,
+    pub peak_rss_bytes: Option<u64>,
+    pub kl_vs_dense: Option<f64>,
+    pub top1_vs_dense: Option<f64>,
+    /// Everything the engine reported (memory split, predictor recall, late reads...).
+    pub details: serde_json::Value,
+}
+
+impl Run {
+    pub fn new(variant: Variant, budget: Option<u64>, o: Outcome) -> Self {
+        let num = |k: &str| o.report.get(k).and_then(|v| v.as_f64());
+        Self {
+            policy: variant.policy,
+            label: variant.label,
+            memory_budget_bytes: budget,
+            tokens_per_s: o.tokens_per_s,
+            ms_per_token_p50: o.ms_per_token_p50,
+            ms_per_token_p99: o.ms_per_token_p99,
+            bytes_read_per_token: num("bytes_read_per_token").unwrap_or(0.0),
+            reads_per_token: num("reads_per_token").unwrap_or(0.0),
+            cache_hit_rate: num("cache_hit_rate"),
+            peak_rss_bytes: o.peak_rss_bytes,
+            kl_vs_dense: o.kl_vs_dense,
+            top1_vs_dense: o.top1_vs_dense,
+            details: o.report,
+        }
+    }
+}
+
+/// The figures at one budget.
+#[derive(Debug, Clone, Serialize)]
+pub struct AtBudget {
+    pub memory_budget_bytes: u64,
+    pub leanstream_tokens_per_s: Option<f64>,
+    pub best_prior: Option<String>,
+    pub best_prior_tokens_per_s: Option<f64>,
+    /// leanstream ÷ the best prior policy.
+    pub speedup_vs_best_prior: Option<f64>,
+    pub oracle_tokens_per_s: Option<f64>,
+    /// oracle ÷ leanstream (1 = the limit reached).
+    pub oracle_gap: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub budgets: Vec<AtBudget>,
+    /// The best throughput any prior policy reached at any budget, and where.
+    pub best_prior_tokens_per_s: Option<f64>,
+    pub best_prior_memory_bytes: Option<u64>,
+    /// The budget at which leanstream reaches that throughput (linear between measured budgets).
+    pub leanstream_memory_to_match_bytes: Option<u64>,
+    /// best_prior_memory ÷ leanstream_memory_to_match; a lower bound when leanstream already
+    /// matches at the smallest budget measured.
+    pub memory_ratio: Option<f64>,
+    pub memory_ratio_is_lower_bound: bool,
+    /// Runs that beat the oracle (throughput beyond noise, or fewer bytes read).
+    pub oracle_violations: Vec<String>,
+}
+
+pub fn summarise(runs: &[Run]) -> Summary {
+    let mut budgets: Vec<u64> = runs.iter().filter_map(|r| r.memory_budget_bytes).collect();
+    budgets.sort_unstable();
+    budgets.dedup();
+    let at = |label: &str, b: u64| {
+        runs.iter()
+            .find(|r| r.label == label && r.memory_budget_bytes == Some(b))
+    };
+    let best_prior_at = |b: u64| {
+        runs.iter()
+            .filter(|r| r.memory_budget_bytes == Some(b) && PRIOR.contains(&r.policy.as_str()))
+            .max_by(|x, y| x.tokens_per_s.total_cmp(&y.tokens_per_s))
+    };
+    let mut violations = Vec::new();
+    let per_budget: Vec<AtBudget> = budgets
+        .iter()
+        .map(|&b| {
+            let ls = at("leanstream", b).map(|r| r.tokens_per_s);
+            let prior = best_prior_at(b);
+            let oracle = at("oracle", b);
+            if let Some(o) = oracle {
+                for r in runs.iter().filter(|r| {
+                    r.memory_budget_bytes == Some(b) && r.policy != "oracle" && r.policy != "mmap"
+                }) {
+                    if r.tokens_per_s > o.tokens_per_s * ORACLE_SLACK
+                        || r.bytes_read_per_token < o.bytes_read_per_token * 0.99
+                    {
+                        violations.push(format!(
+                            "{} at {}: {:.1} tok/s, {:.0} B/token vs the oracle's {:.1} tok/s, {:.0} B/token",
+                            r.label,
+                            format_size(b),
+                            r.tokens_per_s,
+                            r.bytes_read_per_token,
+                            o.tokens_per_s,
+                            o.bytes_read_per_token
+                        ));
+                    }
+                }
+            }
+            AtBudget {
+                memory_budget_bytes: b,
+                leanstream_tokens_per_s: ls,
+                best_prior: prior.map(|r| r.label.clone()),
+                best_prior_tokens_per_s: prior.map(|r| r.tokens_per_s),
+                speedup_vs_best_prior: ls.zip(prior).map(|(l, p)| l / p.tokens_per_s),
+                oracle_tokens_per_s: oracle.map(|r| r.tokens_per_s),
+                oracle_gap: ls.zip(oracle).map(|(l, o)| o.tokens_per_s / l),
+            }
+        })
+        .collect();
+    let best = runs
+        .iter()
+        .filter(|r| r.memory_budget_bytes.is_some() && PRIOR.contains(&r.policy.as_str()))
+        .max_by(|x, y| x.tokens_per_s.total_cmp(&y.tokens_per_s));
+    let curve: Vec<(u64, f64)> = budgets
+        .iter()
+        .filter_map(|&b| at("leanstream", b).map(|r| (b, r.tokens_per_s)))
+        .collect();
+    let matched = best.and_then(|p| memory_to_reach(&curve, p.tokens_per_s));
+    let best_memory = best.and_then(|r| r.memory_budget_bytes);
+    Summary {
+        budgets: per_budget,
+        best_prior_tokens_per_s: best.map(|r| r.tokens_per_s),
+        best_prior_memory_bytes: best_memory,
+        leanstream_memory_to_match_bytes: matched.map(|m| m.0),
+        memory_ratio: matched.zip(best_memory).map(|(m, p)| p as f64 / m.0 as f64),
+        memory_ratio_is_lower_bound: matched.is_some_and(|m| m.1),
+        oracle_violations: violations,
+    }
+}
+
+/// The smallest memory at which a throughput curve (budget ascending) reaches `target`,
+/// interpolated linearly between measured budgets; `true` when the curve already reaches it at
+/// its first point (so the true memory may be smaller).
+fn memory_to_reach(curve: &[(u64, f64)], target: f64) -> Option<(u64, bool)> {
+    let first = curve.first()?;
+    if first.1 >= target {
+        return Some((first.0, true));
+    }
+    curve.windows(2).find_map(|w| {
+        let ((m0, t0), (m1, t1)) = (w[0], w[1]);
+        (t1 >= target && t1 > t0).then(|| {
+            let f = (target - t0) / (t1 - t0);
+            ((m0 as f64 + f * (m1 - m0) as f64).round() as u64, false)
+        })
+    })
+}
+
+pub fn print_table(runs: &[Run], budgets: &[(u64, String)]) {
+    println!(
+        "{:<26} {:>22} {:>9} {:>8} {:>8} {:>10} {:>8} {:>6} {:>10} {:>8} {:>6}",
+        "policy",
+        "memory",
+        "tok/s",
+        "p50 ms",
+        "p99 ms",
+        "KiB/tok",
+        "rd/tok",
+        "hit %",
+        "peak RSS",
+        "KL",
+        "top-1"
+    );
+    let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map(f).unwrap_or_else(|| "-".into());
+    for r in runs {
+        let memory = match r.memory_budget_bytes {
+            Some(b) => budgets
+                .iter()
+                .find(|x| x.0 == b)
+                .map(|x| x.1.clone())
+                .unwrap_or_else(|| format_size(b)),
+            None => "all in DRAM".into(),
+        };
+        println!(
+            "{:<26} {:>22} {:>9.1} {:>8.2} {:>8.2} {:>10.1} {:>8.1} {:>6} {:>10} {:>8} {:>6}",
+            r.label,
+            memory,
+            r.tokens_per_s,
+            r.ms_per_token_p50,
+            r.ms_per_token_p99,
+            r.bytes_read_per_token / 1024.0,
+            r.reads_per_token,
+            opt(r.cache_hit_rate, &|v| format!("{:.1}", v * 100.0)),
+            r.peak_rss_bytes
+                .map(format_size)
+                .unwrap_or_else(|| "-".into()),
+            opt(r.kl_vs_dense, &|v| format!("{v:.4}")),
+            opt(r.top1_vs_dense, &|v| format!("{:.3}", v)),
+        );
+    }
+}
+
+pub fn print_summary(s: &Summary) {
+    println!();
+    for b in &s.budgets {
+        let mut line = format!("at {}:", format_size(b.memory_budget_bytes));
+        if let (Some(x), Some(name)) = (b.speedup_vs_best_prior, &b.best_prior) {
+            line += &format!(" leanstream = {x:.2}x the best prior policy ({name})");
+        }
+        if let Some(g) = b.oracle_gap {
+            line += &format!("; the oracle is {g:.2}x leanstream");
+        }
+        println!("{line}");
+    }
+    match (s.leanstream_memory_to_match_bytes, s.best_prior_memory_bytes) {
+        (Some(m), Some(p)) => println!(
+            "leanstream matches the best prior throughput ({:.1} tok/s at {}) with {}{}: {}{:.2}x less memory",
+            s.best_prior_tokens_per_s.unwrap_or(0.0),
+            format_size(p),
+            if s.memory_ratio_is_lower_bound { "at most " } else { "" },
+            format_size(m),
+            if s.memory_ratio_is_lower_bound { "at least " } else { "" },
+            s.memory_ratio.unwrap_or(0.0)
+        ),
+        (None, Some(p)) => println!(
+            "leanstream does not reach the best prior throughput ({:.1} tok/s at {}) at the budgets measured",
+            s.best_prior_tokens_per_s.unwrap_or(0.0),
+            format_size(p)
+        ),
+        _ => println!("no prior policy ran: add mmap, powerinfer2 or llm-in-flash to --policy for ratios"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::memory_to_reach;
+
+    #[test]
+    fn interpolates_the_memory_to_reach_a_throughput() {
+        let curve = [(100, 10.0), (200, 30.0), (300, 40.0)];
+        assert_eq!(memory_to_reach(&curve, 20.0), Some((150, false)));
+        assert_eq!(memory_to_reach(&curve, 35.0), Some((250, false)));
+        assert_eq!(memory_to_reach(&curve, 5.0), Some((100, true)));
+        assert_eq!(memory_to_reach(&curve, 50.0), None);
+    }
+}

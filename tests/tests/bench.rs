@@ -1,0 +1,77 @@
+//! `leanstream bench` end to end on the embedded model: every policy runs on the same tokens, the
+//! exact policies agree with each other against the dense reference, the figures respond to the
+//! budget, each run stays within its budget, and the plot is written.
+
+use std::process::Command;
+
+use leanstream_tests::bins::{bin, convert, workspace};
+use serde_json::Value;
+
+#[test]
+fn bench_compares_policies_on_one_token_sequence() {
+    let dir = std::env::temp_dir().join(format!("leanstream-bench-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("austen.lsb");
+    convert(&workspace().join("models/austen-relu"), &model, &[]);
+    let plot = dir.join("bench.svg");
+    let out = Command::new(bin("leanstream"))
+        .arg("bench")
+        .arg("--model")
+        .arg(&model)
+        .args(["--memory", "ffn:10%,ffn:100%", "--policy", "all"])
+        .args(["--tokens", "24", "--threads", "1", "--json", "--plot"])
+        .arg(&plot)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    let find = |label: &str, pct: Option<u64>| -> &Value {
+        runs.iter()
+            .find(|r| {
+                r["label"] == label
+                    && match pct {
+                        None => r["memory_budget_bytes"].is_null(),
+                        Some(_) => !r["memory_budget_bytes"].is_null(),
+                    }
+            })
+            .unwrap_or_else(|| panic!("no {label} run in {v}"))
+    };
+    let resident = find("resident", None);
+    let num = |r: &Value, k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+    // Certified streaming computes what resident computes: identical distance to dense.
+    let budgeted: Vec<&Value> = runs.iter().filter(|r| r["label"] == "leanstream").collect();
+    assert_eq!(budgeted.len(), 2, "one leanstream run per budget");
+    for r in &budgeted {
+        assert_eq!(r["kl_vs_dense"], resident["kl_vs_dense"], "{r}");
+        assert_eq!(r["top1_vs_dense"], resident["top1_vs_dense"], "{r}");
+        let budget = num(r, "memory_budget_bytes");
+        assert!(
+            num(r, "peak_rss_bytes") <= budget * 1.05,
+            "peak RSS over budget: {r}"
+        );
+        assert!(num(r, "tokens_per_s") > 0.0);
+    }
+    // Dense against itself is not reported; the reference KL of resident is small (q8 rounding).
+    assert!(num(resident, "kl_vs_dense") < 0.01, "{resident}");
+    // A small cache streams, a full one barely reads.
+    let (small, full) = (budgeted[0], budgeted[1]);
+    assert!(num(small, "memory_budget_bytes") < num(full, "memory_budget_bytes"));
+    assert!(
+        num(small, "bytes_read_per_token") > 10.0 * num(full, "bytes_read_per_token").max(1.0),
+        "{small}\n{full}"
+    );
+    assert!(num(small, "cache_hit_rate") < num(full, "cache_hit_rate"));
+    // Predicted sparsity costs quality that the exact modes do not.
+    let predicted = find("leanstream-predicted", Some(10));
+    assert!(num(predicted, "kl_vs_dense") > num(resident, "kl_vs_dense"));
+    // Ablations ran at both budgets.
+    for label in ["leanstream-no-lookahead", "leanstream-lru"] {
+        assert_eq!(runs.iter().filter(|r| r["label"] == label).count(), 2);
+    }
+    assert_eq!(v["summary"]["budgets"].as_array().unwrap().len(), 2);
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("<polyline") && svg.contains(">leanstream<"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
