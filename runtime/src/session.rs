@@ -147,6 +147,14 @@ impl Session {
         }
     }
 
+    /// The streaming policies' read queue; `None` for dense.
+    pub fn io(&self) -> Option<&crate::storage::IoQueue> {
+        match &self.engine {
+            Engine::Dense(_) => None,
+            Engine::Streaming(s) => Some(s.io()),
+        }
+    }
+
     /// The memory split, one line, for stderr.
     pub fn describe_memory(&self) -> Option<String> {
         match &self.engine {

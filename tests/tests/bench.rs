@@ -1,6 +1,6 @@
 //! `leanstream bench` end to end on the embedded model: every policy runs on the same tokens, the
 //! exact policies agree with each other against the dense reference, the figures respond to the
-//! budget, each run stays within its budget, and the plot is written.
+//! budget, each run stays within its budget, and the plot and timeline are written.
 
 use std::process::Command;
 
@@ -14,6 +14,7 @@ fn bench_compares_policies_on_one_token_sequence() {
     let model = dir.join("austen.lsb");
     convert(&workspace().join("models/austen-relu"), &model, &[]);
     let plot = dir.join("bench.svg");
+    let trace = dir.join("trace.json");
     let out = Command::new(bin("leanstream"))
         .arg("bench")
         .arg("--model")
@@ -21,6 +22,8 @@ fn bench_compares_policies_on_one_token_sequence() {
         .args(["--memory", "ffn:10%,ffn:100%", "--policy", "all"])
         .args(["--tokens", "24", "--threads", "1", "--json", "--plot"])
         .arg(&plot)
+        .arg("--trace")
+        .arg(&trace)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -73,5 +76,14 @@ fn bench_compares_policies_on_one_token_sequence() {
     assert_eq!(v["summary"]["budgets"].as_array().unwrap().len(), 2);
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("<polyline") && svg.contains(">leanstream<"));
+    // The timeline holds every streaming run's reads and decode steps.
+    let t: Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let count = |cat: &str| events.iter().filter(|e| e["cat"] == cat).count();
+    assert!(
+        count("read") > 0 && count("decode") >= 24,
+        "{} events",
+        events.len()
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -30,6 +30,8 @@ pub struct Job {
     /// The prompt, prefilled before anything is measured.
     pub prompt: Vec<u32>,
     pub task: Task,
+    /// Where to write the measured steps' timeline events (`--trace`).
+    pub trace: Option<PathBuf>,
 }
 
 /// A policy with its settings; `label` names it in tables and plots.
@@ -171,19 +173,32 @@ fn execute(job: &Job) -> Result<Outcome> {
                 logits = model.forward(&[t], &mut cache, false)?;
             }
             session.reset_metrics();
+            if let (Some(io), Some(_)) = (session.io(), &job.trace) {
+                io.record_spans();
+            }
             let model = session.model();
             let mut rows = RowsIo::open(record.as_deref(), reference.as_deref(), vocab)?;
-            let mut times = Vec::with_capacity(sequence.len() - warmup);
+            let t0 = Instant::now();
+            let mut steps = Vec::with_capacity(sequence.len() - warmup);
             for &t in &sequence[*warmup..] {
                 rows.step(&logits)?;
                 let start = Instant::now();
                 logits = model.forward(&[t], &mut cache, false)?;
-                times.push(start.elapsed().as_secs_f64());
+                steps.push((start, Instant::now()));
             }
+            // Measured before the timeline is serialised: that is bookkeeping, not the run.
+            let peak_rss = peak_rss_bytes();
+            if let Some(path) = &job.trace {
+                let reads = session.io().map(|io| io.take_spans()).unwrap_or_default();
+                let events = super::trace::run_events(t0, &steps, &reads);
+                std::fs::write(path, serde_json::to_vec(&events)?)
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+            }
+            let times: Vec<f64> = steps.iter().map(|(a, b)| (*b - *a).as_secs_f64()).collect();
             let mut outcome = timing(&times);
             (outcome.kl_vs_dense, outcome.top1_vs_dense) = rows.finish()?;
             outcome.report = session.report();
-            outcome.peak_rss_bytes = peak_rss_bytes();
+            outcome.peak_rss_bytes = peak_rss;
             Ok(outcome)
         }
     }

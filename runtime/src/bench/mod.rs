@@ -9,6 +9,7 @@
 mod job;
 mod plot;
 mod report;
+mod trace;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -68,6 +69,9 @@ pub struct BenchArgs {
     /// Write an SVG plot of tokens/s versus memory, one line per policy.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Write a timeline of every run's reads and decode steps (Chrome trace format; Perfetto).
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -134,14 +138,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let outcome = runner.execute(v, None, decode(None, Some(reference.clone())))?;
         runs.push(Run::new(v.clone(), None, outcome));
     }
+    let mut timelines = Vec::new();
     for &(budget, ref label) in &budgets {
         for v in &per_budget {
             bar.set_message(format!("{} at {label}", v.label));
             let outcome = runner.execute(v, Some(budget), decode(None, Some(reference.clone())))?;
+            if let Some(events) = runner.take_timeline()? {
+                timelines.push((format!("{} at {label}", v.label), events));
+            }
             runs.push(Run::new((*v).clone(), Some(budget), outcome));
         }
     }
     bar.finish_and_clear();
+    if let Some(path) = &args.trace {
+        trace::write(path, timelines)?;
+    }
     let summary = report::summarise(&runs);
     if let Some(path) = &args.plot {
         plot::write(path, &runs, &args.model)?;
@@ -269,6 +280,7 @@ impl Runner<'_> {
             ctx: self.args.ctx,
             threads: self.args.threads.map(usize::from),
             prompt: self.prompt.clone(),
+            trace: (self.args.trace.is_some() && memory.is_some()).then(|| self.timeline_path()),
             task,
         };
         let path = self.work.join("job.json");
@@ -293,6 +305,25 @@ impl Runner<'_> {
         }
         serde_json::from_slice(&out.stdout)
             .with_context(|| format!("the {} run at {at} printed no outcome", variant.label))
+    }
+}
+
+impl Runner<'_> {
+    fn timeline_path(&self) -> PathBuf {
+        self.work.join("timeline.json")
+    }
+
+    /// The events the last run wrote, if it wrote any.
+    fn take_timeline(&self) -> Result<Option<Vec<serde_json::Value>>> {
+        let path = self.timeline_path();
+        match std::fs::read(&path) {
+            Ok(bytes) => {
+                std::fs::remove_file(&path)?;
+                Ok(Some(serde_json::from_slice(&bytes)?))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
+        }
     }
 }
 

@@ -70,6 +70,19 @@ impl IoStats {
     }
 }
 
+/// One device read on the timeline (`leanstream bench --trace`): the slot it held, from its
+/// arrival at the device to its completion.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadSpan {
+    pub slot: usize,
+    pub start: Instant,
+    pub end: Instant,
+    pub offset: u64,
+    pub len: usize,
+    /// Submitted reads it served (more than one when merged).
+    pub parts: usize,
+}
+
 /// A priority read queue with `device.queue_depth()` reads in flight at most.
 pub struct IoQueue {
     shared: Arc<Shared>,
@@ -101,6 +114,8 @@ struct State {
     shutdown: bool,
     stats: IoStats,
     busy: BusyClock,
+    /// Device reads kept for a timeline, when asked for.
+    spans: Option<Vec<ReadSpan>>,
 }
 
 struct Request {
@@ -155,6 +170,7 @@ impl IoQueue {
                 shutdown: false,
                 stats: IoStats::default(),
                 busy: BusyClock::default(),
+                spans: None,
             }),
             work: Condvar::new(),
             done: Condvar::new(),
@@ -276,6 +292,21 @@ impl IoQueue {
         st.requests
             .get(&ticket.0)
             .is_none_or(|r| is_ready(&r.state, Instant::now()))
+    }
+
+    /// Starts keeping every device read for a timeline (see [`IoQueue::take_spans`]).
+    pub fn record_spans(&self) {
+        self.shared.lock().spans.get_or_insert_with(Vec::new);
+    }
+
+    /// The device reads kept since [`IoQueue::record_spans`] or the last call.
+    pub fn take_spans(&self) -> Vec<ReadSpan> {
+        self.shared
+            .lock()
+            .spans
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Counters since the queue started.
@@ -535,6 +566,16 @@ impl Shared {
             st.stats.bytes_read += run.len as u64;
         }
         st.busy.add(busy_from, completes);
+        if let Some(spans) = &mut st.spans {
+            spans.push(ReadSpan {
+                slot,
+                start: busy_from,
+                end: completes,
+                offset: run.offset,
+                len: run.len,
+                parts: run.parts.len(),
+            });
+        }
         if scheduled.is_none() {
             st.slots[slot] = Slot {
                 reading: false,

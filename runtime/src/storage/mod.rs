@@ -24,7 +24,7 @@ pub use aligned::AlignedBuf;
 pub use device::Device;
 pub use direct::DirectDevice;
 pub use flash::FlashModel;
-pub use io_queue::{IoQueue, IoStats, Ticket, MAX_MERGE_BYTES};
+pub use io_queue::{IoQueue, IoStats, ReadSpan, Ticket, MAX_MERGE_BYTES};
 pub use profile::{FlashProfile, BUILTIN_PROFILES};
 
 /// Opens `path` as the device a `--flash` value selects (see [`FlashProfile::from_flash_arg`]):

@@ -116,6 +116,11 @@ impl StreamingModel {
         self.engine.metrics = Default::default();
     }
 
+    /// The read queue (for its counters and timeline).
+    pub fn io(&self) -> &IoQueue {
+        self.engine.io()
+    }
+
     fn io_counters(&self) -> (u64, u64, std::time::Duration) {
         let s = self.engine.io().stats();
         (s.bytes_read, s.device_reads, s.busy)
