@@ -24,3 +24,4 @@ pub mod source;
 pub mod storage;
 pub mod streaming;
 pub mod tokenizer;
+pub mod transfer;

@@ -35,6 +35,10 @@ enum Command {
     Perplexity(PerplexityArgs),
     /// Measure a flash device with direct I/O and write a profile for --flash.
     ProbeFlash(leanstream::probe::ProbeArgs),
+    /// Restore a file packed by `leanstream-prep pack`, checking every checksum.
+    Unpack(leanstream::transfer::unpack::UnpackArgs),
+    /// Check every checksum of a converted file.
+    Verify(leanstream::transfer::verify::VerifyArgs),
 }
 
 #[derive(Args)]
@@ -143,6 +147,8 @@ fn main() -> ExitCode {
         Command::Run(args) => run(args),
         Command::Perplexity(args) => run_perplexity(args),
         Command::ProbeFlash(args) => leanstream::probe::run(args),
+        Command::Unpack(args) => leanstream::transfer::unpack::run(args),
+        Command::Verify(args) => leanstream::transfer::verify::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
