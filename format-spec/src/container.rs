@@ -3,8 +3,9 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use crate::atomic::AtomicFile;
 use crate::FormatError;
 
 /// The unit of alignment: every section and every extent starts on, and fills, whole pages.
@@ -234,13 +235,10 @@ impl Header {
 /// Writes a file section by section to a temporary name next to the target, and renames it into
 /// place only in [`ContainerWriter::finish`]; dropped unfinished, it removes the temporary file.
 pub struct ContainerWriter {
-    file: File,
-    tmp_path: PathBuf,
-    final_path: PathBuf,
+    out: AtomicFile,
     pos: u64,
     sections: Vec<SectionEntry>,
     open: Option<OpenSection>,
-    finished: bool,
 }
 
 /// A section being streamed: its start and a running hash of its bytes.
@@ -252,36 +250,22 @@ struct OpenSection {
 
 impl ContainerWriter {
     pub fn create(path: &Path) -> Result<Self, FormatError> {
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        let name = path.file_name().ok_or_else(|| {
-            FormatError::invalid(format!("{} is not a file path", path.display()))
-        })?;
-        let tmp_path = dir.join(format!(
-            ".{}.tmp-{}",
-            name.to_string_lossy(),
-            std::process::id()
-        ));
-        let file = File::create(&tmp_path).map_err(|e| FormatError::io(&tmp_path, e))?;
         let mut w = Self {
-            file,
-            tmp_path,
-            final_path: path.to_path_buf(),
+            out: AtomicFile::create(path)?,
             pos: 0,
             sections: Vec::new(),
             open: None,
-            finished: false,
         };
         w.write_raw(&vec![0u8; PAGE as usize])?;
         Ok(w)
     }
 
     fn write_raw(&mut self, bytes: &[u8]) -> Result<(), FormatError> {
-        self.file
+        let tmp = self.out.tmp_path().to_path_buf();
+        self.out
+            .file()
             .write_all(bytes)
-            .map_err(|e| FormatError::io(&self.tmp_path, e))?;
+            .map_err(|e| FormatError::io(tmp, e))?;
         if let Some(open) = &mut self.open {
             open.hasher.update(bytes);
         }
@@ -334,7 +318,8 @@ impl ContainerWriter {
         compress: bool,
     ) -> Result<(), FormatError> {
         let stored = if compress {
-            zstd::bulk::compress(content, 19).map_err(|e| FormatError::io(&self.tmp_path, e))?
+            zstd::bulk::compress(content, 19)
+                .map_err(|e| FormatError::io(self.out.tmp_path(), e))?
         } else {
             content.to_vec()
         };
@@ -371,22 +356,12 @@ impl ContainerWriter {
             file_size: self.pos,
             sections: self.sections.clone(),
         };
-        let io = |e| FormatError::io(&self.tmp_path, e);
-        self.file.seek(SeekFrom::Start(0)).map_err(io)?;
-        self.file.write_all(&header.encode()).map_err(io)?;
-        self.file.sync_all().map_err(io)?;
-        std::fs::rename(&self.tmp_path, &self.final_path)
-            .map_err(|e| FormatError::io(&self.final_path, e))?;
-        self.finished = true;
-        Ok(())
-    }
-}
-
-impl Drop for ContainerWriter {
-    fn drop(&mut self) {
-        if !self.finished {
-            let _ = std::fs::remove_file(&self.tmp_path);
-        }
+        let tmp = self.out.tmp_path().to_path_buf();
+        let io = |e| FormatError::io(&tmp, e);
+        let file = self.out.file();
+        file.seek(SeekFrom::Start(0)).map_err(io)?;
+        file.write_all(&header.encode()).map_err(io)?;
+        self.out.commit(true)
     }
 }
 

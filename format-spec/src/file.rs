@@ -2,7 +2,10 @@
 //! front; tensor and cluster extents are read on demand and checked as they arrive.
 
 use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::container::{checksum, read_at, Encoding, Header, SectionEntry, SectionKind, PAGE};
 use crate::dense::{DenseIndex, DenseTensor};
@@ -199,48 +202,53 @@ pub fn check_extent(
     Ok(())
 }
 
+/// Bytes read at a time by [`verify`]: extents (an embedding table can be tens of MiB) are hashed
+/// in pieces, so checking a file of any size takes bounded memory.
+const VERIFY_CHUNK: usize = 1 << 20;
+
 /// Checks every checksum of the file: the header, each section, each tensor and each cluster
-/// extent. Returns the number of bytes checked; the error names the first bad extent.
+/// extent (FORMAT.md §11.2). Returns the number of bytes checked; the error names the file and the
+/// first bad extent. `progress(done, total)` is called as bytes are checked.
 pub fn verify(path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<u64, FormatError> {
     let f = LsbFile::open(path)?;
-    let mut file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+    let mut reader = ChunkReader {
+        file: File::open(path).map_err(|e| FormatError::io(path, e))?,
+        path,
+        buf: vec![0u8; VERIFY_CHUNK],
+    };
     let total = f.header.file_size;
     let mut done = PAGE;
     let named = |what: String| FormatError::invalid(format!("{}: {what}", path.display()));
     for s in &f.header.sections {
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        // The section in pieces: (file offset, size) and, for a tensor or cluster extent, its name
+        // and own checksum.
+        let mut pieces: Vec<((u64, u64), Option<(String, u64)>)> = Vec::new();
         if s.kind == SectionKind::DenseData as u32 {
             for t in &f.dense.tensors {
-                let (off, size) = f.dense_extent(t);
-                let bytes = read_at(&mut file, path, off, size)?;
-                check_extent(&bytes, t.checksum, || {
-                    format!("tensor {} at offset {off}", t.name)
-                })
-                .map_err(|e| named(e.to_string()))?;
-                hasher.update(&bytes);
-                done += size;
-                progress(done, total);
+                let check = (format!("tensor {}", t.name), t.checksum);
+                pieces.push((f.dense_extent(t), Some(check)));
             }
         } else if s.kind == SectionKind::FfnData as u32 {
-            for (li, layer) in f.ffn.layers.iter().enumerate() {
-                for ci in 0..layer.clusters.len() {
-                    let (off, size) = f.cluster_extent(li, ci);
-                    let bytes = read_at(&mut file, path, off, size)?;
-                    check_extent(&bytes, layer.clusters[ci].checksum, || {
-                        format!("layer {li} cluster {ci} at offset {off}")
-                    })
-                    .map_err(|e| named(e.to_string()))?;
-                    hasher.update(&bytes);
-                    done += size;
-                    progress(done, total);
+            for (l, layer) in f.ffn.layers.iter().enumerate() {
+                for (c, cluster) in layer.clusters.iter().enumerate() {
+                    let check = (format!("layer {l} cluster {c}"), cluster.checksum);
+                    pieces.push((f.cluster_extent(l, c), Some(check)));
                 }
             }
         } else {
-            hasher.update(&read_at(&mut file, path, s.offset, s.stored_size)?);
-            done += s.stored_size;
+            pieces.push(((s.offset, s.stored_size), None));
+        }
+        let mut section = Xxh3::new();
+        for ((offset, size), check) in pieces {
+            let own = reader.hash(offset, size, &mut section)?;
+            if let Some((what, _)) = check.filter(|(_, expected)| *expected != own) {
+                let what = format!("{what} at offset {offset}");
+                return Err(named(FormatError::Checksum { what }.to_string()));
+            }
+            done += size;
             progress(done, total);
         }
-        if hasher.digest() != s.checksum {
+        if section.digest() != s.checksum {
             return Err(named(format!(
                 "checksum mismatch in the {} section",
                 s.name()
@@ -248,4 +256,29 @@ pub fn verify(path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<u64, Fo
         }
     }
     Ok(total)
+}
+
+/// Reads ranges of a file through one bounded buffer.
+struct ChunkReader<'a> {
+    file: File,
+    path: &'a Path,
+    buf: Vec<u8>,
+}
+
+impl ChunkReader<'_> {
+    /// Hashes `size` bytes at `offset`, feeding them to `also` as well; returns their own XXH3.
+    fn hash(&mut self, offset: u64, size: u64, also: &mut Xxh3) -> Result<u64, FormatError> {
+        let io = |e| FormatError::io(self.path, e);
+        self.file.seek(SeekFrom::Start(offset)).map_err(io)?;
+        let mut own = Xxh3::new();
+        let mut left = size;
+        while left > 0 {
+            let n = left.min(self.buf.len() as u64) as usize;
+            self.file.read_exact(&mut self.buf[..n]).map_err(io)?;
+            own.update(&self.buf[..n]);
+            also.update(&self.buf[..n]);
+            left -= n as u64;
+        }
+        Ok(own.digest())
+    }
 }

@@ -1,6 +1,8 @@
 //! The LeanStream neuron-bundle file format: types, reader, writer and validation. `FORMAT.md` is
 //! the normative description; this crate is the only code that reads or writes the file.
 
+pub mod archive;
+pub mod atomic;
 mod codec;
 pub mod container;
 pub mod dense;

@@ -5,8 +5,10 @@ mod calib;
 mod convert;
 mod hub;
 mod inspect;
+mod pack;
 mod placement;
 mod profile;
+mod push;
 mod source;
 mod sparsity;
 mod tensors;
@@ -15,7 +17,7 @@ mod train;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 use leanstream_format::quant::QuantType;
 
@@ -71,7 +73,11 @@ enum Command {
         json: bool,
     },
     /// Check every checksum of a converted file.
-    Verify { file: PathBuf },
+    Verify(leanstream::transfer::verify::VerifyArgs),
+    /// Compress a converted file into one checksummed archive for transfer.
+    Pack(pack::PackArgs),
+    /// Copy a converted file to a device with adb or scp, then check it there.
+    Push(push::PushArgs),
 }
 
 fn main() -> ExitCode {
@@ -128,14 +134,9 @@ fn run(command: Command) -> Result<()> {
                 inspect::print(&v);
             }
         }
-        Command::Verify { file } => {
-            let bytes =
-                leanstream_format::verify(&file, |_, _| {}).context("verification failed")?;
-            println!(
-                "{}: OK ({bytes} bytes, every checksum matches)",
-                file.display()
-            );
-        }
+        Command::Verify(args) => leanstream::transfer::verify::run(args)?,
+        Command::Pack(args) => pack::run(args)?,
+        Command::Push(args) => push::run(args)?,
     }
     Ok(())
 }

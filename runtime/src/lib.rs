@@ -25,3 +25,4 @@ pub mod source;
 pub mod storage;
 pub mod streaming;
 pub mod tokenizer;
+pub mod transfer;

@@ -40,6 +40,10 @@ enum Command {
     /// One bench run in its own process (used by `bench`).
     #[command(hide = true)]
     BenchWorker { job: PathBuf },
+    /// Restore a file packed by `leanstream-prep pack`, checking every checksum.
+    Unpack(leanstream::transfer::unpack::UnpackArgs),
+    /// Check every checksum of a converted file.
+    Verify(leanstream::transfer::verify::VerifyArgs),
 }
 
 #[derive(Args)]
@@ -150,6 +154,8 @@ fn main() -> ExitCode {
         Command::ProbeFlash(args) => leanstream::probe::run(args),
         Command::Bench(args) => leanstream::bench::run(args),
         Command::BenchWorker { job } => leanstream::bench::run_worker(&job),
+        Command::Unpack(args) => leanstream::transfer::unpack::run(args),
+        Command::Verify(args) => leanstream::transfer::verify::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
