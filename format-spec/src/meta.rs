@@ -20,6 +20,21 @@ pub struct Meta {
     pub layers: Vec<LayerMeta>,
     /// Free-form provenance: source model, calibration, converter version, timings.
     pub provenance: serde_json::Value,
+    /// The source model's chat template; absent in files written before it was stored and for
+    /// models without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<ChatTemplate>,
+}
+
+/// A Jinja chat template (Hugging Face `chat_template`, GGUF `tokenizer.chat_template`) and the
+/// special-token texts it is rendered with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatTemplate {
+    pub template: String,
+    #[serde(default)]
+    pub bos_token: Option<String>,
+    #[serde(default)]
+    pub eos_token: Option<String>,
 }
 
 /// Per layer: the normative skip threshold and the converter's held-out measurements.
@@ -39,4 +54,50 @@ pub struct LayerMeta {
     pub cluster_fill: f32,
     /// The same for the original neuron order, clustered identically (what placement gained).
     pub cluster_fill_unordered: f32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model_config::ModelConfig;
+
+    fn meta(chat_template: Option<ChatTemplate>) -> Meta {
+        let model: ModelConfig = serde_json::from_value(serde_json::json!({
+            "architecture": "Llama", "activation": "Relu", "hidden_size": 8,
+            "intermediate_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+            "head_dim": 4, "vocab_size": 32, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "rope_scaling": null, "sliding_window": null,
+            "tie_word_embeddings": true, "qk_norm": false, "bos_token_id": 1, "eos_token_ids": [2]
+        }))
+        .unwrap();
+        Meta {
+            model,
+            dense_quant: "q8_0".into(),
+            ffn_quant: "q8_0".into(),
+            sparsity_mode: "relu".into(),
+            sparsity_target: None,
+            cluster_kib: 32,
+            layers: Vec::new(),
+            provenance: serde_json::Value::Null,
+            chat_template,
+        }
+    }
+
+    #[test]
+    fn chat_template_is_optional_and_round_trips() {
+        let old = meta(None);
+        let json = serde_json::to_value(&old).unwrap();
+        assert!(
+            json.get("chat_template").is_none(),
+            "absent when there is none"
+        );
+        assert_eq!(serde_json::from_value::<Meta>(json).unwrap(), old);
+        let new = meta(Some(ChatTemplate {
+            template: "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}".into(),
+            bos_token: Some("<s>".into()),
+            eos_token: None,
+        }));
+        let json = serde_json::to_string(&new).unwrap();
+        assert_eq!(serde_json::from_str::<Meta>(&json).unwrap(), new);
+    }
 }

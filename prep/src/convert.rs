@@ -286,6 +286,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             "epochs": opts.epochs,
             "sparsity_quality": quality,
         }),
+        chat_template: source.chat_template.clone(),
     };
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
     writer.add_section(SectionKind::Tokenizer, tokenizer_json, true)?;

@@ -48,7 +48,14 @@ pub fn resolve(model_id: &str) -> Result<PathBuf> {
     };
     let config = need(REQUIRED[0])?;
     need(REQUIRED[1])?;
-    let _ = fetch("generation_config.json");
+    // Optional files: generation settings and the chat template.
+    for optional in [
+        "generation_config.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        let _ = fetch(optional);
+    }
     if let Some(index) = fetch(INDEX)? {
         let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index)?)
             .with_context(|| format!("{} is not valid JSON", index.display()))?;

@@ -8,6 +8,7 @@ use leanstream::config::ModelConfig;
 use leanstream::gguf::GgufFile;
 use leanstream::safetensors_dir::SafetensorsDir;
 use leanstream::tokenizer::Tokenizer;
+use leanstream_format::meta::ChatTemplate;
 
 enum Tensors {
     Dir(SafetensorsDir),
@@ -19,6 +20,8 @@ pub struct Source {
     pub tokenizer: Tokenizer,
     /// The tokenizer serialised as `tokenizer.json`.
     pub tokenizer_json: Vec<u8>,
+    /// Carried into the converted file for `leanstream chat` and `run --chat`.
+    pub chat_template: Option<ChatTemplate>,
     tensors: Tensors,
 }
 
@@ -36,6 +39,7 @@ impl Source {
                 config: leanstream::config::from_hf_dir(path)?,
                 tokenizer: Tokenizer::from_bytes(&tokenizer_json)?,
                 tokenizer_json,
+                chat_template: leanstream::chat_template::from_hf_dir(path)?,
                 tensors: Tensors::Dir(SafetensorsDir::open(path)?),
             });
         }
@@ -54,6 +58,7 @@ impl Source {
             config,
             tokenizer_json: tok.tokenizer.to_json()?,
             tokenizer: tok.tokenizer,
+            chat_template: tok.chat_template,
             tensors: Tensors::Gguf(gguf),
         })
     }

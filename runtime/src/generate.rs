@@ -1,6 +1,7 @@
 //! Text generation: chunked prompt processing, then batch-1 decode until EOS, the token limit or a
 //! full context; timings for the run summary.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -30,6 +31,8 @@ pub enum StopReason {
     Eos,
     MaxTokens,
     ContextFull,
+    /// Stopped from outside (Ctrl-C in `chat`).
+    Interrupted,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -59,27 +62,61 @@ pub fn generate(
     tokenizer: &Tokenizer,
     prompt: &[u32],
     opts: &GenerateOptions,
+    on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    let mut cache = KvCache::new(model.config(), opts.ctx);
+    let never = AtomicBool::new(false);
+    generate_after(
+        &mut model,
+        tokenizer,
+        &mut cache,
+        &[],
+        prompt,
+        opts,
+        &never,
+        on_text,
+    )
+}
+
+/// Continues the sequence held in `cache` (its tokens are `history`, for the repetition penalty)
+/// with `prompt`, then generates; only `prompt` is computed, not the history. Generation also
+/// stops, with [`StopReason::Interrupted`], after the token during which `interrupt` was set.
+/// Afterwards `cache` holds the first `cache.len()` of history, prompt and generated tokens (a
+/// generated token is fed back only when another one follows it).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_after(
+    mut model: impl LanguageModel,
+    tokenizer: &Tokenizer,
+    cache: &mut KvCache,
+    history: &[u32],
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    interrupt: &AtomicBool,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation> {
     if prompt.is_empty() {
         bail!("the prompt is empty: give at least one token of text");
     }
-    if prompt.len() > opts.ctx {
+    if cache.len() + prompt.len() > opts.ctx {
         bail!(
-            "the prompt has {} tokens but the context holds {}: shorten it or raise --ctx",
+            "the prompt has {} tokens but the context holds {}{}: shorten it or raise --ctx",
             prompt.len(),
-            opts.ctx
+            opts.ctx,
+            if cache.is_empty() {
+                String::new()
+            } else {
+                format!(" and already has {}", cache.len())
+            }
         );
     }
-    let mut cache = KvCache::new(model.config(), opts.ctx);
     let mut sampler = Sampler::new(opts.sampler.clone());
     let start = Instant::now();
     let mut logits = Vec::new();
     for chunk in prompt.chunks(PROMPT_CHUNK) {
-        logits = model.forward(chunk, &mut cache, false)?;
+        logits = model.forward(chunk, cache, false)?;
     }
     let prompt_s = start.elapsed().as_secs_f64();
-    let mut history = prompt.to_vec();
+    let mut history = [history, prompt].concat();
     let mut stream = TextStream::default();
     let mut text = String::new();
     let mut tokens = Vec::new();
@@ -105,7 +142,10 @@ pub fn generate(
         if cache.len() >= opts.ctx {
             break StopReason::ContextFull;
         }
-        logits = model.forward(&[tok], &mut cache, false)?;
+        if interrupt.load(Ordering::Relaxed) {
+            break StopReason::Interrupted;
+        }
+        logits = model.forward(&[tok], cache, false)?;
     };
     let end = Instant::now();
     if let Some(piece) = stream.finish(tokenizer)? {

@@ -23,11 +23,13 @@ use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiter
 
 use crate::gguf::GgufFile;
 use crate::tokenizer::Tokenizer;
+use leanstream_format::meta::ChatTemplate;
 
-/// A GGUF file's tokenizer and the tokens that end a generation.
+/// A GGUF file's tokenizer, the tokens that end a generation and the chat template.
 pub struct GgufTokenizer {
     pub tokenizer: Tokenizer,
     pub eos_token_ids: Vec<u32>,
+    pub chat_template: Option<ChatTemplate>,
 }
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`).
@@ -146,9 +148,18 @@ pub fn from_gguf(file: &GgufFile) -> Result<GgufTokenizer> {
     );
     eos_token_ids.sort_unstable();
     eos_token_ids.dedup();
+    let text = |id: Option<u32>| id.map(|id| tokens[id as usize].clone());
+    let chat_template = file
+        .str("tokenizer.chat_template")?
+        .map(|template| ChatTemplate {
+            template: template.to_string(),
+            bos_token: text(bos),
+            eos_token: text(eos),
+        });
     Ok(GgufTokenizer {
         tokenizer: Tokenizer::new(inner),
         eos_token_ids,
+        chat_template,
     })
 }
 

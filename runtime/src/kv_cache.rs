@@ -49,6 +49,11 @@ impl KvCache {
         self.capacity
     }
 
+    /// Keeps the first `len` positions and forgets the rest (a conversation that diverges there).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// Forgets every position (the buffers are kept).
     pub fn clear(&mut self) {
         self.len = 0;

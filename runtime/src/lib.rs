@@ -4,7 +4,10 @@
 
 pub mod bench;
 pub mod certify;
+pub mod chat;
+pub mod chat_template;
 pub mod config;
+pub mod demo;
 pub mod generate;
 pub mod gguf;
 pub mod gguf_tokenizer;
@@ -20,6 +23,7 @@ pub mod probe;
 pub mod rope;
 pub mod safetensors_dir;
 pub mod sampler;
+pub mod sampling_args;
 pub mod session;
 pub mod source;
 pub mod storage;

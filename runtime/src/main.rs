@@ -11,7 +11,6 @@ use leanstream::generate::{generate, GenerateOptions, StopReason};
 use leanstream::memory::peak_rss_bytes;
 use leanstream::neuron_cache::Retention;
 use leanstream::perplexity::perplexity;
-use leanstream::sampler::SamplerConfig;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::Sparsity;
@@ -44,6 +43,10 @@ enum Command {
     Unpack(leanstream::transfer::unpack::UnpackArgs),
     /// Check every checksum of a converted file.
     Verify(leanstream::transfer::verify::VerifyArgs),
+    /// Chat with an instruction-tuned model (one message per line on stdin), streaming replies.
+    Chat(ChatArgs),
+    /// Convert the embedded model (once), stream it under a tight budget and compare with dense.
+    Demo(leanstream::demo::DemoArgs),
 }
 
 #[derive(Args)]
@@ -62,7 +65,7 @@ struct CommonArgs {
     #[arg(long, value_enum)]
     policy: Option<PolicyArg>,
     /// Hard cap on peak memory (RSS): 512MiB, 1.5GiB, 300MB or bytes. Default: everything fits.
-    #[arg(long, value_parser = parse_memory)]
+    #[arg(long, value_parser = leanstream::memory_size::parse_budget)]
     memory: Option<u64>,
     /// Flash device: none (the real disk, direct I/O), ufs4, ufs31, nvme, or a profile FILE.toml.
     #[arg(long, default_value = "none")]
@@ -101,14 +104,6 @@ enum RetainArg {
     Lru,
 }
 
-fn parse_memory(s: &str) -> Result<u64, String> {
-    match leanstream::memory_size::parse_size(s) {
-        Ok(0) => Err("the budget must be positive".into()),
-        Ok(v) => Ok(v),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
 #[derive(Args)]
 struct RunArgs {
     #[command(flatten)]
@@ -119,21 +114,19 @@ struct RunArgs {
     /// Maximum number of tokens to generate.
     #[arg(short = 'n', long = "n-tokens", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
     n_tokens: u64,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
-    temp: f32,
-    /// Sample only among the K most likely tokens (0 = off).
-    #[arg(long, default_value_t = 40)]
-    top_k: usize,
-    /// Sample only among the most likely tokens whose probability reaches P (1 = off).
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    /// Penalty on recently generated tokens (1 = off).
-    #[arg(long, default_value_t = 1.1)]
-    repeat_penalty: f32,
-    /// Random seed for sampling.
-    #[arg(long, default_value_t = 299792458)]
-    seed: u64,
+    /// Send the prompt as one user message through the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    #[command(flatten)]
+    sampling: leanstream::sampling_args::SamplingArgs,
+}
+
+#[derive(Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    #[command(flatten)]
+    chat: leanstream::chat::ChatArgs,
 }
 
 #[derive(Args)]
@@ -156,6 +149,9 @@ fn main() -> ExitCode {
         Command::BenchWorker { job } => leanstream::bench::run_worker(&job),
         Command::Unpack(args) => leanstream::transfer::unpack::run(args),
         Command::Verify(args) => leanstream::transfer::verify::run(args),
+        Command::Chat(args) => setup(&args.common, 2048)
+            .and_then(|session| leanstream::chat::run(session, &args.chat, args.common.json)),
+        Command::Demo(args) => leanstream::demo::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -206,19 +202,17 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
 fn run(args: RunArgs) -> Result<()> {
     let mut session = setup(&args.common, 2048)?;
     let ctx = session.ctx;
-    let prompt = session.tokenizer.encode(&args.prompt, true)?;
+    let (prompt, eos_token_ids) = if args.chat {
+        leanstream::chat::single_turn(&session, &args.prompt)?
+    } else {
+        let prompt = session.tokenizer.encode(&args.prompt, true)?;
+        (prompt, session.eos_token_ids.clone())
+    };
     let opts = GenerateOptions {
         max_tokens: args.n_tokens as usize,
         ctx,
-        sampler: SamplerConfig {
-            temperature: args.temp,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            repeat_penalty: args.repeat_penalty,
-            seed: args.seed,
-            ..Default::default()
-        },
-        eos_token_ids: session.eos_token_ids.clone(),
+        sampler: args.sampling.config(),
+        eos_token_ids,
     };
     let json = args.common.json;
     let mut stdout = std::io::stdout().lock();

@@ -33,6 +33,15 @@ pub fn parse_size(s: &str) -> Result<u64> {
     Ok(bytes.round() as u64)
 }
 
+/// A `--memory` value: a positive size (for clap's `value_parser`).
+pub fn parse_budget(s: &str) -> std::result::Result<u64, String> {
+    match parse_size(s) {
+        Ok(0) => Err("the budget must be positive".into()),
+        Ok(v) => Ok(v),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// A size for people: `1.50 GiB`, `12.3 MiB`, `512 B`.
 pub fn format_size(bytes: u64) -> String {
     const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];

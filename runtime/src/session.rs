@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use leanstream_format::meta::ChatTemplate;
 use serde_json::{json, Value};
 
 use crate::model::{LanguageModel, Model};
@@ -55,8 +56,10 @@ enum Engine {
 
 pub struct Session {
     engine: Engine,
+    pub model_path: PathBuf,
     pub tokenizer: Tokenizer,
     pub eos_token_ids: Vec<u32>,
+    pub chat_template: Option<ChatTemplate>,
     pub ctx: usize,
     pub policy: PolicyChoice,
 }
@@ -84,8 +87,10 @@ impl Session {
             let ctx = cap_ctx(o, loaded.model.config().max_position_embeddings)?;
             return Ok(Self {
                 engine: Engine::Dense(Box::new(loaded.model)),
+                model_path: o.model.clone(),
                 tokenizer: loaded.tokenizer,
                 eos_token_ids: loaded.eos_token_ids,
+                chat_template: loaded.chat_template,
                 ctx,
                 policy,
             });
@@ -108,12 +113,15 @@ impl Session {
             retention: o.retention,
         };
         let eos_token_ids = file.meta.model.eos_token_ids.clone();
+        let chat_template = file.meta.chat_template.clone();
         let mut model = StreamingModel::open(&o.model, file, &stream)?;
         model.reset_clock();
         Ok(Self {
             engine: Engine::Streaming(Box::new(model)),
+            model_path: o.model.clone(),
             tokenizer,
             eos_token_ids,
+            chat_template,
             ctx,
             policy,
         })

@@ -3,17 +3,21 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use leanstream_format::meta::ChatTemplate;
 
+use crate::chat_template;
 use crate::gguf::GgufFile;
 use crate::gguf_tokenizer;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
-/// A model ready to generate: weights, tokenizer and the tokens that end a generation.
+/// A model ready to generate: weights, tokenizer, the tokens that end a generation and the chat
+/// template, if the model has one.
 pub struct LoadedModel {
     pub model: Model,
     pub tokenizer: Tokenizer,
     pub eos_token_ids: Vec<u32>,
+    pub chat_template: Option<ChatTemplate>,
 }
 
 /// Loads a GGUF file, or a model directory (`config.json`, safetensors, `tokenizer.json`).
@@ -44,6 +48,7 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
         model,
         tokenizer,
         eos_token_ids,
+        chat_template: chat_template::from_hf_dir(path)?,
     })
 }
 
@@ -66,6 +71,7 @@ fn open_converted(path: &Path) -> Result<LoadedModel> {
         .with_context(|| format!("{}: the embedded tokenizer is invalid", path.display()))?;
     Ok(LoadedModel {
         eos_token_ids: file.meta.model.eos_token_ids.clone(),
+        chat_template: file.meta.chat_template.clone(),
         model: crate::lsb_dense::load(&file)?,
         tokenizer,
     })
@@ -79,6 +85,7 @@ fn open_gguf(path: &Path) -> Result<LoadedModel> {
         model: file.load_model()?,
         tokenizer: tokenizer.tokenizer,
         eos_token_ids: tokenizer.eos_token_ids,
+        chat_template: tokenizer.chat_template,
     })
 }
 

@@ -222,6 +222,13 @@ fn converted_smollm2_streams_under_a_budget() {
             err,
         )
     };
+    let meta = leanstream_format::LsbFile::open(&out).unwrap().meta;
+    let gguf = gguf_tokenizer::from_gguf(&GgufFile::open(&smollm2()).unwrap()).unwrap();
+    assert!(meta.chat_template.is_some());
+    assert_eq!(
+        meta.chat_template, gguf.chat_template,
+        "convert carries the chat template"
+    );
     let (ok, resident, err) = run(&["--policy", "resident"]);
     assert!(ok, "{err}");
     let resident = resident.unwrap();

@@ -175,7 +175,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
 
 /// Budgets as bytes with their labels, smallest first.
 fn resolve_budgets(model: &Path, ctx: usize, specs: &[String]) -> Result<Vec<(u64, String)>> {
-    let plan = crate::streaming::memory_plan(model, ctx)?;
+    let plan = crate::streaming::memory_split(model, ctx)?;
     let mut out = Vec::new();
     for spec in specs {
         let spec = spec.trim();

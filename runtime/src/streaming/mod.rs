@@ -178,18 +178,19 @@ fn plan_input(
     (input, io_budget)
 }
 
-/// The `leanstream` policy's memory split for `path` at `ctx` with no budget: its `fixed()` part is
-/// the smallest `--memory` accepted (every bundle streams), `ffn_total` what a full cache holds.
-pub fn memory_plan(path: &Path, ctx: usize) -> Result<MemorySplit> {
+/// The smallest `--memory` the `leanstream` policy accepts for `file` at `ctx` (the neuron cache
+/// empty: every bundle streams).
+pub fn minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
+    Ok(memory_split(path, ctx)?.fixed())
+}
+
+/// The planner's split for `file` at `ctx` without a budget: the fixed part (the minimum) and the
+/// size of the FFN bundles, from which budgets are chosen.
+pub fn memory_split(path: &Path, ctx: usize) -> Result<MemorySplit> {
     let mut file = LsbFile::open(path)?;
     let plans = plan::LayerPlan::all(&mut file)?;
     let (input, _) = plan_input(&file, &plans, ctx, None, Policy::Leanstream);
     planner::plan(input)
-}
-
-/// The smallest `--memory` the `leanstream` policy accepts for `path` at `ctx`.
-pub fn minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
-    Ok(memory_plan(path, ctx)?.fixed())
 }
 
 /// The non-FFN weights as stored (encoded rows stay encoded; norms are f32).
