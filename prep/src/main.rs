@@ -1,6 +1,7 @@
 //! `leanstream-prep`: the workstation tool that converts a Hugging Face model into one checksummed
 //! LeanStream file.
 
+mod activity;
 mod calib;
 mod convert;
 mod hub;
@@ -9,6 +10,7 @@ mod placement;
 mod profile;
 mod source;
 mod sparsity;
+mod synth;
 mod tensors;
 mod train;
 
@@ -72,6 +74,8 @@ enum Command {
     },
     /// Check every checksum of a converted file.
     Verify { file: PathBuf },
+    /// Write a full-size file of a published shape with a source file's activity planted.
+    Synth(synth::SynthArgs),
 }
 
 fn main() -> ExitCode {
@@ -128,6 +132,7 @@ fn run(command: Command) -> Result<()> {
                 inspect::print(&v);
             }
         }
+        Command::Synth(args) => synth::run(args)?,
         Command::Verify { file } => {
             let bytes =
                 leanstream_format::verify(&file, |_, _| {}).context("verification failed")?;
