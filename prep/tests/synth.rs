@@ -83,7 +83,7 @@ fn synthetic_file_carries_the_sources_statistics_and_streams() {
     assert!(s["layers"][0]["token_overlap"].as_f64().unwrap() > 0.0);
 
     // Streamed under a budget, the runtime sees the planted activity.
-    let min = leanstream::streaming::minimum_memory(&syn, 128).unwrap();
+    let min = leanstream::streaming::minimum_memory(&syn, 256).unwrap();
     let f = leanstream_format::LsbFile::open(&syn).unwrap();
     let budget = min + f.ffn.bundle_bytes() / 4;
     let mut session = Session::open(&SessionOptions {
