@@ -12,7 +12,7 @@ use crate::FormatError;
 pub const PAGE: u64 = 4096;
 pub const MAGIC: [u8; 8] = *b"LEANSTRM";
 pub const VERSION_MAJOR: u16 = 1;
-pub const VERSION_MINOR: u16 = 0;
+pub const VERSION_MINOR: u16 = 1;
 const SECTION_TABLE_OFFSET: usize = 32;
 const SECTION_ENTRY_BYTES: usize = 48;
 const HEADER_CHECKSUM_OFFSET: usize = PAGE as usize - 8;

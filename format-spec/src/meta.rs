@@ -24,6 +24,9 @@ pub struct Meta {
     /// models without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<ChatTemplate>,
+    /// Present in files written by `leanstream-prep synth` (format 1.1): what was planted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub synthetic: Option<Synthetic>,
 }
 
 /// A Jinja chat template (Hugging Face `chat_template`, GGUF `tokenizer.chat_template`) and the
@@ -35,6 +38,20 @@ pub struct ChatTemplate {
     pub bos_token: Option<String>,
     #[serde(default)]
     pub eos_token: Option<String>,
+}
+
+/// How a synthetic file was made: its shape, and the statistics of the source it imitates.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Synthetic {
+    /// The published shape it copies, e.g. `llama2-7b`.
+    pub shape: String,
+    /// The file whose activation statistics were planted.
+    pub source: String,
+    pub seed: u64,
+    /// For each layer, the source layer whose statistics it was given.
+    pub source_layer: Vec<usize>,
+    /// The source file's own per-layer measurements, as in its META (by source layer).
+    pub source_layers: Vec<LayerMeta>,
 }
 
 /// Per layer: the normative skip threshold and the converter's held-out measurements.
@@ -54,6 +71,21 @@ pub struct LayerMeta {
     pub cluster_fill: f32,
     /// The same for the original neuron order, clustered identically (what placement gained).
     pub cluster_fill_unordered: f32,
+    /// Activity statistics (format 1.1; absent in older files), held-out split.
+    #[serde(flatten)]
+    pub activity: Option<Activity>,
+}
+
+/// How a layer's activity is distributed over neurons and tokens (FORMAT.md §4.2).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Activity {
+    /// Fraction of all activations that fall on the 10 % most frequently active neurons.
+    pub hot10_share: f32,
+    /// Of the neurons active for a token, the fraction also active for the token before it.
+    pub token_overlap: f32,
+    /// Mean fraction of active neurons in the groups of 8 consecutive stored positions a token
+    /// touches (co-activation: placement puts neurons that fire together side by side).
+    pub group_fill: f32,
 }
 
 #[cfg(test)]

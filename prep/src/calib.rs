@@ -60,6 +60,17 @@ impl Calibration {
         self.windows.iter().map(Vec::len).sum()
     }
 
+    /// For each of `rows`, the row before it in the same window, if any.
+    pub fn previous(&self, rows: &[usize]) -> Vec<Option<usize>> {
+        let mut starts = std::collections::HashSet::new();
+        let mut row = 0;
+        for w in &self.windows {
+            starts.insert(row);
+            row += w.len();
+        }
+        crate::activity::previous_rows(rows, |r| starts.contains(&r))
+    }
+
     /// Row indices (token positions over all windows, concatenated) of the training and held-out
     /// parts.
     pub fn split_rows(&self) -> (Vec<usize>, Vec<usize>) {

@@ -19,6 +19,7 @@ use leanstream_format::refine::{Refine, RefineLayer};
 use leanstream_format::sketch::{Sketch, SketchLayer};
 use serde::Serialize;
 
+use crate::activity;
 use crate::calib::Calibration;
 use crate::placement::{cluster_fill, place};
 use crate::profile::{Profiler, SparsityQuality};
@@ -106,6 +107,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     phases.dense = t.elapsed().as_secs_f64();
 
     let (train_rows, eval_rows) = calib.split_rows();
+    let eval_prev = calib.previous(&eval_rows);
     let rank = opts
         .predictor_rank
         .unwrap_or((config.hidden_size / 8).clamp(16, 128));
@@ -214,7 +216,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
                 let i = i as usize;
                 let column: Vec<f32> = (0..h).map(|r| down[r * n + i]).collect();
                 let g = quantize_row(opts.quant, &gate[i * h..(i + 1) * h])?;
-                add_sketch_row(&mut sketch_layer, opts.quant, &g, h)?;
+                add_sketch_row(&mut sketch_layer, SKETCH_QUANT, opts.quant, &g, h)?;
                 extent.extend(g);
                 extent.extend(quantize_row(opts.quant, &up[i * h..(i + 1) * h])?);
                 extent.extend(quantize_row(opts.quant, &column)?);
@@ -248,6 +250,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         phases.bundles += t.elapsed().as_secs_f64();
 
         let eval_sparsity = 1.0 - y_eval.mean().unwrap_or(0.0);
+        let perm = &ffn.layers.last().expect("pushed above").perm;
         layer_meta.push(LayerMeta {
             threshold: thr,
             sparsity: eval_sparsity,
@@ -258,6 +261,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             static_recall: static_q.recall,
             cluster_fill: fill,
             cluster_fill_unordered: fill_unordered,
+            activity: Some(activity::measure(&mask, n, &eval_rows, &eval_prev, perm)),
         });
         cluster_neurons.push(cluster_size);
         prev_residual = Some(prof.residual);
@@ -287,6 +291,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             "sparsity_quality": quality,
         }),
         chat_template: source.chat_template.clone(),
+        synthetic: None,
     };
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
     writer.add_section(SectionKind::Tokenizer, tokenizer_json, true)?;
@@ -315,7 +320,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
 }
 
 /// Block types need rows of whole blocks; say so before any work is done.
-fn check_block_shapes(c: &ModelConfig, q: QuantType) -> Result<()> {
+pub(crate) fn check_block_shapes(c: &ModelConfig, q: QuantType) -> Result<()> {
     for (what, n) in [
         ("hidden_size", c.hidden_size),
         ("intermediate_size", c.intermediate_size),
@@ -362,17 +367,18 @@ fn write_dense(
 
 /// Appends the sketch of one bundle gate row: its low-bit copy and the error norm against the
 /// row as the bundle stores it.
-fn add_sketch_row(
+pub(crate) fn add_sketch_row(
     s: &mut SketchLayer,
+    sketch_q: QuantType,
     bundle_q: QuantType,
     gate_bytes: &[u8],
     h: usize,
 ) -> Result<()> {
     let mut exact = vec![0.0f32; h];
     dequantize_row(bundle_q, gate_bytes, &mut exact)?;
-    let sk = quantize_row(SKETCH_QUANT, &exact)?;
+    let sk = quantize_row(sketch_q, &exact)?;
     let mut approx = vec![0.0f32; h];
-    dequantize_row(SKETCH_QUANT, &sk, &mut approx)?;
+    dequantize_row(sketch_q, &sk, &mut approx)?;
     let err = exact
         .iter()
         .zip(&approx)
@@ -387,7 +393,7 @@ fn add_sketch_row(
 }
 
 /// Cluster and neuron statistics in stored order.
-fn refine_stats(
+pub(crate) fn refine_stats(
     mask: &[bool],
     gate: &[f32],
     act: leanstream::config::Activation,
@@ -448,7 +454,7 @@ fn refine_stats(
 }
 
 /// Reorders a predictor's outputs into stored order and packs it for the file.
-fn to_predictor(
+pub(crate) fn to_predictor(
     t: Trained,
     perm: &[u32],
     source_layer: usize,
@@ -476,7 +482,7 @@ fn to_predictor(
     }
 }
 
-fn bar(show: bool, len: u64, what: &str) -> ProgressBar {
+pub(crate) fn bar(show: bool, len: u64, what: &str) -> ProgressBar {
     if !show {
         return ProgressBar::hidden();
     }

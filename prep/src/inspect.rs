@@ -1,7 +1,102 @@
 //! `leanstream-prep inspect`: what a converted file holds, its sizes and predictor quality.
 
+use leanstream_format::meta::{LayerMeta, Meta};
 use leanstream_format::LsbFile;
 use serde_json::{json, Value};
+
+/// The statistics a synthetic file is compared on with its source, by name.
+const COMPARED: [&str; 8] = [
+    "active_fraction",
+    "hot10_share",
+    "token_overlap",
+    "group_fill",
+    "predictor_recall",
+    "predictor_precision",
+    "lookahead_recall",
+    "lookahead_precision",
+];
+
+fn stat(l: &LayerMeta, name: &str) -> Option<f32> {
+    let a = l.activity;
+    Some(match name {
+        "active_fraction" => 1.0 - l.sparsity,
+        "hot10_share" => a?.hot10_share,
+        "token_overlap" => a?.token_overlap,
+        "group_fill" => a?.group_fill,
+        "predictor_recall" => l.predictor_recall,
+        "predictor_precision" => l.predictor_precision,
+        "lookahead_recall" => l.lookahead_recall,
+        "lookahead_precision" => l.lookahead_precision,
+        _ => return None,
+    })
+}
+
+/// For a synthetic file: each layer's measured statistics next to its source layer's, with the
+/// relative difference, and the largest one. Null for other files.
+pub fn comparison(m: &Meta) -> Value {
+    let Some(syn) = &m.synthetic else {
+        return Value::Null;
+    };
+    let mut worst = (0.0f32, String::new());
+    let layers: Vec<Value> = m
+        .layers
+        .iter()
+        .zip(&syn.source_layer)
+        .enumerate()
+        .map(|(l, (lm, &sl))| {
+            let src = &syn.source_layers[sl];
+            let mut stats = serde_json::Map::new();
+            for name in COMPARED {
+                let (a, b) = (stat(lm, name), stat(src, name));
+                let rel = match (a, b) {
+                    (Some(a), Some(b)) if b != 0.0 => Some((a - b).abs() / b.abs()),
+                    _ => None,
+                };
+                if let Some(r) = rel.filter(|r| *r > worst.0) {
+                    worst = (r, format!("{name} of layer {l}"));
+                }
+                stats.insert(
+                    name.into(),
+                    json!({"synthetic": a, "source": b, "rel_diff": rel}),
+                );
+            }
+            json!({"layer": l, "source_layer": sl, "stats": stats})
+        })
+        .collect();
+    json!({
+        "shape": syn.shape,
+        "source": syn.source,
+        "layers": layers,
+        "max_rel_diff": worst.0,
+        "max_rel_diff_at": worst.1,
+    })
+}
+
+/// A table of [`comparison`]: synthetic / source for every statistic.
+pub fn print_comparison(v: &Value) {
+    if v.is_null() {
+        return;
+    }
+    println!(
+        "  planted from {} (synthetic / source, held-out tokens of each):",
+        v["source"].as_str().unwrap_or("")
+    );
+    println!("  layer src  active       hot10        overlap      group fill   own recall   own prec     ahead recall ahead prec");
+    for l in v["layers"].as_array().into_iter().flatten() {
+        let mut line = format!("  {:>5} {:>3}", l["layer"], l["source_layer"]);
+        for name in COMPARED {
+            let s = &l["stats"][name];
+            let f = |k: &str| s[k].as_f64().unwrap_or(f64::NAN);
+            line += &format!("  {:.3}/{:.3}", f("synthetic"), f("source"));
+        }
+        println!("{line}");
+    }
+    println!(
+        "  largest relative difference: {:.1} % ({})",
+        100.0 * v["max_rel_diff"].as_f64().unwrap_or(f64::NAN),
+        v["max_rel_diff_at"].as_str().unwrap_or("")
+    );
+}
 
 /// The file described as one JSON object.
 pub fn describe(f: &LsbFile) -> Value {
@@ -53,6 +148,7 @@ pub fn describe(f: &LsbFile) -> Value {
         "sections": f.section_sizes().into_iter().map(|(n, s)| json!({"name": n, "bytes": s})).collect::<Vec<_>>(),
         "provenance": m.provenance,
         "layers": layers,
+        "comparison": comparison(m),
     })
 }
 
@@ -82,11 +178,11 @@ pub fn print(v: &Value) {
     ] {
         println!("  {key:<16} {:>14}", v[key]);
     }
-    println!("  layer  sparsity  own recall/prec  look-ahead recall/prec  static recall  cluster fill (unordered)");
+    println!("  layer  sparsity  own recall/prec  look-ahead recall/prec  static recall  cluster fill (unordered)  hot10  overlap  group fill");
     for (i, l) in v["layers"].as_array().into_iter().flatten().enumerate() {
         let f = |k: &str| l[k].as_f64().unwrap_or(f64::NAN);
         println!(
-            "  {i:>5}  {:>8.3}  {:>6.3}/{:<6.3}    {:>6.3}/{:<6.3}           {:>6.3}         {:.3} ({:.3})",
+            "  {i:>5}  {:>8.3}  {:>6.3}/{:<6.3}    {:>6.3}/{:<6.3}           {:>6.3}         {:.3} ({:.3})            {:.3}  {:.3}    {:.3}",
             f("sparsity"),
             f("predictor_recall"),
             f("predictor_precision"),
@@ -94,7 +190,11 @@ pub fn print(v: &Value) {
             f("lookahead_precision"),
             f("static_recall"),
             f("cluster_fill"),
-            f("cluster_fill_unordered")
+            f("cluster_fill_unordered"),
+            f("hot10_share"),
+            f("token_overlap"),
+            f("group_fill")
         );
     }
+    print_comparison(&v["comparison"]);
 }

@@ -1,6 +1,7 @@
 //! `leanstream-prep`: the workstation tool that converts a Hugging Face model into one checksummed
 //! LeanStream file.
 
+mod activity;
 mod calib;
 mod convert;
 mod hub;
@@ -11,6 +12,7 @@ mod profile;
 mod push;
 mod source;
 mod sparsity;
+mod synth;
 mod tensors;
 mod train;
 
@@ -78,6 +80,8 @@ enum Command {
     Pack(pack::PackArgs),
     /// Copy a converted file to a device with adb or scp, then check it there.
     Push(push::PushArgs),
+    /// Write a full-size file of a published shape with a source file's activity planted.
+    Synth(synth::SynthArgs),
 }
 
 fn main() -> ExitCode {
@@ -137,6 +141,7 @@ fn run(command: Command) -> Result<()> {
         Command::Verify(args) => leanstream::transfer::verify::run(args)?,
         Command::Pack(args) => pack::run(args)?,
         Command::Push(args) => push::run(args)?,
+        Command::Synth(args) => synth::run(args)?,
     }
     Ok(())
 }

@@ -1,0 +1,452 @@
+//! `leanstream-prep synth`: a full-size converted file of a published shape (random weights),
+//! with the activation statistics of a converted source file planted: per-layer sparsity, hot-set
+//! skew, token-to-token overlap, co-activation and predictor accuracy. It is written layer by
+//! layer (dense tensors, then each FFN layer's bundles), so memory holds one layer's work plus the
+//! index sections; the statistics it reaches are measured on held-out calibration text run
+//! through the synthetic model itself and stored in META next to the source's.
+
+mod dense;
+mod layer;
+mod plant;
+mod shape;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use leanstream::config::ModelConfig;
+use leanstream::kernels::{Matrix, QMatrix, Weight};
+use leanstream::model::{rms_norm, DenseFfn, Model};
+use leanstream::tokenizer::Tokenizer;
+use leanstream_format::container::{ContainerWriter, SectionKind};
+use leanstream_format::dense::{DenseIndex, DenseTensor};
+use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
+use leanstream_format::meta::{Meta, Synthetic};
+use leanstream_format::predictor::{normalise_input, PredictorInput, Predictors};
+use leanstream_format::quant::{row_bytes, QuantType};
+use leanstream_format::refine::Refine;
+use leanstream_format::sketch::{Sketch, SketchLayer};
+use leanstream_format::LsbFile;
+
+use crate::calib::{Calibration, WINDOW};
+use crate::convert::{add_sketch_row, bar, check_block_shapes, refine_stats, to_predictor};
+use crate::tensors::dense_specs;
+use dense::{dense_row, Layout};
+use layer::{Inputs, Params, Target};
+use shape::Shape;
+
+/// A neuron is active when `|silu(gate·x)| > 1`, i.e. `gate·x > 1.2785`: only the positive side
+/// of SiLU counts (its minimum is −0.278).
+const THRESHOLD: f32 = 1.0;
+
+#[derive(clap::Args)]
+pub struct SynthArgs {
+    /// The published shape to copy.
+    #[arg(long, value_enum)]
+    shape: Shape,
+    /// Weight encoding: q4 (the 7B-scale use), q8, f16, bf16 or f32.
+    #[arg(long, default_value = "q4")]
+    quant: QuantType,
+    /// A converted file whose activation statistics (and tokenizer) the synthetic file takes.
+    #[arg(long)]
+    profile_from: PathBuf,
+    /// Output file.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Keep only the first N layers of the shape (tests, quick looks).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    layers: Option<u64>,
+    /// Seed of every random weight.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Calibration tokens run through the synthetic model to plant and measure.
+    #[arg(long, default_value_t = 1280, value_parser = clap::value_parser!(u64).range(512..))]
+    calib_tokens: u64,
+    /// Rank of the predictors (default: hidden/8, between 16 and 128).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(3..))]
+    predictor_rank: Option<u64>,
+    /// Target size of a neuron cluster (one read), in KiB.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(4..=4096))]
+    cluster_kib: u32,
+    /// Print the summary as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: SynthArgs) -> Result<()> {
+    let started = Instant::now();
+    let src = LsbFile::open(&args.profile_from)?;
+    let src_path = args.profile_from.display().to_string();
+    if src.meta.layers.iter().any(|l| l.activity.is_none()) {
+        bail!(
+            "{src_path} has no activity statistics (converted before format 1.1): convert the \
+             source model again"
+        );
+    }
+    let m = &src.meta.model;
+    let mut config = args.shape.config(m.bos_token_id, m.eos_token_ids.clone());
+    if let Some(l) = args.layers {
+        config.num_layers = config.num_layers.min(l as usize);
+    }
+    if m.vocab_size > config.vocab_size {
+        bail!(
+            "{src_path}: its vocabulary ({}) is larger than {}'s ({}); the synthetic file uses the \
+             source's tokenizer, so pick a source with at most {} tokens or a larger shape",
+            m.vocab_size,
+            args.shape.name(),
+            config.vocab_size,
+            config.vocab_size
+        );
+    }
+    check_block_shapes(&config, args.quant)?;
+    let lay = Layout::new(&config)?;
+    let tokenizer = Tokenizer::from_bytes(&src.tokenizer_json)
+        .with_context(|| format!("{src_path}: its tokenizer cannot be loaded"))?;
+    let calib = Calibration::new(&tokenizer, None, args.calib_tokens as usize)?;
+    let (h, n, layers) = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_layers,
+    );
+    let rank = args
+        .predictor_rank
+        .map_or((h / 8).clamp(16, 128), |r| r as usize);
+
+    let mut writer = ContainerWriter::create(&args.output)
+        .with_context(|| format!("cannot write {}", args.output.display()))?;
+    let bar = bar(!args.json, layers as u64 + 1, "layers");
+    bar.set_message("dense weights");
+    let (dense, inputs) = write_dense(&mut writer, &config, &lay, &args, &calib)?;
+    bar.inc(1);
+
+    let bundle_bytes = 3 * row_bytes(args.quant, h)?;
+    let cluster_size = (args.cluster_kib as usize * 1024 / bundle_bytes).clamp(1, n);
+    let sketch_q = match args.quant {
+        QuantType::Q4_0 | QuantType::Q4_1 => QuantType::Q4_0,
+        _ => QuantType::Q8_0,
+    };
+    let z_on = silu_inverse(THRESHOLD);
+    let (mut ffn, mut predictors, mut sketch, mut refine) = (
+        FfnIndex::default(),
+        Predictors::default(),
+        Sketch::default(),
+        Refine::default(),
+    );
+    let (mut layer_meta, mut knobs, mut source_layer) = (Vec::new(), Vec::new(), Vec::new());
+    writer.begin_section(SectionKind::FfnData);
+    for l in 0..layers {
+        bar.set_message(format!("layer {l}"));
+        let sl = l * src.meta.layers.len() / layers;
+        let src_freq = &src.refine.layers[sl].neuron_freq;
+        let target = Target {
+            meta: &src.meta.layers[sl],
+            activity: src.meta.layers[sl].activity.expect("checked above"),
+            freq: (0..n).map(|p| src_freq[p * src_freq.len() / n]).collect(),
+        };
+        let params = Params {
+            h,
+            n,
+            rank,
+            quant: args.quant,
+            act: config.activation,
+            threshold: THRESHOLD,
+            z_on,
+            cluster_size,
+            seed: args.seed,
+            layer: l,
+        };
+        let built = layer::build(&params, &lay, &inputs, &target)?;
+        let mut sketch_layer = SketchLayer {
+            qtype: sketch_q,
+            hidden: h as u32,
+            rows: Vec::new(),
+            err_norm: Vec::new(),
+        };
+        let mut clusters = Vec::new();
+        for (ci, chunk) in built.bundles.chunks(cluster_size).enumerate() {
+            for b in chunk {
+                add_sketch_row(
+                    &mut sketch_layer,
+                    sketch_q,
+                    args.quant,
+                    &b[..bundle_bytes / 3],
+                    h,
+                )?;
+            }
+            let (offset, extent_size, checksum) = writer.write_extent(&chunk.concat())?;
+            clusters.push(Cluster {
+                first: (ci * cluster_size) as u32,
+                count: chunk.len() as u32,
+                offset,
+                extent_size,
+                checksum,
+            });
+        }
+        let identity: Vec<u32> = (0..n as u32).collect();
+        refine.layers.push(refine_stats(
+            &built.masks,
+            &built.gates,
+            config.activation,
+            n,
+            &inputs.train,
+            &identity,
+            cluster_size,
+        ));
+        predictors.own.push(to_predictor(
+            built.own,
+            &identity,
+            l,
+            PredictorInput::FfnInput,
+            built.own_threshold,
+        ));
+        predictors.lookahead.push(to_predictor(
+            built.lookahead,
+            &identity,
+            l.saturating_sub(1),
+            PredictorInput::Residual,
+            built.lookahead_threshold,
+        ));
+        sketch.layers.push(sketch_layer);
+        ffn.layers.push(FfnLayer {
+            qtype: args.quant,
+            hidden: h as u32,
+            perm: layer::shuffled_order(n, args.seed ^ l as u64),
+            clusters,
+        });
+        layer_meta.push(built.meta);
+        knobs.push(built.knobs);
+        source_layer.push(sl);
+        bar.inc(1);
+    }
+    writer.end_section();
+    bar.finish_and_clear();
+
+    let mean_sparsity = layer_meta.iter().map(|l| l.sparsity).sum::<f32>() / layers as f32;
+    let meta = Meta {
+        model: config.clone(),
+        dense_quant: args.quant.name().into(),
+        ffn_quant: args.quant.name().into(),
+        sparsity_mode: "threshold".into(),
+        sparsity_target: Some(mean_sparsity),
+        cluster_kib: args.cluster_kib,
+        layers: layer_meta.clone(),
+        provenance: serde_json::json!({
+            "source": src_path,
+            "converter": concat!("leanstream-prep ", env!("CARGO_PKG_VERSION"), " synth"),
+            "calib_tokens": calib.tokens(),
+            "heldout_tokens": inputs.eval.len(),
+            "predictor_rank": 2 * ((rank - 1) / 2) + 1,
+            "planted": knobs,
+        }),
+        // Synthetic text is noise: no chat template is carried over.
+        chat_template: None,
+        synthetic: Some(Synthetic {
+            shape: args.shape.name().into(),
+            source: src_path.clone(),
+            seed: args.seed,
+            source_layer: source_layer.clone(),
+            source_layers: src.meta.layers.clone(),
+        }),
+    };
+    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
+    writer.add_section(SectionKind::Tokenizer, &src.tokenizer_json, true)?;
+    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
+    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
+    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
+    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
+    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
+    writer.finish()?;
+
+    let summary = serde_json::json!({
+        "output": args.output,
+        "shape": args.shape.name(),
+        "file_bytes": std::fs::metadata(&args.output)?.len(),
+        "dense_bytes": dense.data_bytes(),
+        "ffn_bytes": ffn.bundle_bytes(),
+        "seconds": started.elapsed().as_secs_f64(),
+        "peak_rss_bytes": leanstream::memory::peak_rss_bytes(),
+        "comparison": crate::inspect::comparison(&meta),
+    });
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        println!(
+            "wrote {} ({:.2} GiB, {} layers of {}) in {:.0} s, peak RSS {:.0} MiB",
+            args.output.display(),
+            summary["file_bytes"].as_f64().unwrap_or(0.0) / (1u64 << 30) as f64,
+            layers,
+            args.shape.name(),
+            summary["seconds"].as_f64().unwrap_or(0.0),
+            summary["peak_rss_bytes"].as_f64().unwrap_or(0.0) / (1u64 << 20) as f64
+        );
+        crate::inspect::print_comparison(&summary["comparison"]);
+    }
+    Ok(())
+}
+
+/// `z` with `silu(z) = y` on the increasing branch (y > 0).
+fn silu_inverse(y: f32) -> f32 {
+    let silu = |z: f64| z / (1.0 + (-z).exp());
+    plant::solve_increasing(silu, y as f64, 0.0, 20.0, 60) as f32
+}
+
+/// Writes DENSE_DATA tensor by tensor and runs the calibration windows through embedding and
+/// layer 0 (the only attention that writes anything) to get every layer's FFN input.
+fn write_dense(
+    writer: &mut ContainerWriter,
+    config: &ModelConfig,
+    lay: &Layout,
+    args: &SynthArgs,
+    calib: &Calibration,
+) -> Result<(DenseIndex, Inputs)> {
+    writer.begin_section(SectionKind::DenseData);
+    let mut index = DenseIndex::default();
+    let mut kept: HashMap<String, (Vec<usize>, Vec<u8>)> = HashMap::new();
+    for (ti, spec) in dense_specs(config).into_iter().enumerate() {
+        let qtype = if spec.is_vector() {
+            QuantType::F32
+        } else {
+            args.quant
+        };
+        let cols = *spec.shape.last().expect("shape");
+        let rows = if spec.is_vector() { 1 } else { spec.shape[0] };
+        let rb = row_bytes(qtype, cols)?;
+        let mut bytes = vec![0u8; rows * rb];
+        use rayon::prelude::*;
+        bytes
+            .par_chunks_mut(rb)
+            .enumerate()
+            .try_for_each(|(r, out)| -> Result<()> {
+                let mut row = vec![0.0f32; cols];
+                dense_row(lay, config, args.seed, ti as u64, &spec.name, r, &mut row);
+                out.copy_from_slice(&leanstream_format::quant::quantize_row(qtype, &row)?);
+                Ok(())
+            })?;
+        let (offset, extent_size, checksum) = writer.write_extent(&bytes)?;
+        index.tensors.push(DenseTensor {
+            name: spec.name.clone(),
+            qtype,
+            shape: spec.shape.iter().map(|&d| d as u64).collect(),
+            offset,
+            size: bytes.len() as u64,
+            extent_size,
+            checksum,
+        });
+        let layer0 = spec.name.starts_with("model.layers.0.");
+        if layer0 || spec.name == "model.embed_tokens.weight" || spec.name == "model.norm.weight" {
+            kept.insert(spec.name, (spec.shape, bytes));
+        }
+    }
+    writer.end_section();
+    Ok((index, layer0_inputs(config, args.quant, kept, calib)?))
+}
+
+/// The calibration windows through the stored embedding and layer 0 (as the runtime computes
+/// them, from the encoded weights), with layer 0's FFN left out: it writes back ~1e-5.
+fn layer0_inputs(
+    config: &ModelConfig,
+    quant: QuantType,
+    kept: HashMap<String, (Vec<usize>, Vec<u8>)>,
+    calib: &Calibration,
+) -> Result<Inputs> {
+    let h = config.hidden_size;
+    let one = ModelConfig {
+        num_layers: 1,
+        intermediate_size: 32,
+        tie_word_embeddings: true,
+        ..config.clone()
+    };
+    let kept = std::cell::RefCell::new(kept);
+    let take = |name: &str| {
+        kept.borrow_mut()
+            .remove(name)
+            .with_context(|| format!("synthetic tensor {name} was not kept"))
+    };
+    let mut model = Model::without_ffn(
+        one,
+        |name, _| {
+            let (_, b) = take(name)?;
+            Ok(b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect())
+        },
+        |name, rows, cols| {
+            let (_, b) = take(name)?;
+            Ok(Weight::Encoded(QMatrix::new(rows, cols, quant, b)?))
+        },
+    )?;
+    let zero = |r, c| Weight::F32(Matrix::new(r, c, vec![0.0; r * c]));
+    model.set_ffn(
+        0,
+        Some(DenseFfn {
+            gate: zero(32, h),
+            up: zero(32, h),
+            down: zero(h, 32),
+        }),
+    );
+    let (mut embed, mut resid) = (Vec::new(), Vec::new());
+    for w in &calib.windows {
+        let e = model.embed(w)?;
+        let mut x = e.clone();
+        let mut cache = model.new_cache(WINDOW);
+        model.block(0, 0, &mut x, &mut cache, None);
+        embed.extend(e);
+        resid.extend(x);
+    }
+    let ones = vec![1.0f32; h];
+    let mut x = vec![0.0f32; resid.len()];
+    for (src, dst) in resid.chunks_exact(h).zip(x.chunks_exact_mut(h)) {
+        rms_norm(src, &ones, config.rms_norm_eps, dst);
+    }
+    let hat = |v: &[f32]| -> Vec<f32> { v.chunks_exact(h).flat_map(normalise_input).collect() };
+    let (train, eval) = calib.split_rows();
+    let lay = Layout::new(config)?;
+    let train_prev = calib.previous(&train);
+    let part = |r: std::ops::Range<usize>| part_stats(&x, h, r, &train, &train_prev);
+    let ((sf, rf), (ss, rs)) = (part(lay.fast.clone()), part(lay.slow.clone()));
+    Ok(Inputs {
+        embed_hat: hat(&embed),
+        resid_hat: hat(&resid),
+        eval_prev: calib.previous(&eval),
+        x,
+        train,
+        eval,
+        sigma: (sf, ss),
+        rho: (rf, rs),
+    })
+}
+
+/// RMS of the dimensions `dims` of `x` over `rows`, and their lag-1 correlation over consecutive
+/// rows (`Σ x_t·x_{t−1} / Σ x_t²`).
+fn part_stats(
+    x: &[f32],
+    h: usize,
+    dims: std::ops::Range<usize>,
+    rows: &[usize],
+    prev: &[Option<usize>],
+) -> (f32, f64) {
+    let (mut sq, mut cross, mut sq_pairs) = (0.0f64, 0.0f64, 0.0f64);
+    for (&r, &p) in rows.iter().zip(prev) {
+        let a = &x[r * h..(r + 1) * h][dims.clone()];
+        sq += a.iter().map(|v| (*v as f64).powi(2)).sum::<f64>();
+        if let Some(p) = p {
+            let b = &x[p * h..(p + 1) * h][dims.clone()];
+            cross += a
+                .iter()
+                .zip(b)
+                .map(|(u, v)| *u as f64 * *v as f64)
+                .sum::<f64>();
+            sq_pairs += a.iter().map(|v| (*v as f64).powi(2)).sum::<f64>();
+        }
+    }
+    let count = (rows.len() * dims.len()).max(1) as f64;
+    (
+        (sq / count).sqrt() as f32,
+        if sq_pairs > 0.0 {
+            cross / sq_pairs
+        } else {
+            0.0
+        },
+    )
+}

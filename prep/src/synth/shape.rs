@@ -1,0 +1,70 @@
+//! The published shapes a synthetic file copies (from each model's Hugging Face `config.json`).
+
+use leanstream::config::{Activation, Architecture, ModelConfig};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Shape {
+    /// meta-llama/Llama-2-7b-hf: 4096 hidden, 11008 FFN, 32 layers, 32 heads / 32 KV heads.
+    #[value(name = "llama2-7b")]
+    Llama2_7b,
+    /// Qwen/Qwen3-8B: 4096 hidden, 12288 FFN, 36 layers, 32 heads / 8 KV heads, q/k norms.
+    #[value(name = "qwen3-8b")]
+    Qwen3_8b,
+    /// mistralai/Mistral-7B-v0.1: 4096 hidden, 14336 FFN, 32 layers, 32 heads / 8 KV heads.
+    #[value(name = "mistral-7b")]
+    Mistral7b,
+    /// A small Llama-shaped model for tests: 256 hidden, 1024 FFN, 4 layers.
+    #[value(name = "tiny")]
+    Tiny,
+}
+
+impl Shape {
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::Llama2_7b => "llama2-7b",
+            Shape::Qwen3_8b => "qwen3-8b",
+            Shape::Mistral7b => "mistral-7b",
+            Shape::Tiny => "tiny",
+        }
+    }
+
+    /// The configuration, with the source tokenizer's special tokens.
+    pub fn config(self, bos: Option<u32>, eos: Vec<u32>) -> ModelConfig {
+        let llama = |h, n, layers, heads, kv, head_dim, vocab, ctx| ModelConfig {
+            architecture: Architecture::Llama,
+            activation: Activation::Silu,
+            hidden_size: h,
+            intermediate_size: n,
+            num_layers: layers,
+            num_heads: heads,
+            num_kv_heads: kv,
+            head_dim,
+            vocab_size: vocab,
+            max_position_embeddings: ctx,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            sliding_window: None,
+            tie_word_embeddings: false,
+            qk_norm: false,
+            bos_token_id: bos,
+            eos_token_ids: eos.clone(),
+        };
+        match self {
+            Shape::Llama2_7b => llama(4096, 11008, 32, 32, 32, 128, 32000, 4096),
+            Shape::Qwen3_8b => ModelConfig {
+                architecture: Architecture::Qwen3,
+                rms_norm_eps: 1e-6,
+                rope_theta: 1_000_000.0,
+                qk_norm: true,
+                ..llama(4096, 12288, 36, 32, 8, 128, 151_936, 40960)
+            },
+            Shape::Mistral7b => ModelConfig {
+                architecture: Architecture::Mistral,
+                sliding_window: Some(4096),
+                ..llama(4096, 14336, 32, 32, 8, 128, 32000, 32768)
+            },
+            Shape::Tiny => llama(256, 1024, 4, 4, 2, 64, 4096, 1024),
+        }
+    }
+}
