@@ -2,7 +2,7 @@
 //! 1. *select* — when layer l's FFN input exists, the sparsity mode names the candidate neurons
 //!    (certified: all but those the gate sketch proves inactive; predicted: the layer's own
 //!    predictor's set; exact: all), and so the clusters needed — unless the policy knows the
-//!    needs in advance (the oracle);
+//!    active neurons in advance (the oracle);
 //! 2. *refine* — queued reads of the layer that are no longer wanted are cancelled, wanted ones
 //!    boosted, missing ones issued at top priority (each policy says which of these it does);
 //! 3. *compute* — resident clusters first, then clusters as their reads land (or, for a policy
@@ -308,22 +308,24 @@ impl StreamEngine {
         let operand = Operand::new(x, QuantType::Q8_0);
         // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
         let own = above(&predictor_scores(&plan.own, x), plan.own.threshold);
-        let candidate: Vec<bool> = match self.sparsity {
-            Sparsity::Exact => vec![true; n],
-            Sparsity::Certified => certified_candidates(plan, &operand),
-            Sparsity::Predicted => own.clone(),
-        };
         let known = self.schedule.needs(&mut self.core, l, token)?;
         let plan = &self.core.plans[l];
-        let needed: Vec<usize> = match known {
-            Some(known) => known,
-            None => (0..clusters)
-                .filter(|&ci| {
-                    let cl = plan.clusters[ci];
-                    candidate[cl.first..cl.first + cl.count].iter().any(|&c| c)
-                })
-                .collect(),
+        let candidate: Vec<bool> = match (known, self.sparsity) {
+            (Some(neurons), _) => {
+                let mut c = vec![false; n];
+                neurons.iter().for_each(|&p| c[p as usize] = true);
+                c
+            }
+            (None, Sparsity::Exact) => vec![true; n],
+            (None, Sparsity::Certified) => certified_candidates(plan, &operand),
+            (None, Sparsity::Predicted) => own.clone(),
         };
+        let needed: Vec<usize> = (0..clusters)
+            .filter(|&ci| {
+                let cl = plan.clusters[ci];
+                candidate[cl.first..cl.first + cl.count].iter().any(|&c| c)
+            })
+            .collect();
         let mut is_needed = vec![false; clusters];
         needed.iter().for_each(|&c| is_needed[c] = true);
         // What was in memory when the layer's input was ready, for the hit figures.

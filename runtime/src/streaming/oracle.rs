@@ -2,8 +2,9 @@
 //! [`ActiveTrace`] of the same token sequence), reads exactly those that are not cached, issues
 //! them as early as the I/O budget allows — across layers and tokens, earliest use first — and
 //! evicts with Belady's rule over the trace (the cached cluster used farthest in the future goes,
-//! and a cluster used later than everything cached is not kept). It computes every neuron of the
-//! clusters it reads, so its output is the `resident` policy's, bit for bit.
+//! and a cluster used later than everything cached is not kept). It computes exactly the active
+//! neurons, so its output is the `resident` policy's, bit for bit (the inactive ones add nothing
+//! there either).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -120,14 +121,13 @@ impl Schedule for Oracle {
         Ok(())
     }
 
-    fn needs(&mut self, core: &mut Core, l: usize, token: usize) -> Result<Option<Vec<usize>>> {
+    fn needs(&mut self, core: &mut Core, l: usize, token: usize) -> Result<Option<Vec<u32>>> {
         let now = self.step(token, l);
-        let clusters = self.trace.clusters(token, l);
-        for &c in clusters {
+        for &c in self.trace.clusters(token, l) {
             let key = (l as u32, c);
             core.cache.set_next_use(key, self.next_use(key, Some(now)));
         }
-        Ok(Some(clusters.iter().map(|&c| c as usize).collect()))
+        Ok(Some(self.trace.neurons(token, l).to_vec()))
     }
 
     fn refine(&self) -> Refine {

@@ -26,9 +26,9 @@ pub(super) trait Schedule {
         Ok(())
     }
 
-    /// The clusters layer `l` of `token` needs, when the policy knows them in advance; `None`
-    /// lets the sparsity mode decide.
-    fn needs(&mut self, _core: &mut Core, _l: usize, _token: usize) -> Result<Option<Vec<usize>>> {
+    /// The neurons (stored positions) layer `l` of `token` needs, when the policy knows them in
+    /// advance; `None` lets the sparsity mode decide.
+    fn needs(&mut self, _core: &mut Core, _l: usize, _token: usize) -> Result<Option<Vec<u32>>> {
         Ok(None)
     }
 
