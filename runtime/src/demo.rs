@@ -15,12 +15,11 @@ use serde_json::json;
 use crate::generate::{generate, GenerateOptions, Generation};
 use crate::memory::peak_rss_bytes;
 use crate::memory_size::{format_size, parse_budget};
-use crate::neuron_cache::Retention;
 use crate::sampler::SamplerConfig;
 use crate::session::{PolicyChoice, Session, SessionOptions};
 use crate::source;
 use crate::storage::FlashProfile;
-use crate::streaming::{memory_split, Sparsity};
+use crate::streaming::{memory_split, Sparsity, Tuning};
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
@@ -90,8 +89,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             sparsity: Sparsity::Certified,
             ctx: Some(CTX),
             default_ctx: CTX,
-            lookahead: true,
-            retention: Retention::Activity,
+            tuning: Tuning::default(),
         })
     };
 

@@ -13,7 +13,7 @@ use leanstream::neuron_cache::Retention;
 use leanstream::perplexity::perplexity;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
-use leanstream::streaming::Sparsity;
+use leanstream::streaming::{Sparsity, Tuning};
 
 #[derive(Parser)]
 #[command(
@@ -61,7 +61,9 @@ struct CommonArgs {
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
     /// leanstream (stream FFN bundles under --memory; default for converted files), resident
-    /// (all bundles in DRAM, the file's sparsity), dense (every weight and neuron; default otherwise).
+    /// (all bundles in DRAM, the file's sparsity), dense (every weight and neuron; default
+    /// otherwise); prior systems: mmap (llama.cpp-like, --flash none only), powerinfer2,
+    /// llm-in-flash; oracle (needs a recorded trace: `bench`).
     #[arg(long, value_enum)]
     policy: Option<PolicyArg>,
     /// Hard cap on peak memory (RSS): 512MiB, 1.5GiB, 300MB or bytes. Default: everything fits.
@@ -80,6 +82,18 @@ struct CommonArgs {
     /// Cache retention: activity (observed use) or lru (an ablation).
     #[arg(long, value_enum, default_value_t = RetainArg::Activity)]
     retain: RetainArg,
+    /// leanstream ablation: no refinement (no cancel, boost or reordering of queued reads).
+    #[arg(long)]
+    no_refine: bool,
+    /// leanstream ablation: refinement boosts and adds reads but never cancels them.
+    #[arg(long)]
+    no_cancel: bool,
+    /// powerinfer2: the pinned hot set as a fraction (0-1) of the neuron cache.
+    #[arg(long)]
+    hot_fraction: Option<f32>,
+    /// llm-in-flash: the window k in tokens.
+    #[arg(long)]
+    window: Option<usize>,
     /// Print one JSON object on stdout instead of text.
     #[arg(long)]
     json: bool,
@@ -90,6 +104,10 @@ enum PolicyArg {
     Leanstream,
     Resident,
     Dense,
+    Mmap,
+    Powerinfer2,
+    LlmInFlash,
+    Oracle,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -176,6 +194,10 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
             PolicyArg::Leanstream => PolicyChoice::Leanstream,
             PolicyArg::Resident => PolicyChoice::Resident,
             PolicyArg::Dense => PolicyChoice::Dense,
+            PolicyArg::Mmap => PolicyChoice::Mmap,
+            PolicyArg::Powerinfer2 => PolicyChoice::PowerInfer2,
+            PolicyArg::LlmInFlash => PolicyChoice::LlmInFlash,
+            PolicyArg::Oracle => PolicyChoice::Oracle,
         }),
         memory: common.memory,
         flash: FlashProfile::from_flash_arg(&common.flash)?,
@@ -185,10 +207,17 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
         },
         ctx: common.ctx,
         default_ctx,
-        lookahead: !common.no_lookahead,
-        retention: match common.retain {
-            RetainArg::Activity => Retention::Activity,
-            RetainArg::Lru => Retention::Lru,
+        tuning: Tuning {
+            lookahead: !common.no_lookahead,
+            retention: match common.retain {
+                RetainArg::Activity => Retention::Activity,
+                RetainArg::Lru => Retention::Lru,
+            },
+            refine: !common.no_refine,
+            cancel: !common.no_cancel,
+            hot_fraction: common.hot_fraction,
+            window: common.window,
+            oracle: None,
         },
     })?;
     if let Some(line) = session.describe_memory() {

@@ -2,6 +2,8 @@
 //! set, chosen from the profile, never leaves; the rest is ranked by observed use — how often a
 //! cluster turned out to hold active neurons (an exponential moving average), how strongly, and how
 //! recently — so that what stays is what tokens actually needed, not what was once predicted.
+//! The prior systems' rules (LRU, a window of recent tokens) and the oracle's (Belady: the cluster
+//! used farthest in the future goes first) rank the same entries differently.
 
 use std::collections::HashMap;
 use std::ops::Deref;
@@ -16,6 +18,11 @@ pub enum Retention {
     Activity,
     /// Least recently used first out (an ablation and the prior systems' cold cache).
     Lru,
+    /// LRU, and a cluster unused for more than this many tokens leaves (LLM in a Flash's window).
+    Window(usize),
+    /// The cluster whose next use is farthest goes first; a newcomer used later than everything
+    /// resident is not kept. Next uses come from [`NeuronCache::set_next_use`] (the oracle).
+    Belady,
 }
 
 struct Entry<B> {
@@ -40,6 +47,8 @@ pub struct NeuronCache<B> {
     history: HashMap<ClusterKey, (f32, f32)>,
     retention: Retention,
     clock: u64,
+    /// When each cluster is next used (Belady only); absent = never.
+    next_use: HashMap<ClusterKey, u64>,
 }
 
 impl<B: Deref<Target = [u8]>> NeuronCache<B> {
@@ -51,7 +60,12 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             history: HashMap::new(),
             retention,
             clock: 0,
+            next_use: HashMap::new(),
         }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
     }
 
     pub fn used(&self) -> u64 {
@@ -67,9 +81,29 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
         self.entries.get(&key).map(|e| &*e.data)
     }
 
-    /// Advances the clock: call once per token.
+    /// Advances the clock: call once per token. A window drops what fell out of it.
     pub fn tick(&mut self) {
         self.clock += 1;
+        if let Retention::Window(k) = self.retention {
+            let clock = self.clock;
+            let old: Vec<ClusterKey> = self
+                .entries
+                .iter()
+                .filter(|(_, e)| !e.pinned && clock - e.last_used.min(clock) > k as u64)
+                .map(|(k, _)| *k)
+                .collect();
+            for key in old {
+                self.evict(key);
+            }
+        }
+    }
+
+    /// Tells a Belady cache when `key` is next used (`None`: never again).
+    pub fn set_next_use(&mut self, key: ClusterKey, at: Option<u64>) {
+        match at {
+            Some(t) => self.next_use.insert(key, t),
+            None => self.next_use.remove(&key),
+        };
     }
 
     /// Pins a cluster of the profile's hot set. Fails (returns false) when it does not fit.
@@ -128,14 +162,14 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             magnitude,
             last_used: self.clock,
         };
-        let rank = self.rank(&candidate);
+        let rank = self.rank(key, &candidate);
         let mut victims: Vec<(f64, ClusterKey, u64)> = Vec::new();
         if self.used + bytes > self.capacity {
             let mut ranked: Vec<(f64, ClusterKey, u64)> = self
                 .entries
                 .iter()
                 .filter(|(_, e)| !e.pinned)
-                .map(|(k, e)| (self.rank(e), *k, e.bytes))
+                .map(|(k, e)| (self.rank(*k, e), *k, e.bytes))
                 .collect();
             ranked.sort_by(|a, b| a.0.total_cmp(&b.0));
             let mut freed = 0;
@@ -154,23 +188,31 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             }
         }
         for (_, k, _) in victims {
-            let e = self.entries.remove(&k).expect("victim is resident");
-            self.used -= e.bytes;
-            self.history.insert(k, (e.freq, e.magnitude));
+            self.evict(k);
         }
         self.used += bytes;
         self.entries.insert(key, candidate);
         None
     }
 
+    fn evict(&mut self, key: ClusterKey) {
+        let e = self
+            .entries
+            .remove(&key)
+            .expect("evicting a resident cluster");
+        self.used -= e.bytes;
+        self.history.insert(key, (e.freq, e.magnitude));
+    }
+
     /// Higher is kept longer.
-    fn rank(&self, e: &Entry<B>) -> f64 {
+    fn rank(&self, key: ClusterKey, e: &Entry<B>) -> f64 {
         let age = (self.clock - e.last_used.min(self.clock)) as f64;
         match self.retention {
-            Retention::Lru => -age,
+            Retention::Lru | Retention::Window(_) => -age,
             Retention::Activity => {
                 (e.freq as f64) * (1.0 + e.magnitude as f64) / (1.0 + 0.25 * age)
             }
+            Retention::Belady => -(self.next_use.get(&key).copied().unwrap_or(u64::MAX) as f64),
         }
     }
 }
@@ -215,5 +257,37 @@ mod tests {
         c.tick();
         assert!(c.offer((1, 2), buf(4096)).is_none());
         assert!(c.contains((1, 0)) && c.contains((1, 2)) && !c.contains((1, 1)));
+    }
+
+    #[test]
+    fn a_window_drops_what_fell_out_of_it() {
+        let mut c = NeuronCache::new(4 * 4096, Retention::Window(2));
+        c.offer((0, 0), buf(4096));
+        c.offer((0, 1), buf(4096));
+        for _ in 0..2 {
+            c.tick();
+            c.observe((0, 1), true, 1.0);
+        }
+        assert!(c.contains((0, 0)) && c.contains((0, 1)));
+        c.tick();
+        // (0, 0) was last used 3 tokens ago: out of the window of 2.
+        assert!(!c.contains((0, 0)) && c.contains((0, 1)));
+        assert_eq!(c.used(), 4096);
+    }
+
+    #[test]
+    fn belady_evicts_the_farthest_next_use_and_bypasses_later_ones() {
+        let mut c = NeuronCache::new(2 * 4096, Retention::Belady);
+        c.set_next_use((0, 0), Some(5));
+        c.set_next_use((0, 1), Some(9));
+        c.offer((0, 0), buf(4096));
+        c.offer((0, 1), buf(4096));
+        // Used at 7: (0, 1), used at 9, goes.
+        c.set_next_use((0, 2), Some(7));
+        assert!(c.offer((0, 2), buf(4096)).is_none());
+        assert!(c.contains((0, 0)) && c.contains((0, 2)) && !c.contains((0, 1)));
+        // Never used again: not kept.
+        c.set_next_use((0, 3), None);
+        assert!(c.offer((0, 3), buf(4096)).is_some());
     }
 }

@@ -8,10 +8,9 @@ use leanstream_format::meta::ChatTemplate;
 use serde_json::{json, Value};
 
 use crate::model::{LanguageModel, Model};
-use crate::neuron_cache::Retention;
 use crate::source;
 use crate::storage::FlashProfile;
-use crate::streaming::{Policy, Sparsity, StreamOptions, StreamingModel};
+use crate::streaming::{Policy, Sparsity, StreamOptions, StreamingModel, Tuning};
 use crate::tokenizer::Tokenizer;
 
 /// Which engine computes the model.
@@ -21,15 +20,31 @@ pub enum PolicyChoice {
     Dense,
     /// Every bundle in DRAM, the file's sparsity applied, no I/O.
     Resident,
+    /// The file memory-mapped, the OS paging on demand (llama.cpp-like; real disk only).
+    Mmap,
+    /// PowerInfer-2's design: own predictor, per-cluster I/O-compute overlap, hot set + LRU.
+    PowerInfer2,
+    /// LLM in a Flash's design: own predictor, a window of recent tokens, load then compute.
+    LlmInFlash,
     /// Speculate-and-refine streaming under the budget.
     Leanstream,
+    /// The true active sets known in advance, Belady eviction: the limit.
+    Oracle,
 }
 
 impl PolicyChoice {
-    /// Every policy, references first.
-    pub const ALL: [PolicyChoice; 3] = [Self::Dense, Self::Resident, Self::Leanstream];
+    /// Every policy, references first, then the prior systems, leanstream and the limit.
+    pub const ALL: [PolicyChoice; 7] = [
+        PolicyChoice::Dense,
+        PolicyChoice::Resident,
+        PolicyChoice::Mmap,
+        PolicyChoice::PowerInfer2,
+        PolicyChoice::LlmInFlash,
+        PolicyChoice::Leanstream,
+        PolicyChoice::Oracle,
+    ];
 
-    /// The policy a command-line name means.
+    /// The policy of a command-line name (see [`policy_name`]).
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|&p| policy_name(p) == name)
     }
@@ -45,8 +60,7 @@ pub struct SessionOptions {
     pub sparsity: Sparsity,
     pub ctx: Option<usize>,
     pub default_ctx: usize,
-    pub lookahead: bool,
-    pub retention: Retention,
+    pub tuning: Tuning,
 }
 
 enum Engine {
@@ -80,7 +94,7 @@ impl Session {
             );
         }
         if policy == PolicyChoice::Dense && (o.memory.is_some() || o.flash.is_some()) {
-            bail!("--memory and --flash apply to the streaming policies (leanstream, resident), not dense");
+            bail!("--memory and --flash apply to the streaming policies, not dense");
         }
         if policy == PolicyChoice::Dense {
             let loaded = source::open(&o.model)?;
@@ -100,17 +114,20 @@ impl Session {
             .with_context(|| format!("{}: the embedded tokenizer is invalid", o.model.display()))?;
         let ctx = cap_ctx(o, file.meta.model.max_position_embeddings)?;
         let stream = StreamOptions {
-            policy: if policy == PolicyChoice::Resident {
-                Policy::Resident
-            } else {
-                Policy::Leanstream
+            policy: match policy {
+                PolicyChoice::Dense => unreachable!("handled above"),
+                PolicyChoice::Resident => Policy::Resident,
+                PolicyChoice::Mmap => Policy::Mmap,
+                PolicyChoice::PowerInfer2 => Policy::PowerInfer2,
+                PolicyChoice::LlmInFlash => Policy::LlmInFlash,
+                PolicyChoice::Leanstream => Policy::Leanstream,
+                PolicyChoice::Oracle => Policy::Oracle,
             },
             sparsity: o.sparsity,
             memory: o.memory,
             flash: o.flash.clone(),
             ctx,
-            lookahead: o.lookahead,
-            retention: o.retention,
+            tuning: o.tuning.clone(),
         };
         let eos_token_ids = file.meta.model.eos_token_ids.clone();
         let chat_template = file.meta.chat_template.clone();
@@ -176,7 +193,11 @@ pub fn policy_name(p: PolicyChoice) -> &'static str {
     match p {
         PolicyChoice::Dense => "dense",
         PolicyChoice::Resident => "resident",
+        PolicyChoice::Mmap => "mmap",
+        PolicyChoice::PowerInfer2 => "powerinfer2",
+        PolicyChoice::LlmInFlash => "llm-in-flash",
         PolicyChoice::Leanstream => "leanstream",
+        PolicyChoice::Oracle => "oracle",
     }
 }
 

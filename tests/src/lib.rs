@@ -1,6 +1,6 @@
 //! Independent correctness harness: tiny random HF models and an f64 reference forward.
 
-pub mod bins;
+pub mod converted;
 pub mod reference;
 pub mod tiny;
 

@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use leanstream_tests::bins::{bin, convert, workspace};
+use leanstream_tests::converted::{bin, convert, workspace};
 use serde_json::Value;
 
 #[test]

@@ -1,40 +1,15 @@
 //! Convert → run under a memory budget, end to end: certified streaming computes exactly what the
 //! resident model computes, at every budget, and the process stays within its budget.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
-use std::sync::OnceLock;
 
-use leanstream::neuron_cache::Retention;
 use leanstream::perplexity::perplexity;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
-use leanstream::streaming::Sparsity;
-use leanstream_tests::bins::{bin, convert, workspace};
+use leanstream::streaming::{Sparsity, Tuning};
+use leanstream_tests::converted::{bin, convert, embedded, heldout_ids, scratch};
 use leanstream_tests::tiny::{write_tiny_model, TinySpec};
-
-fn scratch() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("leanstream-streaming-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// The embedded ReLU model converted to q8 and to f32.
-fn embedded(quant: &str) -> PathBuf {
-    static Q8: OnceLock<PathBuf> = OnceLock::new();
-    static F32: OnceLock<PathBuf> = OnceLock::new();
-    let cell = if quant == "q8" { &Q8 } else { &F32 };
-    cell.get_or_init(|| {
-        let out = scratch().join(format!("austen-{quant}.lsb"));
-        convert(
-            &workspace().join("models/austen-relu"),
-            &out,
-            &["--quant", quant],
-        );
-        out
-    })
-    .clone()
-}
 
 fn session(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
     Session::open(&SessionOptions {
@@ -49,17 +24,13 @@ fn session(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
         sparsity: Sparsity::Certified,
         ctx: Some(128),
         default_ctx: 128,
-        lookahead: true,
-        retention: Retention::Activity,
+        tuning: Tuning::default(),
     })
     .unwrap()
 }
 
 fn text_ids(s: &Session, n: usize) -> Vec<u32> {
-    let text = std::fs::read_to_string(workspace().join("data/heldout-head.txt")).unwrap();
-    let mut ids = s.tokenizer.encode(&text, false).unwrap();
-    ids.truncate(n);
-    ids
+    heldout_ids(&s.tokenizer, n)
 }
 
 /// Budgets from the minimum (everything streams) to everything resident.

@@ -4,19 +4,19 @@
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::generate::PROMPT_CHUNK;
 use crate::kv_cache::KvCache;
 use crate::memory::peak_rss_bytes;
 use crate::neuron_cache::Retention;
 use crate::perplexity::log_softmax;
 use crate::session::{PolicyChoice, Session, SessionOptions};
 use crate::storage::FlashProfile;
-use crate::streaming::Sparsity;
+use crate::streaming::{ActiveTrace, Sparsity, Tuning};
 
 /// Everything a worker needs; written by the orchestrator as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -32,6 +32,8 @@ pub struct Job {
     pub task: Task,
     /// Where to write the measured steps' timeline events (`--trace`).
     pub trace: Option<PathBuf>,
+    /// The recorded active sets of the prompt and sequence (the oracle's knowledge).
+    pub oracle_trace: Option<PathBuf>,
 }
 
 /// A policy with its settings; `label` names it in tables and plots.
@@ -42,6 +44,10 @@ pub struct Variant {
     pub predicted: bool,
     pub lookahead: bool,
     pub retain_lru: bool,
+    pub refine: bool,
+    pub cancel: bool,
+    pub hot_fraction: Option<f32>,
+    pub window: Option<usize>,
 }
 
 impl Variant {
@@ -49,10 +55,19 @@ impl Variant {
         Self {
             label: crate::session::policy_name(policy).to_string(),
             policy: crate::session::policy_name(policy).to_string(),
-            predicted: false,
+            predicted: matches!(policy, PolicyChoice::PowerInfer2 | PolicyChoice::LlmInFlash),
             lookahead: true,
             retain_lru: false,
+            refine: true,
+            cancel: true,
+            hot_fraction: None,
+            window: None,
         }
+    }
+
+    /// Whether the policy computes every active neuron (its output is resident's).
+    pub fn exact(&self) -> bool {
+        !self.predicted && self.policy != "dense"
     }
 }
 
@@ -87,6 +102,8 @@ pub struct Outcome {
     pub top1_vs_dense: Option<f64>,
     /// The streaming engine's report (`memory_split`, bytes and reads per token, hit rate...).
     pub report: serde_json::Value,
+    /// Why the policy could not start under this budget (e.g. below its minimum).
+    pub error: Option<String>,
 }
 
 /// The `bench-worker` entry point: runs `job_path` and prints the outcome as JSON on stdout.
@@ -122,23 +139,48 @@ fn session_options(job: &Job) -> Result<SessionOptions> {
         },
         ctx: Some(job.ctx),
         default_ctx: job.ctx,
-        lookahead: v.lookahead,
-        retention: if v.retain_lru {
-            Retention::Lru
-        } else {
-            Retention::Activity
+        tuning: Tuning {
+            lookahead: v.lookahead,
+            retention: if v.retain_lru {
+                Retention::Lru
+            } else {
+                Retention::Activity
+            },
+            refine: v.refine,
+            cancel: v.cancel,
+            hot_fraction: v.hot_fraction,
+            window: v.window,
+            oracle: match &job.oracle_trace {
+                Some(p) => Some(Arc::new(read_trace(p)?)),
+                None => None,
+            },
         },
     })
 }
 
+fn read_trace(path: &Path) -> Result<ActiveTrace> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_slice(&bytes).with_context(|| format!("{} is not an active trace", path.display()))
+}
+
 fn execute(job: &Job) -> Result<Outcome> {
-    let mut session = Session::open(&session_options(job)?)?;
+    // A policy that cannot run under the budget is a result (it needs more memory), not a failure.
+    let mut session = match Session::open(&session_options(job)?) {
+        Ok(s) => s,
+        Err(e) => {
+            return Ok(Outcome {
+                error: Some(format!("{e:#}")),
+                ..Default::default()
+            })
+        }
+    };
     let model = session.model();
     let mut cache = KvCache::new(model.config(), job.ctx);
     let vocab = model.config().vocab_size;
     let mut logits = Vec::new();
-    for chunk in job.prompt.chunks(PROMPT_CHUNK) {
-        logits = model.forward(chunk, &mut cache, false)?;
+    // One token per call, as decoding does: the oracle's trace is recorded that way.
+    for &t in &job.prompt {
+        logits = model.forward(&[t], &mut cache, false)?;
     }
     match &job.task {
         Task::Generate { tokens } => {

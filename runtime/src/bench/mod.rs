@@ -110,15 +110,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // The shared sequence, then the dense reference distributions of each measured step.
     let warmup = args.warmup;
     bar.set_message("resident: the token sequence");
-    let sequence = runner
-        .execute(
+    let generated = runner.execute(
             &Variant::new(PolicyChoice::Resident),
             None,
             Task::Generate {
                 tokens: warmup + args.tokens as usize,
             },
-        )?
-        .generated;
+        )?;
+    if let Some(e) = generated.error {
+        bail!("the resident policy cannot run this model: {e}");
+    }
+    let sequence = generated.generated;
+    if variants.iter().any(|v| v.policy == "oracle") {
+        bar.set_message("resident: the oracle's active sets");
+        let all: Vec<u32> = runner.prompt.iter().chain(&sequence).copied().collect();
+        let trace = crate::streaming::ActiveTrace::record(&args.model, &all, args.ctx)?;
+        let path = runner.oracle_trace_path();
+        std::fs::write(&path, serde_json::to_vec(&trace)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     let reference = work.path.join("dense.logprobs");
     let decode = |record: Option<PathBuf>, reference: Option<PathBuf>| Task::Decode {
         sequence: sequence.clone(),
@@ -218,39 +228,70 @@ fn expand_policies(names: &[String], flash: &str) -> Result<Vec<Variant>> {
     };
     let mut out = Vec::new();
     for name in &names {
-        let variant = variant(name)
+        let expanded = variants(name)
             .with_context(|| format!("unknown policy {name:?}: choose from {}", all.join(", ")))?;
-        if variant.policy == "mmap" && flash != "none" {
+        if name == "mmap" && flash != "none" {
             eprintln!("note: mmap reads through the page cache of the real disk; skipped under --flash {flash}");
             continue;
         }
-        if !out.contains(&variant) {
-            out.push(variant);
+        for v in expanded {
+            if !out.contains(&v) {
+                out.push(v);
+            }
         }
     }
     Ok(out)
 }
 
 /// Ablations of leanstream: each turns one of its parts off.
-const ABLATIONS: [&str; 3] = [
+const ABLATIONS: [&str; 5] = [
     "leanstream-no-lookahead",
+    "leanstream-no-refine",
+    "leanstream-no-cancel",
     "leanstream-lru",
     "leanstream-predicted",
 ];
 
-fn variant(name: &str) -> Option<Variant> {
+/// The prior systems' settings swept at every budget (the best is what the summary compares):
+/// PowerInfer-2's pinned hot set as a fraction of the cache, LLM in a Flash's window in tokens.
+const HOT_FRACTIONS: [f32; 3] = [0.5, 0.75, 1.0];
+const WINDOWS: [usize; 3] = [2, 5, 10];
+
+/// The variants a policy name stands for (several for a swept prior policy).
+fn variants(name: &str) -> Option<Vec<Variant>> {
     if let Some(p) = PolicyChoice::from_name(name) {
-        return Some(Variant::new(p));
+        let base = Variant::new(p);
+        return Some(match p {
+            PolicyChoice::PowerInfer2 => HOT_FRACTIONS
+                .iter()
+                .map(|&h| Variant {
+                    label: format!("{name}(hot={h})"),
+                    hot_fraction: Some(h),
+                    ..base.clone()
+                })
+                .collect(),
+            PolicyChoice::LlmInFlash => WINDOWS
+                .iter()
+                .map(|&k| Variant {
+                    label: format!("{name}(k={k})"),
+                    window: Some(k),
+                    ..base.clone()
+                })
+                .collect(),
+            _ => vec![base],
+        });
     }
     let mut v = Variant::new(PolicyChoice::Leanstream);
     v.label = name.to_string();
     match name {
         "leanstream-no-lookahead" => v.lookahead = false,
+        "leanstream-no-refine" => v.refine = false,
+        "leanstream-no-cancel" => v.cancel = false,
         "leanstream-lru" => v.retain_lru = true,
         "leanstream-predicted" => v.predicted = true,
         _ => return None,
     }
-    Some(v)
+    Some(vec![v])
 }
 
 /// References run once, without a budget.
@@ -281,6 +322,7 @@ impl Runner<'_> {
             threads: self.args.threads.map(usize::from),
             prompt: self.prompt.clone(),
             trace: (self.args.trace.is_some() && memory.is_some()).then(|| self.timeline_path()),
+            oracle_trace: (variant.policy == "oracle").then(|| self.oracle_trace_path()),
             task,
         };
         let path = self.work.join("job.json");
@@ -309,6 +351,10 @@ impl Runner<'_> {
 }
 
 impl Runner<'_> {
+    fn oracle_trace_path(&self) -> PathBuf {
+        self.work.join("oracle-trace.json")
+    }
+
     fn timeline_path(&self) -> PathBuf {
         self.work.join("timeline.json")
     }

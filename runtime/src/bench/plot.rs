@@ -29,10 +29,12 @@ pub fn write(path: &Path, runs: &[Run], model: &Path) -> Result<()> {
 
 fn render(runs: &[Run], title: &str) -> String {
     const MIB: f64 = 1024.0 * 1024.0;
-    let mut labels: Vec<&str> = Vec::new();
+    // A swept prior policy ("powerinfer2(hot=0.5)") is one line: its best setting per budget.
+    let group = |r: &Run| r.label.split('(').next().unwrap_or_default().to_string();
+    let mut labels: Vec<String> = Vec::new();
     for r in runs {
-        if !labels.contains(&r.label.as_str()) {
-            labels.push(&r.label);
+        if !labels.contains(&group(r)) {
+            labels.push(group(r));
         }
     }
     let budgeted = || {
@@ -98,14 +100,18 @@ fn render(runs: &[Run], title: &str) -> String {
     );
     for (i, label) in labels.iter().enumerate() {
         let colour = COLOURS[i % COLOURS.len()];
-        let mut points: Vec<(f64, f64)> = budgeted()
-            .filter(|(_, r)| r.label == *label)
-            .map(|(b, r)| (b as f64 / MIB, r.tokens_per_s))
-            .collect();
+        let mut points: Vec<(f64, f64)> = Vec::new();
+        for (b, r) in budgeted().filter(|(_, r)| group(r) == *label) {
+            let x = b as f64 / MIB;
+            match points.iter_mut().find(|p| p.0 == x) {
+                Some(p) => p.1 = p.1.max(r.tokens_per_s),
+                None => points.push((x, r.tokens_per_s)),
+            }
+        }
         points.sort_by(|a, b| a.0.total_cmp(&b.0));
         if points.is_empty() {
             // A reference without a budget: a dashed line across.
-            if let Some(r) = runs.iter().find(|r| r.label == *label) {
+            if let Some(r) = runs.iter().find(|r| group(r) == *label) {
                 let _ = writeln!(
                     s,
                     r#"<line x1="{LEFT}" x2="{0}" y1="{1:.1}" y2="{1:.1}" stroke="{colour}" stroke-dasharray="6 4"/>"#,

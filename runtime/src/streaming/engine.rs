@@ -1,19 +1,24 @@
-//! The speculate-and-refine FFN: per token and layer,
-//! 1. *speculate* — when the residual entering layer l exists, the look-ahead predictor of layer
-//!    l+1 queues reads of the clusters it believes active, most likely first;
-//! 2. *refine* — when layer l's FFN input exists, the candidate set is narrowed by the gate sketch
-//!    (certified: only neurons proven inactive are dropped) or by the layer's own predictor
-//!    (predicted); queued reads that are no longer wanted are cancelled, wanted ones are boosted,
-//!    and missing ones are issued at top priority;
-//! 3. *compute* — resident clusters first, then clusters as their reads land; the exact gate in
-//!    each bundle decides, so a speculated-but-inactive neuron costs a read, never a wrong value;
+//! The streaming FFN, shared by every policy: per token and layer,
+//! 1. *select* — when layer l's FFN input exists, the sparsity mode names the candidate neurons
+//!    (certified: all but those the gate sketch proves inactive; predicted: the layer's own
+//!    predictor's set; exact: all), and so the clusters needed — unless the policy knows the
+//!    active neurons in advance (the oracle);
+//! 2. *refine* — queued reads of the layer that are no longer wanted are cancelled, wanted ones
+//!    boosted, missing ones issued at top priority (each policy says which of these it does);
+//! 3. *compute* — resident clusters first, then clusters as their reads land (or, for a policy
+//!    that loads then computes, once all have landed); the exact gate in each bundle decides, so
+//!    a speculated-but-inactive neuron costs a read, never a wrong value;
 //! 4. *retain* — the cache is told which clusters were actually used, and how strongly.
+//!
+//! What is read ahead, what is pinned and what the cache keeps are the policy's decisions
+//! ([`Schedule`]); this file only carries them out and measures.
 
 use std::collections::HashMap;
 use std::ops::Deref;
+use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use leanstream_format::file::check_extent;
 use leanstream_format::predictor::{normalise_input, Predictor};
 use leanstream_format::quant::QuantType;
@@ -26,7 +31,10 @@ use crate::neuron_cache::{ClusterKey, NeuronCache};
 use crate::storage::{AlignedBuf, IoQueue, Ticket};
 
 use super::metrics::Metrics;
+use super::mmap::Mapping;
 use super::plan::LayerPlan;
+use super::schedule::Schedule;
+use super::trace::ActiveTrace;
 
 /// How neurons are chosen for computation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,8 +48,8 @@ pub enum Sparsity {
 }
 
 /// Read priorities: refinement's demands outrank speculation's guesses.
-const URGENT: u32 = u32::MAX;
-const SPECULATIVE_MAX: u32 = 1 << 30;
+pub(super) const URGENT: u32 = u32::MAX;
+pub(super) const SPECULATIVE_MAX: u32 = 1 << 30;
 
 /// A cluster's bytes: read from flash or held in the cache.
 pub enum Bytes {
@@ -59,150 +67,124 @@ impl Deref for Bytes {
     }
 }
 
-pub struct StreamEngine {
-    plans: Vec<LayerPlan>,
-    act: Activation,
-    sparsity: Sparsity,
-    io: IoQueue,
-    cache: NeuronCache<Bytes>,
+/// What a policy may do to the layer's queued reads once its needed clusters are known.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Refine {
+    /// Raise reads of needed clusters to top priority.
+    pub boost: bool,
+    /// Withdraw not-yet-issued reads of clusters not needed.
+    pub cancel: bool,
+    /// Hand completed reads of clusters not needed to the cache (they belong to this token).
+    pub reap: bool,
+}
+
+/// The state every policy works on: the layers' plans, the read queue, the cache, the reads in
+/// flight and the counters.
+pub(super) struct Core {
+    pub plans: Vec<LayerPlan>,
+    pub io: IoQueue,
+    pub cache: NeuronCache<Bytes>,
+    /// The file mapped into memory (`mmap` policy): every cluster is addressable, the OS pages.
+    pub mapping: Option<Mapping>,
     pending: HashMap<ClusterKey, (Ticket, u64)>,
-    /// Bytes of reads in flight; speculation stops at `io_budget`.
+    /// Bytes of reads in flight; reads ahead stop at `io_budget`.
     in_flight: u64,
-    io_budget: u64,
-    lookahead_enabled: bool,
-    /// Per layer: the stored positions the look-ahead predicted active for the current token.
-    lookahead_sets: Vec<Option<Vec<bool>>>,
+    pub io_budget: u64,
     pub metrics: Metrics,
 }
 
-impl StreamEngine {
-    pub fn new(
-        plans: Vec<LayerPlan>,
-        act: Activation,
-        sparsity: Sparsity,
-        io: IoQueue,
-        cache: NeuronCache<Bytes>,
-        io_budget: u64,
-        lookahead_enabled: bool,
-    ) -> Self {
-        let layers = plans.len();
-        Self {
-            plans,
-            act,
-            sparsity,
-            io,
-            cache,
-            pending: HashMap::new(),
-            in_flight: 0,
-            io_budget,
-            lookahead_enabled,
-            lookahead_sets: vec![None; layers],
-            metrics: Metrics::default(),
+impl Core {
+    pub fn is_pending(&self, key: ClusterKey) -> bool {
+        self.pending.contains_key(&key)
+    }
+
+    /// Whether a read ahead of `size` bytes fits the I/O budget now.
+    pub fn has_room(&self, size: u64) -> bool {
+        self.in_flight + size <= self.io_budget
+    }
+
+    /// Queues a read of cluster `key` unless it is cached or already queued; true if queued.
+    pub fn request(&mut self, key: ClusterKey, priority: u32) -> bool {
+        if self.cache.contains(key) || self.pending.contains_key(&key) {
+            return false;
         }
+        let cl = self.plans[key.0 as usize].clusters[key.1 as usize];
+        let ticket = self.io.submit(cl.offset, cl.size as usize, priority);
+        self.pending.insert(key, (ticket, cl.size));
+        self.in_flight += cl.size;
+        true
     }
 
-    pub fn io(&self) -> &IoQueue {
-        &self.io
-    }
-
-    /// Pins a cluster read at start-up (the hot set).
-    pub fn pin(&mut self, l: usize, c: usize, bytes: Bytes, prior_freq: f32) {
-        self.cache.pin((l as u32, c as u32), bytes, prior_freq);
-    }
-
-    /// Reads a cluster now (for pinning the hot set at start-up), checking its checksum.
-    pub fn read_now(&self, l: usize, c: usize) -> Result<AlignedBuf> {
-        let io = &self.io;
+    /// Reads a cluster now (warming the cache at start-up), checking its checksum.
+    pub fn read_now(&self, key: ClusterKey) -> Result<Bytes> {
+        let (l, c) = (key.0 as usize, key.1 as usize);
         let cl = self.plans[l].clusters[c];
-        let buf = io.wait(io.submit(cl.offset, cl.size as usize, URGENT))?;
+        let buf = self
+            .io
+            .wait(self.io.submit(cl.offset, cl.size as usize, URGENT))?;
         check_extent(&buf, cl.checksum, || format!("layer {l} cluster {c}"))?;
+        Ok(Bytes::Read(buf))
+    }
+
+    /// Takes a queued read's buffer, waiting for it, and checks it.
+    fn take(&mut self, key: ClusterKey) -> Result<AlignedBuf> {
+        let (ticket, size) = self.pending.remove(&key).expect("queued");
+        self.in_flight -= size;
+        let (l, c) = (key.0 as usize, key.1 as usize);
+        let buf = self
+            .io
+            .wait(ticket)
+            .with_context(|| format!("reading layer {l} cluster {c}"))?;
+        let cl = self.plans[l].clusters[c];
+        check_extent(&buf, cl.checksum, || {
+            format!("layer {l} cluster {c} (offset {})", cl.offset)
+        })?;
         Ok(buf)
     }
 
-    /// Queues reads of the clusters layer `target`'s look-ahead predictor expects, from the
-    /// residual `residual` (one token).
-    fn speculate(&mut self, target: usize, residual: &[f32]) {
-        let plan = &self.plans[target];
-        let scores = predictor_scores(&plan.lookahead, residual);
-        let predicted = above(&scores, plan.lookahead.threshold);
-        let io = &self.io;
-        let mut wanted: Vec<(f32, usize)> = Vec::new();
-        for (ci, cl) in plan.clusters.iter().enumerate() {
-            let best = scores[cl.first..cl.first + cl.count]
-                .iter()
-                .copied()
-                .fold(0.0f32, f32::max);
-            if best >= plan.lookahead.threshold {
-                wanted.push((best, ci));
-            }
-        }
-        wanted.sort_by(|a, b| b.0.total_cmp(&a.0));
-        for (score, ci) in wanted {
-            let key = (target as u32, ci as u32);
-            if self.cache.contains(key) || self.pending.contains_key(&key) {
-                continue;
-            }
-            let cl = plan.clusters[ci];
-            if self.in_flight + cl.size > self.io_budget {
-                break;
-            }
-            let priority = (score.clamp(0.0, 1.0) * SPECULATIVE_MAX as f32) as u32;
-            self.pending.insert(
-                key,
-                (io.submit(cl.offset, cl.size as usize, priority), cl.size),
-            );
-            self.in_flight += cl.size;
-            self.metrics.speculative_reads += 1;
-        }
-        self.lookahead_sets[target] = Some(predicted);
+    /// The bytes of a cluster that need no read: cached, or in the mapping.
+    fn resident(&self, key: ClusterKey) -> Option<&[u8]> {
+        self.cache.get(key).or_else(|| {
+            let cl = &self.plans[key.0 as usize].clusters[key.1 as usize];
+            self.mapping.as_ref().map(|m| m.cluster(cl))
+        })
     }
 
-    /// One token's FFN of layer `l`.
-    fn ffn_row(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
-        let plan = &self.plans[l];
-        let n = plan.cluster_of.len();
-        // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
-        let operand = Operand::new(x, QuantType::Q8_0);
-        // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
-        let own = above(&predictor_scores(&plan.own, x), plan.own.threshold);
-        let candidate: Vec<bool> = match self.sparsity {
-            Sparsity::Exact => vec![true; n],
-            Sparsity::Certified => certified_candidates(plan, &operand),
-            Sparsity::Predicted => own.clone(),
-        };
-        let mut needed: Vec<usize> = Vec::new();
-        for (ci, cl) in plan.clusters.iter().enumerate() {
-            if candidate[cl.first..cl.first + cl.count].iter().any(|&c| c) {
-                needed.push(ci);
-            }
-        }
-        // Refine the reads of this layer: cancel what is no longer wanted, boost the rest, issue
-        // what speculation missed.
-        let mut is_needed = vec![false; plan.clusters.len()];
-        needed.iter().for_each(|&c| is_needed[c] = true);
-        {
-            let io = &self.io;
-            let keys: Vec<ClusterKey> = self
-                .pending
-                .keys()
-                .copied()
-                .filter(|k| k.0 == l as u32)
-                .collect();
-            for key in keys {
-                let (ticket, size) = self.pending[&key];
-                if is_needed[key.1 as usize] {
-                    io.boost(ticket, URGENT);
-                } else if io.cancel(ticket) {
-                    self.pending.remove(&key);
-                    self.in_flight -= size;
-                    self.metrics.cancelled_reads += 1;
-                } else if let Some(done) = io.poll(ticket) {
+    /// Whether a cluster is in memory now: cached, or (mapping) its pages are in the page cache.
+    fn in_memory(&self, key: ClusterKey) -> bool {
+        self.cache.contains(key)
+            || self.mapping.as_ref().is_some_and(|m| {
+                m.is_resident(&self.plans[key.0 as usize].clusters[key.1 as usize])
+            })
+    }
+
+    /// Carries out the policy's refinement of layer `l`'s queued reads; issues the needed reads
+    /// that nobody requested (late reads).
+    fn refine(&mut self, l: usize, is_needed: &[bool], how: Refine) {
+        let keys: Vec<ClusterKey> = self
+            .pending
+            .keys()
+            .copied()
+            .filter(|k| k.0 == l as u32)
+            .collect();
+        for key in keys {
+            let (ticket, size) = self.pending[&key];
+            if is_needed[key.1 as usize] {
+                if how.boost {
+                    self.io.boost(ticket, URGENT);
+                }
+            } else if how.cancel && self.io.cancel(ticket) {
+                self.pending.remove(&key);
+                self.in_flight -= size;
+                self.metrics.cancelled_reads += 1;
+            } else if how.reap {
+                if let Some(done) = self.io.poll(ticket) {
                     // Read already, though not needed now: the cache may keep it; either way its
                     // buffer is released here rather than held by the queue.
                     self.pending.remove(&key);
                     self.in_flight -= size;
                     self.metrics.wasted_reads += 1;
-                    let cl = plan.clusters[key.1 as usize];
+                    let cl = self.plans[l].clusters[key.1 as usize];
                     if let Ok(buf) = done {
                         if check_extent(&buf, cl.checksum, String::new).is_ok() {
                             let _ = self.cache.offer(key, Bytes::Read(buf));
@@ -210,121 +192,327 @@ impl StreamEngine {
                     }
                 }
             }
-            for &ci in &needed {
-                let key = (l as u32, ci as u32);
-                if !self.cache.contains(key) && !self.pending.contains_key(&key) {
-                    let cl = plan.clusters[ci];
-                    self.pending.insert(
-                        key,
-                        (io.submit(cl.offset, cl.size as usize, URGENT), cl.size),
-                    );
-                    self.in_flight += cl.size;
-                    self.metrics.late_reads += 1;
-                }
+        }
+        for (ci, _) in is_needed.iter().enumerate().filter(|(_, &n)| n) {
+            let key = (l as u32, ci as u32);
+            if self.mapping.is_none() && self.request(key, URGENT) {
+                self.metrics.late_reads += 1;
             }
         }
-        // Compute: resident clusters first, then reads in the order they were wanted. Each
-        // cluster sums into its own buffer and the buffers are added in cluster order, so the
-        // result does not depend on what happened to be resident: certified output is bitwise the
-        // resident policy's.
-        let mut gates = vec![f32::NAN; n];
+    }
+}
+
+pub struct StreamEngine {
+    core: Core,
+    schedule: Box<dyn Schedule>,
+    act: Activation,
+    sparsity: Sparsity,
+    /// Index of the first token of the current forward call, counted since the engine started.
+    call_token: usize,
+    /// The true active sets of the tokens to come, when known (the bench records them): the
+    /// truth the metrics use, and the oracle's knowledge.
+    truth: Option<Arc<ActiveTrace>>,
+    /// Per (token, layer) in order: the active stored positions, while recording a trace.
+    recording: Option<Vec<Vec<u32>>>,
+}
+
+impl StreamEngine {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        plans: Vec<LayerPlan>,
+        act: Activation,
+        sparsity: Sparsity,
+        io: IoQueue,
+        cache: NeuronCache<Bytes>,
+        mapping: Option<Mapping>,
+        io_budget: u64,
+        schedule: Box<dyn Schedule>,
+        truth: Option<Arc<ActiveTrace>>,
+    ) -> Self {
+        Self {
+            core: Core {
+                plans,
+                io,
+                cache,
+                mapping,
+                pending: HashMap::new(),
+                in_flight: 0,
+                io_budget,
+                metrics: Metrics::default(),
+            },
+            schedule,
+            act,
+            sparsity,
+            call_token: 0,
+            truth,
+            recording: None,
+        }
+    }
+
+    pub fn io(&self) -> &IoQueue {
+        &self.core.io
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.core.metrics
+    }
+
+    pub fn reset_metrics(&mut self) {
+        self.core.metrics = Metrics::default();
+    }
+
+    pub(super) fn mapping(&self) -> Option<&Mapping> {
+        self.core.mapping.as_ref()
+    }
+
+    /// Loads the policy's start-up cache contents.
+    pub(super) fn warm(&mut self) -> Result<()> {
+        self.schedule.warm(&mut self.core)
+    }
+
+    /// Whether forward calls must go one token at a time: a trace was recorded that way, and only
+    /// the same computation reproduces it bit for bit.
+    pub(super) fn decode_only(&self) -> bool {
+        self.truth.is_some()
+    }
+
+    /// Starts recording the true active sets (see [`ActiveTrace::record`]).
+    pub(super) fn start_recording(&mut self) {
+        self.recording = Some(Vec::new());
+    }
+
+    pub(super) fn take_recording(&mut self) -> Vec<Vec<u32>> {
+        self.recording.take().unwrap_or_default()
+    }
+
+    /// A forward call of `tokens` at positions `start..`: checked against the trace, if any.
+    pub(super) fn begin_call(&mut self, tokens: &[u32], start: usize) -> Result<()> {
+        if let Some(trace) = &self.truth {
+            for (r, &tok) in tokens.iter().enumerate() {
+                trace.check(self.call_token + r, tok, start + r)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn end_call(&mut self, tokens: usize) {
+        self.call_token += tokens;
+    }
+
+    /// One token's FFN of layer `l`.
+    fn ffn_row(&mut self, l: usize, token: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
+        let plan = &self.core.plans[l];
+        let n = plan.cluster_of.len();
+        let clusters = plan.clusters.len();
+        // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
+        let operand = Operand::new(x, QuantType::Q8_0);
+        // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
+        let own = above(&predictor_scores(&plan.own, x), plan.own.threshold);
+        let known = self.schedule.needs(&mut self.core, l, token)?;
+        let plan = &self.core.plans[l];
+        let candidate: Vec<bool> = match (known, self.sparsity) {
+            (Some(neurons), _) => {
+                let mut c = vec![false; n];
+                neurons.iter().for_each(|&p| c[p as usize] = true);
+                c
+            }
+            (None, Sparsity::Exact) => vec![true; n],
+            (None, Sparsity::Certified) => certified_candidates(plan, &operand),
+            (None, Sparsity::Predicted) => own.clone(),
+        };
+        let needed: Vec<usize> = (0..clusters)
+            .filter(|&ci| {
+                let cl = plan.clusters[ci];
+                candidate[cl.first..cl.first + cl.count].iter().any(|&c| c)
+            })
+            .collect();
+        let mut is_needed = vec![false; clusters];
+        needed.iter().for_each(|&c| is_needed[c] = true);
+        // What was in memory when the layer's input was ready, for the hit figures.
+        let truth = self.truth.as_ref().map(|t| t.neurons(token, l).to_vec());
+        let mut listed = is_needed.clone();
+        for &p in truth.iter().flatten() {
+            listed[plan.cluster_of[p as usize] as usize] = true;
+        }
+        let in_memory: Vec<bool> = (0..clusters)
+            .map(|ci| listed[ci] && self.core.in_memory((l as u32, ci as u32)))
+            .collect();
+        self.core.refine(l, &is_needed, self.schedule.refine());
+        let (partial, gates) = self.compute(l, &needed, &candidate, &operand)?;
         let h = x.len();
-        let mut partial = vec![0.0f32; needed.len() * h];
-        let slot: HashMap<usize, usize> = needed.iter().enumerate().map(|(i, &c)| (c, i)).collect();
-        let (resident, missing): (Vec<usize>, Vec<usize>) = needed
-            .iter()
-            .partition(|&&c| self.cache.contains((l as u32, c as u32)));
-        self.metrics.cluster_hits += resident.len() as u64;
-        self.metrics.cluster_misses += missing.len() as u64;
-        let compute_start = Instant::now();
-        for &ci in &resident {
-            let bytes = self.cache.get((l as u32, ci as u32)).expect("resident");
-            let part = &mut partial[slot[&ci] * h..(slot[&ci] + 1) * h];
-            compute_cluster(
-                plan, self.act, ci, bytes, &candidate, &operand, part, &mut gates,
-            )?;
-        }
-        let mut compute_s = compute_start.elapsed().as_secs_f64();
-        for &ci in &missing {
-            let key = (l as u32, ci as u32);
-            let (ticket, size) = self.pending.remove(&key).expect("issued above");
-            self.in_flight -= size;
-            let buf = self
-                .io
-                .wait(ticket)
-                .with_context(|| format!("reading layer {l} cluster {ci}"))?;
-            let cl = plan.clusters[ci];
-            check_extent(&buf, cl.checksum, || {
-                format!("layer {l} cluster {ci} (offset {})", cl.offset)
-            })?;
-            let t = Instant::now();
-            let part = &mut partial[slot[&ci] * h..(slot[&ci] + 1) * h];
-            compute_cluster(
-                plan, self.act, ci, &buf, &candidate, &operand, part, &mut gates,
-            )?;
-            compute_s += t.elapsed().as_secs_f64();
-            // A cluster the cache declines is simply dropped after use.
-            let _ = self.cache.offer(key, Bytes::Read(buf));
-        }
         for part in partial.chunks_exact(h) {
             out.iter_mut().zip(part).for_each(|(o, p)| *o += p);
         }
-        // Retain by what was used; measure the predictors against the truth.
+        self.retain_and_measure(l, token, &needed, &gates, &own, truth, &in_memory)
+    }
+
+    /// Computes the needed clusters: resident ones first, then reads as they land (or all reads
+    /// first, if the policy loads then computes). Each cluster sums into its own buffer, added in
+    /// cluster order by the caller, so the result does not depend on what happened to be resident:
+    /// certified output is bitwise the resident policy's. Returns the buffers and the exact gates.
+    fn compute(
+        &mut self,
+        l: usize,
+        needed: &[usize],
+        candidate: &[bool],
+        operand: &Operand,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let core = &mut self.core;
+        let plan_n = core.plans[l].cluster_of.len();
+        let h = operand.x.len();
+        let mut gates = vec![f32::NAN; plan_n];
+        let mut partial = vec![0.0f32; needed.len() * h];
+        let (resident, missing): (Vec<usize>, Vec<usize>) =
+            (0..needed.len()).partition(|&i| core.resident((l as u32, needed[i] as u32)).is_some());
+        let act = self.act;
+        let compute_start = Instant::now();
+        for &i in &resident {
+            let ci = needed[i];
+            let bytes = core.resident((l as u32, ci as u32)).expect("resident");
+            let part = &mut partial[i * h..(i + 1) * h];
+            compute_cluster(
+                &core.plans[l],
+                act,
+                ci,
+                bytes,
+                candidate,
+                operand,
+                part,
+                &mut gates,
+            )?;
+        }
+        let mut compute_s = compute_start.elapsed().as_secs_f64();
+        let mut landed: Vec<(usize, AlignedBuf)> = Vec::new();
+        let load_first = self.schedule.load_then_compute();
+        for &i in &missing {
+            let key = (l as u32, needed[i] as u32);
+            landed.push((i, core.take(key)?));
+            if load_first && landed.len() < missing.len() {
+                continue;
+            }
+            for (i, buf) in landed.drain(..) {
+                let ci = needed[i];
+                let t = Instant::now();
+                let part = &mut partial[i * h..(i + 1) * h];
+                compute_cluster(
+                    &core.plans[l],
+                    act,
+                    ci,
+                    &buf,
+                    candidate,
+                    operand,
+                    part,
+                    &mut gates,
+                )?;
+                compute_s += t.elapsed().as_secs_f64();
+                // A cluster the cache declines is simply dropped after use.
+                let _ = core.cache.offer((l as u32, ci as u32), Bytes::Read(buf));
+            }
+        }
+        core.metrics.compute_s += compute_s;
+        Ok((partial, gates))
+    }
+
+    /// Tells the cache what was used, the policy what happened, and the metrics how it went.
+    #[allow(clippy::too_many_arguments)]
+    fn retain_and_measure(
+        &mut self,
+        l: usize,
+        token: usize,
+        needed: &[usize],
+        gates: &[f32],
+        own: &[bool],
+        truth: Option<Vec<u32>>,
+        in_memory: &[bool],
+    ) -> Result<()> {
+        let plan = &self.core.plans[l];
         let threshold = plan.threshold;
         let act = self.act;
-        let active: Vec<bool> = gates
+        let computed: Vec<bool> = gates
             .iter()
             .map(|&g| !g.is_nan() && act.apply(g).abs() > threshold)
             .collect();
-        for &ci in &needed {
+        let mut used = Vec::new();
+        for &ci in needed {
             let cl = plan.clusters[ci];
-            let (mut any, mut mag, mut count) = (false, 0.0f32, 0);
+            let (mut mag, mut count) = (0.0f32, 0);
             for p in cl.first..cl.first + cl.count {
-                if active[p] {
-                    any = true;
+                if computed[p] {
                     mag += act.apply(gates[p]).abs();
                     count += 1;
                 }
             }
-            self.cache.observe(
+            if count > 0 {
+                used.push(ci);
+            }
+            self.core.cache.observe(
                 (l as u32, ci as u32),
-                any,
+                count > 0,
                 if count > 0 { mag / count as f32 } else { 0.0 },
             );
         }
-        self.metrics.record_layer(
+        if let Some(rec) = &mut self.recording {
+            rec.push(
+                (0..computed.len())
+                    .filter(|&p| computed[p])
+                    .map(|p| p as u32)
+                    .collect(),
+            );
+        }
+        // The truth: the trace's when known, else what was computed (complete unless predicted).
+        let active = match truth {
+            Some(t) => {
+                let mut a = vec![false; computed.len()];
+                t.iter().for_each(|&p| a[p as usize] = true);
+                a
+            }
+            None => computed,
+        };
+        let plan = &self.core.plans[l];
+        let mut active_clusters = vec![false; plan.clusters.len()];
+        for (p, _) in active.iter().enumerate().filter(|(_, &a)| a) {
+            active_clusters[plan.cluster_of[p] as usize] = true;
+        }
+        let m = &mut self.core.metrics;
+        for (ci, _) in active_clusters.iter().enumerate().filter(|(_, &a)| a) {
+            m.active_clusters += 1;
+            if in_memory[ci] {
+                m.active_cluster_hits += 1;
+            } else {
+                m.active_uncached_bytes += plan.clusters[ci].size;
+            }
+        }
+        let hits = needed.iter().filter(|&&ci| in_memory[ci]).count();
+        m.cluster_hits += hits as u64;
+        m.cluster_misses += (needed.len() - hits) as u64;
+        let lookahead = self.schedule.lookahead_set(l);
+        let m = &mut self.core.metrics;
+        m.record_layer(
             &active,
-            &own,
-            self.lookahead_sets[l].take().as_deref(),
+            own,
+            lookahead.as_deref(),
             needed.len(),
             plan.clusters.len(),
         );
-        self.metrics.compute_s += compute_s;
-        Ok(())
+        self.schedule.end_layer(&mut self.core, l, token, &used)
     }
 }
 
 impl FfnBackend for StreamEngine {
     fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()> {
-        if !self.lookahead_enabled {
-            return Ok(());
-        }
-        let h = residual.len().min(self.plans[0].layout.hidden);
-        let last = &residual[residual.len() - h..];
         if l == 0 {
-            self.cache.tick();
-            self.speculate(0, last);
+            self.core.cache.tick();
         }
-        if l + 1 < self.plans.len() {
-            self.speculate(l + 1, last);
-        }
-        Ok(())
+        let h = self.core.plans[0].layout.hidden;
+        let last = &residual[residual.len() - h..];
+        let token = self.call_token + residual.len() / h - 1;
+        self.schedule.begin_layer(&mut self.core, l, token, last)
     }
 
     fn ffn(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
-        let h = self.plans[l].layout.hidden;
-        for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-            self.ffn_row(l, xr, or)?;
+        let h = self.core.plans[l].layout.hidden;
+        for (r, (xr, or)) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)).enumerate() {
+            self.ffn_row(l, self.call_token + r, xr, or)?;
         }
         Ok(())
     }
@@ -344,6 +532,14 @@ fn compute_cluster(
 ) -> Result<()> {
     let cl = plan.clusters[ci];
     let bb = plan.layout.bundle_bytes();
+    if bytes.len() < cl.count * bb {
+        bail!(
+            "cluster {ci} holds {} bytes, its {} bundles need {}",
+            bytes.len(),
+            cl.count,
+            cl.count * bb
+        );
+    }
     let mut slices = Vec::with_capacity(cl.count);
     let mut positions = Vec::with_capacity(cl.count);
     for k in 0..cl.count {
@@ -396,11 +592,11 @@ fn x_norm(x: &[f32]) -> f32 {
 }
 
 /// Which scores reach the threshold (a predictor's "active" set).
-fn above(scores: &[f32], threshold: f32) -> Vec<bool> {
+pub(super) fn above(scores: &[f32], threshold: f32) -> Vec<bool> {
     scores.iter().map(|&s| s >= threshold).collect()
 }
 
 /// A predictor's sigmoid scores for one input, RMS-normalised as in training.
-fn predictor_scores(p: &Predictor, x: &[f32]) -> Vec<f32> {
+pub(super) fn predictor_scores(p: &Predictor, x: &[f32]) -> Vec<f32> {
     p.scores(&normalise_input(x))
 }

@@ -1,5 +1,7 @@
 //! What a streaming run did: predictor quality against the true active sets, cache behaviour,
-//! reads issued, cancelled and late.
+//! reads issued, cancelled and late. The truth is the recorded trace when the run has one, else
+//! what was computed — complete in certified and exact modes, only the predicted neurons in
+//! predicted mode (whose recall then reads 1: give it a trace to measure it).
 
 use serde::Serialize;
 
@@ -23,6 +25,11 @@ pub struct Metrics {
     /// Speculative reads that completed but were not needed.
     pub wasted_reads: u64,
     pub late_reads: u64,
+    /// Truly active clusters (token × layer), those of them in memory when their layer's input
+    /// was ready, and the bytes of the others: what any policy must read at least.
+    pub active_clusters: u64,
+    pub active_cluster_hits: u64,
+    pub active_uncached_bytes: u64,
     pub compute_s: f64,
 }
 
@@ -81,6 +88,9 @@ impl Metrics {
             lookahead_precision: ratio(self.lookahead_hits, self.lookahead_predicted),
             active_fraction: ratio(self.active, self.neurons),
             needed_cluster_fraction: ratio(self.clusters_needed, self.clusters_total),
+            active_uncached_bytes_per_token: per_token(self.active_uncached_bytes),
+            read_amplification: ratio(bytes_read, self.active_uncached_bytes),
+            active_hit_rate: ratio(self.active_cluster_hits, self.active_clusters),
             speculative_reads: self.speculative_reads,
             cancelled_reads: self.cancelled_reads,
             wasted_reads: self.wasted_reads,
@@ -108,6 +118,15 @@ pub struct Summary {
     pub active_fraction: f64,
     /// Fraction of clusters that held a candidate neuron.
     pub needed_cluster_fraction: f64,
+    /// Bytes of the truly active clusters that were not in memory when their layer ran, per
+    /// token: the reads no policy can avoid with this cache content.
+    pub active_uncached_bytes_per_token: f64,
+    /// `bytes_read / active-not-cached bytes`: 1 reads only what was needed.
+    pub read_amplification: f64,
+    /// Share of the truly active clusters in memory when their layer ran: unlike
+    /// `cache_hit_rate` (over the clusters each policy chose to compute), the same denominator
+    /// for every policy.
+    pub active_hit_rate: f64,
     pub speculative_reads: u64,
     pub cancelled_reads: u64,
     pub wasted_reads: u64,

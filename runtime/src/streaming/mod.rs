@@ -2,9 +2,17 @@
 //! flash by the speculate-and-refine engine, everything else resident.
 
 mod engine;
+mod leanstream;
+pub mod llm_in_flash;
 mod metrics;
+mod mmap;
+mod oracle;
 mod plan;
 pub mod planner;
+pub mod powerinfer2;
+mod schedule;
+mod trace;
+mod tuning;
 
 use std::path::Path;
 use std::time::Instant;
@@ -23,6 +31,8 @@ use crate::storage::{open_device, FlashProfile, IoQueue};
 pub use engine::{Bytes, Sparsity, StreamEngine};
 pub use metrics::Summary;
 pub use planner::MemorySplit;
+pub use trace::ActiveTrace;
+pub use tuning::Tuning;
 
 /// Which engine runs the FFNs of a converted file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +41,14 @@ pub enum Policy {
     Leanstream,
     /// Every bundle resident, the file's sparsity applied, no I/O during generation.
     Resident,
+    /// The file memory-mapped, the OS paging (llama.cpp-like).
+    Mmap,
+    /// PowerInfer-2's published design.
+    PowerInfer2,
+    /// LLM in a Flash's published design.
+    LlmInFlash,
+    /// The true active sets known in advance, Belady eviction: the limit.
+    Oracle,
 }
 
 #[derive(Debug, Clone)]
@@ -42,8 +60,7 @@ pub struct StreamOptions {
     /// `None` reads the real file with direct I/O.
     pub flash: Option<FlashProfile>,
     pub ctx: usize,
-    pub lookahead: bool,
-    pub retention: Retention,
+    pub tuning: Tuning,
 }
 
 /// A converted model ready to generate under a budget.
@@ -61,29 +78,61 @@ pub struct StreamingModel {
 impl StreamingModel {
     pub fn open(path: &Path, mut file: LsbFile, opts: &StreamOptions) -> Result<Self> {
         let config = file.meta.model.clone();
+        let policy = opts.policy;
+        let tuning = &opts.tuning;
+        check_options(path, opts, config.num_layers)?;
         let plans = plan::LayerPlan::all(&mut file)?;
-        let (input, io_budget) = plan_input(&file, &plans, opts.ctx, opts.memory, opts.policy);
-        let split = planner::plan(input)?;
+        let (input, io_budget) = plan_input(&file, &plans, opts.ctx, opts.memory, policy);
+        let mut split = planner::plan(input)?;
         let model = dense_model(&file, config.clone())?;
         let device = open_device(path, opts.flash.clone())
             .with_context(|| format!("cannot open {} for streaming", path.display()))?;
-        let sparsity = if opts.policy == Policy::Resident {
-            Sparsity::Exact
-        } else {
-            opts.sparsity
+        let sparsity = match policy {
+            Policy::Resident | Policy::Oracle => Sparsity::Exact,
+            Policy::PowerInfer2 | Policy::LlmInFlash => Sparsity::Predicted,
+            Policy::Leanstream | Policy::Mmap => opts.sparsity,
         };
-        let cache = NeuronCache::new(split.neuron_cache, opts.retention);
-        let hot = hot_order(&plans);
+        let window = tuning.window.unwrap_or(llm_in_flash::DEFAULT_WINDOW);
+        let retention = match policy {
+            Policy::Leanstream => tuning.retention,
+            Policy::PowerInfer2 => Retention::Lru,
+            Policy::LlmInFlash => Retention::Window(window),
+            Policy::Oracle => Retention::Belady,
+            Policy::Resident | Policy::Mmap => Retention::Activity,
+        };
+        let mapping = if policy == Policy::Mmap {
+            // The page cache is the mapping's cache; the budget is enforced around the process.
+            split.neuron_cache = 0;
+            Some(mmap::Mapping::open(path)?)
+        } else {
+            None
+        };
+        let schedule: Box<dyn schedule::Schedule> = match policy {
+            Policy::Leanstream => Box::new(leanstream::Leanstream::new(tuning, config.num_layers)),
+            Policy::Resident => Box::new(schedule::Resident),
+            Policy::Mmap => Box::new(schedule::Mapped),
+            Policy::PowerInfer2 => Box::new(powerinfer2::PowerInfer2::new(
+                tuning
+                    .hot_fraction
+                    .unwrap_or(powerinfer2::DEFAULT_HOT_FRACTION),
+            )),
+            Policy::LlmInFlash => Box::new(llm_in_flash::LlmInFlash),
+            Policy::Oracle => Box::new(oracle::Oracle::new(
+                tuning.oracle.clone().expect("checked above"),
+            )),
+        };
         let mut engine = StreamEngine::new(
             plans,
             config.activation,
             sparsity,
             IoQueue::new(device),
-            cache,
+            NeuronCache::new(split.neuron_cache, retention),
+            mapping,
             io_budget,
-            opts.lookahead,
+            schedule,
+            tuning.oracle.clone(),
         );
-        pin_hot_set(&mut engine, &file, &hot, opts.policy, split.neuron_cache)?;
+        engine.warm()?;
         Ok(Self {
             model,
             engine,
@@ -99,7 +148,7 @@ impl StreamingModel {
     pub fn summary(&self) -> Summary {
         let (bytes, reads, busy) = self.io_counters();
         let wall = self.started.elapsed().as_secs_f64();
-        self.engine.metrics.summary(
+        self.engine.metrics().summary(
             self.tokens,
             bytes - self.io_base.0,
             reads - self.io_base.1,
@@ -113,7 +162,7 @@ impl StreamingModel {
         self.started = Instant::now();
         self.tokens = 0;
         self.io_base = self.io_counters();
-        self.engine.metrics = Default::default();
+        self.engine.reset_metrics();
     }
 
     /// The read queue (for its counters and timeline).
@@ -121,7 +170,13 @@ impl StreamingModel {
         self.engine.io()
     }
 
+    /// Bytes read, reads and device busy time so far: the read queue's, or for a mapping what
+    /// the kernel read for the process (major faults as reads; busy time unknown).
     fn io_counters(&self) -> (u64, u64, std::time::Duration) {
+        if self.engine.mapping().is_some() {
+            let (bytes, faults) = mmap::process_io();
+            return (bytes, faults, std::time::Duration::ZERO);
+        }
         let s = self.engine.io().stats();
         (s.bytes_read, s.device_reads, s.busy)
     }
@@ -138,10 +193,57 @@ impl crate::model::LanguageModel for StreamingModel {
         cache: &mut KvCache,
         all_logits: bool,
     ) -> Result<Vec<f32>> {
+        if self.engine.decode_only() && tokens.len() > 1 {
+            // A trace was recorded one token at a time; a chunk would round differently.
+            let mut out = Vec::new();
+            for (i, &t) in tokens.iter().enumerate() {
+                let logits = self.forward(&[t], cache, false)?;
+                if all_logits || i + 1 == tokens.len() {
+                    out.extend(logits);
+                }
+            }
+            return Ok(out);
+        }
+        self.engine.begin_call(tokens, cache.len())?;
         self.tokens += tokens.len() as u64;
-        self.model
-            .forward_with(tokens, cache, all_logits, Some(&mut self.engine))
+        let logits = self
+            .model
+            .forward_with(tokens, cache, all_logits, Some(&mut self.engine));
+        self.engine.end_call(tokens.len());
+        logits
     }
+}
+
+/// Refuses option combinations a policy cannot run with, saying what to change.
+fn check_options(path: &Path, opts: &StreamOptions, layers: usize) -> Result<()> {
+    let t = &opts.tuning;
+    if opts.policy == Policy::Mmap && opts.flash.is_some() {
+        bail!(
+            "--policy mmap maps {} through the page cache of the real disk; an emulated --flash device cannot sit under a mapping: use --flash none",
+            path.display()
+        );
+    }
+    if opts.policy == Policy::Oracle && t.oracle.is_none() {
+        bail!("--policy oracle needs the true active sets of the tokens it will see, recorded in advance (ActiveTrace::record; `leanstream bench` does this)");
+    }
+    if let Some(trace) = &t.oracle {
+        if trace.layers() != layers {
+            bail!(
+                "the active trace has {} layers and {} has {layers}: record it from this file",
+                trace.layers(),
+                path.display()
+            );
+        }
+    }
+    if let Some(f) = t.hot_fraction {
+        if !(0.0..=1.0).contains(&f) {
+            bail!("--hot-fraction must lie between 0 and 1, not {f}");
+        }
+    }
+    if t.window == Some(0) {
+        bail!("--window must be at least 1 token");
+    }
+    Ok(())
 }
 
 /// What the planner needs to know about a file; also returns the speculation I/O budget.
@@ -239,46 +341,4 @@ fn dense_model(file: &LsbFile, config: ModelConfig) -> Result<Model> {
             Ok(Weight::Encoded(QMatrix::new(rows, cols, t.qtype, bytes)?))
         },
     )
-}
-
-/// Every cluster as `(profile frequency, layer, cluster)`, most frequently active first.
-fn hot_order(plans: &[plan::LayerPlan]) -> Vec<(f32, usize, usize)> {
-    let mut order: Vec<(f32, usize, usize)> = Vec::new();
-    for (l, p) in plans.iter().enumerate() {
-        for (c, &f) in p.refine.cluster_freq.iter().enumerate() {
-            order.push((f, l, c));
-        }
-    }
-    order.sort_by(|a, b| b.0.total_cmp(&a.0));
-    order
-}
-
-/// Pins clusters before the first token: for `resident`, every cluster; for `leanstream`, the
-/// profile's hottest clusters (by activation frequency) up to half the cache, so the dynamic part
-/// keeps room for what tokens turn out to use.
-fn pin_hot_set(
-    engine: &mut StreamEngine,
-    file: &LsbFile,
-    order: &[(f32, usize, usize)],
-    policy: Policy,
-    capacity: u64,
-) -> Result<()> {
-    let limit = match policy {
-        Policy::Resident => capacity,
-        Policy::Leanstream => capacity / 2,
-    };
-    let mut used = 0u64;
-    for &(freq, l, c) in order {
-        let (_, size) = file.cluster_extent(l, c);
-        if used + size > limit {
-            if policy == Policy::Resident {
-                bail!("the resident policy needs every bundle in DRAM; raise --memory");
-            }
-            continue;
-        }
-        let buf = engine.read_now(l, c)?;
-        used += size;
-        engine.pin(l, c, Bytes::Read(buf), freq);
-    }
-    Ok(())
 }

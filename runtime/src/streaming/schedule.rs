@@ -1,0 +1,116 @@
+//! What a policy decides, as hooks the engine calls: what to load before the first token, what to
+//! read ahead and when, what a layer needs when the policy knows better than the sparsity mode,
+//! how queued reads are refined, and whether a layer loads everything before computing. Each
+//! policy lives in its own module; the engine does the reading, computing and measuring.
+
+use anyhow::{bail, Result};
+
+use crate::neuron_cache::ClusterKey;
+
+use super::engine::{Core, Refine};
+
+pub(super) trait Schedule {
+    /// Fills the cache before the first token (start-up reads are not counted).
+    fn warm(&mut self, _core: &mut Core) -> Result<()> {
+        Ok(())
+    }
+
+    /// The residual entering layer `l` of token `token` exists: the moment to read ahead.
+    fn begin_layer(
+        &mut self,
+        _core: &mut Core,
+        _l: usize,
+        _token: usize,
+        _residual: &[f32],
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// The neurons (stored positions) layer `l` of `token` needs, when the policy knows them in
+    /// advance; `None` lets the sparsity mode decide.
+    fn needs(&mut self, _core: &mut Core, _l: usize, _token: usize) -> Result<Option<Vec<u32>>> {
+        Ok(None)
+    }
+
+    /// What may be done to the layer's queued reads once its needs are known.
+    fn refine(&self) -> Refine {
+        Refine {
+            boost: false,
+            cancel: false,
+            reap: true,
+        }
+    }
+
+    /// Wait for all of a layer's reads before computing any of them (else compute as they land).
+    fn load_then_compute(&self) -> bool {
+        false
+    }
+
+    /// The neurons the look-ahead predicted for layer `l` of the current token, for the metrics.
+    fn lookahead_set(&mut self, _l: usize) -> Option<Vec<bool>> {
+        None
+    }
+
+    /// Layer `l` of `token` is done; `used` are the computed clusters that held an active neuron.
+    fn end_layer(
+        &mut self,
+        _core: &mut Core,
+        _l: usize,
+        _token: usize,
+        _used: &[usize],
+    ) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// `resident`: every cluster pinned at start-up, nothing read afterwards.
+pub(super) struct Resident;
+
+impl Schedule for Resident {
+    fn warm(&mut self, core: &mut Core) -> Result<()> {
+        let all = hot_order(core);
+        let capacity = core.cache.capacity();
+        if pin_hottest(core, &all, capacity)? < all.len() {
+            bail!("the resident policy needs every bundle in DRAM; raise --memory");
+        }
+        Ok(())
+    }
+}
+
+/// `mmap`: the mapping holds every cluster; the OS pages them in on first touch.
+pub(super) struct Mapped;
+
+impl Schedule for Mapped {}
+
+/// Every cluster, most frequently active in the profile first.
+pub(super) fn hot_order(core: &Core) -> Vec<(f32, ClusterKey)> {
+    let mut order: Vec<(f32, ClusterKey)> = Vec::new();
+    for (l, p) in core.plans.iter().enumerate() {
+        for (c, &f) in p.refine.cluster_freq.iter().enumerate() {
+            order.push((f, (l as u32, c as u32)));
+        }
+    }
+    order.sort_by(|a, b| b.0.total_cmp(&a.0));
+    order
+}
+
+/// Pins clusters of `order` while they fit in `limit` bytes; returns how many were pinned.
+pub(super) fn pin_hottest(
+    core: &mut Core,
+    order: &[(f32, ClusterKey)],
+    limit: u64,
+) -> Result<usize> {
+    let mut used = 0u64;
+    let mut pinned = 0;
+    for &(freq, key) in order {
+        let size = core.plans[key.0 as usize].clusters[key.1 as usize].size;
+        if used + size > limit {
+            continue;
+        }
+        let bytes = core.read_now(key)?;
+        used += size;
+        pinned += 1;
+        core.cache.pin(key, bytes, freq);
+    }
+    Ok(pinned)
+}

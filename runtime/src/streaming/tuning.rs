@@ -1,0 +1,41 @@
+//! The knobs of the streaming policies: leanstream's ablations, the prior systems' settings and
+//! the oracle's trace. Defaults are each policy's best fixed choice.
+
+use std::sync::Arc;
+
+use crate::neuron_cache::Retention;
+
+use super::trace::ActiveTrace;
+
+#[derive(Debug, Clone)]
+pub struct Tuning {
+    /// leanstream: speculate with the look-ahead predictors (`--no-lookahead` turns it off).
+    pub lookahead: bool,
+    /// leanstream: how the dynamic part of the cache ranks clusters (`--retain`).
+    pub retention: Retention,
+    /// leanstream: refine queued reads from the layer's needs (`--no-refine` turns it off).
+    pub refine: bool,
+    /// leanstream: refinement may cancel reads (`--no-cancel` keeps boosting and adding only).
+    pub cancel: bool,
+    /// powerinfer2: the pinned hot set as a fraction of the neuron cache (`--hot-fraction`).
+    pub hot_fraction: Option<f32>,
+    /// llm-in-flash: the window k in tokens (`--window`).
+    pub window: Option<usize>,
+    /// The true active sets of the tokens to come: the oracle's knowledge, and the truth the
+    /// metrics of any policy use when given.
+    pub oracle: Option<Arc<ActiveTrace>>,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Self {
+            lookahead: true,
+            retention: Retention::Activity,
+            refine: true,
+            cancel: true,
+            hot_fraction: None,
+            window: None,
+            oracle: None,
+        }
+    }
+}

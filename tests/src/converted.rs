@@ -1,0 +1,75 @@
+//! Converted test files and the workspace's binaries, shared by the end-to-end streaming tests.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// The workspace's binaries, built by `cargo test --workspace` next to the test's directory.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`",
+        p.display()
+    );
+    p
+}
+
+/// This test process's scratch directory.
+pub fn scratch() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("leanstream-streaming-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Converts `model` to `out` with small, fast settings (8 KiB clusters) plus `extra`.
+pub fn convert(model: &Path, out: &Path, extra: &[&str]) {
+    let o = Command::new(bin("leanstream-prep"))
+        .arg("convert")
+        .arg(model)
+        .arg("-o")
+        .arg(out)
+        .args([
+            "--calib-tokens",
+            "2048",
+            "--epochs",
+            "2",
+            "--cluster-kib",
+            "8",
+            "--json",
+        ])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// The embedded ReLU model converted to `q8` or `f32`, once per test process.
+pub fn embedded(quant: &str) -> PathBuf {
+    static Q8: OnceLock<PathBuf> = OnceLock::new();
+    static F32: OnceLock<PathBuf> = OnceLock::new();
+    let cell = if quant == "q8" { &Q8 } else { &F32 };
+    cell.get_or_init(|| {
+        let out = scratch().join(format!("austen-{quant}.lsb"));
+        convert(
+            &workspace().join("models/austen-relu"),
+            &out,
+            &["--quant", quant],
+        );
+        out
+    })
+    .clone()
+}
+
+/// Token ids of the held-out text, the first `n`.
+pub fn heldout_ids(tokenizer: &leanstream::tokenizer::Tokenizer, n: usize) -> Vec<u32> {
+    let text = std::fs::read_to_string(workspace().join("data/heldout-head.txt")).unwrap();
+    let mut ids = tokenizer.encode(&text, false).unwrap();
+    ids.truncate(n);
+    ids
+}
