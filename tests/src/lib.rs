@@ -1,5 +1,6 @@
 //! Independent correctness harness: tiny random HF models and an f64 reference forward.
 
+pub mod cli;
 pub mod reference;
 pub mod tiny;
 

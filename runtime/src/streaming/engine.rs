@@ -17,6 +17,7 @@ use anyhow::{Context, Result};
 use leanstream_format::file::check_extent;
 use leanstream_format::predictor::{normalise_input, Predictor};
 use leanstream_format::quant::QuantType;
+use leanstream_format::FormatError;
 
 use crate::config::Activation;
 use crate::kernels::bundles::ffn_bundles;
@@ -115,8 +116,20 @@ impl StreamEngine {
         let io = &self.io;
         let cl = self.plans[l].clusters[c];
         let buf = io.wait(io.submit(cl.offset, cl.size as usize, URGENT))?;
-        check_extent(&buf, cl.checksum, || format!("layer {l} cluster {c}"))?;
+        self.check_cluster(l, c, &buf)?;
         Ok(buf)
+    }
+
+    /// Checks a cluster read against its checksum; the error names the file, layer and cluster.
+    fn check_cluster(&self, l: usize, c: usize, bytes: &[u8]) -> Result<(), FormatError> {
+        let cl = self.plans[l].clusters[c];
+        check_extent(bytes, cl.checksum, || {
+            format!(
+                "{}: layer {l} cluster {c} (offset {})",
+                self.io.device().name(),
+                cl.offset
+            )
+        })
     }
 
     /// Queues reads of the clusters layer `target`'s look-ahead predictor expects, from the
@@ -202,9 +215,8 @@ impl StreamEngine {
                     self.pending.remove(&key);
                     self.in_flight -= size;
                     self.metrics.wasted_reads += 1;
-                    let cl = plan.clusters[key.1 as usize];
                     if let Ok(buf) = done {
-                        if check_extent(&buf, cl.checksum, String::new).is_ok() {
+                        if self.check_cluster(l, key.1 as usize, &buf).is_ok() {
                             let _ = self.cache.offer(key, Bytes::Read(buf));
                         }
                     }
@@ -253,10 +265,7 @@ impl StreamEngine {
                 .io
                 .wait(ticket)
                 .with_context(|| format!("reading layer {l} cluster {ci}"))?;
-            let cl = plan.clusters[ci];
-            check_extent(&buf, cl.checksum, || {
-                format!("layer {l} cluster {ci} (offset {})", cl.offset)
-            })?;
+            self.check_cluster(l, ci, &buf)?;
             let t = Instant::now();
             let part = &mut partial[slot[&ci] * h..(slot[&ci] + 1) * h];
             compute_cluster(
