@@ -7,6 +7,7 @@ mod plan;
 pub mod planner;
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -18,7 +19,7 @@ use crate::kernels::{QMatrix, Weight};
 use crate::kv_cache::KvCache;
 use crate::model::Model;
 use crate::neuron_cache::{NeuronCache, Retention};
-use crate::storage::{open_device, FlashProfile, IoQueue};
+use crate::storage::{open_device, Device, FlashProfile, IoQueue, IoStats};
 
 pub use engine::{Bytes, Sparsity, StreamEngine};
 pub use metrics::Summary;
@@ -59,14 +60,25 @@ pub struct StreamingModel {
 }
 
 impl StreamingModel {
-    pub fn open(path: &Path, mut file: LsbFile, opts: &StreamOptions) -> Result<Self> {
+    /// Opens `file` (read from `path`) to stream its bundles from the device `opts.flash` names.
+    pub fn open(path: &Path, file: LsbFile, opts: &StreamOptions) -> Result<Self> {
+        let device = open_device(path, opts.flash.clone())
+            .with_context(|| format!("cannot open {} for streaming", path.display()))?;
+        Self::open_on(file, device, opts)
+    }
+
+    /// Like [`StreamingModel::open`], streaming from `device`, which must hold `file`'s bytes
+    /// (tests pass a [`crate::storage::FaultyDevice`]); `opts.flash` is not used.
+    pub fn open_on(
+        mut file: LsbFile,
+        device: Arc<dyn Device>,
+        opts: &StreamOptions,
+    ) -> Result<Self> {
         let config = file.meta.model.clone();
         let plans = plan::LayerPlan::all(&mut file)?;
         let (input, io_budget) = plan_input(&file, &plans, opts.ctx, opts.memory, opts.policy);
         let split = planner::plan(input)?;
         let model = dense_model(&file, config.clone())?;
-        let device = open_device(path, opts.flash.clone())
-            .with_context(|| format!("cannot open {} for streaming", path.display()))?;
         let sparsity = if opts.policy == Policy::Resident {
             Sparsity::Exact
         } else {
@@ -114,6 +126,11 @@ impl StreamingModel {
         self.tokens = 0;
         self.io_base = self.io_counters();
         self.engine.metrics = Default::default();
+    }
+
+    /// The read queue's counters since start-up (retries and failures included).
+    pub fn io_stats(&self) -> IoStats {
+        self.engine.io().stats()
     }
 
     fn io_counters(&self) -> (u64, u64, std::time::Duration) {
