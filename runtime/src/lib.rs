@@ -3,6 +3,8 @@
 //! `leanstream` command-line tool.
 
 pub mod certify;
+#[cfg(target_os = "linux")]
+pub mod cgroup;
 pub mod config;
 pub mod generate;
 pub mod gguf;
