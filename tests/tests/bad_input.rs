@@ -150,6 +150,7 @@ fn truncated_files_are_refused_at_any_length() {
     ] {
         let path = damaged(&format!("cut-{cut}.lsb"), |b| b.truncate(cut));
         every_reader_refuses(&path, &[]);
+        std::fs::remove_file(&path).unwrap();
     }
 }
 
@@ -203,6 +204,7 @@ fn flipped_bits_are_caught_everywhere() {
         let name = format!("flip-{i}.lsb");
         let path = damaged(&name, |b| b[at as usize] ^= 0x04);
         damage_is_caught(&name, &site, &path);
+        std::fs::remove_file(&path).unwrap();
     }
 }
 
@@ -217,6 +219,7 @@ fn zeroed_pages_are_caught_everywhere() {
             b[start..start + PAGE as usize].fill(0);
         });
         damage_is_caught(&name, &site, &path);
+        std::fs::remove_file(&path).unwrap();
     }
 }
 
@@ -228,6 +231,7 @@ fn a_newer_format_version_is_refused_with_the_fix() {
         b[PAGE as usize - 8..PAGE as usize].copy_from_slice(&sum.to_le_bytes());
     });
     every_reader_refuses(&path, &["format version 2.0", "convert the model again"]);
+    std::fs::remove_file(&path).unwrap();
 }
 
 /// A copy of the embedded model directory, changed by `edit`.
@@ -317,6 +321,7 @@ fn broken_model_directories_are_refused_by_both_tools() {
         let o = convert(&dir, &out);
         assert_clean_failure(&format!("convert: {what}"), &o, 1, &needles);
         assert!(!out.exists(), "convert: {what}: wrote an output");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
 
