@@ -171,7 +171,9 @@ impl LsbFile {
     pub fn read_dense(&self, file: &mut File, t: &DenseTensor) -> Result<Vec<u8>, FormatError> {
         let (offset, size) = self.dense_extent(t);
         let mut bytes = read_at(file, &self.path, offset, size)?;
-        check_extent(&bytes, t.checksum, || format!("tensor {}", t.name))?;
+        check_extent(&bytes, t.checksum, || {
+            format!("{}: tensor {}", self.path.display(), t.name)
+        })?;
         bytes.truncate(t.size as usize);
         Ok(bytes)
     }

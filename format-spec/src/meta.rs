@@ -112,6 +112,7 @@ mod tests {
             layers: Vec::new(),
             provenance: serde_json::Value::Null,
             chat_template,
+            synthetic: None,
         }
     }
 

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use leanstream::config::ModelConfig;
 use leanstream::gguf::GgufFile;
 use leanstream::safetensors_dir::SafetensorsDir;
@@ -37,7 +37,8 @@ impl Source {
             })?;
             return Ok(Self {
                 config: leanstream::config::from_hf_dir(path)?,
-                tokenizer: Tokenizer::from_bytes(&tokenizer_json)?,
+                tokenizer: Tokenizer::from_bytes(&tokenizer_json)
+                    .with_context(|| format!("invalid tokenizer {}", tokenizer_path.display()))?,
                 tokenizer_json,
                 chat_template: leanstream::chat_template::from_hf_dir(path)?,
                 tensors: Tensors::Dir(SafetensorsDir::open(path)?),

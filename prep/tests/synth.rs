@@ -5,7 +5,6 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use leanstream::neuron_cache::Retention;
 use leanstream::perplexity::perplexity;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
@@ -94,8 +93,7 @@ fn synthetic_file_carries_the_sources_statistics_and_streams() {
         sparsity: Sparsity::Certified,
         ctx: Some(256),
         default_ctx: 256,
-        lookahead: true,
-        retention: Retention::Activity,
+        tuning: Default::default(),
     })
     .unwrap();
     let text = std::fs::read_to_string(workspace().join("data/heldout-head.txt")).unwrap();

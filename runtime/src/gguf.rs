@@ -51,6 +51,12 @@ impl GgufFile {
                 path.display()
             );
         }
+        if has_zero_alignment(&mmap) {
+            bail!(
+                "{} is not a readable GGUF file: its general.alignment is 0",
+                path.display()
+            );
+        }
         let content = Content::read(&mut Cursor::new(&mmap[..]))
             .map_err(|e| anyhow::anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
         Ok(Self {
@@ -370,6 +376,43 @@ impl GgufFile {
     }
 }
 
+/// Whether the metadata sets `general.alignment` to 0, which candle's reader divides by unchecked
+/// (a panic). The entry is found as the header stores it: the key with its length prefix (8 bytes
+/// in GGUF v2/v3, 4 in v1), then the value's integer type and the value.
+fn has_zero_alignment(bytes: &[u8]) -> bool {
+    const KEY: &[u8] = b"general.alignment";
+    let mut from = 0;
+    while let Some(i) = bytes[from..].windows(KEY.len()).position(|w| w == KEY) {
+        let at = from + i;
+        from = at + 1;
+        let prefixed = |n: usize| {
+            at >= n
+                && bytes[at - n..at]
+                    .iter()
+                    .eq(KEY.len().to_le_bytes()[..n].iter())
+        };
+        if !(prefixed(8) || prefixed(4)) {
+            continue;
+        }
+        let rest = &bytes[at + KEY.len()..];
+        let Some(kind) = rest.get(..4) else { break };
+        // GGUF value types 0-5: u8, i8, u16, i16, u32, i32.
+        let width = match u32::from_le_bytes(kind.try_into().expect("4 bytes")) {
+            0 | 1 => 1,
+            2 | 3 => 2,
+            4 | 5 => 4,
+            _ => continue,
+        };
+        if rest
+            .get(4..4 + width)
+            .is_some_and(|v| v.iter().all(|&b| b == 0))
+        {
+            return true;
+        }
+    }
+    false
+}
+
 /// The GGUF name of a Hugging Face tensor name (llama.cpp's naming for llama and qwen3).
 pub fn gguf_name(hf_name: &str) -> Option<String> {
     let fixed = match hf_name {
@@ -441,6 +484,29 @@ mod tests {
         );
         assert_eq!(gguf_name("model.layers.x.mlp.up_proj.weight"), None);
         assert_eq!(gguf_name("model.layers.0.mlp.experts.weight"), None);
+    }
+
+    #[test]
+    fn a_zero_alignment_is_found() {
+        let entry = |version_prefix: &[u8], kind: u32, value: &[u8]| {
+            let mut b = b"GGUF....".to_vec();
+            b.extend(version_prefix);
+            b.extend(b"general.alignment");
+            b.extend(kind.to_le_bytes());
+            b.extend(value);
+            b
+        };
+        assert!(has_zero_alignment(&entry(&17u64.to_le_bytes(), 4, &[0; 4])));
+        assert!(has_zero_alignment(&entry(&17u32.to_le_bytes(), 0, &[0])));
+        assert!(!has_zero_alignment(&entry(
+            &17u64.to_le_bytes(),
+            4,
+            &32u32.to_le_bytes()
+        )));
+        // The key inside a string value, not as a key: ignored.
+        assert!(!has_zero_alignment(&entry(&[b'x'; 8], 4, &[0; 4])));
+        let fixture = include_bytes!("../tests/fixtures/quant-types.gguf");
+        assert!(!has_zero_alignment(fixture));
     }
 
     #[test]

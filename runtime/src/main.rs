@@ -54,7 +54,8 @@ struct CommonArgs {
     /// Model: a converted LeanStream file, a GGUF file, or a Hugging Face model directory.
     #[arg(long)]
     model: PathBuf,
-    /// Context length in tokens (capped at the model's maximum).
+    /// Context length in tokens, at most the model's maximum (default: 2048 for run, 512 for
+    /// perplexity, or the model's maximum if smaller).
     #[arg(long)]
     ctx: Option<usize>,
     /// Compute threads (default: all available cores).
@@ -282,7 +283,8 @@ fn run_perplexity(args: PerplexityArgs) -> Result<()> {
     let window = session.ctx;
     let text = leanstream::tokenizer::read_text(&args.file)?;
     let ids = session.tokenizer.encode(&text, false)?;
-    let result = perplexity(session.model(), &ids, window, true)?;
+    let result = perplexity(session.model(), &ids, window, true)
+        .with_context(|| format!("cannot score {}", args.file.display()))?;
     if args.common.json {
         let mut obj = session.report();
         merge(&mut obj, serde_json::to_value(&result)?);

@@ -208,7 +208,10 @@ fn cap_ctx(o: &SessionOptions, max: usize) -> Result<usize> {
     }
     if ctx > max {
         if o.ctx.is_some() {
-            eprintln!("note: --ctx {ctx} exceeds the model's maximum; using {max}");
+            bail!(
+                "--ctx {ctx} exceeds the maximum context of {} ({max} tokens): use --ctx {max} or less",
+                o.model.display()
+            );
         }
         return Ok(max);
     }

@@ -28,7 +28,10 @@ use super::{clock, AlignedBuf, Device};
 /// merge never delays the read that started it by more than one such transfer.
 pub const MAX_MERGE_BYTES: usize = 1 << 20;
 
-/// Retries of a transient failure (`EINTR`, `EAGAIN`; a short read only once) before it counts.
+/// Retries of a failed device read before the failure counts. Flash can fail a read once and
+/// serve it on the next try, and nothing tells such an `EIO` from a lasting one but trying again,
+/// so every failure is retried, except a malformed request and a second short read in a row (the
+/// file really ends there).
 const MAX_RETRIES: u32 = 3;
 
 /// A submitted read; redeem it with [`IoQueue::wait`] or [`IoQueue::poll`].
@@ -46,7 +49,7 @@ pub struct IoStats {
     pub merged: u64,
     /// Reads cancelled before they were issued.
     pub cancelled: u64,
-    /// Device reads retried after a transient failure.
+    /// Device reads retried after a failure (see [`MAX_RETRIES`]).
     pub retries: u64,
     /// Submitted reads that ended in an error.
     pub failed: u64,
@@ -609,7 +612,8 @@ impl Shared {
     }
 }
 
-/// One device read, retried on transient failures; returns the outcome and the retries spent.
+/// One device read, retried on failures that may pass (see [`MAX_RETRIES`]), each retry after a
+/// longer pause (0.1, 0.2, 0.4 ms); returns the outcome and the retries spent.
 fn read_with_retries(
     device: &dyn Device,
     offset: u64,
@@ -622,13 +626,16 @@ fn read_with_retries(
             Ok(()) => return (Ok(()), retries),
             Err(e) => e,
         };
-        let transient = match e.kind() {
-            io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock => true,
+        let may_pass = match e.kind() {
+            io::ErrorKind::InvalidInput => false,
             io::ErrorKind::UnexpectedEof => !std::mem::replace(&mut short_read_retried, true),
-            _ => false,
+            _ => true,
         };
-        if !transient || retries == MAX_RETRIES {
+        if !may_pass || retries == MAX_RETRIES {
             return (Err(e), retries);
+        }
+        if !matches!(e.kind(), io::ErrorKind::Interrupted) {
+            std::thread::sleep(Duration::from_micros(100 << retries));
         }
         retries += 1;
     }

@@ -1,13 +1,14 @@
 //! Storage: where the streamed weights come from. One [`Device`] trait with two implementations —
 //! the real disk read with `O_DIRECT` ([`DirectDevice`]) and an emulated phone or board flash
 //! ([`FlashModel`] driven by a [`FlashProfile`]) — and the priority read queue the scheduler uses
-//! on top of either ([`IoQueue`]).
+//! on top of either ([`IoQueue`]). [`FaultyDevice`] wraps either to inject faults in tests.
 
 mod aligned;
 mod busy;
 mod clock;
 mod device;
 mod direct;
+mod faulty;
 mod flash;
 mod io_queue;
 #[cfg(target_os = "linux")]
@@ -23,6 +24,7 @@ use std::sync::Arc;
 pub use aligned::AlignedBuf;
 pub use device::Device;
 pub use direct::DirectDevice;
+pub use faulty::{Fault, FaultKind, FaultyDevice};
 pub use flash::FlashModel;
 pub use io_queue::{IoQueue, IoStats, ReadSpan, Ticket, MAX_MERGE_BYTES};
 pub use profile::{FlashProfile, BUILTIN_PROFILES};

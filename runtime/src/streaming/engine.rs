@@ -22,6 +22,7 @@ use anyhow::{bail, Context, Result};
 use leanstream_format::file::check_extent;
 use leanstream_format::predictor::{normalise_input, Predictor};
 use leanstream_format::quant::QuantType;
+use leanstream_format::FormatError;
 
 use crate::config::Activation;
 use crate::kernels::bundles::ffn_bundles;
@@ -122,8 +123,20 @@ impl Core {
         let buf = self
             .io
             .wait(self.io.submit(cl.offset, cl.size as usize, URGENT))?;
-        check_extent(&buf, cl.checksum, || format!("layer {l} cluster {c}"))?;
+        self.check_cluster(l, c, &buf)?;
         Ok(Bytes::Read(buf))
+    }
+
+    /// Checks a cluster read against its checksum; the error names the file, layer and cluster.
+    fn check_cluster(&self, l: usize, c: usize, bytes: &[u8]) -> Result<(), FormatError> {
+        let cl = self.plans[l].clusters[c];
+        check_extent(bytes, cl.checksum, || {
+            format!(
+                "{}: layer {l} cluster {c} (offset {})",
+                self.io.device().name(),
+                cl.offset
+            )
+        })
     }
 
     /// Takes a queued read's buffer, waiting for it, and checks it.
@@ -135,10 +148,7 @@ impl Core {
             .io
             .wait(ticket)
             .with_context(|| format!("reading layer {l} cluster {c}"))?;
-        let cl = self.plans[l].clusters[c];
-        check_extent(&buf, cl.checksum, || {
-            format!("layer {l} cluster {c} (offset {})", cl.offset)
-        })?;
+        self.check_cluster(l, c, &buf)?;
         Ok(buf)
     }
 
@@ -184,9 +194,8 @@ impl Core {
                     self.pending.remove(&key);
                     self.in_flight -= size;
                     self.metrics.wasted_reads += 1;
-                    let cl = self.plans[l].clusters[key.1 as usize];
                     if let Ok(buf) = done {
-                        if check_extent(&buf, cl.checksum, String::new).is_ok() {
+                        if self.check_cluster(l, key.1 as usize, &buf).is_ok() {
                             let _ = self.cache.offer(key, Bytes::Read(buf));
                         }
                     }

@@ -15,6 +15,7 @@ mod trace;
 mod tuning;
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -26,7 +27,7 @@ use crate::kernels::{QMatrix, Weight};
 use crate::kv_cache::KvCache;
 use crate::model::Model;
 use crate::neuron_cache::{NeuronCache, Retention};
-use crate::storage::{open_device, FlashProfile, IoQueue};
+use crate::storage::{open_device, Device, FlashProfile, IoQueue};
 
 pub use engine::{Bytes, Sparsity, StreamEngine};
 pub use metrics::Summary;
@@ -76,7 +77,21 @@ pub struct StreamingModel {
 }
 
 impl StreamingModel {
-    pub fn open(path: &Path, mut file: LsbFile, opts: &StreamOptions) -> Result<Self> {
+    /// Opens `file` (read from `path`) to stream its bundles from the device `opts.flash` names.
+    pub fn open(path: &Path, file: LsbFile, opts: &StreamOptions) -> Result<Self> {
+        let device = open_device(path, opts.flash.clone())
+            .with_context(|| format!("cannot open {} for streaming", path.display()))?;
+        Self::open_on(path, file, device, opts)
+    }
+
+    /// Like [`StreamingModel::open`], streaming from `device`, which must hold the bytes of
+    /// `file` at `path` (tests pass a [`crate::storage::FaultyDevice`]); `opts.flash` is not used.
+    pub fn open_on(
+        path: &Path,
+        mut file: LsbFile,
+        device: Arc<dyn Device>,
+        opts: &StreamOptions,
+    ) -> Result<Self> {
         let config = file.meta.model.clone();
         let policy = opts.policy;
         let tuning = &opts.tuning;
@@ -85,8 +100,6 @@ impl StreamingModel {
         let (input, io_budget) = plan_input(&file, &plans, opts.ctx, opts.memory, policy);
         let mut split = planner::plan(input)?;
         let model = dense_model(&file, config.clone())?;
-        let device = open_device(path, opts.flash.clone())
-            .with_context(|| format!("cannot open {} for streaming", path.display()))?;
         let sparsity = match policy {
             Policy::Resident | Policy::Oracle => Sparsity::Exact,
             Policy::PowerInfer2 | Policy::LlmInFlash => Sparsity::Predicted,
@@ -165,7 +178,7 @@ impl StreamingModel {
         self.engine.reset_metrics();
     }
 
-    /// The read queue (for its counters and timeline).
+    /// The read queue (its counters, retries and failures included, and its timeline).
     pub fn io(&self) -> &IoQueue {
         self.engine.io()
     }

@@ -1,0 +1,122 @@
+//! The memory promise under real pressure: `leanstream run --flash none --memory B` inside a cgroup
+//! v1 memory group limited to B + 5 % — where the kernel charges the process's memory and the page
+//! cache it fills, and reclaims or kills at the limit — completes with the unconstrained run's
+//! tokens.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use leanstream::cgroup::MemoryGroup;
+use leanstream::storage::page_cache;
+use leanstream_tests::cli::{bin, embedded_model, quick_convert, stderr};
+
+fn run_command(file: &Path, budget: u64) -> Command {
+    let mut c = Command::new(bin("leanstream"));
+    c.arg("run")
+        .arg("--model")
+        .arg(file)
+        .args(["-p", "It was a fine morning, and Emma", "--temp", "0"])
+        .args(["-n", "40", "--ctx", "128", "--flash", "none", "--json"])
+        .args(["--memory", &budget.to_string()]);
+    c
+}
+
+fn text(o: &Output, what: &str) -> String {
+    assert!(o.status.success(), "{what}: {:?}: {}", o.status, stderr(o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["text"].as_str().unwrap().to_string()
+}
+
+/// The smallest budget the binary accepts for `file`, from its own refusal of 1 MiB.
+fn minimum_budget(file: &Path) -> u64 {
+    let o = run_command(file, 1 << 20).output().unwrap();
+    let err = stderr(&o);
+    let min = err
+        .split("below the minimum of ")
+        .nth(1)
+        .and_then(|r| r.split(" for").next())
+        .unwrap_or_else(|| panic!("no minimum in: {err}"));
+    leanstream::memory_size::parse_size(&min.replace(' ', "")).unwrap()
+}
+
+/// Creates the group, or says loudly why it cannot; `None` skips the test outside CI only (the CI
+/// machine is documented to have the v1 memory controller).
+fn memory_group(limit: u64) -> Option<MemoryGroup> {
+    match MemoryGroup::create(limit) {
+        Ok(g) => Some(g),
+        Err(e) if std::env::var_os("CI").is_none() => {
+            eprintln!("\n!!! NOT RUN: no writable cgroup v1 memory group here: {e}\n");
+            None
+        }
+        Err(e) => panic!("CI is expected to provide a cgroup v1 memory group: {e}"),
+    }
+}
+
+#[test]
+fn streaming_keeps_its_tokens_inside_a_memory_cgroup_of_its_budget() {
+    let dir = leanstream_tests::fresh_dir(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        &format!("cgroup-{}", std::process::id()),
+    );
+    let file: PathBuf = dir.join("austen.lsb");
+    quick_convert(&embedded_model(), &file, &[]);
+    let min = minimum_budget(&file) + (1 << 20);
+    let ffn = leanstream_format::LsbFile::open(&file)
+        .unwrap()
+        .ffn
+        .bundle_bytes();
+    for budget in [min, min + ffn / 4] {
+        let free = text(
+            &run_command(&file, budget).output().unwrap(),
+            "unconstrained",
+        );
+        let limit = budget + budget / 20;
+        let Some(group) = memory_group(limit) else {
+            return;
+        };
+        // The file's pages come from the disk again, charged to the group.
+        page_cache::evict(&file).unwrap();
+        let child = group
+            .spawn(
+                run_command(&file, budget)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped()),
+            )
+            .unwrap();
+        let o = child.wait_with_output().unwrap();
+        let (peak, hits, kills) = (
+            group.peak_bytes().unwrap(),
+            group.limit_hits().unwrap(),
+            group.oom_kills().unwrap(),
+        );
+        eprintln!(
+            "budget {budget} B, limit {limit} B: peak charge {peak} B ({:.1} % of the limit), \
+             {hits} limit hits, {kills} OOM kills",
+            100.0 * peak as f64 / limit as f64
+        );
+        assert_eq!(kills, 0, "budget {budget}: the kernel killed the run");
+        assert_eq!(
+            text(&o, &format!("budget {budget} in a cgroup of {limit}")),
+            free,
+            "budget {budget}: different tokens under the limit"
+        );
+        assert!(peak > 0 && peak <= limit, "peak charge {peak}");
+    }
+    // The control: the limit bites. A group of a third of the budget cannot hold the run.
+    if let Some(group) = memory_group(min / 3) {
+        let child = group
+            .spawn(
+                run_command(&file, min)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null()),
+            )
+            .unwrap();
+        let o = child.wait_with_output().unwrap();
+        assert!(
+            !o.status.success() && group.oom_kills().unwrap() > 0,
+            "a run completed in a cgroup of a third of its budget: {:?}",
+            o.status
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
