@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::activity;
 use crate::calib::Calibration;
 use crate::placement::{cluster_fill, place};
-use crate::profile::{Profiler, SparsityQuality};
+use crate::profile::Profiler;
 use crate::source::Source;
 use crate::sparsity::{masks, threshold, SparsityMode};
 use crate::tensors::{dense_specs, ffn_names, quantize_rows};
@@ -63,7 +63,9 @@ pub struct Summary {
     pub heldout_tokens: usize,
     pub cluster_neurons: Vec<usize>,
     pub layers: Vec<LayerMeta>,
-    pub quality: SparsityQuality,
+    /// The sparse model (`perplexity`) against the dense one (`reference_perplexity`) on the
+    /// held-out calibration windows.
+    pub quality: leanstream::perplexity::Comparison,
     pub seconds: Phases,
     pub peak_rss_bytes: Option<u64>,
 }

@@ -177,9 +177,9 @@ fn print_summary(s: &convert::Summary) {
     let q = &s.quality;
     println!(
         "held-out perplexity: dense {:.3}, sparse {:.3} ({:+.2} %); KL {:.4} nats; top-1 agreement {:.3}",
-        q.dense_perplexity,
-        q.sparse_perplexity,
-        100.0 * (q.sparse_perplexity / q.dense_perplexity - 1.0),
+        q.reference_perplexity,
+        q.perplexity,
+        100.0 * (q.perplexity / q.reference_perplexity - 1.0),
         q.kl,
         q.top1_agreement
     );

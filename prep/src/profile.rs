@@ -4,6 +4,7 @@
 
 use leanstream::kv_cache::KvCache;
 use leanstream::model::{FfnProbe, Model};
+use leanstream::perplexity::{Comparison, ComparisonAccum};
 
 use crate::calib::Calibration;
 
@@ -105,10 +106,10 @@ impl<'a> Profiler<'a> {
 
     /// Compares the sparse model with the dense one on the held-out windows (call after the last
     /// layer).
-    pub fn quality(&self) -> SparsityQuality {
+    pub fn quality(&self) -> Comparison {
         let c = self.model.config();
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let mut q = Accum::default();
+        let mut q = ComparisonAccum::default();
         let (mut drow, mut srow) = (0, 0);
         for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
             let t = w.len();
@@ -117,8 +118,8 @@ impl<'a> Profiler<'a> {
                 let ls = self.model.logits(&self.sparse[srow * h..(srow + t) * h]);
                 for i in 0..t - 1 {
                     q.add(
-                        &ld[i * v..(i + 1) * v],
                         &ls[i * v..(i + 1) * v],
+                        &ld[i * v..(i + 1) * v],
                         w[i + 1] as usize,
                     );
                 }
@@ -128,66 +129,4 @@ impl<'a> Profiler<'a> {
         }
         q.finish()
     }
-}
-
-/// Quality of the sparse model against the dense one on held-out calibration text.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct SparsityQuality {
-    pub tokens: usize,
-    pub dense_perplexity: f64,
-    pub sparse_perplexity: f64,
-    /// Mean KL(dense ‖ sparse) of the next-token distributions, in nats.
-    pub kl: f64,
-    /// Fraction of positions where both pick the same most likely token.
-    pub top1_agreement: f64,
-}
-
-#[derive(Default)]
-struct Accum {
-    n: usize,
-    nll_dense: f64,
-    nll_sparse: f64,
-    kl: f64,
-    agree: usize,
-}
-
-impl Accum {
-    fn add(&mut self, dense: &[f32], sparse: &[f32], target: usize) {
-        let (pd, ps) = (log_softmax(dense), log_softmax(sparse));
-        self.nll_dense -= pd[target];
-        self.nll_sparse -= ps[target];
-        self.kl += pd
-            .iter()
-            .zip(&ps)
-            .map(|(a, b)| a.exp() * (a - b))
-            .sum::<f64>();
-        self.agree += (argmax(dense) == argmax(sparse)) as usize;
-        self.n += 1;
-    }
-
-    fn finish(self) -> SparsityQuality {
-        let n = self.n.max(1) as f64;
-        SparsityQuality {
-            tokens: self.n,
-            dense_perplexity: (self.nll_dense / n).exp(),
-            sparse_perplexity: (self.nll_sparse / n).exp(),
-            kl: self.kl / n,
-            top1_agreement: self.agree as f64 / n,
-        }
-    }
-}
-
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = row
-        .iter()
-        .map(|&l| (l as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    row.iter().map(|&l| l as f64 - lse).collect()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    leanstream::sampler::argmax(row) as usize
 }

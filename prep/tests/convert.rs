@@ -199,7 +199,7 @@ fn embedded() -> &'static PathBuf {
         let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         // ReLU sparsity is exact: the sparse model is the dense model.
         let q = &summary["quality"];
-        assert_eq!(q["dense_perplexity"], q["sparse_perplexity"]);
+        assert_eq!(q["reference_perplexity"], q["perplexity"]);
         out
     })
 }

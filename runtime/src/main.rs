@@ -10,8 +10,8 @@ use clap::{Args, Parser, Subcommand};
 use leanstream::generate::{generate, GenerateOptions, StopReason};
 use leanstream::memory::peak_rss_bytes;
 use leanstream::neuron_cache::Retention;
-use leanstream::perplexity::perplexity;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::perplexity::{compare, perplexity};
+use leanstream::session::{policy_name, PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
 
@@ -155,6 +155,16 @@ struct PerplexityArgs {
     /// Text file to score.
     #[arg(long)]
     file: PathBuf,
+    /// Also score the text with this policy in the same pass (same file, everything resident) and
+    /// report KL(reference ‖ policy) per token and top-1 agreement.
+    #[arg(long, value_enum)]
+    reference: Option<ReferenceArg>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ReferenceArg {
+    Dense,
+    Resident,
 }
 
 fn main() -> ExitCode {
@@ -189,17 +199,19 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
             .build_global()
             .context("cannot start the thread pool")?;
     }
-    let session = Session::open(&SessionOptions {
+    let session = Session::open(&session_options(common, default_ctx)?)?;
+    if let Some(line) = session.describe_memory() {
+        if !common.json {
+            eprintln!("{line}");
+        }
+    }
+    Ok(session)
+}
+
+fn session_options(common: &CommonArgs, default_ctx: usize) -> Result<SessionOptions> {
+    Ok(SessionOptions {
         model: common.model.clone(),
-        policy: common.policy.map(|p| match p {
-            PolicyArg::Leanstream => PolicyChoice::Leanstream,
-            PolicyArg::Resident => PolicyChoice::Resident,
-            PolicyArg::Dense => PolicyChoice::Dense,
-            PolicyArg::Mmap => PolicyChoice::Mmap,
-            PolicyArg::Powerinfer2 => PolicyChoice::PowerInfer2,
-            PolicyArg::LlmInFlash => PolicyChoice::LlmInFlash,
-            PolicyArg::Oracle => PolicyChoice::Oracle,
-        }),
+        policy: common.policy.map(policy_choice),
         memory: common.memory,
         flash: FlashProfile::from_flash_arg(&common.flash)?,
         sparsity: match common.sparsity {
@@ -220,13 +232,19 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
             window: common.window,
             oracle: None,
         },
-    })?;
-    if let Some(line) = session.describe_memory() {
-        if !common.json {
-            eprintln!("{line}");
-        }
+    })
+}
+
+fn policy_choice(p: PolicyArg) -> PolicyChoice {
+    match p {
+        PolicyArg::Leanstream => PolicyChoice::Leanstream,
+        PolicyArg::Resident => PolicyChoice::Resident,
+        PolicyArg::Dense => PolicyChoice::Dense,
+        PolicyArg::Mmap => PolicyChoice::Mmap,
+        PolicyArg::Powerinfer2 => PolicyChoice::PowerInfer2,
+        PolicyArg::LlmInFlash => PolicyChoice::LlmInFlash,
+        PolicyArg::Oracle => PolicyChoice::Oracle,
     }
-    Ok(session)
 }
 
 fn run(args: RunArgs) -> Result<()> {
@@ -283,18 +301,59 @@ fn run_perplexity(args: PerplexityArgs) -> Result<()> {
     let window = session.ctx;
     let text = leanstream::tokenizer::read_text(&args.file)?;
     let ids = session.tokenizer.encode(&text, false)?;
-    let result = perplexity(session.model(), &ids, window, true)
-        .with_context(|| format!("cannot score {}", args.file.display()))?;
+    let Some(reference) = args.reference else {
+        let result = perplexity(session.model(), &ids, window, true)
+            .with_context(|| format!("cannot score {}", args.file.display()))?;
+        if args.common.json {
+            let mut obj = session.report();
+            merge(&mut obj, serde_json::to_value(&result)?);
+            obj["ctx"] = window.into();
+            obj["peak_rss_bytes"] = peak_rss_bytes().into();
+            println!("{}", serde_json::to_string_pretty(&obj)?);
+        } else {
+            println!(
+                "perplexity {:.4} over {} tokens (windows of {window})",
+                result.perplexity, result.tokens
+            );
+        }
+        return Ok(());
+    };
+    let mut reference_session = Session::open(&SessionOptions {
+        policy: Some(match reference {
+            ReferenceArg::Dense => PolicyChoice::Dense,
+            ReferenceArg::Resident => PolicyChoice::Resident,
+        }),
+        memory: None,
+        flash: None,
+        ctx: Some(window),
+        ..session_options(&args.common, 512)?
+    })?;
+    let c = compare(
+        session.model(),
+        reference_session.model(),
+        &ids,
+        window,
+        true,
+    )?;
+    let reference_name = policy_name(reference_session.policy);
     if args.common.json {
         let mut obj = session.report();
-        merge(&mut obj, serde_json::to_value(&result)?);
+        merge(&mut obj, serde_json::to_value(&c)?);
+        obj["reference"] = reference_name.into();
         obj["ctx"] = window.into();
         obj["peak_rss_bytes"] = peak_rss_bytes().into();
         println!("{}", serde_json::to_string_pretty(&obj)?);
     } else {
         println!(
-            "perplexity {:.4} over {} tokens (windows of {window})",
-            result.perplexity, result.tokens
+            "perplexity {:.4} ({reference_name} {:.4}, {:+.2} %) over {} tokens (windows of {window}); \
+             KL({reference_name} ‖ {}) {:.5} nats/token; top-1 agreement {:.4}",
+            c.perplexity,
+            c.reference_perplexity,
+            100.0 * (c.perplexity / c.reference_perplexity - 1.0),
+            c.tokens,
+            policy_name(session.policy),
+            c.kl,
+            c.top1_agreement
         );
     }
     Ok(())

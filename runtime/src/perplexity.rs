@@ -1,5 +1,7 @@
 //! Perplexity of a token sequence: consecutive windows, each from an empty cache, every token after
-//! the first of its window scored.
+//! the first of its window scored. Also the same pass for a model and a reference side by side
+//! (KL divergence and top-1 agreement of their next-token distributions), which the runtime
+//! reports for sparse policies and the converter for its threshold.
 
 use anyhow::{bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -8,6 +10,7 @@ use serde::Serialize;
 use crate::generate::PROMPT_CHUNK;
 use crate::kv_cache::KvCache;
 use crate::model::LanguageModel;
+use crate::sampler::argmax;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Perplexity {
@@ -18,6 +21,62 @@ pub struct Perplexity {
     pub mean_nll: f64,
 }
 
+/// A model's next-token distributions against a reference's, on the same positions.
+#[derive(Debug, Clone, Serialize)]
+pub struct Comparison {
+    /// Positions scored.
+    pub tokens: usize,
+    pub perplexity: f64,
+    pub reference_perplexity: f64,
+    /// Mean KL(reference ‖ model) in nats per token.
+    pub kl: f64,
+    /// Fraction of positions where both put the same token first.
+    pub top1_agreement: f64,
+}
+
+/// Sums what [`Comparison`] reports, one position at a time.
+#[derive(Debug, Default)]
+pub struct ComparisonAccum {
+    n: usize,
+    nll: f64,
+    nll_reference: f64,
+    kl: f64,
+    agree: usize,
+}
+
+impl ComparisonAccum {
+    /// Adds one position: both models' logits and the token that came next.
+    pub fn add(&mut self, logits: &[f32], reference: &[f32], target: usize) {
+        let (p, r) = (log_softmax(logits), log_softmax(reference));
+        self.nll -= p[target];
+        self.nll_reference -= r[target];
+        self.kl += r
+            .iter()
+            .zip(&p)
+            .map(|(a, b)| a.exp() * (a - b))
+            .sum::<f64>();
+        self.agree += (argmax(logits) == argmax(reference)) as usize;
+        self.n += 1;
+    }
+
+    /// The model's perplexity so far.
+    pub fn perplexity(&self) -> f64 {
+        (self.nll / self.n.max(1) as f64).exp()
+    }
+
+    pub fn finish(&self) -> Comparison {
+        let n = self.n.max(1) as f64;
+        Comparison {
+            tokens: self.n,
+            perplexity: (self.nll / n).exp(),
+            reference_perplexity: (self.nll_reference / n).exp(),
+            // Rounding can leave an identical pair at -1e-17; KL is never negative.
+            kl: (self.kl / n).max(0.0),
+            top1_agreement: self.agree as f64 / n,
+        }
+    }
+}
+
 /// Scores `ids` in windows of `window` tokens; a last window shorter than 2 tokens is dropped.
 pub fn perplexity(
     mut model: impl LanguageModel,
@@ -25,6 +84,52 @@ pub fn perplexity(
     window: usize,
     progress: bool,
 ) -> Result<Perplexity> {
+    let (mut nll, mut scored) = (0.0f64, 0usize);
+    for_each_position(&mut [&mut model], ids, window, progress, |rows, target| {
+        nll -= log_softmax_at(rows[0], target);
+        scored += 1;
+        (nll / scored as f64).exp()
+    })?;
+    let mean_nll = nll / scored as f64;
+    Ok(Perplexity {
+        perplexity: mean_nll.exp(),
+        tokens: scored,
+        mean_nll,
+    })
+}
+
+/// Scores `ids` with `model` and `reference` in the same pass over the same windows.
+pub fn compare(
+    model: &mut dyn LanguageModel,
+    reference: &mut dyn LanguageModel,
+    ids: &[u32],
+    window: usize,
+    progress: bool,
+) -> Result<Comparison> {
+    if model.config().vocab_size != reference.config().vocab_size {
+        bail!(
+            "the model and its reference have different vocabularies ({} and {} tokens)",
+            model.config().vocab_size,
+            reference.config().vocab_size
+        );
+    }
+    let mut acc = ComparisonAccum::default();
+    for_each_position(&mut [model, reference], ids, window, progress, |rows, t| {
+        acc.add(rows[0], rows[1], t);
+        acc.perplexity()
+    })?;
+    Ok(acc.finish())
+}
+
+/// Runs every model over the windows of `ids` and hands `score` each scored position: one logits
+/// row per model and the next token. `score` returns the running perplexity for the progress bar.
+fn for_each_position(
+    models: &mut [&mut dyn LanguageModel],
+    ids: &[u32],
+    window: usize,
+    progress: bool,
+    mut score: impl FnMut(&[&[f32]], usize) -> f64,
+) -> Result<()> {
     if window < 2 {
         bail!("the perplexity window must hold at least 2 tokens");
     }
@@ -43,51 +148,61 @@ pub fn perplexity(
         )
         .expect("valid template"),
     );
-    let vocab = model.config().vocab_size;
-    let mut cache = KvCache::new(model.config(), window);
-    let (mut nll, mut scored) = (0.0f64, 0usize);
+    let vocab = models[0].config().vocab_size;
+    let mut caches: Vec<KvCache> = models
+        .iter()
+        .map(|m| KvCache::new(m.config(), window))
+        .collect();
     for w in windows {
-        cache.clear();
+        caches.iter_mut().for_each(KvCache::clear);
         for (c, chunk) in w.chunks(PROMPT_CHUNK).enumerate() {
-            let logits = model.forward(chunk, &mut cache, true)?;
-            for (i, row) in logits.chunks_exact(vocab).enumerate() {
+            let logits = models
+                .iter_mut()
+                .zip(&mut caches)
+                .map(|(m, cache)| m.forward(chunk, cache, true))
+                .collect::<Result<Vec<_>>>()?;
+            for i in 0..chunk.len() {
                 let next = c * PROMPT_CHUNK + i + 1;
                 if next < w.len() {
-                    nll -= log_softmax_at(row, w[next] as usize);
-                    scored += 1;
+                    let rows: Vec<&[f32]> = logits
+                        .iter()
+                        .map(|l| &l[i * vocab..(i + 1) * vocab])
+                        .collect();
+                    let ppl = score(&rows, w[next] as usize);
+                    bar.set_message(format!("{ppl:.3}"));
                 }
             }
         }
         bar.inc(1);
-        bar.set_message(format!("{:.3}", (nll / scored as f64).exp()));
     }
     bar.finish_and_clear();
-    let mean_nll = nll / scored as f64;
-    Ok(Perplexity {
-        perplexity: mean_nll.exp(),
-        tokens: scored,
-        mean_nll,
-    })
+    Ok(())
+}
+
+/// `ln Σ exp(row)`, in f64.
+fn log_sum_exp(row: &[f32]) -> f64 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    max + row
+        .iter()
+        .map(|&l| (l as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
 }
 
 /// `log softmax(row)`, in f64.
 pub fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
-    let norm = max + sum.ln();
-    row.iter().map(|&l| l as f64 - norm).collect()
+    let lse = log_sum_exp(row);
+    row.iter().map(|&l| l as f64 - lse).collect()
 }
 
 /// `log softmax(row)[target]`, in f64.
 fn log_softmax_at(row: &[f32], target: usize) -> f64 {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
-    row[target] as f64 - max - sum.ln()
+    row[target] as f64 - log_sum_exp(row)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::log_softmax_at;
+    use super::*;
 
     #[test]
     fn log_softmax_is_normalised() {
@@ -98,5 +213,25 @@ mod tests {
             (log_softmax_at(&row, 0) - -(1.0 + (-1f64).exp() + (-1005f64).exp()).ln()).abs()
                 < 1e-12
         );
+        assert_eq!(log_softmax(&row)[1], log_softmax_at(&row, 1));
+    }
+
+    #[test]
+    fn comparison_of_known_distributions() {
+        let mut acc = ComparisonAccum::default();
+        // Reference (ln 3, 0) → p = (3/4, 1/4); model (0, 0) → q = (1/2, 1/2).
+        let reference = [3f32.ln(), 0.0];
+        acc.add(&[0.0, 0.0], &reference, 0);
+        let kl = 0.75 * (0.75f64 / 0.5).ln() + 0.25 * (0.25f64 / 0.5).ln();
+        let c = acc.finish();
+        assert!((c.kl - kl).abs() < 1e-7, "{} vs {kl}", c.kl);
+        assert!((c.perplexity - 2.0).abs() < 1e-12);
+        assert!((c.reference_perplexity - 4.0 / 3.0).abs() < 1e-6);
+        // argmax of a tie is the first token: both pick token 0.
+        assert_eq!(c.top1_agreement, 1.0);
+        acc.add(&[0.0, 1.0], &reference, 1);
+        let c = acc.finish();
+        assert_eq!(c.tokens, 2);
+        assert_eq!(c.top1_agreement, 0.5);
     }
 }
