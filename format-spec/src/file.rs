@@ -212,6 +212,9 @@ const VERIFY_CHUNK: usize = 1 << 20;
 /// extent (FORMAT.md §11.2). Returns the number of bytes checked; the error names the file and the
 /// first bad extent. `progress(done, total)` is called as bytes are checked.
 pub fn verify(path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<u64, FormatError> {
+    /// `(file offset, size)`, and what an extent is called with its own checksum.
+    type Extent = (u64, u64);
+    type NamedChecksum = (String, u64);
     let f = LsbFile::open(path)?;
     let mut reader = ChunkReader {
         file: File::open(path).map_err(|e| FormatError::io(path, e))?,
@@ -224,7 +227,7 @@ pub fn verify(path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<u64, Fo
     for s in &f.header.sections {
         // The section in pieces: (file offset, size) and, for a tensor or cluster extent, its name
         // and own checksum.
-        let mut pieces: Vec<((u64, u64), Option<(String, u64)>)> = Vec::new();
+        let mut pieces: Vec<(Extent, Option<NamedChecksum>)> = Vec::new();
         if s.kind == SectionKind::DenseData as u32 {
             for t in &f.dense.tensors {
                 let check = (format!("tensor {}", t.name), t.checksum);

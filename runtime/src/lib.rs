@@ -4,10 +4,10 @@
 
 pub mod bench;
 pub mod certify;
-pub mod chat;
-pub mod chat_template;
 #[cfg(target_os = "linux")]
 pub mod cgroup;
+pub mod chat;
+pub mod chat_template;
 pub mod config;
 pub mod demo;
 pub mod generate;

@@ -89,7 +89,8 @@ struct CommonArgs {
     /// leanstream ablation: refinement boosts and adds reads but never cancels them.
     #[arg(long)]
     no_cancel: bool,
-    /// powerinfer2: the pinned hot set as a fraction (0-1) of the neuron cache.
+    /// powerinfer2 and leanstream: the pinned hot set as a fraction (0-1) of the neuron cache
+    /// (defaults 1.0 and 0.5).
     #[arg(long)]
     hot_fraction: Option<f32>,
     /// llm-in-flash: the window k in tokens.

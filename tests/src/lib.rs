@@ -1,7 +1,7 @@
 //! Independent correctness harness: tiny random HF models and an f64 reference forward.
 
-pub mod converted;
 pub mod cli;
+pub mod converted;
 pub mod reference;
 pub mod tiny;
 

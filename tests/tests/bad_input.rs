@@ -227,6 +227,7 @@ fn zeroed_pages_are_caught_everywhere() {
 fn a_newer_format_version_is_refused_with_the_fix() {
     let path = damaged("v2.lsb", |b| {
         b[8..10].copy_from_slice(&2u16.to_le_bytes());
+        b[10..12].copy_from_slice(&0u16.to_le_bytes());
         let sum = checksum(&b[..PAGE as usize - 8]);
         b[PAGE as usize - 8..PAGE as usize].copy_from_slice(&sum.to_le_bytes());
     });

@@ -160,7 +160,8 @@ fn session_options(job: &Job) -> Result<SessionOptions> {
 
 fn read_trace(path: &Path) -> Result<ActiveTrace> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    serde_json::from_slice(&bytes).with_context(|| format!("{} is not an active trace", path.display()))
+    serde_json::from_slice(&bytes)
+        .with_context(|| format!("{} is not an active trace", path.display()))
 }
 
 fn execute(job: &Job) -> Result<Outcome> {

@@ -111,12 +111,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let warmup = args.warmup;
     bar.set_message("resident: the token sequence");
     let generated = runner.execute(
-            &Variant::new(PolicyChoice::Resident),
-            None,
-            Task::Generate {
-                tokens: warmup + args.tokens as usize,
-            },
-        )?;
+        &Variant::new(PolicyChoice::Resident),
+        None,
+        Task::Generate {
+            tokens: warmup + args.tokens as usize,
+        },
+    )?;
     if let Some(e) = generated.error {
         bail!("the resident policy cannot run this model: {e}");
     }

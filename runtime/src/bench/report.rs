@@ -90,12 +90,12 @@ pub fn summarise(runs: &[Run]) -> Summary {
     let mut budgets: Vec<u64> = runs.iter().filter_map(|r| r.memory_budget_bytes).collect();
     budgets.sort_unstable();
     budgets.dedup();
-    let at = |label: &str, b: u64| {
-        runs.iter()
-            .find(|r| r.label == label && r.memory_budget_bytes == Some(b))
-    };
+    // Runs that could not start under their budget have no figures to compare.
+    let ran = || runs.iter().filter(|r| r.error.is_none());
+    let at =
+        |label: &str, b: u64| ran().find(|r| r.label == label && r.memory_budget_bytes == Some(b));
     let best_prior_at = |b: u64| {
-        runs.iter()
+        ran()
             .filter(|r| r.memory_budget_bytes == Some(b) && PRIOR.contains(&r.policy.as_str()))
             .max_by(|x, y| x.tokens_per_s.total_cmp(&y.tokens_per_s))
     };
@@ -109,7 +109,7 @@ pub fn summarise(runs: &[Run]) -> Summary {
             if let Some(o) = oracle {
                 // Predicted policies skip active neurons, so they may read and compute less than
                 // the exact oracle; mmap's bytes are the kernel's, not comparable per read.
-                for r in runs.iter().filter(|r| {
+                for r in ran().filter(|r| {
                     r.memory_budget_bytes == Some(b)
                         && r.exact
                         && r.policy != "oracle"
@@ -141,8 +141,7 @@ pub fn summarise(runs: &[Run]) -> Summary {
             }
         })
         .collect();
-    let best = runs
-        .iter()
+    let best = ran()
         .filter(|r| r.memory_budget_bytes.is_some() && PRIOR.contains(&r.policy.as_str()))
         .max_by(|x, y| x.tokens_per_s.total_cmp(&y.tokens_per_s));
     let curve: Vec<(u64, f64)> = budgets

@@ -11,10 +11,11 @@ use super::engine::{above, predictor_scores, Core, Refine, SPECULATIVE_MAX};
 use super::schedule::{hot_order, pin_hottest, Schedule};
 use super::tuning::Tuning;
 
-/// Share of the neuron cache pinned with the profile's hottest clusters.
-const HOT_FRACTION: f64 = 0.5;
+/// Share of the neuron cache pinned with the profile's hottest clusters (`--hot-fraction`).
+const HOT_FRACTION: f32 = 0.5;
 
 pub(super) struct Leanstream {
+    hot_fraction: f32,
     lookahead: bool,
     refine: bool,
     cancel: bool,
@@ -25,6 +26,7 @@ pub(super) struct Leanstream {
 impl Leanstream {
     pub fn new(tuning: &Tuning, layers: usize) -> Self {
         Self {
+            hot_fraction: tuning.hot_fraction.unwrap_or(HOT_FRACTION),
             lookahead: tuning.lookahead,
             refine: tuning.refine,
             cancel: tuning.cancel,
@@ -69,7 +71,7 @@ impl Leanstream {
 
 impl Schedule for Leanstream {
     fn warm(&mut self, core: &mut Core) -> Result<()> {
-        let limit = (core.cache.capacity() as f64 * HOT_FRACTION) as u64;
+        let limit = (core.cache.capacity() as f64 * self.hot_fraction as f64) as u64;
         pin_hottest(core, &hot_order(core), limit)?;
         Ok(())
     }

@@ -17,7 +17,8 @@ pub struct Tuning {
     pub refine: bool,
     /// leanstream: refinement may cancel reads (`--no-cancel` keeps boosting and adding only).
     pub cancel: bool,
-    /// powerinfer2: the pinned hot set as a fraction of the neuron cache (`--hot-fraction`).
+    /// powerinfer2 and leanstream: the pinned hot set as a fraction of the neuron cache
+    /// (`--hot-fraction`).
     pub hot_fraction: Option<f32>,
     /// llm-in-flash: the window k in tokens (`--window`).
     pub window: Option<usize>,
