@@ -21,7 +21,8 @@ const COLOURS: [&str; 10] = [
 
 /// Writes the plot to `path` (through a temporary name, so a failed write leaves no half file).
 pub fn write(path: &Path, runs: &[Run], model: &Path) -> Result<()> {
-    let svg = render(runs, &model.display().to_string());
+    let name = model.file_name().unwrap_or(model.as_os_str());
+    let svg = render(runs, &name.to_string_lossy());
     let tmp = path.with_extension("svg.tmp");
     std::fs::write(&tmp, svg).with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))

@@ -8,8 +8,9 @@ use crate::memory_size::format_size;
 /// Policies that reproduce published prior systems.
 const PRIOR: [&str; 3] = ["mmap", "powerinfer2", "llm-in-flash"];
 
-/// Throughput ties within this factor are noise, not an oracle violation.
-const ORACLE_SLACK: f64 = 1.10;
+/// Throughput within this factor of the oracle's is timing noise on a shared machine, not a
+/// violation; bytes read are deterministic and are held to the oracle strictly.
+const ORACLE_SLACK: f64 = 1.25;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Run {

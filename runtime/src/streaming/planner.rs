@@ -114,10 +114,13 @@ impl MemorySplit {
 /// start-up), plus the tokenizer (its parsed form takes a few times its JSON size), plus slack for
 /// the allocator and the file's indexes while they are decoded.
 pub fn baseline_overhead(tokenizer_json_bytes: u64) -> u64 {
-    // Rounded up to whole MiB: the measured start-up RSS varies by ~100 KiB from run to run, and
-    // the minimum the planner states should not.
+    // The measured start-up RSS (about 5 MiB on x86-64 Linux) varies by ~100 KiB from run to run;
+    // a floor above it, and rounding up to whole MiB, keep the stated minimum — and so the cache
+    // two policies get from one budget — from moving with that noise.
     const MIB: u64 = 1 << 20;
-    (crate::memory::startup_rss_bytes() + 4 * tokenizer_json_bytes + 4 * MIB).div_ceil(MIB) * MIB
+    const STARTUP_FLOOR: u64 = 6 * MIB;
+    let startup = crate::memory::startup_rss_bytes().max(STARTUP_FLOOR);
+    (startup + 4 * tokenizer_json_bytes + 4 * MIB).div_ceil(MIB) * MIB
 }
 
 /// Activations of one prompt chunk and the logits.
