@@ -9,24 +9,9 @@ use std::sync::OnceLock;
 use leanstream::perplexity::{compare, perplexity};
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::streaming::Sparsity;
+use leanstream_tests::converted::{bin, convert, workspace};
 
 const WINDOW: usize = 64;
-
-/// The workspace's binaries, built by `cargo test --workspace` next to this test's directory.
-fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: run the tests with `cargo test --workspace`",
-        p.display()
-    );
-    p
-}
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 /// The embedded ReLU model converted with f32 bundles (so resident arithmetic is dense's).
 fn converted() -> &'static Path {
@@ -35,16 +20,11 @@ fn converted() -> &'static Path {
         let dir = std::env::temp_dir().join(format!("leanstream-quality-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("austen-f32.lsb");
-        let o = Command::new(bin("leanstream-prep"))
-            .arg("convert")
-            .arg(workspace().join("models/austen-relu"))
-            .arg("-o")
-            .arg(&out)
-            .args(["--quant", "f32", "--calib-tokens", "2048", "--epochs", "2"])
-            .args(["--cluster-kib", "8", "--json"])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        convert(
+            &workspace().join("models/austen-relu"),
+            &out,
+            &["--quant", "f32"],
+        );
         out
     })
 }
