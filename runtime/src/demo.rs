@@ -68,7 +68,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let (file, converted_now) = converted_file(&model)?;
     let split = memory_split(&file, CTX)?;
     let minimum = split.fixed();
-    let budget = args.memory.unwrap_or(minimum + split.ffn_total / 4);
+    let budget = args.memory.unwrap_or(split.budget_for_ffn_share(0.25));
     let flash = FlashProfile::from_flash_arg(&args.flash)?;
     let opts = GenerateOptions {
         max_tokens: args.n_tokens as usize,

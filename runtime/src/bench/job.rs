@@ -14,6 +14,7 @@ use crate::kv_cache::KvCache;
 use crate::memory::peak_rss_bytes;
 use crate::neuron_cache::Retention;
 use crate::perplexity::log_softmax;
+use crate::sampler::argmax;
 use crate::session::{PolicyChoice, Session, SessionOptions};
 use crate::storage::FlashProfile;
 use crate::streaming::{ActiveTrace, Sparsity, Tuning};
@@ -190,7 +191,7 @@ fn execute(job: &Job) -> Result<Outcome> {
                 if cache.len() >= job.ctx {
                     bail!("the bench sequence does not fit in --ctx {}", job.ctx);
                 }
-                let next = argmax(&logits) as u32;
+                let next = argmax(&logits);
                 generated.push(next);
                 logits = model.forward(&[next], &mut cache, false)?;
             }
@@ -268,14 +269,6 @@ fn timing(times: &[f64]) -> Outcome {
         ms_per_token_p99: pct(0.99),
         ..Default::default()
     }
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
-        .map(|(i, _)| i)
-        .unwrap_or(0)
 }
 
 /// Writes the reference's log-softmax rows, or compares each step with them (KL and top-1).

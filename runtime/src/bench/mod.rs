@@ -199,7 +199,7 @@ fn resolve_budgets(model: &Path, ctx: usize, specs: &[String]) -> Result<Vec<(u6
                     .with_context(|| {
                         format!("--memory {spec}: write ffn:P% with P between 0 and 100")
                     })?;
-                let b = plan.fixed() + (plan.ffn_total as f64 * p / 100.0) as u64;
+                let b = plan.budget_for_ffn_share(p / 100.0);
                 (b, format!("{spec} ({})", format_size(b)))
             }
             None => {

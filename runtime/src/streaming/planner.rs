@@ -39,6 +39,11 @@ pub struct MemorySplit {
 }
 
 impl MemorySplit {
+    /// The budget that leaves `share` (0–1) of the FFN bundles to the neuron cache.
+    pub fn budget_for_ffn_share(&self, share: f64) -> u64 {
+        self.fixed() + (self.ffn_total as f64 * share) as u64
+    }
+
     pub fn fixed(&self) -> u64 {
         self.overhead
             + self.dense
