@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 
 use leanstream_tests::cli::{assert_clean_failure, bin, embedded_model};
 
+/// A conversion long enough (~15 s on a quiet machine) that every kill moment below falls inside it.
 fn start_convert(out: &Path) -> Child {
     Command::new(bin("leanstream-prep"))
         .arg("convert")
         .arg(embedded_model())
         .arg("-o")
         .arg(out)
-        .args(["--calib-tokens", "4096", "--epochs", "2", "--json"])
+        .args(["--calib-tokens", "16384", "--epochs", "8", "--json"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
