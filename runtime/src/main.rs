@@ -90,7 +90,7 @@ struct CommonArgs {
     #[arg(long)]
     no_cancel: bool,
     /// powerinfer2 and leanstream: the pinned hot set as a fraction (0-1) of the neuron cache
-    /// (defaults 1.0 and 0.5).
+    /// (defaults 1.0 and 0; leanstream fills the rest from the profile too, unpinned).
     #[arg(long)]
     hot_fraction: Option<f32>,
     /// llm-in-flash: the window k in tokens.

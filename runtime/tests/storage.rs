@@ -363,6 +363,33 @@ fn cancel_prevents_the_read() {
 }
 
 #[test]
+fn background_reads_leave_slots_to_urgent_ones() {
+    // A slow device (100 ms per read, 8 slots) so that nothing completes during the test.
+    let (path, _) = data_file();
+    let slow =
+        "name = \"slow\"\nlatency_us = 100000\niops_4k = 10\nbandwidth_mb_s = 1\nqueue_depth = 8\n";
+    let profile = FlashProfile::from_toml(slow).unwrap();
+    let queue = IoQueue::new(Arc::new(FlashModel::open(path, profile).unwrap()));
+    queue.limit_background(100, 2);
+    let guesses: Vec<_> = (0..6u64).map(|i| queue.submit(page(i), PAGE, 1)).collect();
+    let urgent: Vec<_> = (0..3u64)
+        .map(|i| queue.submit(page(10 + i), PAGE, 100))
+        .collect();
+    // Two guesses went to the device; the other four still wait and can be withdrawn; the
+    // urgent reads found free slots at once although guesses were queued first.
+    let cancelled = guesses.iter().filter(|&&t| queue.cancel(t)).count();
+    assert_eq!(cancelled, 4);
+    assert!(
+        urgent.iter().all(|&t| !queue.cancel(t)),
+        "urgent reads were issued"
+    );
+    for t in urgent.into_iter().chain(guesses[..2].iter().copied()) {
+        queue.wait(t).unwrap();
+    }
+    assert_eq!(queue.stats().device_reads, 5);
+}
+
+#[test]
 fn boost_reorders() {
     let device = TestDevice::new(64);
     let (queue, blocker) = blocked_queue(&device);

@@ -119,6 +119,8 @@ struct State {
     busy: BusyClock,
     /// Device reads kept for a timeline, when asked for.
     spans: Option<Vec<ReadSpan>>,
+    /// Reads below this priority are background: at most `.1` of them hold slots at once.
+    background: Option<(u32, usize)>,
 }
 
 struct Request {
@@ -148,6 +150,8 @@ struct Slot {
     reading: bool,
     /// When the slot's latest read completes (or completed).
     free_at: Instant,
+    /// The slot's latest read was a background read.
+    background: bool,
 }
 
 impl IoQueue {
@@ -158,6 +162,7 @@ impl IoQueue {
         let free = Slot {
             reading: false,
             free_at: now,
+            background: false,
         };
         let shared = Arc::new(Shared {
             timed: device.models_time(),
@@ -174,6 +179,7 @@ impl IoQueue {
                 stats: IoStats::default(),
                 busy: BusyClock::default(),
                 spans: None,
+                background: None,
             }),
             work: Condvar::new(),
             done: Condvar::new(),
@@ -225,6 +231,14 @@ impl IoQueue {
         let ticket = st.insert(offset, buf.len(), Some(buf), priority, now);
         self.shared.kick(st);
         ticket
+    }
+
+    /// Lets reads below priority `below` (guesses, such as speculative reads) hold at most
+    /// `slots` device slots at once; the others stay queued, where they can still be cancelled,
+    /// and reads at or above `below` never find every slot taken by guesses.
+    pub fn limit_background(&self, below: u32, slots: usize) {
+        let mut st = self.shared.lock();
+        st.background = Some((below, slots.max(1)));
     }
 
     /// Withdraws a read that has not been issued yet; it will never be. False if it was already
@@ -378,14 +392,42 @@ impl State {
         Ticket(id)
     }
 
-    /// The free slot that frees first, with when it does; `None` if every slot is mid-read.
+    /// The slot the next pending read goes to, and from when: the free slot that frees first,
+    /// or for a background read, later if need be, once fewer background reads than allowed hold
+    /// slots. `None` if every slot (or every background allowance) is mid-read.
     fn free_slot(&self) -> Option<(usize, Instant)> {
-        self.slots
+        let (slot, free_at) = self
+            .slots
             .iter()
             .enumerate()
             .filter(|(_, s)| !s.reading)
             .min_by_key(|(_, s)| s.free_at)
-            .map(|(i, s)| (i, s.free_at))
+            .map(|(i, s)| (i, s.free_at))?;
+        let (Some((below, allowed)), Some(top)) = (self.background, self.pending.top_priority())
+        else {
+            return Some((slot, free_at));
+        };
+        if top >= below {
+            return Some((slot, free_at));
+        }
+        // Background reads holding slots after `free_at`, latest end first.
+        let mut ends: Vec<Option<Instant>> = self
+            .slots
+            .iter()
+            .filter(|s| s.background && (s.reading || s.free_at > free_at))
+            .map(|s| (!s.reading).then_some(s.free_at))
+            .collect();
+        if ends.len() < allowed {
+            return Some((slot, free_at));
+        }
+        // Reading slots (end unknown) sort first; the allowed-th latest end opens the way.
+        ends.sort_by(|a, b| match (a, b) {
+            (None, None) => std::cmp::Ordering::Equal,
+            (None, _) => std::cmp::Ordering::Less,
+            (_, None) => std::cmp::Ordering::Greater,
+            (Some(a), Some(b)) => b.cmp(a),
+        });
+        ends[allowed - 1].map(|at| (slot, at.max(free_at)))
     }
 
     /// Whether pending work needs a worker woken: a slot is free now, or one frees later and no
@@ -514,10 +556,15 @@ impl Shared {
         free_at: Instant,
         now: Instant,
     ) -> MutexGuard<'a, State> {
+        let background = match (st.background, st.pending.top_priority()) {
+            (Some((below, _)), Some(top)) => top < below,
+            _ => false,
+        };
         let run = st
             .pending
             .pop_run(MAX_MERGE_BYTES)
             .expect("pending is not empty");
+        st.slots[slot].background = background;
         let mut arrival = free_at;
         let mut given = Vec::with_capacity(run.parts.len());
         for (id, _) in &run.parts {
@@ -583,6 +630,7 @@ impl Shared {
             st.slots[slot] = Slot {
                 reading: false,
                 free_at: finished,
+                background: false,
             };
         }
         let at = (completes > finished).then_some(completes);

@@ -70,6 +70,11 @@ impl PendingSet {
         self.entries.is_empty()
     }
 
+    /// The priority of the read that [`PendingSet::pop_run`] would take next.
+    pub fn top_priority(&self) -> Option<u32> {
+        self.by_priority.first().map(|&(Reverse(p), _)| p)
+    }
+
     /// Takes the most urgent read and every pending read that extends it end to end, forwards
     /// then backwards, while the run stays within `max_len` bytes.
     pub fn pop_run(&mut self, max_len: usize) -> Option<Run> {

@@ -20,7 +20,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::file::check_extent;
-use leanstream_format::predictor::{normalise_input, Predictor};
 use leanstream_format::quant::QuantType;
 use leanstream_format::FormatError;
 
@@ -34,6 +33,7 @@ use crate::storage::{AlignedBuf, IoQueue, Ticket};
 use super::metrics::Metrics;
 use super::mmap::Mapping;
 use super::plan::LayerPlan;
+use super::predict::{above, predictor_scores};
 use super::schedule::Schedule;
 use super::trace::ActiveTrace;
 
@@ -91,6 +91,11 @@ pub(super) struct Core {
     /// Bytes of reads in flight; reads ahead stop at `io_budget`.
     in_flight: u64,
     pub io_budget: u64,
+    /// Read buffers done with, kept (up to `io_budget` bytes) for the next reads of their size:
+    /// a fresh buffer costs a mapping, a fault per page and an unmapping, which here made up a
+    /// third of the CPU time a read costs.
+    spare: Vec<AlignedBuf>,
+    spare_bytes: u64,
     pub metrics: Metrics,
 }
 
@@ -110,10 +115,32 @@ impl Core {
             return false;
         }
         let cl = self.plans[key.0 as usize].clusters[key.1 as usize];
-        let ticket = self.io.submit(cl.offset, cl.size as usize, priority);
+        let ticket = match self.spare.iter().position(|b| b.len() as u64 == cl.size) {
+            Some(i) => {
+                let buf = self.spare.swap_remove(i);
+                self.spare_bytes -= cl.size;
+                self.io.submit_into(buf, cl.offset, priority)
+            }
+            None => self.io.submit(cl.offset, cl.size as usize, priority),
+        };
         self.pending.insert(key, (ticket, cl.size));
         self.in_flight += cl.size;
         true
+    }
+
+    /// Offers a cluster just read to the cache; what the cache declines or evicts is recycled.
+    pub fn offer(&mut self, key: ClusterKey, bytes: Bytes) -> bool {
+        let declined = self.cache.offer(key, bytes);
+        let kept = declined.is_none();
+        for b in declined.into_iter().chain(self.cache.take_evicted()) {
+            if let Bytes::Read(buf) = b {
+                if self.spare_bytes + buf.len() as u64 <= self.io_budget {
+                    self.spare_bytes += buf.len() as u64;
+                    self.spare.push(buf);
+                }
+            }
+        }
+        kept
     }
 
     /// Reads a cluster now (warming the cache at start-up), checking its checksum.
@@ -196,7 +223,7 @@ impl Core {
                     self.metrics.wasted_reads += 1;
                     if let Ok(buf) = done {
                         if self.check_cluster(l, key.1 as usize, &buf).is_ok() {
-                            let _ = self.cache.offer(key, Bytes::Read(buf));
+                            self.offer(key, Bytes::Read(buf));
                         }
                     }
                 }
@@ -247,6 +274,8 @@ impl StreamEngine {
                 pending: HashMap::new(),
                 in_flight: 0,
                 io_budget,
+                spare: Vec::new(),
+                spare_bytes: 0,
                 metrics: Metrics::default(),
             },
             schedule,
@@ -314,6 +343,7 @@ impl StreamEngine {
         let n = plan.cluster_of.len();
         let clusters = plan.clusters.len();
         // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
+        let select_start = Instant::now();
         let operand = Operand::new(x, QuantType::Q8_0);
         // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
         let own = above(&predictor_scores(&plan.own, x), plan.own.threshold);
@@ -329,6 +359,7 @@ impl StreamEngine {
             (None, Sparsity::Certified) => certified_candidates(plan, &operand),
             (None, Sparsity::Predicted) => own.clone(),
         };
+        self.core.metrics.select_s += select_start.elapsed().as_secs_f64();
         let needed: Vec<usize> = (0..clusters)
             .filter(|&ci| {
                 let cl = plan.clusters[ci];
@@ -395,7 +426,9 @@ impl StreamEngine {
         let load_first = self.schedule.load_then_compute();
         for &i in &missing {
             let key = (l as u32, needed[i] as u32);
+            let t = Instant::now();
             landed.push((i, core.take(key)?));
+            core.metrics.stall_s += t.elapsed().as_secs_f64();
             if load_first && landed.len() < missing.len() {
                 continue;
             }
@@ -414,8 +447,8 @@ impl StreamEngine {
                     &mut gates,
                 )?;
                 compute_s += t.elapsed().as_secs_f64();
-                // A cluster the cache declines is simply dropped after use.
-                let _ = core.cache.offer((l as u32, ci as u32), Bytes::Read(buf));
+                // A cluster the cache declines goes back to the spare buffers.
+                core.offer((l as u32, ci as u32), Bytes::Read(buf));
             }
         }
         core.metrics.compute_s += compute_s;
@@ -444,21 +477,11 @@ impl StreamEngine {
         let mut used = Vec::new();
         for &ci in needed {
             let cl = plan.clusters[ci];
-            let (mut mag, mut count) = (0.0f32, 0);
-            for p in cl.first..cl.first + cl.count {
-                if computed[p] {
-                    mag += act.apply(gates[p]).abs();
-                    count += 1;
-                }
-            }
-            if count > 0 {
+            let active = computed[cl.first..cl.first + cl.count].contains(&true);
+            if active {
                 used.push(ci);
             }
-            self.core.cache.observe(
-                (l as u32, ci as u32),
-                count > 0,
-                if count > 0 { mag / count as f32 } else { 0.0 },
-            );
+            self.core.cache.observe((l as u32, ci as u32), active);
         }
         if let Some(rec) = &mut self.recording {
             rec.push(
@@ -583,11 +606,12 @@ fn certified_candidates(plan: &LayerPlan, x: &Operand) -> Vec<bool> {
     let (xq, dx) = (xq2.sqrt() as f32, d2.sqrt() as f32);
     let float_bundles = !plan.block_bundles();
     let slack = 4.0 * h as f32 * f32::EPSILON;
+    let norm = xq.max(x_norm(x.x));
     (0..n)
         .map(|p| {
             let (e, s) = (plan.sketch_err[p], plan.sketch_norm[p]);
             let w = s + e;
-            let mut beta = e * xq + slack * w * xq.max(x_norm(x.x));
+            let mut beta = e * xq + slack * w * norm;
             if float_bundles {
                 beta += w * dx;
             }
@@ -598,14 +622,4 @@ fn certified_candidates(plan: &LayerPlan, x: &Operand) -> Vec<bool> {
 
 fn x_norm(x: &[f32]) -> f32 {
     x.iter().map(|v| v * v).sum::<f32>().sqrt()
-}
-
-/// Which scores reach the threshold (a predictor's "active" set).
-pub(super) fn above(scores: &[f32], threshold: f32) -> Vec<bool> {
-    scores.iter().map(|&s| s >= threshold).collect()
-}
-
-/// A predictor's sigmoid scores for one input, RMS-normalised as in training.
-pub(super) fn predictor_scores(p: &Predictor, x: &[f32]) -> Vec<f32> {
-    p.scores(&normalise_input(x))
 }

@@ -30,7 +30,11 @@ pub struct Metrics {
     pub active_clusters: u64,
     pub active_cluster_hits: u64,
     pub active_uncached_bytes: u64,
+    /// Seconds computing bundles; choosing neurons (predictors, sketch bounds, speculation);
+    /// waiting for reads the computation needed.
     pub compute_s: f64,
+    pub select_s: f64,
+    pub stall_s: f64,
 }
 
 impl Metrics {
@@ -96,12 +100,18 @@ impl Metrics {
             wasted_reads: self.wasted_reads,
             late_reads: self.late_reads,
             io_busy_fraction: io_busy,
-            compute_busy_fraction: if wall_s > 0.0 {
-                self.compute_s / wall_s
-            } else {
-                0.0
-            },
+            compute_busy_fraction: ratio_s(self.compute_s, wall_s),
+            select_busy_fraction: ratio_s(self.select_s, wall_s),
+            io_wait_fraction: ratio_s(self.stall_s, wall_s),
         }
+    }
+}
+
+fn ratio_s(part: f64, wall: f64) -> f64 {
+    if wall > 0.0 {
+        part / wall
+    } else {
+        0.0
     }
 }
 
@@ -133,5 +143,9 @@ pub struct Summary {
     /// Clusters needed but neither resident nor requested when the FFN input was ready.
     pub late_reads: u64,
     pub io_busy_fraction: f64,
+    /// Shares of the wall time spent computing bundles, choosing neurons (predictors, sketch
+    /// bounds, speculation) and waiting for reads: what is left is attention, norms and the head.
     pub compute_busy_fraction: f64,
+    pub select_busy_fraction: f64,
+    pub io_wait_fraction: f64,
 }

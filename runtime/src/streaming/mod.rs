@@ -10,6 +10,7 @@ mod oracle;
 mod plan;
 pub mod planner;
 pub mod powerinfer2;
+mod predict;
 mod schedule;
 mod trace;
 mod tuning;

@@ -108,7 +108,7 @@ impl Schedule for Oracle {
             }
             core.cache.set_next_use(key, Some(first));
             let bytes = core.read_now(key)?;
-            if core.cache.offer(key, bytes).is_none() {
+            if core.offer(key, bytes) {
                 used += size;
             }
         }
