@@ -45,11 +45,21 @@ pub trait LanguageModel {
         cache: &mut KvCache,
         all_logits: bool,
     ) -> Result<Vec<f32>>;
+
+    /// Whether scoring a text should feed it one token at a time, as generation does, so that what
+    /// the model measures (bytes read, hit rates) is generation's rather than a prompt chunk's.
+    fn scores_by_decoding(&self) -> bool {
+        false
+    }
 }
 
 impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
     fn config(&self) -> &ModelConfig {
         (**self).config()
+    }
+
+    fn scores_by_decoding(&self) -> bool {
+        (**self).scores_by_decoding()
     }
 
     fn forward(

@@ -153,16 +153,23 @@ fn for_each_position(
         .iter()
         .map(|m| KvCache::new(m.config(), window))
         .collect();
+    // A streaming model reads each cluster once per prompt chunk; scored one token at a time, it
+    // reads what generation reads.
+    let chunk_len = if models.iter().any(|m| m.scores_by_decoding()) {
+        1
+    } else {
+        PROMPT_CHUNK
+    };
     for w in windows {
         caches.iter_mut().for_each(KvCache::clear);
-        for (c, chunk) in w.chunks(PROMPT_CHUNK).enumerate() {
+        for (c, chunk) in w.chunks(chunk_len).enumerate() {
             let logits = models
                 .iter_mut()
                 .zip(&mut caches)
                 .map(|(m, cache)| m.forward(chunk, cache, true))
                 .collect::<Result<Vec<_>>>()?;
             for i in 0..chunk.len() {
-                let next = c * PROMPT_CHUNK + i + 1;
+                let next = c * chunk_len + i + 1;
                 if next < w.len() {
                     let rows: Vec<&[f32]> = logits
                         .iter()

@@ -67,6 +67,67 @@ fn certified_streaming_equals_resident_at_every_budget() {
     }
 }
 
+/// Logits of `ids` fed as one prompt chunk, or one token at a time; and the bytes read.
+fn prefill(file: &Path, memory: Option<u64>, ids: &[u32], chunked: bool) -> (Vec<f32>, u64) {
+    let mut s = session(file, PolicyChoice::Leanstream, memory);
+    let read_before = s.io().map_or(0, |io| io.stats().bytes_read);
+    let model = s.model();
+    let mut cache = leanstream::kv_cache::KvCache::new(model.config(), 128);
+    let logits = if chunked {
+        model.forward(ids, &mut cache, true).unwrap()
+    } else {
+        ids.iter()
+            .flat_map(|&t| model.forward(&[t], &mut cache, true).unwrap())
+            .collect()
+    };
+    (logits, s.io().unwrap().stats().bytes_read - read_before)
+}
+
+#[test]
+fn a_prompt_chunk_reads_each_cluster_once_and_computes_what_decoding_does() {
+    let file = embedded("q8");
+    let ids = text_ids(&session(&file, PolicyChoice::Resident, None), 48);
+    let min = leanstream::streaming::minimum_memory(&file, 128).unwrap();
+    let (chunk, chunk_bytes) = prefill(&file, Some(min), &ids, true);
+    let (steps, step_bytes) = prefill(&file, Some(min), &ids, false);
+    let (resident, _) = prefill(&file, None, &ids, true);
+    let vocab = chunk.len() / ids.len();
+    let argmax = |row: &[f32]| leanstream::sampler::argmax(row);
+    let mut agree = 0;
+    for (i, ((c, d), r)) in chunk
+        .chunks(vocab)
+        .zip(steps.chunks(vocab))
+        .zip(resident.chunks(vocab))
+        .enumerate()
+    {
+        // The chunk's FFN rows are bitwise the resident policy's.
+        assert_eq!(
+            c, r,
+            "position {i}: chunked streaming differs from resident"
+        );
+        agree += (argmax(c) == argmax(d)) as usize;
+    }
+    // Attention and the head over a chunk round differently from one row at a time (up to 0.1
+    // apart in these logits, for the resident policy alike), so only the choices are compared.
+    assert!(
+        agree * 10 >= ids.len() * 9,
+        "{agree} of {} agree",
+        ids.len()
+    );
+    // Nothing is cached at the minimum: decoding reads most clusters for every token, the chunk
+    // reads each needed cluster once.
+    let ffn = leanstream_format::LsbFile::open(&file)
+        .unwrap()
+        .ffn
+        .bundle_bytes();
+    eprintln!("chunk {chunk_bytes} B, token by token {step_bytes} B, FFN {ffn} B");
+    assert!(chunk_bytes <= ffn, "{chunk_bytes} > {ffn}");
+    assert!(
+        step_bytes > 10 * chunk_bytes,
+        "{step_bytes} vs {chunk_bytes}"
+    );
+}
+
 #[test]
 fn certified_streaming_of_an_f32_file_equals_dense() {
     let file = embedded("f32");

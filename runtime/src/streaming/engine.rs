@@ -238,6 +238,21 @@ impl Core {
     }
 }
 
+/// What one token's layer needs, decided once its FFN input exists.
+struct Selection<'x> {
+    operand: Operand<'x>,
+    /// The layer's own predictor's set.
+    own: Vec<bool>,
+    /// Neurons to compute.
+    candidate: Vec<bool>,
+    /// Clusters holding a candidate, ascending.
+    needed: Vec<usize>,
+    /// The true active neurons, when a trace is known.
+    truth: Option<Vec<u32>>,
+    /// Per cluster: listed (needed or truly active) and in memory when the input was ready.
+    in_memory: Vec<bool>,
+}
+
 pub struct StreamEngine {
     core: Core,
     schedule: Box<dyn Schedule>,
@@ -337,13 +352,12 @@ impl StreamEngine {
         self.call_token += tokens;
     }
 
-    /// One token's FFN of layer `l`.
-    fn ffn_row(&mut self, l: usize, token: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
+    /// What layer `l` of `token` needs, from its FFN input `x`.
+    fn select<'x>(&mut self, l: usize, token: usize, x: &'x [f32]) -> Result<Selection<'x>> {
+        let start = Instant::now();
         let plan = &self.core.plans[l];
         let n = plan.cluster_of.len();
-        let clusters = plan.clusters.len();
         // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
-        let select_start = Instant::now();
         let operand = Operand::new(x, QuantType::Q8_0);
         // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
         let own = above(&predictor_scores(&plan.own, x), plan.own.threshold);
@@ -359,31 +373,114 @@ impl StreamEngine {
             (None, Sparsity::Certified) => certified_candidates(plan, &operand),
             (None, Sparsity::Predicted) => own.clone(),
         };
-        self.core.metrics.select_s += select_start.elapsed().as_secs_f64();
-        let needed: Vec<usize> = (0..clusters)
+        let needed: Vec<usize> = (0..plan.clusters.len())
             .filter(|&ci| {
                 let cl = plan.clusters[ci];
-                candidate[cl.first..cl.first + cl.count].iter().any(|&c| c)
+                candidate[cl.first..cl.first + cl.count].contains(&true)
             })
             .collect();
-        let mut is_needed = vec![false; clusters];
-        needed.iter().for_each(|&c| is_needed[c] = true);
         // What was in memory when the layer's input was ready, for the hit figures.
         let truth = self.truth.as_ref().map(|t| t.neurons(token, l).to_vec());
-        let mut listed = is_needed.clone();
+        let mut listed = vec![false; plan.clusters.len()];
+        needed.iter().for_each(|&c| listed[c] = true);
         for &p in truth.iter().flatten() {
             listed[plan.cluster_of[p as usize] as usize] = true;
         }
-        let in_memory: Vec<bool> = (0..clusters)
+        let in_memory: Vec<bool> = (0..listed.len())
             .map(|ci| listed[ci] && self.core.in_memory((l as u32, ci as u32)))
             .collect();
+        self.core.metrics.select_s += start.elapsed().as_secs_f64();
+        Ok(Selection {
+            operand,
+            own,
+            candidate,
+            needed,
+            truth,
+            in_memory,
+        })
+    }
+
+    /// One token's FFN of layer `l`.
+    fn ffn_row(&mut self, l: usize, token: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
+        let sel = self.select(l, token, x)?;
+        let mut is_needed = vec![false; self.core.plans[l].clusters.len()];
+        sel.needed.iter().for_each(|&c| is_needed[c] = true);
         self.core.refine(l, &is_needed, self.schedule.refine());
-        let (partial, gates) = self.compute(l, &needed, &candidate, &operand)?;
+        let (partial, gates) = self.compute(l, &sel.needed, &sel.candidate, &sel.operand)?;
         let h = x.len();
         for part in partial.chunks_exact(h) {
             out.iter_mut().zip(part).for_each(|(o, p)| *o += p);
         }
-        self.retain_and_measure(l, token, &needed, &gates, &own, truth, &in_memory)
+        self.retain_and_measure(l, token, &sel, &gates)
+    }
+
+    /// A prompt chunk's FFN of layer `l` (`x` holds one row per token): every cluster any row
+    /// needs is read once for the chunk — all requested at once, so that neighbours merge into
+    /// long sequential reads — and each is computed for the rows that need it. Each row still
+    /// adds its clusters in cluster order, so every row's output is bitwise what decoding that
+    /// token alone gives.
+    fn ffn_chunk(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
+        let h = self.core.plans[l].layout.hidden;
+        let first = self.call_token;
+        let mut selections = Vec::with_capacity(x.len() / h);
+        for (r, xr) in x.chunks_exact(h).enumerate() {
+            selections.push(self.select(l, first + r, xr)?);
+        }
+        let clusters = self.core.plans[l].clusters.len();
+        let mut is_needed = vec![false; clusters];
+        for sel in &selections {
+            sel.needed.iter().for_each(|&c| is_needed[c] = true);
+        }
+        self.core.refine(l, &is_needed, self.schedule.refine());
+        let n = self.core.plans[l].cluster_of.len();
+        let mut gates = vec![vec![f32::NAN; n]; selections.len()];
+        let mut part = vec![0.0f32; h];
+        let act = self.act;
+        for ci in (0..clusters).filter(|&ci| is_needed[ci]) {
+            let key = (l as u32, ci as u32);
+            let read = match self.core.resident(key) {
+                Some(_) => None,
+                None => {
+                    let t = Instant::now();
+                    let buf = self.core.take(key)?;
+                    self.core.metrics.stall_s += t.elapsed().as_secs_f64();
+                    Some(buf)
+                }
+            };
+            let core = &self.core;
+            let bytes = match &read {
+                Some(buf) => &buf[..],
+                None => core.resident(key).expect("resident"),
+            };
+            let t = Instant::now();
+            for (r, sel) in selections.iter().enumerate() {
+                if sel.needed.binary_search(&ci).is_err() {
+                    continue;
+                }
+                part.fill(0.0);
+                let plan = &core.plans[l];
+                compute_cluster(
+                    plan,
+                    act,
+                    ci,
+                    bytes,
+                    &sel.candidate,
+                    &sel.operand,
+                    &mut part,
+                    &mut gates[r],
+                )?;
+                let row = &mut out[r * h..(r + 1) * h];
+                row.iter_mut().zip(&part).for_each(|(o, p)| *o += p);
+            }
+            self.core.metrics.compute_s += t.elapsed().as_secs_f64();
+            if let Some(buf) = read {
+                self.core.offer(key, Bytes::Read(buf));
+            }
+        }
+        for (r, (sel, g)) in selections.iter().zip(&gates).enumerate() {
+            self.retain_and_measure(l, first + r, sel, g)?;
+        }
+        Ok(())
     }
 
     /// Computes the needed clusters: resident ones first, then reads as they land (or all reads
@@ -456,17 +553,14 @@ impl StreamEngine {
     }
 
     /// Tells the cache what was used, the policy what happened, and the metrics how it went.
-    #[allow(clippy::too_many_arguments)]
     fn retain_and_measure(
         &mut self,
         l: usize,
         token: usize,
-        needed: &[usize],
+        sel: &Selection,
         gates: &[f32],
-        own: &[bool],
-        truth: Option<Vec<u32>>,
-        in_memory: &[bool],
     ) -> Result<()> {
+        let (needed, own, in_memory) = (&sel.needed, &sel.own, &sel.in_memory);
         let plan = &self.core.plans[l];
         let threshold = plan.threshold;
         let act = self.act;
@@ -492,7 +586,7 @@ impl StreamEngine {
             );
         }
         // The truth: the trace's when known, else what was computed (complete unless predicted).
-        let active = match truth {
+        let active = match &sel.truth {
             Some(t) => {
                 let mut a = vec![false; computed.len()];
                 t.iter().for_each(|&p| a[p as usize] = true);
@@ -542,11 +636,11 @@ impl FfnBackend for StreamEngine {
     }
 
     fn ffn(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
-        let h = self.core.plans[l].layout.hidden;
-        for (r, (xr, or)) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)).enumerate() {
-            self.ffn_row(l, self.call_token + r, xr, or)?;
+        if x.len() == self.core.plans[l].layout.hidden {
+            self.ffn_row(l, self.call_token, x, out)
+        } else {
+            self.ffn_chunk(l, x, out)
         }
-        Ok(())
     }
 }
 

@@ -201,6 +201,10 @@ impl crate::model::LanguageModel for StreamingModel {
         self.model.config()
     }
 
+    fn scores_by_decoding(&self) -> bool {
+        true
+    }
+
     fn forward(
         &mut self,
         tokens: &[u32],
