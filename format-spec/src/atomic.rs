@@ -16,7 +16,8 @@ pub struct AtomicFile {
 }
 
 impl AtomicFile {
-    /// Creates the temporary file `.NAME.tmp-PID` in `dest`'s folder.
+    /// Creates the temporary file `.NAME.tmp-PID` in `dest`'s folder, first removing the ones
+    /// that writers of `dest` killed before they could clean up left behind.
     pub fn create(dest: &Path) -> Result<Self, FormatError> {
         let dir = match dest.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -25,11 +26,9 @@ impl AtomicFile {
         let name = dest.file_name().ok_or_else(|| {
             FormatError::invalid(format!("{} is not a file path", dest.display()))
         })?;
-        let tmp = dir.join(format!(
-            ".{}.tmp-{}",
-            name.to_string_lossy(),
-            std::process::id()
-        ));
+        let prefix = format!(".{}.tmp-", name.to_string_lossy());
+        remove_stale(&dir, &prefix);
+        let tmp = dir.join(format!("{prefix}{}", std::process::id()));
         let file = File::create(&tmp).map_err(|e| FormatError::io(&tmp, e))?;
         Ok(Self {
             file,
@@ -63,6 +62,30 @@ impl AtomicFile {
     }
 }
 
+/// Removes `dir/PREFIX<pid>` files whose process is gone (Linux: no `/proc/<pid>`). Those of
+/// live processes — another writer at work — stay; anything else in the folder is not touched.
+fn remove_stale(dir: &Path, prefix: &str) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// The error for an output that exists and may not be replaced.
 pub fn exists_error(dest: &Path) -> FormatError {
     FormatError::invalid(format!(
@@ -76,5 +99,31 @@ impl Drop for AtomicFile {
         if !self.committed {
             let _ = std::fs::remove_file(&self.tmp);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_killed_writers_leftover_goes_a_live_ones_stays() {
+        let dir = std::env::temp_dir().join(format!("atomic-stale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let dest = dir.join("out.lsb");
+        // PIDs never exceed 2^22 on Linux; PID 1 always runs.
+        let dead = dir.join(".out.lsb.tmp-99999999");
+        let live = dir.join(".out.lsb.tmp-1");
+        let other = dir.join(".other.lsb.tmp-99999999");
+        for f in [&dead, &live, &other] {
+            std::fs::write(f, b"partial").unwrap();
+        }
+        let mut out = AtomicFile::create(&dest).unwrap();
+        std::io::Write::write_all(out.file(), b"whole").unwrap();
+        out.commit(false).unwrap();
+        assert!(!dead.exists(), "a dead writer's leftover stays");
+        assert!(live.exists() && other.exists());
+        assert_eq!(std::fs::read(&dest).unwrap(), b"whole");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use leanstream_format::atomic::{exists_error, AtomicFile};
 use rand::{Rng, RngCore, SeedableRng};
 
 use crate::storage::{AlignedBuf, Device, DirectDevice, FlashProfile};
@@ -21,6 +22,9 @@ pub struct ProbeArgs {
     /// Write the measured profile to this TOML file (default: print it).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Replace the --out file if it exists.
+    #[arg(long)]
+    pub force: bool,
     /// Total measuring time in seconds, shared by the seven runs.
     #[arg(long, default_value_t = 8.0)]
     pub seconds: f64,
@@ -58,6 +62,9 @@ impl Measured {
 pub fn run(args: ProbeArgs) -> Result<()> {
     if !(args.seconds.is_finite() && args.seconds > 0.0) {
         bail!("--seconds must be a positive number");
+    }
+    if let Some(out) = args.out.as_ref().filter(|o| o.exists() && !args.force) {
+        return Err(exists_error(out).into());
     }
     let size = args.size_mib << 20;
     let file = TempFile::create(&args.dir, size)?;
@@ -117,8 +124,12 @@ pub fn run(args: ProbeArgs) -> Result<()> {
     let text = format!("{report}{}", profile.to_toml());
     match &args.out {
         Some(out) => {
-            std::fs::write(out, &text)
+            // Written under a temporary name and renamed (an existing file was refused above).
+            let mut file = AtomicFile::create(out)?;
+            file.file()
+                .write_all(text.as_bytes())
                 .with_context(|| format!("cannot write {}", out.display()))?;
+            file.commit(args.force)?;
             eprint!("{report}");
             eprintln!("profile written to {}", out.display());
         }

@@ -598,5 +598,18 @@ fn probe_flash_writes_a_loadable_profile() {
         })
         .count();
     assert_eq!(leftovers, 0, "the probe's temporary file was left behind");
+    // An existing profile is the user's: refused (before measuring) unless --force.
+    let again = std::process::Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .args(["probe-flash", env!("CARGO_TARGET_TMPDIR"), "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("already exists") && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(FlashProfile::load(&out).unwrap(), profile);
     std::fs::remove_file(&out).unwrap();
 }
