@@ -105,6 +105,9 @@ pub struct Outcome {
     pub report: serde_json::Value,
     /// Why the policy could not start under this budget (e.g. below its minimum).
     pub error: Option<String>,
+    /// `mmap` runs: the peak charge of the memory cgroup that enforced the budget (the process's
+    /// memory and the page cache it filled).
+    pub memory_group_peak_bytes: Option<u64>,
 }
 
 /// The `bench-worker` entry point: runs `job_path` and prints the outcome as JSON on stdout.

@@ -12,11 +12,12 @@ mod report;
 mod trace;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::cgroup::MemoryGroup;
 use crate::memory_size::{format_size, parse_size};
 use crate::session::PolicyChoice;
 use crate::tokenizer::Tokenizer;
@@ -329,11 +330,19 @@ impl Runner<'_> {
         std::fs::write(&path, serde_json::to_vec(&job)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
         let exe = std::env::current_exe().context("cannot locate the leanstream executable")?;
-        let out = Command::new(exe)
-            .arg("bench-worker")
-            .arg(&path)
-            .output()
-            .context("cannot start a bench worker")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("bench-worker").arg(&path);
+        let group = match memory {
+            Some(limit) if variant.policy == "mmap" => Some(self.memory_group(limit)?),
+            _ => None,
+        };
+        let out = match &group {
+            Some(g) => g
+                .spawn(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()))
+                .and_then(|child| child.wait_with_output()),
+            None => cmd.output(),
+        }
+        .context("cannot start a bench worker")?;
         self.bar.inc(1);
         let at = memory
             .map(format_size)
@@ -345,8 +354,28 @@ impl Runner<'_> {
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
-        serde_json::from_slice(&out.stdout)
-            .with_context(|| format!("the {} run at {at} printed no outcome", variant.label))
+        let mut outcome: Outcome = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("the {} run at {at} printed no outcome", variant.label))?;
+        if let Some(g) = &group {
+            outcome.memory_group_peak_bytes = Some(g.peak_bytes()?);
+        }
+        Ok(outcome)
+    }
+
+    /// The memory cgroup an `mmap` run gets as its budget, as llama.cpp would run on a phone: the
+    /// kernel charges the mapped file's page cache to it and reclaims at the limit. The file's
+    /// pages are dropped from the page cache first, so the run starts as cold as the streaming
+    /// policies, whose direct reads never find them there.
+    fn memory_group(&self, limit: u64) -> Result<MemoryGroup> {
+        crate::storage::page_cache::evict(&self.args.model).with_context(|| {
+            format!(
+                "cannot drop {} from the page cache",
+                self.args.model.display()
+            )
+        })?;
+        MemoryGroup::create(limit).context(
+            "--policy mmap needs a memory cgroup to hold it to its budget (cgroup v1 memory controller, writable by this user); leave mmap out of --policy",
+        )
     }
 }
 

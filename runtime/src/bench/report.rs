@@ -26,6 +26,8 @@ pub struct Run {
     pub reads_per_token: f64,
     pub cache_hit_rate: Option<f64>,
     pub peak_rss_bytes: Option<u64>,
+    /// `mmap`: the peak of the memory cgroup holding it to the budget (page cache included).
+    pub memory_group_peak_bytes: Option<u64>,
     pub kl_vs_dense: Option<f64>,
     pub top1_vs_dense: Option<f64>,
     /// Everything the engine reported (memory split, predictor recall, late reads...).
@@ -49,6 +51,7 @@ impl Run {
             reads_per_token: num("reads_per_token").unwrap_or(0.0),
             cache_hit_rate: num("cache_hit_rate"),
             peak_rss_bytes: o.peak_rss_bytes,
+            memory_group_peak_bytes: o.memory_group_peak_bytes,
             kl_vs_dense: o.kl_vs_dense,
             top1_vs_dense: o.top1_vs_dense,
             details: o.report,
