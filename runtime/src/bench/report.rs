@@ -8,8 +8,10 @@ use crate::memory_size::format_size;
 /// Policies that reproduce published prior systems.
 const PRIOR: [&str; 3] = ["mmap", "powerinfer2", "llm-in-flash"];
 
-/// Throughput within this factor of the oracle's is timing noise on a shared machine, not a
-/// violation; bytes read are deterministic and are held to the oracle strictly.
+/// Throughput beyond this factor of the oracle's is worth a note. It is not a violation: each run
+/// is one process, timed once, so load from other processes moves it, and at equal bytes what
+/// separates two exact policies is bookkeeping CPU that the oracle's bound does not count. Bytes
+/// read are deterministic and are held to the oracle strictly.
 const ORACLE_SLACK: f64 = 1.25;
 
 #[derive(Debug, Clone, Serialize)]
@@ -86,8 +88,10 @@ pub struct Summary {
     /// matches at the smallest budget measured.
     pub memory_ratio: Option<f64>,
     pub memory_ratio_is_lower_bound: bool,
-    /// Runs that beat the oracle (throughput beyond noise, or fewer bytes read).
+    /// Exact runs that read fewer bytes than the oracle: a bug in one of them.
     pub oracle_violations: Vec<String>,
+    /// Exact runs faster than the oracle by more than the slack (see [`ORACLE_SLACK`]).
+    pub faster_than_oracle: Vec<String>,
 }
 
 pub fn summarise(runs: &[Run]) -> Summary {
@@ -104,6 +108,7 @@ pub fn summarise(runs: &[Run]) -> Summary {
             .max_by(|x, y| x.tokens_per_s.total_cmp(&y.tokens_per_s))
     };
     let mut violations = Vec::new();
+    let mut faster = Vec::new();
     let per_budget: Vec<AtBudget> = budgets
         .iter()
         .map(|&b| {
@@ -119,18 +124,19 @@ pub fn summarise(runs: &[Run]) -> Summary {
                         && r.policy != "oracle"
                         && r.policy != "mmap"
                 }) {
-                    if r.tokens_per_s > o.tokens_per_s * ORACLE_SLACK
-                        || r.bytes_read_per_token < o.bytes_read_per_token * 0.99
-                    {
-                        violations.push(format!(
-                            "{} at {}: {:.1} tok/s, {:.0} B/token vs the oracle's {:.1} tok/s, {:.0} B/token",
-                            r.label,
-                            format_size(b),
-                            r.tokens_per_s,
-                            r.bytes_read_per_token,
-                            o.tokens_per_s,
-                            o.bytes_read_per_token
-                        ));
+                    let line = format!(
+                        "{} at {}: {:.1} tok/s, {:.0} B/token vs the oracle's {:.1} tok/s, {:.0} B/token",
+                        r.label,
+                        format_size(b),
+                        r.tokens_per_s,
+                        r.bytes_read_per_token,
+                        o.tokens_per_s,
+                        o.bytes_read_per_token
+                    );
+                    if r.bytes_read_per_token < o.bytes_read_per_token * 0.99 {
+                        violations.push(line);
+                    } else if r.tokens_per_s > o.tokens_per_s * ORACLE_SLACK {
+                        faster.push(line);
                     }
                 }
             }
@@ -162,6 +168,7 @@ pub fn summarise(runs: &[Run]) -> Summary {
         memory_ratio: matched.zip(best_memory).map(|(m, p)| p as f64 / m.0 as f64),
         memory_ratio_is_lower_bound: matched.is_some_and(|m| m.1),
         oracle_violations: violations,
+        faster_than_oracle: faster,
     }
 }
 
