@@ -15,22 +15,9 @@ rounds="${3:-5}"
 threads="${4:-1 2}"
 prompt="The capital of France is"
 
-if ! python3 -c "import llama_cpp" 2>/dev/null; then
-    # Not a native build: on CPUs with AMX that one routes Q4 matrices through AMX, which crashes
-    # (segfault in decode) in this project's VMs. The SIMD levels are those of this CPU.
-    flags="-DGGML_NATIVE=OFF"
-    for f in avx avx2 fma f16c avx512f avx512_vnni avx512_bf16 avx512vbmi; do
-        if grep -qw "$f" /proc/cpuinfo; then
-            case $f in
-                avx512f) flags+=" -DGGML_AVX512=ON" ;;
-                avx512vbmi) flags+=" -DGGML_AVX512_VBMI=ON" ;;
-                *) flags+=" -DGGML_${f^^}=ON" ;;
-            esac
-        fi
-    done
-    echo "installing llama-cpp-python (builds llama.cpp: $flags) ..." >&2
-    CMAKE_ARGS="$flags" pip install --quiet llama-cpp-python >&2
-fi
+# shellcheck source=lib/llamacpp.sh
+source "$root/scripts/lib/llamacpp.sh"
+install_llamacpp
 (cd "$root" && cargo build --release -q -p leanstream)
 leanstream="$root/target/release/leanstream"
 
@@ -40,28 +27,6 @@ leanstream_rate() {
         python3 -c 'import json, sys; print(json.load(sys.stdin)["tokens_per_s"])'
 }
 
-# Same measure as leanstream's tokens_per_s: decode steps after the first generated token.
-llamacpp_rate() {
-    python3 - "$model" "$prompt" "$tokens" "$1" <<'EOF'
-import sys, time
-import numpy as np
-from llama_cpp import Llama
-
-path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-vocab = llm.n_vocab()
-def next_token():
-    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
-llm.eval(llm.tokenize(prompt.encode(), add_bos=True))
-tok = next_token()
-start = time.perf_counter()
-for _ in range(n - 1):
-    llm.eval([tok])
-    tok = next_token()
-print((n - 1) / (time.perf_counter() - start))
-EOF
-}
-
 median() { sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 
 tmp="$(mktemp -d)"
@@ -69,7 +34,7 @@ trap 'rm -rf "$tmp"' EXIT
 for ((r = 1; r <= rounds; r++)); do
     for t in $threads; do
         leanstream_rate "$t" >> "$tmp/leanstream.$t"
-        llamacpp_rate "$t" >> "$tmp/llamacpp.$t"
+        llamacpp_rate "$model" "$prompt" "$tokens" "$t" >> "$tmp/llamacpp.$t"
     done
 done
 

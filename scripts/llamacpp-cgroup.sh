@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# llama.cpp (mmap) and leanstream (streaming) on the same real model, each inside the same memory
+# cgroup limit, reading the real disk from a cold page cache: the limit runs from 100 % down to
+# 60 % of llama.cpp's own unconstrained peak (its process memory plus the page cache it fills,
+# which the kernel charges to the group). Prints tokens/s of both and their ratio at each limit.
+#
+# usage: scripts/llamacpp-cgroup.sh [MODEL.gguf] [TOKENS=32] [THREADS=1] [CONVERT_ARGS...]
+# MODEL defaults to SmolLM2-135M-Instruct Q4_1 (scripts/fetch-smollm2.sh); leanstream runs the file
+# `leanstream-prep convert MODEL CONVERT_ARGS` writes (default: --quant q4 --sparsity
+# threshold:0.3, the least lossy sparsity measured on SmolLM2). Needs a writable cgroup v1 memory
+# controller (as the test suite's memory_cgroup test does); installs llama-cpp-python if missing.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+model="${1:-$("$root/scripts/fetch-smollm2.sh")}"
+tokens="${2:-32}"
+threads="${3:-1}"
+shift $(($# < 3 ? $# : 3))
+convert_args=("$@")
+[[ ${#convert_args[@]} -gt 0 ]] || convert_args=(--quant q4 --sparsity threshold:0.3)
+prompt="The capital of France is"
+
+# shellcheck source=lib/llamacpp.sh
+source "$root/scripts/lib/llamacpp.sh"
+install_llamacpp
+(cd "$root" && cargo build --release -q -p leanstream -p leanstream-prep)
+leanstream="$root/target/release/leanstream"
+
+tmp="$(mktemp -d)"
+groups=()
+cleanup() {
+    for g in "${groups[@]}"; do rmdir "$g" 2>/dev/null || true; done
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
+lsb="$tmp/model.lsb"
+"$root/target/release/leanstream-prep" convert "$model" -o "$lsb" "${convert_args[@]}" >&2
+
+# This process's v1 memory group, under which the limited groups are made.
+mount="$(awk '{ for (i = 7; i < NF; i++) if ($i == "-") { if ($(i + 1) == "cgroup" && $NF ~ /(^|,)memory(,|$)/) print $5; break } }' /proc/self/mountinfo | head -1)"
+own="$(awk -F: '$2 ~ /(^|,)memory(,|$)/ { print $3; exit }' /proc/self/cgroup)"
+parent="$mount$own"
+[[ -n "$mount" && -w "$parent" ]] || { echo "no writable cgroup v1 memory controller" >&2; exit 1; }
+
+# new_group LIMIT: a fresh group with that limit (0 = none); prints its path.
+new_group() {
+    local g="$parent/leanstream-llamacpp-$$-${#groups[@]}"
+    mkdir "$g"
+    if [[ "$1" -gt 0 ]]; then
+        echo "$1" > "$g/memory.limit_in_bytes"
+        [[ -e "$g/memory.memsw.limit_in_bytes" ]] && echo "$1" > "$g/memory.memsw.limit_in_bytes"
+    fi
+    echo "$g"
+}
+
+# cold FILE: drop FILE's pages from the page cache.
+cold() {
+    python3 -c 'import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)' "$1"
+}
+
+# in_group GROUP CMD...: runs CMD inside GROUP.
+in_group() {
+    local g="$1"
+    shift
+    (echo "$BASHPID" > "$g/cgroup.procs" && "$@")
+}
+
+leanstream_rate() {
+    "$leanstream" run --model "$lsb" -p "$prompt" -n "$tokens" --temp 0 --threads "$threads" \
+        --ctx 512 --flash none --memory "$1" --json 2>"$tmp/leanstream.err" |
+        python3 -c 'import json, sys; print(json.load(sys.stdin)["tokens_per_s"])'
+}
+
+cold "$model"
+g="$(new_group 0)"
+groups+=("$g")
+in_group "$g" llamacpp_rate "$model" "$prompt" "$tokens" "$threads" > /dev/null
+peak="$(cat "$g/memory.max_usage_in_bytes")"
+minimum="$("$leanstream" run --model "$lsb" -p x --memory 1 --ctx 512 2>&1 |
+    sed -n 's/.*below the minimum of \([^ ]* [A-Za-z]*\).*/\1/p')"
+echo "$(basename "$model"): llama.cpp unconstrained peak $((peak >> 20)) MiB (process and page cache);"
+echo "leanstream's minimum at ctx 512: $minimum; $tokens tokens greedy, $threads thread(s), cold page cache"
+printf '%-7s %10s %16s %16s %8s\n' limit MiB "llama.cpp tok/s" "leanstream tok/s" ratio
+for pct in 100 90 80 70 60; do
+    limit=$((peak * pct / 100))
+    cold "$model"
+    g="$(new_group "$limit")"
+    groups+=("$g")
+    theirs="$(in_group "$g" llamacpp_rate "$model" "$prompt" "$tokens" "$threads" 2>/dev/null || echo killed)"
+    g="$(new_group "$limit")"
+    groups+=("$g")
+    # The budget is a cap on peak RSS, kept within +5 %: ask for the limit less that margin.
+    ours="$(in_group "$g" leanstream_rate $((limit * 95 / 100)) || echo "fails ($(tail -1 "$tmp/leanstream.err"))")"
+    ratio="$(python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a) / float(b):.2f}')" "$ours" "$theirs" 2>/dev/null || echo -)"
+    printf '%-7s %10d %16s %16s %8s\n' "$pct %" $((limit >> 20)) "$theirs" "$ours" "$ratio"
+done
