@@ -33,8 +33,9 @@ pub struct Job {
     pub task: Task,
     /// Where to write the measured steps' timeline events (`--trace`).
     pub trace: Option<PathBuf>,
-    /// The recorded active sets of the prompt and sequence (the oracle's knowledge).
-    pub oracle_trace: Option<PathBuf>,
+    /// The recorded active sets of the prompt and sequence: the truth of every streaming run's
+    /// metrics, and the oracle's knowledge.
+    pub active_trace: Option<PathBuf>,
 }
 
 /// A policy with its settings; `label` names it in tables and plots.
@@ -154,7 +155,7 @@ fn session_options(job: &Job) -> Result<SessionOptions> {
             cancel: v.cancel,
             hot_fraction: v.hot_fraction,
             window: v.window,
-            oracle: match &job.oracle_trace {
+            oracle: match &job.active_trace {
                 Some(p) => Some(Arc::new(read_trace(p)?)),
                 None => None,
             },

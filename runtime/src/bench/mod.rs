@@ -83,6 +83,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.model.display()
         )
     })?;
+    // Random weights carry no quality worth measuring, and their dense form (f32) may not even
+    // fit in memory at the 7B scale: synthetic files get no dense reference.
+    let synthetic = file.meta.synthetic.is_some();
     drop(file);
     let prompt_text = match &args.prompt_file {
         Some(p) => crate::tokenizer::read_text(p)?,
@@ -122,38 +125,44 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("the resident policy cannot run this model: {e}");
     }
     let sequence = generated.generated;
-    if variants.iter().any(|v| v.policy == "oracle") {
-        bar.set_message("resident: the oracle's active sets");
+    // The true active sets of the sequence: the oracle's knowledge, and the truth against which
+    // every streaming run's predictors and hits are measured (predicted runs compute only what
+    // they predict, so what they computed cannot serve as the truth).
+    if !per_budget.is_empty() {
+        bar.set_message("resident: the true active sets");
         let all: Vec<u32> = runner.prompt.iter().chain(&sequence).copied().collect();
         let trace = crate::streaming::ActiveTrace::record(&args.model, &all, args.ctx)?;
-        let path = runner.oracle_trace_path();
+        let path = runner.active_trace_path();
         std::fs::write(&path, serde_json::to_vec(&trace)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    let reference = work.path.join("dense.logprobs");
+    let reference = (!synthetic).then(|| work.path.join("dense.logprobs"));
     let decode = |record: Option<PathBuf>, reference: Option<PathBuf>| Task::Decode {
         sequence: sequence.clone(),
         warmup,
         record,
         reference,
     };
-    bar.set_message("dense: the reference");
     let dense = Variant::new(PolicyChoice::Dense);
-    let mut runs = vec![Run::new(
-        dense.clone(),
-        None,
-        runner.execute(&dense, None, decode(Some(reference.clone()), None))?,
-    )];
+    let mut runs = Vec::new();
+    match &reference {
+        Some(path) => {
+            bar.set_message("dense: the reference");
+            let outcome = runner.execute(&dense, None, decode(Some(path.clone()), None))?;
+            runs.push(Run::new(dense.clone(), None, outcome));
+        }
+        None => bar.println("note: synthetic weights: no dense run, no quality figures"),
+    }
     for v in variants.iter().filter(|v| budget_free(v) && **v != dense) {
         bar.set_message(v.label.clone());
-        let outcome = runner.execute(v, None, decode(None, Some(reference.clone())))?;
+        let outcome = runner.execute(v, None, decode(None, reference.clone()))?;
         runs.push(Run::new(v.clone(), None, outcome));
     }
     let mut timelines = Vec::new();
     for &(budget, ref label) in &budgets {
         for v in &per_budget {
             bar.set_message(format!("{} at {label}", v.label));
-            let outcome = runner.execute(v, Some(budget), decode(None, Some(reference.clone())))?;
+            let outcome = runner.execute(v, Some(budget), decode(None, reference.clone()))?;
             if let Some(events) = runner.take_timeline()? {
                 timelines.push((format!("{} at {label}", v.label), events));
             }
@@ -329,7 +338,7 @@ impl Runner<'_> {
             threads: self.args.threads.map(usize::from),
             prompt: self.prompt.clone(),
             trace: (self.args.trace.is_some() && memory.is_some()).then(|| self.timeline_path()),
-            oracle_trace: (variant.policy == "oracle").then(|| self.oracle_trace_path()),
+            active_trace: memory.map(|_| self.active_trace_path()),
             task,
         };
         let path = self.work.join("job.json");
@@ -354,11 +363,15 @@ impl Runner<'_> {
             .map(format_size)
             .unwrap_or_else(|| "no budget".into());
         if !out.status.success() {
-            bail!(
-                "the {} run at {at} failed: {}",
-                variant.label,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
+            let why = match out.status.code() {
+                Some(_) => String::from_utf8_lossy(&out.stderr).trim().to_string(),
+                None => format!(
+                    "killed by {} (signal 9 is often the kernel's out-of-memory killer)",
+                    std::os::unix::process::ExitStatusExt::signal(&out.status)
+                        .map_or("a signal".into(), |s| format!("signal {s}"))
+                ),
+            };
+            bail!("the {} run at {at} failed: {why}", variant.label);
         }
         let mut outcome: Outcome = serde_json::from_slice(&out.stdout)
             .with_context(|| format!("the {} run at {at} printed no outcome", variant.label))?;
@@ -386,8 +399,8 @@ impl Runner<'_> {
 }
 
 impl Runner<'_> {
-    fn oracle_trace_path(&self) -> PathBuf {
-        self.work.join("oracle-trace.json")
+    fn active_trace_path(&self) -> PathBuf {
+        self.work.join("active-trace.json")
     }
 
     fn timeline_path(&self) -> PathBuf {
