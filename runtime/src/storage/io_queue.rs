@@ -226,11 +226,19 @@ impl IoQueue {
     /// Like [`IoQueue::submit`], reading `buf.len()` bytes into `buf`, so that callers can recycle
     /// buffers instead of faulting in fresh memory for every read. A cancelled read drops `buf`.
     pub fn submit_into(&self, buf: AlignedBuf, offset: u64, priority: u32) -> Ticket {
+        self.submit_batch_into(vec![(buf, offset, priority)])[0]
+    }
+
+    /// [`IoQueue::submit_into`] for several reads at once: one lock and one wake-up for all.
+    pub fn submit_batch_into(&self, reads: Vec<(AlignedBuf, u64, u32)>) -> Vec<Ticket> {
         let now = Instant::now();
         let mut st = self.shared.lock();
-        let ticket = st.insert(offset, buf.len(), Some(buf), priority, now);
+        let tickets = reads
+            .into_iter()
+            .map(|(buf, offset, priority)| st.insert(offset, buf.len(), Some(buf), priority, now))
+            .collect();
         self.shared.kick(st);
-        ticket
+        tickets
     }
 
     /// Lets reads below priority `below` (guesses, such as speculative reads) hold at most

@@ -111,21 +111,36 @@ impl Core {
 
     /// Queues a read of cluster `key` unless it is cached or already queued; true if queued.
     pub fn request(&mut self, key: ClusterKey, priority: u32) -> bool {
-        if self.cache.contains(key) || self.pending.contains_key(&key) {
-            return false;
-        }
-        let cl = self.plans[key.0 as usize].clusters[key.1 as usize];
-        let ticket = match self.spare.iter().position(|b| b.len() as u64 == cl.size) {
-            Some(i) => {
-                let buf = self.spare.swap_remove(i);
-                self.spare_bytes -= cl.size;
-                self.io.submit_into(buf, cl.offset, priority)
+        self.request_all(&[(key, priority)]) == 1
+    }
+
+    /// Queues reads of the clusters not cached or queued yet, in one submission (one lock and
+    /// one wake-up of the read queue for all); returns how many were queued.
+    pub fn request_all(&mut self, wanted: &[(ClusterKey, u32)]) -> usize {
+        let mut reads = Vec::with_capacity(wanted.len());
+        let mut keys = Vec::with_capacity(wanted.len());
+        for &(key, priority) in wanted {
+            if self.cache.contains(key) || self.pending.contains_key(&key) || keys.contains(&key) {
+                continue;
             }
-            None => self.io.submit(cl.offset, cl.size as usize, priority),
-        };
-        self.pending.insert(key, (ticket, cl.size));
-        self.in_flight += cl.size;
-        true
+            let cl = self.plans[key.0 as usize].clusters[key.1 as usize];
+            let buf = match self.spare.iter().position(|b| b.len() as u64 == cl.size) {
+                Some(i) => {
+                    self.spare_bytes -= cl.size;
+                    self.spare.swap_remove(i)
+                }
+                None => AlignedBuf::new(cl.size as usize),
+            };
+            reads.push((buf, cl.offset, priority));
+            keys.push(key);
+        }
+        let tickets = self.io.submit_batch_into(reads);
+        for (key, ticket) in keys.iter().zip(tickets) {
+            let size = self.plans[key.0 as usize].clusters[key.1 as usize].size;
+            self.pending.insert(*key, (ticket, size));
+            self.in_flight += size;
+        }
+        keys.len()
     }
 
     /// Offers a cluster just read to the cache; what the cache declines or evicts is recycled.
@@ -229,11 +244,12 @@ impl Core {
                 }
             }
         }
-        for (ci, _) in is_needed.iter().enumerate().filter(|(_, &n)| n) {
-            let key = (l as u32, ci as u32);
-            if self.mapping.is_none() && self.request(key, URGENT) {
-                self.metrics.late_reads += 1;
-            }
+        if self.mapping.is_none() {
+            let late: Vec<(ClusterKey, u32)> = (0..is_needed.len())
+                .filter(|&ci| is_needed[ci])
+                .map(|ci| ((l as u32, ci as u32), URGENT))
+                .collect();
+            self.metrics.late_reads += self.request_all(&late) as u64;
         }
     }
 }

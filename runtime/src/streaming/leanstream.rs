@@ -59,18 +59,20 @@ impl Leanstream {
             .filter(|&(best, _)| best >= threshold)
             .collect();
         wanted.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let mut reads = Vec::new();
+        let mut room = 0;
         for (score, ci) in wanted {
             let key = (target as u32, ci as u32);
             if core.cache.contains(key) || core.is_pending(key) {
                 continue;
             }
-            if !core.has_room(core.plans[target].clusters[ci].size) {
+            room += core.plans[target].clusters[ci].size;
+            if !core.has_room(room) {
                 break;
             }
-            let priority = (score.clamp(0.0, 1.0) * SPECULATIVE_MAX as f32) as u32;
-            core.request(key, priority);
-            core.metrics.speculative_reads += 1;
+            reads.push((key, (score.clamp(0.0, 1.0) * SPECULATIVE_MAX as f32) as u32));
         }
+        core.metrics.speculative_reads += core.request_all(&reads) as u64;
         self.lookahead_sets[target] = Some(above(&scores, threshold));
         core.metrics.select_s += start.elapsed().as_secs_f64();
     }
