@@ -272,3 +272,107 @@ pub fn scratch_bytes(c: &ModelConfig) -> u64 {
     4 * (t * per_token + 2 * c.vocab_size as u64)
         + 4 * t * c.max_position_embeddings.min(2048) as u64
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn input(budget: Option<u64>, tied: bool) -> PlanInput {
+        PlanInput {
+            budget,
+            overhead: 10 * MIB,
+            dense: DenseSizes {
+                total: 100 * MIB,
+                attention: 40 * MIB,
+                attention_buffers: 4 * MIB,
+                head: if tied { 0 } else { 30 * MIB },
+                head_buffers: 4 * MIB,
+                embedding: if tied { 60 * MIB } else { 30 * MIB },
+                embedding_buffers: MIB,
+                tied,
+            },
+            kv_cache: 2 * MIB,
+            resident_state: 3 * MIB,
+            io_buffers: 4 * MIB,
+            scratch: MIB,
+            ffn: 200 * MIB,
+            needs_all_ffn: false,
+            ctx: 256,
+        }
+    }
+
+    /// Everything but the dense weights and the cache: 20 MiB.
+    const OTHERS: u64 = 20 * MIB;
+
+    fn streamed(attention: bool, head: bool, embedding: bool) -> DenseStreamed {
+        DenseStreamed {
+            attention,
+            head,
+            embedding,
+        }
+    }
+
+    #[test]
+    fn dense_weights_stream_only_below_them_attention_first() {
+        for tied in [false, true] {
+            let choose = |budget: u64| plan(input(Some(budget), tied)).unwrap();
+            // Everything resident fits: nothing streams, the rest is cache.
+            let s = choose(OTHERS + 100 * MIB + 5 * MIB);
+            assert_eq!(s.dense_streamed, DenseStreamed::default());
+            assert_eq!(
+                (s.dense, s.dense_buffers, s.neuron_cache),
+                (100 * MIB, 0, 5 * MIB)
+            );
+            // Attention streams (64 MiB with its buffers).
+            let s = choose(OTHERS + 99 * MIB);
+            assert_eq!(s.dense_streamed, streamed(true, false, false));
+            assert_eq!((s.dense, s.dense_buffers), (60 * MIB, 4 * MIB));
+            assert_eq!(s.neuron_cache, 35 * MIB);
+            assert_eq!(s.fixed() + s.neuron_cache, OTHERS + 99 * MIB);
+        }
+        // Untied: the head next (38 MiB), then the embedding (9 MiB).
+        let s = plan(input(Some(OTHERS + 38 * MIB), false)).unwrap();
+        assert_eq!(s.dense_streamed, streamed(true, true, false));
+        assert_eq!(
+            (s.dense, s.dense_buffers, s.neuron_cache),
+            (30 * MIB, 8 * MIB, 0)
+        );
+        let s = plan(input(Some(OTHERS + 37 * MIB), false)).unwrap();
+        assert_eq!(s.dense_streamed, streamed(true, true, true));
+        assert_eq!((s.dense, s.dense_buffers), (0, 9 * MIB));
+        // Tied: head and embedding are one table and stream together.
+        let s = plan(input(Some(OTHERS + 63 * MIB), true)).unwrap();
+        assert_eq!(s.dense_streamed, streamed(true, true, true));
+        assert_eq!((s.dense, s.dense_buffers), (0, 9 * MIB));
+    }
+
+    #[test]
+    fn below_the_streaming_minimum_is_an_error_that_states_it() {
+        let p = input(Some(OTHERS + 9 * MIB - 1), false);
+        assert_eq!(minimum(&p), OTHERS + 9 * MIB);
+        let err = plan(p).unwrap_err().to_string();
+        assert!(err.contains("below the minimum of 29.00 MiB"), "{err}");
+        assert!(
+            err.contains("streaming attention, output head, embedding"),
+            "{err}"
+        );
+        assert!(plan(input(Some(OTHERS + 9 * MIB), false)).is_ok());
+    }
+
+    #[test]
+    fn a_policy_without_io_keeps_the_dense_weights() {
+        let mut p = input(Some(OTHERS + 99 * MIB + 200 * MIB), false);
+        p.needs_all_ffn = true;
+        assert_eq!(minimum(&p), OTHERS + 100 * MIB + 200 * MIB);
+        assert!(plan(p).is_err());
+    }
+
+    #[test]
+    fn without_a_budget_everything_is_resident() {
+        let s = plan(input(None, true)).unwrap();
+        assert_eq!(s.dense_streamed, DenseStreamed::default());
+        assert_eq!(s.neuron_cache, 200 * MIB);
+    }
+}
