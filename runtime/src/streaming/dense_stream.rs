@@ -287,26 +287,36 @@ impl AttentionStream {
                 self.submit(io, l, URGENT)
             }
         };
-        // Free the previous layer before this one's copies are made: two layers at most.
-        self.current = None;
+        // The previous layer's matrices take this one's bytes: no allocation per layer, and two
+        // layers in memory at most (this one and the next one's reads).
+        let mut old = match self.current.take() {
+            Some(a) => [a.wq, a.wk, a.wv, a.wo].map(Some),
+            None => Default::default(),
+        };
         let mut weights = Vec::with_capacity(4);
-        for (e, ticket) in self.layers[l].iter().zip(tickets) {
+        for ((e, ticket), old) in self.layers[l].iter().zip(tickets).zip(&mut old) {
             let buf = io.wait(ticket, &e.name)?;
             check_extent(&buf, e.checksum, || {
                 format!("{}: tensor {}", io.queue.device().name(), e.name)
             })?;
-            weights.push(Weight::Encoded(QMatrix::new(
-                e.rows,
-                e.cols,
-                e.qtype,
-                buf[..e.size].to_vec(),
-            )?));
+            weights.push(refill(old.take(), e, &buf[..e.size])?);
         }
         let [wq, wk, wv, wo] = <[Weight; 4]>::try_from(weights).expect("four projections");
         let next = (l + 1) % self.layers.len();
         self.next = Some((next, self.submit(io, next, AHEAD)));
         Ok(self.current.insert(Attention { wq, wk, wv, wo }))
     }
+}
+
+/// `bytes` as the matrix `e`, in `old`'s storage when it has the same shape and encoding.
+fn refill(old: Option<Weight>, e: &Extent, bytes: &[u8]) -> Result<Weight> {
+    Ok(match old {
+        Some(Weight::Encoded(mut q)) if (q.rows, q.cols, q.qtype) == (e.rows, e.cols, e.qtype) => {
+            q.data.copy_from_slice(bytes);
+            Weight::Encoded(q)
+        }
+        _ => Weight::Encoded(QMatrix::new(e.rows, e.cols, e.qtype, bytes.to_vec())?),
+    })
 }
 
 /// An embedding or output head read in parts, each checked against page hashes.

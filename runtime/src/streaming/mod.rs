@@ -111,6 +111,9 @@ impl StreamingModel {
         let tuning = &opts.tuning;
         check_options(path, opts, config.num_layers)?;
         let plans = plan::LayerPlan::all(&mut file)?;
+        // Decoding the file's indexes and plans freed more than the plans keep: give it back
+        // to the OS, or the allocator keeps it resident beside the budgeted parts.
+        crate::memory::release_freed_memory();
         let tensors = DenseTensors::open(&file)?;
         let (input, io_budget) = plan_input(
             &file,
