@@ -5,8 +5,8 @@
 //! - attention: layer `l + 1`'s four projections are read (whole extents, checked against their
 //!   index checksums) while layer `l` computes; after the last layer, the next token's layer 0;
 //! - output head: read in row blocks every token, [`HEAD_IN_FLIGHT`] blocks ahead, each computed
-//!   as it lands; the next token's first blocks are queued at the lowest priority as soon as the
-//!   logits are done, so they fill idle device time;
+//!   as it lands; past the last block, the next token's first blocks are queued at the lowest
+//!   priority, so they fill idle device time;
 //! - embedding: each token's row, read when the token is known.
 //!
 //! The head and embedding reads cover only part of a tensor's extent, which the format checksums
@@ -39,6 +39,10 @@ use crate::storage::{AlignedBuf, IoQueue, Ticket};
 
 /// The device page: the unit of direct reads and of the page hashes.
 const PAGE: usize = AlignedBuf::ALIGN;
+/// Layers whose attention projections are read ahead of the one computing. One suffices: on the
+/// emulated UFS 4.0 the reads have landed when their layer starts (measured waits under 1 µs on
+/// SmolLM2), and each more costs a layer's projections of memory.
+const ATTENTION_AHEAD: usize = 1;
 /// Bytes of one output-head row block (rounded to whole rows): a sixteenth of the head, within
 /// these bounds — large enough to read at the device's bandwidth, small enough that the blocks in
 /// flight are a small part of the head they replace.
@@ -197,9 +201,10 @@ impl<'a> DenseTensors<'a> {
         Ok(DenseSizes {
             total: self.file.dense.data_bytes(),
             attention: attention.iter().map(layer_size).sum(),
-            // The layer being computed (copied out of its buffers) and the next one's reads.
+            // The layer being computed (copied out of its buffers) and the reads ahead.
             attention_buffers: attention.iter().map(layer_size).max().unwrap_or(0)
-                + attention.iter().map(layer_len).max().unwrap_or(0),
+                + ATTENTION_AHEAD.min(attention.len()) as u64
+                    * attention.iter().map(layer_len).max().unwrap_or(0),
             head: head.as_ref().map_or(0, |h| h.size as u64),
             head_buffers,
             embedding: embedding.size as u64,
@@ -229,6 +234,33 @@ fn hash_bytes(extent_len: usize) -> u64 {
     (extent_len.div_ceil(PAGE) * std::mem::size_of::<u64>()) as u64
 }
 
+/// Buffers of finished reads kept for the next reads of the same length, at most `cap`.
+struct Spares {
+    bufs: Vec<AlignedBuf>,
+    cap: usize,
+}
+
+impl Spares {
+    fn new(cap: usize) -> Self {
+        Self {
+            bufs: Vec::new(),
+            cap,
+        }
+    }
+
+    fn take(&mut self, len: usize) -> Option<AlignedBuf> {
+        let i = self.bufs.iter().position(|b| b.len() == len)?;
+        Some(self.bufs.swap_remove(i))
+    }
+
+    fn give(&mut self, buf: AlignedBuf) {
+        if self.bufs.len() == self.cap {
+            self.bufs.remove(0);
+        }
+        self.bufs.push(buf);
+    }
+}
+
 /// The read queue as the dense stream uses it, counting what it reads.
 struct Reader {
     queue: Arc<IoQueue>,
@@ -237,10 +269,15 @@ struct Reader {
 }
 
 impl Reader {
-    fn submit(&mut self, offset: u64, len: usize, priority: u32) -> Ticket {
+    /// Queues a read into a spare buffer of its length if there is one: a fresh buffer costs a
+    /// page fault per page, which for streamed weights cost more than the read.
+    fn submit(&mut self, offset: u64, len: usize, priority: u32, spares: &mut Spares) -> Ticket {
         self.bytes += len as u64;
         self.reads += 1;
-        self.queue.submit(offset, len, priority)
+        match spares.take(len) {
+            Some(buf) => self.queue.submit_into(buf, offset, priority),
+            None => self.queue.submit(offset, len, priority),
+        }
     }
 
     /// Waits for a read, raising it to the top of the queue first: it is needed now.
@@ -259,36 +296,49 @@ impl Reader {
     }
 }
 
-/// Attention projections read one layer ahead.
+/// Attention projections read [`ATTENTION_AHEAD`] layers ahead.
 struct AttentionStream {
     layers: Vec<[Extent; 4]>,
     /// The layer being computed.
     current: Option<Attention>,
-    /// The reads of the layer expected next.
-    next: Option<(usize, Vec<Ticket>)>,
+    /// The reads of the layers expected next, in order.
+    ahead: VecDeque<(usize, Vec<Ticket>)>,
+    /// The buffers of the layer last read, for the next layer's reads.
+    spares: Spares,
 }
 
 impl AttentionStream {
-    fn submit(&self, io: &mut Reader, l: usize, priority: u32) -> Vec<Ticket> {
+    fn submit(&mut self, io: &mut Reader, l: usize, priority: u32) -> Vec<Ticket> {
+        let spares = &mut self.spares;
         self.layers[l]
             .iter()
-            .map(|e| io.submit(e.offset, e.len, priority))
+            .map(|e| io.submit(e.offset, e.len, priority, spares))
             .collect()
     }
 
+    /// Queues the reads of the layers after those queued, from `first` when none are.
+    fn queue_ahead(&mut self, io: &mut Reader, first: usize) {
+        let n = self.layers.len();
+        while self.ahead.len() < ATTENTION_AHEAD.min(n) {
+            let l = self.ahead.back().map_or(first, |&(last, _)| (last + 1) % n);
+            let tickets = self.submit(io, l, AHEAD);
+            self.ahead.push_back((l, tickets));
+        }
+    }
+
     fn get(&mut self, io: &mut Reader, l: usize) -> Result<&Attention> {
-        let tickets = match self.next.take() {
-            Some((next, tickets)) if next == l => tickets,
-            stale => {
-                stale
-                    .into_iter()
+        let tickets = match self.ahead.front() {
+            Some(&(next, _)) if next == l => self.ahead.pop_front().expect("just seen").1,
+            _ => {
+                self.ahead
+                    .drain(..)
                     .flat_map(|(_, t)| t)
                     .for_each(|t| io.discard(t));
                 self.submit(io, l, URGENT)
             }
         };
-        // The previous layer's matrices take this one's bytes: no allocation per layer, and two
-        // layers in memory at most (this one and the next one's reads).
+        // The previous layer's matrices take this one's bytes: no allocation per layer, and this
+        // layer beside the reads ahead in memory at most.
         let mut old = match self.current.take() {
             Some(a) => [a.wq, a.wk, a.wv, a.wo].map(Some),
             None => Default::default(),
@@ -300,10 +350,10 @@ impl AttentionStream {
                 format!("{}: tensor {}", io.queue.device().name(), e.name)
             })?;
             weights.push(refill(old.take(), e, &buf[..e.size])?);
+            self.spares.give(buf);
         }
         let [wq, wk, wv, wo] = <[Weight; 4]>::try_from(weights).expect("four projections");
-        let next = (l + 1) % self.layers.len();
-        self.next = Some((next, self.submit(io, next, AHEAD)));
+        self.queue_ahead(io, (l + 1) % self.layers.len());
         Ok(self.current.insert(Attention { wq, wk, wv, wo }))
     }
 }
@@ -327,6 +377,8 @@ struct TableStream {
     block_rows: usize,
     /// Head blocks queued, in order: (first row, ticket).
     in_flight: VecDeque<(usize, Ticket)>,
+    /// The buffer of the block last computed, for the next block's read.
+    spares: Spares,
 }
 
 impl TableStream {
@@ -337,7 +389,7 @@ impl TableStream {
         let mut pages = Vec::with_capacity(e.len / PAGE);
         for start in (0..e.len).step_by(CHECK_CHUNK) {
             let len = CHECK_CHUNK.min(e.len - start);
-            let ticket = io.submit(e.offset + start as u64, len, URGENT);
+            let ticket = io.submit(e.offset + start as u64, len, URGENT, &mut Spares::new(0));
             let buf = io.wait(ticket, &e.name)?;
             whole.update(&buf);
             pages.extend(buf.chunks(PAGE).map(xxh3_64));
@@ -353,16 +405,18 @@ impl TableStream {
             e,
             pages,
             in_flight: VecDeque::new(),
+            spares: Spares::new(1),
         })
     }
 
     /// Queues the page-aligned read covering rows `r0..r1`.
-    fn submit(&self, io: &mut Reader, r0: usize, r1: usize, priority: u32) -> Ticket {
+    fn submit(&mut self, io: &mut Reader, r0: usize, r1: usize, priority: u32) -> Ticket {
         let (first, last) = self.pages_of(r0, r1);
         io.submit(
             self.e.offset + (first * PAGE) as u64,
             (last - first) * PAGE,
             priority,
+            &mut self.spares,
         )
     }
 
@@ -402,7 +456,7 @@ impl TableStream {
     }
 
     /// The embedding rows of `tokens`, a few reads in flight at a time.
-    fn embed(&self, io: &mut Reader, tokens: &[u32], out: &mut [f32]) -> Result<()> {
+    fn embed(&mut self, io: &mut Reader, tokens: &[u32], out: &mut [f32]) -> Result<()> {
         let k = RowKernels::best();
         let h = self.e.cols;
         for (toks, rows) in tokens
@@ -426,39 +480,45 @@ impl TableStream {
         Ok(())
     }
 
-    /// Queues the head's blocks up to [`HEAD_IN_FLIGHT`] ahead of row `from`.
-    fn queue_blocks(&mut self, io: &mut Reader, from: usize, priority: u32) {
-        let mut next = self
-            .in_flight
-            .back()
-            .map_or(from, |&(r0, _)| r0 + self.block_rows);
-        while self.in_flight.len() < HEAD_IN_FLIGHT && next < self.e.rows {
-            let end = (next + self.block_rows).min(self.e.rows);
-            let ticket = self.submit(io, next, end, priority);
-            self.in_flight.push_back((next, ticket));
-            next = end;
+    /// Keeps [`HEAD_IN_FLIGHT`] head blocks queued, each after the last one queued; after the
+    /// last block, the next token's blocks from the first, at the lowest priority.
+    fn queue_blocks(&mut self, io: &mut Reader) {
+        let blocks = self.e.rows.div_ceil(self.block_rows);
+        while self.in_flight.len() < HEAD_IN_FLIGHT.min(blocks) {
+            let (r0, priority) = match self.in_flight.back() {
+                Some(&(last, _)) if last + self.block_rows < self.e.rows => {
+                    (last + self.block_rows, AHEAD)
+                }
+                _ => (0, IDLE),
+            };
+            let r1 = (r0 + self.block_rows).min(self.e.rows);
+            let ticket = self.submit(io, r0, r1, priority);
+            self.in_flight.push_back((r0, ticket));
         }
     }
 
-    /// `logits (rows × vocab) = xn · headᵀ`, block by block as the blocks land; then queues the
-    /// next token's first blocks.
+    /// `logits (rows × vocab) = xn · headᵀ`, block by block as the blocks land, the blocks after
+    /// them (and then the next token's) queued as each is taken.
     fn head(&mut self, io: &mut Reader, xn: &[f32], rows: usize, logits: &mut [f32]) -> Result<()> {
         let e = &self.e;
         let vocab = e.rows;
         let mut product = RowStream::new(e.qtype, vocab, e.cols, e.row_bytes(), xn, rows);
         let mut r0 = 0;
         while r0 < vocab {
-            if self.in_flight.front().is_none_or(|&(first, _)| first != r0) {
-                self.in_flight.drain(..).for_each(|(_, t)| io.discard(t));
-            }
-            self.queue_blocks(io, r0, URGENT);
-            let (_, ticket) = self.in_flight.pop_front().expect("queued above");
             let r1 = (r0 + self.block_rows).min(vocab);
+            let ticket = match self.in_flight.front() {
+                Some(&(first, _)) if first == r0 => self.in_flight.pop_front().expect("seen").1,
+                _ => {
+                    self.in_flight.drain(..).for_each(|(_, t)| io.discard(t));
+                    self.submit(io, r0, r1, URGENT)
+                }
+            };
+            self.queue_blocks(io);
             let mut buf = None;
             product.push(self.rows(io, &mut buf, ticket, r0, r1)?, logits);
+            self.spares.give(buf.expect("filled by rows"));
             r0 = r1;
         }
-        self.queue_blocks(io, 0, IDLE);
         Ok(())
     }
 }
@@ -512,7 +572,8 @@ impl DenseStream {
             Layers::Streamed(Box::new(AttentionStream {
                 layers: t.attention_extents(c)?,
                 current: None,
-                next: None,
+                ahead: VecDeque::new(),
+                spares: Spares::new(4),
             }))
         } else {
             let layers = t.attention_extents(c)?;
@@ -544,10 +605,10 @@ impl DenseStream {
         };
         // The first token's reads start now, as every later token's start during the one before.
         if let Layers::Streamed(a) = &mut stream.attention {
-            a.next = Some((0, a.submit(&mut stream.io, 0, AHEAD)));
+            a.queue_ahead(&mut stream.io, 0);
         }
         if let Some(Table::Streamed(s)) = stream.head.as_mut().or(Some(&mut stream.embed)) {
-            s.queue_blocks(&mut stream.io, 0, IDLE);
+            s.queue_blocks(&mut stream.io);
         }
         Ok(stream)
     }
@@ -560,7 +621,7 @@ impl DenseStream {
 
 impl DenseWeights for DenseStream {
     fn embed(&mut self, tokens: &[u32], out: &mut [f32]) -> Result<()> {
-        match &self.embed {
+        match &mut self.embed {
             Table::Resident(w) => w.rows_f32(tokens, out),
             Table::Streamed(s) => s.embed(&mut self.io, tokens, out)?,
         }
