@@ -513,10 +513,12 @@ impl TableStream {
                     self.submit(io, r0, r1, URGENT)
                 }
             };
-            self.queue_blocks(io);
             let mut buf = None;
             product.push(self.rows(io, &mut buf, ticket, r0, r1)?, logits);
+            // Only now, so that the next read reuses this block's buffer: [`HEAD_IN_FLIGHT`]
+            // blocks in memory at most, the one computed included.
             self.spares.give(buf.expect("filled by rows"));
+            self.queue_blocks(io);
             r0 = r1;
         }
         Ok(())
