@@ -50,18 +50,20 @@ impl LsbFile {
             let s = header.section(kind).ok_or_else(|| {
                 FormatError::invalid(format!("the {} section is missing", kind.name()))
             })?;
-            let stored = read_at(&mut file, path, s.offset, s.stored_size)?;
+            let mut stored = read_at(&mut file, path, s.offset, s.stored_size)?;
             if checksum(&stored) != s.checksum {
                 return Err(FormatError::Checksum {
                     what: format!("the {} section", kind.name()),
                 });
             }
-            let content = &stored[..s.length as usize];
             if s.encoding == Encoding::Zstd as u32 {
-                zstd::stream::decode_all(content)
+                zstd::stream::decode_all(&stored[..s.length as usize])
                     .map_err(|e| FormatError::invalid(format!("{} section: {e}", kind.name())))
             } else {
-                Ok(content.to_vec())
+                // The content in place, not copied: a section can be tens of MiB, and the
+                // runtime's memory budget sees the peak of opening the file.
+                stored.truncate(s.length as usize);
+                Ok(stored)
             }
         };
         let meta: Meta = serde_json::from_slice(&section(SectionKind::Meta)?)

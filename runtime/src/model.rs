@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use leanstream_format::quant::QuantType;
 use rayon::prelude::*;
 
@@ -14,18 +14,101 @@ use crate::kv_cache::KvCache;
 use crate::rope::Rope;
 use crate::safetensors_dir::SafetensorsDir;
 
-/// Weights of one transformer block.
+/// The small weights of one transformer block (its attention projections are in [`Projections`]).
 pub struct Layer {
     pub attn_norm: Vec<f32>,
-    pub wq: Weight,
-    pub wk: Weight,
-    pub wv: Weight,
-    pub wo: Weight,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     /// `None` when the FFN streams from flash through an [`FfnBackend`].
     pub ffn: Option<DenseFfn>,
+}
+
+/// A block's attention projections: q `[heads·d, h]`, k and v `[kv_heads·d, h]`, o `[h, heads·d]`.
+pub struct Attention {
+    pub wq: Weight,
+    pub wk: Weight,
+    pub wv: Weight,
+    pub wo: Weight,
+}
+
+/// The large dense weights held in DRAM: the embedding, every block's attention projections and
+/// the output head (`None` when tied to the embedding).
+pub struct Projections {
+    pub embed: Weight,
+    pub attention: Vec<Attention>,
+    pub lm_head: Option<Weight>,
+}
+
+/// Where one forward pass gets the large dense weights from: the model's own [`Projections`], or a
+/// source that reads some of them from flash as they are needed
+/// ([`crate::streaming::DenseStream`]). Either way the same kernels run on the same encoded bytes,
+/// so the results are the same.
+pub trait DenseWeights {
+    /// Writes the embedding rows of `tokens` (each checked to be in the vocabulary) into `out`
+    /// (`tokens.len() × hidden`). Called first in every forward pass.
+    fn embed(&mut self, tokens: &[u32], out: &mut [f32]) -> Result<()>;
+    /// Layer `l`'s attention projections; layers are asked for in order, once per pass.
+    fn attention(&mut self, l: usize) -> Result<&Attention>;
+    /// `logits (rows × vocab) = xn (rows × hidden) · headᵀ`.
+    fn head(&mut self, xn: &[f32], rows: usize, logits: &mut [f32]) -> Result<()>;
+}
+
+impl DenseWeights for &Projections {
+    fn embed(&mut self, tokens: &[u32], out: &mut [f32]) -> Result<()> {
+        self.embed.rows_f32(tokens, out);
+        Ok(())
+    }
+
+    fn attention(&mut self, l: usize) -> Result<&Attention> {
+        Ok(&self.attention[l])
+    }
+
+    fn head(&mut self, xn: &[f32], rows: usize, logits: &mut [f32]) -> Result<()> {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        head.matmul_t(xn, rows, logits);
+        Ok(())
+    }
+}
+
+impl Projections {
+    /// Reads the projections through `mat` (`name`, `rows`, `cols`).
+    pub fn load(
+        c: &ModelConfig,
+        mat: impl Fn(&str, usize, usize) -> Result<Weight>,
+    ) -> Result<Self> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let attention = (0..c.num_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}.self_attn");
+                Ok(Attention {
+                    wq: mat(&format!("{p}.q_proj.weight"), c.num_heads * hd, h)?,
+                    wk: mat(&format!("{p}.k_proj.weight"), c.num_kv_heads * hd, h)?,
+                    wv: mat(&format!("{p}.v_proj.weight"), c.num_kv_heads * hd, h)?,
+                    wo: mat(&format!("{p}.o_proj.weight"), h, c.num_heads * hd)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(mat("lm_head.weight", c.vocab_size, h)?)
+        };
+        Ok(Self {
+            embed: mat("model.embed_tokens.weight", c.vocab_size, h)?,
+            attention,
+            lm_head,
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        let attention: usize = self
+            .attention
+            .iter()
+            .map(|a| a.wq.bytes() + a.wk.bytes() + a.wv.bytes() + a.wo.bytes())
+            .sum();
+        self.embed.bytes() + attention + self.lm_head.as_ref().map_or(0, Weight::bytes)
+    }
 }
 
 /// A resident FFN: gate `[n, h]`, up `[n, h]`, down `[h, n]`.
@@ -112,14 +195,14 @@ pub trait FfnBackend {
     fn ffn(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()>;
 }
 
-/// A model held entirely in DRAM as f32.
+/// A model held in DRAM; the streaming runtime builds it without its projections and passes a
+/// [`DenseWeights`] source to each forward pass instead.
 pub struct Model {
     config: ModelConfig,
-    embed: Weight,
+    /// `None` when a [`DenseWeights`] source provides them.
+    projections: Option<Projections>,
     layers: Vec<Layer>,
     norm: Vec<f32>,
-    /// `None` when the output head is tied to the embedding.
-    lm_head: Option<Weight>,
     rope: Rope,
 }
 
@@ -211,67 +294,80 @@ impl Model {
         Self::build(config, get, mat, false)
     }
 
+    /// Only the norms: the projections come from a [`DenseWeights`] source passed to
+    /// [`forward_with`](Self::forward_with), the FFNs from an [`FfnBackend`].
+    pub fn norms_only(
+        config: ModelConfig,
+        get: impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
+        let layers = Self::layers(
+            &config,
+            &get,
+            None::<fn(&str, usize, usize) -> Result<Weight>>,
+        )?;
+        Self::assemble(config, None, layers, &get)
+    }
+
     fn build(
         config: ModelConfig,
         get: impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
         mat: impl Fn(&str, usize, usize) -> Result<Weight>,
         with_ffn: bool,
     ) -> Result<Self> {
-        let c = &config;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let embed = mat("model.embed_tokens.weight", c.vocab_size, h)?;
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
-            let p = format!("model.layers.{i}");
-            let norm_opt = |name: &str| -> Result<Option<Vec<f32>>> {
-                if c.qk_norm {
-                    Ok(Some(get(&format!("{p}.self_attn.{name}.weight"), &[hd])?))
-                } else {
-                    Ok(None)
-                }
-            };
-            layers.push(Layer {
-                attn_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
-                wq: mat(&format!("{p}.self_attn.q_proj.weight"), c.num_heads * hd, h)?,
-                wk: mat(
-                    &format!("{p}.self_attn.k_proj.weight"),
-                    c.num_kv_heads * hd,
-                    h,
-                )?,
-                wv: mat(
-                    &format!("{p}.self_attn.v_proj.weight"),
-                    c.num_kv_heads * hd,
-                    h,
-                )?,
-                wo: mat(&format!("{p}.self_attn.o_proj.weight"), h, c.num_heads * hd)?,
-                q_norm: norm_opt("q_norm")?,
-                k_norm: norm_opt("k_norm")?,
-                ffn_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                ffn: if with_ffn {
-                    let n = c.intermediate_size;
-                    Some(DenseFfn {
+        let projections = Projections::load(&config, &mat)?;
+        let layers = Self::layers(&config, &get, with_ffn.then_some(&mat))?;
+        Self::assemble(config, Some(projections), layers, &get)
+    }
+
+    /// Each block's norms, and its FFN when `ffn_mat` is given.
+    fn layers(
+        c: &ModelConfig,
+        get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+        ffn_mat: Option<impl Fn(&str, usize, usize) -> Result<Weight>>,
+    ) -> Result<Vec<Layer>> {
+        let (h, hd, n) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        (0..c.num_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                let norm_opt = |name: &str| -> Result<Option<Vec<f32>>> {
+                    if c.qk_norm {
+                        Ok(Some(get(&format!("{p}.self_attn.{name}.weight"), &[hd])?))
+                    } else {
+                        Ok(None)
+                    }
+                };
+                let ffn = match &ffn_mat {
+                    Some(mat) => Some(DenseFfn {
                         gate: mat(&format!("{p}.mlp.gate_proj.weight"), n, h)?,
                         up: mat(&format!("{p}.mlp.up_proj.weight"), n, h)?,
                         down: mat(&format!("{p}.mlp.down_proj.weight"), h, n)?,
-                    })
-                } else {
-                    None
-                },
-            });
-        }
-        let norm = get("model.norm.weight", &[h])?;
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(mat("lm_head.weight", c.vocab_size, h)?)
-        };
-        let rope = Rope::new(c);
+                    }),
+                    None => None,
+                };
+                Ok(Layer {
+                    attn_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
+                    q_norm: norm_opt("q_norm")?,
+                    k_norm: norm_opt("k_norm")?,
+                    ffn_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                    ffn,
+                })
+            })
+            .collect()
+    }
+
+    fn assemble(
+        config: ModelConfig,
+        projections: Option<Projections>,
+        layers: Vec<Layer>,
+        get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
+        let norm = get("model.norm.weight", &[config.hidden_size])?;
+        let rope = Rope::new(&config);
         Ok(Self {
             config,
-            embed,
+            projections,
             layers,
             norm,
-            lm_head,
             rope,
         })
     }
@@ -289,18 +385,22 @@ impl Model {
     /// (and untied output head) as `head`. `F32` keeps a weight on the f32 reference path.
     pub fn quantize(mut self, layers: QuantType, head: QuantType) -> Result<Self> {
         for l in &mut self.layers {
-            for w in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo] {
-                *w = w.quantize(layers)?;
-            }
             if let Some(f) = &mut l.ffn {
                 for w in [&mut f.gate, &mut f.up, &mut f.down] {
                     *w = w.quantize(layers)?;
                 }
             }
         }
-        self.embed = self.embed.quantize(head)?;
-        if let Some(h) = &mut self.lm_head {
-            *h = h.quantize(head)?;
+        if let Some(p) = &mut self.projections {
+            for a in &mut p.attention {
+                for w in [&mut a.wq, &mut a.wk, &mut a.wv, &mut a.wo] {
+                    *w = w.quantize(layers)?;
+                }
+            }
+            p.embed = p.embed.quantize(head)?;
+            if let Some(h) = &mut p.lm_head {
+                *h = h.quantize(head)?;
+            }
         }
         Ok(self)
     }
@@ -316,22 +416,15 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo]
-                    .iter()
-                    .map(|m| m.bytes())
-                    .sum::<usize>()
-                    + l.ffn
-                        .as_ref()
-                        .map_or(0, |f| f.gate.bytes() + f.up.bytes() + f.down.bytes())
+                l.ffn
+                    .as_ref()
+                    .map_or(0, |f| f.gate.bytes() + f.up.bytes() + f.down.bytes())
                     + 4 * (l.attn_norm.len() + l.ffn_norm.len())
                     + 4 * (l.q_norm.as_ref().map_or(0, Vec::len)
                         + l.k_norm.as_ref().map_or(0, Vec::len))
             })
             .sum();
-        self.embed.bytes()
-            + layer_bytes
-            + 4 * self.norm.len()
-            + self.lm_head.as_ref().map_or(0, Weight::bytes)
+        self.projections.as_ref().map_or(0, Projections::bytes) + layer_bytes + 4 * self.norm.len()
     }
 
     /// Runs `tokens` at the positions following those already in `cache` and appends their keys and
@@ -343,16 +436,18 @@ impl Model {
         cache: &mut KvCache,
         all_logits: bool,
     ) -> Result<Vec<f32>> {
-        self.forward_with(tokens, cache, all_logits, None)
+        self.forward_with(tokens, cache, all_logits, None, None)
     }
 
-    /// [`forward`](Self::forward) with the FFNs computed by `backend` when given.
+    /// [`forward`](Self::forward) with the FFNs computed by `backend` and the projections taken
+    /// from `dense`, when given.
     pub fn forward_with(
         &self,
         tokens: &[u32],
         cache: &mut KvCache,
         all_logits: bool,
         mut backend: Option<&mut dyn FfnBackend>,
+        dense: Option<&mut dyn DenseWeights>,
     ) -> Result<Vec<f32>> {
         let t = tokens.len();
         let start = cache.len();
@@ -366,7 +461,15 @@ impl Model {
                 cache.capacity()
             );
         }
-        let mut x = self.embed(tokens)?;
+        let mut own;
+        let dense: &mut dyn DenseWeights = match dense {
+            Some(d) => d,
+            None => {
+                own = self.own()?;
+                &mut own
+            }
+        };
+        let mut x = self.embed_with(tokens, dense)?;
         let tables = self.rope_tables(start, t);
         let mut s = Scratch::new(&self.config, t);
         for l in 0..self.layers.len() {
@@ -377,27 +480,36 @@ impl Model {
                 }
                 None => Ffn::Resident(None),
             };
-            self.block_with(l, start, &tables, &mut x, cache, &mut s, ffn)?;
+            let attn = dense.attention(l)?;
+            self.block_with(l, attn, start, &tables, &mut x, cache, &mut s, ffn)?;
         }
         cache.advance(t);
         let rows = if all_logits { t } else { 1 };
-        Ok(self.logits(&x[(t - rows) * self.config.hidden_size..]))
+        self.logits_with(&x[(t - rows) * self.config.hidden_size..], dense)
+    }
+
+    /// The model's own projections; an error for a model built with [`Model::norms_only`].
+    fn own(&self) -> Result<&Projections> {
+        self.projections
+            .as_ref()
+            .context("this model was built without its projections: pass a DenseWeights source")
     }
 
     /// The embedding rows of `tokens` (`tokens.len() × hidden`).
     pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.embed_with(tokens, &mut self.own()?)
+    }
+
+    fn embed_with(&self, tokens: &[u32], dense: &mut dyn DenseWeights) -> Result<Vec<f32>> {
         let c = &self.config;
-        let h = c.hidden_size;
-        let mut x = vec![0.0f32; tokens.len() * h];
-        for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
-            if tok as usize >= c.vocab_size {
-                bail!(
-                    "token id {tok} is outside the vocabulary ({} entries)",
-                    c.vocab_size
-                );
-            }
-            self.embed.row_f32(tok as usize, row);
+        if let Some(tok) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            bail!(
+                "token id {tok} is outside the vocabulary ({} entries)",
+                c.vocab_size
+            );
         }
+        let mut x = vec![0.0f32; tokens.len() * c.hidden_size];
+        dense.embed(tokens, &mut x)?;
         Ok(x)
     }
 
@@ -416,12 +528,28 @@ impl Model {
         let t = x.len() / self.config.hidden_size;
         let tables = self.rope_tables(start, t);
         let mut s = Scratch::new(&self.config, t);
-        self.block_with(l, start, &tables, x, cache, &mut s, Ffn::Resident(probe))
-            .expect("a resident FFN cannot fail");
+        let attn = &self.own().expect("block() runs a resident model").attention[l];
+        self.block_with(
+            l,
+            attn,
+            start,
+            &tables,
+            x,
+            cache,
+            &mut s,
+            Ffn::Resident(probe),
+        )
+        .expect("a resident FFN cannot fail");
     }
 
     /// Final norm and output head over the rows of `x` (`rows × hidden`).
     pub fn logits(&self, x: &[f32]) -> Vec<f32> {
+        let mut own = self.own().expect("logits() runs a resident model");
+        self.logits_with(x, &mut own)
+            .expect("resident weights cannot fail")
+    }
+
+    fn logits_with(&self, x: &[f32], dense: &mut dyn DenseWeights) -> Result<Vec<f32>> {
         let c = &self.config;
         let h = c.hidden_size;
         let rows = x.len() / h;
@@ -429,10 +557,9 @@ impl Model {
         for (src, dst) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
             rms_norm(src, &self.norm, c.rms_norm_eps, dst);
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0.0; rows * c.vocab_size];
-        head.matmul_t(&xn, rows, &mut logits);
-        logits
+        dense.head(&xn, rows, &mut logits)?;
+        Ok(logits)
     }
 
     fn rope_tables(&self, start: usize, t: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
@@ -443,6 +570,7 @@ impl Model {
     fn block_with(
         &self,
         l: usize,
+        attn: &Attention,
         start: usize,
         tables: &[(Vec<f32>, Vec<f32>)],
         x: &mut [f32],
@@ -451,7 +579,7 @@ impl Model {
         ffn: Ffn,
     ) -> Result<()> {
         let layer = &self.layers[l];
-        self.attention_block(l, layer, start, tables, x, cache, s);
+        self.attention_block(l, layer, attn, start, tables, x, cache, s);
         self.ffn_block(l, layer, tables.len(), x, s, ffn)
     }
 
@@ -460,6 +588,7 @@ impl Model {
         &self,
         l: usize,
         layer: &Layer,
+        attn: &Attention,
         start: usize,
         tables: &[(Vec<f32>, Vec<f32>)],
         x: &mut [f32],
@@ -473,9 +602,9 @@ impl Model {
         for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
             rms_norm(src, &layer.attn_norm, c.rms_norm_eps, dst);
         }
-        layer.wq.matmul_t(&s.xn, t, &mut s.q);
-        layer.wk.matmul_t(&s.xn, t, &mut s.k);
-        layer.wv.matmul_t(&s.xn, t, &mut s.v);
+        attn.wq.matmul_t(&s.xn, t, &mut s.q);
+        attn.wk.matmul_t(&s.xn, t, &mut s.k);
+        attn.wv.matmul_t(&s.xn, t, &mut s.v);
         let rows = s.q.chunks_exact_mut(qd).zip(s.k.chunks_exact_mut(kvd));
         for (i, ((q, k), (cos, sin))) in rows.zip(tables).enumerate() {
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
@@ -489,7 +618,7 @@ impl Model {
             cache.store(l, start + i, k, &s.v[i * kvd..(i + 1) * kvd]);
         }
         self.attend(l, start, t, &s.q, cache, &mut s.att);
-        layer.wo.matmul_t(&s.att, t, &mut s.proj);
+        attn.wo.matmul_t(&s.att, t, &mut s.proj);
         x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
     }
 

@@ -27,7 +27,7 @@ mod tests;
 
 pub use matrix::{dot, matmul_t, matvec, portable_dot, Matrix};
 pub use operand::{Operand, Q8Vec};
-pub use qmatrix::QMatrix;
+pub use qmatrix::{matvec_rows, QMatrix, RowStream};
 pub use rows::RowKernels;
 pub use weight::Weight;
 

@@ -30,6 +30,27 @@ pub struct QMatrix {
     row_bytes: usize,
 }
 
+/// `out[r] = row r · x` over `out.len()` encoded rows laid end to end in `data` (each row's bytes
+/// from `qtype` and `x`'s length): [`QMatrix::matvec`] on borrowed bytes, for weights streamed in
+/// row blocks, with the same result for each row.
+pub fn matvec_rows(k: &RowKernels, qtype: QuantType, data: &[u8], x: &Operand, out: &mut [f32]) {
+    let row_bytes = data.len() / out.len().max(1);
+    assert_eq!(data.len(), out.len() * row_bytes);
+    let rows = |r0: usize, chunk: &mut [f32]| {
+        for (i, o) in chunk.iter_mut().enumerate() {
+            let r = r0 + i;
+            *o = k.dot(qtype, &data[r * row_bytes..(r + 1) * row_bytes], x);
+        }
+    };
+    if data.len() >= PARALLEL_MIN_BYTES && rayon::current_num_threads() > 1 {
+        out.par_chunks_mut(ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(c, chunk)| rows(c * ROWS_PER_TASK, chunk));
+    } else {
+        rows(0, out);
+    }
+}
+
 impl QMatrix {
     /// Wraps encoded rows (e.g. a GGUF tensor as stored); checks the length.
     pub fn new(rows: usize, cols: usize, qtype: QuantType, data: Vec<u8>) -> Result<Self> {
@@ -81,44 +102,103 @@ impl QMatrix {
     /// [`matvec`](Self::matvec) with a given kernel set (tests and benches compare them).
     pub fn matvec_with(&self, k: &RowKernels, x: &Operand, out: &mut [f32]) {
         assert_eq!(x.x.len(), self.cols);
-        assert_eq!(out.len(), self.rows);
-        let rows = |r0: usize, chunk: &mut [f32]| {
-            for (i, o) in chunk.iter_mut().enumerate() {
-                *o = k.dot(self.qtype, self.row(r0 + i), x);
-            }
-        };
-        if self.bytes() >= PARALLEL_MIN_BYTES && rayon::current_num_threads() > 1 {
-            out.par_chunks_mut(ROWS_PER_TASK)
-                .enumerate()
-                .for_each(|(c, chunk)| rows(c * ROWS_PER_TASK, chunk));
-        } else {
-            rows(0, out);
-        }
+        matvec_rows(k, self.qtype, &self.data, x, out);
     }
 
     /// `out (t × rows) = X (t × cols) · Wᵀ` for `t` row-major input vectors.
     pub fn matmul_t(&self, x: &[f32], t: usize, out: &mut [f32]) {
-        assert_eq!(x.len(), t * self.cols);
-        assert_eq!(out.len(), t * self.rows);
-        if t < GEMM_MIN_TOKENS {
-            for (xi, oi) in x
-                .chunks_exact(self.cols)
-                .zip(out.chunks_exact_mut(self.rows))
-            {
-                self.matvec(&Operand::new(xi, self.qtype), oi);
-            }
-            return;
+        RowStream::new(self.qtype, self.rows, self.cols, self.row_bytes, x, t)
+            .push(&self.data, out);
+    }
+}
+
+/// [`QMatrix::matmul_t`] over rows that arrive in order, a block at a time (a matrix streamed from
+/// flash): the same kernels on the same bytes, so the same result. Short inputs run one mat-vec per
+/// token; prompt chunks decode tiles of rows to f32 for `gemm`, a tile gathered across blocks.
+pub struct RowStream<'x> {
+    qtype: QuantType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    x: &'x [f32],
+    t: usize,
+    /// Fewer than [`GEMM_MIN_TOKENS`] inputs: each prepared for the encoding.
+    operands: Vec<Operand<'x>>,
+    /// Otherwise: the decoded rows of the tile being gathered, which starts at `tile_start`.
+    tile: Vec<f32>,
+    tile_rows: usize,
+    tile_start: usize,
+    tile_fill: usize,
+    /// Rows pushed so far.
+    done: usize,
+}
+
+impl<'x> RowStream<'x> {
+    pub fn new(
+        qtype: QuantType,
+        rows: usize,
+        cols: usize,
+        row_bytes: usize,
+        x: &'x [f32],
+        t: usize,
+    ) -> Self {
+        assert_eq!(x.len(), t * cols);
+        let gemm = t >= GEMM_MIN_TOKENS;
+        let operands = if gemm {
+            Vec::new()
+        } else {
+            x.chunks_exact(cols)
+                .map(|xi| Operand::new(xi, qtype))
+                .collect()
+        };
+        let tile_rows = (TILE_WEIGHTS / cols).clamp(1, rows);
+        Self {
+            qtype,
+            rows,
+            cols,
+            row_bytes,
+            x,
+            t,
+            operands,
+            tile: if gemm {
+                vec![0.0; tile_rows * cols]
+            } else {
+                Vec::new()
+            },
+            tile_rows,
+            tile_start: 0,
+            tile_fill: 0,
+            done: 0,
         }
+    }
+
+    /// Takes the next whole rows (`data`) and writes their columns of `out` (`t × rows`).
+    pub fn push(&mut self, data: &[u8], out: &mut [f32]) {
+        assert_eq!(out.len(), self.t * self.rows);
+        assert!(data.len().is_multiple_of(self.row_bytes));
+        let n = data.len() / self.row_bytes;
+        assert!(self.done + n <= self.rows, "more rows than the matrix has");
         let k = RowKernels::best();
-        let tile_rows = (TILE_WEIGHTS / self.cols).clamp(1, self.rows);
-        let mut tile = vec![0.0f32; tile_rows * self.cols];
-        for r0 in (0..self.rows).step_by(tile_rows) {
-            let n = tile_rows.min(self.rows - r0);
-            let tile = &mut tile[..n * self.cols];
-            for (i, dst) in tile.chunks_exact_mut(self.cols).enumerate() {
-                k.dequantize(self.qtype, self.row(r0 + i), dst);
+        if self.operands.is_empty() {
+            let cols = self.cols;
+            for row in data.chunks_exact(self.row_bytes) {
+                let f = self.tile_fill;
+                k.dequantize(self.qtype, row, &mut self.tile[f * cols..(f + 1) * cols]);
+                self.tile_fill += 1;
+                if self.tile_fill == self.tile_rows.min(self.rows - self.tile_start) {
+                    let tile = &self.tile[..self.tile_fill * cols];
+                    let dst = &mut out[self.tile_start..];
+                    gemm_t(tile, self.tile_fill, cols, self.x, self.t, dst, self.rows);
+                    self.tile_start += self.tile_fill;
+                    self.tile_fill = 0;
+                }
             }
-            gemm_t(tile, n, self.cols, x, t, &mut out[r0..], self.rows);
+        } else {
+            let span = self.done..self.done + n;
+            for (x, o) in self.operands.iter().zip(out.chunks_exact_mut(self.rows)) {
+                matvec_rows(k, self.qtype, data, x, &mut o[span.clone()]);
+            }
         }
+        self.done += n;
     }
 }

@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 
 use super::bundles::{ffn_bundles, BundleLayout};
 use super::qmatrix::GEMM_MIN_TOKENS;
-use super::{Matrix, Operand, Q8Vec, QMatrix, RowKernels, Weight};
+use super::{Matrix, Operand, Q8Vec, QMatrix, RowKernels, RowStream, Weight};
 use crate::config::Activation;
 
 fn rng() -> (u64, StdRng) {
@@ -375,4 +375,36 @@ fn bundle_errors_name_the_problem() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("bundle 0"), "{err}");
+}
+
+/// A matrix streamed in row blocks (its tiles for `gemm` cut across blocks) gives exactly the
+/// whole matrix's result, for mat-vecs and for the mat-mat of a prompt chunk.
+#[test]
+fn row_stream_in_blocks_equals_matmul_bit_for_bit() {
+    let (seed, mut rng) = rng();
+    let (rows, cols) = (2500, 256);
+    let m = Matrix::new(rows, cols, random(rows * cols, 1.0, &mut rng));
+    for qtype in [QuantType::Q8_0, QuantType::F16, QuantType::Q4_1] {
+        let q = QMatrix::quantize(&m, qtype).unwrap();
+        let rb = q.row(0).len();
+        for t in [1, 5, GEMM_MIN_TOKENS + 4] {
+            let xs = random(t * cols, 1.0, &mut rng);
+            let mut want = vec![0.0; t * rows];
+            q.matmul_t(&xs, t, &mut want);
+            let mut got = vec![f32::NAN; t * rows];
+            let mut stream = RowStream::new(qtype, rows, cols, rb, &xs, t);
+            let mut r0 = 0;
+            for block in [700, 1, 900, 899] {
+                stream.push(&q.data[r0 * rb..(r0 + block) * rb], &mut got);
+                r0 += block;
+            }
+            assert_eq!(r0, rows);
+            assert!(
+                want.iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "seed {seed}: {qtype} t={t}"
+            );
+        }
+    }
 }

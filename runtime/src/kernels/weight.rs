@@ -50,6 +50,13 @@ impl Weight {
         }
     }
 
+    /// Rows `rows` as f32, one after another in `out` (an embedding lookup).
+    pub fn rows_f32(&self, rows: &[u32], out: &mut [f32]) {
+        for (dst, &r) in out.chunks_exact_mut(self.cols()).zip(rows) {
+            self.row_f32(r as usize, dst);
+        }
+    }
+
     /// The same weight encoded as `qtype` (from its f32 values; `F32` keeps the reference path).
     pub fn quantize(&self, qtype: QuantType) -> Result<Weight> {
         let f32 = match self {

@@ -83,7 +83,8 @@ pub(super) struct Refine {
 /// flight and the counters.
 pub(super) struct Core {
     pub plans: Vec<LayerPlan>,
-    pub io: IoQueue,
+    /// Shared with the dense weights' stream ([`super::dense_stream`]): one queue per device.
+    pub io: Arc<IoQueue>,
     pub cache: NeuronCache<Bytes>,
     /// The file mapped into memory (`mmap` policy): every cluster is addressable, the OS pages.
     pub mapping: Option<Mapping>,
@@ -289,7 +290,7 @@ impl StreamEngine {
         plans: Vec<LayerPlan>,
         act: Activation,
         sparsity: Sparsity,
-        io: IoQueue,
+        io: Arc<IoQueue>,
         cache: NeuronCache<Bytes>,
         mapping: Option<Mapping>,
         io_budget: u64,

@@ -85,6 +85,7 @@ impl Metrics {
         Summary {
             bytes_read_per_token: per_token(bytes_read),
             reads_per_token: per_token(requests),
+            dense_bytes_read_per_token: 0.0,
             cache_hit_rate: ratio(self.cluster_hits, self.cluster_hits + self.cluster_misses),
             predictor_recall: ratio(self.own_hits, self.active),
             predictor_precision: ratio(self.own_hits, self.own_predicted),
@@ -118,8 +119,14 @@ fn ratio_s(part: f64, wall: f64) -> f64 {
 /// The per-run figures printed in `--json`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
+    /// Bytes of FFN bundles read per token (the dense weights' reads are not included).
     pub bytes_read_per_token: f64,
+    /// Device reads of FFN bundles per token.
     pub reads_per_token: f64,
+    /// Bytes of dense weights (attention, output head, embedding rows) read per token when they
+    /// stream; 0 when all are resident. Separate from `bytes_read_per_token`: the device read
+    /// the sum.
+    pub dense_bytes_read_per_token: f64,
     pub cache_hit_rate: f64,
     pub predictor_recall: f64,
     pub predictor_precision: f64,

@@ -1,6 +1,8 @@
 //! The streaming runtime: a converted file run under a memory budget, its FFN bundles read from
-//! flash by the speculate-and-refine engine, everything else resident.
+//! flash by the speculate-and-refine engine, the dense weights resident or, under a budget too
+//! small for them, streamed too ([`DenseStream`]).
 
+mod dense_stream;
 mod engine;
 mod leanstream;
 pub mod llm_in_flash;
@@ -20,16 +22,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use leanstream_format::quant::dequantize_row;
 use leanstream_format::LsbFile;
 
 use crate::config::ModelConfig;
-use crate::kernels::{QMatrix, Weight};
 use crate::kv_cache::KvCache;
 use crate::model::Model;
 use crate::neuron_cache::{NeuronCache, Retention};
 use crate::storage::{open_device, Device, FlashProfile, IoQueue};
 
+pub use dense_stream::DenseStream;
+use dense_stream::DenseTensors;
 pub use engine::{Bytes, Sparsity, StreamEngine};
 pub use metrics::Summary;
 pub use planner::MemorySplit;
@@ -67,14 +69,26 @@ pub struct StreamOptions {
 
 /// A converted model ready to generate under a budget.
 pub struct StreamingModel {
+    /// The norms; the projections come from `dense`.
     model: Model,
+    dense: DenseStream,
     engine: StreamEngine,
     pub split: MemorySplit,
     pub budget: Option<u64>,
     started: Instant,
     tokens: u64,
     /// I/O counters at the start of the measured run (start-up reads excluded).
-    io_base: (u64, u64, std::time::Duration),
+    io_base: IoCounters,
+}
+
+/// What was read: all of it (FFN and dense), and the dense weights' part.
+#[derive(Clone, Copy, Default)]
+struct IoCounters {
+    bytes: u64,
+    reads: u64,
+    busy: std::time::Duration,
+    dense_bytes: u64,
+    dense_reads: u64,
 }
 
 impl StreamingModel {
@@ -98,9 +112,22 @@ impl StreamingModel {
         let tuning = &opts.tuning;
         check_options(path, opts, config.num_layers)?;
         let plans = plan::LayerPlan::all(&mut file)?;
-        let (input, io_budget) = plan_input(&file, &plans, opts.ctx, opts.memory, policy);
+        // Decoding the file's indexes and plans freed more than the plans keep: give it back
+        // to the OS, or the allocator keeps it resident beside the budgeted parts.
+        crate::memory::release_freed_memory();
+        let tensors = DenseTensors::open(&file)?;
+        let (input, io_budget) = plan_input(
+            &file,
+            &plans,
+            tensors.sizes(&config)?,
+            opts.ctx,
+            opts.memory,
+            policy,
+        );
         let mut split = planner::plan(input)?;
-        let model = dense_model(&file, config.clone())?;
+        let model = Model::norms_only(config.clone(), |name, shape| tensors.vector(name, shape))?;
+        let io = Arc::new(IoQueue::new(device));
+        let dense = DenseStream::open(&tensors, &config, split.dense_streamed, Arc::clone(&io))?;
         let sparsity = match policy {
             Policy::Resident | Policy::Oracle => Sparsity::Exact,
             Policy::PowerInfer2 | Policy::LlmInFlash => Sparsity::Predicted,
@@ -139,7 +166,7 @@ impl StreamingModel {
             plans,
             config.activation,
             sparsity,
-            IoQueue::new(device),
+            io,
             NeuronCache::new(split.neuron_cache, retention),
             mapping,
             io_budget,
@@ -149,26 +176,34 @@ impl StreamingModel {
         engine.warm()?;
         Ok(Self {
             model,
+            dense,
             engine,
             split,
             budget: opts.memory,
             started: Instant::now(),
             tokens: 0,
-            io_base: (0, 0, std::time::Duration::ZERO),
+            io_base: IoCounters::default(),
         })
     }
 
     /// Figures of the run so far (call after generation).
     pub fn summary(&self) -> Summary {
-        let (bytes, reads, busy) = self.io_counters();
+        let now = self.io_counters();
+        let base = self.io_base;
         let wall = self.started.elapsed().as_secs_f64();
-        self.engine.metrics().summary(
+        let dense_bytes = now.dense_bytes - base.dense_bytes;
+        let dense_reads = now.dense_reads - base.dense_reads;
+        // The device counts a read when it lands, the dense stream when it queues it: a read
+        // queued before the start and landing after could make the difference dip below zero.
+        let mut summary = self.engine.metrics().summary(
             self.tokens,
-            bytes - self.io_base.0,
-            reads - self.io_base.1,
-            (busy - self.io_base.2).as_secs_f64() / wall.max(1e-9),
+            (now.bytes - base.bytes).saturating_sub(dense_bytes),
+            (now.reads - base.reads).saturating_sub(dense_reads),
+            (now.busy - base.busy).as_secs_f64() / wall.max(1e-9),
             wall,
-        )
+        );
+        summary.dense_bytes_read_per_token = dense_bytes as f64 / self.tokens.max(1) as f64;
+        summary
     }
 
     /// Starts counting tokens, time and I/O afresh (after the start-up reads).
@@ -185,14 +220,28 @@ impl StreamingModel {
     }
 
     /// Bytes read, reads and device busy time so far: the read queue's, or for a mapping what
-    /// the kernel read for the process (major faults as reads; busy time unknown).
-    fn io_counters(&self) -> (u64, u64, std::time::Duration) {
-        if self.engine.mapping().is_some() {
+    /// the kernel read for the process (major faults as reads; busy time unknown); and the dense
+    /// stream's part.
+    fn io_counters(&self) -> IoCounters {
+        let (dense_bytes, dense_reads) = self.dense.counters();
+        let (bytes, reads, busy) = if self.engine.mapping().is_some() {
             let (bytes, faults) = mmap::process_io();
-            return (bytes, faults, std::time::Duration::ZERO);
+            (
+                bytes + dense_bytes,
+                faults + dense_reads,
+                std::time::Duration::ZERO,
+            )
+        } else {
+            let s = self.engine.io().stats();
+            (s.bytes_read, s.device_reads, s.busy)
+        };
+        IoCounters {
+            bytes,
+            reads,
+            busy,
+            dense_bytes,
+            dense_reads,
         }
-        let s = self.engine.io().stats();
-        (s.bytes_read, s.device_reads, s.busy)
     }
 }
 
@@ -224,9 +273,13 @@ impl crate::model::LanguageModel for StreamingModel {
         }
         self.engine.begin_call(tokens, cache.len())?;
         self.tokens += tokens.len() as u64;
-        let logits = self
-            .model
-            .forward_with(tokens, cache, all_logits, Some(&mut self.engine));
+        let logits = self.model.forward_with(
+            tokens,
+            cache,
+            all_logits,
+            Some(&mut self.engine),
+            Some(&mut self.dense),
+        );
         self.engine.end_call(tokens.len());
         logits
     }
@@ -268,6 +321,7 @@ fn check_options(path: &Path, opts: &StreamOptions, layers: usize) -> Result<()>
 fn plan_input(
     file: &LsbFile,
     plans: &[plan::LayerPlan],
+    dense: planner::DenseSizes,
     ctx: usize,
     budget: Option<u64>,
     policy: Policy,
@@ -285,7 +339,7 @@ fn plan_input(
     let input = planner::PlanInput {
         budget,
         overhead: planner::baseline_overhead(file.tokenizer_json.len() as u64),
-        dense: file.dense.data_bytes(),
+        dense,
         kv_cache: KvCache::bytes_for(config, ctx) as u64,
         resident_state: plans.iter().map(|p| p.resident_bytes()).sum(),
         // Speculative reads for the next layer while this layer's own reads are in flight.
@@ -298,65 +352,28 @@ fn plan_input(
     (input, io_budget)
 }
 
-/// The smallest `--memory` the `leanstream` policy accepts for `file` at `ctx` (the neuron cache
-/// empty: every bundle streams).
+/// The smallest `--memory` at which the `leanstream` policy keeps every dense weight resident
+/// (the neuron cache empty: every bundle streams). Below it dense weights stream too, down to
+/// [`streaming_minimum_memory`].
 pub fn minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
     Ok(memory_split(path, ctx)?.fixed())
 }
 
-/// The planner's split for `file` at `ctx` without a budget: the fixed part (the minimum) and the
-/// size of the FFN bundles, from which budgets are chosen.
-pub fn memory_split(path: &Path, ctx: usize) -> Result<MemorySplit> {
-    let mut file = LsbFile::open(path)?;
-    let plans = plan::LayerPlan::all(&mut file)?;
-    let (input, _) = plan_input(&file, &plans, ctx, None, Policy::Leanstream);
-    planner::plan(input)
+/// The smallest `--memory` the `leanstream` policy accepts for `file` at `ctx`: every bundle and
+/// the dense weights the planner may stream stream.
+pub fn streaming_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
+    Ok(planner::minimum(&open_plan_input(path, ctx)?))
 }
 
-/// The non-FFN weights as stored (encoded rows stay encoded; norms are f32).
-fn dense_model(file: &LsbFile, config: ModelConfig) -> Result<Model> {
-    let mut f = std::fs::File::open(&file.path)
-        .with_context(|| format!("cannot open {}", file.path.display()))?;
-    let mut tensors = std::collections::HashMap::new();
-    for t in &file.dense.tensors {
-        tensors.insert(t.name.clone(), (t, file.read_dense(&mut f, t)?));
-    }
-    let tensors = std::cell::RefCell::new(tensors);
-    let take = |name: &str| {
-        tensors
-            .borrow_mut()
-            .remove(name)
-            .with_context(|| format!("{}: tensor {name} is missing", file.path.display()))
-    };
-    Model::without_ffn(
-        config,
-        |name, shape| {
-            let (t, bytes) = take(name)?;
-            if t.shape
-                .iter()
-                .map(|&d| d as usize)
-                .ne(shape.iter().copied())
-            {
-                bail!(
-                    "{}: tensor {name} has shape {:?}, the config implies {shape:?}",
-                    file.path.display(),
-                    t.shape
-                );
-            }
-            let mut v = vec![0.0f32; shape.iter().product()];
-            dequantize_row(t.qtype, &bytes, &mut v)?;
-            Ok(v)
-        },
-        |name, rows, cols| {
-            let (t, bytes) = take(name)?;
-            if t.rows() != rows || t.cols() != cols {
-                bail!(
-                    "{}: tensor {name} is {:?}, the config implies [{rows}, {cols}]",
-                    file.path.display(),
-                    t.shape
-                );
-            }
-            Ok(Weight::Encoded(QMatrix::new(rows, cols, t.qtype, bytes)?))
-        },
-    )
+/// The planner's split for `file` at `ctx` without a budget: the fixed part with every dense
+/// weight resident and the size of the FFN bundles, from which budgets are chosen.
+pub fn memory_split(path: &Path, ctx: usize) -> Result<MemorySplit> {
+    planner::plan(open_plan_input(path, ctx)?)
+}
+
+fn open_plan_input(path: &Path, ctx: usize) -> Result<planner::PlanInput> {
+    let mut file = LsbFile::open(path)?;
+    let plans = plan::LayerPlan::all(&mut file)?;
+    let sizes = DenseTensors::open(&file)?.sizes(&file.meta.model)?;
+    Ok(plan_input(&file, &plans, sizes, ctx, None, Policy::Leanstream).0)
 }

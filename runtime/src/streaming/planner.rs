@@ -1,7 +1,11 @@
 //! The memory planner: splits one `--memory` budget (a cap on the process's peak RSS) into the
 //! runtime's fixed needs — process overhead, dense weights, KV cache, the resident per-layer state
 //! (sketch, predictors, statistics), I/O buffers, scratch — and the neuron cache, which gets the
-//! rest. A budget below the fixed needs is refused with the minimum.
+//! rest. When the fixed needs with every dense weight resident exceed the budget, dense weights
+//! stream too: the attention projections first (the least used per byte: each is read once per
+//! token, as the output head is, but the head is computed as it lands), then the output head, then
+//! the embedding (one row per token); norms always stay. A budget below the fixed needs with all
+//! of them streaming is refused with that minimum.
 
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -12,7 +16,7 @@ use crate::memory_size::format_size;
 pub struct PlanInput {
     pub budget: Option<u64>,
     pub overhead: u64,
-    pub dense: u64,
+    pub dense: DenseSizes,
     pub kv_cache: u64,
     pub resident_state: u64,
     pub io_buffers: u64,
@@ -24,11 +28,108 @@ pub struct PlanInput {
     pub ctx: usize,
 }
 
+/// The dense weights' bytes by what may stream, and the buffers each needs while streaming (read
+/// buffers and the page hashes partial reads are checked with).
+#[derive(Debug, Clone, Default)]
+pub struct DenseSizes {
+    /// Every dense tensor's encoded bytes.
+    pub total: u64,
+    /// Every block's attention projections (q, k, v, o).
+    pub attention: u64,
+    pub attention_buffers: u64,
+    /// The untied output head (0 when tied to the embedding).
+    pub head: u64,
+    /// Its row blocks in flight; for a tied head, the embedding's blocks.
+    pub head_buffers: u64,
+    pub embedding: u64,
+    pub embedding_buffers: u64,
+    /// The head is the embedding: they stream together.
+    pub tied: bool,
+}
+
+/// Which dense weights stream from flash instead of staying resident.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct DenseStreamed {
+    /// Layer `l + 1`'s projections are read while layer `l` computes.
+    pub attention: bool,
+    /// The output head is read in row blocks every token, each computed as it lands.
+    pub head: bool,
+    /// Each token's embedding row is read when the token is known.
+    pub embedding: bool,
+}
+
+impl DenseStreamed {
+    /// The choices in the order the planner tries them: the first that fits the budget wins.
+    fn choices(tied: bool) -> Vec<Self> {
+        let attention = Self {
+            attention: true,
+            ..Self::default()
+        };
+        let all = Self {
+            attention: true,
+            head: true,
+            embedding: true,
+        };
+        if tied {
+            vec![Self::default(), attention, all]
+        } else {
+            let head = Self {
+                head: true,
+                ..attention
+            };
+            vec![Self::default(), attention, head, all]
+        }
+    }
+
+    fn any(&self) -> bool {
+        self.attention || self.head || self.embedding
+    }
+
+    /// What streams, for people.
+    fn describe(&self) -> String {
+        [
+            (self.attention, "attention"),
+            (self.head, "output head"),
+            (self.embedding, "embedding"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, name)| *name)
+        .collect::<Vec<_>>()
+        .join(", ")
+    }
+}
+
+impl DenseSizes {
+    /// Bytes of dense weights resident, and of the buffers streaming needs, under `s`.
+    fn cost(&self, s: DenseStreamed) -> (u64, u64) {
+        let mut resident = self.total;
+        let mut buffers = 0;
+        let parts = [
+            (s.attention, self.attention, self.attention_buffers),
+            (s.head, self.head, self.head_buffers),
+            (s.embedding, self.embedding, self.embedding_buffers),
+        ];
+        for (on, bytes, bufs) in parts {
+            if on {
+                resident -= bytes;
+                buffers += bufs;
+            }
+        }
+        (resident, buffers)
+    }
+}
+
 /// Where the budget goes, in bytes.
 #[derive(Debug, Clone, Serialize)]
 pub struct MemorySplit {
     pub overhead: u64,
+    /// Dense weights resident.
     pub dense: u64,
+    /// Dense weights read from flash as they are used.
+    pub dense_streamed: DenseStreamed,
+    /// Read buffers and page hashes of the streamed dense weights.
+    pub dense_buffers: u64,
     pub kv_cache: u64,
     pub resident_state: u64,
     pub io_buffers: u64,
@@ -47,6 +148,7 @@ impl MemorySplit {
     pub fn fixed(&self) -> u64 {
         self.overhead
             + self.dense
+            + self.dense_buffers
             + self.kv_cache
             + self.resident_state
             + self.io_buffers
@@ -56,55 +158,25 @@ impl MemorySplit {
     /// One line for people.
     pub fn describe(&self) -> String {
         format!(
-            "memory: overhead {}, dense {}, KV cache {}, sketch+predictors {}, I/O buffers {}, scratch {}, neuron cache {} ({:.0} % of the FFN)",
-            format_size(self.overhead),
-            format_size(self.dense),
-            format_size(self.kv_cache),
-            format_size(self.resident_state),
-            format_size(self.io_buffers),
-            format_size(self.scratch),
+            "memory: {}, neuron cache {} ({:.0} % of the FFN)",
+            self.describe_fixed(),
             format_size(self.neuron_cache),
             100.0 * self.neuron_cache as f64 / self.ffn_total.max(1) as f64
         )
     }
-}
 
-pub fn plan(p: PlanInput) -> Result<MemorySplit> {
-    let mut split = MemorySplit {
-        overhead: p.overhead,
-        dense: p.dense,
-        kv_cache: p.kv_cache,
-        resident_state: p.resident_state,
-        io_buffers: p.io_buffers,
-        scratch: p.scratch,
-        neuron_cache: 0,
-        ffn_total: p.ffn,
-    };
-    let fixed = split.fixed();
-    let minimum = if p.needs_all_ffn {
-        fixed + p.ffn
-    } else {
-        fixed
-    };
-    let budget = p.budget.unwrap_or(fixed + p.ffn);
-    if budget < minimum {
-        bail!(
-            "--memory {} is below the minimum of {} for this model at ctx {} ({}); raise --memory{}",
-            format_size(budget),
-            format_size(minimum),
-            p.ctx,
-            split.describe_fixed(),
-            if p.ctx > 512 { " or lower --ctx" } else { "" }
-        );
-    }
-    split.neuron_cache = (budget - fixed).min(p.ffn);
-    Ok(split)
-}
-
-impl MemorySplit {
     fn describe_fixed(&self) -> String {
+        let streamed = if self.dense_streamed.any() {
+            format!(
+                " (streaming {} through {} of buffers)",
+                self.dense_streamed.describe(),
+                format_size(self.dense_buffers)
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "overhead {}, dense {}, KV cache {}, sketch+predictors {}, I/O buffers {}, scratch {}",
+            "overhead {}, dense {}{streamed}, KV cache {}, sketch+predictors {}, I/O buffers {}, scratch {}",
             format_size(self.overhead),
             format_size(self.dense),
             format_size(self.kv_cache),
@@ -113,6 +185,68 @@ impl MemorySplit {
             format_size(self.scratch)
         )
     }
+}
+
+/// The split when `streamed` dense weights stream and the neuron cache is empty.
+fn fixed_split(p: &PlanInput, streamed: DenseStreamed) -> MemorySplit {
+    let (dense, dense_buffers) = p.dense.cost(streamed);
+    MemorySplit {
+        overhead: p.overhead,
+        dense,
+        dense_streamed: streamed,
+        dense_buffers,
+        kv_cache: p.kv_cache,
+        resident_state: p.resident_state,
+        io_buffers: p.io_buffers,
+        scratch: p.scratch,
+        neuron_cache: 0,
+        ffn_total: p.ffn,
+    }
+}
+
+/// The candidate splits (neuron cache empty), fewest dense weights streaming first. A policy that
+/// keeps every cluster resident keeps the dense weights resident too: it does no I/O at all.
+fn candidates(p: &PlanInput) -> Vec<MemorySplit> {
+    let choices = if p.needs_all_ffn {
+        vec![DenseStreamed::default()]
+    } else {
+        DenseStreamed::choices(p.dense.tied)
+    };
+    choices.into_iter().map(|s| fixed_split(p, s)).collect()
+}
+
+/// The smallest budget `p` runs in.
+pub fn minimum(p: &PlanInput) -> u64 {
+    let ffn = if p.needs_all_ffn { p.ffn } else { 0 };
+    candidates(p)
+        .iter()
+        .map(|s| s.fixed() + ffn)
+        .min()
+        .expect("there is always a candidate")
+}
+
+/// Splits the budget: the fewest dense weights streaming that fit, the rest to the neuron cache.
+/// Without a budget, everything is resident.
+pub fn plan(p: PlanInput) -> Result<MemorySplit> {
+    let ffn = if p.needs_all_ffn { p.ffn } else { 0 };
+    let all = candidates(&p);
+    let budget = p.budget.unwrap_or(all[0].fixed() + p.ffn);
+    let Some(mut split) = all.iter().find(|s| s.fixed() + ffn <= budget).cloned() else {
+        let least = all
+            .iter()
+            .min_by_key(|s| s.fixed())
+            .expect("there is always a candidate");
+        bail!(
+            "--memory {} is below the minimum of {} for this model at ctx {} ({}); raise --memory{}",
+            format_size(budget),
+            format_size(least.fixed() + ffn),
+            p.ctx,
+            least.describe_fixed(),
+            if p.ctx > 512 { " or lower --ctx" } else { "" }
+        );
+    };
+    split.neuron_cache = (budget - split.fixed()).min(p.ffn);
+    Ok(split)
 }
 
 /// The process before any model is loaded (code, libraries, allocator, thread stacks: measured at
@@ -137,4 +271,108 @@ pub fn scratch_bytes(c: &ModelConfig) -> u64 {
         + c.intermediate_size * 2) as u64;
     4 * (t * per_token + 2 * c.vocab_size as u64)
         + 4 * t * c.max_position_embeddings.min(2048) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn input(budget: Option<u64>, tied: bool) -> PlanInput {
+        PlanInput {
+            budget,
+            overhead: 10 * MIB,
+            dense: DenseSizes {
+                total: 100 * MIB,
+                attention: 40 * MIB,
+                attention_buffers: 4 * MIB,
+                head: if tied { 0 } else { 30 * MIB },
+                head_buffers: 4 * MIB,
+                embedding: if tied { 60 * MIB } else { 30 * MIB },
+                embedding_buffers: MIB,
+                tied,
+            },
+            kv_cache: 2 * MIB,
+            resident_state: 3 * MIB,
+            io_buffers: 4 * MIB,
+            scratch: MIB,
+            ffn: 200 * MIB,
+            needs_all_ffn: false,
+            ctx: 256,
+        }
+    }
+
+    /// Everything but the dense weights and the cache: 20 MiB.
+    const OTHERS: u64 = 20 * MIB;
+
+    fn streamed(attention: bool, head: bool, embedding: bool) -> DenseStreamed {
+        DenseStreamed {
+            attention,
+            head,
+            embedding,
+        }
+    }
+
+    #[test]
+    fn dense_weights_stream_only_below_them_attention_first() {
+        for tied in [false, true] {
+            let choose = |budget: u64| plan(input(Some(budget), tied)).unwrap();
+            // Everything resident fits: nothing streams, the rest is cache.
+            let s = choose(OTHERS + 100 * MIB + 5 * MIB);
+            assert_eq!(s.dense_streamed, DenseStreamed::default());
+            assert_eq!(
+                (s.dense, s.dense_buffers, s.neuron_cache),
+                (100 * MIB, 0, 5 * MIB)
+            );
+            // Attention streams (64 MiB with its buffers).
+            let s = choose(OTHERS + 99 * MIB);
+            assert_eq!(s.dense_streamed, streamed(true, false, false));
+            assert_eq!((s.dense, s.dense_buffers), (60 * MIB, 4 * MIB));
+            assert_eq!(s.neuron_cache, 35 * MIB);
+            assert_eq!(s.fixed() + s.neuron_cache, OTHERS + 99 * MIB);
+        }
+        // Untied: the head next (38 MiB), then the embedding (9 MiB).
+        let s = plan(input(Some(OTHERS + 38 * MIB), false)).unwrap();
+        assert_eq!(s.dense_streamed, streamed(true, true, false));
+        assert_eq!(
+            (s.dense, s.dense_buffers, s.neuron_cache),
+            (30 * MIB, 8 * MIB, 0)
+        );
+        let s = plan(input(Some(OTHERS + 37 * MIB), false)).unwrap();
+        assert_eq!(s.dense_streamed, streamed(true, true, true));
+        assert_eq!((s.dense, s.dense_buffers), (0, 9 * MIB));
+        // Tied: head and embedding are one table and stream together.
+        let s = plan(input(Some(OTHERS + 63 * MIB), true)).unwrap();
+        assert_eq!(s.dense_streamed, streamed(true, true, true));
+        assert_eq!((s.dense, s.dense_buffers), (0, 9 * MIB));
+    }
+
+    #[test]
+    fn below_the_streaming_minimum_is_an_error_that_states_it() {
+        let p = input(Some(OTHERS + 9 * MIB - 1), false);
+        assert_eq!(minimum(&p), OTHERS + 9 * MIB);
+        let err = plan(p).unwrap_err().to_string();
+        assert!(err.contains("below the minimum of 29.00 MiB"), "{err}");
+        assert!(
+            err.contains("streaming attention, output head, embedding"),
+            "{err}"
+        );
+        assert!(plan(input(Some(OTHERS + 9 * MIB), false)).is_ok());
+    }
+
+    #[test]
+    fn a_policy_without_io_keeps_the_dense_weights() {
+        let mut p = input(Some(OTHERS + 99 * MIB + 200 * MIB), false);
+        p.needs_all_ffn = true;
+        assert_eq!(minimum(&p), OTHERS + 100 * MIB + 200 * MIB);
+        assert!(plan(p).is_err());
+    }
+
+    #[test]
+    fn without_a_budget_everything_is_resident() {
+        let s = plan(input(None, true)).unwrap();
+        assert_eq!(s.dense_streamed, DenseStreamed::default());
+        assert_eq!(s.neuron_cache, 200 * MIB);
+    }
 }
