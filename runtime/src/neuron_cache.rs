@@ -6,7 +6,7 @@
 //! The prior systems' rules (LRU, a window of recent tokens) and the oracle's (Belady: the cluster
 //! used farthest in the future goes first) rank the same entries differently.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::ops::Deref;
 
 /// A cluster: `(layer, cluster index)`.
@@ -33,6 +33,8 @@ struct Entry<B> {
     /// Moving average of "this cluster held an active neuron when its layer ran".
     freq: f32,
     last_used: u64,
+    /// The entry's place in `order` (unpinned entries only).
+    rank: u64,
 }
 
 /// Weight of the newest observation in the moving average: about the last 20 tokens count. On
@@ -43,6 +45,10 @@ pub struct NeuronCache<B> {
     capacity: u64,
     used: u64,
     entries: HashMap<ClusterKey, Entry<B>>,
+    /// The unpinned entries, lowest rank (first to go) first: eviction looks at the few it
+    /// needs instead of ranking the whole cache, which holds tens of thousands of clusters at
+    /// the 7B scale.
+    order: BTreeSet<(u64, ClusterKey)>,
     /// Activity remembered for clusters that are not resident, so a re-read cluster keeps its rank.
     history: HashMap<ClusterKey, f32>,
     retention: Retention,
@@ -59,6 +65,7 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             capacity,
             used: 0,
             entries: HashMap::new(),
+            order: BTreeSet::new(),
             history: HashMap::new(),
             retention,
             clock: 0,
@@ -77,6 +84,7 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
     pub fn set_prior(&mut self, key: ClusterKey, freq: f32) {
         if let Some(e) = self.entries.get_mut(&key) {
             e.freq = freq;
+            self.rerank(key);
         } else {
             self.history.insert(key, freq);
         }
@@ -103,12 +111,13 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
     pub fn tick(&mut self) {
         self.clock += 1;
         if let Retention::Window(k) = self.retention {
+            // Ranked by last use: the ones that fell out of the window come first.
             let clock = self.clock;
             let old: Vec<ClusterKey> = self
-                .entries
+                .order
                 .iter()
-                .filter(|(_, e)| !e.pinned && clock - e.last_used.min(clock) > k as u64)
-                .map(|(k, _)| *k)
+                .take_while(|(last_used, _)| clock - (*last_used).min(clock) > k as u64)
+                .map(|&(_, key)| key)
                 .collect();
             for key in old {
                 self.evict(key);
@@ -122,6 +131,7 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             Some(t) => self.next_use.insert(key, t),
             None => self.next_use.remove(&key),
         };
+        self.rerank(key);
     }
 
     /// Pins a cluster of the profile's hot set. Fails (returns false) when it does not fit.
@@ -137,6 +147,7 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             pinned: true,
             freq: prior_freq,
             last_used: self.clock,
+            rank: 0,
         };
         self.entries.insert(key, e);
         true
@@ -151,6 +162,7 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             if active {
                 e.last_used = clock;
             }
+            self.rerank(key);
         } else {
             update(self.history.entry(key).or_insert(0.0));
         }
@@ -163,42 +175,35 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
         if bytes > self.capacity || self.entries.contains_key(&key) {
             return Some(data);
         }
-        let candidate = Entry {
+        let mut candidate = Entry {
             data,
             bytes,
             pinned: false,
             freq: self.history.get(&key).copied().unwrap_or(0.0),
             last_used: self.clock,
+            rank: 0,
         };
-        let rank = self.rank(key, &candidate);
-        let mut victims: Vec<(f64, ClusterKey, u64)> = Vec::new();
-        if self.used + bytes > self.capacity {
-            let mut ranked: Vec<(f64, ClusterKey, u64)> = self
-                .entries
-                .iter()
-                .filter(|(_, e)| !e.pinned)
-                .map(|(k, e)| (self.rank(*k, e), *k, e.bytes))
-                .collect();
-            ranked.sort_by(|a, b| a.0.total_cmp(&b.0));
-            let mut freed = 0;
-            for v in ranked {
-                if self.used - freed + bytes <= self.capacity {
-                    break;
-                }
-                if v.0 >= rank {
-                    return Some(candidate.data);
-                }
-                freed += v.2;
-                victims.push(v);
+        candidate.rank = self.rank(key, &candidate);
+        let mut victims = Vec::new();
+        let mut freed = 0;
+        for &(rank, k) in &self.order {
+            if self.used - freed + bytes <= self.capacity {
+                break;
             }
-            if self.used - freed + bytes > self.capacity {
+            if rank >= candidate.rank {
                 return Some(candidate.data);
             }
+            freed += self.entries[&k].bytes;
+            victims.push(k);
         }
-        for (_, k, _) in victims {
+        if self.used - freed + bytes > self.capacity {
+            return Some(candidate.data);
+        }
+        for k in victims {
             self.evict(k);
         }
         self.used += bytes;
+        self.order.insert((candidate.rank, key));
         self.entries.insert(key, candidate);
         None
     }
@@ -208,18 +213,37 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             .entries
             .remove(&key)
             .expect("evicting a resident cluster");
+        self.order.remove(&(e.rank, key));
         self.used -= e.bytes;
         self.history.insert(key, e.freq);
         self.evicted.push(e.data);
     }
 
-    /// Higher is kept longer.
-    fn rank(&self, key: ClusterKey, e: &Entry<B>) -> f64 {
-        let age = (self.clock - e.last_used.min(self.clock)) as f64;
+    /// Moves an unpinned resident entry to where its current state ranks it.
+    fn rerank(&mut self, key: ClusterKey) {
+        let Some(e) = self.entries.get(&key) else {
+            return;
+        };
+        if e.pinned {
+            return;
+        }
+        let rank = self.rank(key, e);
+        let old = std::mem::replace(
+            &mut self.entries.get_mut(&key).expect("resident").rank,
+            rank,
+        );
+        self.order.remove(&(old, key));
+        self.order.insert((rank, key));
+    }
+
+    /// Higher is kept longer. Each rule's order is fixed between the updates that `rerank`
+    /// (LRU: last use, the same order as age at any clock; activity: the frequency, whose
+    /// non-negative `f32` bits order as the values; Belady: the next use, never = lowest).
+    fn rank(&self, key: ClusterKey, e: &Entry<B>) -> u64 {
         match self.retention {
-            Retention::Lru | Retention::Window(_) => -age,
-            Retention::Activity => e.freq as f64,
-            Retention::Belady => -(self.next_use.get(&key).copied().unwrap_or(u64::MAX) as f64),
+            Retention::Lru | Retention::Window(_) => e.last_used,
+            Retention::Activity => e.freq.max(0.0).to_bits() as u64,
+            Retention::Belady => u64::MAX - self.next_use.get(&key).copied().unwrap_or(u64::MAX),
         }
     }
 }
