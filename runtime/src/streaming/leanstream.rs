@@ -43,6 +43,16 @@ impl Leanstream {
     fn speculate(&mut self, core: &mut Core, target: usize, residual: &[f32]) {
         let start = std::time::Instant::now();
         let plan = &core.plans[target];
+        // Nothing to read ahead (and no predictor to run) when the whole layer is in memory or on
+        // its way: at budgets that hold the FFN, speculation then costs nothing.
+        let all_there = (0..plan.clusters.len()).all(|ci| {
+            let key = (target as u32, ci as u32);
+            core.cache.contains(key) || core.is_pending(key)
+        });
+        if all_there {
+            self.lookahead_sets[target] = None;
+            return;
+        }
         let scores = predictor_scores(&plan.lookahead, residual);
         let threshold = plan.lookahead.threshold;
         let mut wanted: Vec<(f32, usize)> = plan
