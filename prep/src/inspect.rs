@@ -144,7 +144,9 @@ pub fn describe(f: &LsbFile) -> Value {
         // The runtime holds predictor weights as f32.
         "predictor_bytes": predictor_params * 4,
         "cluster_bytes": extents.iter().sum::<u64>() / extents.len().max(1) as u64,
+        // At ctx 512: every dense weight resident, and the smallest budget, dense weights streamed.
         "min_memory_bytes": leanstream::streaming::minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok(),
+        "min_memory_dense_streamed_bytes": leanstream::streaming::streaming_minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok(),
         "sections": f.section_sizes().into_iter().map(|(n, s)| json!({"name": n, "bytes": s})).collect::<Vec<_>>(),
         "provenance": m.provenance,
         "layers": layers,

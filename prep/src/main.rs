@@ -85,6 +85,9 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // `inspect` states the runtime's minimum budget, whose overhead term is the process's size at
+    // start-up: take it now, before any model is loaded (as the runtime does).
+    leanstream::memory::startup_rss_bytes();
     match run(Cli::parse().command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
