@@ -182,8 +182,9 @@ impl Core {
         })
     }
 
-    /// Takes a queued read's buffer, waiting for it, and checks it.
+    /// Takes a queued read's buffer, waiting for it, and checks it; the time counts as stalled.
     fn take(&mut self, key: ClusterKey) -> Result<AlignedBuf> {
+        let start = Instant::now();
         let (ticket, size) = self.pending.remove(&key).expect("queued");
         self.in_flight -= size;
         let (l, c) = (key.0 as usize, key.1 as usize);
@@ -192,6 +193,7 @@ impl Core {
             .wait(ticket)
             .with_context(|| format!("reading layer {l} cluster {c}"))?;
         self.check_cluster(l, c, &buf)?;
+        self.metrics.stall_s += start.elapsed().as_secs_f64();
         Ok(buf)
     }
 
@@ -457,12 +459,7 @@ impl StreamEngine {
             let key = (l as u32, ci as u32);
             let read = match self.core.resident(key) {
                 Some(_) => None,
-                None => {
-                    let t = Instant::now();
-                    let buf = self.core.take(key)?;
-                    self.core.metrics.stall_s += t.elapsed().as_secs_f64();
-                    Some(buf)
-                }
+                None => Some(self.core.take(key)?),
             };
             let core = &self.core;
             let bytes = match &read {
@@ -540,9 +537,7 @@ impl StreamEngine {
         let load_first = self.schedule.load_then_compute();
         for &i in &missing {
             let key = (l as u32, needed[i] as u32);
-            let t = Instant::now();
             landed.push((i, core.take(key)?));
-            core.metrics.stall_s += t.elapsed().as_secs_f64();
             if load_first && landed.len() < missing.len() {
                 continue;
             }
