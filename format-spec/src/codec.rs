@@ -1,6 +1,8 @@
 //! Little-endian encoding of the binary index sections, with bounds-checked decoding so that a
 //! damaged section is an error, never a panic.
 
+use std::io::Read;
+
 use crate::FormatError;
 
 /// Appends little-endian values to a byte buffer.
@@ -42,32 +44,73 @@ impl Enc {
     }
 }
 
-/// Reads little-endian values from a section, naming the section in its errors.
+/// Reads little-endian values from a section, naming the section in its errors. The section
+/// streams from a reader through a small window: decoding never holds the encoded section and its
+/// decoded form at once (a section can be tens of MiB, and the runtime's budget sees that peak).
 pub struct Dec<'a> {
-    buf: &'a [u8],
+    src: Box<dyn Read + 'a>,
+    len: usize,
     pos: usize,
+    window: Vec<u8>,
     what: &'static str,
 }
 
 impl<'a> Dec<'a> {
     pub fn new(buf: &'a [u8], what: &'static str) -> Self {
-        Self { buf, pos: 0, what }
+        Self::from_reader(buf, buf.len(), what)
     }
 
-    pub fn take(&mut self, n: usize) -> Result<&'a [u8], FormatError> {
+    /// A section of `len` bytes read from `src`.
+    pub fn from_reader(src: impl Read + 'a, len: usize, what: &'static str) -> Self {
+        Self {
+            src: Box::new(src),
+            len,
+            pos: 0,
+            window: Vec::new(),
+            what,
+        }
+    }
+
+    /// The next `n` bytes, valid until the next call.
+    pub fn take(&mut self, n: usize) -> Result<&[u8], FormatError> {
+        self.advance(n)?;
+        self.window.clear();
+        self.window.resize(n, 0);
+        self.src
+            .read_exact(&mut self.window)
+            .map_err(|e| self.invalid(format!("cannot read byte {}: {e}", self.pos - n)))?;
+        Ok(&self.window)
+    }
+
+    /// The next `n` bytes as an owned buffer.
+    pub fn bytes(&mut self, n: usize) -> Result<Vec<u8>, FormatError> {
+        self.advance(n)?;
+        let mut v = vec![0u8; n];
+        self.src
+            .read_exact(&mut v)
+            .map_err(|e| self.invalid(format!("cannot read byte {}: {e}", self.pos - n)))?;
+        Ok(v)
+    }
+
+    /// Bytes of the section not read yet.
+    pub fn remaining(&self) -> usize {
+        self.len - self.pos
+    }
+
+    /// Moves past `n` more bytes, failing if the section ends first.
+    fn advance(&mut self, n: usize) -> Result<(), FormatError> {
         let end = self
             .pos
             .checked_add(n)
-            .filter(|e| *e <= self.buf.len())
+            .filter(|e| *e <= self.len)
             .ok_or_else(|| {
                 FormatError::invalid(format!(
                     "{} section is truncated at byte {}",
                     self.what, self.pos
                 ))
             })?;
-        let s = &self.buf[self.pos..end];
         self.pos = end;
-        Ok(s)
+        Ok(())
     }
     pub fn u16(&mut self) -> Result<u16, FormatError> {
         Ok(u16::from_le_bytes(
@@ -93,7 +136,7 @@ impl<'a> Dec<'a> {
     /// count cannot trigger a huge allocation.
     pub fn count(&mut self, min_bytes: usize) -> Result<usize, FormatError> {
         let n = self.u32()? as usize;
-        if n.saturating_mul(min_bytes.max(1)) > self.buf.len() - self.pos {
+        if n.saturating_mul(min_bytes.max(1)) > self.len - self.pos {
             return Err(self.invalid(format!("a count of {n} exceeds the section")));
         }
         Ok(n)
@@ -131,9 +174,9 @@ impl<'a> Dec<'a> {
         String::from_utf8(b.to_vec()).map_err(|_| self.invalid("a name is not UTF-8"))
     }
     /// Fails unless every byte was consumed.
-    pub fn finish(self) -> Result<(), FormatError> {
-        if self.pos != self.buf.len() {
-            return Err(self.invalid(format!("{} trailing bytes", self.buf.len() - self.pos)));
+    pub fn finish(&self) -> Result<(), FormatError> {
+        if self.pos != self.len {
+            return Err(self.invalid(format!("{} trailing bytes", self.len - self.pos)));
         }
         Ok(())
     }

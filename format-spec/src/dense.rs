@@ -77,8 +77,7 @@ impl DenseIndex {
     }
 
     /// Decodes the table and checks that its extents tile a DENSE_DATA section of `data_len` bytes.
-    pub fn decode(bytes: &[u8], data_len: u64) -> Result<Self, FormatError> {
-        let mut d = Dec::new(bytes, "DENSE_INDEX");
+    pub fn decode(d: &mut Dec, data_len: u64) -> Result<Self, FormatError> {
         let n = d.count(42)?;
         let mut tensors = Vec::with_capacity(n);
         let mut next = 0u64;

@@ -95,8 +95,7 @@ impl FfnIndex {
 
     /// Decodes the index and checks it: each `perm` is a permutation, clusters cover the stored
     /// positions in order, and the extents tile an FFN_DATA section of `data_len` bytes.
-    pub fn decode(bytes: &[u8], data_len: u64) -> Result<Self, FormatError> {
-        let mut d = Dec::new(bytes, "FFN_INDEX");
+    pub fn decode(d: &mut Dec, data_len: u64) -> Result<Self, FormatError> {
         let n_layers = d.count(16)?;
         let mut layers = Vec::with_capacity(n_layers);
         let mut next = 0u64;

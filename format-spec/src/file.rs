@@ -2,11 +2,12 @@
 //! front; tensor and cluster extents are read on demand and checked as they arrive.
 
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::Xxh3;
 
+use crate::codec::Dec;
 use crate::container::{checksum, read_at, Encoding, Header, SectionEntry, SectionKind, PAGE};
 use crate::dense::{DenseIndex, DenseTensor};
 use crate::ffn::FfnIndex;
@@ -35,51 +36,61 @@ pub struct LsbFile {
 impl LsbFile {
     /// Opens and validates `path`. Every error names the file and what is wrong with it.
     pub fn open(path: &Path) -> Result<Self, FormatError> {
-        Self::open_inner(path).map_err(|e| match e {
-            FormatError::Io { .. } => e,
-            other => FormatError::invalid(format!("{}: {other}", path.display())),
+        Self::open_inner(path).map_err(|e| naming(path, e))
+    }
+
+    /// Reads only the embedded `tokenizer.json` (checked). The runtime parses the tokenizer before
+    /// opening the file whole, so that the parse's transient peak does not stack on the indexes.
+    pub fn read_tokenizer_json(path: &Path) -> Result<Vec<u8>, FormatError> {
+        let (mut file, header) = open_header(path).map_err(|e| naming(path, e))?;
+        read_section(&mut file, path, &header, SectionKind::Tokenizer, |d| {
+            d.bytes(d.remaining())
         })
+        .map_err(|e| naming(path, e))
     }
 
     fn open_inner(path: &Path) -> Result<Self, FormatError> {
-        let mut file = File::open(path).map_err(|e| FormatError::io(path, e))?;
-        let len = file.metadata().map_err(|e| FormatError::io(path, e))?.len();
-        let page = read_at(&mut file, path, 0, len.min(PAGE))?;
-        let header = Header::decode(&page, len)?;
-        let mut section = |kind: SectionKind| -> Result<Vec<u8>, FormatError> {
-            let s = header.section(kind).ok_or_else(|| {
-                FormatError::invalid(format!("the {} section is missing", kind.name()))
-            })?;
-            let mut stored = read_at(&mut file, path, s.offset, s.stored_size)?;
-            if checksum(&stored) != s.checksum {
-                return Err(FormatError::Checksum {
-                    what: format!("the {} section", kind.name()),
-                });
-            }
-            if s.encoding == Encoding::Zstd as u32 {
-                zstd::stream::decode_all(&stored[..s.length as usize])
-                    .map_err(|e| FormatError::invalid(format!("{} section: {e}", kind.name())))
-            } else {
-                // The content in place, not copied: a section can be tens of MiB, and the
-                // runtime's memory budget sees the peak of opening the file.
-                stored.truncate(s.length as usize);
-                Ok(stored)
-            }
-        };
-        let meta: Meta = serde_json::from_slice(&section(SectionKind::Meta)?)
-            .map_err(|e| FormatError::invalid(format!("META section: {e}")))?;
-        let tokenizer_json = section(SectionKind::Tokenizer)?;
+        let (mut file, header) = open_header(path)?;
+        let meta = read_section(&mut file, path, &header, SectionKind::Meta, |d| {
+            serde_json::from_slice::<Meta>(&d.bytes(d.remaining())?)
+                .map_err(|e| FormatError::invalid(format!("META section: {e}")))
+        })?;
+        let tokenizer_json = read_section(&mut file, path, &header, SectionKind::Tokenizer, |d| {
+            d.bytes(d.remaining())
+        })?;
         let dense_data = *header
             .section(SectionKind::DenseData)
             .ok_or_else(|| missing("DENSE_DATA"))?;
         let ffn_data = *header
             .section(SectionKind::FfnData)
             .ok_or_else(|| missing("FFN_DATA"))?;
-        let dense = DenseIndex::decode(&section(SectionKind::DenseIndex)?, dense_data.length)?;
-        let ffn = FfnIndex::decode(&section(SectionKind::FfnIndex)?, ffn_data.length)?;
-        let predictors = Predictors::decode(&section(SectionKind::Predictors)?)?;
-        let sketch = Sketch::decode(&section(SectionKind::Sketch)?)?;
-        let refine = Refine::decode(&section(SectionKind::Refine)?)?;
+        let dense = read_section(&mut file, path, &header, SectionKind::DenseIndex, |d| {
+            DenseIndex::decode(d, dense_data.length)
+        })?;
+        let ffn = read_section(&mut file, path, &header, SectionKind::FfnIndex, |d| {
+            FfnIndex::decode(d, ffn_data.length)
+        })?;
+        let predictors = read_section(
+            &mut file,
+            path,
+            &header,
+            SectionKind::Predictors,
+            Predictors::decode,
+        )?;
+        let sketch = read_section(
+            &mut file,
+            path,
+            &header,
+            SectionKind::Sketch,
+            Sketch::decode,
+        )?;
+        let refine = read_section(
+            &mut file,
+            path,
+            &header,
+            SectionKind::Refine,
+            Refine::decode,
+        )?;
         let f = Self {
             path: path.to_path_buf(),
             header,
@@ -188,6 +199,77 @@ impl LsbFile {
             .map(|s| (s.name(), s.stored_size))
             .collect()
     }
+}
+
+/// Prefixes the file's name to an error about its content (I/O errors already carry it).
+fn naming(path: &Path, e: FormatError) -> FormatError {
+    match e {
+        FormatError::Io { .. } => e,
+        other => FormatError::invalid(format!("{}: {other}", path.display())),
+    }
+}
+
+/// Opens `path` and decodes its header page.
+fn open_header(path: &Path) -> Result<(File, Header), FormatError> {
+    let mut file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+    let len = file.metadata().map_err(|e| FormatError::io(path, e))?.len();
+    let page = read_at(&mut file, path, 0, len.min(PAGE))?;
+    let header = Header::decode(&page, len)?;
+    Ok((file, header))
+}
+
+/// Reads, checks and decodes one section. A raw section streams through `decode` and is never
+/// held whole (see [`Dec`]); a zstd one is decompressed first. Damage is reported as a checksum
+/// mismatch even where it also breaks decoding.
+fn read_section<T>(
+    file: &mut File,
+    path: &Path,
+    header: &Header,
+    kind: SectionKind,
+    decode: impl FnOnce(&mut Dec) -> Result<T, FormatError>,
+) -> Result<T, FormatError> {
+    /// Hashes what passes through it.
+    struct Hashed<R> {
+        inner: R,
+        hash: Xxh3,
+    }
+    impl<R: Read> Read for Hashed<R> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            self.hash.update(&buf[..n]);
+            Ok(n)
+        }
+    }
+    let s = header.section(kind).ok_or_else(|| missing(kind.name()))?;
+    let io = |e| FormatError::io(path, e);
+    file.seek(SeekFrom::Start(s.offset)).map_err(io)?;
+    let mut stored = Hashed {
+        inner: BufReader::with_capacity(1 << 16, Read::take(&mut *file, s.stored_size)),
+        hash: Xxh3::new(),
+    };
+    let decoded = if s.encoding == Encoding::Zstd as u32 {
+        zstd::stream::decode_all(Read::take(&mut stored, s.length))
+            .map_err(|e| FormatError::invalid(format!("{} section: {e}", kind.name())))
+            .and_then(|content| {
+                let mut d = Dec::new(&content, kind.name());
+                decode(&mut d).and_then(|v| d.finish().map(|_| v))
+            })
+    } else {
+        let mut d = Dec::from_reader(
+            Read::take(&mut stored, s.length),
+            s.length as usize,
+            kind.name(),
+        );
+        decode(&mut d).and_then(|v| d.finish().map(|_| v))
+    };
+    // The padding, or what a failed decode left, still counts towards the checksum.
+    std::io::copy(&mut stored, &mut std::io::sink()).map_err(io)?;
+    if stored.hash.digest() != s.checksum {
+        return Err(FormatError::Checksum {
+            what: format!("the {} section", kind.name()),
+        });
+    }
+    decoded
 }
 
 fn missing(name: &str) -> FormatError {

@@ -121,13 +121,12 @@ impl Predictors {
         e.buf
     }
 
-    pub fn decode(bytes: &[u8]) -> Result<Self, FormatError> {
-        let mut d = Dec::new(bytes, "PREDICTORS");
+    pub fn decode(d: &mut Dec) -> Result<Self, FormatError> {
         let n = d.count(48)?;
         let mut p = Self::default();
         for _ in 0..n {
-            p.lookahead.push(Predictor::decode(&mut d)?);
-            p.own.push(Predictor::decode(&mut d)?);
+            p.lookahead.push(Predictor::decode(d)?);
+            p.own.push(Predictor::decode(d)?);
         }
         d.finish()?;
         Ok(p)

@@ -47,8 +47,7 @@ impl Refine {
         e.buf
     }
 
-    pub fn decode(bytes: &[u8]) -> Result<Self, FormatError> {
-        let mut d = Dec::new(bytes, "REFINE");
+    pub fn decode(d: &mut Dec) -> Result<Self, FormatError> {
         let n = d.count(12)?;
         let mut layers = Vec::with_capacity(n);
         for li in 0..n {

@@ -50,8 +50,7 @@ impl Sketch {
         e.buf
     }
 
-    pub fn decode(bytes: &[u8]) -> Result<Self, FormatError> {
-        let mut d = Dec::new(bytes, "SKETCH");
+    pub fn decode(d: &mut Dec) -> Result<Self, FormatError> {
         let n = d.count(12)?;
         let mut layers = Vec::with_capacity(n);
         for _ in 0..n {
@@ -59,13 +58,11 @@ impl Sketch {
             let hidden = d.u32()?;
             let neurons = d.count(4)?;
             let rb = row_bytes(qtype, hidden as usize)?;
-            let rows = d
-                .take(
-                    neurons
-                        .checked_mul(rb)
-                        .ok_or_else(|| d.invalid("size overflow"))?,
-                )?
-                .to_vec();
+            let rows = d.bytes(
+                neurons
+                    .checked_mul(rb)
+                    .ok_or_else(|| d.invalid("size overflow"))?,
+            )?;
             let err_norm = d.f32s(neurons)?;
             layers.push(SketchLayer {
                 qtype,
@@ -74,7 +71,6 @@ impl Sketch {
                 err_norm,
             });
         }
-        d.finish()?;
         Ok(Self { layers })
     }
 }

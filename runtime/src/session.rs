@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::meta::ChatTemplate;
+use leanstream_format::LsbFile;
 use serde_json::{json, Value};
 
 use crate::model::{LanguageModel, Model};
@@ -109,9 +110,12 @@ impl Session {
                 policy,
             });
         }
-        let file = leanstream_format::LsbFile::open(&o.model)?;
-        let tokenizer = Tokenizer::from_bytes(&file.tokenizer_json)
+        // The tokenizer first, and its parse's garbage returned to the OS before the file's
+        // indexes are decoded: the two peaks would otherwise stack above the budget.
+        let tokenizer = Tokenizer::from_bytes(&LsbFile::read_tokenizer_json(&o.model)?)
             .with_context(|| format!("{}: the embedded tokenizer is invalid", o.model.display()))?;
+        crate::memory::release_freed_memory();
+        let file = LsbFile::open(&o.model)?;
         let ctx = cap_ctx(o, file.meta.model.max_position_embeddings)?;
         let stream = StreamOptions {
             policy: match policy {

@@ -243,7 +243,22 @@ fn converted_smollm2_streams_under_a_budget() {
         .nth(1)
         .and_then(|r| r.split(" for").next())
         .expect(&err);
-    let min = leanstream::memory_size::parse_size(&min.replace(' ', "")).unwrap() + (1 << 20);
+    // The stated minimum is rounded to 0.01 MiB.
+    let min = leanstream::memory_size::parse_size(&min.replace(' ', "")).unwrap() + (16 << 10);
+    // At the minimum every dense weight streams as well as every bundle; the process's peak,
+    // opening the file included, stays within it.
+    let (ok, v, err) = run(&["--memory", &min.to_string(), "--flash", "ufs4"]);
+    assert!(ok, "{err}");
+    let v = v.unwrap();
+    assert_eq!(v["text"], resident["text"]);
+    let streamed = &v["memory_split"]["dense_streamed"];
+    assert_eq!(
+        streamed,
+        &serde_json::json!({"attention": true, "head": true, "embedding": true})
+    );
+    let rss = v["peak_rss_bytes"].as_u64().unwrap();
+    eprintln!("SmolLM2 at the minimum ({min} B): peak RSS {rss}");
+    assert!(rss <= min, "peak RSS {rss} over the minimum budget {min}");
     let ffn = resident["memory_split"]["ffn_total"].as_u64().unwrap();
     let budget = min + ffn / 4;
     let (ok, v, err) = run(&["--memory", &budget.to_string(), "--flash", "ufs4"]);
