@@ -51,6 +51,10 @@ pub enum Sparsity {
 /// Read priorities: refinement's demands outrank speculation's guesses.
 pub(super) const URGENT: u32 = u32::MAX;
 pub(super) const SPECULATIVE_MAX: u32 = 1 << 30;
+/// Where the layer's own predictor decides nothing (certified and exact modes), it runs on one
+/// token in this many, for its recall and precision figures only: on the embedded model it took
+/// as long as the certified bound itself.
+const OWN_SAMPLE: usize = 8;
 
 /// A cluster's bytes: read from flash or held in the cache.
 pub enum Bytes {
@@ -260,8 +264,8 @@ impl Core {
 /// What one token's layer needs, decided once its FFN input exists.
 struct Selection<'x> {
     operand: Operand<'x>,
-    /// The layer's own predictor's set.
-    own: Vec<bool>,
+    /// The layer's own predictor's set, where it ran (see [`OWN_SAMPLE`]).
+    own: Option<Vec<bool>>,
     /// Neurons to compute.
     candidate: Vec<bool>,
     /// Clusters holding a candidate, ascending.
@@ -379,7 +383,8 @@ impl StreamEngine {
         // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
         let operand = Operand::new(x, QuantType::Q8_0);
         // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
-        let own = above(&predictor_scores(&plan.own, x), plan.own.threshold);
+        let own = (self.sparsity == Sparsity::Predicted || token % OWN_SAMPLE == 0)
+            .then(|| above(&predictor_scores(&plan.own, x), plan.own.threshold));
         let known = self.schedule.needs(&mut self.core, l, token)?;
         let plan = &self.core.plans[l];
         let candidate: Vec<bool> = match (known, self.sparsity) {
@@ -390,7 +395,7 @@ impl StreamEngine {
             }
             (None, Sparsity::Exact) => vec![true; n],
             (None, Sparsity::Certified) => certified_candidates(plan, &operand),
-            (None, Sparsity::Predicted) => own.clone(),
+            (None, Sparsity::Predicted) => own.clone().expect("computed in predicted mode"),
         };
         let needed: Vec<usize> = (0..plan.clusters.len())
             .filter(|&ci| {
@@ -627,7 +632,7 @@ impl StreamEngine {
         let m = &mut self.core.metrics;
         m.record_layer(
             &active,
-            own,
+            own.as_deref(),
             lookahead.as_deref(),
             needed.len(),
             plan.clusters.len(),

@@ -13,6 +13,8 @@ pub struct Metrics {
     pub neurons: u64,
     pub own_hits: u64,
     pub own_predicted: u64,
+    /// Active neurons of the layer steps the own predictor ran on.
+    pub own_active: u64,
     pub lookahead_hits: u64,
     pub lookahead_predicted: u64,
     pub lookahead_active: u64,
@@ -21,6 +23,8 @@ pub struct Metrics {
     pub clusters_needed: u64,
     pub clusters_total: u64,
     pub speculative_reads: u64,
+    /// Tokens (or prompt chunks) on which leanstream speculated.
+    pub speculating_tokens: u64,
     pub cancelled_reads: u64,
     /// Speculative reads that completed but were not needed.
     pub wasted_reads: u64,
@@ -43,7 +47,7 @@ impl Metrics {
     pub fn record_layer(
         &mut self,
         active: &[bool],
-        own: &[bool],
+        own: Option<&[bool]>,
         lookahead: Option<&[bool]>,
         needed: usize,
         clusters: usize,
@@ -55,8 +59,11 @@ impl Metrics {
             |a: &[bool], b: &[bool]| a.iter().zip(b).filter(|(x, y)| **x && **y).count() as u64;
         let n_active = count(active);
         self.active += n_active;
-        self.own_hits += both(active, own);
-        self.own_predicted += count(own);
+        if let Some(own) = own {
+            self.own_hits += both(active, own);
+            self.own_predicted += count(own);
+            self.own_active += n_active;
+        }
         if let Some(la) = lookahead {
             self.lookahead_hits += both(active, la);
             self.lookahead_predicted += count(la);
@@ -87,7 +94,7 @@ impl Metrics {
             reads_per_token: per_token(requests),
             dense_bytes_read_per_token: 0.0,
             cache_hit_rate: ratio(self.cluster_hits, self.cluster_hits + self.cluster_misses),
-            predictor_recall: ratio(self.own_hits, self.active),
+            predictor_recall: ratio(self.own_hits, self.own_active),
             predictor_precision: ratio(self.own_hits, self.own_predicted),
             lookahead_recall: ratio(self.lookahead_hits, self.lookahead_active),
             lookahead_precision: ratio(self.lookahead_hits, self.lookahead_predicted),
@@ -97,6 +104,7 @@ impl Metrics {
             read_amplification: ratio(bytes_read, self.active_uncached_bytes),
             active_hit_rate: ratio(self.active_cluster_hits, self.active_clusters),
             speculative_reads: self.speculative_reads,
+            speculating_token_fraction: ratio(self.speculating_tokens, tokens),
             cancelled_reads: self.cancelled_reads,
             wasted_reads: self.wasted_reads,
             late_reads: self.late_reads,
@@ -145,6 +153,8 @@ pub struct Summary {
     /// for every policy.
     pub active_hit_rate: f64,
     pub speculative_reads: u64,
+    /// Share of the tokens on which leanstream found speculating worth it and did.
+    pub speculating_token_fraction: f64,
     pub cancelled_reads: u64,
     pub wasted_reads: u64,
     /// Clusters needed but neither resident nor requested when the FFN input was ready.
