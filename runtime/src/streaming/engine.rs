@@ -383,7 +383,7 @@ impl StreamEngine {
         // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
         let operand = Operand::new(x, QuantType::Q8_0);
         // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
-        let own = (self.sparsity == Sparsity::Predicted || token % OWN_SAMPLE == 0)
+        let own = (self.sparsity == Sparsity::Predicted || token.is_multiple_of(OWN_SAMPLE))
             .then(|| above(&predictor_scores(&plan.own, x), plan.own.threshold));
         let known = self.schedule.needs(&mut self.core, l, token)?;
         let plan = &self.core.plans[l];

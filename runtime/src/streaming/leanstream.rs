@@ -1,6 +1,7 @@
 //! `leanstream`: speculate and refine. When the residual entering layer l exists, the look-ahead
 //! predictor of layer l+1 queues reads of the clusters it believes active, most likely first,
-//! within the I/O budget; when a layer's needs are known, reads no longer wanted are cancelled and
+//! within the I/O budget, on the tokens where speculating measurably pays (see
+//! [`SpeculationGate`]); when a layer's needs are known, reads no longer wanted are cancelled and
 //! wanted ones boosted; speculative reads use at most a quarter of the device's slots, so the
 //! ones still waiting are there to cancel. The cache starts with the profile's hottest clusters
 //! and keeps what tokens used. Ablations switch off the look-ahead, the refinement, or only its
@@ -11,6 +12,7 @@ use anyhow::Result;
 use super::engine::{Core, Refine, SPECULATIVE_MAX};
 use super::predict::{above, predictor_scores};
 use super::schedule::{hot_order, pin_hottest, Schedule};
+use super::speculation_gate::SpeculationGate;
 use super::tuning::Tuning;
 
 /// Share of the neuron cache pinned with the profile's hottest clusters (`--hot-fraction`); the
@@ -21,7 +23,10 @@ const HOT_FRACTION: f32 = 0.0;
 
 pub(super) struct Leanstream {
     hot_fraction: f32,
-    lookahead: bool,
+    /// `None` with `--no-lookahead`.
+    gate: Option<SpeculationGate>,
+    /// The current token speculates.
+    speculating: bool,
     refine: bool,
     cancel: bool,
     /// Per layer: the stored positions the look-ahead predicted active for the current token.
@@ -32,7 +37,8 @@ impl Leanstream {
     pub fn new(tuning: &Tuning, layers: usize) -> Self {
         Self {
             hot_fraction: tuning.hot_fraction.unwrap_or(HOT_FRACTION),
-            lookahead: tuning.lookahead,
+            gate: tuning.lookahead.then(SpeculationGate::default),
+            speculating: false,
             refine: tuning.refine,
             cancel: tuning.cancel,
             lookahead_sets: vec![None; layers],
@@ -112,8 +118,18 @@ impl Schedule for Leanstream {
         Ok(())
     }
 
-    fn begin_layer(&mut self, core: &mut Core, l: usize, _: usize, residual: &[f32]) -> Result<()> {
-        if !self.lookahead {
+    fn begin_layer(
+        &mut self,
+        core: &mut Core,
+        l: usize,
+        token: usize,
+        residual: &[f32],
+    ) -> Result<()> {
+        if l == 0 {
+            self.speculating = self.gate.as_mut().is_some_and(|g| g.begin_token(token));
+            core.metrics.speculating_tokens += u64::from(self.speculating);
+        }
+        if !self.speculating {
             return Ok(());
         }
         if l == 0 {

@@ -14,6 +14,7 @@ pub mod planner;
 pub mod powerinfer2;
 mod predict;
 mod schedule;
+mod speculation_gate;
 mod trace;
 mod tuning;
 
