@@ -16,6 +16,7 @@ pub mod page_cache;
 mod pending;
 mod profile;
 mod queue_model;
+mod spare;
 
 use std::io;
 use std::path::Path;
@@ -28,6 +29,7 @@ pub use faulty::{Fault, FaultKind, FaultyDevice};
 pub use flash::FlashModel;
 pub use io_queue::{IoQueue, IoStats, ReadSpan, Ticket, MAX_MERGE_BYTES};
 pub use profile::{FlashProfile, BUILTIN_PROFILES};
+pub use spare::SpareBuffers;
 
 /// Opens `path` as the device a `--flash` value selects (see [`FlashProfile::from_flash_arg`]):
 /// `None` reads the real disk with direct I/O, a profile emulates that device over the file.

@@ -35,7 +35,7 @@ use super::planner::{DenseSizes, DenseStreamed};
 use crate::config::ModelConfig;
 use crate::kernels::{QMatrix, RowKernels, RowStream, Weight};
 use crate::model::{Attention, DenseWeights};
-use crate::storage::{AlignedBuf, IoQueue, Ticket};
+use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
 
 /// The device page: the unit of direct reads and of the page hashes.
 const PAGE: usize = AlignedBuf::ALIGN;
@@ -234,33 +234,6 @@ fn hash_bytes(extent_len: usize) -> u64 {
     (extent_len.div_ceil(PAGE) * std::mem::size_of::<u64>()) as u64
 }
 
-/// Buffers of finished reads kept for the next reads of the same length, at most `cap`.
-struct Spares {
-    bufs: Vec<AlignedBuf>,
-    cap: usize,
-}
-
-impl Spares {
-    fn new(cap: usize) -> Self {
-        Self {
-            bufs: Vec::new(),
-            cap,
-        }
-    }
-
-    fn take(&mut self, len: usize) -> Option<AlignedBuf> {
-        let i = self.bufs.iter().position(|b| b.len() == len)?;
-        Some(self.bufs.swap_remove(i))
-    }
-
-    fn give(&mut self, buf: AlignedBuf) {
-        if self.bufs.len() == self.cap {
-            self.bufs.remove(0);
-        }
-        self.bufs.push(buf);
-    }
-}
-
 /// The read queue as the dense stream uses it, counting what it reads.
 struct Reader {
     queue: Arc<IoQueue>,
@@ -269,15 +242,17 @@ struct Reader {
 }
 
 impl Reader {
-    /// Queues a read into a spare buffer of its length if there is one: a fresh buffer costs a
-    /// page fault per page, which for streamed weights cost more than the read.
-    fn submit(&mut self, offset: u64, len: usize, priority: u32, spares: &mut Spares) -> Ticket {
+    /// Queues a read into a spare buffer of its length if there is one.
+    fn submit(
+        &mut self,
+        offset: u64,
+        len: usize,
+        priority: u32,
+        spares: &mut SpareBuffers,
+    ) -> Ticket {
         self.bytes += len as u64;
         self.reads += 1;
-        match spares.take(len) {
-            Some(buf) => self.queue.submit_into(buf, offset, priority),
-            None => self.queue.submit(offset, len, priority),
-        }
+        self.queue.submit_into(spares.take(len), offset, priority)
     }
 
     /// Waits for a read, raising it to the top of the queue first: it is needed now.
@@ -304,7 +279,7 @@ struct AttentionStream {
     /// The reads of the layers expected next, in order.
     ahead: VecDeque<(usize, Vec<Ticket>)>,
     /// The buffers of the layer last read, for the next layer's reads.
-    spares: Spares,
+    spares: SpareBuffers,
 }
 
 impl AttentionStream {
@@ -378,7 +353,7 @@ struct TableStream {
     /// Head blocks queued, in order: (first row, ticket).
     in_flight: VecDeque<(usize, Ticket)>,
     /// The buffer of the block last computed, for the next block's read.
-    spares: Spares,
+    spares: SpareBuffers,
 }
 
 impl TableStream {
@@ -389,7 +364,12 @@ impl TableStream {
         let mut pages = Vec::with_capacity(e.len / PAGE);
         for start in (0..e.len).step_by(CHECK_CHUNK) {
             let len = CHECK_CHUNK.min(e.len - start);
-            let ticket = io.submit(e.offset + start as u64, len, URGENT, &mut Spares::new(0));
+            let ticket = io.submit(
+                e.offset + start as u64,
+                len,
+                URGENT,
+                &mut SpareBuffers::new(0),
+            );
             let buf = io.wait(ticket, &e.name)?;
             whole.update(&buf);
             pages.extend(buf.chunks(PAGE).map(xxh3_64));
@@ -400,12 +380,15 @@ impl TableStream {
             }
             .into());
         }
+        let block_rows = block_rows(&e);
+        // One block's read: its rows' pages, one more where they straddle a page boundary.
+        let block_read = (block_rows * e.row_bytes()).div_ceil(PAGE) * PAGE + PAGE;
         Ok(Self {
-            block_rows: block_rows(&e),
+            block_rows,
             e,
             pages,
             in_flight: VecDeque::new(),
-            spares: Spares::new(1),
+            spares: SpareBuffers::new(block_read),
         })
     }
 
@@ -571,11 +554,18 @@ impl DenseStream {
             reads: 0,
         };
         let attention = if streamed.attention {
+            let layers = t.attention_extents(c)?;
+            // One layer's four projections.
+            let layer_bytes = layers
+                .iter()
+                .map(|l| l.iter().map(|e| e.len).sum::<usize>())
+                .max()
+                .unwrap_or(0);
             Layers::Streamed(Box::new(AttentionStream {
-                layers: t.attention_extents(c)?,
+                layers,
                 current: None,
                 ahead: VecDeque::new(),
-                spares: Spares::new(4),
+                spares: SpareBuffers::new(layer_bytes),
             }))
         } else {
             let layers = t.attention_extents(c)?;

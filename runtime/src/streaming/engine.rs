@@ -28,7 +28,7 @@ use crate::kernels::bundles::ffn_bundles;
 use crate::kernels::Operand;
 use crate::model::FfnBackend;
 use crate::neuron_cache::{ClusterKey, NeuronCache};
-use crate::storage::{AlignedBuf, IoQueue, Ticket};
+use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
 
 use super::metrics::Metrics;
 use super::mmap::Mapping;
@@ -96,11 +96,8 @@ pub(super) struct Core {
     /// Bytes of reads in flight; reads ahead stop at `io_budget`.
     in_flight: u64,
     pub io_budget: u64,
-    /// Read buffers done with, kept (up to `io_budget` bytes) for the next reads of their size:
-    /// a fresh buffer costs a mapping, a fault per page and an unmapping, which here made up a
-    /// third of the CPU time a read costs.
-    spare: Vec<AlignedBuf>,
-    spare_bytes: u64,
+    /// Read buffers done with (up to `io_budget` bytes), for the next reads of their size.
+    spare: SpareBuffers,
     pub metrics: Metrics,
 }
 
@@ -129,13 +126,7 @@ impl Core {
                 continue;
             }
             let cl = self.plans[key.0 as usize].clusters[key.1 as usize];
-            let buf = match self.spare.iter().position(|b| b.len() as u64 == cl.size) {
-                Some(i) => {
-                    self.spare_bytes -= cl.size;
-                    self.spare.swap_remove(i)
-                }
-                None => AlignedBuf::new(cl.size as usize),
-            };
+            let buf = self.spare.take(cl.size as usize);
             reads.push((buf, cl.offset, priority));
             keys.push(key);
         }
@@ -154,10 +145,7 @@ impl Core {
         let kept = declined.is_none();
         for b in declined.into_iter().chain(self.cache.take_evicted()) {
             if let Bytes::Read(buf) = b {
-                if self.spare_bytes + buf.len() as u64 <= self.io_budget {
-                    self.spare_bytes += buf.len() as u64;
-                    self.spare.push(buf);
-                }
+                self.spare.give(buf);
             }
         }
         kept
@@ -312,8 +300,7 @@ impl StreamEngine {
                 pending: HashMap::new(),
                 in_flight: 0,
                 io_budget,
-                spare: Vec::new(),
-                spare_bytes: 0,
+                spare: SpareBuffers::new(io_budget as usize),
                 metrics: Metrics::default(),
             },
             schedule,
