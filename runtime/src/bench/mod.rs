@@ -61,6 +61,11 @@ pub struct BenchArgs {
     /// Compute threads of each run.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
+    /// Runs of each policy at each budget, interleaved (every policy at every budget once, then
+    /// again): each row is the run with the median tokens/s, `tokens_per_s_runs` has them all.
+    /// One run's timing moves with whatever else the machine does; bytes and hits do not.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=50))]
+    repeat: u16,
     /// Context length of each run (its KV cache counts against the budget).
     #[arg(long, default_value_t = 512)]
     ctx: usize,
@@ -98,7 +103,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let budgets = resolve_budgets(&args.model, args.ctx, &args.memory)?;
     let variants = expand_policies(&args.policy, &args.flash)?;
     let per_budget: Vec<&Variant> = variants.iter().filter(|v| !budget_free(v)).collect();
-    let total = variants.len() - per_budget.len() + per_budget.len() * budgets.len() + 2;
+    let repeat = args.repeat as usize;
+    let total = variants.len() - per_budget.len() + per_budget.len() * budgets.len() * repeat + 2;
     let bar = ProgressBar::new(total as u64);
     bar.set_style(
         ProgressStyle::with_template("bench {bar:40} {pos}/{len} runs  {elapsed}  {msg}")
@@ -159,14 +165,31 @@ pub fn run(args: BenchArgs) -> Result<()> {
         runs.push(Run::new(v.clone(), None, outcome));
     }
     let mut timelines = Vec::new();
-    for &(budget, ref label) in &budgets {
-        for v in &per_budget {
-            bar.set_message(format!("{} at {label}", v.label));
-            let outcome = runner.execute(v, Some(budget), decode(None, reference.clone()))?;
-            if let Some(events) = runner.take_timeline()? {
-                timelines.push((format!("{} at {label}", v.label), events));
+    let mut outcomes: Vec<Vec<Outcome>> = vec![Vec::new(); budgets.len() * per_budget.len()];
+    for r in 0..repeat {
+        for (b, &(budget, ref label)) in budgets.iter().enumerate() {
+            for (i, v) in per_budget.iter().enumerate() {
+                let round = if repeat > 1 {
+                    format!(" (run {} of {repeat})", r + 1)
+                } else {
+                    String::new()
+                };
+                bar.set_message(format!("{} at {label}{round}", v.label));
+                let outcome = runner.execute(v, Some(budget), decode(None, reference.clone()))?;
+                if let Some(events) = runner.take_timeline()? {
+                    timelines.push((format!("{} at {label}{round}", v.label), events));
+                }
+                outcomes[b * per_budget.len() + i].push(outcome);
             }
-            runs.push(Run::new((*v).clone(), Some(budget), outcome));
+        }
+    }
+    for (b, &(budget, _)) in budgets.iter().enumerate() {
+        for (i, v) in per_budget.iter().enumerate() {
+            let mut all = std::mem::take(&mut outcomes[b * per_budget.len() + i]);
+            all.sort_by(|x, y| x.tokens_per_s.total_cmp(&y.tokens_per_s));
+            let rates = all.iter().map(|o| o.tokens_per_s).collect();
+            let median = all.swap_remove(all.len() / 2);
+            runs.push(Run::new((*v).clone(), Some(budget), median).with_runs(rates));
         }
     }
     bar.finish_and_clear();

@@ -22,6 +22,8 @@ pub struct Run {
     pub exact: bool,
     pub memory_budget_bytes: Option<u64>,
     pub tokens_per_s: f64,
+    /// Every repeat's tokens/s, slowest first (`--repeat`); the row is the median run's.
+    pub tokens_per_s_runs: Vec<f64>,
     pub ms_per_token_p50: f64,
     pub ms_per_token_p99: f64,
     pub bytes_read_per_token: f64,
@@ -47,6 +49,7 @@ impl Run {
             label: variant.label,
             memory_budget_bytes: budget,
             tokens_per_s: o.tokens_per_s,
+            tokens_per_s_runs: vec![o.tokens_per_s],
             ms_per_token_p50: o.ms_per_token_p50,
             ms_per_token_p99: o.ms_per_token_p99,
             bytes_read_per_token: num("bytes_read_per_token").unwrap_or(0.0),
@@ -59,6 +62,12 @@ impl Run {
             details: o.report,
             error: o.error,
         }
+    }
+
+    /// The tokens/s of every repeat this run is the median of.
+    pub fn with_runs(mut self, tokens_per_s: Vec<f64>) -> Self {
+        self.tokens_per_s_runs = tokens_per_s;
+        self
     }
 }
 
@@ -74,6 +83,12 @@ pub struct AtBudget {
     pub oracle_tokens_per_s: Option<f64>,
     /// oracle ÷ leanstream (1 = the limit reached).
     pub oracle_gap: Option<f64>,
+    /// oracle ÷ the best prior policy: the most an exact policy with perfect foresight gains
+    /// over it here, so the ceiling of `speedup_vs_best_prior`.
+    pub oracle_vs_best_prior: Option<f64>,
+    /// leanstream-predicted ÷ the best prior policy: leanstream's scheduler and cache at the prior
+    /// policies' quality (they too skip what the predictor misses).
+    pub predicted_speedup_vs_best_prior: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -113,6 +128,7 @@ pub fn summarise(runs: &[Run]) -> Summary {
         .iter()
         .map(|&b| {
             let ls = at("leanstream", b).map(|r| r.tokens_per_s);
+            let predicted = at("leanstream-predicted", b).map(|r| r.tokens_per_s);
             let prior = best_prior_at(b);
             let oracle = at("oracle", b);
             if let Some(o) = oracle {
@@ -148,6 +164,10 @@ pub fn summarise(runs: &[Run]) -> Summary {
                 speedup_vs_best_prior: ls.zip(prior).map(|(l, p)| l / p.tokens_per_s),
                 oracle_tokens_per_s: oracle.map(|r| r.tokens_per_s),
                 oracle_gap: ls.zip(oracle).map(|(l, o)| o.tokens_per_s / l),
+                oracle_vs_best_prior: oracle.zip(prior).map(|(o, p)| o.tokens_per_s / p.tokens_per_s),
+                predicted_speedup_vs_best_prior: predicted
+                    .zip(prior)
+                    .map(|(l, p)| l / p.tokens_per_s),
             }
         })
         .collect();
@@ -247,6 +267,12 @@ pub fn print_summary(s: &Summary) {
         }
         if let Some(g) = b.oracle_gap {
             line += &format!("; the oracle is {g:.2}x leanstream");
+        }
+        if let Some(c) = b.oracle_vs_best_prior {
+            line += &format!(" and {c:.2}x the best prior (the ceiling)");
+        }
+        if let Some(x) = b.predicted_speedup_vs_best_prior {
+            line += &format!("; leanstream-predicted = {x:.2}x the best prior");
         }
         println!("{line}");
     }
