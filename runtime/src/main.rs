@@ -80,6 +80,9 @@ struct CommonArgs {
     /// Disable look-ahead speculation (an ablation).
     #[arg(long)]
     no_lookahead: bool,
+    /// Speculate on every token, not only where it measurably pays (an ablation of the gate).
+    #[arg(long, conflicts_with = "no_lookahead")]
+    always_lookahead: bool,
     /// Cache retention: activity (observed use) or lru (an ablation).
     #[arg(long, value_enum, default_value_t = RetainArg::Activity)]
     retain: RetainArg,
@@ -223,6 +226,7 @@ fn session_options(common: &CommonArgs, default_ctx: usize) -> Result<SessionOpt
         default_ctx,
         tuning: Tuning {
             lookahead: !common.no_lookahead,
+            always_lookahead: common.always_lookahead,
             retention: match common.retain {
                 RetainArg::Activity => Retention::Activity,
                 RetainArg::Lru => Retention::Lru,

@@ -146,6 +146,12 @@ fn every_exact_policy_equals_resident() {
                 Tuning::default(),
             ),
             (
+                "leanstream --always-lookahead",
+                PolicyChoice::Leanstream,
+                ablation(|t| t.always_lookahead = true),
+                ablation(|t| t.always_lookahead = true),
+            ),
+            (
                 "leanstream --no-refine",
                 PolicyChoice::Leanstream,
                 ablation(|t| t.refine = false),
@@ -260,6 +266,13 @@ fn nothing_beats_the_oracle() {
         (
             PolicyChoice::Leanstream,
             Tuning {
+                always_lookahead: true,
+                ..Tuning::default()
+            },
+        ),
+        (
+            PolicyChoice::Leanstream,
+            Tuning {
                 refine: false,
                 ..Tuning::default()
             },
@@ -292,6 +305,12 @@ fn nothing_beats_the_oracle() {
         );
         if policy == PolicyChoice::Leanstream {
             assert!(bytes(&oracle) <= bytes(&r), "{policy:?} read less: {r}");
+            let speculated = r["speculating_token_fraction"].as_f64().unwrap();
+            if tuning.always_lookahead {
+                assert!(speculated > 0.99, "{speculated}");
+            } else if !tuning.lookahead {
+                assert_eq!(speculated, 0.0);
+            }
         }
         assert!(hit(&oracle) >= hit(&r), "{policy:?} hit more: {r}");
     }

@@ -45,6 +45,7 @@ pub struct Variant {
     pub policy: String,
     pub predicted: bool,
     pub lookahead: bool,
+    pub always_lookahead: bool,
     pub retain_lru: bool,
     pub refine: bool,
     pub cancel: bool,
@@ -59,6 +60,7 @@ impl Variant {
             policy: crate::session::policy_name(policy).to_string(),
             predicted: matches!(policy, PolicyChoice::PowerInfer2 | PolicyChoice::LlmInFlash),
             lookahead: true,
+            always_lookahead: false,
             retain_lru: false,
             refine: true,
             cancel: true,
@@ -146,6 +148,7 @@ fn session_options(job: &Job) -> Result<SessionOptions> {
         default_ctx: job.ctx,
         tuning: Tuning {
             lookahead: v.lookahead,
+            always_lookahead: v.always_lookahead,
             retention: if v.retain_lru {
                 Retention::Lru
             } else {

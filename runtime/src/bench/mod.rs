@@ -43,7 +43,7 @@ pub struct BenchArgs {
     )]
     memory: Vec<String>,
     /// Policies, comma-separated, or `all`. Besides the policies of `run --policy`, the ablations
-    /// leanstream-no-lookahead, leanstream-lru and leanstream-predicted.
+    /// leanstream-no-lookahead, -always-lookahead, -no-refine, -no-cancel, -lru and -predicted.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     policy: Vec<String>,
     /// Flash device: ufs4, ufs31, nvme, a profile FILE.toml, or none (the real disk, direct I/O).
@@ -283,8 +283,9 @@ fn expand_policies(names: &[String], flash: &str) -> Result<Vec<Variant>> {
 }
 
 /// Ablations of leanstream: each turns one of its parts off.
-const ABLATIONS: [&str; 5] = [
+const ABLATIONS: [&str; 6] = [
     "leanstream-no-lookahead",
+    "leanstream-always-lookahead",
     "leanstream-no-refine",
     "leanstream-no-cancel",
     "leanstream-lru",
@@ -324,6 +325,7 @@ fn variants(name: &str) -> Option<Vec<Variant>> {
     v.label = name.to_string();
     match name {
         "leanstream-no-lookahead" => v.lookahead = false,
+        "leanstream-always-lookahead" => v.always_lookahead = true,
         "leanstream-no-refine" => v.refine = false,
         "leanstream-no-cancel" => v.cancel = false,
         "leanstream-lru" => v.retain_lru = true,

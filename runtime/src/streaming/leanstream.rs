@@ -23,8 +23,10 @@ const HOT_FRACTION: f32 = 0.0;
 
 pub(super) struct Leanstream {
     hot_fraction: f32,
-    /// `None` with `--no-lookahead`.
+    /// Whether to speculate on a token: `None` never (`--no-lookahead`), else the gate's call.
     gate: Option<SpeculationGate>,
+    /// Speculate on every token, bypassing the gate (`--always-lookahead`).
+    always: bool,
     /// The current token speculates.
     speculating: bool,
     refine: bool,
@@ -38,6 +40,7 @@ impl Leanstream {
         Self {
             hot_fraction: tuning.hot_fraction.unwrap_or(HOT_FRACTION),
             gate: tuning.lookahead.then(SpeculationGate::default),
+            always: tuning.lookahead && tuning.always_lookahead,
             speculating: false,
             refine: tuning.refine,
             cancel: tuning.cancel,
@@ -126,7 +129,8 @@ impl Schedule for Leanstream {
         residual: &[f32],
     ) -> Result<()> {
         if l == 0 {
-            self.speculating = self.gate.as_mut().is_some_and(|g| g.begin_token(token));
+            self.speculating =
+                self.always || self.gate.as_mut().is_some_and(|g| g.begin_token(token));
             core.metrics.speculating_tokens += u64::from(self.speculating);
         }
         if !self.speculating {

@@ -11,6 +11,9 @@ use super::trace::ActiveTrace;
 pub struct Tuning {
     /// leanstream: speculate with the look-ahead predictors (`--no-lookahead` turns it off).
     pub lookahead: bool,
+    /// leanstream: speculate on every token rather than where it measurably pays
+    /// (`--always-lookahead`, an ablation of the speculation gate).
+    pub always_lookahead: bool,
     /// leanstream: how the dynamic part of the cache ranks clusters (`--retain`).
     pub retention: Retention,
     /// leanstream: refine queued reads from the layer's needs (`--no-refine` turns it off).
@@ -31,6 +34,7 @@ impl Default for Tuning {
     fn default() -> Self {
         Self {
             lookahead: true,
+            always_lookahead: false,
             retention: Retention::Activity,
             refine: true,
             cancel: true,
