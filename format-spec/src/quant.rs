@@ -48,6 +48,8 @@ pub enum QuantError {
     UnknownName(String),
     /// A block type's row length must be a whole number of blocks: the format pads nothing.
     Length { qtype: QuantType, n: usize },
+    /// A row so long its encoded size does not fit in memory's address space (damaged input).
+    TooLong { qtype: QuantType, n: usize },
     /// The encoded bytes do not hold the expected number of values.
     ByteLength {
         qtype: QuantType,
@@ -72,6 +74,9 @@ impl fmt::Display for QuantError {
                 f,
                 "{qtype} needs rows of a multiple of {BLOCK_LEN} values, got {n}"
             ),
+            QuantError::TooLong { qtype, n } => {
+                write!(f, "a row of {n} values of {qtype} is impossibly large")
+            }
             QuantError::ByteLength { qtype, n, bytes } => {
                 write!(f, "{bytes} bytes do not hold {n} values of {qtype}")
             }
@@ -188,7 +193,9 @@ pub fn row_bytes(qtype: QuantType, n: usize) -> Result<usize, QuantError> {
     if !n.is_multiple_of(qtype.block_len()) {
         return Err(QuantError::Length { qtype, n });
     }
-    Ok(n / qtype.block_len() * qtype.block_bytes())
+    (n / qtype.block_len())
+        .checked_mul(qtype.block_bytes())
+        .ok_or(QuantError::TooLong { qtype, n })
 }
 
 /// Encodes a row. Fails on a length that is not a whole number of blocks, on NaN or infinity, and
@@ -417,6 +424,22 @@ fn pack_nibbles(codes: &[u8]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by fuzzing the file reader: a damaged tensor shape asked for a row of nearly 2^64
+    /// values, and the size computation overflowed (a panic in checked builds).
+    #[test]
+    fn an_impossibly_long_row_is_an_error_not_an_overflow() {
+        for qtype in QuantType::ALL {
+            let n = usize::MAX / qtype.block_len() * qtype.block_len();
+            // Types of more than a byte per value cannot encode so many; 4-bit ones can.
+            match row_bytes(qtype, n) {
+                Err(QuantError::TooLong { .. }) if qtype.block_bytes() > qtype.block_len() => {}
+                Ok(bytes) if qtype.block_bytes() < qtype.block_len() => assert!(bytes < n),
+                other => panic!("{qtype}: {other:?}"),
+            }
+        }
+        assert_eq!(row_bytes(QuantType::Q8_0, 64).unwrap(), 68);
+    }
 
     /// A small deterministic generator (this crate has no dependencies): xorshift64*.
     struct Rng(u64);
