@@ -111,7 +111,6 @@ impl DenseIndex {
                 .ok_or_else(|| d.invalid("extent overflow"))?;
             tensors.push(t);
         }
-        d.finish()?;
         if next != data_len {
             return Err(FormatError::invalid(
                 "DENSE_INDEX extents do not tile DENSE_DATA",

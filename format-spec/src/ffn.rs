@@ -150,7 +150,6 @@ impl FfnIndex {
                 clusters,
             });
         }
-        d.finish()?;
         if next != data_len {
             return Err(FormatError::invalid(
                 "FFN_INDEX extents do not tile FFN_DATA",

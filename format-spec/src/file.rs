@@ -219,8 +219,8 @@ fn open_header(path: &Path) -> Result<(File, Header), FormatError> {
 }
 
 /// Reads, checks and decodes one section. A raw section streams through `decode` and is never
-/// held whole (see [`Dec`]); a zstd one is decompressed first. Damage is reported as a checksum
-/// mismatch even where it also breaks decoding.
+/// held whole (see [`Dec`]); a zstd one is decompressed first. Every byte must be decoded, and
+/// damage is reported as a checksum mismatch even where it also breaks decoding.
 fn read_section<T>(
     file: &mut File,
     path: &Path,
@@ -247,21 +247,20 @@ fn read_section<T>(
         inner: BufReader::with_capacity(1 << 16, Read::take(&mut *file, s.stored_size)),
         hash: Xxh3::new(),
     };
-    let decoded = if s.encoding == Encoding::Zstd as u32 {
-        zstd::stream::decode_all(Read::take(&mut stored, s.length))
-            .map_err(|e| FormatError::invalid(format!("{} section: {e}", kind.name())))
-            .and_then(|content| {
-                let mut d = Dec::new(&content, kind.name());
-                decode(&mut d).and_then(|v| d.finish().map(|_| v))
-            })
-    } else {
-        let mut d = Dec::from_reader(
-            Read::take(&mut stored, s.length),
-            s.length as usize,
-            kind.name(),
-        );
-        decode(&mut d).and_then(|v| d.finish().map(|_| v))
-    };
+    let decoded = (|| {
+        let content;
+        let mut d = if s.encoding == Encoding::Zstd as u32 {
+            content = zstd::stream::decode_all(Read::take(&mut stored, s.length))
+                .map_err(|e| FormatError::invalid(format!("{} section: {e}", kind.name())))?;
+            Dec::new(&content, kind.name())
+        } else {
+            let raw = Read::take(&mut stored, s.length);
+            Dec::from_reader(raw, s.length as usize, kind.name())
+        };
+        let value = decode(&mut d)?;
+        d.finish()?;
+        Ok(value)
+    })();
     // The padding, or what a failed decode left, still counts towards the checksum.
     std::io::copy(&mut stored, &mut std::io::sink()).map_err(io)?;
     if stored.hash.digest() != s.checksum {

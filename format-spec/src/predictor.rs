@@ -128,7 +128,6 @@ impl Predictors {
             p.lookahead.push(Predictor::decode(d)?);
             p.own.push(Predictor::decode(d)?);
         }
-        d.finish()?;
         Ok(p)
     }
 }

@@ -73,7 +73,6 @@ impl Refine {
                 neuron_mag,
             });
         }
-        d.finish()?;
         Ok(Self { layers })
     }
 }

@@ -21,12 +21,19 @@ use super::tuning::Tuning;
 /// rate 0.327 against 0.318 with half pinned and 0.313 with all pinned, as powerinfer2 does).
 const HOT_FRACTION: f32 = 0.0;
 
+/// Which tokens speculate.
+enum Speculation {
+    /// None (`--no-lookahead`).
+    Never,
+    /// Every one, the gate bypassed (`--always-lookahead`).
+    Always,
+    /// Those where it measurably pays.
+    Gated(SpeculationGate),
+}
+
 pub(super) struct Leanstream {
     hot_fraction: f32,
-    /// Whether to speculate on a token: `None` never (`--no-lookahead`), else the gate's call.
-    gate: Option<SpeculationGate>,
-    /// Speculate on every token, bypassing the gate (`--always-lookahead`).
-    always: bool,
+    speculation: Speculation,
     /// The current token speculates.
     speculating: bool,
     refine: bool,
@@ -39,8 +46,11 @@ impl Leanstream {
     pub fn new(tuning: &Tuning, layers: usize) -> Self {
         Self {
             hot_fraction: tuning.hot_fraction.unwrap_or(HOT_FRACTION),
-            gate: tuning.lookahead.then(SpeculationGate::default),
-            always: tuning.lookahead && tuning.always_lookahead,
+            speculation: match (tuning.lookahead, tuning.always_lookahead) {
+                (false, _) => Speculation::Never,
+                (true, true) => Speculation::Always,
+                (true, false) => Speculation::Gated(SpeculationGate::default()),
+            },
             speculating: false,
             refine: tuning.refine,
             cancel: tuning.cancel,
@@ -129,8 +139,11 @@ impl Schedule for Leanstream {
         residual: &[f32],
     ) -> Result<()> {
         if l == 0 {
-            self.speculating =
-                self.always || self.gate.as_mut().is_some_and(|g| g.begin_token(token));
+            self.speculating = match &mut self.speculation {
+                Speculation::Never => false,
+                Speculation::Always => true,
+                Speculation::Gated(gate) => gate.begin_token(token),
+            };
             core.metrics.speculating_tokens += u64::from(self.speculating);
         }
         if !self.speculating {
