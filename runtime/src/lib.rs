@@ -26,6 +26,7 @@ pub mod rope;
 pub mod safetensors_dir;
 pub mod sampler;
 pub mod sampling_args;
+pub mod serve;
 pub mod session;
 pub mod source;
 pub mod storage;

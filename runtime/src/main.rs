@@ -47,6 +47,8 @@ enum Command {
     Chat(ChatArgs),
     /// Convert the embedded model (once), stream it under a tight budget and compare with dense.
     Demo(leanstream::demo::DemoArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat and completions, streamed or not).
+    Serve(ServeArgs),
 }
 
 #[derive(Args)]
@@ -153,6 +155,14 @@ struct ChatArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    #[command(flatten)]
+    serve: leanstream::serve::ServeArgs,
+}
+
+#[derive(Args)]
 struct PerplexityArgs {
     #[command(flatten)]
     common: CommonArgs,
@@ -185,6 +195,8 @@ fn main() -> ExitCode {
         Command::Chat(args) => setup(&args.common, 2048)
             .and_then(|session| leanstream::chat::run(session, &args.chat, args.common.json)),
         Command::Demo(args) => leanstream::demo::run(args),
+        Command::Serve(args) => setup(&args.common, 2048)
+            .and_then(|session| leanstream::serve::run(session, &args.serve)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

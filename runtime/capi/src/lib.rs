@@ -1,0 +1,511 @@
+//! LeanStream's C API: what an app needs to run a model under a memory budget without the
+//! command line. Open a model with a budget and options, generate with a per-token callback and
+//! a cancel flag, read the metrics, close. Every function returns a status code and leaves a
+//! message for `ls_last_error`; no Rust panic crosses into C (each entry point catches it and
+//! returns `LS_STATUS_PANIC`). The header `include/leanstream.h` is generated from this file by
+//! cbindgen (`scripts/capi-header.sh`) and checked in, so apps build without cbindgen.
+
+use std::cell::{Cell, RefCell};
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use leanstream::generate::{generate_after, GenerateOptions, StopReason};
+use leanstream::kv_cache::KvCache;
+use leanstream::sampler::SamplerConfig;
+use leanstream::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::storage::FlashProfile;
+use leanstream::streaming::{Sparsity, Tuning};
+
+/// What a call did.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LsStatus {
+    Ok = 0,
+    /// A null pointer, text that is not UTF-8, an unknown policy or flash name.
+    InvalidArgument = 1,
+    /// The model could not be opened: a missing or invalid file, a budget it cannot fit.
+    Open = 2,
+    /// Generation failed (a prompt longer than the context, a read error).
+    Generate = 3,
+    /// A bug inside the library, caught before it reached the caller.
+    Panic = 4,
+}
+
+/// How a model is opened; start from `ls_open_options_default()`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct LsOpenOptions {
+    /// Hard cap on peak memory in bytes; 0: no cap (everything fits).
+    pub memory_bytes: u64,
+    /// Context length in tokens; 0: 2048, or the model's maximum if smaller.
+    pub ctx: u32,
+    /// Compute threads for the whole process (the first `ls_open` that sets it decides); 0: all
+    /// cores.
+    pub threads: u32,
+    /// `leanstream`, `resident`, `dense`, `mmap`, `powerinfer2`, `llm-in-flash`; NULL: leanstream
+    /// for converted files, dense otherwise.
+    pub policy: *const c_char,
+    /// Flash device: `none` (the real disk), `ufs4`, `ufs31`, `nvme` or a profile file; NULL: none.
+    pub flash: *const c_char,
+}
+
+/// How text is generated; start from `ls_generate_options_default()` (the command line's
+/// defaults: temperature 0.8, top-k 40, top-p 0.95, repetition penalty 1.1).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct LsGenerateOptions {
+    /// Most tokens to generate.
+    pub max_tokens: u32,
+    /// 0: greedy.
+    pub temperature: f32,
+    /// 0: off.
+    pub top_k: u32,
+    /// 1: off.
+    pub top_p: f32,
+    /// 1: off.
+    pub repeat_penalty: f32,
+    pub seed: u64,
+    /// Send the prompt as one user message through the model's chat template.
+    pub chat: bool,
+}
+
+/// Why the last generation ended.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LsStopReason {
+    /// Nothing generated yet.
+    None = 0,
+    /// The model ended its text.
+    Eos = 1,
+    MaxTokens = 2,
+    ContextFull = 3,
+    /// `ls_cancel` or the callback stopped it.
+    Cancelled = 4,
+}
+
+/// The last generation's figures and the model's running totals.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct LsMetrics {
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    /// Decode rate of the last generation.
+    pub tokens_per_s: f64,
+    /// Time to the first token of the last generation.
+    pub ttft_ms: f64,
+    pub stop_reason: LsStopReason,
+    /// Flash bytes read per token since the model was opened (0 for dense).
+    pub bytes_read_per_token: f64,
+    /// Neuron-cluster cache hit rate since the model was opened (0 for dense).
+    pub cache_hit_rate: f64,
+    /// The memory budget in bytes (0: none).
+    pub memory_budget_bytes: u64,
+    /// The process's peak resident set size in bytes (0 where unknown).
+    pub peak_rss_bytes: u64,
+}
+
+/// Receives each piece of generated text: `len` bytes of UTF-8 at `piece` (NUL-terminated too),
+/// and the `user_data` given to `ls_generate`. Return false to stop the generation.
+pub type LsTokenCallback =
+    Option<extern "C" fn(piece: *const c_char, len: usize, user_data: *mut c_void) -> bool>;
+
+/// An open model. Use it from the thread that opened it (its engine is not `Send`), except
+/// `ls_cancel`, which any thread may call.
+pub struct LsModel {
+    session: RefCell<Session>,
+    cancel: AtomicBool,
+    last: Cell<LsMetrics>,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_error(message: &str) {
+    let c = CString::new(message.replace('\0', " ")).expect("NULs replaced");
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Runs `f`, turning its error into a status and a message, and a panic into `LsStatus::Panic`.
+fn guard(f: impl FnOnce() -> Result<(), (LsStatus, String)>) -> LsStatus {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => LsStatus::Ok,
+        Ok(Err((status, message))) => {
+            set_error(&message);
+            status
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown".into());
+            set_error(&format!("internal error (a bug in leanstream): {what}"));
+            LsStatus::Panic
+        }
+    }
+}
+
+fn invalid(message: impl Into<String>) -> (LsStatus, String) {
+    (LsStatus::InvalidArgument, message.into())
+}
+
+/// Text at `p`, or `None` for NULL.
+///
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string.
+unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>, (LsStatus, String)> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: the caller passes a NUL-terminated string (the header's contract).
+    let s = unsafe { CStr::from_ptr(p) };
+    s.to_str()
+        .map(Some)
+        .map_err(|_| invalid(format!("{what} is not UTF-8 text")))
+}
+
+/// The command line's defaults: no budget, ctx 2048, all cores, the file's default policy.
+#[no_mangle]
+pub extern "C" fn ls_open_options_default() -> LsOpenOptions {
+    LsOpenOptions {
+        memory_bytes: 0,
+        ctx: 0,
+        threads: 0,
+        policy: std::ptr::null(),
+        flash: std::ptr::null(),
+    }
+}
+
+/// The command line's defaults: 128 tokens, temperature 0.8, top-k 40, top-p 0.95, repetition
+/// penalty 1.1, seed 299792458, no chat template.
+#[no_mangle]
+pub extern "C" fn ls_generate_options_default() -> LsGenerateOptions {
+    LsGenerateOptions {
+        max_tokens: 128,
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        repeat_penalty: 1.1,
+        seed: 299792458,
+        chat: false,
+    }
+}
+
+/// Opens the model at `path` (a converted LeanStream file, a GGUF file or a Hugging Face model
+/// directory) with `options` (NULL: the defaults) and stores it in `*out`.
+///
+/// # Safety
+/// `path` is a NUL-terminated string; `options` is NULL or valid; `out` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ls_open(
+    path: *const c_char,
+    options: *const LsOpenOptions,
+    out: *mut *mut LsModel,
+) -> LsStatus {
+    guard(|| {
+        if out.is_null() {
+            return Err(invalid("ls_open: out is NULL"));
+        }
+        // SAFETY: `out` is valid for a write (the header's contract) and not NULL.
+        unsafe { *out = std::ptr::null_mut() };
+        // SAFETY: the caller passes a string or NULL.
+        let path = unsafe { text(path, "the model path") }?
+            .ok_or_else(|| invalid("ls_open: the model path is NULL"))?;
+        let o = if options.is_null() {
+            ls_open_options_default()
+        } else {
+            // SAFETY: `options` points to a valid LsOpenOptions (the header's contract).
+            unsafe { *options }
+        };
+        // SAFETY: the option strings are NULL or NUL-terminated (the header's contract).
+        let policy = match unsafe { text(o.policy, "options.policy") }? {
+            None => None,
+            Some(name) => Some(PolicyChoice::from_name(name).ok_or_else(|| {
+                invalid(format!(
+                    "options.policy `{name}` is unknown: use leanstream, resident, dense, mmap, \
+                     powerinfer2 or llm-in-flash"
+                ))
+            })?),
+        };
+        // SAFETY: as above.
+        let flash = unsafe { text(o.flash, "options.flash") }?.unwrap_or("none");
+        let flash = FlashProfile::from_flash_arg(flash)
+            .map_err(|e| invalid(format!("options.flash: {e:#}")))?;
+        if o.threads > 0 {
+            let n = o.threads as usize;
+            // The compute pool is the process's: built once, by the first call that asks.
+            let built = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build_global();
+            if built.is_err() && rayon::current_num_threads() != n {
+                return Err(invalid(format!(
+                    "options.threads {n}: the process already computes on {} threads (the \
+                     thread count is fixed by the first ls_open that sets it)",
+                    rayon::current_num_threads()
+                )));
+            }
+        }
+        leanstream::memory::startup_rss_bytes();
+        let options = SessionOptions {
+            model: PathBuf::from(path),
+            policy,
+            memory: (o.memory_bytes > 0).then_some(o.memory_bytes),
+            flash,
+            sparsity: Sparsity::Certified,
+            ctx: (o.ctx > 0).then_some(o.ctx as usize),
+            default_ctx: 2048,
+            tuning: Tuning::default(),
+        };
+        let session = Session::open(&options).map_err(|e| (LsStatus::Open, format!("{e:#}")))?;
+        let model = LsModel {
+            session: RefCell::new(session),
+            cancel: AtomicBool::new(false),
+            last: Cell::new(metrics_of(None)),
+        };
+        // SAFETY: as above; ownership passes to the caller until `ls_close`.
+        unsafe { *out = Box::into_raw(Box::new(model)) };
+        Ok(())
+    })
+}
+
+/// Generates from `prompt`, calling `callback` (may be NULL) with each piece of text. Stops at the
+/// end of the text, `max_tokens`, a full context, `ls_cancel`, or when the callback returns false
+/// (those two still return `LS_STATUS_OK`; `ls_metrics` tells why it stopped). Clears an earlier
+/// `ls_cancel` when it starts.
+///
+/// # Safety
+/// `model` comes from `ls_open` and is not closed; `prompt` is a NUL-terminated string; `options`
+/// is NULL or valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_generate(
+    model: *mut LsModel,
+    prompt: *const c_char,
+    options: *const LsGenerateOptions,
+    callback: LsTokenCallback,
+    user_data: *mut c_void,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: `model` comes from `ls_open` and is open (the header's contract).
+        let model =
+            unsafe { model.as_ref() }.ok_or_else(|| invalid("ls_generate: model is NULL"))?;
+        // SAFETY: the caller passes a string or NULL.
+        let prompt = unsafe { text(prompt, "the prompt") }?
+            .ok_or_else(|| invalid("ls_generate: the prompt is NULL"))?;
+        let o = if options.is_null() {
+            ls_generate_options_default()
+        } else {
+            // SAFETY: `options` points to a valid LsGenerateOptions (the header's contract).
+            unsafe { *options }
+        };
+        model.cancel.store(false, Ordering::SeqCst);
+        generate(model, prompt, &o, callback, user_data)
+    })
+}
+
+fn generate(
+    model: &LsModel,
+    prompt: &str,
+    o: &LsGenerateOptions,
+    callback: LsTokenCallback,
+    user_data: *mut c_void,
+) -> Result<(), (LsStatus, String)> {
+    let failed = |e: anyhow::Error| (LsStatus::Generate, format!("{e:#}"));
+    let mut session = model.session.try_borrow_mut().map_err(|_| {
+        invalid("ls_generate: the model is already generating (called from its own callback?)")
+    })?;
+    let (ids, eos_token_ids) = if o.chat {
+        leanstream::chat::single_turn(&session, prompt).map_err(failed)?
+    } else {
+        let ids = session.tokenizer.encode(prompt, true).map_err(failed)?;
+        (ids, session.eos_token_ids.clone())
+    };
+    let opts = GenerateOptions {
+        max_tokens: o.max_tokens.max(1) as usize,
+        ctx: session.ctx,
+        sampler: SamplerConfig {
+            temperature: o.temperature,
+            top_k: o.top_k as usize,
+            top_p: o.top_p,
+            repeat_penalty: o.repeat_penalty,
+            seed: o.seed,
+            ..Default::default()
+        },
+        eos_token_ids,
+    };
+    let tokenizer = session.tokenizer.clone();
+    let mut cache = KvCache::new(session.model().config(), opts.ctx);
+    let generation = generate_after(
+        session.model(),
+        &tokenizer,
+        &mut cache,
+        &[],
+        &ids,
+        &opts,
+        &model.cancel,
+        |piece| {
+            let Some(callback) = callback else { return };
+            let c = CString::new(piece.replace('\0', " ")).expect("NULs replaced");
+            if !callback(c.as_ptr(), piece.len(), user_data) {
+                model.cancel.store(true, Ordering::SeqCst);
+            }
+        },
+    )
+    .map_err(failed)?;
+    let mut m = metrics_of(Some(&session));
+    let stats = &generation.stats;
+    m.prompt_tokens = stats.prompt_tokens as u64;
+    m.generated_tokens = stats.generated_tokens as u64;
+    m.tokens_per_s = stats.tokens_per_s;
+    m.ttft_ms = stats.ttft_ms;
+    m.stop_reason = match stats.stop_reason {
+        StopReason::Eos => LsStopReason::Eos,
+        StopReason::MaxTokens => LsStopReason::MaxTokens,
+        StopReason::ContextFull => LsStopReason::ContextFull,
+        StopReason::Interrupted => LsStopReason::Cancelled,
+    };
+    model.last.set(m);
+    Ok(())
+}
+
+/// The runtime's running figures (no generation figures yet).
+fn metrics_of(session: Option<&Session>) -> LsMetrics {
+    let report = session.map(Session::report).unwrap_or_default();
+    let number = |key: &str| report.get(key).and_then(|v| v.as_f64()).unwrap_or(0.0);
+    LsMetrics {
+        prompt_tokens: 0,
+        generated_tokens: 0,
+        tokens_per_s: 0.0,
+        ttft_ms: 0.0,
+        stop_reason: LsStopReason::None,
+        bytes_read_per_token: number("bytes_read_per_token"),
+        cache_hit_rate: number("cache_hit_rate"),
+        memory_budget_bytes: number("memory_budget_bytes") as u64,
+        peak_rss_bytes: leanstream::memory::peak_rss_bytes().unwrap_or(0),
+    }
+}
+
+/// Asks the generation running on `model` to stop after its current token; safe from any thread.
+///
+/// # Safety
+/// `model` comes from `ls_open` and is not closed.
+#[no_mangle]
+pub unsafe extern "C" fn ls_cancel(model: *const LsModel) -> LsStatus {
+    guard(|| {
+        if model.is_null() {
+            return Err(invalid("ls_cancel: model is NULL"));
+        }
+        // SAFETY: `model` comes from `ls_open` and is open (the header's contract). Only the
+        // atomic flag is referenced, never the model as a whole: the thread generating may hold
+        // a reference to it.
+        let cancel = unsafe { &*std::ptr::addr_of!((*model).cancel) };
+        cancel.store(true, Ordering::SeqCst);
+        Ok(())
+    })
+}
+
+/// Copies the last generation's figures and the model's running totals into `*out`.
+///
+/// # Safety
+/// `model` comes from `ls_open` and is not closed; `out` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ls_metrics(model: *const LsModel, out: *mut LsMetrics) -> LsStatus {
+    guard(|| {
+        // SAFETY: `model` comes from `ls_open` and is open (the header's contract).
+        let model =
+            unsafe { model.as_ref() }.ok_or_else(|| invalid("ls_metrics: model is NULL"))?;
+        if out.is_null() {
+            return Err(invalid("ls_metrics: out is NULL"));
+        }
+        let m = LsMetrics {
+            peak_rss_bytes: leanstream::memory::peak_rss_bytes().unwrap_or(0),
+            ..model.last.get()
+        };
+        // SAFETY: `out` is valid for a write (the header's contract) and not NULL.
+        unsafe { *out = m };
+        Ok(())
+    })
+}
+
+/// Closes `model` and frees its memory; NULL is ignored.
+///
+/// # Safety
+/// `model` comes from `ls_open` and is closed only once; nothing uses it afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn ls_close(model: *mut LsModel) {
+    guard(|| {
+        if !model.is_null() {
+            // SAFETY: `model` came from `Box::into_raw` in `ls_open` and is closed only once.
+            drop(unsafe { Box::from_raw(model) });
+        }
+        Ok(())
+    });
+}
+
+/// The message of the last failed call on this thread ("" if none): valid until the next failed
+/// call on this thread.
+#[no_mangle]
+pub extern "C" fn ls_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last_error() -> String {
+        // SAFETY: ls_last_error returns a NUL-terminated string owned by this thread.
+        unsafe { CStr::from_ptr(ls_last_error()) }
+            .to_str()
+            .unwrap()
+            .to_string()
+    }
+
+    #[test]
+    fn a_panic_becomes_a_status_and_a_message() {
+        let status = guard(|| panic!("boom {}", 7));
+        assert_eq!(status, LsStatus::Panic);
+        assert!(last_error().contains("boom 7"), "{}", last_error());
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_with_a_message() {
+        let mut model = std::ptr::null_mut();
+        // SAFETY: the arguments follow the contract (NULL is allowed and refused).
+        let status = unsafe { ls_open(std::ptr::null(), std::ptr::null(), &mut model) };
+        assert_eq!(status, LsStatus::InvalidArgument);
+        assert!(last_error().contains("path is NULL"), "{}", last_error());
+        let policy = CString::new("fastest").unwrap();
+        let path = CString::new("/nonexistent").unwrap();
+        let options = LsOpenOptions {
+            policy: policy.as_ptr(),
+            ..ls_open_options_default()
+        };
+        // SAFETY: valid strings and options.
+        let status = unsafe { ls_open(path.as_ptr(), &options, &mut model) };
+        assert_eq!(status, LsStatus::InvalidArgument);
+        assert!(
+            last_error().contains("`fastest` is unknown"),
+            "{}",
+            last_error()
+        );
+        assert!(model.is_null());
+        // SAFETY: NULL models are refused, not dereferenced.
+        unsafe {
+            assert_eq!(ls_cancel(std::ptr::null()), LsStatus::InvalidArgument);
+            assert_eq!(
+                ls_generate(
+                    std::ptr::null_mut(),
+                    path.as_ptr(),
+                    std::ptr::null(),
+                    None,
+                    std::ptr::null_mut()
+                ),
+                LsStatus::InvalidArgument
+            );
+            ls_close(std::ptr::null_mut());
+        }
+    }
+}

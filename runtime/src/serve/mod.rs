@@ -1,0 +1,96 @@
+//! `leanstream serve`: the model behind an OpenAI-compatible HTTP API (`/v1/chat/completions`,
+//! `/v1/completions`, streamed as server-sent events or whole; `/v1/models`, `/health`,
+//! `/metrics`), the way local runtimes are used by apps and tools written for OpenAI's API.
+//!
+//! One HTTP thread validates requests and answers the cheap routes; one worker (this thread) owns
+//! the model and serves queued requests one at a time in arrival order, reusing the KV cache of
+//! the previous conversation's common prefix. The server is `tiny_http`: synchronous, four small
+//! dependencies, no async runtime (README: its size and build-time cost).
+
+mod error;
+mod metrics;
+mod queue;
+mod reply;
+mod request;
+mod routes;
+mod sse;
+mod stop;
+mod worker;
+
+use std::sync::Arc;
+
+use anyhow::{anyhow, Result};
+use clap::Args;
+
+use crate::chat::ChatFormat;
+use crate::sampling_args::SamplingArgs;
+use crate::session::Session;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Requests that may wait while one is served; more are refused with 503.
+    #[arg(long, default_value_t = 16)]
+    pub queue: usize,
+    /// Largest request body accepted (413 beyond): 1MiB, 64KiB or bytes.
+    #[arg(long, default_value = "1MiB", value_parser = crate::memory_size::parse_budget)]
+    pub max_body: u64,
+    /// The model's name in the API (default: the model file's name without its extension).
+    #[arg(long)]
+    pub model_name: Option<String>,
+    /// Maximum tokens of a reply whose request sets no max_tokens.
+    #[arg(short = 'n', long = "n-tokens", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
+    pub n_tokens: u64,
+    /// Sampling for the fields a request leaves out (temperature, top_p, seed); top-k and the
+    /// repetition penalty apply to every request.
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+/// Serves `session` until the process is stopped.
+pub fn run(session: Session, args: &ServeArgs) -> Result<()> {
+    let server = tiny_http::Server::http((args.host.as_str(), args.port)).map_err(|e| {
+        anyhow!(
+            "cannot listen on {}:{}: {e} (another server on that port? choose one with --port)",
+            args.host,
+            args.port
+        )
+    })?;
+    let model_id = args.model_name.clone().unwrap_or_else(|| {
+        session
+            .model_path
+            .file_stem()
+            .map_or("model".into(), |s| s.to_string_lossy().into_owned())
+    });
+    let metrics = Arc::new(metrics::ServerMetrics::default());
+    let (queue, jobs) = queue::bounded(args.queue);
+    let frontend = routes::Frontend {
+        model_id: model_id.clone(),
+        tokenizer: session.tokenizer.clone(),
+        chat: ChatFormat::new(&session).map_err(|e| format!("{e:#}")),
+        eos_token_ids: session.eos_token_ids.clone(),
+        ctx: session.ctx,
+        sampler: args.sampling.config(),
+        max_tokens: args.n_tokens as usize,
+        max_body_bytes: args.max_body,
+        metrics: metrics.clone(),
+        queue,
+    };
+    let worker = worker::Worker::new(session, model_id.clone(), metrics);
+    let address = server
+        .server_addr()
+        .to_ip()
+        .map_or_else(|| format!("{}:{}", args.host, args.port), |a| a.to_string());
+    eprintln!("serving {model_id} at http://{address}/v1 (also /health, /metrics); Ctrl-C stops");
+    std::thread::Builder::new()
+        .name("http".into())
+        .spawn(move || frontend.serve(&server))
+        .map_err(|e| anyhow!("cannot start the HTTP thread: {e}"))?;
+    worker.run(jobs);
+    Ok(())
+}

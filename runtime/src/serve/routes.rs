@@ -1,0 +1,223 @@
+//! The HTTP thread: answers `/health`, `/v1/models` and `/metrics` itself (at once, even while a
+//! generation runs), and turns a completion request into a queued job: body size checked, fields
+//! validated, prompt rendered and tokenized, its length checked against the context. Every
+//! problem is answered here with an OpenAI-shaped 4xx, before the request waits for the model.
+
+use std::io::Read;
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::{json, Value};
+use tiny_http::{Header, Method, Request, Response};
+
+use super::error::ApiError;
+use super::metrics::ServerMetrics;
+use super::queue::{Job, Queue, Work};
+use super::request::{self, CompletionRequest, Endpoint, Prompt};
+use crate::chat::ChatFormat;
+use crate::sampler::SamplerConfig;
+use crate::tokenizer::Tokenizer;
+
+/// What the HTTP thread needs to validate and queue requests.
+pub struct Frontend {
+    pub model_id: String,
+    pub tokenizer: Tokenizer,
+    /// The chat template and end-of-turn tokens, or why the model has none.
+    pub chat: Result<ChatFormat, String>,
+    /// The model's end-of-sequence tokens (plain completions).
+    pub eos_token_ids: Vec<u32>,
+    pub ctx: usize,
+    /// Sampling for fields a request leaves out.
+    pub sampler: SamplerConfig,
+    pub max_tokens: usize,
+    pub max_body_bytes: u64,
+    pub metrics: Arc<ServerMetrics>,
+    pub queue: Queue,
+}
+
+const COMPLETIONS: &str = "/v1/completions";
+const CHAT: &str = "/v1/chat/completions";
+const PATHS: [&str; 5] = ["/health", "/metrics", "/v1/models", COMPLETIONS, CHAT];
+
+impl Frontend {
+    /// Answers or queues every request the server receives.
+    pub fn serve(&self, server: &tiny_http::Server) {
+        for request in server.incoming_requests() {
+            self.handle(request);
+        }
+    }
+
+    fn handle(&self, request: Request) {
+        let path = request.url().split('?').next().unwrap_or("").to_string();
+        match (request.method(), path.as_str()) {
+            (Method::Get, "/health") => respond_json(
+                request,
+                200,
+                &json!({ "status": "ok", "queue_waiting": self.queue.waiting() }),
+            ),
+            (Method::Get, "/v1/models") => respond_json(
+                request,
+                200,
+                &json!({
+                    "object": "list",
+                    "data": [{ "id": self.model_id, "object": "model", "created": 0, "owned_by": "leanstream" }],
+                }),
+            ),
+            (Method::Get, "/metrics") => {
+                let text = self.metrics.render(self.queue.waiting());
+                let _ = request.respond(
+                    Response::from_string(text)
+                        .with_header(header("Content-Type", "text/plain; version=0.0.4")),
+                );
+            }
+            (Method::Post, COMPLETIONS) => self.enqueue(request, Endpoint::Completions),
+            (Method::Post, CHAT) => self.enqueue(request, Endpoint::Chat),
+            (method, p) if PATHS.contains(&p) => {
+                let e = ApiError::new(
+                    405,
+                    "method_not_allowed",
+                    format!("{p} does not take {method}"),
+                );
+                self.refuse(request, e);
+            }
+            (_, p) => {
+                let e = ApiError::new(
+                    404,
+                    "not_found",
+                    format!("no such path {p}: the API is at {CHAT} and {COMPLETIONS}"),
+                );
+                self.refuse(request, e);
+            }
+        }
+    }
+
+    fn enqueue(&self, mut request: Request, endpoint: Endpoint) {
+        let work = match self.validate(&mut request, endpoint) {
+            Ok(work) => work,
+            Err(e) => return self.refuse(request, e),
+        };
+        let job = Job { request, work };
+        ServerMetrics::add(&self.metrics.requests, 1);
+        if let Err(job) = self.queue.push(job) {
+            ServerMetrics::add(&self.metrics.rejected_queue_full, 1);
+            let e = ApiError::new(
+                503,
+                "queue_full",
+                format!(
+                    "the server is busy: {} requests are waiting, the most its --queue allows; retry later",
+                    self.queue.waiting()
+                ),
+            );
+            respond_json(job.request, e.status, &e.to_json());
+        }
+    }
+
+    fn validate(&self, request: &mut Request, endpoint: Endpoint) -> Result<Work, ApiError> {
+        let received = Instant::now();
+        let body = self.body(request)?;
+        let r: CompletionRequest = request::parse(endpoint, &body, &self.model_id)?;
+        let (prompt, eos_token_ids, field) = match &r.prompt {
+            Prompt::Text(text) => {
+                let ids = self
+                    .tokenizer
+                    .encode(text, true)
+                    .map_err(|e| ApiError::field("prompt", format!("{e:#}")))?;
+                (ids, self.eos_token_ids.clone(), "prompt")
+            }
+            Prompt::Messages(messages) => {
+                let format = self
+                    .chat
+                    .as_ref()
+                    .map_err(|why| ApiError::field("messages", why.clone()))?;
+                let ids = format
+                    .template
+                    .encode(&self.tokenizer, messages)
+                    .map_err(|e| ApiError::field("messages", format!("{e:#}")))?;
+                (ids, format.eos_token_ids.clone(), "messages")
+            }
+        };
+        if prompt.is_empty() {
+            return Err(ApiError::field(
+                field,
+                "the prompt is empty: give at least one token of text",
+            ));
+        }
+        if prompt.len() >= self.ctx {
+            return Err(ApiError::field(
+                field,
+                format!(
+                    "the prompt has {} tokens but the context holds {}, the reply included: \
+                     shorten it (or start the server with a larger --ctx)",
+                    prompt.len(),
+                    self.ctx
+                ),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        let mut sampler = self.sampler.clone();
+        if let Some(t) = r.temperature {
+            sampler.temperature = t;
+        }
+        if let Some(p) = r.top_p {
+            sampler.top_p = p;
+        }
+        if let Some(s) = r.seed {
+            sampler.seed = s;
+        }
+        Ok(Work {
+            endpoint,
+            prompt,
+            eos_token_ids,
+            sampler,
+            max_tokens: r.max_tokens.unwrap_or(self.max_tokens),
+            stop: r.stop,
+            stream: r.stream,
+            received,
+        })
+    }
+
+    /// The request's body, refused (413) past the limit.
+    fn body(&self, request: &mut Request) -> Result<Vec<u8>, ApiError> {
+        let limit = self.max_body_bytes;
+        let too_large = || {
+            ApiError::new(
+                413,
+                "request_too_large",
+                format!("the body is over the server's limit of {limit} bytes (--max-body)"),
+            )
+        };
+        if request.body_length().is_some_and(|n| n as u64 > limit) {
+            return Err(too_large());
+        }
+        let mut body = Vec::new();
+        request
+            .as_reader()
+            .take(limit + 1)
+            .read_to_end(&mut body)
+            .map_err(|e| {
+                ApiError::new(400, "unreadable_body", format!("cannot read the body: {e}"))
+            })?;
+        if body.len() as u64 > limit {
+            return Err(too_large());
+        }
+        Ok(body)
+    }
+
+    fn refuse(&self, request: Request, e: ApiError) {
+        ServerMetrics::add(&self.metrics.bad_requests, 1);
+        respond_json(request, e.status, &e.to_json());
+    }
+}
+
+fn header(name: &str, value: &str) -> Header {
+    Header::from_bytes(name.as_bytes(), value.as_bytes()).expect("a valid header")
+}
+
+/// Answers `request` with `body` as JSON. A client that has gone away is not an error here.
+pub fn respond_json(request: Request, status: u16, body: &Value) {
+    let _ = request.respond(
+        Response::from_string(body.to_string())
+            .with_status_code(status)
+            .with_header(header("Content-Type", "application/json")),
+    );
+}

@@ -1,0 +1,359 @@
+//! `leanstream serve` with real HTTP clients on the embedded model: the same greedy text as
+//! `run`, whole and streamed (server-sent events ending in `[DONE]`), `stop` honoured, `usage`
+//! and `finish_reason`, the KV cache reused across requests, each bad request refused with an
+//! OpenAI-shaped 4xx naming the field, a client that disconnects mid-stream, and concurrent
+//! clients queued one at a time (503 once the queue is full).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+fn embedded_model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/austen-relu")
+}
+
+const PROMPT: &str = "It is a truth universally acknowledged";
+
+/// `leanstream run`'s greedy text for `prompt` (its trailing newline removed).
+fn run_text(prompt: &str, n: usize) -> String {
+    let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .arg("run")
+        .arg("--model")
+        .arg(embedded_model())
+        .args(["-p", prompt, "--temp", "0", "-n", &n.to_string()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8(o.stdout).unwrap();
+    text.strip_suffix('\n').unwrap().to_string()
+}
+
+/// A `leanstream serve` process on a free port, killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+    /// The server's stderr lines after the first.
+    log: mpsc::Receiver<String>,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+            .arg("serve")
+            .arg("--model")
+            .arg(embedded_model())
+            .args(["--port", "0", "--temp", "0"])
+            .args(extra)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = BufReader::new(child.stderr.take().unwrap());
+        let (tx, log) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let first = log
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the server starts");
+        let addr = first
+            .split("http://")
+            .nth(1)
+            .and_then(|s| s.split('/').next())
+            .unwrap_or_else(|| panic!("no address in {first:?}"))
+            .to_string();
+        assert!(addr.starts_with("127.0.0.1:"), "{first}");
+        Self { child, addr, log }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// A request and its status and JSON body.
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.post_raw(path, body.to_string())
+    }
+
+    fn post_raw(&self, path: &str, body: String) -> (u16, Value) {
+        let mut r = agent()
+            .post(&self.url(path))
+            .header("Content-Type", "application/json")
+            .send(body)
+            .unwrap();
+        let status = r.status().as_u16();
+        let text = r.body_mut().read_to_string().unwrap();
+        (status, serde_json::from_str(&text).unwrap())
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        let mut r = agent().get(&self.url(path)).call().unwrap();
+        (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    }
+
+    /// A streamed request: its events' JSON, and whether it ended with `[DONE]`.
+    fn stream(&self, path: &str, body: &Value) -> (Vec<Value>, bool) {
+        let mut r = agent()
+            .post(&self.url(path))
+            .header("Content-Type", "application/json")
+            .send(body.to_string())
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        assert_eq!(
+            r.headers().get("content-type").unwrap(),
+            "text/event-stream"
+        );
+        let mut text = String::new();
+        r.body_mut().as_reader().read_to_string(&mut text).unwrap();
+        let mut events = Vec::new();
+        let mut done = false;
+        for block in text.split("\n\n").filter(|b| !b.is_empty()) {
+            let data = block.strip_prefix("data: ").expect("a data event");
+            assert!(!done, "an event after [DONE]");
+            if data == "[DONE]" {
+                done = true;
+            } else {
+                events.push(serde_json::from_str(data).unwrap());
+            }
+        }
+        (events, done)
+    }
+
+    /// A metric's value from `/metrics`.
+    fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.get("/metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} missing from {text}"))
+            .parse()
+            .unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(120)))
+        .build()
+        .into()
+}
+
+/// The streamed text of completion chunks.
+fn streamed_text(events: &[Value]) -> String {
+    events
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str())
+        .collect()
+}
+
+#[test]
+fn completions_match_run_whole_and_streamed_with_stop_usage_and_kv_reuse() {
+    let expected = run_text(PROMPT, 24);
+    let server = Server::start(&[]);
+    let request =
+        json!({ "model": "austen-relu", "prompt": PROMPT, "max_tokens": 24, "temperature": 0 });
+
+    let (status, body) = server.post("/v1/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["model"], "austen-relu");
+    assert_eq!(body["choices"][0]["text"], expected.as_str());
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    let usage = &body["usage"];
+    let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 3, "{usage}");
+    assert_eq!(usage["completion_tokens"], 24);
+    assert_eq!(usage["total_tokens"], prompt_tokens + 24);
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+
+    // The same prompt again: all but its last token come from the KV cache, same text.
+    let mut stream_request = request.clone();
+    stream_request["stream"] = true.into();
+    let (events, done) = server.stream("/v1/completions", &stream_request);
+    assert!(done, "no [DONE]");
+    assert!(events.len() > 5, "{events:?}");
+    assert_eq!(streamed_text(&events), expected);
+    let last = events.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(last["usage"]["completion_tokens"], 24);
+    assert_eq!(
+        last["usage"]["prompt_tokens_details"]["cached_tokens"],
+        prompt_tokens - 1
+    );
+    assert!(events[..events.len() - 1]
+        .iter()
+        .all(|e| e["choices"][0]["finish_reason"].is_null()));
+
+    // `stop` ends the text before the stop string, whole and streamed.
+    let words: Vec<&str> = expected.split_whitespace().collect();
+    let stop = words[words.len() / 2];
+    let at = expected.find(stop).unwrap();
+    let mut stopped = request.clone();
+    stopped["stop"] = json!(["no such text", stop]);
+    let (status, body) = server.post("/v1/completions", &stopped);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], &expected[..at]);
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert!(body["usage"]["completion_tokens"].as_u64().unwrap() < 24);
+    stopped["stream"] = true.into();
+    let (events, done) = server.stream("/v1/completions", &stopped);
+    assert!(done);
+    assert_eq!(streamed_text(&events), &expected[..at]);
+    assert_eq!(
+        events.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+
+    // The other routes.
+    let (status, models) = server.get("/v1/models");
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], "austen-relu");
+    let (status, health) = server.get("/health");
+    assert_eq!((status, health.contains("\"ok\"")), (200, true), "{health}");
+    assert_eq!(server.metric("leanstream_requests_total"), 4.0);
+    assert_eq!(
+        server.metric("leanstream_reused_prompt_tokens_total"),
+        3.0 * (prompt_tokens - 1) as f64
+    );
+    assert!(server.metric("leanstream_peak_rss_bytes") > 1e6);
+}
+
+#[test]
+fn bad_requests_get_openai_errors_naming_the_field() {
+    let server = Server::start(&["--max-body", "64KiB"]);
+    let error = |status: u16, body: &Value, param: Option<&str>, code: Option<&str>| {
+        assert_eq!(body["error"]["param"].as_str(), param, "{body}");
+        assert_eq!(body["error"]["code"].as_str(), code, "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        assert!(!body["error"]["message"].as_str().unwrap().is_empty());
+        status
+    };
+    let (s, b) = server.post_raw("/v1/completions", "{\"prompt\": ".into());
+    assert_eq!(error(s, &b, None, Some("invalid_json")), 400);
+    let (s, b) = server.post("/v1/completions", &json!({"model": "gpt-4", "prompt": "x"}));
+    assert_eq!(error(s, &b, Some("model"), Some("model_not_found")), 404);
+    let (s, b) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "temperature": "hot"}),
+    );
+    assert_eq!(error(s, &b, Some("temperature"), None), 400);
+    let (s, b) = server.post("/v1/completions", &json!({"prompt": "x", "max_tokens": -1}));
+    assert_eq!(error(s, &b, Some("max_tokens"), None), 400);
+    let (s, b) = server.post("/v1/completions", &json!({"prompt": ["a", "b"]}));
+    assert_eq!(error(s, &b, Some("prompt"), None), 400);
+    let (s, b) = server.post("/v1/completions", &json!({"prompt": "x", "stop": 3}));
+    assert_eq!(error(s, &b, Some("stop"), None), 400);
+    // The embedded model has no chat template.
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}]});
+    let (s, b) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(error(s, &b, Some("messages"), None), 400);
+    assert!(
+        b["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("chat template"),
+        "{b}"
+    );
+    // Longer than the model's context (1024 tokens), within the body limit.
+    let long = "and ".repeat(1500);
+    let (s, b) = server.post("/v1/completions", &json!({ "prompt": long }));
+    assert_eq!(
+        error(s, &b, Some("prompt"), Some("context_length_exceeded")),
+        400
+    );
+    // Over the body limit.
+    let huge = "and ".repeat(20_000);
+    let (s, b) = server.post("/v1/completions", &json!({ "prompt": huge }));
+    assert_eq!(error(s, &b, None, Some("request_too_large")), 413);
+    let (s, b) = server.post("/v1/nothing", &json!({}));
+    assert_eq!(error(s, &b, None, Some("not_found")), 404);
+    assert_eq!(server.metric("leanstream_bad_requests_total"), 10.0);
+    assert_eq!(server.metric("leanstream_requests_total"), 0.0);
+    // The server still serves.
+    let (s, b) = server.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 2}),
+    );
+    assert_eq!(s, 200, "{b}");
+}
+
+/// Sends a streamed completion over a raw connection and reads up to the first text event.
+fn open_stream(addr: &str, prompt: &str, max_tokens: usize) -> BufReader<TcpStream> {
+    let body = json!({ "prompt": prompt, "max_tokens": max_tokens, "stream": true }).to_string();
+    let mut conn = TcpStream::connect(addr).unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(conn);
+    let mut line = String::new();
+    while !line.contains("\"text\":\"") || line.contains("\"text\":\"\"") {
+        line.clear();
+        assert!(reader.read_line(&mut line).unwrap() > 0, "the stream ended");
+    }
+    reader
+}
+
+#[test]
+fn clients_queue_in_order_a_full_queue_gets_503_and_a_lost_client_stops_its_generation() {
+    let expected = run_text(PROMPT, 16);
+    let server = Server::start(&["--queue", "1"]);
+    // A: a long streamed generation; read its first piece of text.
+    let a = open_stream(&server.addr, "Elizabeth", 1000);
+    // B waits behind A.
+    let url = server.url("/v1/completions");
+    let b = std::thread::spawn(move || {
+        let started = Instant::now();
+        let mut r = agent()
+            .post(&url)
+            .send(json!({ "prompt": PROMPT, "max_tokens": 16 }).to_string())
+            .unwrap();
+        let body: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap();
+        (body, started.elapsed())
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.metric("leanstream_queue_waiting") < 1.0 {
+        assert!(Instant::now() < deadline, "B never queued");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // C finds the queue (of one) full.
+    let (status, body) = server.post("/v1/completions", &json!({ "prompt": "x" }));
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "queue_full");
+    assert_eq!(body["error"]["type"], "server_error");
+    // A's client goes away: its generation stops and B is served.
+    drop(a);
+    let (body, _) = b.join().unwrap();
+    assert_eq!(body["choices"][0]["text"], expected.as_str(), "{body}");
+    assert_eq!(server.metric("leanstream_client_disconnects_total"), 1.0);
+    assert_eq!(server.metric("leanstream_rejected_queue_full_total"), 1.0);
+    let a_tokens = server.metric("leanstream_completion_tokens_total") - 16.0;
+    assert!(
+        a_tokens < 500.0,
+        "A generated {a_tokens} tokens after its client left"
+    );
+    let log: Vec<String> = server.log.try_iter().collect();
+    assert!(
+        log.iter()
+            .any(|l| l.starts_with("request 1:") && l.contains("client disconnected")),
+        "{log:?}"
+    );
+    assert!(log.iter().any(|l| l.starts_with("request 2:")), "{log:?}");
+}
