@@ -1,12 +1,12 @@
-//! `leanstream serve` with real HTTP clients on the embedded model: the same greedy text as
-//! `run`, whole and streamed (server-sent events ending in `[DONE]`), `stop` honoured, `usage`
+//! `leanstream serve` with real HTTP clients on the embedded model (and SmolLM2 for chat): the
+//! same greedy text as `run` and `run --chat`, whole and streamed (server-sent events ending in `[DONE]`), `stop` honoured, `usage`
 //! and `finish_reason`, the KV cache reused across requests, each bad request refused with an
 //! OpenAI-shaped 4xx naming the field, a client that disconnects mid-stream, and concurrent
 //! clients queued one at a time (503 once the queue is full).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -42,11 +42,11 @@ struct Server {
 }
 
 impl Server {
-    fn start(extra: &[&str]) -> Self {
+    fn start(model: &Path, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_leanstream"))
             .arg("serve")
             .arg("--model")
-            .arg(embedded_model())
+            .arg(model)
             .args(["--port", "0", "--temp", "0"])
             .args(extra)
             .stderr(Stdio::piped())
@@ -162,7 +162,7 @@ fn streamed_text(events: &[Value]) -> String {
 #[test]
 fn completions_match_run_whole_and_streamed_with_stop_usage_and_kv_reuse() {
     let expected = run_text(PROMPT, 24);
-    let server = Server::start(&[]);
+    let server = Server::start(&embedded_model(), &[]);
     let request =
         json!({ "model": "austen-relu", "prompt": PROMPT, "max_tokens": 24, "temperature": 0 });
 
@@ -234,7 +234,7 @@ fn completions_match_run_whole_and_streamed_with_stop_usage_and_kv_reuse() {
 
 #[test]
 fn bad_requests_get_openai_errors_naming_the_field() {
-    let server = Server::start(&["--max-body", "64KiB"]);
+    let server = Server::start(&embedded_model(), &["--max-body", "64KiB"]);
     let error = |status: u16, body: &Value, param: Option<&str>, code: Option<&str>| {
         assert_eq!(body["error"]["param"].as_str(), param, "{body}");
         assert_eq!(body["error"]["code"].as_str(), code, "{body}");
@@ -314,7 +314,7 @@ fn open_stream(addr: &str, prompt: &str, max_tokens: usize) -> BufReader<TcpStre
 #[test]
 fn clients_queue_in_order_a_full_queue_gets_503_and_a_lost_client_stops_its_generation() {
     let expected = run_text(PROMPT, 16);
-    let server = Server::start(&["--queue", "1"]);
+    let server = Server::start(&embedded_model(), &["--queue", "1"]);
     // A: a long streamed generation; read its first piece of text.
     let a = open_stream(&server.addr, "Elizabeth", 1000);
     // B waits behind A.
@@ -356,4 +356,90 @@ fn clients_queue_in_order_a_full_queue_gets_503_and_a_lost_client_stops_its_gene
         "{log:?}"
     );
     assert!(log.iter().any(|l| l.starts_with("request 2:")), "{log:?}");
+}
+
+/// SmolLM2-135M-Instruct (a chat template): `$LEANSTREAM_SMOLLM2`, else the file
+/// scripts/fetch-smollm2.sh puts in `$LEANSTREAM_CACHE` or `~/.cache/leanstream`.
+fn smollm2() -> PathBuf {
+    let path = std::env::var_os("LEANSTREAM_SMOLLM2")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::env::var_os("LEANSTREAM_CACHE")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                        .join(".cache/leanstream")
+                })
+                .join("SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        path.is_file(),
+        "SmolLM2 is not at {}: run scripts/fetch-smollm2.sh",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn chat_completions_render_the_template_like_run_chat_and_reuse_the_conversation() {
+    let model = smollm2();
+    const QUESTION: &str = "What is the capital of France?";
+    let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .arg("run")
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "--chat", "-p", QUESTION, "--temp", "0", "-n", "12", "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let run: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let expected = run["text"].as_str().unwrap();
+    let finish = if run["stop_reason"] == "eos" {
+        "stop"
+    } else {
+        "length"
+    };
+    let server = Server::start(&model, &[]);
+    let request = json!({
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{ "role": "user", "content": QUESTION }],
+        "max_tokens": 12,
+        "temperature": 0,
+    });
+    let (status, body) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(body["choices"][0]["message"]["content"], expected);
+    assert_eq!(body["choices"][0]["finish_reason"], finish);
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
+
+    // The next turn streams, and computes only what follows the first turn's prompt.
+    let mut next = request.clone();
+    next["messages"] = json!([
+        { "role": "user", "content": QUESTION },
+        { "role": "assistant", "content": expected },
+        { "role": "user", "content": "And of Italy?" },
+    ]);
+    next["stream"] = true.into();
+    let (events, done) = server.stream("/v1/chat/completions", &next);
+    assert!(done);
+    assert_eq!(events[0]["object"], "chat.completion.chunk");
+    assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert!(!text.is_empty());
+    let usage = &events.last().unwrap()["usage"];
+    let cached = usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= prompt_tokens,
+        "{usage}: the first turn's {prompt_tokens} tokens not reused"
+    );
+    assert!(cached < usage["prompt_tokens"].as_u64().unwrap());
 }
