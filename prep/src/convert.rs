@@ -1,7 +1,7 @@
 //! `leanstream-prep convert`: profile, sparsify, place, train predictors, quantize and write one
 //! checksummed file, one layer at a time.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -496,14 +496,4 @@ pub(crate) fn bar(show: bool, len: u64, what: &str) -> ProgressBar {
         .expect("valid template"),
     );
     b
-}
-
-/// What a MODEL argument names: a local directory or GGUF file, or a hub id resolved through the
-/// Hugging Face cache (downloading unless `HF_HUB_OFFLINE=1`).
-pub fn resolve_model(model: &str) -> Result<PathBuf> {
-    let path = Path::new(model);
-    if path.exists() {
-        return Ok(path.to_path_buf());
-    }
-    crate::hub::resolve(model)
 }

@@ -27,12 +27,24 @@ use leanstream_format::quant::QuantType;
 #[command(
     name = "leanstream-prep",
     version,
-    about = "Convert Hugging Face models into LeanStream files"
+    about = "Convert Hugging Face models into LeanStream files",
+    after_help = EXAMPLES
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
+
+const EXAMPLES: &str = "\
+Examples:
+  # Convert a GGUF file (its tokenizer is rebuilt from the metadata and embedded)
+  leanstream-prep convert SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2.lsb
+
+  # Convert a Hugging Face model by hub id (downloaded into the cache under HF_HOME), 4-bit bundles
+  leanstream-prep convert HuggingFaceTB/SmolLM2-135M-Instruct -o smollm2.lsb --quant q4
+
+  # Copy the file to a phone with adb, check it there, then run it on the phone
+  leanstream-prep push smollm2.lsb --adb && adb shell leanstream run --model /data/local/tmp/smollm2.lsb --memory 200MB --ctx 512 -p Hi";
 
 #[derive(Subcommand)]
 enum Command {
@@ -111,7 +123,7 @@ fn run(command: Command) -> Result<()> {
             cluster_kib,
             json,
         } => {
-            let model_dir = convert::resolve_model(&model)?;
+            let model_dir = hub::resolve_model(&model)?;
             let opts = convert::ConvertOptions {
                 model_dir,
                 source_name: model,

@@ -50,6 +50,13 @@ impl Source {
                 path.display()
             );
         }
+        if leanstream::source::is_converted(path)? {
+            bail!(
+                "{} is already a converted LeanStream file: run it with `leanstream run --model {}`, or convert its source model",
+                path.display(),
+                path.display()
+            );
+        }
         let gguf = GgufFile::open(path)?;
         let mut config = gguf.config()?;
         let tok = leanstream::gguf_tokenizer::from_gguf(&gguf)?;

@@ -1,23 +1,26 @@
 //! `leanstream demo`: the product in one command. Converts a model (by default the embedded
-//! `models/austen-relu`) once with the `leanstream-prep` binary, caching the result by the model's
-//! checksum and the converter's version; generates under a budget that leaves most of the FFN on
-//! an emulated UFS 4.0 flash, streaming the text; then says what happened and runs the same
-//! generation with every weight in DRAM (`dense`) for comparison.
+//! `models/austen-relu`) once with the `leanstream-prep` binary, cached (see `conversion_cache`);
+//! generates under a budget that leaves most of the FFN on an emulated UFS 4.0 flash, streaming the
+//! text; then says what happened and measures, each in a process of its own, the same generation
+//! with every weight in DRAM (`dense`: its text, speed and peak RSS, the memory the model needs)
+//! and, where a memory cgroup can be made, the usual way of running a model larger than memory
+//! (`mmap`, the OS paging the file) held to the same budget by the kernel.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use serde_json::json;
+use serde_json::{json, Value};
 
+use crate::conversion_cache::converted_file;
 use crate::generate::{generate, GenerateOptions, Generation};
 use crate::memory::peak_rss_bytes;
 use crate::memory_size::{format_size, parse_budget};
+use crate::model_arg::{classify, ModelArg};
 use crate::sampler::SamplerConfig;
 use crate::session::{PolicyChoice, Session, SessionOptions};
-use crate::source;
 use crate::storage::FlashProfile;
 use crate::streaming::{memory_split, Sparsity, Tuning};
 
@@ -60,40 +63,39 @@ const CONVERT_FLAGS: [&str; 6] = [
     "8",
 ];
 
+/// Greedy with a mild repetition penalty (the tiny model loops without one), so that the policies
+/// can be compared token for token; `run_cli` passes the same as flags.
+const REPEAT_PENALTY: f32 = 1.1;
+
 pub fn run(args: DemoArgs) -> Result<()> {
     let model = match &args.model {
-        Some(m) => m.clone(),
-        None => embedded_model()?,
+        Some(m) => classify(m)?,
+        None => ModelArg::Path(embedded_model()?),
     };
-    let (file, converted_now) = converted_file(&model)?;
+    let (file, converted_now) = converted_file(&model, &CONVERT_FLAGS)?;
     let split = memory_split(&file, CTX)?;
     let minimum = split.fixed();
     let budget = args.memory.unwrap_or(split.budget_for_ffn_share(0.25));
     let flash = FlashProfile::from_flash_arg(&args.flash)?;
+    let mut streaming = Session::open(&SessionOptions {
+        model: file.clone(),
+        policy: Some(PolicyChoice::Leanstream),
+        memory: Some(budget),
+        flash,
+        sparsity: Sparsity::Certified,
+        ctx: Some(CTX),
+        default_ctx: CTX,
+        tuning: Tuning::default(),
+    })?;
     let opts = GenerateOptions {
         max_tokens: args.n_tokens as usize,
         ctx: CTX,
-        // Greedy, so the two policies can be compared token for token.
         sampler: SamplerConfig {
-            repeat_penalty: 1.1,
+            repeat_penalty: REPEAT_PENALTY,
             ..Default::default()
         },
-        eos_token_ids: Vec::new(),
+        eos_token_ids: streaming.eos_token_ids.clone(),
     };
-    let session = |policy, memory, flash| {
-        Session::open(&SessionOptions {
-            model: file.clone(),
-            policy: Some(policy),
-            memory,
-            flash,
-            sparsity: Sparsity::Certified,
-            ctx: Some(CTX),
-            default_ctx: CTX,
-            tuning: Tuning::default(),
-        })
-    };
-
-    let mut streaming = session(PolicyChoice::Leanstream, Some(budget), flash)?;
     let split = streaming.report()["memory_split"].clone();
     if !args.json {
         println!("{}", streaming.describe_memory().unwrap_or_default());
@@ -109,14 +111,20 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let report = streaming.report();
     let peak_rss = peak_rss_bytes();
     drop(streaming);
-    let mut dense = session(PolicyChoice::Dense, None, None)?;
-    let reference = run_once(&mut dense, &args.prompt, &opts, |_| {})?;
-    let identical = lean.tokens == reference.tokens;
+    let dense = run_cli(&file, &args, "dense")?;
+    let dense_peak = dense["peak_rss_bytes"].as_u64();
+    let identical = dense["text"].as_str() == Some(lean.text.as_str());
+    let mmap = mmap_in_budget(&file, &args, budget);
+    // How many times less memory streaming needed than dense, both measured as peak RSS.
+    let dram_ratio = match (peak_rss, dense_peak) {
+        (Some(lean), Some(dense)) if lean > 0 => Some(dense as f64 / lean as f64),
+        _ => None,
+    };
 
     let f = |key: &str| report[key].as_f64().unwrap_or(f64::NAN);
     if args.json {
         let out = json!({
-            "model": model,
+            "model": args.model.as_deref().map(Path::to_path_buf).unwrap_or_else(|| file.clone()),
             "converted_file": file,
             "converted_now": converted_now,
             "prompt": args.prompt,
@@ -126,6 +134,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             "ffn_bytes": split["ffn_total"],
             "memory_split": split,
             "peak_rss_bytes": peak_rss,
+            "dram_ratio": dram_ratio,
             "leanstream": {
                 "text": lean.text,
                 "generated_tokens": lean.stats.generated_tokens,
@@ -139,8 +148,17 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 "active_fraction": report["active_fraction"],
             },
             "dense": {
-                "text": reference.text,
-                "tokens_per_s": reference.stats.tokens_per_s,
+                "text": dense["text"],
+                "tokens_per_s": dense["tokens_per_s"],
+                "peak_rss_bytes": dense_peak,
+            },
+            "mmap": match &mmap {
+                Ok(v) => json!({
+                    "tokens_per_s": v["tokens_per_s"],
+                    "peak_rss_bytes": v["peak_rss_bytes"],
+                    "memory_group_peak_bytes": v["memory_group_peak_bytes"],
+                }),
+                Err(why) => json!({ "skipped": why }),
             },
             "identical_text": identical,
         });
@@ -148,18 +166,24 @@ pub fn run(args: DemoArgs) -> Result<()> {
         return Ok(());
     }
     let ffn = split["ffn_total"].as_u64().unwrap_or(0);
+    let size = |b: Option<u64>| b.map_or("unknown".into(), format_size);
     println!("\n");
     println!(
         "what happened ({} tokens, certified sparsity, --flash {}):",
         lean.stats.generated_tokens, args.flash
     );
     println!(
-        "  memory: budget {} = minimum {} + {:.0} % of the {} of FFN bundles; peak RSS {}",
+        "  ran in {} (peak RSS), {} less than the model needs in DRAM (dense, every weight resident: {} peak RSS)",
+        size(peak_rss),
+        dram_ratio.map_or("unknown times".into(), |r| format!("{r:.1}×")),
+        size(dense_peak)
+    );
+    println!(
+        "  memory: budget {} = minimum {} + {:.0} % of the {} of FFN bundles",
         format_size(budget),
         format_size(minimum),
         100.0 * budget.saturating_sub(minimum) as f64 / ffn.max(1) as f64,
         format_size(ffn),
-        peak_rss.map_or("unknown".into(), format_size)
     );
     println!(
         "  flash: {} read per token in {:.0} reads; neuron cache hit rate {:.2}",
@@ -176,13 +200,121 @@ pub fn run(args: DemoArgs) -> Result<()> {
     );
     println!(
         "  speed: {:.1} tok/s streaming; dense, every weight in DRAM: {:.1} tok/s",
-        lean.stats.tokens_per_s, reference.stats.tokens_per_s
+        lean.stats.tokens_per_s,
+        dense["tokens_per_s"].as_f64().unwrap_or(f64::NAN)
     );
+    match &mmap {
+        Ok(v) => println!(
+            "  mmap (the OS pages the file, as llama.cpp does) in a memory cgroup of the same {}, on this machine's disk: {}",
+            format_size(budget),
+            v["tokens_per_s"].as_f64().map_or_else(
+                || v["failed"].as_str().unwrap_or("no result").to_string(),
+                |t| format!("{t:.1} tok/s")
+            )
+        ),
+        Err(why) => println!("  mmap in the same budget: skipped ({why})"),
+    }
     println!("  identical text: {identical}");
     if !identical {
-        println!("  dense text: {}{}", args.prompt, reference.text);
+        println!(
+            "  dense text: {}{}",
+            args.prompt,
+            dense["text"].as_str().unwrap_or("")
+        );
     }
     Ok(())
+}
+
+/// `leanstream run --json` of the converted file under `policy`, with no budget, in a process of
+/// its own (so its peak RSS is its own): its JSON report.
+fn run_cli(file: &Path, args: &DemoArgs, policy: &str) -> Result<Value> {
+    let out = spawn_run(file, args, policy, None, None)?;
+    if !out.status.success() {
+        bail!(
+            "the {policy} run failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("the {policy} run printed no JSON report"))
+}
+
+#[cfg(target_os = "linux")]
+type Group = crate::cgroup::MemoryGroup;
+#[cfg(not(target_os = "linux"))]
+type Group = ();
+
+/// `leanstream run --json` of the converted file with the demo's prompt, length and greedy
+/// sampling under `policy` and `memory`, inside `group` if given.
+fn spawn_run(
+    file: &Path,
+    args: &DemoArgs,
+    policy: &str,
+    memory: Option<u64>,
+    group: Option<&Group>,
+) -> Result<Output> {
+    let exe = std::env::current_exe().context("cannot locate the leanstream executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("run")
+        .arg("--model")
+        .arg(file)
+        .args(["--policy", policy, "-p", &args.prompt])
+        .args(["-n", &args.n_tokens.to_string(), "--ctx", &CTX.to_string()])
+        .args([
+            "--temp",
+            "0",
+            "--repeat-penalty",
+            &REPEAT_PENALTY.to_string(),
+        ])
+        .arg("--json")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(m) = memory {
+        cmd.arg("--memory").arg(m.to_string());
+    }
+    let out = match group {
+        #[cfg(target_os = "linux")]
+        Some(g) => g.spawn(&mut cmd).and_then(|c| c.wait_with_output()),
+        _ => cmd.output(),
+    };
+    out.with_context(|| format!("cannot start the {policy} run"))
+}
+
+/// The `mmap` policy run in a memory cgroup limited to `budget`, the page cache of the file
+/// dropped first so that it starts as cold as streaming: its JSON report (with the group's peak
+/// charge, or `failed` saying how it died), or why it could not be run.
+#[cfg(target_os = "linux")]
+fn mmap_in_budget(file: &Path, args: &DemoArgs, budget: u64) -> Result<Value, String> {
+    let group = crate::cgroup::MemoryGroup::create(budget).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            format!("making a memory cgroup needs root: {e}")
+        } else {
+            e.to_string()
+        }
+    })?;
+    crate::storage::page_cache::evict(file)
+        .map_err(|e| format!("cannot drop {} from the page cache: {e}", file.display()))?;
+    let out =
+        spawn_run(file, args, "mmap", Some(budget), Some(&group)).map_err(|e| format!("{e:#}"))?;
+    let peak = group.peak_bytes().ok();
+    if !out.status.success() {
+        let why = match std::os::unix::process::ExitStatusExt::signal(&out.status) {
+            Some(9) => "killed by the kernel's out-of-memory killer".to_string(),
+            Some(s) => format!("killed by signal {s}"),
+            None => String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        };
+        return Ok(json!({ "failed": why, "memory_group_peak_bytes": peak }));
+    }
+    let mut v: Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("the mmap run printed no JSON report: {e}"))?;
+    v["memory_group_peak_bytes"] = peak.into();
+    Ok(v)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn mmap_in_budget(_: &Path, _: &DemoArgs, _: u64) -> Result<Value, String> {
+    Err("memory cgroups are Linux-only".into())
 }
 
 fn run_once(
@@ -207,152 +339,4 @@ fn embedded_model() -> Result<PathBuf> {
         );
     }
     Ok(path)
-}
-
-/// The converted file for `model`, and whether it was converted now (else it came from the
-/// cache, keyed by the model's checksum, the flags and the converter's version, or `model` is
-/// already converted).
-fn converted_file(model: &Path) -> Result<(PathBuf, bool)> {
-    if !model.exists() {
-        bail!("model path {} does not exist", model.display());
-    }
-    if model.is_file() && source::is_converted(model)? {
-        return Ok((model.to_path_buf(), false));
-    }
-    let prep = prep_binary()?;
-    let version = converter_version(&prep)?;
-    let name = model
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into());
-    let dir = cache_dir()?;
-    let out = dir.join(format!(
-        "{name}-{:016x}-{version}.lsb",
-        conversion_key(model)?
-    ));
-    if out.is_file() {
-        return Ok((out, false));
-    }
-    std::fs::create_dir_all(&dir)
-        .with_context(|| format!("cannot create the cache folder {}", dir.display()))?;
-    eprintln!(
-        "converting {} with {} (once; cached as {})",
-        model.display(),
-        prep.display(),
-        out.display()
-    );
-    // prep writes under a temporary name and renames, so a cached file is always complete.
-    let status = Command::new(&prep)
-        .arg("convert")
-        .arg(model)
-        .arg("-o")
-        .arg(&out)
-        .args(CONVERT_FLAGS)
-        .stdout(Stdio::null())
-        .status()
-        .with_context(|| format!("cannot run {}", prep.display()))?;
-    if !status.success() {
-        bail!(
-            "{} convert {} failed ({status}); see its message above",
-            prep.display(),
-            model.display()
-        );
-    }
-    Ok((out, true))
-}
-
-/// `leanstream-prep` beside this executable, else on `PATH`.
-fn prep_binary() -> Result<PathBuf> {
-    let name = format!("leanstream-prep{}", std::env::consts::EXE_SUFFIX);
-    let exe = std::env::current_exe().context("cannot locate the leanstream executable")?;
-    let beside = exe.parent().map(|d| d.join(&name));
-    let on_path = || {
-        std::env::var_os("PATH").and_then(|paths| {
-            std::env::split_paths(&paths)
-                .map(|d| d.join(&name))
-                .find(|p| p.is_file())
-        })
-    };
-    beside
-        .filter(|p| p.is_file())
-        .or_else(on_path)
-        .with_context(|| {
-            format!(
-            "the demo converts the model with leanstream-prep, which is neither beside {} nor on \
-             PATH: `cargo build --release` builds both binaries",
-            exe.display()
-        )
-        })
-}
-
-/// `leanstream-prep --version`, made safe for a file name.
-fn converter_version(prep: &Path) -> Result<String> {
-    let out = Command::new(prep)
-        .arg("--version")
-        .output()
-        .with_context(|| format!("cannot run {}", prep.display()))?;
-    if !out.status.success() {
-        bail!("{} --version failed ({})", prep.display(), out.status);
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    Ok(text
-        .trim()
-        .trim_start_matches("leanstream-prep")
-        .trim()
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect())
-}
-
-/// `$LEANSTREAM_CACHE`, else `~/.cache/leanstream`.
-fn cache_dir() -> Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("LEANSTREAM_CACHE") {
-        return Ok(PathBuf::from(dir));
-    }
-    let home = std::env::var_os("HOME")
-        .context("neither LEANSTREAM_CACHE nor HOME is set: set LEANSTREAM_CACHE to a folder")?;
-    Ok(PathBuf::from(home).join(".cache/leanstream"))
-}
-
-/// xxh3 of the conversion flags and of a model file, or of a directory's files (names and
-/// contents, in name order).
-fn conversion_key(model: &Path) -> Result<u64> {
-    let mut files = Vec::new();
-    if model.is_dir() {
-        for entry in
-            std::fs::read_dir(model).with_context(|| format!("cannot list {}", model.display()))?
-        {
-            let path = entry?.path();
-            if path.is_file() {
-                files.push(path);
-            }
-        }
-        files.sort();
-    } else {
-        files.push(model.to_path_buf());
-    }
-    let mut hash = xxhash_rust::xxh3::Xxh3Default::new();
-    hash.update(CONVERT_FLAGS.join(" ").as_bytes());
-    let mut buf = vec![0u8; 1 << 20];
-    for path in files {
-        hash.update(path.file_name().unwrap_or_default().as_encoded_bytes());
-        let mut f = std::fs::File::open(&path)
-            .with_context(|| format!("cannot open {}", path.display()))?;
-        loop {
-            let n = f
-                .read(&mut buf)
-                .with_context(|| format!("cannot read {}", path.display()))?;
-            if n == 0 {
-                break;
-            }
-            hash.update(&buf[..n]);
-        }
-    }
-    Ok(hash.digest())
 }

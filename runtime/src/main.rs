@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
+use leanstream::conversion_cache::model_to_open;
 use leanstream::generate::{generate, GenerateOptions, StopReason};
 use leanstream::memory::peak_rss_bytes;
 use leanstream::neuron_cache::Retention;
@@ -19,12 +20,24 @@ use leanstream::streaming::{Sparsity, Tuning};
 #[command(
     name = "leanstream",
     version,
-    about = "Run LLMs whose FFN weights stream from flash"
+    about = "Run LLMs whose FFN weights stream from flash",
+    after_help = EXAMPLES
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
+
+const EXAMPLES: &str = "\
+Examples:
+  # Convert the embedded model once, stream it under a tight budget and compare with dense
+  leanstream demo
+
+  # Stream a GGUF model in 200 MB: converted once with leanstream-prep, cached in ~/.cache/leanstream
+  leanstream run --model SmolLM2-135M-Instruct.Q4_1.gguf --memory 200MB --ctx 512 -p \"The capital of France is\"
+
+  # Chat with a converted file in 200 MB, reading from an emulated UFS 4.0 phone flash
+  leanstream chat --model smollm2.lsb --memory 200MB --ctx 512 --flash ufs4";
 
 #[derive(Subcommand)]
 enum Command {
@@ -53,9 +66,14 @@ enum Command {
 
 #[derive(Args)]
 struct CommonArgs {
-    /// Model: a converted LeanStream file, a GGUF file, or a Hugging Face model directory.
+    /// Model: a converted LeanStream file, a GGUF file, a Hugging Face model directory or hub id
+    /// (owner/name). With --memory, --flash or --policy (and always for a hub id) a model that is
+    /// not converted is converted once with leanstream-prep's defaults and cached.
     #[arg(long)]
     model: PathBuf,
+    /// Refuse a model that is not converted instead of converting it.
+    #[arg(long)]
+    no_convert: bool,
     /// Context length in tokens, at most the model's maximum (default: 2048 for run, 512 for
     /// perplexity, or the model's maximum if smaller).
     #[arg(long)]
@@ -215,7 +233,16 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
             .build_global()
             .context("cannot start the thread pool")?;
     }
-    let session = Session::open(&session_options(common, default_ctx)?)?;
+    let streaming = match common.policy {
+        Some(PolicyArg::Dense) => false,
+        Some(_) => true,
+        None => common.memory.is_some() || common.flash != "none",
+    };
+    let model = model_to_open(&common.model, streaming, common.no_convert)?;
+    let session = Session::open(&SessionOptions {
+        model,
+        ..session_options(common, default_ctx)?
+    })?;
     if let Some(line) = session.describe_memory() {
         if !common.json {
             eprintln!("{line}");
@@ -343,6 +370,7 @@ fn run_perplexity(args: PerplexityArgs) -> Result<()> {
         memory: None,
         flash: None,
         ctx: Some(window),
+        model: session.model_path.clone(),
         ..session_options(&args.common, 512)?
     })?;
     let c = compare(

@@ -95,7 +95,11 @@ impl Session {
             );
         }
         if policy == PolicyChoice::Dense && (o.memory.is_some() || o.flash.is_some()) {
-            bail!("--memory and --flash apply to the streaming policies, not dense");
+            bail!(
+                "--memory and --flash apply to the streaming policies, not --policy dense: drop \
+                 --policy dense to stream {} (a model that is not converted is converted once)",
+                o.model.display()
+            );
         }
         if policy == PolicyChoice::Dense {
             let loaded = source::open(&o.model)?;

@@ -1,6 +1,7 @@
 //! `leanstream demo` on the embedded model: converts it once with the `leanstream-prep` beside the
 //! binary (cached by checksum), streams it under minimum + 25 % of the FFN on the UFS 4.0 model,
-//! and gives exactly the text the dense model gives.
+//! gives exactly the text the dense model gives, and reports how much less memory that took and
+//! what mmap does in the same budget.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -53,6 +54,25 @@ fn demo_converts_once_and_streams_the_dense_text() {
     assert!(hit > 0.0 && hit < 1.0, "{lean}");
     assert!(lean["predictor_recall"].as_f64().unwrap() > 0.3, "{lean}");
     assert!(v["dense"]["tokens_per_s"].as_f64().unwrap() > 0.0);
+    // The memory story: both peaks measured, each in its own process, and their ratio.
+    let (peak, dense_peak) = (
+        v["peak_rss_bytes"].as_u64().unwrap(),
+        v["dense"]["peak_rss_bytes"].as_u64().unwrap(),
+    );
+    assert!(peak <= budget, "{v:#}");
+    let ratio = v["dram_ratio"].as_f64().unwrap();
+    assert!(
+        (ratio - dense_peak as f64 / peak as f64).abs() < 1e-9,
+        "{v:#}"
+    );
+    // mmap in a cgroup of the same budget ran (and says how fast), or says why it could not.
+    let mmap = &v["mmap"];
+    assert!(
+        mmap["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0)
+            || mmap["failed"].is_string()
+            || mmap["skipped"].as_str().is_some_and(|s| !s.is_empty()),
+        "{mmap}"
+    );
     let files: Vec<_> = std::fs::read_dir(&cache).unwrap().collect();
     assert_eq!(files.len(), 1, "one converted file in the cache: {files:?}");
 
@@ -71,6 +91,8 @@ fn demo_converts_once_and_streams_the_dense_text() {
         "cache hit rate",
         "predictor recall",
         "tok/s streaming",
+        "less than the model needs in DRAM (dense, every weight resident: ",
+        "  mmap ",
     ] {
         assert!(stdout.contains(line), "{line:?} missing from {stdout}");
     }
