@@ -89,6 +89,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             sparsity: Sparsity::Certified,
             ctx: Some(CTX),
             default_ctx: CTX,
+            kv: Default::default(),
             tuning: Tuning::default(),
         })
     };
