@@ -93,6 +93,7 @@ fn synthetic_file_carries_the_sources_statistics_and_streams() {
         sparsity: Sparsity::Certified,
         ctx: Some(256),
         default_ctx: 256,
+        kv: Default::default(),
         tuning: Default::default(),
     })
     .unwrap();

@@ -12,7 +12,6 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use leanstream::generate::{generate, GenerateOptions};
-use leanstream::kv_cache::KvCache;
 use leanstream::neuron_cache::Retention;
 use leanstream::sampler::SamplerConfig;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
@@ -51,6 +50,7 @@ fn main() -> Result<()> {
             sparsity: Sparsity::Certified,
             ctx: Some(CTX),
             default_ctx: CTX,
+            kv: Default::default(),
             tuning,
         })
     };
@@ -118,7 +118,7 @@ fn main() -> Result<()> {
         };
         let mut s = open(policy, Some(budget), tuning)?;
         let model = s.model();
-        let mut cache = KvCache::new(model.config(), CTX);
+        let mut cache = model.new_cache(CTX);
         let start = Instant::now();
         for &t in &seq {
             model.forward(&[t], &mut cache, false)?;

@@ -201,7 +201,7 @@ pub fn run(mut session: Session, args: &ChatArgs, json: bool) -> Result<()> {
         eos_token_ids: format.eos_token_ids.clone(),
     };
     let system = args.system.as_deref().map(|s| Message::new("system", s));
-    let mut conversation = Conversation::new(system, KvCache::new(session.model().config(), ctx));
+    let mut conversation = Conversation::new(system, session.model().new_cache(ctx));
     let tokenizer = session.tokenizer.clone();
     let mut stdout = std::io::stdout().lock();
     let mut line = String::new();

@@ -85,6 +85,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         sparsity: Sparsity::Certified,
         ctx: Some(CTX),
         default_ctx: CTX,
+        kv: Default::default(),
         tuning: Tuning::default(),
     })?;
     let opts = GenerateOptions {

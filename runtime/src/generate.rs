@@ -64,7 +64,7 @@ pub fn generate(
     opts: &GenerateOptions,
     on_text: impl FnMut(&str),
 ) -> Result<Generation> {
-    let mut cache = KvCache::new(model.config(), opts.ctx);
+    let mut cache = model.new_cache(opts.ctx);
     let never = AtomicBool::new(false);
     generate_after(
         &mut model,

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 use crate::kernels::{dot, Matrix, Weight};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvType};
 use crate::rope::Rope;
 use crate::safetensors_dir::SafetensorsDir;
 
@@ -121,6 +121,8 @@ pub struct DenseFfn {
 /// Anything that turns tokens into logits with a KV cache: the resident model, or a streaming one.
 pub trait LanguageModel {
     fn config(&self) -> &ModelConfig;
+    /// An empty KV cache of `ctx` positions in the storage this model runs with.
+    fn new_cache(&self, ctx: usize) -> KvCache;
     /// See [`Model::forward`].
     fn forward(
         &mut self,
@@ -139,6 +141,10 @@ pub trait LanguageModel {
 impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
     fn config(&self) -> &ModelConfig {
         (**self).config()
+    }
+
+    fn new_cache(&self, ctx: usize) -> KvCache {
+        (**self).new_cache(ctx)
     }
 
     fn scores_by_decoding(&self) -> bool {
@@ -160,6 +166,10 @@ impl LanguageModel for Model {
         Model::config(self)
     }
 
+    fn new_cache(&self, ctx: usize) -> KvCache {
+        Model::new_cache(self, ctx)
+    }
+
     fn forward(
         &mut self,
         tokens: &[u32],
@@ -173,6 +183,10 @@ impl LanguageModel for Model {
 impl LanguageModel for &Model {
     fn config(&self) -> &ModelConfig {
         Model::config(self)
+    }
+
+    fn new_cache(&self, ctx: usize) -> KvCache {
+        Model::new_cache(self, ctx)
     }
 
     fn forward(
@@ -204,6 +218,8 @@ pub struct Model {
     layers: Vec<Layer>,
     norm: Vec<f32>,
     rope: Rope,
+    /// The storage of the caches [`Model::new_cache`] makes (f32 unless set: the reference).
+    kv: KvType,
 }
 
 /// What a profiling probe sees of one FFN: `t` rows each.
@@ -369,6 +385,7 @@ impl Model {
             layers,
             norm,
             rope,
+            kv: KvType::F32,
         })
     }
 
@@ -405,9 +422,14 @@ impl Model {
         Ok(self)
     }
 
+    /// The model with its caches stored as `kv`.
+    pub fn with_kv(self, kv: KvType) -> Self {
+        Self { kv, ..self }
+    }
+
     /// A KV cache for up to `ctx` positions.
     pub fn new_cache(&self, ctx: usize) -> KvCache {
-        KvCache::new(&self.config, ctx)
+        KvCache::new(&self.config, ctx, self.kv)
     }
 
     /// Bytes of weights held in DRAM.
@@ -639,20 +661,9 @@ impl Model {
             let (i, head) = (idx / nh, idx % nh);
             let pos = start + i;
             let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let (keys, values) = cache.head(l, head / group, lo, pos + 1);
             let qh = &q[idx * hd..(idx + 1) * hd];
-            let mut scores: Vec<f32> = keys.chunks_exact(hd).map(|k| dot(qh, k) * scale).collect();
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for sc in scores.iter_mut() {
-                *sc = (*sc - max).exp();
-                sum += *sc;
-            }
-            o.fill(0.0);
-            for (w, v) in scores.iter().zip(values.chunks_exact(hd)) {
-                let w = w / sum;
-                o.iter_mut().zip(v).for_each(|(a, b)| *a += w * b);
-            }
+            let mut scores = vec![0.0; pos + 1 - lo];
+            cache.attend(l, head / group, lo, pos + 1, qh, scale, &mut scores, o);
         };
         let work = t * nh * (start + t) * hd;
         if work >= 1 << 16 && rayon::current_num_threads() > 1 {

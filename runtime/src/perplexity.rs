@@ -149,10 +149,7 @@ fn for_each_position(
         .expect("valid template"),
     );
     let vocab = models[0].config().vocab_size;
-    let mut caches: Vec<KvCache> = models
-        .iter()
-        .map(|m| KvCache::new(m.config(), window))
-        .collect();
+    let mut caches: Vec<KvCache> = models.iter().map(|m| m.new_cache(window)).collect();
     // A streaming model reads each cluster once per prompt chunk; scored one token at a time, it
     // reads what generation reads.
     let chunk_len = if models.iter().any(|m| m.scores_by_decoding()) {

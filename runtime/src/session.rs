@@ -8,6 +8,7 @@ use leanstream_format::meta::ChatTemplate;
 use leanstream_format::LsbFile;
 use serde_json::{json, Value};
 
+use crate::kv_cache::KvType;
 use crate::model::{LanguageModel, Model};
 use crate::source;
 use crate::storage::FlashProfile;
@@ -61,6 +62,7 @@ pub struct SessionOptions {
     pub sparsity: Sparsity,
     pub ctx: Option<usize>,
     pub default_ctx: usize,
+    pub kv: KvType,
     pub tuning: Tuning,
 }
 
@@ -76,6 +78,8 @@ pub struct Session {
     pub eos_token_ids: Vec<u32>,
     pub chat_template: Option<ChatTemplate>,
     pub ctx: usize,
+    /// Why the context is shorter than the default, when the budget shrank it.
+    pub context_note: Option<String>,
     pub policy: PolicyChoice,
 }
 
@@ -104,13 +108,15 @@ impl Session {
         if policy == PolicyChoice::Dense {
             let loaded = source::open(&o.model)?;
             let ctx = cap_ctx(o, loaded.model.config().max_position_embeddings)?;
+            check_kv(o, loaded.model.config().head_dim)?;
             return Ok(Self {
-                engine: Engine::Dense(Box::new(loaded.model)),
+                engine: Engine::Dense(Box::new(loaded.model.with_kv(o.kv))),
                 model_path: o.model.clone(),
                 tokenizer: loaded.tokenizer,
                 eos_token_ids: loaded.eos_token_ids,
                 chat_template: loaded.chat_template,
                 ctx,
+                context_note: None,
                 policy,
             });
         }
@@ -121,6 +127,7 @@ impl Session {
         crate::memory::release_freed_memory();
         let file = LsbFile::open(&o.model)?;
         let ctx = cap_ctx(o, file.meta.model.max_position_embeddings)?;
+        check_kv(o, file.meta.model.head_dim)?;
         let stream = StreamOptions {
             policy: match policy {
                 PolicyChoice::Dense => unreachable!("handled above"),
@@ -135,12 +142,24 @@ impl Session {
             memory: o.memory,
             flash: o.flash.clone(),
             ctx,
+            // Without --ctx, a budget too small for the default context gets a shorter one.
+            ctx_floor: (o.ctx.is_none() && o.memory.is_some()).then_some(MIN_SHRUNK_CTX.min(ctx)),
+            kv: o.kv,
             tuning: o.tuning.clone(),
         };
         let eos_token_ids = file.meta.model.eos_token_ids.clone();
         let chat_template = file.meta.chat_template.clone();
         let mut model = StreamingModel::open(&o.model, file, &stream)?;
         model.reset_clock();
+        let context_note = (model.ctx < ctx).then(|| {
+            format!(
+                "note: --memory {} holds a context of {} tokens, not the default {ctx}: using --ctx {} (pass --ctx to choose another)",
+                crate::memory_size::format_size(o.memory.unwrap_or_default()),
+                model.ctx,
+                model.ctx
+            )
+        });
+        let ctx = model.ctx;
         Ok(Self {
             engine: Engine::Streaming(Box::new(model)),
             model_path: o.model.clone(),
@@ -148,6 +167,7 @@ impl Session {
             eos_token_ids,
             chat_template,
             ctx,
+            context_note,
             policy,
         })
     }
@@ -207,6 +227,16 @@ pub fn policy_name(p: PolicyChoice) -> &'static str {
         PolicyChoice::Leanstream => "leanstream",
         PolicyChoice::Oracle => "oracle",
     }
+}
+
+/// The shortest context a budget may shrink the default to.
+pub const MIN_SHRUNK_CTX: usize = 256;
+
+/// The KV cache storage can hold rows of the model's head dimension.
+fn check_kv(o: &SessionOptions, head_dim: usize) -> Result<()> {
+    o.kv.row_bytes(head_dim)
+        .map(|_| ())
+        .map_err(|e| anyhow::anyhow!("{}: {e}", o.model.display()))
 }
 
 fn cap_ctx(o: &SessionOptions, max: usize) -> Result<usize> {

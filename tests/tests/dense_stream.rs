@@ -32,6 +32,7 @@ fn session(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
         sparsity: Sparsity::Certified,
         ctx: Some(CTX),
         default_ctx: CTX,
+        kv: Default::default(),
         tuning: Tuning::default(),
     })
     .unwrap()
@@ -234,6 +235,8 @@ fn generate_with_flip(file: &Path, at: u64) -> anyhow::Result<Vec<u32>> {
         memory: Some(streaming_minimum_memory(file, CTX).unwrap()),
         flash: None,
         ctx: CTX,
+        ctx_floor: None,
+        kv: Default::default(),
         tuning: Tuning::default(),
     };
     let mut model = StreamingModel::open_on(file, lsb, device, &opts)?;

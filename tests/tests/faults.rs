@@ -53,6 +53,8 @@ fn generate_with(faults: Vec<Fault>) -> (Result<Vec<u32>>, Option<IoStats>, u64)
         memory: Some(leanstream::streaming::minimum_memory(path, CTX).unwrap()),
         flash: None,
         ctx: CTX,
+        ctx_floor: None,
+        kv: Default::default(),
         tuning: Tuning::default(),
     };
     let mut model = match StreamingModel::open_on(path, file, device.clone(), &opts) {

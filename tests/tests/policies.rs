@@ -7,7 +7,6 @@ use std::process::Command;
 use std::sync::Arc;
 
 use leanstream::generate::{generate, GenerateOptions};
-use leanstream::kv_cache::KvCache;
 use leanstream::sampler::SamplerConfig;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
@@ -41,6 +40,7 @@ fn try_open(
         sparsity: Sparsity::Certified,
         ctx: Some(CTX),
         default_ctx: CTX,
+        kv: Default::default(),
         tuning,
     })
 }
@@ -56,7 +56,7 @@ fn traced(trace: &Arc<ActiveTrace>) -> Tuning {
 /// windows of `CTX` each from an empty cache — the order `ActiveTrace::record` uses.
 fn decode_nll(s: &mut Session, ids: &[u32]) -> anyhow::Result<f64> {
     let model = s.model();
-    let mut cache = KvCache::new(model.config(), CTX);
+    let mut cache = model.new_cache(CTX);
     let (mut nll, mut n) = (0.0f64, 0);
     for w in ids.chunks(CTX) {
         cache.clear();

@@ -38,6 +38,7 @@ fn session(policy: PolicyChoice, sparsity: Sparsity) -> Session {
         sparsity,
         ctx: Some(WINDOW),
         default_ctx: WINDOW,
+        kv: Default::default(),
         tuning: Default::default(),
     })
     .unwrap()

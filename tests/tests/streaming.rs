@@ -24,6 +24,7 @@ fn session(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
         sparsity: Sparsity::Certified,
         ctx: Some(128),
         default_ctx: 128,
+        kv: Default::default(),
         tuning: Tuning::default(),
     })
     .unwrap()
@@ -72,7 +73,7 @@ fn prefill(file: &Path, memory: Option<u64>, ids: &[u32], chunked: bool) -> (Vec
     let mut s = session(file, PolicyChoice::Leanstream, memory);
     let read_before = s.io().map_or(0, |io| io.stats().bytes_read);
     let model = s.model();
-    let mut cache = leanstream::kv_cache::KvCache::new(model.config(), 128);
+    let mut cache = model.new_cache(128);
     let logits = if chunked {
         model.forward(ids, &mut cache, true).unwrap()
     } else {

@@ -12,7 +12,6 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use leanstream::generate::{generate_after, GenerateOptions, StopReason};
-use leanstream::kv_cache::KvCache;
 use leanstream::sampler::SamplerConfig;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
@@ -257,6 +256,7 @@ pub unsafe extern "C" fn ls_open(
             sparsity: Sparsity::Certified,
             ctx: (o.ctx > 0).then_some(o.ctx as usize),
             default_ctx: 2048,
+            kv: Default::default(),
             tuning: Tuning::default(),
         };
         let session = Session::open(&options).map_err(|e| (LsStatus::Open, format!("{e:#}")))?;
@@ -336,7 +336,7 @@ fn generate(
         eos_token_ids,
     };
     let tokenizer = session.tokenizer.clone();
-    let mut cache = KvCache::new(session.model().config(), opts.ctx);
+    let mut cache = session.model().new_cache(opts.ctx);
     let generation = generate_after(
         session.model(),
         &tokenizer,

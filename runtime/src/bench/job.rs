@@ -10,7 +10,6 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::kv_cache::KvCache;
 use crate::memory::peak_rss_bytes;
 use crate::neuron_cache::Retention;
 use crate::perplexity::log_softmax;
@@ -146,6 +145,7 @@ fn session_options(job: &Job) -> Result<SessionOptions> {
         },
         ctx: Some(job.ctx),
         default_ctx: job.ctx,
+        kv: Default::default(),
         tuning: Tuning {
             lookahead: v.lookahead,
             always_lookahead: v.always_lookahead,
@@ -184,7 +184,7 @@ fn execute(job: &Job) -> Result<Outcome> {
         }
     };
     let model = session.model();
-    let mut cache = KvCache::new(model.config(), job.ctx);
+    let mut cache = model.new_cache(job.ctx);
     let vocab = model.config().vocab_size;
     let mut logits = Vec::new();
     // One token per call, as decoding does: the oracle's trace is recorded that way.

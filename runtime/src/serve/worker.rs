@@ -40,7 +40,7 @@ enum Ending {
 impl Worker {
     pub fn new(mut session: Session, model_id: String, metrics: Arc<ServerMetrics>) -> Self {
         let ctx = session.ctx;
-        let cache = KvCache::new(session.model().config(), ctx);
+        let cache = session.model().new_cache(ctx);
         let tokenizer = session.tokenizer.clone();
         let worker = Self {
             session,

@@ -33,6 +33,16 @@ pub fn resident_pages(path: &Path) -> io::Result<(usize, usize)> {
 pub fn evict(path: &Path) -> io::Result<()> {
     let file = File::open(path)?;
     file.sync_data()?;
+    drop_cached(&file)
+}
+
+/// Asks the kernel to drop the file's clean cached pages: what buffered reads of it (its index
+/// sections, resident tensors) left behind once they are decoded.
+pub fn forget(path: &Path) -> io::Result<()> {
+    drop_cached(&File::open(path)?)
+}
+
+fn drop_cached(file: &File) -> io::Result<()> {
     // SAFETY: a valid descriptor; offset 0 with length 0 covers the whole file.
     let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     if rc != 0 {

@@ -26,7 +26,7 @@ use anyhow::{bail, Context, Result};
 use leanstream_format::LsbFile;
 
 use crate::config::ModelConfig;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvType};
 use crate::model::Model;
 use crate::neuron_cache::{NeuronCache, Retention};
 use crate::storage::{open_device, Device, FlashProfile, IoQueue};
@@ -65,6 +65,10 @@ pub struct StreamOptions {
     /// `None` reads the real file with direct I/O.
     pub flash: Option<FlashProfile>,
     pub ctx: usize,
+    /// Where the context was not asked for: it may shrink down to this to fit `memory`.
+    pub ctx_floor: Option<usize>,
+    /// How the KV cache stores keys and values (the planner reserves its bytes).
+    pub kv: KvType,
     pub tuning: Tuning,
 }
 
@@ -76,6 +80,9 @@ pub struct StreamingModel {
     engine: StreamEngine,
     pub split: MemorySplit,
     pub budget: Option<u64>,
+    /// The context planned: `StreamOptions::ctx`, or less where it did not fit the budget.
+    pub ctx: usize,
+    kv: KvType,
     started: Instant,
     tokens: u64,
     /// I/O counters at the start of the measured run (start-up reads excluded).
@@ -117,15 +124,16 @@ impl StreamingModel {
         // to the OS, or the allocator keeps it resident beside the budgeted parts.
         crate::memory::release_freed_memory();
         let tensors = DenseTensors::open(&file)?;
-        let (input, io_budget) = plan_input(
-            &file,
-            &plans,
-            tensors.sizes(&config)?,
-            opts.ctx,
-            opts.memory,
-            policy,
-        );
-        let mut split = planner::plan(input)?;
+        let sizes = tensors.sizes(&config)?;
+        let input = |ctx| {
+            let sizes = sizes.clone();
+            plan_input(&file, &plans, sizes, ctx, opts.kv, opts.memory, policy)
+        };
+        let io_budget = input(opts.ctx).1;
+        let (ctx, mut split) = match opts.ctx_floor {
+            Some(floor) => planner::fit_context(opts.ctx, floor, |c| input(c).0)?,
+            None => (opts.ctx, planner::plan(input(opts.ctx).0)?),
+        };
         let model = Model::norms_only(config.clone(), |name, shape| tensors.vector(name, shape))?;
         let io = Arc::new(IoQueue::new(device));
         let dense = DenseStream::open(&tensors, &config, split.dense_streamed, Arc::clone(&io))?;
@@ -175,12 +183,21 @@ impl StreamingModel {
             tuning.oracle.clone(),
         );
         engine.warm()?;
+        #[cfg(target_os = "linux")]
+        if opts.flash.is_none() && policy != Policy::Mmap {
+            // Everything resident is decoded and every later read is direct: what the buffered
+            // reads of opening left in the page cache would be memory outside the budget.
+            crate::storage::page_cache::forget(path)
+                .with_context(|| format!("cannot drop {} from the page cache", path.display()))?;
+        }
         Ok(Self {
             model,
             dense,
             engine,
             split,
             budget: opts.memory,
+            ctx,
+            kv: opts.kv,
             started: Instant::now(),
             tokens: 0,
             io_base: IoCounters::default(),
@@ -249,6 +266,10 @@ impl StreamingModel {
 impl crate::model::LanguageModel for StreamingModel {
     fn config(&self) -> &ModelConfig {
         self.model.config()
+    }
+
+    fn new_cache(&self, ctx: usize) -> KvCache {
+        KvCache::new(self.config(), ctx, self.kv)
     }
 
     fn scores_by_decoding(&self) -> bool {
@@ -324,6 +345,7 @@ fn plan_input(
     plans: &[plan::LayerPlan],
     dense: planner::DenseSizes,
     ctx: usize,
+    kv: KvType,
     budget: Option<u64>,
     policy: Policy,
 ) -> (planner::PlanInput, u64) {
@@ -341,7 +363,7 @@ fn plan_input(
         budget,
         overhead: planner::baseline_overhead(file.tokenizer_json.len() as u64),
         dense,
-        kv_cache: KvCache::bytes_for(config, ctx) as u64,
+        kv_cache: KvCache::bytes_for(config, ctx, kv) as u64,
         resident_state: plans.iter().map(|p| p.resident_bytes()).sum(),
         // Speculative reads for the next layer while this layer's own reads are in flight.
         io_buffers: 2 * io_budget,
@@ -354,7 +376,7 @@ fn plan_input(
 }
 
 /// The smallest `--memory` at which the `leanstream` policy keeps every dense weight resident
-/// (the neuron cache empty: every bundle streams). Below it dense weights stream too, down to
+/// (the neuron cache empty: every bundle streams), with the default KV cache storage. Below it dense weights stream too, down to
 /// [`streaming_minimum_memory`].
 pub fn minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
     Ok(memory_split(path, ctx)?.fixed())
@@ -376,5 +398,14 @@ fn open_plan_input(path: &Path, ctx: usize) -> Result<planner::PlanInput> {
     let mut file = LsbFile::open(path)?;
     let plans = plan::LayerPlan::all(&mut file)?;
     let sizes = DenseTensors::open(&file)?.sizes(&file.meta.model)?;
-    Ok(plan_input(&file, &plans, sizes, ctx, None, Policy::Leanstream).0)
+    Ok(plan_input(
+        &file,
+        &plans,
+        sizes,
+        ctx,
+        KvType::default(),
+        None,
+        Policy::Leanstream,
+    )
+    .0)
 }

@@ -249,6 +249,38 @@ pub fn plan(p: PlanInput) -> Result<MemorySplit> {
     Ok(split)
 }
 
+/// A shrunk context is a multiple of this many tokens (or the floor itself).
+const CONTEXT_STEP: usize = 64;
+
+/// The longest context in `floor..=ctx` whose plan fits the budget, and that plan: `ctx` itself
+/// when it fits, else the longest multiple of [`CONTEXT_STEP`] that does (the plan's fixed needs
+/// grow with the context, so the answer is found by bisection). Below the floor, the error states
+/// the floor's minimum.
+pub fn fit_context(
+    ctx: usize,
+    floor: usize,
+    input: impl Fn(usize) -> PlanInput,
+) -> Result<(usize, MemorySplit)> {
+    if let Ok(split) = plan(input(ctx)) {
+        return Ok((ctx, split));
+    }
+    let floor = floor.min(ctx);
+    let mut fits = (floor, plan(input(floor))?);
+    // Candidates floor < c < ctx, multiples of the step: bisect on the step count.
+    let (mut lo, mut hi) = (floor / CONTEXT_STEP + 1, ctx.div_ceil(CONTEXT_STEP));
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        match plan(input(mid * CONTEXT_STEP)) {
+            Ok(split) => {
+                fits = (mid * CONTEXT_STEP, split);
+                lo = mid + 1;
+            }
+            Err(_) => hi = mid,
+        }
+    }
+    Ok(fits)
+}
+
 /// The process before any model is loaded (code, libraries, allocator, thread stacks: measured at
 /// start-up), plus the parsed tokenizer, plus slack for the allocator and the file's indexes while
 /// they are decoded.
@@ -373,6 +405,36 @@ mod tests {
         p.needs_all_ffn = true;
         assert_eq!(minimum(&p), OTHERS + 100 * MIB + 200 * MIB);
         assert!(plan(p).is_err());
+    }
+
+    #[test]
+    fn a_context_too_long_for_the_budget_shrinks_to_the_longest_that_fits() {
+        // 16 KiB of KV cache per position; everything else streams in 27 MiB.
+        let at = |budget: u64| {
+            move |ctx: usize| PlanInput {
+                kv_cache: ctx as u64 * (16 << 10),
+                ctx,
+                ..input(Some(budget), false)
+            }
+        };
+        let (ctx, s) = fit_context(2048, 256, at(59 * MIB)).unwrap();
+        assert_eq!((ctx, s.kv_cache, s.neuron_cache), (2048, 32 * MIB, 0));
+        // 13 MiB left for the cache: 832 positions, a multiple of 64.
+        let (ctx, s) = fit_context(2048, 256, at(40 * MIB)).unwrap();
+        assert_eq!((ctx, s.kv_cache), (832, 13 * MIB));
+        assert_eq!(s.fixed() + s.neuron_cache, 40 * MIB);
+        let (ctx, _) = fit_context(2048, 256, at(40 * MIB - 1)).unwrap();
+        assert_eq!(ctx, 768);
+        // The floor itself, not a multiple of the step.
+        let (ctx, _) = fit_context(2048, 300, at(27 * MIB + 300 * (16 << 10))).unwrap();
+        assert_eq!(ctx, 300);
+        let err = fit_context(2048, 256, at(31 * MIB - 1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("minimum of 31.00 MiB for this model at ctx 256"),
+            "{err}"
+        );
     }
 
     #[test]

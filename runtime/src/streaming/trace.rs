@@ -9,7 +9,6 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use leanstream_format::LsbFile;
 
-use crate::kv_cache::KvCache;
 use crate::model::LanguageModel;
 
 use super::{Policy, Sparsity, StreamOptions, StreamingModel, Tuning};
@@ -71,11 +70,14 @@ impl ActiveTrace {
             memory: None,
             flash: None,
             ctx,
+            ctx_floor: None,
+            // The storage bench runs use, so the recorded sets are theirs.
+            kv: Default::default(),
             tuning: Tuning::default(),
         };
         let mut model = StreamingModel::open(path, file, &opts)?;
         model.engine.start_recording();
-        let mut cache = KvCache::new(model.config(), ctx);
+        let mut cache = model.new_cache(ctx);
         let mut positions = Vec::with_capacity(tokens.len());
         for &t in tokens {
             if cache.len() == cache.capacity() {
