@@ -1,5 +1,8 @@
 //! What several test binaries share: where the real SmolLM2 and the fixtures are.
 
+// Each test binary uses part of it.
+#![allow(dead_code)]
+
 use std::path::PathBuf;
 
 pub const GGUF_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
