@@ -12,7 +12,11 @@ use crate::FormatError;
 pub const PAGE: u64 = 4096;
 pub const MAGIC: [u8; 8] = *b"LEANSTRM";
 pub const VERSION_MAJOR: u16 = 1;
-pub const VERSION_MINOR: u16 = 1;
+/// The highest minor version this build knows; a writer writes the lowest one its sections need
+/// ([`SectionKind::since_minor`]).
+pub const VERSION_MINOR: u16 = 2;
+/// The minor version of a file that uses no later feature.
+const BASE_MINOR: u16 = 1;
 const SECTION_TABLE_OFFSET: usize = 32;
 const SECTION_ENTRY_BYTES: usize = 48;
 const HEADER_CHECKSUM_OFFSET: usize = PAGE as usize - 8;
@@ -43,10 +47,12 @@ pub enum SectionKind {
     Predictors = 7,
     Sketch = 8,
     Refine = 9,
+    /// Optional (since 1.2): a compact byte-level BPE tokenizer.
+    BpeVocab = 10,
 }
 
 impl SectionKind {
-    pub const ALL: [SectionKind; 9] = [
+    pub const ALL: [SectionKind; 10] = [
         SectionKind::Meta,
         SectionKind::Tokenizer,
         SectionKind::DenseIndex,
@@ -56,6 +62,7 @@ impl SectionKind {
         SectionKind::Predictors,
         SectionKind::Sketch,
         SectionKind::Refine,
+        SectionKind::BpeVocab,
     ];
 
     pub fn from_u32(v: u32) -> Option<Self> {
@@ -73,6 +80,15 @@ impl SectionKind {
             SectionKind::Predictors => "PREDICTORS",
             SectionKind::Sketch => "SKETCH",
             SectionKind::Refine => "REFINE",
+            SectionKind::BpeVocab => "BPE_VOCAB",
+        }
+    }
+
+    /// The minor version that introduced this kind.
+    pub fn since_minor(self) -> u16 {
+        match self {
+            SectionKind::BpeVocab => 2,
+            _ => BASE_MINOR,
         }
     }
 }
@@ -350,9 +366,15 @@ impl ContainerWriter {
         if self.sections.len() > MAX_SECTIONS {
             return Err(FormatError::invalid("too many sections for the header"));
         }
+        let version_minor = self
+            .sections
+            .iter()
+            .filter_map(|s| SectionKind::from_u32(s.kind))
+            .map(SectionKind::since_minor)
+            .fold(BASE_MINOR, u16::max);
         let header = Header {
             version_major: VERSION_MAJOR,
-            version_minor: VERSION_MINOR,
+            version_minor,
             file_size: self.pos,
             sections: self.sections.clone(),
         };

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::Xxh3;
 
+use crate::bpe_vocab::BpeVocab;
 use crate::codec::Dec;
 use crate::container::{checksum, read_at, Encoding, Header, SectionEntry, SectionKind, PAGE};
 use crate::dense::{DenseIndex, DenseTensor};
@@ -46,6 +47,23 @@ impl LsbFile {
         read_section(&mut file, path, &header, SectionKind::Tokenizer, |d| {
             d.bytes(d.remaining())
         })
+        .map_err(|e| naming(path, e))
+    }
+
+    /// Reads the compact tokenizer (checked), if the file has one (FORMAT.md §4.5).
+    pub fn read_bpe_vocab(path: &Path) -> Result<Option<BpeVocab>, FormatError> {
+        let (mut file, header) = open_header(path).map_err(|e| naming(path, e))?;
+        if header.section(SectionKind::BpeVocab).is_none() {
+            return Ok(None);
+        }
+        read_section(
+            &mut file,
+            path,
+            &header,
+            SectionKind::BpeVocab,
+            BpeVocab::decode,
+        )
+        .map(Some)
         .map_err(|e| naming(path, e))
     }
 
@@ -189,6 +207,26 @@ impl LsbFile {
         })?;
         bytes.truncate(t.size as usize);
         Ok(bytes)
+    }
+
+    /// File offset and size of every layer's own predictor record, for a reader that keeps it on
+    /// flash and reads it when needed; `None` when PREDICTORS is zstd-encoded (not readable in
+    /// part). Call before taking the decoded predictors.
+    pub fn own_predictor_extents(&self) -> Option<Vec<(u64, u64)>> {
+        let s = self.header.section(SectionKind::Predictors)?;
+        if s.encoding != Encoding::Raw as u32 {
+            return None;
+        }
+        let p = &self.predictors;
+        // The layer count, then per layer the look-ahead record and the own record.
+        let mut at = s.offset + 4;
+        let mut extents = Vec::with_capacity(p.own.len());
+        for (lookahead, own) in p.lookahead.iter().zip(&p.own) {
+            at += lookahead.record_bytes();
+            extents.push((at, own.record_bytes()));
+            at += own.record_bytes();
+        }
+        Some(extents)
     }
 
     /// Bytes of the file's sections, by name (for `inspect`).

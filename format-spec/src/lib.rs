@@ -3,6 +3,7 @@
 
 pub mod archive;
 pub mod atomic;
+pub mod bpe_vocab;
 mod codec;
 pub mod container;
 pub mod dense;

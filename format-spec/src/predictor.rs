@@ -55,6 +55,19 @@ impl Predictor {
             .collect()
     }
 
+    /// Bytes of its record in PREDICTORS (§7): the 24-byte header, then the f16 weights.
+    pub fn record_bytes(&self) -> u64 {
+        24 + 2 * self.params() as u64
+    }
+
+    /// Decodes one record read on its own from the file (see [`crate::LsbFile::own_predictor_extents`]).
+    pub fn from_record(bytes: &[u8]) -> Result<Self, FormatError> {
+        let mut d = Dec::new(bytes, "PREDICTORS");
+        let p = Self::decode(&mut d)?;
+        d.finish()?;
+        Ok(p)
+    }
+
     fn encode(&self, e: &mut Enc) {
         e.u32(self.source_layer);
         e.u32(self.input as u32);

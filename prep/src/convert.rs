@@ -9,6 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use leanstream::config::ModelConfig;
 use leanstream::kernels::{Matrix, Weight};
 use leanstream::model::{DenseFfn, Model};
+use leanstream::streaming::default_predictor_rank;
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::{DenseIndex, DenseTensor};
 use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
@@ -81,6 +82,9 @@ pub struct Phases {
     pub finish: f64,
 }
 
+/// The smallest default predictor rank (a model so small that its share buys less).
+pub(crate) const MIN_PREDICTOR_RANK: usize = 4;
+
 pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let mut phases = Phases::default();
     let t = Instant::now();
@@ -110,9 +114,15 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
 
     let (train_rows, eval_rows) = calib.split_rows();
     let eval_prev = calib.previous(&eval_rows);
-    let rank = opts
-        .predictor_rank
-        .unwrap_or((config.hidden_size / 8).clamp(16, 128));
+    let bundle_bytes = 3 * row_bytes(opts.quant, config.hidden_size)?;
+    let rank = opts.predictor_rank.unwrap_or_else(|| {
+        default_predictor_rank(
+            config.hidden_size,
+            config.intermediate_size,
+            bundle_bytes,
+            MIN_PREDICTOR_RANK,
+        )
+    });
     let mut profiler = Profiler::new(model, &calib)?;
     let bar = bar(opts.progress, config.num_layers as u64, "layers");
     let mut ffn = FfnIndex::default();
@@ -147,7 +157,6 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
 
         bar.set_message(format!("layer {l}: place"));
         let t = Instant::now();
-        let bundle_bytes = 3 * row_bytes(opts.quant, h)?;
         let cluster_size = (opts.cluster_kib as usize * 1024 / bundle_bytes).clamp(1, n);
         let perm = place(&mask, n, &train_rows, cluster_size);
         let identity: Vec<u32> = (0..n as u32).collect();
@@ -296,7 +305,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         synthetic: None,
     };
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
-    writer.add_section(SectionKind::Tokenizer, tokenizer_json, true)?;
+    add_tokenizer(&mut writer, tokenizer_json)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
     writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
     writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
@@ -322,6 +331,19 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
 }
 
 /// Block types need rows of whole blocks; say so before any work is done.
+/// Writes TOKENIZER, and BPE_VOCAB when the compact tokenizer reproduces `tokenizer.json` (else
+/// says why on stderr: the runtime then parses `tokenizer.json`, about ten times its size).
+pub(crate) fn add_tokenizer(writer: &mut ContainerWriter, json: &[u8]) -> Result<()> {
+    writer.add_section(SectionKind::Tokenizer, json, true)?;
+    match leanstream::tokenizer::bpe_vocab(json) {
+        Ok(vocab) => writer.add_section(SectionKind::BpeVocab, &vocab.encode(), false)?,
+        Err(e) => eprintln!(
+            "note: the file gets no compact tokenizer ({e:#}); the runtime will parse tokenizer.json"
+        ),
+    }
+    Ok(())
+}
+
 pub(crate) fn check_block_shapes(c: &ModelConfig, q: QuantType) -> Result<()> {
     for (what, n) in [
         ("hidden_size", c.hidden_size),

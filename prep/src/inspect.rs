@@ -101,12 +101,19 @@ pub fn print_comparison(v: &Value) {
 /// The file described as one JSON object.
 pub fn describe(f: &LsbFile) -> Value {
     let m = &f.meta;
-    let predictor_params: usize = f
+    // As the runtime holds them (int8), both per layer: what predicted mode keeps resident.
+    let predictor_bytes: u64 = f
         .predictors
         .own
         .iter()
         .chain(&f.predictors.lookahead)
-        .map(|p| p.params())
+        .map(|p| {
+            leanstream::streaming::predictor_bytes(
+                p.input_dim as usize,
+                p.rank as usize,
+                p.outputs as usize,
+            )
+        })
         .sum();
     let extents: Vec<u64> = f
         .ffn
@@ -141,8 +148,7 @@ pub fn describe(f: &LsbFile) -> Value {
         "dense_bytes": f.dense.data_bytes(),
         "ffn_bytes": f.ffn.bundle_bytes(),
         "sketch_bytes": f.sketch.bytes(),
-        // The runtime holds predictor weights as f32.
-        "predictor_bytes": predictor_params * 4,
+        "predictor_bytes": predictor_bytes,
         "cluster_bytes": extents.iter().sum::<u64>() / extents.len().max(1) as u64,
         // At ctx 512: every dense weight resident, and the smallest budget, dense weights streamed.
         "min_memory_bytes": leanstream::streaming::minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok(),

@@ -67,7 +67,8 @@ enum Command {
         /// Calibration tokens to profile.
         #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u64).range(128..))]
         calib_tokens: u64,
-        /// Rank of the predictors (default: hidden/8, between 16 and 128).
+        /// Rank of the predictors (default: the largest at which both predictors of a layer, held
+        /// as int8, take at most 3 % of its FFN bundle bytes; at least 4).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         predictor_rank: Option<u64>,
         /// Training epochs of the predictors.

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use leanstream_format::meta::ChatTemplate;
 use leanstream_format::LsbFile;
 use serde_json::{json, Value};
@@ -120,10 +120,10 @@ impl Session {
                 policy,
             });
         }
-        // The tokenizer first, and its parse's garbage returned to the OS before the file's
-        // indexes are decoded: the two peaks would otherwise stack above the budget.
-        let tokenizer = Tokenizer::from_bytes(&LsbFile::read_tokenizer_json(&o.model)?)
-            .with_context(|| format!("{}: the embedded tokenizer is invalid", o.model.display()))?;
+        // The tokenizer first, and its parse's garbage (without compact tables, `tokenizer.json`
+        // is parsed) returned to the OS before the file's indexes are decoded: the two peaks
+        // would otherwise stack above the budget.
+        let tokenizer = Tokenizer::from_lsb(&o.model)?;
         crate::memory::release_freed_memory();
         let file = LsbFile::open(&o.model)?;
         let ctx = cap_ctx(o, file.meta.model.max_position_embeddings)?;

@@ -67,8 +67,7 @@ pub fn is_converted(path: &Path) -> Result<bool> {
 /// Loads a converted file whole, as the dense model.
 fn open_converted(path: &Path) -> Result<LoadedModel> {
     let file = leanstream_format::LsbFile::open(path)?;
-    let tokenizer = Tokenizer::from_bytes(&file.tokenizer_json)
-        .with_context(|| format!("{}: the embedded tokenizer is invalid", path.display()))?;
+    let tokenizer = Tokenizer::from_lsb(path)?;
     Ok(LoadedModel {
         eos_token_ids: file.meta.model.eos_token_ids.clone(),
         chat_template: file.meta.chat_template.clone(),

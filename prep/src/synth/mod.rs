@@ -18,6 +18,7 @@ use anyhow::{bail, Context, Result};
 use leanstream::config::ModelConfig;
 use leanstream::kernels::{Matrix, QMatrix, Weight};
 use leanstream::model::{rms_norm, DenseFfn, Model};
+use leanstream::streaming::default_predictor_rank;
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::{DenseIndex, DenseTensor};
@@ -30,7 +31,10 @@ use leanstream_format::sketch::{Sketch, SketchLayer};
 use leanstream_format::LsbFile;
 
 use crate::calib::{Calibration, WINDOW};
-use crate::convert::{add_sketch_row, bar, check_block_shapes, refine_stats, to_predictor};
+use crate::convert::{
+    add_sketch_row, add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor,
+    MIN_PREDICTOR_RANK,
+};
 use crate::tensors::dense_specs;
 use dense::{dense_row, Layout};
 use layer::{Inputs, Params, Target};
@@ -63,7 +67,8 @@ pub struct SynthArgs {
     /// Calibration tokens run through the synthetic model to plant and measure.
     #[arg(long, default_value_t = 1280, value_parser = clap::value_parser!(u64).range(512..))]
     calib_tokens: u64,
-    /// Rank of the predictors (default: hidden/8, between 16 and 128).
+    /// Rank of the predictors (default: the largest at which both predictors of a layer, held
+    /// as int8, take at most 3 % of its FFN bundle bytes; at least 4).
     #[arg(long, value_parser = clap::value_parser!(u64).range(3..))]
     predictor_rank: Option<u64>,
     /// Target size of a neuron cluster (one read), in KiB.
@@ -109,9 +114,18 @@ pub fn run(args: SynthArgs) -> Result<()> {
         config.intermediate_size,
         config.num_layers,
     );
-    let rank = args
-        .predictor_rank
-        .map_or((h / 8).clamp(16, 128), |r| r as usize);
+    let bundle_bytes = 3 * row_bytes(args.quant, h)?;
+    let rank = args.predictor_rank.map_or_else(
+        || {
+            default_predictor_rank(
+                h,
+                config.intermediate_size,
+                bundle_bytes,
+                MIN_PREDICTOR_RANK,
+            )
+        },
+        |r| r as usize,
+    );
 
     let mut writer = ContainerWriter::create(&args.output)
         .with_context(|| format!("cannot write {}", args.output.display()))?;
@@ -250,7 +264,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         }),
     };
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
-    writer.add_section(SectionKind::Tokenizer, &src.tokenizer_json, true)?;
+    add_tokenizer(&mut writer, &src.tokenizer_json)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
     writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
     writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;

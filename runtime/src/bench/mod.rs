@@ -82,12 +82,7 @@ pub struct BenchArgs {
 
 pub fn run(args: BenchArgs) -> Result<()> {
     let file = leanstream_format::LsbFile::open(&args.model)?;
-    let tokenizer = Tokenizer::from_bytes(&file.tokenizer_json).with_context(|| {
-        format!(
-            "{}: the embedded tokenizer is invalid",
-            args.model.display()
-        )
-    })?;
+    let tokenizer = Tokenizer::from_lsb(&args.model)?;
     // Random weights carry no quality worth measuring, and their dense form (f32) may not even
     // fit in memory at the 7B scale: synthetic files get no dense reference.
     let synthetic = file.meta.synthetic.is_some();

@@ -33,7 +33,7 @@ use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
 use super::metrics::Metrics;
 use super::mmap::Mapping;
 use super::plan::LayerPlan;
-use super::predict::{above, predictor_scores};
+use super::predict::{above, active_from_flash};
 use super::schedule::Schedule;
 use super::trace::ActiveTrace;
 
@@ -51,10 +51,11 @@ pub enum Sparsity {
 /// Read priorities: refinement's demands outrank speculation's guesses.
 pub(super) const URGENT: u32 = u32::MAX;
 pub(super) const SPECULATIVE_MAX: u32 = 1 << 30;
-/// Where the layer's own predictor decides nothing (certified and exact modes), it runs on one
-/// token in this many, for its recall and precision figures only: on the embedded model it took
-/// as long as the certified bound itself.
-const OWN_SAMPLE: usize = 8;
+/// Where the layer's own predictor decides nothing it is not resident: in certified mode it is read
+/// from flash (its f16 record, a small read) on one token in this many, for its recall and
+/// precision figures only; exact mode (the resident policy reads nothing after start-up) has no
+/// such figures.
+const OWN_SAMPLE: usize = 16;
 
 /// A cluster's bytes: read from flash or held in the cache.
 pub enum Bytes {
@@ -370,8 +371,15 @@ impl StreamEngine {
         // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
         let operand = Operand::new(x, QuantType::Q8_0);
         // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
-        let own = (self.sparsity == Sparsity::Predicted || token.is_multiple_of(OWN_SAMPLE))
-            .then(|| above(&predictor_scores(&plan.own, x), plan.own.threshold));
+        let own = match (&plan.own, plan.own_on_flash) {
+            (Some(p), _) => Some(above(&p.scores(x), p.threshold)),
+            (None, Some(extent))
+                if self.sparsity == Sparsity::Certified && token.is_multiple_of(OWN_SAMPLE) =>
+            {
+                Some(active_from_flash(&self.core.io, extent, URGENT, x)?)
+            }
+            (None, _) => None,
+        };
         let known = self.schedule.needs(&mut self.core, l, token)?;
         let plan = &self.core.plans[l];
         let candidate: Vec<bool> = match (known, self.sparsity) {

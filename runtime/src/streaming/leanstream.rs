@@ -10,7 +10,7 @@
 use anyhow::Result;
 
 use super::engine::{Core, Refine, SPECULATIVE_MAX};
-use super::predict::{above, predictor_scores};
+use super::predict::above;
 use super::schedule::{hot_order, pin_hottest, Schedule};
 use super::speculation_gate::SpeculationGate;
 use super::tuning::Tuning;
@@ -72,8 +72,12 @@ impl Leanstream {
             self.lookahead_sets[target] = None;
             return;
         }
-        let scores = predictor_scores(&plan.lookahead, residual);
-        let threshold = plan.lookahead.threshold;
+        let lookahead = plan
+            .lookahead
+            .as_ref()
+            .expect("resident where the policy speculates");
+        let scores = lookahead.scores(residual);
+        let threshold = lookahead.threshold;
         let mut wanted: Vec<(f32, usize)> = plan
             .clusters
             .iter()

@@ -36,6 +36,7 @@ use dense_stream::DenseTensors;
 pub use engine::{Bytes, Sparsity, StreamEngine};
 pub use metrics::Summary;
 pub use planner::MemorySplit;
+pub use predict::{default_predictor_rank, predictor_bytes, PREDICTOR_SHARE};
 pub use trace::ActiveTrace;
 pub use tuning::Tuning;
 
@@ -119,7 +120,16 @@ impl StreamingModel {
         let policy = opts.policy;
         let tuning = &opts.tuning;
         check_options(path, opts, config.num_layers)?;
-        let plans = plan::LayerPlan::all(&mut file)?;
+        let sparsity = match policy {
+            Policy::Resident | Policy::Oracle => Sparsity::Exact,
+            Policy::PowerInfer2 | Policy::LlmInFlash => Sparsity::Predicted,
+            Policy::Leanstream | Policy::Mmap => opts.sparsity,
+        };
+        let uses = plan::PredictorUse {
+            own: sparsity == Sparsity::Predicted,
+            lookahead: policy == Policy::Leanstream && tuning.lookahead,
+        };
+        let plans = plan::LayerPlan::all(&mut file, uses)?;
         // Decoding the file's indexes and plans freed more than the plans keep: give it back
         // to the OS, or the allocator keeps it resident beside the budgeted parts.
         crate::memory::release_freed_memory();
@@ -137,11 +147,6 @@ impl StreamingModel {
         let model = Model::norms_only(config.clone(), |name, shape| tensors.vector(name, shape))?;
         let io = Arc::new(IoQueue::new(device));
         let dense = DenseStream::open(&tensors, &config, split.dense_streamed, Arc::clone(&io))?;
-        let sparsity = match policy {
-            Policy::Resident | Policy::Oracle => Sparsity::Exact,
-            Policy::PowerInfer2 | Policy::LlmInFlash => Sparsity::Predicted,
-            Policy::Leanstream | Policy::Mmap => opts.sparsity,
-        };
         let window = tuning.window.unwrap_or(llm_in_flash::DEFAULT_WINDOW);
         let retention = match policy {
             Policy::Leanstream => tuning.retention,
@@ -396,7 +401,12 @@ pub fn memory_split(path: &Path, ctx: usize) -> Result<MemorySplit> {
 
 fn open_plan_input(path: &Path, ctx: usize) -> Result<planner::PlanInput> {
     let mut file = LsbFile::open(path)?;
-    let plans = plan::LayerPlan::all(&mut file)?;
+    // The default run: certified sparsity, speculating with the look-ahead predictors.
+    let uses = plan::PredictorUse {
+        own: false,
+        lookahead: true,
+    };
+    let plans = plan::LayerPlan::all(&mut file, uses)?;
     let sizes = DenseTensors::open(&file)?.sizes(&file.meta.model)?;
     Ok(plan_input(
         &file,

@@ -3,7 +3,6 @@
 //! statistics — all decoded once from the file.
 
 use anyhow::Result;
-use leanstream_format::predictor::Predictor;
 use leanstream_format::quant::QuantType;
 use leanstream_format::refine::RefineLayer;
 use leanstream_format::LsbFile;
@@ -11,6 +10,8 @@ use leanstream_format::LsbFile;
 use crate::certify::SkipSet;
 use crate::kernels::bundles::BundleLayout;
 use crate::kernels::QMatrix;
+
+use super::predict::QuantPredictor;
 
 /// One cluster: a run of stored neurons read with one request.
 #[derive(Debug, Clone, Copy)]
@@ -36,15 +37,27 @@ pub struct LayerPlan {
     pub sketch: QMatrix,
     pub sketch_err: Vec<f32>,
     pub sketch_norm: Vec<f32>,
-    pub own: Predictor,
-    pub lookahead: Predictor,
+    /// The layer's own predictor, resident where it decides something (predicted sparsity).
+    pub own: Option<QuantPredictor>,
+    /// Otherwise the file offset and size of its record, read for the metrics now and then.
+    pub own_on_flash: Option<(u64, u64)>,
+    /// The look-ahead predictor, resident where a policy speculates with it.
+    pub lookahead: Option<QuantPredictor>,
     pub refine: RefineLayer,
+}
+
+/// Which predictors the run uses, so only those stay resident.
+#[derive(Debug, Clone, Copy)]
+pub struct PredictorUse {
+    pub own: bool,
+    pub lookahead: bool,
 }
 
 impl LayerPlan {
     /// Decodes every layer's plan from an open file, taking over its sketch, predictors and
-    /// statistics (so they are not held twice).
-    pub fn all(file: &mut LsbFile) -> Result<Vec<LayerPlan>> {
+    /// statistics (so they are not held twice); keeps the predictors `uses` names, as int8.
+    pub fn all(file: &mut LsbFile, uses: PredictorUse) -> Result<Vec<LayerPlan>> {
+        let own_extents = file.own_predictor_extents();
         let mut own = std::mem::take(&mut file.predictors.own).into_iter();
         let mut lookahead = std::mem::take(&mut file.predictors.lookahead).into_iter();
         let mut refine = std::mem::take(&mut file.refine.layers).into_iter();
@@ -95,23 +108,37 @@ impl LayerPlan {
                 sketch,
                 sketch_err: std::mem::take(&mut s.err_norm),
                 sketch_norm,
-                own: own.next().expect("validated: one per layer"),
-                lookahead: lookahead.next().expect("validated: one per layer"),
+                own: own
+                    .next()
+                    .filter(|_| uses.own)
+                    .map(|p| QuantPredictor::new(&p)),
+                own_on_flash: own_extents.as_ref().filter(|_| !uses.own).map(|e| e[l]),
+                lookahead: lookahead
+                    .next()
+                    .filter(|_| uses.lookahead)
+                    .map(|p| QuantPredictor::new(&p)),
                 refine: refine.next().expect("validated: one per layer"),
             });
         }
         Ok(plans)
     }
 
-    /// Bytes of the resident per-layer state (sketch, predictors as f32, statistics).
+    /// Bytes of the resident per-layer state (sketch, resident predictors, statistics).
     pub fn resident_bytes(&self) -> u64 {
-        let predictor = |p: &Predictor| 4 * p.params() as u64;
         (self.sketch.bytes() + 8 * self.sketch_err.len() + 4 * self.cluster_of.len()) as u64
-            + predictor(&self.own)
-            + predictor(&self.lookahead)
+            + self.predictor_bytes()
             + 8 * self.refine.neuron_freq.len() as u64
             + 12 * self.refine.cluster_freq.len() as u64
                 * (1 + self.refine.neighbours.first().map_or(0, Vec::len) as u64)
+    }
+
+    /// Bytes of the resident predictors.
+    pub fn predictor_bytes(&self) -> u64 {
+        self.own
+            .iter()
+            .chain(&self.lookahead)
+            .map(|p| p.bytes())
+            .sum()
     }
 
     /// Whether the bundles' type quantizes the FFN input (so the gates use its q8 form).
