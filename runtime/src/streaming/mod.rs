@@ -135,9 +135,10 @@ impl StreamingModel {
         crate::memory::release_freed_memory();
         let tensors = DenseTensors::open(&file)?;
         let sizes = tensors.sizes(&config)?;
+        let tokenizer = crate::tokenizer::resident_bytes(&file)?;
         let input = |ctx| {
             let sizes = sizes.clone();
-            plan_input(&file, &plans, sizes, ctx, opts.kv, opts.memory, policy)
+            plan_input(&file, tokenizer, &plans, sizes, ctx, opts.kv, opts.memory, policy)
         };
         let io_budget = input(opts.ctx).1;
         let (ctx, mut split) = match opts.ctx_floor {
@@ -345,8 +346,10 @@ fn check_options(path: &Path, opts: &StreamOptions, layers: usize) -> Result<()>
 }
 
 /// What the planner needs to know about a file; also returns the speculation I/O budget.
+#[allow(clippy::too_many_arguments)] // one plan's inputs, each from a different place
 fn plan_input(
     file: &LsbFile,
+    tokenizer_bytes: u64,
     plans: &[plan::LayerPlan],
     dense: planner::DenseSizes,
     ctx: usize,
@@ -366,7 +369,7 @@ fn plan_input(
     let config = &file.meta.model;
     let input = planner::PlanInput {
         budget,
-        overhead: planner::baseline_overhead(file.tokenizer_json.len() as u64),
+        overhead: planner::baseline_overhead(tokenizer_bytes),
         dense,
         kv_cache: KvCache::bytes_for(config, ctx, kv) as u64,
         resident_state: plans.iter().map(|p| p.resident_bytes()).sum(),
@@ -410,6 +413,7 @@ fn open_plan_input(path: &Path, ctx: usize) -> Result<planner::PlanInput> {
     let sizes = DenseTensors::open(&file)?.sizes(&file.meta.model)?;
     Ok(plan_input(
         &file,
+        crate::tokenizer::resident_bytes(&file)?,
         &plans,
         sizes,
         ctx,

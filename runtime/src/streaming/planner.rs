@@ -282,22 +282,19 @@ pub fn fit_context(
 }
 
 /// The process before any model is loaded (code, libraries, allocator, thread stacks: measured at
-/// start-up), plus the parsed tokenizer, plus slack for the allocator and the file's indexes while
-/// they are decoded.
-///
-/// A parsed Hugging Face tokenizer holds about 10 times its JSON in RSS (vocabulary maps both ways,
-/// merges, the compiled pre-tokenizer): 15.3 MiB for SmolLM2's 1.56 MB, 2.5 MiB for the embedded
-/// model's 0.26 MB. Its parse peaks at up to 26 times the JSON, but the runtime parses it first
-/// and returns the garbage before anything else is loaded, so that peak stays below the rest.
-pub fn baseline_overhead(tokenizer_json_bytes: u64) -> u64 {
+/// start-up), plus the tokenizer as it sits in memory (`tokenizer::resident_bytes`: the compact
+/// tokenizer's tables, or about 11 times the JSON for a parsed Hugging Face tokenizer), plus slack
+/// for the allocator and the file's indexes while they are decoded. A parsed tokenizer's parse
+/// peaks at up to 26 times the JSON, but the runtime parses it first and returns the garbage before
+/// anything else is loaded, so that peak stays below the rest.
+pub fn baseline_overhead(tokenizer_bytes: u64) -> u64 {
     // The measured start-up RSS (about 5 MiB on x86-64 Linux) varies by ~100 KiB from run to run;
     // a floor above it, and rounding up to whole MiB, keep the stated minimum — and so the cache
     // two policies get from one budget — from moving with that noise.
     const MIB: u64 = 1 << 20;
     const STARTUP_FLOOR: u64 = 6 * MIB;
-    const TOKENIZER_PER_JSON_BYTE: u64 = 11;
     let startup = crate::memory::startup_rss_bytes().max(STARTUP_FLOOR);
-    (startup + TOKENIZER_PER_JSON_BYTE * tokenizer_json_bytes + 4 * MIB).div_ceil(MIB) * MIB
+    (startup + tokenizer_bytes + 4 * MIB).div_ceil(MIB) * MIB
 }
 
 /// Activations of one prompt chunk and the logits.
