@@ -52,9 +52,10 @@ pub enum Sparsity {
 pub(super) const URGENT: u32 = u32::MAX;
 pub(super) const SPECULATIVE_MAX: u32 = 1 << 30;
 /// Where the layer's own predictor decides nothing it is not resident: in certified mode it is read
-/// from flash (its f16 record, a small read) on one token in this many, for its recall and
-/// precision figures only; exact mode (the resident policy reads nothing after start-up) has no
-/// such figures.
+/// from flash (its f16 record, a small read) on one decoded token in this many, for its recall
+/// and precision figures only — never within a prompt chunk, whose point is to read each needed
+/// cluster once; exact mode (the resident policy reads nothing after start-up) has no such
+/// figures.
 const OWN_SAMPLE: usize = 16;
 
 /// A cluster's bytes: read from flash or held in the cache.
@@ -272,6 +273,8 @@ pub struct StreamEngine {
     sparsity: Sparsity,
     /// Index of the first token of the current forward call, counted since the engine started.
     call_token: usize,
+    /// Tokens in the current forward call (1 while decoding).
+    call_len: usize,
     /// The true active sets of the tokens to come, when known (the bench records them): the
     /// truth the metrics use, and the oracle's knowledge.
     truth: Option<Arc<ActiveTrace>>,
@@ -308,6 +311,7 @@ impl StreamEngine {
             act,
             sparsity,
             call_token: 0,
+            call_len: 0,
             truth,
             recording: None,
         }
@@ -351,6 +355,7 @@ impl StreamEngine {
 
     /// A forward call of `tokens` at positions `start..`: checked against the trace, if any.
     pub(super) fn begin_call(&mut self, tokens: &[u32], start: usize) -> Result<()> {
+        self.call_len = tokens.len();
         if let Some(trace) = &self.truth {
             for (r, &tok) in tokens.iter().enumerate() {
                 trace.check(self.call_token + r, tok, start + r)?;
@@ -374,7 +379,9 @@ impl StreamEngine {
         let own = match (&plan.own, plan.own_on_flash) {
             (Some(p), _) => Some(above(&p.scores(x), p.threshold)),
             (None, Some(extent))
-                if self.sparsity == Sparsity::Certified && token.is_multiple_of(OWN_SAMPLE) =>
+                if self.sparsity == Sparsity::Certified
+                    && self.call_len == 1
+                    && token.is_multiple_of(OWN_SAMPLE) =>
             {
                 Some(active_from_flash(&self.core.io, extent, URGENT, x)?)
             }

@@ -138,7 +138,16 @@ impl StreamingModel {
         let tokenizer = crate::tokenizer::resident_bytes(&file)?;
         let input = |ctx| {
             let sizes = sizes.clone();
-            plan_input(&file, tokenizer, &plans, sizes, ctx, opts.kv, opts.memory, policy)
+            plan_input(
+                &file,
+                tokenizer,
+                &plans,
+                sizes,
+                ctx,
+                opts.kv,
+                opts.memory,
+                policy,
+            )
         };
         let io_budget = input(opts.ctx).1;
         let (ctx, mut split) = match opts.ctx_floor {
