@@ -53,6 +53,10 @@ pub struct GenerationStats {
 pub struct Generation {
     pub text: String,
     pub tokens: Vec<u32>,
+    /// Per sampled token (an EOS included), the largest logit minus the second largest, as the
+    /// sampler received them: where it is tiny, rounding can flip a greedy choice (ports compare
+    /// greedy texts only where it is not).
+    pub margins: Vec<f32>,
     pub stats: GenerationStats,
 }
 
@@ -122,7 +126,9 @@ pub fn generate_after(
     let mut tokens = Vec::new();
     let mut first_token_at = None;
     let mut token_times: Vec<Instant> = Vec::new();
+    let mut margins = Vec::with_capacity(opts.max_tokens.min(opts.ctx) + 1);
     let stop_reason = loop {
+        margins.push(top2_margin(&logits));
         let tok = sampler.sample(&mut logits, &history);
         let now = Instant::now();
         first_token_at.get_or_insert(now);
@@ -181,6 +187,34 @@ pub fn generate_after(
     Ok(Generation {
         text,
         tokens,
+        margins,
         stats,
     })
+}
+
+/// The largest value minus the second largest (infinite for fewer than two values).
+fn top2_margin(logits: &[f32]) -> f32 {
+    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in logits {
+        if v > first {
+            second = first;
+            first = v;
+        } else if v > second {
+            second = v;
+        }
+    }
+    first - second
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top2_margin;
+
+    #[test]
+    fn top2_margin_is_the_gap_between_the_two_largest() {
+        assert_eq!(top2_margin(&[1.0, 5.0, 3.0, 4.5]), 0.5);
+        assert_eq!(top2_margin(&[4.5, 1.0, 5.0, 3.0]), 0.5);
+        assert_eq!(top2_margin(&[5.0, 1.0, 5.0]), 0.0);
+        assert_eq!(top2_margin(&[2.0]), f32::INFINITY);
+    }
 }

@@ -202,7 +202,7 @@ enum ReferenceArg {
 fn main() -> ExitCode {
     leanstream::memory::startup_rss_bytes();
     let cli = Cli::parse();
-    let result = match cli.command {
+    let result = leanstream::kernels::RowKernels::check_forced().and_then(|_| match cli.command {
         Command::Run(args) => run(args),
         Command::Perplexity(args) => run_perplexity(args),
         Command::ProbeFlash(args) => leanstream::probe::run(args),
@@ -215,7 +215,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => leanstream::demo::run(args),
         Command::Serve(args) => setup(&args.common, 2048)
             .and_then(|session| leanstream::serve::run(session, &args.serve)),
-    };
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -326,6 +326,8 @@ fn run(args: RunArgs) -> Result<()> {
         let mut obj = session.report();
         merge(&mut obj, serde_json::to_value(stats)?);
         obj["text"] = generation.text.into();
+        obj["tokens"] = generation.tokens.into();
+        obj["top2_margins"] = generation.margins.into();
         obj["peak_rss_bytes"] = peak_rss_bytes().into();
         obj["ctx"] = ctx.into();
         obj["threads"] = rayon::current_num_threads().into();

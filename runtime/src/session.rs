@@ -159,9 +159,10 @@ impl Session {
         }
     }
 
-    /// Memory plan and streaming figures for `--json` (empty for dense).
+    /// The kernel set, memory plan and streaming figures for `--json` (policy and kernels only for
+    /// dense).
     pub fn report(&self) -> Value {
-        match &self.engine {
+        let mut v = match &self.engine {
             Engine::Dense(_) => json!({ "policy": policy_name(self.policy) }),
             Engine::Streaming(s) => {
                 let mut v = serde_json::to_value(s.summary()).expect("serialisable");
@@ -170,7 +171,9 @@ impl Session {
                 v["memory_split"] = serde_json::to_value(&s.split).expect("serialisable");
                 v
             }
-        }
+        };
+        v["kernels"] = crate::kernels::RowKernels::best().isa.into();
+        v
     }
 
     /// Starts the streaming counters and clock afresh, e.g. after a warm-up.

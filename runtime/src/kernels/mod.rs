@@ -5,8 +5,9 @@
 //! Batch-1 decode is bound by memory bandwidth, so the encoded kernels read each weight byte once
 //! and decode it in registers (fused dequantize-and-dot). For block types the input vector is
 //! quantized to q8 once per mat-vec ([`Operand`]) so that a block's dot product is an integer
-//! dot product (AVX-512 VNNI, AVX2 `maddubs`, NEON widening multiplies). Each instruction set has
-//! its own file; [`RowKernels::best`] picks one at run time, with a portable fallback always there.
+//! dot product (AVX-512 VNNI, AVX2 `maddubs`, NEON `sdot` or widening multiplies). Each
+//! instruction set has its own file; [`RowKernels::best`] picks one at run time (or the one
+//! `LEANSTREAM_KERNELS` names), with a portable fallback always there.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

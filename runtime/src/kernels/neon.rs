@@ -1,12 +1,27 @@
-//! Row kernels for aarch64 (NEON is part of the base architecture): 4 floats per vector with four
-//! accumulators; block types one block per step, the integer dot product through widening 8-bit
-//! multiplies (`smull`) and pairwise accumulation (`sadalp`), which every ARMv8 core has. f16 rows
-//! (whose NEON conversion intrinsics need Rust 1.94, past this workspace's minimum) and axpy of
-//! the block types use the portable code, which the compiler vectorizes for NEON by itself.
+//! Row kernels for aarch64 (NEON is part of the base architecture), in two sets picked at run time:
 //!
+//! - `neon`: every ARMv8-A core. 4 floats per vector with four accumulators; block types one block
+//!   per step, the integer dot product through widening 8-bit multiplies (`smull`) and pairwise
+//!   accumulation (`sadalp`): 4 instructions per 16 byte pairs.
+//! - `neon-dotprod`: cores with FEAT_DotProd (Cortex-A76 and later: Raspberry Pi 5, recent phones;
+//!   `is_aarch64_feature_detected!("dotprod")`). The block types' integer dot product is `sdot`,
+//!   which sums four byte products into each 32-bit lane: 1 instruction per 16 byte pairs. The
+//!   float types are the `neon` kernels.
+//!
+//! Rust has no stable `sdot` intrinsic yet (`vdotq_s32` is unstable even in 1.95), so it is one
+//! instruction of inline assembly in a function compiled with the `dotprod` feature.
+//!
+//! `smmla` (FEAT_I8MM) is not used: it multiplies a 2×8 by an 8×2 byte matrix, 32 products, but a
+//! batch-1 mat-vec has one activation vector, so half of them would be wasted and it does no more
+//! useful work per instruction than `sdot` (it pays for two or more input vectors at once, which
+//! here go through `gemm` on decoded rows from 16 tokens up).
+//!
+//! f16 rows (whose NEON conversion intrinsics need Rust 1.94, past this workspace's minimum) and
+//! axpy of the block types use the portable code, which the compiler vectorizes for NEON by itself.
 //! Loops are bounded by the shorter input; tails run the portable code.
 
 use std::arch::aarch64::*;
+use std::arch::asm;
 
 use leanstream_format::quant::BLOCK_LEN;
 
@@ -14,18 +29,37 @@ use super::operand::Q8Vec;
 use super::portable::{self, f16_at, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
 use super::rows::{RowKernels, PORTABLE};
 
-/// The NEON kernel table.
+/// The plain NEON kernel table.
 pub(super) fn kernels() -> RowKernels {
     // SAFETY (every entry): NEON is always present on aarch64; the kernels bound their reads.
     RowKernels {
         isa: "neon",
         dot_f32: |w, x| unsafe { dot_float(w, x, Float::F32) },
         dot_bf16: |w, x| unsafe { dot_float(w, x, Float::Bf16) },
-        dot_q8_0: |w, x| unsafe { dot_q8_0(w, x) },
-        dot_q4_0: |w, x| unsafe { dot_q4::<false>(w, x) },
-        dot_q4_1: |w, x| unsafe { dot_q4::<true>(w, x) },
+        dot_q8_0: |w, x| unsafe { dot_q8_0::<false>(w, x) },
+        dot_q4_0: |w, x| unsafe { dot_q4::<false, false>(w, x) },
+        dot_q4_1: |w, x| unsafe { dot_q4::<true, false>(w, x) },
         axpy_f32: |a, w, o| unsafe { axpy_f32(a, w, o) },
         ..PORTABLE
+    }
+}
+
+pub(super) fn dotprod_detected() -> bool {
+    std::arch::is_aarch64_feature_detected!("dotprod")
+}
+
+/// The NEON kernel table with `sdot` for the block types.
+///
+/// # Safety
+/// The CPU must have FEAT_DotProd ([`dotprod_detected`]).
+pub(super) unsafe fn dotprod_kernels() -> RowKernels {
+    // SAFETY (every entry): the caller checked the CPU feature; the kernels bound their reads.
+    RowKernels {
+        isa: "neon-dotprod",
+        dot_q8_0: |w, x| unsafe { dot_q8_0_sdot(w, x) },
+        dot_q4_0: |w, x| unsafe { dot_q4_0_sdot(w, x) },
+        dot_q4_1: |w, x| unsafe { dot_q4_1_sdot(w, x) },
+        ..kernels()
     }
 }
 
@@ -92,25 +126,51 @@ unsafe fn axpy_f32(a: f32, w: &[u8], out: &mut [f32]) {
     portable::axpy_f32(a, &w[i * 4..n * 4], &mut out[i..n]);
 }
 
-/// `Σ w·x` of 32 signed bytes each, as 32-bit lanes.
+/// `acc + Σ a·b` of 16 signed byte pairs, four consecutive products summed into each 32-bit lane.
+///
+/// # Safety
+/// The CPU must have FEAT_DotProd.
+#[target_feature(enable = "dotprod")]
+#[inline]
+unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    // SAFETY: `sdot` reads and writes registers only; the caller guarantees the CPU runs it.
+    asm!(
+        "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+        acc = inout(vreg) acc,
+        a = in(vreg) a,
+        b = in(vreg) b,
+        options(pure, nomem, nostack, preserves_flags)
+    );
+    acc
+}
+
+/// `Σ w·x` of 32 signed bytes each, as 32-bit lanes: `sdot` when `DOT`, else widening multiplies.
+/// (`DOT` is only instantiated inside functions compiled with `dotprod`.)
 #[inline(always)]
-unsafe fn isum32(w: [int8x16_t; 2], x: [int8x16_t; 2]) -> int32x4_t {
+unsafe fn isum32<const DOT: bool>(w: [int8x16_t; 2], x: [int8x16_t; 2]) -> int32x4_t {
     let mut acc = vdupq_n_s32(0);
-    for k in 0..2 {
-        acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(w[k]), vget_low_s8(x[k])));
-        acc = vpadalq_s16(acc, vmull_high_s8(w[k], x[k]));
+    if DOT {
+        for k in 0..2 {
+            acc = sdot(acc, w[k], x[k]);
+        }
+    } else {
+        for k in 0..2 {
+            acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(w[k]), vget_low_s8(x[k])));
+            acc = vpadalq_s16(acc, vmull_high_s8(w[k], x[k]));
+        }
     }
     acc
 }
 
-unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
+#[inline(always)]
+unsafe fn dot_q8_0<const DOT: bool>(w: &[u8], x: &Q8Vec) -> f32 {
     let nb = (w.len() / Q8_0_BYTES).min(x.scales.len());
     let (wp, xq) = (w.as_ptr(), x.quants.as_ptr());
     let mut acc = vdupq_n_f32(0.0);
     for b in 0..nb {
         let blk = wp.add(b * Q8_0_BYTES + 2) as *const i8;
         let q = xq.add(b * BLOCK_LEN);
-        let s = isum32(
+        let s = isum32::<DOT>(
             [vld1q_s8(blk), vld1q_s8(blk.add(16))],
             [vld1q_s8(q), vld1q_s8(q.add(16))],
         );
@@ -121,7 +181,8 @@ unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
 }
 
 /// `Q4_0` (`WITH_MIN` false: offset −8 through the activation sums) or `Q4_1`.
-unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
+#[inline(always)]
+unsafe fn dot_q4<const WITH_MIN: bool, const DOT: bool>(w: &[u8], x: &Q8Vec) -> f32 {
     let (bytes, nib) = if WITH_MIN {
         (Q4_1_BYTES, 4)
     } else {
@@ -139,7 +200,7 @@ unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
             vreinterpretq_s8_u8(vshrq_n_u8::<4>(n)),
         ];
         let q = xq.add(b * BLOCK_LEN);
-        let s = isum32(codes, [vld1q_s8(q), vld1q_s8(q.add(16))]);
+        let s = isum32::<DOT>(codes, [vld1q_s8(q), vld1q_s8(q.add(16))]);
         let dw = f16_at(w, b * bytes);
         acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), dw * x.scales[b]);
         let o = if WITH_MIN {
@@ -150,4 +211,19 @@ unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
         offsets += o * x.sums[b];
     }
     vaddvq_f32(acc) + if WITH_MIN { offsets } else { -8.0 * offsets }
+}
+
+#[target_feature(enable = "dotprod")]
+unsafe fn dot_q8_0_sdot(w: &[u8], x: &Q8Vec) -> f32 {
+    dot_q8_0::<true>(w, x)
+}
+
+#[target_feature(enable = "dotprod")]
+unsafe fn dot_q4_0_sdot(w: &[u8], x: &Q8Vec) -> f32 {
+    dot_q4::<false, true>(w, x)
+}
+
+#[target_feature(enable = "dotprod")]
+unsafe fn dot_q4_1_sdot(w: &[u8], x: &Q8Vec) -> f32 {
+    dot_q4::<true, true>(w, x)
 }

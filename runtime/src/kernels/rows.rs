@@ -3,8 +3,15 @@
 //!
 //! A row kernel works on one encoded row: `dot` (the row times the input vector) and `axpy`
 //! (`out += a · row`, which is also how rows are decoded: `a = 1` into zeros, exactly).
+//!
+//! The environment variable `LEANSTREAM_KERNELS` forces one set by its name (`avx512`, `avx2`,
+//! `neon-dotprod`, `neon`, `portable`), so that every path can be run and compared on a CPU that
+//! has a faster one (`scripts/test-aarch64.sh` runs each NEON path in turn). It is read once; a
+//! name this CPU does not run is an error that lists the ones it does.
 
 use std::sync::OnceLock;
+
+use anyhow::anyhow;
 
 use leanstream_format::quant::{row_bytes, QuantType};
 
@@ -33,6 +40,28 @@ pub struct RowKernels {
     pub(crate) axpy_q4_1: Axpy,
 }
 
+/// The environment variable that forces a kernel set by name.
+pub const FORCE_ENV: &str = "LEANSTREAM_KERNELS";
+
+/// The set named `forced` among `available` (fastest first), or the fastest when none is named.
+pub(super) fn pick(forced: Option<&str>, available: &[RowKernels]) -> Result<RowKernels, String> {
+    match forced {
+        None | Some("") => Ok(available[0]),
+        Some(name) => available
+            .iter()
+            .find(|k| k.isa == name)
+            .copied()
+            .ok_or_else(|| {
+                let names: Vec<&str> = available.iter().map(|k| k.isa).collect();
+                format!(
+                    "{FORCE_ENV}={name}: this CPU does not run those kernels; it runs {} \
+                     (set one of them, or unset {FORCE_ENV} for the fastest)",
+                    names.join(", ")
+                )
+            }),
+    }
+}
+
 pub(crate) const PORTABLE: RowKernels = RowKernels {
     isa: "portable",
     dot_f32: portable::dot_f32,
@@ -50,10 +79,28 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
 };
 
 impl RowKernels {
-    /// The fastest kernels this CPU runs.
+    /// The kernels used everywhere: the fastest this CPU runs, or those `LEANSTREAM_KERNELS` names
+    /// (the binary checks it at start-up with [`RowKernels::check_forced`], so a bad name is an
+    /// error there, not a panic here).
     pub fn best() -> &'static RowKernels {
-        static BEST: OnceLock<RowKernels> = OnceLock::new();
-        BEST.get_or_init(|| Self::available()[0])
+        Self::selected().as_ref().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The name of the kernels [`best`](Self::best) uses, or the error for a bad
+    /// `LEANSTREAM_KERNELS`.
+    pub fn check_forced() -> anyhow::Result<&'static str> {
+        Self::selected()
+            .as_ref()
+            .map(|k| k.isa)
+            .map_err(|e| anyhow!("{e}"))
+    }
+
+    fn selected() -> &'static Result<RowKernels, String> {
+        static SELECTED: OnceLock<Result<RowKernels, String>> = OnceLock::new();
+        SELECTED.get_or_init(|| {
+            let forced = std::env::var_os(FORCE_ENV).map(|v| v.to_string_lossy().into_owned());
+            pick(forced.as_deref(), &Self::available())
+        })
     }
 
     /// Every kernel set this CPU runs, fastest first (tests and benches compare them).
@@ -71,7 +118,13 @@ impl RowKernels {
             }
         }
         #[cfg(target_arch = "aarch64")]
-        sets.push(super::neon::kernels());
+        {
+            if super::neon::dotprod_detected() {
+                // SAFETY: the CPU has FEAT_DotProd.
+                sets.push(unsafe { super::neon::dotprod_kernels() });
+            }
+            sets.push(super::neon::kernels());
+        }
         sets.push(PORTABLE);
         sets
     }

@@ -7,6 +7,7 @@ use rand::{Rng, SeedableRng};
 
 use super::bundles::{ffn_bundles, BundleLayout};
 use super::qmatrix::GEMM_MIN_TOKENS;
+use super::rows::{pick, FORCE_ENV};
 use super::{Matrix, Operand, Q8Vec, QMatrix, RowKernels, RowStream, Weight};
 use crate::config::Activation;
 
@@ -94,6 +95,7 @@ fn row_dots_match_f64() {
     let (seed, mut rng) = rng();
     for k in RowKernels::available() {
         for qtype in QuantType::ALL {
+            let mut max_err = 0.0f64;
             for n in lengths(qtype) {
                 let (bytes, w) = encoded_row(qtype, n, &mut rng);
                 let xs = random(n, 2.0, &mut rng);
@@ -101,6 +103,7 @@ fn row_dots_match_f64() {
                 let got = k.dot(qtype, &bytes, &x) as f64;
                 let want = dot64(&w, &seen(&x, qtype));
                 let tol = REL * abs_dot64(&w, &seen(&x, qtype)) + 1e-30;
+                max_err = max_err.max((got - want).abs() / abs_dot64(&w, &seen(&x, qtype)));
                 assert!(
                     (got - want).abs() <= tol,
                     "seed {seed}: {} {qtype} n={n}: {got} vs {want}",
@@ -122,8 +125,15 @@ fn row_dots_match_f64() {
                     k.isa
                 );
             }
+            report("dot", k.isa, qtype, max_err);
         }
     }
+}
+
+/// Prints a kernel's largest error against the f64 reference, relative to the sum of the
+/// magnitudes it added up (what `REL` bounds); `scripts/test-aarch64.sh` collects these lines.
+fn report(kernel: &str, isa: &str, qtype: impl std::fmt::Display, max_err: f64) {
+    eprintln!("max-error {kernel} {isa} {qtype} {max_err:.3e}");
 }
 
 #[test]
@@ -131,6 +141,7 @@ fn axpy_matches_f64_and_decoding_is_exact() {
     let (seed, mut rng) = rng();
     for k in RowKernels::available() {
         for qtype in QuantType::ALL {
+            let mut max_err = 0.0f64;
             for n in lengths(qtype) {
                 let (bytes, w) = encoded_row(qtype, n, &mut rng);
                 let a = rng.random_range(-2.0f32..2.0);
@@ -141,7 +152,9 @@ fn axpy_matches_f64_and_decoding_is_exact() {
                 let wmax = w.iter().fold(0.0f64, |m, v| m.max(v.abs()));
                 for i in 0..n {
                     let want = out0[i] as f64 + a as f64 * w[i];
-                    let tol = 1e-6 * (out0[i].abs() as f64 + (a as f64).abs() * wmax) + 1e-30;
+                    let scale = out0[i].abs() as f64 + (a as f64).abs() * wmax;
+                    let tol = 1e-6 * scale + 1e-30;
+                    max_err = max_err.max((out[i] as f64 - want).abs() / scale);
                     assert!(
                         (out[i] as f64 - want).abs() <= tol,
                         "seed {seed}: {} {qtype} n={n} element {i}: {} vs {want}",
@@ -154,6 +167,7 @@ fn axpy_matches_f64_and_decoding_is_exact() {
                 let want: Vec<f32> = w.iter().map(|v| *v as f32).collect();
                 assert_eq!(decoded, want, "seed {seed}: {} {qtype} n={n}", k.isa);
             }
+            report("axpy", k.isa, qtype, max_err);
         }
     }
 }
@@ -161,6 +175,7 @@ fn axpy_matches_f64_and_decoding_is_exact() {
 #[test]
 fn matvec_and_matmul_match_f64() {
     let (seed, mut rng) = rng();
+    let mut max_err = std::collections::BTreeMap::<(&str, &str, String), f64>::new();
     // Rows, columns, tokens: the first crosses the parallel threshold for every type (≥ 1 MiB);
     // the last is long enough for the decode-to-f32 + gemm path.
     for (rows, cols, t) in [(8192, 256, 2), (5, 64, 3), (300, 288, GEMM_MIN_TOKENS + 3)] {
@@ -187,9 +202,14 @@ fn matvec_and_matmul_match_f64() {
                 } else {
                     xi.iter().map(|v| *v as f64).collect()
                 };
+                let best = RowKernels::best().isa;
                 for r in 0..rows {
                     let want = dot64(&w[r], &seen_x);
                     let tol = REL * abs_dot64(&w[r], &seen_x);
+                    let e = max_err
+                        .entry(("matmul", best, qtype.to_string()))
+                        .or_default();
+                    *e = e.max((out[i * rows + r] as f64 - want).abs() / abs_dot64(&w[r], &seen_x));
                     assert!(
                         (out[i * rows + r] as f64 - want).abs() <= tol,
                         "seed {seed}: {qtype} {rows}×{cols} t={t} matmul {i},{r}"
@@ -205,6 +225,10 @@ fn matvec_and_matmul_match_f64() {
                     for r in 0..rows {
                         let want = dot64(&w[r], &xq);
                         let tol = REL * abs_dot64(&w[r], &xq);
+                        let e = max_err
+                            .entry(("matvec", k.isa, qtype.to_string()))
+                            .or_default();
+                        *e = e.max((one[r] as f64 - want).abs() / abs_dot64(&w[r], &xq));
                         assert!(
                             (one[r] as f64 - want).abs() <= tol,
                             "seed {seed}: {} {qtype} {rows}×{cols} matvec row {r}",
@@ -214,6 +238,9 @@ fn matvec_and_matmul_match_f64() {
                 }
             }
         }
+    }
+    for ((kernel, isa, qtype), e) in max_err {
+        report(kernel, isa, qtype, e);
     }
 }
 
@@ -310,8 +337,11 @@ fn bundle_ffn_matches_f64() {
             let all = act == Activation::Silu && threshold == 0.0;
             assert!(active > 0, "seed {seed}: {qtype}");
             assert_eq!(all, active == bundles.len(), "seed {seed}: {qtype}");
+            let mut max_err = 0.0f64;
             for j in 0..hidden {
                 let tol = REL * (scale[j] + out0[j].abs() as f64) + 1e-6;
+                max_err = max_err
+                    .max((out[j] as f64 - want[j]).abs() / (scale[j] + out0[j].abs() as f64));
                 assert!(
                     (out[j] as f64 - want[j]).abs() <= tol,
                     "seed {seed}: {qtype} {act:?} output {j}: {} vs {}",
@@ -319,6 +349,12 @@ fn bundle_ffn_matches_f64() {
                     want[j]
                 );
             }
+            report(
+                &format!("bundle-ffn-{act:?}-{threshold}"),
+                RowKernels::best().isa,
+                qtype,
+                max_err,
+            );
         }
     }
 }
@@ -407,4 +443,33 @@ fn row_stream_in_blocks_equals_matmul_bit_for_bit() {
             );
         }
     }
+}
+
+#[test]
+fn forcing_a_kernel_set_picks_it_or_names_the_choices() {
+    let sets = RowKernels::available();
+    for k in &sets {
+        assert_eq!(pick(Some(k.isa), &sets).unwrap().isa, k.isa);
+    }
+    assert_eq!(pick(None, &sets).unwrap().isa, sets[0].isa);
+    assert_eq!(pick(Some(""), &sets).unwrap().isa, sets[0].isa);
+    let Err(err) = pick(Some("sve9"), &sets) else {
+        panic!("an unknown kernel set was accepted");
+    };
+    assert!(
+        err.contains("LEANSTREAM_KERNELS=sve9") && err.contains("portable"),
+        "{err}"
+    );
+}
+
+/// The kernels every mat-vec, mat-mat and bundle FFN use are the forced ones when
+/// `LEANSTREAM_KERNELS` is set (the aarch64 script runs this file once per NEON path), else the
+/// fastest.
+#[test]
+fn best_follows_the_environment() {
+    let want = match std::env::var(FORCE_ENV) {
+        Ok(name) if !name.is_empty() => name,
+        _ => RowKernels::available()[0].isa.to_string(),
+    };
+    assert_eq!(RowKernels::best().isa, want);
 }

@@ -1,0 +1,251 @@
+#!/usr/bin/env bash
+# Proves the aarch64 build under emulation (no ARM machine needed): cross-builds the runtime's
+# kernel tests and the `leanstream` binary for aarch64-unknown-linux-gnu and runs them under
+# qemu-aarch64, on a CPU model with dotprod and i8mm (`-cpu max`) and on one without
+# (`-cpu cortex-a72`), so both branches of the kernel detection run:
+#
+#  1. the kernel tests (every encoding: dot, axpy, mat-vec, mat-mat, bundle FFN, against f64
+#     references) with each kernel set forced in turn through LEANSTREAM_KERNELS (neon-dotprod
+#     where the CPU has it, neon, portable); forcing neon-dotprod on the CPU without it must fail
+#     with the error that names the choices;
+#  2. end to end on the embedded model, converted here (x86) to q8 and q4 files: the perplexity of
+#     the start of data/heldout-head.txt (--policy resident: one token at a time, through the
+#     mat-vec and bundle kernels) within 1e-4 relative of the x86 run; the greedy text token for token equal to the
+#     x86 text up to the first step where either top-2 logit margin is below MARGIN_EPS (summation
+#     orders differ between NEON and AVX, so bit equality is not expected; past a near tie the texts
+#     may part); and a streaming run under a budget (--flash ufs4, most of the FFN on flash) equal
+#     to `resident` on the same CPU bit for bit.
+#
+# Installs what it needs (Debian: qemu-user, gcc-aarch64-linux-gnu; rustup: the target) and fails
+# loudly if it cannot; never skips. The cross build has its own target directory
+# ($LEANSTREAM_AARCH64_TARGET_DIR, default target/aarch64-cross) so the x86 one is not disturbed.
+# Prints a summary table of the runs (and writes it as JSON to $LEANSTREAM_AARCH64_REPORT if set).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TARGET=aarch64-unknown-linux-gnu
+SYSROOT=/usr/aarch64-linux-gnu
+CROSS_DIR="${LEANSTREAM_AARCH64_TARGET_DIR:-target/aarch64-cross}"
+# Relative perplexity difference allowed between the aarch64 and x86 runs.
+PPL_REL=1e-4
+# Greedy choices closer than this (logit units) may flip with summation order.
+MARGIN_EPS=1e-3
+TOKENS=48
+PROMPT="It was a fine morning, and Emma"
+
+die() {
+  echo "test-aarch64: FAILED: $*" >&2
+  exit 1
+}
+say() { echo "test-aarch64: $*" >&2; }
+
+# --- Tools ---------------------------------------------------------------------------------------
+apt_install() {
+  local runner=()
+  if [ "$(id -u)" != 0 ]; then
+    command -v sudo >/dev/null || die "$* missing and not root (no sudo): install Debian's $* and re-run"
+    runner=(sudo -n)
+  fi
+  command -v apt-get >/dev/null || die "$* missing and no apt-get: install $* (qemu-user, an aarch64 gcc cross linker) and re-run"
+  say "installing $*"
+  DEBIAN_FRONTEND=noninteractive "${runner[@]}" apt-get install -y --no-install-recommends "$@" >&2 ||
+    { "${runner[@]}" apt-get update >&2 && DEBIAN_FRONTEND=noninteractive "${runner[@]}" apt-get install -y --no-install-recommends "$@" >&2; } ||
+    die "could not install $*"
+}
+command -v qemu-aarch64 >/dev/null || apt_install qemu-user
+command -v aarch64-linux-gnu-gcc >/dev/null || apt_install gcc-aarch64-linux-gnu libc6-dev-arm64-cross
+[ -e "$SYSROOT/lib/ld-linux-aarch64.so.1" ] || apt_install libc6-dev-arm64-cross
+command -v qemu-aarch64 >/dev/null || die "qemu-aarch64 still missing after installing qemu-user"
+command -v aarch64-linux-gnu-gcc >/dev/null || die "aarch64-linux-gnu-gcc still missing"
+rustup target list --installed | grep -qx "$TARGET" || rustup target add "$TARGET" >&2 ||
+  die "rustup target add $TARGET failed"
+command -v python3 >/dev/null || die "python3 is needed to compare the runs' JSON"
+
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
+export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
+export AR_aarch64_unknown_linux_gnu=aarch64-linux-gnu-ar
+unset LEANSTREAM_KERNELS
+
+qemu() { # CPU, then the command
+  local cpu=$1
+  shift
+  qemu-aarch64 -L "$SYSROOT" -cpu "$cpu" "$@"
+}
+
+# --- Builds: only what runs ----------------------------------------------------------------------
+t0=$(date +%s)
+say "host (x86) leanstream and leanstream-prep"
+cargo build --release -p leanstream --bin leanstream -p leanstream-prep --bin leanstream-prep >&2
+HOST_LS=target/release/leanstream
+HOST_PREP=target/release/leanstream-prep
+say "cross build: leanstream (bin) and its unit tests for $TARGET in $CROSS_DIR"
+cross=(--release --target "$TARGET" --target-dir "$CROSS_DIR" -p leanstream)
+cargo build "${cross[@]}" --bin leanstream >&2
+ARM_LS="$CROSS_DIR/$TARGET/release/leanstream"
+test_out=$(cargo test "${cross[@]}" --lib --no-run 2>&1) || { echo "$test_out" >&2; die "cross build of the unit tests"; }
+ARM_TESTS=$(echo "$test_out" | sed -n 's/.*Executable unittests src\/lib.rs (\(.*\))$/\1/p' | tail -1)
+[ -x "$ARM_TESTS" ] || { echo "$test_out" >&2; die "unit-test binary not found in cargo's output"; }
+[ "$(od -An -tx1 -j18 -N2 "$ARM_LS" | tr -d " ")" = b700 ] ||
+  die "$ARM_LS is not an aarch64 binary"
+t_build=$(($(date +%s) - t0))
+say "builds took ${t_build}s"
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/leanstream-aarch64.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+RESULTS="$WORK/results.jsonl"
+: >"$RESULTS"
+record() { echo "$1" >>"$RESULTS"; }
+
+# --- Detection ----------------------------------------------------------------------------------
+# The unforced binary must pick neon-dotprod on `max` and neon on cortex-a72; forcing a set the CPU
+# lacks must be refused with the error naming the choices.
+check_detected() { # CPU, expected set
+  local got
+  got=$(qemu "$1" "$ARM_LS" run --model models/austen-relu -p "Emma" -n 1 --json 2>"$WORK/err" |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["kernels"])') ||
+    { cat "$WORK/err" >&2; die "run under -cpu $1"; }
+  [ "$got" = "$2" ] || die "-cpu $1 picked $got, expected $2"
+  say "-cpu $1: detected $got"
+}
+check_detected max neon-dotprod
+check_detected cortex-a72 neon
+if LEANSTREAM_KERNELS=neon-dotprod qemu cortex-a72 "$ARM_LS" run --model models/austen-relu -p Emma -n 1 \
+  >/dev/null 2>"$WORK/err"; then
+  die "forcing neon-dotprod on cortex-a72 (no dotprod) was accepted"
+fi
+grep -q 'LEANSTREAM_KERNELS=neon-dotprod: this CPU does not run those kernels; it runs neon, portable' "$WORK/err" ||
+  { cat "$WORK/err" >&2; die "forcing neon-dotprod on cortex-a72: unexpected error"; }
+say "-cpu cortex-a72: forcing neon-dotprod is refused: $(cat "$WORK/err")"
+
+# --- Kernel tests --------------------------------------------------------------------------------
+# CPU:set pairs. The tests compare every set the CPU runs against f64; forcing sets the one the
+# mat-mat, row-stream and bundle FFN paths use (and best_follows_the_environment checks it).
+for run in max:neon-dotprod max:neon cortex-a72:neon cortex-a72:portable; do
+  cpu=${run%%:*} set=${run#*:}
+  say "kernel tests, -cpu $cpu, LEANSTREAM_KERNELS=$set"
+  s=$(date +%s)
+  LEANSTREAM_KERNELS=$set qemu "$cpu" "$ARM_TESTS" --test-threads 2 --nocapture kernels:: >"$WORK/kt" 2>"$WORK/kt.err" ||
+    { cat "$WORK/kt" "$WORK/kt.err" >&2; die "kernel tests failed under -cpu $cpu with $set"; }
+  grep -q 'test result: ok' "$WORK/kt" || { cat "$WORK/kt" >&2; die "no test result"; }
+  n=$(sed -n 's/.*test result: ok\. \([0-9]*\) passed.*/\1/p' "$WORK/kt")
+  [ "${n:-0}" -ge 10 ] || { cat "$WORK/kt" >&2; die "only ${n:-0} kernel tests ran"; }
+  grep "^max-error " "$WORK/kt.err" | while read -r _ kernel isa qtype err; do
+    record "{\"kind\":\"max-error\",\"cpu\":\"$cpu\",\"op\":\"$kernel\",\"kernels\":\"$isa\",\"qtype\":\"$qtype\",\"rel_err\":$err}"
+  done
+  record "{\"kind\":\"kernel-tests\",\"cpu\":\"$cpu\",\"kernels\":\"$set\",\"passed\":$n,\"seconds\":$(($(date +%s) - s))}"
+done
+
+# --- End to end ----------------------------------------------------------------------------------
+compare() { # name, x86 json, arm json, cpu, set: perplexity within PPL_REL, greedy tokens
+  python3 - "$@" "$PPL_REL" "$MARGIN_EPS" >>"$RESULTS" <<'EOF'
+import json, sys
+name, kind, x86, arm, cpu, kset, rel, eps = sys.argv[1:]
+a, b = json.load(open(x86)), json.load(open(arm))
+if b.get("kernels") != kset:
+    sys.exit(f"{name}: ran {b.get('kernels')}, expected {kset}")
+out = {"kind": kind, "file": name, "cpu": cpu, "kernels": kset}
+if kind == "perplexity":
+    d = abs(b["perplexity"] / a["perplexity"] - 1)
+    out.update(x86=a["perplexity"], arm=b["perplexity"], rel_diff=d, tokens=b["tokens"])
+    if b["tokens"] != a["tokens"] or d > float(rel):
+        sys.exit(f"{name} -cpu {cpu} {kset}: perplexity {b['perplexity']} vs x86 {a['perplexity']} (rel {d:.2e} > {rel})")
+else:
+    ta, tb, ma, mb = a["tokens"], b["tokens"], a["top2_margins"], b["top2_margins"]
+    agree = 0
+    while agree < min(len(ta), len(tb)) and ta[agree] == tb[agree]:
+        agree += 1
+    n = max(len(ta), len(tb))
+    if agree < n:
+        # They part at step `agree`: allowed only where that choice was a near tie on either side.
+        m = min(ma[agree], mb[agree])
+        if m >= float(eps):
+            sys.exit(f"{name} -cpu {cpu} {kset}: greedy token {agree} differs ({tb[agree] if agree < len(tb) else 'end'} vs x86 {ta[agree] if agree < len(ta) else 'end'}) with top-2 margin {m} >= {eps}")
+        out["parted_at_margin"] = m
+    out.update(tokens=n, agreed=agree, min_margin_before=min(mb[:agree], default=None))
+print(json.dumps(out))
+EOF
+}
+
+# The perplexity text: the first PPL_BYTES of data/heldout-head.txt (about 1 400 tokens, three ctx-512
+# windows). The whole file (16 952 tokens) is scored one token at a time by --policy resident, which
+# takes minutes per run under emulation; the prefix keeps the script's CI time reasonable.
+PPL_BYTES=6000
+head -c "$PPL_BYTES" data/heldout-head.txt >"$WORK/heldout-prefix.txt"
+for quant in q8 q4; do
+  lsb="$WORK/austen-$quant.lsb"
+  say "converting the embedded model to $quant (x86)"
+  "$HOST_PREP" convert models/austen-relu -o "$lsb" --quant "$quant" --calib-tokens 2048 --cluster-kib 8 >/dev/null 2>"$WORK/err" ||
+    { cat "$WORK/err" >&2; die "convert --quant $quant"; }
+  ppl=(perplexity --model "$lsb" --file "$WORK/heldout-prefix.txt" --policy resident --json)
+  gen=(run --model "$lsb" -p "$PROMPT" -n "$TOKENS" --temp 0 --repeat-penalty 1 --policy resident --json)
+  "$HOST_LS" "${ppl[@]}" >"$WORK/x86-ppl-$quant.json" || die "x86 perplexity ($quant)"
+  "$HOST_LS" "${gen[@]}" >"$WORK/x86-gen-$quant.json" 2>/dev/null || die "x86 greedy run ($quant)"
+  # (forced neon on -cpu max runs the same instructions as cortex-a72's detected neon; the kernel
+  # tests above cover it)
+  for run in max:neon-dotprod cortex-a72:neon; do
+    cpu=${run%%:*} set=${run#*:}
+    say "$quant end to end, -cpu $cpu, $set"
+    tag="$quant-$cpu-$set"
+    LEANSTREAM_KERNELS=$set qemu "$cpu" "$ARM_LS" "${ppl[@]}" >"$WORK/arm-ppl-$tag.json" 2>"$WORK/err" ||
+      { cat "$WORK/err" >&2; die "aarch64 perplexity ($tag)"; }
+    compare "$quant" perplexity "$WORK/x86-ppl-$quant.json" "$WORK/arm-ppl-$tag.json" "$cpu" "$set" || die "perplexity ($tag)"
+    LEANSTREAM_KERNELS=$set qemu "$cpu" "$ARM_LS" "${gen[@]}" >"$WORK/arm-gen-$tag.json" 2>"$WORK/err" ||
+      { cat "$WORK/err" >&2; die "aarch64 greedy run ($tag)"; }
+    compare "$quant" greedy "$WORK/x86-gen-$quant.json" "$WORK/arm-gen-$tag.json" "$cpu" "$set" || die "greedy ($tag)"
+  done
+done
+
+# Streaming under a budget on aarch64 (the q8 file, -cpu max, detected kernels): the planner's
+# minimum there (qemu's own memory is part of the process) plus a quarter of the FFN bundles, the
+# rest of the FFN streaming from an emulated UFS 4.0. Equal to resident token for token and in
+# every margin (bit for bit).
+lsb="$WORK/austen-q8.lsb"
+min=$(qemu max "$ARM_LS" run --model "$lsb" -p Emma -n 1 --memory 1 2>&1 >/dev/null |
+  sed -n 's/.*minimum[^0-9]*\([0-9][0-9.]*\) MiB.*/\1/p' | head -1)
+[ -n "$min" ] || die "could not read the planner's minimum from the refusal of --memory 1"
+ffn=$("$HOST_PREP" inspect "$lsb" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["ffn_bytes"])')
+budget=$(python3 -c "print(int($min * 2**20 + 0.25 * $ffn) + (1 << 20))")
+say "streaming under --memory $budget (minimum $min MiB + a quarter of $ffn FFN bytes), --flash ufs4"
+qemu max "$ARM_LS" run --model "$lsb" -p "$PROMPT" -n "$TOKENS" --temp 0 --repeat-penalty 1 \
+  --policy leanstream --memory "$budget" --flash ufs4 --json >"$WORK/arm-stream.json" 2>"$WORK/err" ||
+  { cat "$WORK/err" >&2; die "aarch64 streaming run"; }
+python3 - "$WORK/arm-gen-q8-max-neon-dotprod.json" "$WORK/arm-stream.json" >>"$RESULTS" <<'EOF' || die "streaming != resident on aarch64"
+import json, sys
+r, s = (json.load(open(p)) for p in sys.argv[1:])
+if s["kernels"] != r["kernels"]:
+    sys.exit(f"kernels {s['kernels']} vs {r['kernels']}")
+if s["tokens"] != r["tokens"] or s["top2_margins"] != r["top2_margins"]:
+    sys.exit("streaming tokens or logits differ from resident")
+if not s["bytes_read_per_token"] > 0:
+    sys.exit("the streaming run read nothing from flash: the budget did not bind")
+print(json.dumps({"kind": "streaming-vs-resident", "cpu": "max", "kernels": s["kernels"],
+                  "tokens": len(s["tokens"]), "budget": s["memory_budget_bytes"],
+                  "bytes_read_per_token": s["bytes_read_per_token"], "equal": True}))
+EOF
+
+total=$(($(date +%s) - t0))
+record "{\"kind\":\"time\",\"build_seconds\":$t_build,\"total_seconds\":$total}"
+[ -n "${LEANSTREAM_AARCH64_REPORT:-}" ] && cp "$RESULTS" "$LEANSTREAM_AARCH64_REPORT"
+python3 - "$RESULTS" <<'EOF'
+import json, sys
+# Largest error per kernel, encoding, CPU and kernel set over every run, then the other records.
+worst, cols = {}, []
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["kind"] != "max-error":
+        continue
+    col, row = f"{r['cpu']}/{r['kernels']}", (r["op"], r["qtype"])
+    cols += [col] if col not in cols else []
+    worst[row, col] = max(worst.get((row, col), 0.0), r["rel_err"])
+print("max |kernel - f64| / sum|terms| (every run)")
+print(f"{'kernel':26}{'type':6}" + "".join(f"{c:>24}" for c in cols))
+for row in sorted({row for row, _ in worst}):
+    print(f"{row[0]:26}{row[1]:6}" + "".join(
+        f"{worst[row, c]:>24.2e}" if (row, c) in worst else f"{'-':>24}" for c in cols))
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    k = r.pop("kind")
+    if k != "max-error":
+        print(f"{k:22} " + "  ".join(f"{a}={b}" for a, b in r.items()))
+EOF
+say "passed (${total}s, of which builds ${t_build}s)"
