@@ -46,7 +46,10 @@ fn a_budget_too_small_for_the_default_context_shrinks_it() {
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let ctx = v["ctx"].as_u64().unwrap();
-    assert!(ctx > 256 && ctx < 1024 && ctx.is_multiple_of(64), "ctx {ctx}");
+    assert!(
+        ctx > 256 && ctx < 1024 && ctx.is_multiple_of(64),
+        "ctx {ctx}"
+    );
     let note = format!("holds a context of {ctx} tokens, not the default 1024: using --ctx {ctx}");
     assert!(stderr(&o).contains(&note), "{}", stderr(&o));
     // Asked for explicitly, the context is kept and the budget refused.
