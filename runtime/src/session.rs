@@ -145,6 +145,7 @@ impl Session {
             // Without --ctx, a budget too small for the default context gets a shorter one.
             ctx_floor: (o.ctx.is_none() && o.memory.is_some()).then_some(MIN_SHRUNK_CTX.min(ctx)),
             kv: o.kv,
+            tokenizer_bytes: Some(tokenizer.resident_bytes(&file)),
             tuning: o.tuning.clone(),
         };
         let eos_token_ids = file.meta.model.eos_token_ids.clone();

@@ -237,6 +237,7 @@ fn generate_with_flip(file: &Path, at: u64) -> anyhow::Result<Vec<u32>> {
         ctx: CTX,
         ctx_floor: None,
         kv: Default::default(),
+        tokenizer_bytes: None,
         tuning: Tuning::default(),
     };
     let mut model = StreamingModel::open_on(file, lsb, device, &opts)?;

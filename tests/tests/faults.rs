@@ -55,6 +55,7 @@ fn generate_with(faults: Vec<Fault>) -> (Result<Vec<u32>>, Option<IoStats>, u64)
         ctx: CTX,
         ctx_floor: None,
         kv: Default::default(),
+        tokenizer_bytes: None,
         tuning: Tuning::default(),
     };
     let mut model = match StreamingModel::open_on(path, file, device.clone(), &opts) {

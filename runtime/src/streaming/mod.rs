@@ -70,6 +70,9 @@ pub struct StreamOptions {
     pub ctx_floor: Option<usize>,
     /// How the KV cache stores keys and values (the planner reserves its bytes).
     pub kv: KvType,
+    /// What the caller's loaded tokenizer holds ([`crate::tokenizer::Tokenizer::resident_bytes`]);
+    /// `None` works it out from the file (reading its compact tables once more).
+    pub tokenizer_bytes: Option<u64>,
     pub tuning: Tuning,
 }
 
@@ -135,7 +138,10 @@ impl StreamingModel {
         crate::memory::release_freed_memory();
         let tensors = DenseTensors::open(&file)?;
         let sizes = tensors.sizes(&config)?;
-        let tokenizer = crate::tokenizer::resident_bytes(&file)?;
+        let tokenizer = match opts.tokenizer_bytes {
+            Some(bytes) => bytes,
+            None => crate::tokenizer::resident_bytes(&file)?,
+        };
         let input = |ctx| {
             let sizes = sizes.clone();
             plan_input(

@@ -73,6 +73,7 @@ impl ActiveTrace {
             ctx_floor: None,
             // The storage bench runs use, so the recorded sets are theirs.
             kv: Default::default(),
+            tokenizer_bytes: None,
             tuning: Tuning::default(),
         };
         let mut model = StreamingModel::open(path, file, &opts)?;

@@ -18,11 +18,17 @@ pub use from_json::bpe_vocab;
 /// `tokenizer.json` through `tokenizers`, about eleven times the JSON in RSS (measured: 15.3 MiB
 /// for SmolLM2's 1.56 MB, 2.5 MiB for the embedded model's 0.26 MB).
 pub fn resident_bytes(file: &LsbFile) -> Result<u64> {
+    let compact =
+        LsbFile::read_bpe_vocab(&file.path)?.map(|v| byte_bpe::ByteBpe::new(v).heap_bytes());
+    Ok(planned_bytes(compact, file))
+}
+
+fn planned_bytes(compact: Option<usize>, file: &LsbFile) -> u64 {
     const PARSED_PER_JSON_BYTE: u64 = 11;
-    Ok(match LsbFile::read_bpe_vocab(&file.path)? {
-        Some(vocab) => byte_bpe::ByteBpe::new(vocab).heap_bytes() as u64,
-        None => PARSED_PER_JSON_BYTE * file.tokenizer_json.len() as u64,
-    })
+    compact.map_or(
+        PARSED_PER_JSON_BYTE * file.tokenizer_json.len() as u64,
+        |b| b as u64,
+    )
 }
 
 /// A text file for the tokenizer (a prompt, a perplexity corpus); it must be UTF-8.
@@ -84,6 +90,11 @@ impl Tokenizer {
             Inner::Compact(c) => Some(c.heap_bytes()),
             Inner::Hf(_) => None,
         }
+    }
+
+    /// [`resident_bytes`] of this tokenizer, loaded from `file`, without reading the file again.
+    pub fn resident_bytes(&self, file: &LsbFile) -> u64 {
+        planned_bytes(self.compact_bytes(), file)
     }
 
     /// Parses the contents of a `tokenizer.json`.
