@@ -16,14 +16,19 @@ fn target_dir() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
+/// A file cargo built: `cargo build` puts the libraries in `target/<profile>`, while
+/// `cargo test` leaves them in `target/<profile>/deps` (only root units are copied up).
 fn built(name: &str) -> PathBuf {
-    let p = target_dir().join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: run the tests with `cargo test --workspace`",
-        p.display()
-    );
-    p
+    let dir = target_dir();
+    [dir.join("deps").join(name), dir.join(name)]
+        .into_iter()
+        .find(|p| p.exists())
+        .unwrap_or_else(|| {
+            panic!(
+                "{name} is missing from {}: run the tests with `cargo test --workspace`",
+                dir.display()
+            )
+        })
 }
 
 fn scratch() -> PathBuf {
@@ -66,7 +71,7 @@ const PROMPT: &str = "It is a truth universally acknowledged";
 
 #[test]
 fn the_c_example_writes_runs_text_and_reports_a_bad_path() {
-    built("libleanstream_c.so");
+    let shared_lib = built("libleanstream_c.so");
     let model = crate_dir().join("../../models/austen-relu");
     let run = Command::new(built("leanstream"))
         .arg("run")
@@ -80,7 +85,7 @@ fn the_c_example_writes_runs_text_and_reports_a_bad_path() {
 
     let dir = scratch();
     let shared = dir.join("generate");
-    let lib_dir = target_dir();
+    let lib_dir = shared_lib.parent().unwrap();
     compile(
         &shared,
         &[
