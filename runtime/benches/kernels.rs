@@ -11,7 +11,9 @@
 //!
 //! A filter argument works as for any criterion bench (`cargo bench -p leanstream --bench kernels --
 //! matvec/avx512`). The filter `table` instead prints the GB/s table of the report: mat-vec of
-//! every encoding against the read bandwidth, measured interleaved.
+//! every encoding and the bundle FFN over the same rows (10 % of the neurons active, counted in the
+//! bytes it touches) against the read bandwidth, measured interleaved. `LEANSTREAM_KERNELS=avx2` runs
+//! the engine's kernels (`best`) as on an AVX2-only CPU.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -109,43 +111,14 @@ fn bench_bundles(c: &mut Criterion, f32_matrix: &Matrix, x: &[f32]) {
     let mut g = c.benchmark_group("bundles");
     let mut rng = StdRng::seed_from_u64(2);
     for qtype in QuantType::ALL {
-        let layout = BundleLayout::new(qtype, COLS).expect("a whole number of blocks");
-        // Gate and up rows from the matrix, down columns random: [gate | up | down] per neuron.
         let m = QMatrix::quantize(f32_matrix, qtype).expect("a whole number of blocks");
-        let down = QMatrix::quantize(&Matrix::new(1, COLS, random(COLS, &mut rng)), qtype)
-            .expect("a whole number of blocks");
-        let mut buf = Vec::with_capacity(ROWS * layout.bundle_bytes());
-        for r in 0..ROWS {
-            buf.extend_from_slice(m.row(r));
-            buf.extend_from_slice(m.row((r + 1) % ROWS));
-            buf.extend_from_slice(down.row(0));
-        }
-        let bytes = buf.len();
-        let bufs = copies(buf, bytes);
+        let bundles = Bundles::new(&m, qtype, x, &mut rng);
+        let (layout, views, threshold) = (bundles.layout, bundles.views(), bundles.threshold);
         let operand = Operand::new(x, qtype);
-        let views: Vec<Vec<&[u8]>> = bufs
-            .iter()
-            .map(|b| b.chunks_exact(layout.bundle_bytes()).collect())
-            .collect();
-        // A threshold that leaves 10 % of the neurons active (ReLU).
         let mut gates = vec![0.0f32; ROWS];
         let mut out = vec![0.0f32; COLS];
         let relu = Activation::Relu;
-        ffn_bundles(
-            &layout,
-            &operand,
-            &views[0],
-            relu,
-            f32::INFINITY,
-            &mut out,
-            &mut gates,
-        )
-        .expect("valid bundles");
-        gates.sort_by(|a, b| b.total_cmp(a));
-        let threshold = gates[ROWS / 10];
-        // Bytes touched: every gate row, and up and down of the active tenth.
-        let touched = ROWS * layout.row_bytes() + ROWS / 10 * 2 * layout.row_bytes();
-        g.throughput(Throughput::BytesDecimal(touched as u64));
+        g.throughput(Throughput::BytesDecimal(bundles.touched as u64));
         let pool = pool(1);
         let mut i = 0;
         g.bench_function(format!("{qtype}"), |b| {
@@ -160,6 +133,62 @@ fn bench_bundles(c: &mut Criterion, f32_matrix: &Matrix, x: &[f32]) {
         });
     }
     g.finish();
+}
+
+/// A 7B-shaped layer's neuron bundles `[gate | up | down]`, gate and up rows from a matrix and
+/// down columns random, copied to fill the working set; and the ReLU threshold that leaves 10 %
+/// of the neurons active.
+struct Bundles {
+    layout: BundleLayout,
+    bufs: Vec<Vec<u8>>,
+    threshold: f32,
+    /// Bytes a pass touches: every gate row, and up and down of the active tenth.
+    touched: usize,
+}
+
+impl Bundles {
+    fn new(m: &QMatrix, qtype: QuantType, x: &[f32], rng: &mut StdRng) -> Self {
+        let layout = BundleLayout::new(qtype, COLS).expect("a whole number of blocks");
+        let down = QMatrix::quantize(&Matrix::new(1, COLS, random(COLS, rng)), qtype)
+            .expect("a whole number of blocks");
+        let mut buf = Vec::with_capacity(ROWS * layout.bundle_bytes());
+        for r in 0..ROWS {
+            buf.extend_from_slice(m.row(r));
+            buf.extend_from_slice(m.row((r + 1) % ROWS));
+            buf.extend_from_slice(down.row(0));
+        }
+        let bytes = buf.len();
+        let bufs = copies(buf, bytes);
+        let operand = Operand::new(x, qtype);
+        let mut gates = vec![0.0f32; ROWS];
+        let mut out = vec![0.0f32; COLS];
+        let views: Vec<&[u8]> = bufs[0].chunks_exact(layout.bundle_bytes()).collect();
+        ffn_bundles(
+            &layout,
+            &operand,
+            &views,
+            Activation::Relu,
+            f32::INFINITY,
+            &mut out,
+            &mut gates,
+        )
+        .expect("valid bundles");
+        gates.sort_by(|a, b| b.total_cmp(a));
+        let touched = ROWS * layout.row_bytes() + ROWS / 10 * 2 * layout.row_bytes();
+        Self {
+            layout,
+            threshold: gates[ROWS / 10],
+            bufs,
+            touched,
+        }
+    }
+
+    fn views(&self) -> Vec<Vec<&[u8]>> {
+        self.bufs
+            .iter()
+            .map(|b| b.chunks_exact(self.layout.bundle_bytes()).collect())
+            .collect()
+    }
 }
 
 fn bench_matmul(c: &mut Criterion) {
@@ -197,16 +226,21 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
         RowKernels::best().isa
     );
     println!(
-        "{:<6} {:>8} {:>10} {:>18} {:>18}",
-        "type", "MB", "read GB/s", "1 thread GB/s", "2 threads GB/s"
+        "{:<6} {:>8} {:>10} {:>18} {:>18} {:>26}",
+        "type", "MB", "read GB/s", "1 thread GB/s", "2 threads GB/s", "bundles 1 thread GB/s"
     );
+    let mut rng = StdRng::seed_from_u64(2);
     for qtype in QuantType::ALL {
         let m = QMatrix::quantize(f32_matrix, qtype).expect("a whole number of blocks");
         let bytes = m.bytes();
         let ms = copies(m, bytes);
         let operand = Operand::new(x, qtype);
-        // Fastest seconds per call: read, 1 thread, 2 threads.
-        let mut best = [f64::MAX; 3];
+        let bundles = Bundles::new(&ms[0], qtype, x, &mut rng);
+        let views = bundles.views();
+        let (mut gates, mut ffn_out) = (vec![0.0f32; ROWS], vec![0.0f32; COLS]);
+        // Fastest seconds per call: read, 1 thread, 2 threads, bundles (a read of their touched
+        // bytes in slot 4).
+        let mut best = [f64::MAX; 5];
         let mut timed = |slot: usize, f: &mut dyn FnMut()| {
             let start = std::time::Instant::now();
             f();
@@ -223,18 +257,45 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
                     timed(1 + p, &mut || pool.install(|| m.matvec(&operand, &mut out)));
                 }
             }
+            for v in &views {
+                timed(3, &mut || {
+                    pools[0].install(|| {
+                        let relu = Activation::Relu;
+                        let t = bundles.threshold;
+                        ffn_bundles(
+                            &bundles.layout,
+                            &operand,
+                            v,
+                            relu,
+                            t,
+                            &mut ffn_out,
+                            &mut gates,
+                        )
+                        .expect("valid bundles");
+                    })
+                });
+            }
+            for slice in buf.chunks_exact(bundles.touched / 4) {
+                timed(4, &mut || {
+                    black_box(sum(black_box(slice)));
+                });
+            }
         }
         let gbs = |s: f64| bytes as f64 / s / 1e9;
         let read = gbs(best[0]);
+        let touched = |s: f64| bundles.touched as f64 / s / 1e9;
         println!(
-            "{:<6} {:>8.1} {:>10.1} {:>11.1} ({:>3.0} %) {:>11.1} ({:>3.0} %)",
+            "{:<6} {:>8.1} {:>10.1} {:>11.1} ({:>3.0} %) {:>11.1} ({:>3.0} %) {:>8.1} ({:>3.0} % of mat-vec, {:>3.0} % of read)",
             qtype.name(),
             bytes as f64 / 1e6,
             read,
             gbs(best[1]),
             100.0 * gbs(best[1]) / read,
             gbs(best[2]),
-            100.0 * gbs(best[2]) / read
+            100.0 * gbs(best[2]) / read,
+            touched(best[3]),
+            100.0 * touched(best[3]) / gbs(best[1]),
+            100.0 * touched(best[3]) / touched(best[4]),
         );
     }
 }

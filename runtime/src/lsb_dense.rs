@@ -1,6 +1,8 @@
-//! Loads a converted LeanStream file whole into DRAM as the dense f32 model (the `dense` policy):
-//! every tensor and every neuron bundle is read, checked against its checksum, decoded and put back
-//! in the original neuron order. This is the reference the streaming policies are compared with.
+//! Loads a converted LeanStream file whole into DRAM as the dense f32 model ([`crate::source::open`]
+//! of a converted file): every tensor and every neuron bundle is read, checked against its
+//! checksum, decoded and put back in the original neuron order, so the conversion can be compared
+//! with the model it came from. (`--policy dense` on a converted file instead keeps the weights as
+//! stored and computes every neuron through the streaming engine: the same bytes as `resident`.)
 
 use std::cell::RefCell;
 use std::collections::HashMap;

@@ -18,7 +18,8 @@ use crate::tokenizer::Tokenizer;
 /// Which engine computes the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyChoice {
-    /// Every weight in DRAM, every neuron computed: the quality reference.
+    /// Every weight in DRAM, every neuron computed: the quality reference (on a converted file,
+    /// its weights as stored, so that it differs from `resident` by sparsity alone).
     Dense,
     /// Every bundle in DRAM, the file's sparsity applied, no I/O.
     Resident,
@@ -105,7 +106,7 @@ impl Session {
                 o.model.display()
             );
         }
-        if policy == PolicyChoice::Dense {
+        if policy == PolicyChoice::Dense && !converted {
             let loaded = source::open(&o.model)?;
             let ctx = cap_ctx(o, loaded.model.config().max_position_embeddings)?;
             check_kv(o, loaded.model.config().head_dim)?;
@@ -130,7 +131,8 @@ impl Session {
         check_kv(o, file.meta.model.head_dim)?;
         let stream = StreamOptions {
             policy: match policy {
-                PolicyChoice::Dense => unreachable!("handled above"),
+                // A converted file's weights as stored, every neuron computed.
+                PolicyChoice::Dense => Policy::Dense,
                 PolicyChoice::Resident => Policy::Resident,
                 PolicyChoice::Mmap => Policy::Mmap,
                 PolicyChoice::PowerInfer2 => Policy::PowerInfer2,

@@ -39,6 +39,9 @@ pub(super) unsafe fn kernels() -> RowKernels {
         axpy_q8_0: |a, w, o| unsafe { axpy_q8_0(a, w, o) },
         axpy_q4_0: |a, w, o| unsafe { axpy_q4::<false>(a, w, o) },
         axpy_q4_1: |a, w, o| unsafe { axpy_q4::<true>(a, w, o) },
+        axpy_rows_q8_0: Some(|a, r, o| unsafe { axpy_rows_q8_0(a, r, o) }),
+        axpy_rows_q4_0: Some(|a, r, o| unsafe { axpy_rows_q4::<false>(a, r, o) }),
+        axpy_rows_q4_1: Some(|a, r, o| unsafe { axpy_rows_q4::<true>(a, r, o) }),
     }
 }
 
@@ -275,5 +278,88 @@ unsafe fn axpy_q4<const WITH_MIN: bool>(a: f32, w: &[u8], out: &mut [f32]) {
                 _mm256_storeu_ps(dst, _mm256_fmadd_ps(sv, v, o));
             }
         }
+    }
+}
+
+/// Whole blocks that `out` and every row hold (each row `bytes` per block).
+#[inline(always)]
+fn common_blocks(rows: &[&[u8]], bytes: usize, out: &[f32]) -> usize {
+    rows.iter()
+        .map(|r| r.len() / bytes)
+        .fold(out.len() / BLOCK_LEN, usize::min)
+}
+
+/// The 32 floats of the output block at `dst`, four vectors.
+#[inline(always)]
+unsafe fn load_block(dst: *const f32) -> [__m256; 4] {
+    [0, 8, 16, 24].map(|i| _mm256_loadu_ps(dst.add(i)))
+}
+
+#[inline(always)]
+unsafe fn store_block(dst: *mut f32, acc: [__m256; 4]) {
+    for (k, v) in acc.into_iter().enumerate() {
+        _mm256_storeu_ps(dst.add(8 * k), v);
+    }
+}
+
+/// [`axpy_q8_0`] of each row in turn, each output block kept in registers across the rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_rows_q8_0(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
+    let n = a.len().min(rows.len());
+    let nb = common_blocks(&rows[..n], Q8_0_BYTES, out);
+    let op = out.as_mut_ptr();
+    for b in 0..nb {
+        let dst = op.add(b * BLOCK_LEN);
+        let mut acc = load_block(dst);
+        for (&a, w) in a[..n].iter().zip(&rows[..n]) {
+            let blk = w.as_ptr().add(b * Q8_0_BYTES);
+            let s = _mm256_set1_ps(a * f16_load(blk));
+            for (k, acc) in acc.iter_mut().enumerate() {
+                let q = _mm_loadl_epi64(blk.add(2 + 8 * k) as *const __m128i);
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                *acc = _mm256_fmadd_ps(s, v, *acc);
+            }
+        }
+        store_block(dst, acc);
+    }
+}
+
+/// [`axpy_q4`] of each row in turn, each output block kept in registers across the rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_rows_q4<const WITH_MIN: bool>(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
+    let (bytes, nib) = if WITH_MIN {
+        (Q4_1_BYTES, 4)
+    } else {
+        (Q4_0_BYTES, 2)
+    };
+    let n = a.len().min(rows.len());
+    let nb = common_blocks(&rows[..n], bytes, out);
+    let op = out.as_mut_ptr();
+    for b in 0..nb {
+        let dst = op.add(b * BLOCK_LEN);
+        let mut acc = load_block(dst);
+        for (&a, w) in a[..n].iter().zip(&rows[..n]) {
+            let blk = w.as_ptr().add(b * bytes);
+            let s = a * f16_load(blk);
+            let c = if WITH_MIN {
+                a * f16_load(blk.add(2))
+            } else {
+                -8.0 * s
+            };
+            let (sv, cv) = (_mm256_set1_ps(s), _mm256_set1_ps(c));
+            let codes = unpack(blk.add(nib));
+            let halves = [
+                _mm256_castsi256_si128(codes),
+                _mm256_extracti128_si256::<1>(codes),
+            ];
+            for (h, q) in halves.into_iter().enumerate() {
+                for (k, q8) in [q, _mm_unpackhi_epi64(q, q)].into_iter().enumerate() {
+                    let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8));
+                    let acc = &mut acc[2 * h + k];
+                    *acc = _mm256_fmadd_ps(sv, v, _mm256_add_ps(*acc, cv));
+                }
+            }
+        }
+        store_block(dst, acc);
     }
 }

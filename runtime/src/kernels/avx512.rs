@@ -42,6 +42,9 @@ pub(super) unsafe fn kernels() -> RowKernels {
         axpy_q8_0: |a, w, o| unsafe { axpy_q8_0(a, w, o) },
         axpy_q4_0: |a, w, o| unsafe { axpy_q4::<false>(a, w, o) },
         axpy_q4_1: |a, w, o| unsafe { axpy_q4::<true>(a, w, o) },
+        axpy_rows_q8_0: Some(|a, r, o| unsafe { axpy_rows_q8_0(a, r, o) }),
+        axpy_rows_q4_0: Some(|a, r, o| unsafe { axpy_rows_q4::<false>(a, r, o) }),
+        axpy_rows_q4_1: Some(|a, r, o| unsafe { axpy_rows_q4::<true>(a, r, o) }),
     }
 }
 
@@ -408,5 +411,74 @@ unsafe fn axpy_q4<const WITH_MIN: bool>(a: f32, w: &[u8], out: &mut [f32]) {
             let o = _mm512_add_ps(_mm512_loadu_ps(dst), cv);
             _mm512_storeu_ps(dst, _mm512_fmadd_ps(sv, v, o));
         }
+    }
+}
+
+/// Whole blocks that `out` and every row hold (each row `bytes` per block).
+#[inline(always)]
+fn common_blocks(rows: &[&[u8]], bytes: usize, out: &[f32]) -> usize {
+    rows.iter()
+        .map(|r| r.len() / bytes)
+        .fold(out.len() / BLOCK_LEN, usize::min)
+}
+
+/// [`axpy_q8_0`] of each row in turn, each output block kept in registers across the rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn axpy_rows_q8_0(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
+    let n = a.len().min(rows.len());
+    let nb = common_blocks(&rows[..n], Q8_0_BYTES, out);
+    let op = out.as_mut_ptr();
+    for b in 0..nb {
+        let dst = op.add(b * BLOCK_LEN);
+        let mut acc = [_mm512_loadu_ps(dst), _mm512_loadu_ps(dst.add(16))];
+        for (&a, w) in a[..n].iter().zip(&rows[..n]) {
+            let s = _mm512_set1_ps(a * f16_at(w, b * Q8_0_BYTES));
+            let blk = w.as_ptr().add(b * Q8_0_BYTES);
+            for (half, acc) in acc.iter_mut().enumerate() {
+                let q = _mm_loadu_si128(blk.add(2 + 16 * half) as *const __m128i);
+                let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+                *acc = _mm512_fmadd_ps(s, v, *acc);
+            }
+        }
+        _mm512_storeu_ps(dst, acc[0]);
+        _mm512_storeu_ps(dst.add(16), acc[1]);
+    }
+}
+
+/// [`axpy_q4`] of each row in turn, each output block kept in registers across the rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn axpy_rows_q4<const WITH_MIN: bool>(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
+    let (bytes, nib) = if WITH_MIN {
+        (Q4_1_BYTES, 4)
+    } else {
+        (Q4_0_BYTES, 2)
+    };
+    let n = a.len().min(rows.len());
+    let nb = common_blocks(&rows[..n], bytes, out);
+    let op = out.as_mut_ptr();
+    let low = _mm_set1_epi8(0x0f);
+    for b in 0..nb {
+        let dst = op.add(b * BLOCK_LEN);
+        let mut acc = [_mm512_loadu_ps(dst), _mm512_loadu_ps(dst.add(16))];
+        for (&a, w) in a[..n].iter().zip(&rows[..n]) {
+            let s = a * f16_at(w, b * bytes);
+            let c = if WITH_MIN {
+                a * f16_at(w, b * bytes + 2)
+            } else {
+                -8.0 * s
+            };
+            let (sv, cv) = (_mm512_set1_ps(s), _mm512_set1_ps(c));
+            let q = _mm_loadu_si128(w.as_ptr().add(b * bytes + nib) as *const __m128i);
+            let codes = [
+                _mm_and_si128(q, low),
+                _mm_and_si128(_mm_srli_epi16::<4>(q), low),
+            ];
+            for (acc, q) in acc.iter_mut().zip(codes) {
+                let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+                *acc = _mm512_fmadd_ps(sv, v, _mm512_add_ps(*acc, cv));
+            }
+        }
+        _mm512_storeu_ps(dst, acc[0]);
+        _mm512_storeu_ps(dst.add(16), acc[1]);
     }
 }

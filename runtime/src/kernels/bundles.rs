@@ -4,19 +4,17 @@
 //! row, its up row and its down column, each `hidden` values in one encoding, `[gate | up | down]`.
 //! The kernel reads bundles where they lie (the resident cache or a buffer just read from flash),
 //! without gathering them into matrices, and skips the up and down work of every neuron whose
-//! activation is negligible.
+//! activation is negligible. It runs in two halves so that a caller can add the down columns later
+//! than it computes the gates ([`gate_pass`], [`down_pass`]); the down columns of the active
+//! neurons are added several at a time ([`RowKernels::axpy_rows`]), which touches the output once
+//! per batch rather than once per neuron and gives the bits of adding them one by one.
 
 use anyhow::{ensure, Result};
 use leanstream_format::quant::{row_bytes, QuantType};
-use rayon::prelude::*;
 
 use super::operand::Operand;
 use super::rows::RowKernels;
-use super::PARALLEL_MIN_WEIGHTS;
 use crate::config::Activation;
-
-/// Bundles per rayon task.
-const BUNDLES_PER_TASK: usize = 64;
 
 /// The shape of one layer's bundles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,9 +43,17 @@ impl BundleLayout {
     }
 }
 
+/// Active neurons whose down columns are added at once ([`RowKernels::axpy_rows`]): the output
+/// is loaded and stored once per batch instead of once per neuron.
+const DOWN_BATCH: usize = 8;
+/// Bundles whose gates [`ffn_bundles`] computes before adding their active neurons' down columns.
+const GATE_BATCH: usize = 64;
+
 /// The FFN over a set of neurons: for each bundle `i`, `g = gate·x` is written to `gates[i]`;
 /// `a = act(g)`; if `|a| > threshold`, `out += a · (up·x) · down`. Returns how many neurons were
-/// computed (not skipped). With ReLU and threshold 0 the skip is exact.
+/// computed (not skipped). With ReLU and threshold 0 the skip is exact. The result is bitwise that
+/// of adding each computed neuron's `a · (up·x) · down` to `out` in order with the row kernels'
+/// `axpy`.
 ///
 /// `x` is the FFN input prepared for `layout.qtype`; `out` has `hidden` values and is added to.
 pub fn ffn_bundles(
@@ -85,58 +91,89 @@ pub fn ffn_bundles(
         );
     }
     let k = RowKernels::best();
-    let work = bundles.len() * layout.hidden;
-    if work < 4 * PARALLEL_MIN_WEIGHTS || rayon::current_num_threads() == 1 {
-        return Ok(run(k, layout, x, bundles, act, threshold, out, gates));
-    }
-    let (partial, computed) = bundles
-        .par_chunks(BUNDLES_PER_TASK)
-        .zip(gates.par_chunks_mut(BUNDLES_PER_TASK))
-        .fold(
-            || (vec![0.0f32; layout.hidden], 0),
-            |(mut acc, n), (bs, gs)| {
-                let m = run(k, layout, x, bs, act, threshold, &mut acc, gs);
-                (acc, n + m)
-            },
-        )
-        .reduce(
-            || (vec![0.0f32; layout.hidden], 0),
-            |(mut a, n), (b, m)| {
-                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                (a, n + m)
-            },
+    let (mut active, mut coef) = ([0u32; GATE_BATCH], [0.0f32; GATE_BATCH]);
+    let mut computed = 0;
+    for (bs, gs) in bundles.chunks(GATE_BATCH).zip(gates.chunks_mut(GATE_BATCH)) {
+        let bundle = |i: usize| bs[i];
+        let m = gate_pass(
+            k,
+            layout,
+            x,
+            bundle,
+            |_| true,
+            act,
+            threshold,
+            gs,
+            &mut active,
+            &mut coef,
         );
-    out.iter_mut().zip(&partial).for_each(|(o, p)| *o += p);
+        down_pass(k, layout, bundle, &active[..m], &coef[..m], out);
+        computed += m;
+    }
     Ok(computed)
 }
 
+/// The first half of the FFN over `gates.len()` bundles (`bundle(i)` gives bundle `i`, each of
+/// `layout.bundle_bytes()`): for each `i` that is a `candidate`, `g = gate·x` goes to `gates[i]`,
+/// and if `|act(g)| > threshold` (active), `i` to the next slot of `active` and `act(g) · (up·x)`
+/// to the same slot of `coef`. Returns how many are active. Gates of non-candidates are left as
+/// they were. `active` and `coef` must have a slot for every bundle.
 #[allow(clippy::too_many_arguments)]
-fn run(
+#[inline]
+pub fn gate_pass<'b>(
     k: &RowKernels,
     layout: &BundleLayout,
     x: &Operand,
-    bundles: &[&[u8]],
+    bundle: impl Fn(usize) -> &'b [u8],
+    candidate: impl Fn(usize) -> bool,
     act: Activation,
     threshold: f32,
-    out: &mut [f32],
     gates: &mut [f32],
+    active: &mut [u32],
+    coef: &mut [f32],
 ) -> usize {
     let (q, rb) = (layout.qtype, layout.row_bytes);
-    let mut computed = 0;
-    for (i, (bundle, g)) in bundles.iter().zip(gates.iter_mut()).enumerate() {
-        if let Some(next) = bundles.get(i + 1) {
-            prefetch(&next[..rb]);
+    let n = gates.len();
+    assert!(active.len() >= n && coef.len() >= n);
+    let mut m = 0;
+    for (i, g) in gates.iter_mut().enumerate() {
+        if !candidate(i) {
+            continue;
         }
-        let (gate, rest) = bundle.split_at(rb);
-        let (up, down) = rest.split_at(rb);
-        *g = k.dot(q, gate, x);
+        let b = bundle(i);
+        if i + 1 < n {
+            prefetch(&bundle(i + 1)[..rb]);
+        }
+        *g = k.dot(q, &b[..rb], x);
         let a = act.apply(*g);
         if a.abs() > threshold {
-            k.axpy(q, a * k.dot(q, up, x), down, out);
-            computed += 1;
+            active[m] = i as u32;
+            coef[m] = a * k.dot(q, &b[rb..2 * rb], x);
+            m += 1;
         }
     }
-    computed
+    m
+}
+
+/// The second half: `out += coef[j] · down(active[j])` for each `j` in order, [`DOWN_BATCH`]
+/// neurons at a time.
+#[inline]
+pub fn down_pass<'b>(
+    k: &RowKernels,
+    layout: &BundleLayout,
+    bundle: impl Fn(usize) -> &'b [u8],
+    active: &[u32],
+    coef: &[f32],
+    out: &mut [f32],
+) {
+    let (q, rb) = (layout.qtype, layout.row_bytes);
+    let mut rows: [&[u8]; DOWN_BATCH] = [&[]; DOWN_BATCH];
+    for (idx, c) in active.chunks(DOWN_BATCH).zip(coef.chunks(DOWN_BATCH)) {
+        for (r, &i) in rows.iter_mut().zip(idx) {
+            *r = &bundle(i as usize)[2 * rb..];
+        }
+        k.axpy_rows(q, c, &rows[..idx.len()], out);
+    }
 }
 
 /// Asks for `bytes` to be brought into cache: bundles lie apart, so the hardware prefetcher, which

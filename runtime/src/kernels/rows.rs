@@ -2,7 +2,11 @@
 //! the dispatch from a row's [`QuantType`] to its kernel.
 //!
 //! A row kernel works on one encoded row: `dot` (the row times the input vector) and `axpy`
-//! (`out += a · row`, which is also how rows are decoded: `a = 1` into zeros, exactly).
+//! (`out += a · row`, which is also how rows are decoded: `a = 1` into zeros, exactly). `axpy_rows`
+//! adds several rows at once (a cluster's active down columns): the same operations in the same
+//! order as `axpy` row after row, so the same bits, with each output block loaded and stored once
+//! for all the rows instead of once per row. An instruction set without its own `axpy_rows` runs
+//! its `axpy` row by row.
 //!
 //! The environment variable `LEANSTREAM_KERNELS` forces one set by its name (`avx512`, `avx2`,
 //! `neon-dotprod`, `neon`, `portable`), so that every path can be run and compared on a CPU that
@@ -21,6 +25,7 @@ use super::portable;
 type FloatDot = fn(&[u8], &[f32]) -> f32;
 type BlockDot = fn(&[u8], &Q8Vec) -> f32;
 type Axpy = fn(f32, &[u8], &mut [f32]);
+type AxpyRows = fn(&[f32], &[&[u8]], &mut [f32]);
 
 /// The row kernels of one instruction set.
 #[derive(Clone, Copy)]
@@ -38,6 +43,10 @@ pub struct RowKernels {
     pub(crate) axpy_q8_0: Axpy,
     pub(crate) axpy_q4_0: Axpy,
     pub(crate) axpy_q4_1: Axpy,
+    /// `axpy` of several rows at once, where the instruction set has one (else row by row).
+    pub(crate) axpy_rows_q8_0: Option<AxpyRows>,
+    pub(crate) axpy_rows_q4_0: Option<AxpyRows>,
+    pub(crate) axpy_rows_q4_1: Option<AxpyRows>,
 }
 
 /// The environment variable that forces a kernel set by name.
@@ -76,6 +85,9 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     axpy_q8_0: portable::axpy_q8_0,
     axpy_q4_0: portable::axpy_q4_0,
     axpy_q4_1: portable::axpy_q4_1,
+    axpy_rows_q8_0: None,
+    axpy_rows_q4_0: None,
+    axpy_rows_q4_1: None,
 };
 
 impl RowKernels {
@@ -156,6 +168,31 @@ impl RowKernels {
             QuantType::Q4_1 => self.axpy_q4_1,
         };
         f(a, row, out)
+    }
+
+    /// `out += Σ a[j] · rows[j]` for rows of `out.len()` values encoded as `qtype`: bitwise
+    /// [`axpy`](Self::axpy) of each row in order.
+    #[inline]
+    pub fn axpy_rows(&self, qtype: QuantType, a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
+        debug_assert_eq!(a.len(), rows.len());
+        let many = match qtype {
+            QuantType::Q8_0 => self.axpy_rows_q8_0,
+            QuantType::Q4_0 => self.axpy_rows_q4_0,
+            QuantType::Q4_1 => self.axpy_rows_q4_1,
+            _ => None,
+        };
+        match many {
+            Some(f) => {
+                debug_assert!(rows
+                    .iter()
+                    .all(|r| Ok(r.len()) == row_bytes(qtype, out.len())));
+                f(a, rows, out)
+            }
+            None => a
+                .iter()
+                .zip(rows)
+                .for_each(|(&a, row)| self.axpy(qtype, a, row, out)),
+        }
     }
 
     /// Decodes a row into `out` (exactly as the scalar reference does).

@@ -172,6 +172,40 @@ fn axpy_matches_f64_and_decoding_is_exact() {
     }
 }
 
+/// Several rows added at once give the bits of adding them one after another, for every kernel
+/// set, encoding, row count and length (so the sparse FFN's result does not depend on how its
+/// active neurons are batched).
+#[test]
+fn axpy_rows_is_axpy_row_after_row_bit_for_bit() {
+    let (seed, mut rng) = rng();
+    for k in RowKernels::available() {
+        for qtype in QuantType::ALL {
+            for n in lengths(qtype) {
+                for count in [1, 2, 3, 8, 9] {
+                    let rows: Vec<Vec<u8>> = (0..count)
+                        .map(|_| encoded_row(qtype, n, &mut rng).0)
+                        .collect();
+                    let views: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
+                    let a = random(count, 2.0, &mut rng);
+                    let out0 = random(n, 1.0, &mut rng);
+                    let mut want = out0.clone();
+                    for (a, row) in a.iter().zip(&views) {
+                        k.axpy(qtype, *a, row, &mut want);
+                    }
+                    let mut got = out0;
+                    k.axpy_rows(qtype, &a, &views, &mut got);
+                    assert_eq!(
+                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "seed {seed}: {} {qtype} n={n} rows={count}",
+                        k.isa
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn matvec_and_matmul_match_f64() {
     let (seed, mut rng) = rng();

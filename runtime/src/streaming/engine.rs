@@ -24,8 +24,8 @@ use leanstream_format::quant::QuantType;
 use leanstream_format::FormatError;
 
 use crate::config::Activation;
-use crate::kernels::bundles::ffn_bundles;
-use crate::kernels::Operand;
+use crate::kernels::bundles::{down_pass, gate_pass};
+use crate::kernels::{Operand, RowKernels};
 use crate::model::FfnBackend;
 use crate::neuron_cache::{ClusterKey, NeuronCache};
 use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
@@ -46,6 +46,9 @@ pub enum Sparsity {
     Predicted,
     /// Compute every neuron's exact gate (the `resident` policy: all bundles in DRAM).
     Exact,
+    /// Compute every neuron, up and down included: the same bytes without sparsity (`dense` on a
+    /// converted file, the baseline sparsity is measured against).
+    Dense,
 }
 
 /// Read priorities: refinement's demands outrank speculation's guesses.
@@ -57,6 +60,83 @@ pub(super) const SPECULATIVE_MAX: u32 = 1 << 30;
 /// cluster once; exact mode (the resident policy reads nothing after start-up) has no such
 /// figures.
 const OWN_SAMPLE: usize = 16;
+/// Reduction groups per layer. A layer's FFN output is the sum, in group order, of [`GROUPS`]
+/// partial sums, each over a fixed run of consecutive clusters, adding its clusters' active neurons
+/// in order from zero. The shape depends only on the layer: which clusters happened to be
+/// resident, the order reads landed in and the number of threads change when a group's work is
+/// done, never the arithmetic, so certified output is bitwise the resident policy's. A read that
+/// lands before an earlier cluster of its group has its gates computed at once and its down
+/// columns added when the group gets to it.
+const GROUPS: usize = 16;
+
+/// Where a cluster of the layer being computed stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Not needed by this token.
+    Skipped,
+    /// Needed; its bytes are not here yet.
+    Waiting,
+    /// Gates computed, active neurons known; down columns not added yet.
+    Gated,
+    /// Added to its group's sum.
+    Added,
+}
+
+/// One layer's working state, grown to the largest layer once and reused by every token and
+/// layer, so that the token loop does not allocate it.
+#[derive(Default)]
+struct Work {
+    /// Exact gates of the layer's neurons (NaN: not computed).
+    gates: Vec<f32>,
+    lists: Lists,
+    /// Reads that landed, held until their down columns are added, then offered to the cache.
+    held: Vec<Option<AlignedBuf>>,
+    /// The groups' partial sums, `GROUPS × hidden`.
+    acc: Vec<f32>,
+}
+
+/// What the gates of a layer's clusters decided.
+#[derive(Default)]
+struct Lists {
+    /// The active neurons of cluster `c` (offsets within it) and their coefficients
+    /// `act(g)·(up·x)`, in the slots of its own neurons: `first .. first + n_active[c]`.
+    active: Vec<u32>,
+    coef: Vec<f32>,
+    n_active: Vec<u32>,
+    stage: Vec<Stage>,
+}
+
+impl Work {
+    /// Sized for a layer of `neurons` in `clusters` and `hidden` outputs; gates NaN, sums zero,
+    /// every cluster skipped.
+    fn reset(&mut self, neurons: usize, clusters: usize, hidden: usize) {
+        let lists = &mut self.lists;
+        if lists.active.len() < neurons {
+            lists.active.resize(neurons, 0);
+            lists.coef.resize(neurons, 0.0);
+        }
+        if lists.stage.len() < clusters {
+            lists.n_active.resize(clusters, 0);
+            lists.stage.resize(clusters, Stage::Skipped);
+            self.held.resize_with(clusters, || None);
+        }
+        self.gates.clear();
+        self.gates.resize(neurons, f32::NAN);
+        self.acc.clear();
+        self.acc.resize(GROUPS * hidden, 0.0);
+        lists.stage[..clusters].fill(Stage::Skipped);
+        self.held[..clusters].iter_mut().for_each(|h| *h = None);
+    }
+}
+
+/// The first cluster of each group of a layer of `clusters`, and the end.
+fn group_bounds(clusters: usize) -> [usize; GROUPS + 1] {
+    std::array::from_fn(|g| g * clusters / GROUPS)
+}
+
+fn group_of(bounds: &[usize; GROUPS + 1], ci: usize) -> usize {
+    bounds.partition_point(|&b| b <= ci) - 1
+}
 
 /// A cluster's bytes: read from flash or held in the cache.
 pub enum Bytes {
@@ -280,6 +360,7 @@ pub struct StreamEngine {
     truth: Option<Arc<ActiveTrace>>,
     /// Per (token, layer) in order: the active stored positions, while recording a trace.
     recording: Option<Vec<Vec<u32>>>,
+    work: Work,
 }
 
 impl StreamEngine {
@@ -314,6 +395,7 @@ impl StreamEngine {
             call_len: 0,
             truth,
             recording: None,
+            work: Work::default(),
         }
     }
 
@@ -395,8 +477,10 @@ impl StreamEngine {
                 neurons.iter().for_each(|&p| c[p as usize] = true);
                 c
             }
-            (None, Sparsity::Exact) => vec![true; n],
-            (None, Sparsity::Certified) => certified_candidates(plan, &operand),
+            (None, Sparsity::Exact | Sparsity::Dense) => vec![true; n],
+            (None, Sparsity::Certified) => certified_candidates(plan, &operand, |ci| {
+                self.core.cache.contains((l as u32, ci as u32))
+            }),
             (None, Sparsity::Predicted) => own.clone().expect("computed in predicted mode"),
         };
         let needed: Vec<usize> = (0..plan.clusters.len())
@@ -432,19 +516,18 @@ impl StreamEngine {
         let mut is_needed = vec![false; self.core.plans[l].clusters.len()];
         sel.needed.iter().for_each(|&c| is_needed[c] = true);
         self.core.refine(l, &is_needed, self.schedule.refine());
-        let (partial, gates) = self.compute(l, &sel.needed, &sel.candidate, &sel.operand)?;
-        let h = x.len();
-        for part in partial.chunks_exact(h) {
-            out.iter_mut().zip(part).for_each(|(o, p)| *o += p);
-        }
-        self.retain_and_measure(l, token, &sel, &gates)
+        self.compute(l, &sel.needed, &sel.candidate, &sel.operand, out)?;
+        let gates = std::mem::take(&mut self.work.gates);
+        let done = self.retain_and_measure(l, token, &sel, &gates);
+        self.work.gates = gates;
+        done
     }
 
     /// A prompt chunk's FFN of layer `l` (`x` holds one row per token): every cluster any row
     /// needs is read once for the chunk — all requested at once, so that neighbours merge into
-    /// long sequential reads — and each is computed for the rows that need it. Each row still
-    /// adds its clusters in cluster order, so every row's output is bitwise what decoding that
-    /// token alone gives.
+    /// long sequential reads — and each is computed for the rows that need it. Each row sums its
+    /// clusters in the groups decoding uses ([`GROUPS`]), so every row's output is bitwise what
+    /// decoding that token alone gives.
     fn ffn_chunk(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
         let h = self.core.plans[l].layout.hidden;
         let first = self.call_token;
@@ -459,43 +542,49 @@ impl StreamEngine {
         }
         self.core.refine(l, &is_needed, self.schedule.refine());
         let n = self.core.plans[l].cluster_of.len();
+        self.work.reset(n, clusters, h);
         let mut gates = vec![vec![f32::NAN; n]; selections.len()];
-        let mut part = vec![0.0f32; h];
-        let act = self.act;
-        for ci in (0..clusters).filter(|&ci| is_needed[ci]) {
-            let key = (l as u32, ci as u32);
-            let read = match self.core.resident(key) {
-                Some(_) => None,
-                None => Some(self.core.take(key)?),
-            };
-            let core = &self.core;
-            let bytes = match &read {
-                Some(buf) => &buf[..],
-                None => core.resident(key).expect("resident"),
-            };
-            let t = Instant::now();
-            for (r, sel) in selections.iter().enumerate() {
-                if sel.needed.binary_search(&ci).is_err() {
-                    continue;
-                }
-                part.fill(0.0);
+        let mut acc = vec![0.0f32; selections.len() * h];
+        let (act, k, threshold) = (self.act, RowKernels::best(), self.threshold(l));
+        let bounds = group_bounds(clusters);
+        for g in 0..GROUPS {
+            acc.fill(0.0);
+            for ci in (bounds[g]..bounds[g + 1]).filter(|&ci| is_needed[ci]) {
+                let key = (l as u32, ci as u32);
+                let read = match self.core.resident(key) {
+                    Some(_) => None,
+                    None => Some(self.core.take(key)?),
+                };
+                let core = &self.core;
+                let bytes = match &read {
+                    Some(buf) => &buf[..],
+                    None => core.resident(key).expect("resident"),
+                };
+                let t = Instant::now();
                 let plan = &core.plans[l];
-                compute_cluster(
-                    plan,
-                    act,
-                    ci,
-                    bytes,
-                    &sel.candidate,
-                    &sel.operand,
-                    &mut part,
-                    &mut gates[r],
-                )?;
-                let row = &mut out[r * h..(r + 1) * h];
-                row.iter_mut().zip(&part).for_each(|(o, p)| *o += p);
+                let work = &mut self.work;
+                for (r, sel) in selections.iter().enumerate() {
+                    if sel.needed.binary_search(&ci).is_err() {
+                        continue;
+                    }
+                    let ops = ClusterOps {
+                        plan,
+                        k,
+                        act,
+                        threshold,
+                        ci,
+                        bytes,
+                    };
+                    ops.gates(&sel.candidate, &sel.operand, &mut gates[r], &mut work.lists)?;
+                    ops.add(&work.lists, &mut acc[r * h..(r + 1) * h]);
+                }
+                self.core.metrics.compute_s += t.elapsed().as_secs_f64();
+                if let Some(buf) = read {
+                    self.core.offer(key, Bytes::Read(buf));
+                }
             }
-            self.core.metrics.compute_s += t.elapsed().as_secs_f64();
-            if let Some(buf) = read {
-                self.core.offer(key, Bytes::Read(buf));
+            for (o, a) in out.chunks_exact_mut(h).zip(acc.chunks_exact(h)) {
+                o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
             }
         }
         for (r, (sel, g)) in selections.iter().zip(&gates).enumerate() {
@@ -504,71 +593,98 @@ impl StreamEngine {
         Ok(())
     }
 
-    /// Computes the needed clusters: resident ones first, then reads as they land (or all reads
-    /// first, if the policy loads then computes). Each cluster sums into its own buffer, added in
-    /// cluster order by the caller, so the result does not depend on what happened to be resident:
-    /// certified output is bitwise the resident policy's. Returns the buffers and the exact gates.
+    /// Computes the needed clusters into `out`: resident ones first, then reads as they land (or
+    /// all reads first, if the policy loads then computes), each group's down columns added in
+    /// cluster order ([`GROUPS`]). Leaves the exact gates in `self.work.gates`.
     fn compute(
         &mut self,
         l: usize,
         needed: &[usize],
         candidate: &[bool],
         operand: &Operand,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        out: &mut [f32],
+    ) -> Result<()> {
+        let start = Instant::now();
+        let stalled = self.core.metrics.stall_s;
+        let threshold = self.threshold(l);
         let core = &mut self.core;
-        let plan_n = core.plans[l].cluster_of.len();
+        let work = &mut self.work;
+        let (n, clusters) = (core.plans[l].cluster_of.len(), core.plans[l].clusters.len());
         let h = operand.x.len();
-        let mut gates = vec![f32::NAN; plan_n];
-        let mut partial = vec![0.0f32; needed.len() * h];
-        let (resident, missing): (Vec<usize>, Vec<usize>) =
-            (0..needed.len()).partition(|&i| core.resident((l as u32, needed[i] as u32)).is_some());
-        let act = self.act;
-        let compute_start = Instant::now();
-        for &i in &resident {
-            let ci = needed[i];
-            let bytes = core.resident((l as u32, ci as u32)).expect("resident");
-            let part = &mut partial[i * h..(i + 1) * h];
-            compute_cluster(
-                &core.plans[l],
-                act,
-                ci,
-                bytes,
-                candidate,
-                operand,
-                part,
-                &mut gates,
-            )?;
+        work.reset(n, clusters, h);
+        needed
+            .iter()
+            .for_each(|&ci| work.lists.stage[ci] = Stage::Waiting);
+        let bounds = group_bounds(clusters);
+        let mut next: [usize; GROUPS] = std::array::from_fn(|g| bounds[g]);
+        let (act, k) = (self.act, RowKernels::best());
+        for &ci in needed {
+            if let Some(bytes) = core.resident((l as u32, ci as u32)) {
+                let ops = ClusterOps {
+                    plan: &core.plans[l],
+                    k,
+                    act,
+                    threshold,
+                    ci,
+                    bytes,
+                };
+                ops.gates(candidate, operand, &mut work.gates, &mut work.lists)?;
+            }
         }
-        let mut compute_s = compute_start.elapsed().as_secs_f64();
-        let mut landed: Vec<(usize, AlignedBuf)> = Vec::new();
-        let load_first = self.schedule.load_then_compute();
-        for &i in &missing {
-            let key = (l as u32, needed[i] as u32);
-            landed.push((i, core.take(key)?));
-            if load_first && landed.len() < missing.len() {
+        for g in 0..GROUPS {
+            advance(core, work, l, k, act, g, &bounds, &mut next[g]);
+        }
+        let waiting = |w: &Work, ci: usize| w.lists.stage[ci] == Stage::Waiting;
+        if self.schedule.load_then_compute() {
+            for &ci in needed {
+                if waiting(work, ci) {
+                    work.held[ci] = Some(core.take((l as u32, ci as u32))?);
+                }
+            }
+        }
+        for &ci in needed {
+            if !waiting(work, ci) {
                 continue;
             }
-            for (i, buf) in landed.drain(..) {
-                let ci = needed[i];
-                let t = Instant::now();
-                let part = &mut partial[i * h..(i + 1) * h];
-                compute_cluster(
-                    &core.plans[l],
-                    act,
-                    ci,
-                    &buf,
-                    candidate,
-                    operand,
-                    part,
-                    &mut gates,
-                )?;
-                compute_s += t.elapsed().as_secs_f64();
-                // A cluster the cache declines goes back to the spare buffers.
+            let buf = match work.held[ci].take() {
+                Some(buf) => buf,
+                None => core.take((l as u32, ci as u32))?,
+            };
+            let ops = ClusterOps {
+                plan: &core.plans[l],
+                k,
+                act,
+                threshold,
+                ci,
+                bytes: &buf,
+            };
+            ops.gates(candidate, operand, &mut work.gates, &mut work.lists)?;
+            work.held[ci] = Some(buf);
+            let g = group_of(&bounds, ci);
+            advance(core, work, l, k, act, g, &bounds, &mut next[g]);
+        }
+        debug_assert!((0..GROUPS).all(|g| next[g] == bounds[g + 1]));
+        for a in work.acc.chunks_exact(h) {
+            out.iter_mut().zip(a).for_each(|(o, a)| *o += a);
+        }
+        // Every down column is added: the reads may go to the cache (which may evict clusters
+        // of this layer now).
+        for &ci in needed {
+            if let Some(buf) = work.held[ci].take() {
                 core.offer((l as u32, ci as u32), Bytes::Read(buf));
             }
         }
-        core.metrics.compute_s += compute_s;
-        Ok((partial, gates))
+        let stall = core.metrics.stall_s - stalled;
+        core.metrics.compute_s += start.elapsed().as_secs_f64() - stall;
+        Ok(())
+    }
+
+    /// The skip threshold of layer `l`'s neurons: none in dense mode.
+    fn threshold(&self, l: usize) -> f32 {
+        match self.sparsity {
+            Sparsity::Dense => f32::NEG_INFINITY,
+            _ => self.core.plans[l].threshold,
+        }
     }
 
     /// Tells the cache what was used, the policy what happened, and the metrics how it went.
@@ -663,51 +779,129 @@ impl FfnBackend for StreamEngine {
     }
 }
 
-/// Computes the candidate neurons of one cluster from its bundles; writes their exact gates.
+/// Adds, in cluster order, the down columns of group `g`'s clusters whose gates are computed, from
+/// `next` up to the first whose bytes have not come yet.
 #[allow(clippy::too_many_arguments)]
-fn compute_cluster(
-    plan: &LayerPlan,
+fn advance(
+    core: &Core,
+    work: &mut Work,
+    l: usize,
+    k: &RowKernels,
     act: Activation,
+    g: usize,
+    bounds: &[usize; GROUPS + 1],
+    next: &mut usize,
+) {
+    let h = core.plans[l].layout.hidden;
+    while *next < bounds[g + 1] {
+        let ci = *next;
+        match work.lists.stage[ci] {
+            Stage::Waiting => return,
+            Stage::Skipped | Stage::Added => {}
+            Stage::Gated => {
+                let bytes = match &work.held[ci] {
+                    Some(buf) => &buf[..],
+                    None => core
+                        .resident((l as u32, ci as u32))
+                        .expect("a gated cluster stays resident until its layer is done"),
+                };
+                let ops = ClusterOps {
+                    plan: &core.plans[l],
+                    k,
+                    act,
+                    threshold: core.plans[l].threshold,
+                    ci,
+                    bytes,
+                };
+                ops.add(&work.lists, &mut work.acc[g * h..(g + 1) * h]);
+                work.lists.stage[ci] = Stage::Added;
+            }
+        }
+        *next += 1;
+    }
+}
+
+/// One cluster's bytes and what computing it takes.
+struct ClusterOps<'a> {
+    plan: &'a LayerPlan,
+    k: &'a RowKernels,
+    act: Activation,
+    /// A neuron is computed when `|act(gate)|` exceeds this.
+    threshold: f32,
     ci: usize,
-    bytes: &[u8],
-    candidate: &[bool],
-    x: &Operand,
-    out: &mut [f32],
-    gates: &mut [f32],
-) -> Result<()> {
-    let cl = plan.clusters[ci];
-    let bb = plan.layout.bundle_bytes();
-    if bytes.len() < cl.count * bb {
-        bail!(
-            "cluster {ci} holds {} bytes, its {} bundles need {}",
-            bytes.len(),
-            cl.count,
-            cl.count * bb
+    bytes: &'a [u8],
+}
+
+impl<'a> ClusterOps<'a> {
+    fn bundle(&self, i: usize) -> &'a [u8] {
+        let bb = self.plan.layout.bundle_bytes();
+        &self.bytes[i * bb..(i + 1) * bb]
+    }
+
+    /// Computes the exact gates of the cluster's candidate neurons into `gates` (the layer's) and
+    /// records its active neurons.
+    fn gates(
+        &self,
+        candidate: &[bool],
+        x: &Operand,
+        gates: &mut [f32],
+        lists: &mut Lists,
+    ) -> Result<()> {
+        let cl = self.plan.clusters[self.ci];
+        let bb = self.plan.layout.bundle_bytes();
+        if self.bytes.len() < cl.count * bb {
+            bail!(
+                "cluster {} holds {} bytes, its {} bundles need {}",
+                self.ci,
+                self.bytes.len(),
+                cl.count,
+                cl.count * bb
+            );
+        }
+        let r = cl.first..cl.first + cl.count;
+        let m = gate_pass(
+            self.k,
+            &self.plan.layout,
+            x,
+            |i| self.bundle(i),
+            |i| candidate[cl.first + i],
+            self.act,
+            self.threshold,
+            &mut gates[r.clone()],
+            &mut lists.active[r.clone()],
+            &mut lists.coef[r],
+        );
+        lists.n_active[self.ci] = m as u32;
+        lists.stage[self.ci] = Stage::Gated;
+        Ok(())
+    }
+
+    /// Adds the cluster's active neurons' down columns to `acc`, in order.
+    fn add(&self, lists: &Lists, acc: &mut [f32]) {
+        let cl = self.plan.clusters[self.ci];
+        let r = cl.first..cl.first + lists.n_active[self.ci] as usize;
+        down_pass(
+            self.k,
+            &self.plan.layout,
+            |i| self.bundle(i),
+            &lists.active[r.clone()],
+            &lists.coef[r],
+            acc,
         );
     }
-    let mut slices = Vec::with_capacity(cl.count);
-    let mut positions = Vec::with_capacity(cl.count);
-    for k in 0..cl.count {
-        if candidate[cl.first + k] {
-            slices.push(&bytes[k * bb..(k + 1) * bb]);
-            positions.push(cl.first + k);
-        }
-    }
-    let mut g = vec![0.0f32; slices.len()];
-    ffn_bundles(&plan.layout, x, &slices, act, plan.threshold, out, &mut g)?;
-    for (p, v) in positions.into_iter().zip(g) {
-        gates[p] = v;
-    }
-    Ok(())
 }
 
 /// Neurons the sketch cannot prove inactive. The exact gate is `w·x̃` (x̃ the q8 input for block
 /// bundles, x for float ones); the sketch gives `ŝ·x̃` and `|w − ŝ| ≤ e`, so
 /// `|w·x̃ − ŝ·x̃| ≤ e‖x̃‖`, plus `(‖ŝ‖ + e)‖x − x̃‖` for float bundles, plus a float-rounding slack.
-fn certified_candidates(plan: &LayerPlan, x: &Operand) -> Vec<bool> {
+/// The neurons of `cached` clusters are all candidates: their exact gates cost no read, so the
+/// sketch, which only decides what to read, is not computed for them.
+fn certified_candidates(
+    plan: &LayerPlan,
+    x: &Operand,
+    cached: impl Fn(usize) -> bool,
+) -> Vec<bool> {
     let n = plan.cluster_of.len();
-    let mut g = vec![0.0f32; n];
-    plan.sketch.matvec(x, &mut g);
     let q8 = x.q8();
     let h = x.x.len();
     let (mut xq2, mut d2) = (0.0f64, 0.0f64);
@@ -720,17 +914,24 @@ fn certified_candidates(plan: &LayerPlan, x: &Operand) -> Vec<bool> {
     let float_bundles = !plan.block_bundles();
     let slack = 4.0 * h as f32 * f32::EPSILON;
     let norm = xq.max(x_norm(x.x));
-    (0..n)
-        .map(|p| {
+    let k = RowKernels::best();
+    let mut candidate = vec![true; n];
+    for (ci, cl) in plan.clusters.iter().enumerate() {
+        if cached(ci) {
+            continue;
+        }
+        for p in cl.first..cl.first + cl.count {
+            let g = k.dot(plan.sketch.qtype, plan.sketch.row(p), x);
             let (e, s) = (plan.sketch_err[p], plan.sketch_norm[p]);
             let w = s + e;
             let mut beta = e * xq + slack * w * norm;
             if float_bundles {
                 beta += w * dx;
             }
-            !plan.skip.contains(g[p] - beta, g[p] + beta)
-        })
-        .collect()
+            candidate[p] = !plan.skip.contains(g - beta, g + beta);
+        }
+    }
+    candidate
 }
 
 fn x_norm(x: &[f32]) -> f32 {

@@ -47,6 +47,8 @@ pub enum Policy {
     Leanstream,
     /// Every bundle resident, the file's sparsity applied, no I/O during generation.
     Resident,
+    /// Every bundle resident and every neuron computed: the same bytes without sparsity.
+    Dense,
     /// The file memory-mapped, the OS paging (llama.cpp-like).
     Mmap,
     /// PowerInfer-2's published design.
@@ -125,6 +127,7 @@ impl StreamingModel {
         check_options(path, opts, config.num_layers)?;
         let sparsity = match policy {
             Policy::Resident | Policy::Oracle => Sparsity::Exact,
+            Policy::Dense => Sparsity::Dense,
             Policy::PowerInfer2 | Policy::LlmInFlash => Sparsity::Predicted,
             Policy::Leanstream | Policy::Mmap => opts.sparsity,
         };
@@ -169,7 +172,7 @@ impl StreamingModel {
             Policy::PowerInfer2 => Retention::Lru,
             Policy::LlmInFlash => Retention::Window(window),
             Policy::Oracle => Retention::Belady,
-            Policy::Resident | Policy::Mmap => Retention::Activity,
+            Policy::Resident | Policy::Dense | Policy::Mmap => Retention::Activity,
         };
         let mapping = if policy == Policy::Mmap {
             // The page cache is the mapping's cache; the budget is enforced around the process.
@@ -180,7 +183,7 @@ impl StreamingModel {
         };
         let schedule: Box<dyn schedule::Schedule> = match policy {
             Policy::Leanstream => Box::new(leanstream::Leanstream::new(tuning, config.num_layers)),
-            Policy::Resident => Box::new(schedule::Resident),
+            Policy::Resident | Policy::Dense => Box::new(schedule::Resident),
             Policy::Mmap => Box::new(schedule::Mapped),
             Policy::PowerInfer2 => Box::new(powerinfer2::PowerInfer2::new(
                 tuning
@@ -392,7 +395,7 @@ fn plan_input(
         io_buffers: 2 * io_budget,
         scratch: planner::scratch_bytes(config),
         ffn: sizes().sum(),
-        needs_all_ffn: policy == Policy::Resident,
+        needs_all_ffn: matches!(policy, Policy::Resident | Policy::Dense),
         ctx,
     };
     (input, io_budget)
