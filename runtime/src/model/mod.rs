@@ -1,18 +1,29 @@
 //! The dense f32 transformer: Llama-family block (RMSNorm, rotary GQA attention, SwiGLU or ReLU
 //! FFN) with Qwen3's q/k norms and Mistral's sliding window. This is the reference path every
-//! streaming policy must reproduce.
+//! streaming policy must reproduce. One file per block type: [`attention`] and the FFN
+//! ([`dense_ffn`]); this file loads the weights and runs the layer loop.
+
+mod attention;
+mod dense_ffn;
+mod norm;
+mod projections;
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::quant::QuantType;
-use rayon::prelude::*;
 
 use crate::config::ModelConfig;
-use crate::kernels::{dot, Matrix, Weight};
+use crate::kernels::{Matrix, Weight};
 use crate::kv_cache::{KvCache, KvType};
 use crate::rope::Rope;
 use crate::safetensors_dir::SafetensorsDir;
+
+pub use attention::Attention;
+use dense_ffn::Ffn;
+pub use dense_ffn::{DenseFfn, FfnBackend, FfnProbe};
+pub use norm::rms_norm;
+pub use projections::{DenseWeights, Projections};
 
 /// The small weights of one transformer block (its attention projections are in [`Projections`]).
 pub struct Layer {
@@ -22,100 +33,6 @@ pub struct Layer {
     pub ffn_norm: Vec<f32>,
     /// `None` when the FFN streams from flash through an [`FfnBackend`].
     pub ffn: Option<DenseFfn>,
-}
-
-/// A block's attention projections: q `[heads·d, h]`, k and v `[kv_heads·d, h]`, o `[h, heads·d]`.
-pub struct Attention {
-    pub wq: Weight,
-    pub wk: Weight,
-    pub wv: Weight,
-    pub wo: Weight,
-}
-
-/// The large dense weights held in DRAM: the embedding, every block's attention projections and
-/// the output head (`None` when tied to the embedding).
-pub struct Projections {
-    pub embed: Weight,
-    pub attention: Vec<Attention>,
-    pub lm_head: Option<Weight>,
-}
-
-/// Where one forward pass gets the large dense weights from: the model's own [`Projections`], or a
-/// source that reads some of them from flash as they are needed
-/// ([`crate::streaming::DenseStream`]). Either way the same kernels run on the same encoded bytes,
-/// so the results are the same.
-pub trait DenseWeights {
-    /// Writes the embedding rows of `tokens` (each checked to be in the vocabulary) into `out`
-    /// (`tokens.len() × hidden`). Called first in every forward pass.
-    fn embed(&mut self, tokens: &[u32], out: &mut [f32]) -> Result<()>;
-    /// Layer `l`'s attention projections; layers are asked for in order, once per pass.
-    fn attention(&mut self, l: usize) -> Result<&Attention>;
-    /// `logits (rows × vocab) = xn (rows × hidden) · headᵀ`.
-    fn head(&mut self, xn: &[f32], rows: usize, logits: &mut [f32]) -> Result<()>;
-}
-
-impl DenseWeights for &Projections {
-    fn embed(&mut self, tokens: &[u32], out: &mut [f32]) -> Result<()> {
-        self.embed.rows_f32(tokens, out);
-        Ok(())
-    }
-
-    fn attention(&mut self, l: usize) -> Result<&Attention> {
-        Ok(&self.attention[l])
-    }
-
-    fn head(&mut self, xn: &[f32], rows: usize, logits: &mut [f32]) -> Result<()> {
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        head.matmul_t(xn, rows, logits);
-        Ok(())
-    }
-}
-
-impl Projections {
-    /// Reads the projections through `mat` (`name`, `rows`, `cols`).
-    pub fn load(
-        c: &ModelConfig,
-        mat: impl Fn(&str, usize, usize) -> Result<Weight>,
-    ) -> Result<Self> {
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let attention = (0..c.num_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}.self_attn");
-                Ok(Attention {
-                    wq: mat(&format!("{p}.q_proj.weight"), c.num_heads * hd, h)?,
-                    wk: mat(&format!("{p}.k_proj.weight"), c.num_kv_heads * hd, h)?,
-                    wv: mat(&format!("{p}.v_proj.weight"), c.num_kv_heads * hd, h)?,
-                    wo: mat(&format!("{p}.o_proj.weight"), h, c.num_heads * hd)?,
-                })
-            })
-            .collect::<Result<_>>()?;
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(mat("lm_head.weight", c.vocab_size, h)?)
-        };
-        Ok(Self {
-            embed: mat("model.embed_tokens.weight", c.vocab_size, h)?,
-            attention,
-            lm_head,
-        })
-    }
-
-    fn bytes(&self) -> usize {
-        let attention: usize = self
-            .attention
-            .iter()
-            .map(|a| a.wq.bytes() + a.wk.bytes() + a.wv.bytes() + a.wo.bytes())
-            .sum();
-        self.embed.bytes() + attention + self.lm_head.as_ref().map_or(0, Weight::bytes)
-    }
-}
-
-/// A resident FFN: gate `[n, h]`, up `[n, h]`, down `[h, n]`.
-pub struct DenseFfn {
-    pub gate: Weight,
-    pub up: Weight,
-    pub down: Weight,
 }
 
 /// Anything that turns tokens into logits with a KV cache: the resident model, or a streaming one.
@@ -199,16 +116,6 @@ impl LanguageModel for &Model {
     }
 }
 
-/// Computes the FFNs in place of the resident weights: the streaming runtime plugs its scheduler in
-/// here, while attention, norms and the KV cache stay the model's.
-pub trait FfnBackend {
-    /// The residual stream entering layer `l` (`t × hidden`) is ready: the moment to speculate
-    /// about the FFNs ahead.
-    fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()>;
-    /// Adds layer `l`'s FFN output for the normalised inputs `x` (`t × hidden`) to `out`.
-    fn ffn(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()>;
-}
-
 /// A model held in DRAM; the streaming runtime builds it without its projections and passes a
 /// [`DenseWeights`] source to each forward pass instead.
 pub struct Model {
@@ -220,24 +127,6 @@ pub struct Model {
     rope: Rope,
     /// The storage of the caches [`Model::new_cache`] makes (f32 unless set: the reference).
     kv: KvType,
-}
-
-/// What a profiling probe sees of one FFN: `t` rows each.
-pub struct FfnProbe<'a> {
-    pub layer: usize,
-    /// The normalised FFN input (`t × hidden`).
-    pub ffn_input: &'a [f32],
-    /// Gate pre-activations `gate · x` (`t × intermediate`). A probe may zero entries to drop
-    /// those neurons (act(0) = 0 for every supported activation): prep measures sparsity's
-    /// quality cost that way.
-    pub gate: &'a mut [f32],
-}
-
-/// Who computes a block's FFN.
-enum Ffn<'a, 'b> {
-    /// The resident weights, optionally watched by a profiling probe.
-    Resident(Option<&'a mut dyn FnMut(FfnProbe)>),
-    Backend(&'a mut (dyn FfnBackend + 'b)),
 }
 
 /// Per-call scratch space for a chunk of `t` tokens.
@@ -604,141 +493,4 @@ impl Model {
         self.attention_block(l, layer, attn, start, tables, x, cache, s);
         self.ffn_block(l, layer, tables.len(), x, s, ffn)
     }
-
-    #[allow(clippy::too_many_arguments)]
-    fn attention_block(
-        &self,
-        l: usize,
-        layer: &Layer,
-        attn: &Attention,
-        start: usize,
-        tables: &[(Vec<f32>, Vec<f32>)],
-        x: &mut [f32],
-        cache: &mut KvCache,
-        s: &mut Scratch,
-    ) {
-        let c = &self.config;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let t = tables.len();
-        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
-        for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
-            rms_norm(src, &layer.attn_norm, c.rms_norm_eps, dst);
-        }
-        attn.wq.matmul_t(&s.xn, t, &mut s.q);
-        attn.wk.matmul_t(&s.xn, t, &mut s.k);
-        attn.wv.matmul_t(&s.xn, t, &mut s.v);
-        let rows = s.q.chunks_exact_mut(qd).zip(s.k.chunks_exact_mut(kvd));
-        for (i, ((q, k), (cos, sin))) in rows.zip(tables).enumerate() {
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                q.chunks_exact_mut(hd)
-                    .for_each(|head| rms_norm_in_place(head, qn, c.rms_norm_eps));
-                k.chunks_exact_mut(hd)
-                    .for_each(|head| rms_norm_in_place(head, kn, c.rms_norm_eps));
-            }
-            Rope::apply(q, hd, cos, sin);
-            Rope::apply(k, hd, cos, sin);
-            cache.store(l, start + i, k, &s.v[i * kvd..(i + 1) * kvd]);
-        }
-        self.attend(l, start, t, &s.q, cache, &mut s.att);
-        attn.wo.matmul_t(&s.att, t, &mut s.proj);
-        x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
-    }
-
-    /// Causal softmax attention of `t` queries at positions `start..start+t` over the cache.
-    fn attend(
-        &self,
-        l: usize,
-        start: usize,
-        t: usize,
-        q: &[f32],
-        cache: &KvCache,
-        out: &mut [f32],
-    ) {
-        let c = &self.config;
-        let (hd, nh, group) = (c.head_dim, c.num_heads, c.gqa_group());
-        let scale = 1.0 / (hd as f32).sqrt();
-        let one = |idx: usize, o: &mut [f32]| {
-            let (i, head) = (idx / nh, idx % nh);
-            let pos = start + i;
-            let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let qh = &q[idx * hd..(idx + 1) * hd];
-            let mut scores = vec![0.0; pos + 1 - lo];
-            cache.attend(l, head / group, lo, pos + 1, qh, scale, &mut scores, o);
-        };
-        let work = t * nh * (start + t) * hd;
-        if work >= 1 << 16 && rayon::current_num_threads() > 1 {
-            out.par_chunks_mut(hd)
-                .enumerate()
-                .for_each(|(idx, o)| one(idx, o));
-        } else {
-            out.chunks_mut(hd)
-                .enumerate()
-                .for_each(|(idx, o)| one(idx, o));
-        }
-    }
-
-    fn ffn_block(
-        &self,
-        l: usize,
-        layer: &Layer,
-        t: usize,
-        x: &mut [f32],
-        s: &mut Scratch,
-        ffn: Ffn,
-    ) -> Result<()> {
-        let c = &self.config;
-        let h = c.hidden_size;
-        for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
-            rms_norm(src, &layer.ffn_norm, c.rms_norm_eps, dst);
-        }
-        let probe = match ffn {
-            Ffn::Backend(b) => {
-                s.proj.fill(0.0);
-                b.ffn(l, &s.xn, &mut s.proj)?;
-                x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
-                return Ok(());
-            }
-            Ffn::Resident(probe) => probe,
-        };
-        let Some(weights) = &layer.ffn else {
-            bail!("layer {l} has no resident FFN weights: this model streams them (use a streaming policy)");
-        };
-        weights.gate.matmul_t(&s.xn, t, &mut s.gate);
-        weights.up.matmul_t(&s.xn, t, &mut s.up);
-        if let Some(probe) = probe {
-            probe(FfnProbe {
-                layer: l,
-                ffn_input: &s.xn,
-                gate: &mut s.gate,
-            });
-        }
-        let act = c.activation;
-        s.gate
-            .iter_mut()
-            .zip(&s.up)
-            .for_each(|(g, u)| *g = act.apply(*g) * u);
-        weights.down.matmul_t(&s.gate, t, &mut s.proj);
-        x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
-        Ok(())
-    }
-}
-
-/// `out = x / sqrt(mean(x²) + eps) * weight`.
-pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let inv = inv_rms(x, eps);
-    for ((o, a), w) in out.iter_mut().zip(x).zip(weight) {
-        *o = a * inv * w;
-    }
-}
-
-fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
-    let inv = inv_rms(x, eps);
-    x.iter_mut()
-        .zip(weight)
-        .for_each(|(a, w)| *a = *a * inv * w);
-}
-
-fn inv_rms(x: &[f32], eps: f32) -> f32 {
-    let mean_sq = dot(x, x) / x.len() as f32;
-    1.0 / (mean_sq + eps).sqrt()
 }

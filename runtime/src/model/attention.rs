@@ -1,0 +1,93 @@
+//! The attention half of a transformer block: RMSNorm, q/k/v projections, Qwen3's per-head q/k
+//! norms, rotary embeddings, causal (optionally sliding-window) softmax attention over the KV cache
+//! and the output projection added to the residual. Every FFN block type shares it.
+
+use rayon::prelude::*;
+
+use super::norm::{rms_norm, rms_norm_in_place};
+use super::{Layer, Model, Scratch};
+use crate::kernels::Weight;
+use crate::kv_cache::KvCache;
+use crate::rope::Rope;
+
+/// A block's attention projections: q `[heads·d, h]`, k and v `[kv_heads·d, h]`, o `[h, heads·d]`.
+pub struct Attention {
+    pub wq: Weight,
+    pub wk: Weight,
+    pub wv: Weight,
+    pub wo: Weight,
+}
+
+impl Model {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_block(
+        &self,
+        l: usize,
+        layer: &Layer,
+        attn: &Attention,
+        start: usize,
+        tables: &[(Vec<f32>, Vec<f32>)],
+        x: &mut [f32],
+        cache: &mut KvCache,
+        s: &mut Scratch,
+    ) {
+        let c = &self.config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let t = tables.len();
+        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+        for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
+            rms_norm(src, &layer.attn_norm, c.rms_norm_eps, dst);
+        }
+        attn.wq.matmul_t(&s.xn, t, &mut s.q);
+        attn.wk.matmul_t(&s.xn, t, &mut s.k);
+        attn.wv.matmul_t(&s.xn, t, &mut s.v);
+        let rows = s.q.chunks_exact_mut(qd).zip(s.k.chunks_exact_mut(kvd));
+        for (i, ((q, k), (cos, sin))) in rows.zip(tables).enumerate() {
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                q.chunks_exact_mut(hd)
+                    .for_each(|head| rms_norm_in_place(head, qn, c.rms_norm_eps));
+                k.chunks_exact_mut(hd)
+                    .for_each(|head| rms_norm_in_place(head, kn, c.rms_norm_eps));
+            }
+            Rope::apply(q, hd, cos, sin);
+            Rope::apply(k, hd, cos, sin);
+            cache.store(l, start + i, k, &s.v[i * kvd..(i + 1) * kvd]);
+        }
+        self.attend(l, start, t, &s.q, cache, &mut s.att);
+        attn.wo.matmul_t(&s.att, t, &mut s.proj);
+        x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+    }
+
+    /// Causal softmax attention of `t` queries at positions `start..start+t` over the cache.
+    fn attend(
+        &self,
+        l: usize,
+        start: usize,
+        t: usize,
+        q: &[f32],
+        cache: &KvCache,
+        out: &mut [f32],
+    ) {
+        let c = &self.config;
+        let (hd, nh, group) = (c.head_dim, c.num_heads, c.gqa_group());
+        let scale = 1.0 / (hd as f32).sqrt();
+        let one = |idx: usize, o: &mut [f32]| {
+            let (i, head) = (idx / nh, idx % nh);
+            let pos = start + i;
+            let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let qh = &q[idx * hd..(idx + 1) * hd];
+            let mut scores = vec![0.0; pos + 1 - lo];
+            cache.attend(l, head / group, lo, pos + 1, qh, scale, &mut scores, o);
+        };
+        let work = t * nh * (start + t) * hd;
+        if work >= 1 << 16 && rayon::current_num_threads() > 1 {
+            out.par_chunks_mut(hd)
+                .enumerate()
+                .for_each(|(idx, o)| one(idx, o));
+        } else {
+            out.chunks_mut(hd)
+                .enumerate()
+                .for_each(|(idx, o)| one(idx, o));
+        }
+    }
+}

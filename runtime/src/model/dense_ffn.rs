@@ -1,0 +1,91 @@
+//! The FFN half of a transformer block: RMSNorm, then gate/up/down (SwiGLU or ReLU) from resident
+//! weights, or from an [`FfnBackend`] that streams them, added to the residual. Prep watches it
+//! through an [`FfnProbe`].
+
+use anyhow::{bail, Result};
+
+use super::norm::rms_norm;
+use super::{Layer, Model, Scratch};
+use crate::kernels::Weight;
+
+/// A resident FFN: gate `[n, h]`, up `[n, h]`, down `[h, n]`.
+pub struct DenseFfn {
+    pub gate: Weight,
+    pub up: Weight,
+    pub down: Weight,
+}
+
+/// Computes the FFNs in place of the resident weights: the streaming runtime plugs its scheduler in
+/// here, while attention, norms and the KV cache stay the model's.
+pub trait FfnBackend {
+    /// The residual stream entering layer `l` (`t × hidden`) is ready: the moment to speculate
+    /// about the FFNs ahead.
+    fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()>;
+    /// Adds layer `l`'s FFN output for the normalised inputs `x` (`t × hidden`) to `out`.
+    fn ffn(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()>;
+}
+
+/// What a profiling probe sees of one FFN: `t` rows each.
+pub struct FfnProbe<'a> {
+    pub layer: usize,
+    /// The normalised FFN input (`t × hidden`).
+    pub ffn_input: &'a [f32],
+    /// Gate pre-activations `gate · x` (`t × intermediate`). A probe may zero entries to drop
+    /// those neurons (act(0) = 0 for every supported activation): prep measures sparsity's
+    /// quality cost that way.
+    pub gate: &'a mut [f32],
+}
+
+/// Who computes a block's FFN.
+pub(super) enum Ffn<'a, 'b> {
+    /// The resident weights, optionally watched by a profiling probe.
+    Resident(Option<&'a mut dyn FnMut(FfnProbe)>),
+    Backend(&'a mut (dyn FfnBackend + 'b)),
+}
+
+impl Model {
+    pub(super) fn ffn_block(
+        &self,
+        l: usize,
+        layer: &Layer,
+        t: usize,
+        x: &mut [f32],
+        s: &mut Scratch,
+        ffn: Ffn,
+    ) -> Result<()> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
+            rms_norm(src, &layer.ffn_norm, c.rms_norm_eps, dst);
+        }
+        let probe = match ffn {
+            Ffn::Backend(b) => {
+                s.proj.fill(0.0);
+                b.ffn(l, &s.xn, &mut s.proj)?;
+                x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+                return Ok(());
+            }
+            Ffn::Resident(probe) => probe,
+        };
+        let Some(weights) = &layer.ffn else {
+            bail!("layer {l} has no resident FFN weights: this model streams them (use a streaming policy)");
+        };
+        weights.gate.matmul_t(&s.xn, t, &mut s.gate);
+        weights.up.matmul_t(&s.xn, t, &mut s.up);
+        if let Some(probe) = probe {
+            probe(FfnProbe {
+                layer: l,
+                ffn_input: &s.xn,
+                gate: &mut s.gate,
+            });
+        }
+        let act = c.activation;
+        s.gate
+            .iter_mut()
+            .zip(&s.up)
+            .for_each(|(g, u)| *g = act.apply(*g) * u);
+        weights.down.matmul_t(&s.gate, t, &mut s.proj);
+        x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+}
