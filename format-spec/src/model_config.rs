@@ -63,6 +63,25 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// A mixture of experts in place of the dense FFN (in the layers it names); `None` = dense.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
+}
+
+/// A sparse mixture-of-experts FFN (Qwen3-MoE, Mixtral): a router `[experts, hidden]` scores the
+/// experts, the `experts_per_token` best by softmax probability each run a SwiGLU/ReLU FFN of
+/// `expert_intermediate_size` neurons, and their outputs are summed weighted by those
+/// probabilities (renormalised over the chosen ones when `norm_topk_prob`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    pub expert_intermediate_size: usize,
+    pub norm_topk_prob: bool,
+    /// Layers whose FFN is the plain dense one of `intermediate_size` neurons (Qwen3-MoE's
+    /// `mlp_only_layers` and the layers `decoder_sparse_step` skips), ascending.
+    #[serde(default)]
+    pub dense_layers: Vec<usize>,
 }
 
 impl ModelConfig {
@@ -94,7 +113,35 @@ impl ModelConfig {
                 return Err(FormatError::config(format!("the {name} must be positive")));
             }
         }
+        if let Some(m) = &self.moe {
+            if m.num_experts == 0
+                || m.experts_per_token == 0
+                || m.experts_per_token > m.num_experts
+                || m.expert_intermediate_size == 0
+            {
+                return Err(FormatError::config(format!(
+                    "mixture of experts: {} experts of {} neurons with {} per token: the counts \
+                     must be positive and at most all experts chosen per token",
+                    m.num_experts, m.expert_intermediate_size, m.experts_per_token
+                )));
+            }
+            if m.dense_layers.iter().any(|&l| l >= self.num_layers)
+                || !m.dense_layers.is_sorted_by(|a, b| a < b)
+            {
+                return Err(FormatError::config(format!(
+                    "mixture of experts: dense layers {:?} must be ascending layer indices below {}",
+                    m.dense_layers, self.num_layers
+                )));
+            }
+        }
         Ok(())
+    }
+
+    /// Whether layer `l`'s FFN is a mixture of experts.
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        self.moe
+            .as_ref()
+            .is_some_and(|m| m.dense_layers.binary_search(&l).is_err())
     }
 
     /// Query heads that share one key/value head.

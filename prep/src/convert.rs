@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use leanstream::config::ModelConfig;
 use leanstream::kernels::{Matrix, Weight};
@@ -90,6 +90,13 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let t = Instant::now();
     let source = Source::open(&opts.model_dir)?;
     let config = source.config.clone();
+    if config.moe.is_some() {
+        bail!(
+            "{}: a mixture of experts cannot be converted yet (its file format is still to come); \
+             run the Hugging Face directory or GGUF file itself, resident (without --memory)",
+            opts.model_dir.display()
+        );
+    }
     let get = |name: &str, shape: &[usize]| source.tensor(name, shape);
     // Dense weights only: the FFNs are loaded one layer at a time below, so peak memory is the
     // dense part plus one layer plus the profiling buffers.

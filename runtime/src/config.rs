@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
 pub use leanstream_format::model_config::{
-    Activation, Architecture, Llama3RopeScaling, ModelConfig,
+    Activation, Architecture, Llama3RopeScaling, ModelConfig, MoeConfig,
 };
 
 /// `eos_token_id` is an integer, a list, or null in the wild.
@@ -64,6 +64,56 @@ struct HfConfig {
     mlp_bias: Option<bool>,
     bos_token_id: Option<TokenIds>,
     eos_token_id: Option<TokenIds>,
+    // Mixture of experts: Qwen3-MoE names the expert count `num_experts`, Mixtral
+    // `num_local_experts`.
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+    shared_expert_intermediate_size: Option<usize>,
+}
+
+/// The mixture-of-experts part of a config: Qwen3-MoE's (`num_experts`, `moe_intermediate_size`,
+/// `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`) or Mixtral's (`num_local_experts`,
+/// experts as wide as `intermediate_size`, always renormalised).
+fn moe_config(hf: &HfConfig, mixtral: bool) -> Result<MoeConfig> {
+    if hf.shared_expert_intermediate_size.is_some_and(|n| n > 0) {
+        bail!("shared experts (shared_expert_intermediate_size) are not supported");
+    }
+    let missing = |f: &str| anyhow::anyhow!("a mixture-of-experts config needs {f}");
+    let experts_per_token = hf
+        .num_experts_per_tok
+        .ok_or_else(|| missing("num_experts_per_tok"))?;
+    if mixtral {
+        return Ok(MoeConfig {
+            num_experts: hf
+                .num_local_experts
+                .ok_or_else(|| missing("num_local_experts"))?,
+            experts_per_token,
+            expert_intermediate_size: hf.intermediate_size,
+            norm_topk_prob: true,
+            dense_layers: Vec::new(),
+        });
+    }
+    let step = hf.decoder_sparse_step.unwrap_or(1);
+    if step == 0 {
+        bail!("decoder_sparse_step must be at least 1");
+    }
+    let mlp_only = hf.mlp_only_layers.clone().unwrap_or_default();
+    Ok(MoeConfig {
+        num_experts: hf.num_experts.ok_or_else(|| missing("num_experts"))?,
+        experts_per_token,
+        expert_intermediate_size: hf
+            .moe_intermediate_size
+            .ok_or_else(|| missing("moe_intermediate_size"))?,
+        norm_topk_prob: hf.norm_topk_prob.unwrap_or(false),
+        dense_layers: (0..hf.num_hidden_layers)
+            .filter(|l| mlp_only.contains(l) || !(l + 1).is_multiple_of(step))
+            .collect(),
+    })
 }
 
 /// Reads and validates `config.json` in a model directory.
@@ -87,13 +137,16 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         .and_then(|a| a.first().cloned())
         .or_else(|| hf.model_type.clone())
         .unwrap_or_default();
-    let architecture = match arch_name.as_str() {
-        "LlamaForCausalLM" | "llama" => Architecture::Llama,
-        "Qwen3ForCausalLM" | "qwen3" => Architecture::Qwen3,
-        "MistralForCausalLM" | "mistral" => Architecture::Mistral,
+    // Mixtures of experts share their family's attention: Qwen3-MoE is Qwen3's, Mixtral Mistral's.
+    let (architecture, moe) = match arch_name.as_str() {
+        "LlamaForCausalLM" | "llama" => (Architecture::Llama, None),
+        "Qwen3ForCausalLM" | "qwen3" => (Architecture::Qwen3, None),
+        "MistralForCausalLM" | "mistral" => (Architecture::Mistral, None),
+        "Qwen3MoeForCausalLM" | "qwen3_moe" => (Architecture::Qwen3, Some(moe_config(&hf, false)?)),
+        "MixtralForCausalLM" | "mixtral" => (Architecture::Mistral, Some(moe_config(&hf, true)?)),
         other => bail!(
             "unsupported architecture {other:?}: LeanStream supports LlamaForCausalLM, \
-                 Qwen3ForCausalLM and MistralForCausalLM"
+                 Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM"
         ),
     };
     let activation = match hf.hidden_act.as_deref().unwrap_or("silu") {
@@ -158,6 +211,7 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         qk_norm: architecture == Architecture::Qwen3,
         bos_token_id: hf.bos_token_id.and_then(|b| b.into_vec().first().copied()),
         eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
+        moe,
     };
     config.validate()?;
     Ok(config)
@@ -202,6 +256,41 @@ mod tests {
         v["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
         let err = from_hf_json(&v.to_string()).unwrap_err().to_string();
         assert!(err.contains("GPT2LMHeadModel"), "{err}");
+    }
+
+    #[test]
+    fn parses_qwen3_moe_sparse_step_and_mlp_only_layers() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Qwen3MoeForCausalLM"]);
+        v["num_experts"] = serde_json::json!(8);
+        v["num_experts_per_tok"] = serde_json::json!(2);
+        v["moe_intermediate_size"] = serde_json::json!(64);
+        v["decoder_sparse_step"] = serde_json::json!(2);
+        v["mlp_only_layers"] = serde_json::json!([3]);
+        let c = from_hf_json(&v.to_string()).unwrap();
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.num_experts, m.experts_per_token), (8, 2));
+        assert_eq!(m.expert_intermediate_size, 64);
+        assert!(!m.norm_topk_prob);
+        // Layers 1 and 3 are sparse by the step, but 3 is listed as dense.
+        assert_eq!(m.dense_layers, vec![0, 2, 3]);
+        assert!(c.is_moe_layer(1) && !c.is_moe_layer(3));
+    }
+
+    #[test]
+    fn parses_mixtral_and_rejects_bad_expert_counts() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["MixtralForCausalLM"]);
+        v["num_local_experts"] = serde_json::json!(4);
+        v["num_experts_per_tok"] = serde_json::json!(2);
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.architecture, Architecture::Mistral);
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.num_experts, m.expert_intermediate_size), (4, 1024));
+        assert!(m.norm_topk_prob && m.dense_layers.is_empty());
+        v["num_experts_per_tok"] = serde_json::json!(5);
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("5 per token"), "{err}");
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Models in llama.cpp's GGUF files (v2/v3): metadata → [`ModelConfig`], GGUF tensor names →
 //! Hugging Face names, and the tensors in Hugging Face's row order, so that the engine builds the
-//! model through the same [`Model::from_hf_tensors`] as for a safetensors directory.
+//! model through the same [`Model::from_hf_tensors`] as for a safetensors directory. A mixture of
+//! experts (`qwen3moe`, or `llama` with `ffn_*_exps` tensors as llama.cpp writes Mixtral) stacks
+//! each layer's experts in one 3-D tensor; expert `e` of Hugging Face's names is its slice `e`.
 //!
 //! Weight matrices stored as F16, BF16, Q8_0, Q4_0 or Q4_1 stay in that encoding (rows put in
 //! Hugging Face order by [`GgufFile::raw_tensor`]): the kernels compute on it directly. Other types
@@ -18,7 +20,7 @@ use candle_core::Device;
 use leanstream_format::quant::QuantType;
 use memmap2::Mmap;
 
-use crate::config::{Activation, Architecture, ModelConfig};
+use crate::config::{Activation, Architecture, ModelConfig, MoeConfig};
 use crate::kernels::{Matrix, QMatrix, Weight};
 use crate::model::Model;
 
@@ -71,10 +73,10 @@ impl GgufFile {
         match self.required_str("general.architecture")? {
             // llama.cpp's converter also writes Mistral checkpoints as `llama`.
             "llama" => Ok(Architecture::Llama),
-            "qwen3" => Ok(Architecture::Qwen3),
+            "qwen3" | "qwen3moe" => Ok(Architecture::Qwen3),
             other => bail!(
-                "{}: architecture {other:?} is not supported (GGUF files of architecture llama \
-                 and qwen3 are)",
+                "{}: architecture {other:?} is not supported (GGUF files of architecture llama, \
+                 qwen3 and qwen3moe are)",
                 self.path.display()
             ),
         }
@@ -163,7 +165,12 @@ impl GgufFile {
             // llama.cpp's llama and qwen3 graphs gate the FFN with SiLU; GGUF has no key for it.
             activation: Activation::Silu,
             hidden_size,
-            intermediate_size: self.required_usize(&key("feed_forward_length"))?,
+            intermediate_size: match self.usize(&key("feed_forward_length"))? {
+                Some(n) => n,
+                None => self
+                    .usize(&key("expert_feed_forward_length"))?
+                    .with_context(|| self.missing(&key("feed_forward_length")))?,
+            },
             num_layers: self.required_usize(&key("block_count"))?,
             num_heads,
             num_kv_heads: self
@@ -185,11 +192,42 @@ impl GgufFile {
                 .u32("tokenizer.ggml.eos_token_id")?
                 .into_iter()
                 .collect(),
+            moe: self.moe_config(arch)?,
         };
         config
             .validate()
             .with_context(|| format!("{}: invalid model metadata", self.path.display()))?;
         Ok(config)
+    }
+
+    /// The mixture of experts, if the file has one. llama.cpp renormalises the chosen experts'
+    /// weights for both `qwen3moe` and `llama` (Mixtral), so `norm_topk_prob` is set; layers
+    /// without a router (`ffn_gate_inp`) are dense.
+    fn moe_config(&self, arch: &str) -> Result<Option<MoeConfig>> {
+        let key = |k: &str| format!("{arch}.{k}");
+        let num_experts = self.usize(&key("expert_count"))?.unwrap_or(0);
+        if num_experts == 0 {
+            if arch == "qwen3moe" {
+                bail!("{}", self.missing(&key("expert_count")));
+            }
+            return Ok(None);
+        }
+        let layers = self.required_usize(&key("block_count"))?;
+        let expert_intermediate_size = match self.usize(&key("expert_feed_forward_length"))? {
+            Some(n) => n,
+            None => self.required_usize(&key("feed_forward_length"))?,
+        };
+        let has_router = |l: usize| {
+            let name = format!("blk.{l}.ffn_gate_inp.weight");
+            self.content.tensor_infos.contains_key(&name)
+        };
+        Ok(Some(MoeConfig {
+            num_experts,
+            experts_per_token: self.required_usize(&key("expert_used_count"))?,
+            expert_intermediate_size,
+            norm_topk_prob: true,
+            dense_layers: (0..layers).filter(|&l| !has_router(l)).collect(),
+        }))
     }
 
     /// Hugging Face tensor `name` as f32, after checking it has `shape`.
@@ -213,16 +251,31 @@ impl GgufFile {
     /// Hugging Face tensor `name` in its stored encoding, after checking it has `shape`. Query and
     /// key rows of `llama` files are put back into Hugging Face's order (see [`unpermute_rope_rows`]).
     pub fn raw_tensor(&self, name: &str, shape: &[usize]) -> Result<RawTensor<'_>> {
-        let gguf_name = gguf_name(name).with_context(|| {
+        let (gguf_name, expert) = gguf_location(name).with_context(|| {
             format!(
                 "{}: no GGUF tensor corresponds to {name}",
                 self.path.display()
             )
         })?;
         let info = self.info(&gguf_name)?;
-        if info.shape.dims() != shape {
+        // An expert's matrix is one slice of its layer's stack of `expert_count` matrices.
+        let (stacked, first) = match expert {
+            Some(e) => {
+                let arch = self.required_str("general.architecture")?;
+                let experts = self.usize(&format!("{arch}.expert_count"))?.unwrap_or(0);
+                if e >= experts {
+                    bail!(
+                        "{}: {name} is expert {e}, but {arch}.expert_count is {experts}",
+                        self.path.display()
+                    );
+                }
+                ([&[experts][..], shape].concat(), e)
+            }
+            None => (shape.to_vec(), 0),
+        };
+        if info.shape.dims() != stacked {
             bail!(
-                "{}: tensor {gguf_name} has shape {:?} but the metadata implies {shape:?}",
+                "{}: tensor {gguf_name} has shape {:?} but the metadata implies {stacked:?}",
                 self.path.display(),
                 info.shape.dims()
             );
@@ -239,7 +292,8 @@ impl GgufFile {
         let len = shape.iter().product::<usize>() / cols * row_bytes;
         let start = (self.content.tensor_data_offset)
             .checked_add(info.offset)
-            .and_then(|s| usize::try_from(s).ok());
+            .and_then(|s| usize::try_from(s).ok())
+            .and_then(|s| s.checked_add(first.checked_mul(len)?));
         let data = start
             .and_then(|s| self.mmap.get(s..s.checked_add(len)?))
             .with_context(|| {
@@ -413,8 +467,50 @@ fn has_zero_alignment(bytes: &[u8]) -> bool {
     false
 }
 
-/// The GGUF name of a Hugging Face tensor name (llama.cpp's naming for llama and qwen3).
+/// The GGUF name of a Hugging Face tensor name (llama.cpp's naming for llama, qwen3 and
+/// qwen3moe); an expert's name gives its layer's stack of experts.
 pub fn gguf_name(hf_name: &str) -> Option<String> {
+    gguf_location(hf_name).map(|(name, _)| name)
+}
+
+/// The GGUF tensor holding a Hugging Face tensor, and for an expert's matrix its index in the
+/// stack: Qwen3-MoE's `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj` and Mixtral's
+/// `block_sparse_moe.experts.{e}.w1` / `w3` / `w2` are `ffn_gate_exps` / `ffn_up_exps` /
+/// `ffn_down_exps`, the routers (`mlp.gate`, `block_sparse_moe.gate`) `ffn_gate_inp`.
+fn gguf_location(hf_name: &str) -> Option<(String, Option<usize>)> {
+    match moe_location(hf_name) {
+        Some(found) => Some(found),
+        None => dense_gguf_name(hf_name).map(|name| (name, None)),
+    }
+}
+
+/// [`gguf_location`] for a router or an expert's matrix; `None` for any other name.
+fn moe_location(hf_name: &str) -> Option<(String, Option<usize>)> {
+    let (layer, part) = hf_name.strip_prefix("model.layers.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let part = part.strip_suffix(".weight")?;
+    let block = part
+        .strip_prefix("mlp.")
+        .or_else(|| part.strip_prefix("block_sparse_moe."));
+    if block == Some("gate") {
+        return Some((format!("blk.{layer}.ffn_gate_inp.weight"), None));
+    }
+    if let Some((e, proj)) = block
+        .and_then(|b| b.strip_prefix("experts."))
+        .and_then(|b| b.split_once('.'))
+    {
+        let stack = match proj {
+            "gate_proj" | "w1" => "ffn_gate_exps",
+            "up_proj" | "w3" => "ffn_up_exps",
+            "down_proj" | "w2" => "ffn_down_exps",
+            _ => return None,
+        };
+        return Some((format!("blk.{layer}.{stack}.weight"), Some(e.parse().ok()?)));
+    }
+    None
+}
+
+fn dense_gguf_name(hf_name: &str) -> Option<String> {
     let fixed = match hf_name {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -484,6 +580,32 @@ mod tests {
         );
         assert_eq!(gguf_name("model.layers.x.mlp.up_proj.weight"), None);
         assert_eq!(gguf_name("model.layers.0.mlp.experts.weight"), None);
+        assert_eq!(
+            gguf_name("model.layers.0.mlp.experts.x.up_proj.weight"),
+            None
+        );
+    }
+
+    #[test]
+    fn experts_map_to_slices_of_their_stack() {
+        let loc = |n: &str| gguf_location(n).unwrap();
+        let stack = |name: &str, e| (name.to_string(), Some(e));
+        assert_eq!(
+            loc("model.layers.3.mlp.experts.7.down_proj.weight"),
+            stack("blk.3.ffn_down_exps.weight", 7)
+        );
+        assert_eq!(
+            loc("model.layers.0.block_sparse_moe.experts.1.w3.weight"),
+            stack("blk.0.ffn_up_exps.weight", 1)
+        );
+        assert_eq!(
+            loc("model.layers.2.block_sparse_moe.gate.weight"),
+            ("blk.2.ffn_gate_inp.weight".to_string(), None)
+        );
+        assert_eq!(
+            loc("model.layers.2.mlp.gate_proj.weight"),
+            ("blk.2.ffn_gate.weight".to_string(), None)
+        );
     }
 
     #[test]

@@ -35,6 +35,7 @@ fn config(architecture: Architecture) -> ModelConfig {
         qk_norm: qwen3,
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
+        moe: None,
     }
 }
 

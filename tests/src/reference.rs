@@ -60,7 +60,68 @@ pub struct RefConfig {
     pub tied: bool,
     pub qk_norm: bool,
     pub sliding_window: Option<usize>,
+    pub moe: Option<RefMoe>,
 }
+
+/// A sparse mixture of experts, as Hugging Face's Qwen3-MoE and Mixtral blocks compute it:
+/// softmax over the router logits, the `top_k` most probable experts, their outputs weighted by
+/// those probabilities (divided by their sum when `norm_topk_prob`; Mixtral always does).
+#[derive(Clone, Debug)]
+pub struct RefMoe {
+    pub experts: usize,
+    pub top_k: usize,
+    pub intermediate: usize,
+    pub norm_topk_prob: bool,
+    /// Whether each layer is sparse (the others have a dense `mlp`).
+    pub sparse: Vec<bool>,
+    /// `mlp` (Qwen3-MoE) or `block_sparse_moe` (Mixtral).
+    pub block: &'static str,
+    /// The expert's gate, up and down projection names.
+    pub projections: [&'static str; 3],
+}
+
+impl RefMoe {
+    fn parse(cfg: &Value, architecture: &str, layers: usize) -> Result<Option<Self>> {
+        let top_k = || req_usize(cfg, "num_experts_per_tok");
+        Ok(match architecture {
+            "MixtralForCausalLM" => Some(RefMoe {
+                experts: req_usize(cfg, "num_local_experts")?,
+                top_k: top_k()?,
+                intermediate: req_usize(cfg, "intermediate_size")?,
+                norm_topk_prob: true,
+                sparse: vec![true; layers],
+                block: "block_sparse_moe",
+                projections: ["w1", "w3", "w2"],
+            }),
+            "Qwen3MoeForCausalLM" => {
+                let step = get(cfg, "decoder_sparse_step")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(1) as usize;
+                let mlp_only: Vec<u64> = get(cfg, "mlp_only_layers")
+                    .and_then(Value::as_array)
+                    .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                    .unwrap_or_default();
+                Some(RefMoe {
+                    experts: req_usize(cfg, "num_experts")?,
+                    top_k: top_k()?,
+                    intermediate: req_usize(cfg, "moe_intermediate_size")?,
+                    norm_topk_prob: get(cfg, "norm_topk_prob")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(false),
+                    sparse: (0..layers)
+                        .map(|l| !mlp_only.contains(&(l as u64)) && (l + 1).is_multiple_of(step))
+                        .collect(),
+                    block: "mlp",
+                    projections: ["gate_proj", "up_proj", "down_proj"],
+                })
+            }
+            _ => None,
+        })
+    }
+}
+
+/// How many tokens chose each expert, per layer (empty for a dense layer).
+pub type ExpertCounts = Vec<Vec<usize>>;
 
 fn get<'a>(cfg: &'a Value, key: &str) -> Option<&'a Value> {
     cfg.get(key).filter(|v| !v.is_null())
@@ -94,8 +155,8 @@ impl RefConfig {
             .ok_or_else(|| anyhow!("config.json: no architectures"))?
             .to_string();
         let qk_norm = match architecture.as_str() {
-            "LlamaForCausalLM" | "MistralForCausalLM" => false,
-            "Qwen3ForCausalLM" => true,
+            "LlamaForCausalLM" | "MistralForCausalLM" | "MixtralForCausalLM" => false,
+            "Qwen3ForCausalLM" | "Qwen3MoeForCausalLM" => true,
             other => bail!("reference: unsupported architecture {other}"),
         };
         let hidden = req_usize(cfg, "hidden_size")?;
@@ -157,11 +218,13 @@ impl RefConfig {
         if kv_heads == 0 || heads % kv_heads != 0 {
             bail!("heads {heads} not a multiple of kv_heads {kv_heads}");
         }
+        let layers = req_usize(cfg, "num_hidden_layers")?;
+        let moe = RefMoe::parse(cfg, &architecture, layers)?;
         Ok(RefConfig {
             architecture,
             hidden,
             intermediate: req_usize(cfg, "intermediate_size")?,
-            layers: req_usize(cfg, "num_hidden_layers")?,
+            layers,
             heads,
             kv_heads,
             head_dim,
@@ -175,6 +238,7 @@ impl RefConfig {
                 .unwrap_or(false),
             qk_norm,
             sliding_window,
+            moe,
         })
     }
 }
@@ -331,9 +395,25 @@ impl ReferenceModel {
                 format!("{p}.self_attn.o_proj.weight"),
                 vec![h, c.heads * hd],
             ));
-            want.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
-            want.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
-            want.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+            match c.moe.as_ref().filter(|m| m.sparse[l]) {
+                Some(m) => {
+                    let b = format!("{p}.{}", m.block);
+                    want.push((format!("{b}.gate.weight"), vec![m.experts, h]));
+                    let [g, u, d] = m.projections;
+                    let n = m.intermediate;
+                    for e in 0..m.experts {
+                        let x = format!("{b}.experts.{e}");
+                        want.push((format!("{x}.{g}.weight"), vec![n, h]));
+                        want.push((format!("{x}.{u}.weight"), vec![n, h]));
+                        want.push((format!("{x}.{d}.weight"), vec![h, n]));
+                    }
+                }
+                None => {
+                    want.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+                    want.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+                    want.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+                }
+            }
             if c.qk_norm {
                 want.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
                 want.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
@@ -415,8 +495,74 @@ impl ReferenceModel {
         }
     }
 
+    /// `down · (act(gate · x) ⊙ up · x)` with the projections `{prefix}.{gate|up|down}.weight`.
+    fn mlp(&self, prefix: &str, [gate, up, down]: [&str; 3], x: &[f64], brk: Breakage) -> Vec<f64> {
+        let (gate, up) = if brk == Breakage::SwapGateUp {
+            (up, gate)
+        } else {
+            (gate, up)
+        };
+        let g = self.matvec(&format!("{prefix}.{gate}.weight"), x);
+        let u = self.matvec(&format!("{prefix}.{up}.weight"), x);
+        let a: Vec<f64> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| {
+                let act = if self.cfg.relu {
+                    g.max(0.0)
+                } else {
+                    g / (1.0 + (-g).exp())
+                };
+                act * u
+            })
+            .collect();
+        self.matvec(&format!("{prefix}.{down}.weight"), &a)
+    }
+
+    /// The mixture of experts of layer prefix `p` on the normalised input `x`.
+    /// Counts each chosen expert in `chosen`.
+    fn experts(
+        &self,
+        p: &str,
+        m: &RefMoe,
+        x: &[f64],
+        brk: Breakage,
+        chosen_count: &mut [usize],
+    ) -> Vec<f64> {
+        let b = format!("{p}.{}", m.block);
+        let logits = self.matvec(&format!("{b}.gate.weight"), x);
+        let lse = log_sum_exp(&logits);
+        let probs: Vec<f64> = logits.iter().map(|v| (v - lse).exp()).collect();
+        let mut order: Vec<usize> = (0..m.experts).collect();
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+        let chosen = &order[..m.top_k];
+        let total: f64 = if m.norm_topk_prob {
+            chosen.iter().map(|&e| probs[e]).sum()
+        } else {
+            1.0
+        };
+        let mut out = vec![0.0; x.len()];
+        for &e in chosen {
+            chosen_count[e] += 1;
+            let y = self.mlp(&format!("{b}.experts.{e}"), m.projections, x, brk);
+            let w = probs[e] / total;
+            out.iter_mut().zip(&y).for_each(|(o, v)| *o += w * v);
+        }
+        out
+    }
+
     /// Logits `[T][vocab]` for every position of `ids` (positions 0..T).
     pub fn logits(&self, ids: &[u32], brk: Breakage) -> Result<Vec<Vec<f64>>> {
+        Ok(self.logits_and_routing(ids, brk)?.0)
+    }
+
+    /// [`logits`](Self::logits), and how many tokens chose each expert of each layer (empty for
+    /// dense layers).
+    pub fn logits_and_routing(
+        &self,
+        ids: &[u32],
+        brk: Breakage,
+    ) -> Result<(Vec<Vec<f64>>, ExpertCounts)> {
         let c = &self.cfg;
         let (h, hd, nh, nkv) = (c.hidden, c.head_dim, c.heads, c.kv_heads);
         let group = nh / nkv;
@@ -436,6 +582,12 @@ impl ReferenceModel {
             .sliding_window
             .filter(|_| brk != Breakage::NoSlidingWindow);
         let t_len = ids.len();
+        let mut routing: Vec<Vec<usize>> = (0..c.layers)
+            .map(|l| match c.moe.as_ref().filter(|m| m.sparse[l]) {
+                Some(m) => vec![0; m.experts],
+                None => Vec::new(),
+            })
+            .collect();
 
         for l in 0..c.layers {
             let p = format!("model.layers.{l}");
@@ -502,28 +654,17 @@ impl ReferenceModel {
                 }
             }
 
-            let (gate_name, up_name) = if brk == Breakage::SwapGateUp {
-                ("up_proj", "gate_proj")
-            } else {
-                ("gate_proj", "up_proj")
-            };
             for xt in x.iter_mut() {
                 let hn = self.norm(xt, &format!("{p}.post_attention_layernorm.weight"), brk);
-                let g = self.matvec(&format!("{p}.mlp.{gate_name}.weight"), &hn);
-                let u = self.matvec(&format!("{p}.mlp.{up_name}.weight"), &hn);
-                let a: Vec<f64> = g
-                    .iter()
-                    .zip(&u)
-                    .map(|(&g, &u)| {
-                        let act = if c.relu {
-                            g.max(0.0)
-                        } else {
-                            g / (1.0 + (-g).exp())
-                        };
-                        act * u
-                    })
-                    .collect();
-                let d = self.matvec(&format!("{p}.mlp.down_proj.weight"), &a);
+                let d = match c.moe.as_ref().filter(|m| m.sparse[l]) {
+                    Some(m) => self.experts(&p, m, &hn, brk, &mut routing[l]),
+                    None => self.mlp(
+                        &format!("{p}.mlp"),
+                        ["gate_proj", "up_proj", "down_proj"],
+                        &hn,
+                        brk,
+                    ),
+                };
                 for (xv, dv) in xt.iter_mut().zip(&d) {
                     *xv += dv;
                 }
@@ -535,12 +676,14 @@ impl ReferenceModel {
         } else {
             "lm_head.weight"
         };
-        Ok(x.iter()
+        let logits = x
+            .iter()
             .map(|xt| {
                 let hn = self.norm(xt, "model.norm.weight", brk);
                 self.matvec(head_name, &hn)
             })
-            .collect())
+            .collect();
+        Ok((logits, routing))
     }
 
     /// Windowed perplexity: consecutive windows of `window` tokens, each run from scratch,

@@ -15,12 +15,44 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
-/// Model family; decides `architectures`, `model_type` and whether q/k norms exist.
+/// Model family; decides `architectures`, `model_type`, whether q/k norms exist and, for the
+/// mixtures of experts, how the expert tensors are named.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     Qwen3,
     Mistral,
+    /// Qwen3's attention with `mlp.gate` + `mlp.experts.{e}.{gate,up,down}_proj`.
+    Qwen3Moe,
+    /// Mistral's attention with `block_sparse_moe.gate` + `block_sparse_moe.experts.{e}.w1/w3/w2`.
+    Mixtral,
+}
+
+/// The mixture-of-experts shape of a [`Arch::Qwen3Moe`] or [`Arch::Mixtral`] model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TinyMoe {
+    pub experts: usize,
+    pub top_k: usize,
+    /// Qwen3-MoE's `moe_intermediate_size`; Mixtral's experts are `intermediate` wide.
+    pub expert_intermediate: usize,
+    /// Qwen3-MoE's `norm_topk_prob` (Mixtral always renormalises).
+    pub norm_topk_prob: bool,
+    /// Qwen3-MoE: layer `l` is sparse when `(l + 1) % decoder_sparse_step == 0` and `l` is not in
+    /// `mlp_only_layers`.
+    pub decoder_sparse_step: usize,
+    pub mlp_only_layers: Vec<usize>,
+    /// Router rows of expert `e` are scaled by `1 + skew · e`, so some experts win far more
+    /// often than others (uneven routing).
+    pub skew: f64,
+}
+
+impl TinyMoe {
+    /// Whether layer `l` of an `arch` model is a mixture of experts.
+    pub fn is_moe_layer(&self, arch: Arch, l: usize) -> bool {
+        arch == Arch::Mixtral
+            || ((l + 1).is_multiple_of(self.decoder_sparse_step)
+                && !self.mlp_only_layers.contains(&l))
+    }
 }
 
 /// FFN activation (`hidden_act`).
@@ -74,6 +106,8 @@ pub struct TinySpec {
     pub max_position_embeddings: usize,
     /// Written as `sliding_window` (Mistral); `None` writes `null`.
     pub sliding_window: Option<usize>,
+    /// The experts of [`Arch::Qwen3Moe`] / [`Arch::Mixtral`]; `None` for dense families.
+    pub moe: Option<TinyMoe>,
 }
 
 impl TinySpec {
@@ -99,6 +133,7 @@ impl TinySpec {
             rope_theta_in_rope_parameters: false,
             max_position_embeddings: 512,
             sliding_window: None,
+            moe: None,
         }
     }
 
@@ -128,6 +163,43 @@ impl TinySpec {
             ..TinySpec::llama()
         }
     }
+
+    /// Qwen3-MoE: 8 experts of 48 neurons, top-2 without renormalisation, layer 0 dense by
+    /// `mlp_only_layers`, skewed routing.
+    pub fn qwen3_moe() -> Self {
+        TinySpec {
+            arch: Arch::Qwen3Moe,
+            layers: 3,
+            moe: Some(TinyMoe {
+                experts: 8,
+                top_k: 2,
+                expert_intermediate: 48,
+                norm_topk_prob: false,
+                decoder_sparse_step: 1,
+                mlp_only_layers: vec![0],
+                skew: 0.25,
+            }),
+            ..TinySpec::qwen3()
+        }
+    }
+
+    /// Mixtral: 8 experts of `intermediate` neurons, top-2, a sliding window, skewed routing.
+    pub fn mixtral() -> Self {
+        TinySpec {
+            arch: Arch::Mixtral,
+            intermediate: 32,
+            moe: Some(TinyMoe {
+                experts: 8,
+                top_k: 2,
+                expert_intermediate: 32,
+                norm_topk_prob: true,
+                decoder_sparse_step: 1,
+                mlp_only_layers: Vec::new(),
+                skew: 0.25,
+            }),
+            ..TinySpec::mistral()
+        }
+    }
 }
 
 impl Arch {
@@ -136,7 +208,14 @@ impl Arch {
             Arch::Llama => ("LlamaForCausalLM", "llama"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Arch::Mistral => ("MistralForCausalLM", "mistral"),
+            Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
+            Arch::Mixtral => ("MixtralForCausalLM", "mixtral"),
         }
+    }
+
+    /// Per-head q/k RMSNorm (the Qwen3 family).
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe)
     }
 }
 
@@ -228,14 +307,37 @@ fn generate_tensors(spec: &TinySpec) -> Vec<(String, Vec<usize>, Vec<f64>)> {
         push("self_attn.k_proj", linear(&mut rng, kv_out, h, 2.5));
         push("self_attn.v_proj", linear(&mut rng, kv_out, h, 2.0));
         push("self_attn.o_proj", linear(&mut rng, h, q_out, 2.0));
-        if spec.arch == Arch::Qwen3 {
+        if spec.arch.qk_norm() {
             push("self_attn.q_norm", norm_weight(&mut rng, hd));
             push("self_attn.k_norm", norm_weight(&mut rng, hd));
         }
         push("post_attention_layernorm", norm_weight(&mut rng, h));
-        push("mlp.gate_proj", linear(&mut rng, i, h, 2.0));
-        push("mlp.up_proj", linear(&mut rng, i, h, 2.0));
-        push("mlp.down_proj", linear(&mut rng, h, i, 2.0));
+        match &spec.moe {
+            Some(m) if m.is_moe_layer(spec.arch, l) => {
+                let (block, [gate, up, down]) = match spec.arch {
+                    Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+                    _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+                };
+                // A strong router (gain 4) so that routing is decisive, rows skewed per expert.
+                let (shape, mut router) = linear(&mut rng, m.experts, h, 4.0);
+                for (e, row) in router.chunks_exact_mut(h).enumerate() {
+                    row.iter_mut().for_each(|v| *v *= 1.0 + m.skew * e as f64);
+                }
+                push(&format!("{block}.gate"), (shape, router));
+                let n = m.expert_intermediate;
+                for e in 0..m.experts {
+                    let x = format!("{block}.experts.{e}");
+                    push(&format!("{x}.{gate}"), linear(&mut rng, n, h, 2.0));
+                    push(&format!("{x}.{up}"), linear(&mut rng, n, h, 2.0));
+                    push(&format!("{x}.{down}"), linear(&mut rng, h, n, 2.0));
+                }
+            }
+            _ => {
+                push("mlp.gate_proj", linear(&mut rng, i, h, 2.0));
+                push("mlp.up_proj", linear(&mut rng, i, h, 2.0));
+                push("mlp.down_proj", linear(&mut rng, h, i, 2.0));
+            }
+        }
     }
     let (s, v) = norm_weight(&mut rng, h);
     out.push(("model.norm.weight".to_string(), s, v));
@@ -293,15 +395,27 @@ fn config_json(spec: &TinySpec) -> Value {
         }
     }
     match spec.arch {
-        Arch::Mistral => {
+        Arch::Mistral | Arch::Mixtral => {
             obj.insert("sliding_window".into(), json!(spec.sliding_window));
         }
-        Arch::Qwen3 => {
+        Arch::Qwen3 | Arch::Qwen3Moe => {
             obj.insert("use_sliding_window".into(), json!(false));
             obj.insert("sliding_window".into(), Value::Null);
             obj.insert("max_window_layers".into(), json!(spec.layers));
         }
         Arch::Llama => {}
+    }
+    if let Some(m) = &spec.moe {
+        obj.insert("num_experts_per_tok".into(), json!(m.top_k));
+        if spec.arch == Arch::Mixtral {
+            obj.insert("num_local_experts".into(), json!(m.experts));
+        } else {
+            obj.insert("num_experts".into(), json!(m.experts));
+            obj.insert("moe_intermediate_size".into(), json!(m.expert_intermediate));
+            obj.insert("norm_topk_prob".into(), json!(m.norm_topk_prob));
+            obj.insert("decoder_sparse_step".into(), json!(m.decoder_sparse_step));
+            obj.insert("mlp_only_layers".into(), json!(m.mlp_only_layers));
+        }
     }
     c
 }
@@ -345,6 +459,18 @@ pub fn write_tiny_model(dir: &Path, spec: &TinySpec) -> Result<()> {
     }
     if spec.arch == Arch::Llama && spec.sliding_window.is_some() {
         bail!("Llama has no sliding window");
+    }
+    let moe_arch = matches!(spec.arch, Arch::Qwen3Moe | Arch::Mixtral);
+    if moe_arch != spec.moe.is_some() {
+        bail!("experts (`moe`) go with the Qwen3Moe and Mixtral architectures, and only them");
+    }
+    if let Some(m) = &spec.moe {
+        if spec.arch == Arch::Mixtral && m.expert_intermediate != spec.intermediate {
+            bail!("Mixtral's experts are `intermediate` wide");
+        }
+        if m.top_k == 0 || m.top_k > m.experts || m.decoder_sparse_step == 0 {
+            bail!("bad expert counts");
+        }
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
 

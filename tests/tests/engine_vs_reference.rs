@@ -195,3 +195,92 @@ fn theta_only_in_rope_parameters() {
     };
     check_engine("theta-rope-parameters", &spec);
 }
+
+/// Greedy decoding: the engine's tokens through its KV cache against the reference's argmax over
+/// the whole sequence recomputed at every step. First, that the mixture is a real test: several
+/// experts per token, and routing uneven (the busiest expert of each sparse layer chosen at least
+/// twice as often as the idlest) yet reaching every expert.
+fn check_greedy(name: &str, spec: &TinySpec) {
+    let dir = model_dir(&format!("{name}-greedy"), spec);
+    let reference = ReferenceModel::load(&dir).unwrap();
+    let moe = spec.moe.as_ref().unwrap();
+    assert!(moe.top_k > 1);
+    let ids = random_ids(spec.seed + 800, PROMPT_LEN, spec.vocab);
+    let (_, routing) = reference.logits_and_routing(&ids, Breakage::None).unwrap();
+    for (l, counts) in routing.iter().enumerate().filter(|(_, c)| !c.is_empty()) {
+        eprintln!("{name}: layer {l} expert counts {counts:?}");
+        assert_eq!(counts.iter().sum::<usize>(), PROMPT_LEN * moe.top_k);
+        let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+        assert!(
+            *min > 0 && *max >= 2 * min,
+            "{name}: layer {l} routing {counts:?}"
+        );
+    }
+    let model = Model::load(&dir).unwrap();
+    let argmax = |row: &[f64]| {
+        (0..row.len())
+            .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+            .unwrap() as u32
+    };
+    let prompt = random_ids(spec.seed + 700, 12, spec.vocab);
+    let steps = 20;
+    let mut cache = model.new_cache(prompt.len() + steps);
+    let mut logits = model.forward(&prompt, &mut cache, false).unwrap();
+    let mut seq = prompt.clone();
+    let mut engine = Vec::new();
+    for _ in 0..steps {
+        let row: Vec<f64> = logits.iter().map(|&v| v as f64).collect();
+        let tok = argmax(&row);
+        engine.push(tok);
+        seq.push(tok);
+        logits = model.forward(&[tok], &mut cache, false).unwrap();
+    }
+    let mut seq = prompt;
+    let mut want = Vec::new();
+    for _ in 0..steps {
+        let tok = argmax(
+            reference
+                .logits(&seq, Breakage::None)
+                .unwrap()
+                .last()
+                .unwrap(),
+        );
+        want.push(tok);
+        seq.push(tok);
+    }
+    assert_eq!(engine, want, "{name}: greedy tokens differ");
+}
+
+#[test]
+fn qwen3_moe_top2_mlp_only_layer() {
+    let spec = TinySpec {
+        seed: 31,
+        ..TinySpec::qwen3_moe()
+    };
+    check_engine("qwen3-moe", &spec);
+    check_greedy("qwen3-moe", &spec);
+}
+
+#[test]
+fn qwen3_moe_top3_renormalised_sparse_step_bf16_sharded() {
+    let mut spec = TinySpec {
+        seed: 32,
+        layers: 4,
+        dtype: WeightDtype::BF16,
+        shards: 3,
+        ..TinySpec::qwen3_moe()
+    };
+    let moe = spec.moe.as_mut().unwrap();
+    (moe.top_k, moe.norm_topk_prob, moe.decoder_sparse_step) = (3, true, 2);
+    check_engine("qwen3-moe-step", &spec);
+}
+
+#[test]
+fn mixtral_top2_sliding_window() {
+    let spec = TinySpec {
+        seed: 33,
+        ..TinySpec::mixtral()
+    };
+    check_engine("mixtral", &spec);
+    check_greedy("mixtral", &spec);
+}

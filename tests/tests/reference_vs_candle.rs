@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{llama, qwen3};
+use candle_transformers::models::{llama, mixtral, qwen3, qwen3_moe};
 use leanstream_tests::reference::{Breakage, ReferenceModel};
 use leanstream_tests::tiny::{
     random_ids, write_tiny_model, Act, Llama3RopeScaling, TinySpec, WeightDtype,
@@ -86,6 +86,52 @@ fn candle_qwen3_logits(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
                 .into_iter()
                 .map(f64::from)
                 .collect()
+        })
+        .collect()
+}
+
+fn logits_f64(l: Tensor) -> Vec<f64> {
+    l.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+/// Candle's Qwen3-MoE, fed one token at a time through its KV cache. Candle reads
+/// `decoder_sparse_step` but not `mlp_only_layers`, so the models given to it leave that empty.
+fn candle_qwen3_moe_logits(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
+    let cfg: qwen3_moe::Config =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let mut model = qwen3_moe::ModelForCausalLM::new(&cfg, var_builder(dir)).unwrap();
+    ids.iter()
+        .enumerate()
+        .map(|(pos, &id)| logits_f64(model.forward(&token(id), pos).unwrap()))
+        .collect()
+}
+
+/// Candle's Mixtral. It applies the sliding window only through the mask of a multi-token
+/// forward (a cached decode attends to everything), and that mask keeps `sliding_window + 1`
+/// positions where Hugging Face keeps `sliding_window`; so every prefix runs from scratch, with
+/// the window given as one less, and the last position's logits are kept.
+fn candle_mixtral_logits(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let window = json["sliding_window"].as_u64().unwrap();
+    json["sliding_window"] = serde_json::json!(window - 1);
+    json["use_flash_attn"] = serde_json::json!(false);
+    let cfg: mixtral::Config = serde_json::from_value(json).unwrap();
+    let vb = var_builder(dir);
+    (1..=ids.len())
+        .map(|n| {
+            let mut model = mixtral::Model::new(&cfg, vb.clone()).unwrap();
+            let input = Tensor::new(&ids[..n], &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            logits_f64(model.forward(&input, 0).unwrap())
         })
         .collect()
 }
@@ -178,4 +224,54 @@ fn qwen3_relu_untied_f32_matches_candle() {
     let dir = model_dir("qwen3-relu", &spec);
     let ids = random_ids(104, PROMPT_LEN, spec.vocab);
     check("qwen3 relu", &dir, candle_qwen3_logits(&dir, &ids), &ids);
+}
+
+#[test]
+fn qwen3_moe_top2_sparse_step_matches_candle() {
+    let mut spec = TinySpec {
+        seed: 15,
+        layers: 2,
+        ..TinySpec::qwen3_moe()
+    };
+    let moe = spec.moe.as_mut().unwrap();
+    // Layer 0 dense by the step, layer 1 sparse; see candle_qwen3_moe_logits.
+    moe.decoder_sparse_step = 2;
+    moe.mlp_only_layers.clear();
+    let dir = model_dir("qwen3-moe", &spec);
+    let ids = random_ids(105, PROMPT_LEN, spec.vocab);
+    check("qwen3-moe", &dir, candle_qwen3_moe_logits(&dir, &ids), &ids);
+}
+
+#[test]
+fn qwen3_moe_renormalised_bf16_matches_candle() {
+    let mut spec = TinySpec {
+        seed: 16,
+        layers: 2,
+        dtype: WeightDtype::BF16,
+        ..TinySpec::qwen3_moe()
+    };
+    let moe = spec.moe.as_mut().unwrap();
+    moe.norm_topk_prob = true;
+    moe.top_k = 3;
+    moe.mlp_only_layers.clear();
+    let dir = model_dir("qwen3-moe-norm", &spec);
+    let ids = random_ids(106, PROMPT_LEN, spec.vocab);
+    check(
+        "qwen3-moe renormalised",
+        &dir,
+        candle_qwen3_moe_logits(&dir, &ids),
+        &ids,
+    );
+}
+
+#[test]
+fn mixtral_top2_sliding_window_matches_candle() {
+    let spec = TinySpec {
+        seed: 17,
+        ..TinySpec::mixtral()
+    };
+    assert!(spec.sliding_window.unwrap() < PROMPT_LEN);
+    let dir = model_dir("mixtral", &spec);
+    let ids = random_ids(107, PROMPT_LEN, spec.vocab);
+    check("mixtral", &dir, candle_mixtral_logits(&dir, &ids), &ids);
 }

@@ -49,6 +49,7 @@ impl Shape {
             qk_norm: false,
             bos_token_id: bos,
             eos_token_ids: eos.clone(),
+            moe: None,
         };
         match self {
             Shape::Llama2_7b => llama(4096, 11008, 32, 32, 32, 128, 32000, 4096),

@@ -1,18 +1,53 @@
-//! The FFN half of a transformer block: RMSNorm, then gate/up/down (SwiGLU or ReLU) from resident
-//! weights, or from an [`FfnBackend`] that streams them, added to the residual. Prep watches it
-//! through an [`FfnProbe`].
+//! The FFN half of a transformer block: RMSNorm, then the dense gate/up/down (SwiGLU or ReLU)
+//! from resident weights, a resident mixture of experts ([`super::moe`]), or an [`FfnBackend`]
+//! that streams them, added to the residual. Prep watches the dense FFN through an [`FfnProbe`].
 
 use anyhow::{bail, Result};
 
 use super::norm::rms_norm;
-use super::{Layer, Model, Scratch};
+use super::{FfnWeights, Layer, Model, Scratch};
+use crate::config::Activation;
 use crate::kernels::Weight;
 
-/// A resident FFN: gate `[n, h]`, up `[n, h]`, down `[h, n]`.
+/// A resident FFN: gate `[n, h]`, up `[n, h]`, down `[h, n]`. A mixture's experts are these too.
 pub struct DenseFfn {
     pub gate: Weight,
     pub up: Weight,
     pub down: Weight,
+}
+
+impl DenseFfn {
+    /// Gate and up pre-activations of the `t` rows of `x` (`t × n` each).
+    fn project(&self, x: &[f32], t: usize, gate: &mut [f32], up: &mut [f32]) {
+        self.gate.matmul_t(x, t, gate);
+        self.up.matmul_t(x, t, up);
+    }
+
+    /// `out = down · (act(gate) ⊙ up)`, overwriting `gate` with the activations.
+    fn finish(&self, act: Activation, t: usize, gate: &mut [f32], up: &[f32], out: &mut [f32]) {
+        gate.iter_mut()
+            .zip(up)
+            .for_each(|(g, u)| *g = act.apply(*g) * u);
+        self.down.matmul_t(gate, t, out);
+    }
+
+    /// The FFN of the `t` rows of `x` into `out` (`t × hidden`), with `gate` and `up` as scratch.
+    pub(super) fn apply(
+        &self,
+        act: Activation,
+        x: &[f32],
+        t: usize,
+        gate: &mut [f32],
+        up: &mut [f32],
+        out: &mut [f32],
+    ) {
+        self.project(x, t, gate, up);
+        self.finish(act, t, gate, up, out);
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        self.gate.bytes() + self.up.bytes() + self.down.bytes()
+    }
 }
 
 /// Computes the FFNs in place of the resident weights: the streaming runtime plugs its scheduler in
@@ -67,24 +102,36 @@ impl Model {
             }
             Ffn::Resident(probe) => probe,
         };
-        let Some(weights) = &layer.ffn else {
-            bail!("layer {l} has no resident FFN weights: this model streams them (use a streaming policy)");
+        let weights = match &layer.ffn {
+            None => bail!(
+                "layer {l} has no resident FFN weights: this model streams them (use a streaming \
+                 policy)"
+            ),
+            Some(FfnWeights::Experts(moe)) => {
+                if probe.is_some() {
+                    bail!("layer {l} is a mixture of experts: profiling probes watch dense FFNs");
+                }
+                let m = c
+                    .moe
+                    .as_ref()
+                    .expect("a model with experts has an MoE config");
+                moe.forward(m, c.activation, &s.xn, t, &mut s.moe, &mut s.proj)?;
+                x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+                return Ok(());
+            }
+            Some(FfnWeights::Dense(weights)) => weights,
         };
-        weights.gate.matmul_t(&s.xn, t, &mut s.gate);
-        weights.up.matmul_t(&s.xn, t, &mut s.up);
+        let n = weights.gate.rows();
+        let (gate, up) = (&mut s.gate[..t * n], &mut s.up[..t * n]);
+        weights.project(&s.xn, t, gate, up);
         if let Some(probe) = probe {
             probe(FfnProbe {
                 layer: l,
                 ffn_input: &s.xn,
-                gate: &mut s.gate,
+                gate,
             });
         }
-        let act = c.activation;
-        s.gate
-            .iter_mut()
-            .zip(&s.up)
-            .for_each(|(g, u)| *g = act.apply(*g) * u);
-        weights.down.matmul_t(&s.gate, t, &mut s.proj);
+        weights.finish(c.activation, t, gate, up, &mut s.proj);
         x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
         Ok(())
     }

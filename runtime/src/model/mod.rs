@@ -1,10 +1,12 @@
 //! The dense f32 transformer: Llama-family block (RMSNorm, rotary GQA attention, SwiGLU or ReLU
 //! FFN) with Qwen3's q/k norms and Mistral's sliding window. This is the reference path every
-//! streaming policy must reproduce. One file per block type: [`attention`] and the FFN
-//! ([`dense_ffn`]); this file loads the weights and runs the layer loop.
+//! streaming policy must reproduce. One file per block type: [`attention`], the FFN ([`dense_ffn`])
+//! and the mixture of experts that may replace it ([`moe`]); this file loads the weights and runs
+//! the layer loop.
 
 mod attention;
 mod dense_ffn;
+mod moe;
 mod norm;
 mod projections;
 
@@ -22,6 +24,8 @@ use crate::safetensors_dir::SafetensorsDir;
 pub use attention::Attention;
 use dense_ffn::Ffn;
 pub use dense_ffn::{DenseFfn, FfnBackend, FfnProbe};
+use moe::MoeScratch;
+pub use moe::{route, Choice, MoeFfn};
 pub use norm::rms_norm;
 pub use projections::{DenseWeights, Projections};
 
@@ -32,7 +36,22 @@ pub struct Layer {
     pub k_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     /// `None` when the FFN streams from flash through an [`FfnBackend`].
-    pub ffn: Option<DenseFfn>,
+    pub ffn: Option<FfnWeights>,
+}
+
+/// A block's resident FFN weights.
+pub enum FfnWeights {
+    Dense(DenseFfn),
+    Experts(MoeFfn),
+}
+
+impl FfnWeights {
+    fn bytes(&self) -> usize {
+        match self {
+            FfnWeights::Dense(f) => f.bytes(),
+            FfnWeights::Experts(m) => m.bytes(),
+        }
+    }
 }
 
 /// Anything that turns tokens into logits with a KV cache: the resident model, or a streaming one.
@@ -139,6 +158,7 @@ struct Scratch {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    moe: MoeScratch,
 }
 
 impl Scratch {
@@ -153,6 +173,7 @@ impl Scratch {
             proj: vec![0.0; t * c.hidden_size],
             gate: vec![0.0; t * c.intermediate_size],
             up: vec![0.0; t * c.intermediate_size],
+            moe: MoeScratch::new(c, t),
         }
     }
 }
@@ -242,11 +263,14 @@ impl Model {
                     }
                 };
                 let ffn = match &ffn_mat {
-                    Some(mat) => Some(DenseFfn {
+                    Some(mat) if c.is_moe_layer(i) => {
+                        Some(FfnWeights::Experts(MoeFfn::load(c, &p, mat)?))
+                    }
+                    Some(mat) => Some(FfnWeights::Dense(DenseFfn {
                         gate: mat(&format!("{p}.mlp.gate_proj.weight"), n, h)?,
                         up: mat(&format!("{p}.mlp.up_proj.weight"), n, h)?,
                         down: mat(&format!("{p}.mlp.down_proj.weight"), h, n)?,
-                    }),
+                    })),
                     None => None,
                 };
                 Ok(Layer {
@@ -284,14 +308,20 @@ impl Model {
 
     /// Installs or drops layer `l`'s resident FFN (prep holds one layer's FFN at a time).
     pub fn set_ffn(&mut self, l: usize, ffn: Option<DenseFfn>) {
-        self.layers[l].ffn = ffn;
+        self.layers[l].ffn = ffn.map(FfnWeights::Dense);
     }
 
     /// The model with the linear weights of every block encoded as `layers` and the embedding
-    /// (and untied output head) as `head`. `F32` keeps a weight on the f32 reference path.
+    /// (and untied output head) as `head`. `F32` keeps a weight on the f32 reference path. Routers
+    /// stay as loaded: a rounding there would change which experts run, not just their output.
     pub fn quantize(mut self, layers: QuantType, head: QuantType) -> Result<Self> {
         for l in &mut self.layers {
-            if let Some(f) = &mut l.ffn {
+            let ffns = match &mut l.ffn {
+                None => &mut [][..],
+                Some(FfnWeights::Dense(f)) => std::slice::from_mut(f),
+                Some(FfnWeights::Experts(m)) => &mut m.experts[..],
+            };
+            for f in ffns {
                 for w in [&mut f.gate, &mut f.up, &mut f.down] {
                     *w = w.quantize(layers)?;
                 }
@@ -327,9 +357,7 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                l.ffn
-                    .as_ref()
-                    .map_or(0, |f| f.gate.bytes() + f.up.bytes() + f.down.bytes())
+                l.ffn.as_ref().map_or(0, FfnWeights::bytes)
                     + 4 * (l.attn_norm.len() + l.ffn_norm.len())
                     + 4 * (l.q_norm.as_ref().map_or(0, Vec::len)
                         + l.k_norm.as_ref().map_or(0, Vec::len))

@@ -1,0 +1,200 @@
+//! Mixtures of experts from GGUF: the tiny Qwen3-MoE and Mixtral models written as llama.cpp's
+//! converter writes them (`qwen3moe`, and `llama` with `ffn_*_exps` stacks of experts, query/key
+//! rows permuted for llama.cpp's rope) load to the same configuration and give bit-identical
+//! logits to the Hugging Face directory, whose agreement with the f64 reference
+//! `engine_vs_reference` checks; the perplexity is checked against the reference here too.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::Device;
+use leanstream::config::ModelConfig;
+use leanstream::gguf::{gguf_name, GgufFile};
+use leanstream::model::Model;
+use leanstream_tests::fresh_dir;
+use leanstream_tests::reference::ReferenceModel;
+use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
+use safetensors::SafeTensors;
+
+fn hf_tensors(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            (name, (view.shape().to_vec(), values))
+        })
+        .collect()
+}
+
+/// llama.cpp's converter order for `llama` query/key rows: within each head, row `2i + j` holds
+/// Hugging Face row `j * head_dim / 2 + i`.
+fn converter_permute(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let head_dim = values.len() / cols / heads;
+    let mut out = vec![0.0; values.len()];
+    for h in 0..heads {
+        for j in 0..2 {
+            for i in 0..head_dim / 2 {
+                let src = h * head_dim + j * head_dim / 2 + i;
+                let dst = h * head_dim + 2 * i + j;
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&values[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+/// One expert's matrix: its index in the stack, shape and values.
+type Expert = (usize, Vec<usize>, Vec<f32>);
+
+fn f32_tensor(shape: &[usize], values: &[f32]) -> QTensor {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let storage = QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::F32).unwrap();
+    QTensor::new(storage, shape).unwrap()
+}
+
+/// The tiny model in `dir` as a GGUF file of architecture `arch`, every expert's matrix stacked
+/// into its layer's `ffn_*_exps` tensor in expert order.
+fn write_gguf(dir: &Path, c: &ModelConfig, arch: &str) -> PathBuf {
+    let m = c.moe.as_ref().unwrap();
+    let key = |k: &str| format!("{arch}.{k}");
+    let u32v = |n: usize| Value::U32(n as u32);
+    let metadata = [
+        (
+            "general.architecture".to_string(),
+            Value::String(arch.into()),
+        ),
+        (key("embedding_length"), u32v(c.hidden_size)),
+        (key("feed_forward_length"), u32v(c.intermediate_size)),
+        (
+            key("expert_feed_forward_length"),
+            u32v(m.expert_intermediate_size),
+        ),
+        (key("expert_count"), u32v(m.num_experts)),
+        (key("expert_used_count"), u32v(m.experts_per_token)),
+        (key("block_count"), u32v(c.num_layers)),
+        (key("attention.head_count"), u32v(c.num_heads)),
+        (key("attention.head_count_kv"), u32v(c.num_kv_heads)),
+        (key("attention.key_length"), u32v(c.head_dim)),
+        (key("attention.value_length"), u32v(c.head_dim)),
+        (key("context_length"), u32v(c.max_position_embeddings)),
+        (
+            key("attention.layer_norm_rms_epsilon"),
+            Value::F32(c.rms_norm_eps),
+        ),
+        (key("rope.freq_base"), Value::F32(c.rope_theta)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
+    ];
+    // GGUF name → (expert index or none, shape, values); stacks are assembled below.
+    let mut plain = Vec::new();
+    let mut stacks: HashMap<String, Vec<Expert>> = HashMap::new();
+    for (name, (shape, values)) in hf_tensors(dir) {
+        let heads = match name.rsplit('.').nth(1) {
+            Some("q_proj") => c.num_heads,
+            Some("k_proj") => c.num_kv_heads,
+            _ => 0,
+        };
+        let values = if heads > 0 && arch == "llama" {
+            converter_permute(&values, heads, shape[1])
+        } else {
+            values
+        };
+        let gguf = gguf_name(&name).unwrap_or_else(|| panic!("no GGUF name for {name}"));
+        match name.split(".experts.").nth(1) {
+            Some(rest) => {
+                let e: usize = rest.split('.').next().unwrap().parse().unwrap();
+                stacks.entry(gguf).or_default().push((e, shape, values));
+            }
+            None => plain.push((gguf, f32_tensor(&shape, &values))),
+        }
+    }
+    for (gguf, mut experts) in stacks {
+        experts.sort_by_key(|(e, _, _)| *e);
+        assert_eq!(experts.len(), m.num_experts);
+        let shape = [&[m.num_experts][..], &experts[0].1].concat();
+        let values: Vec<f32> = experts.into_iter().flat_map(|(_, _, v)| v).collect();
+        plain.push((gguf, f32_tensor(&shape, &values)));
+    }
+    let path = dir.join(format!("tiny-{arch}.gguf"));
+    let mut file = std::fs::File::create(&path).unwrap();
+    let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = plain.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut file, &metadata, &tensors).unwrap();
+    path
+}
+
+fn check(name: &str, spec: &TinySpec, arch: &str) {
+    let dir = fresh_dir(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        &format!("gguf-{name}"),
+    );
+    write_tiny_model(&dir, spec).unwrap();
+    let from_hf = Model::load(&dir).unwrap();
+    let mut want = from_hf.config().clone();
+    let gguf = GgufFile::open(&write_gguf(&dir, &want, arch)).unwrap();
+    let got = gguf.config().unwrap();
+    // What GGUF does not carry: the token ids the test leaves out, and the Hugging Face family
+    // (llama.cpp writes Mixtral as `llama`).
+    want.bos_token_id = None;
+    want.max_position_embeddings = got.max_position_embeddings;
+    if arch == "llama" {
+        want.architecture = got.architecture;
+    }
+    assert_eq!(got, want, "{name}: configuration from GGUF");
+    let from_gguf = gguf.load_model().unwrap();
+
+    let ids = random_ids(spec.seed + 40, 48, spec.vocab);
+    let logits = |m: &Model| {
+        let mut cache = m.new_cache(ids.len());
+        m.forward(&ids, &mut cache, true).unwrap()
+    };
+    assert_eq!(
+        logits(&from_gguf),
+        logits(&from_hf),
+        "{name}: GGUF vs HF logits"
+    );
+
+    let (ref_ppl, _) = ReferenceModel::load(&dir)
+        .unwrap()
+        .perplexity(&ids, 24)
+        .unwrap();
+    let ppl = leanstream::perplexity::perplexity(&from_gguf, &ids, 24, false)
+        .unwrap()
+        .perplexity;
+    let rel = (ppl - ref_ppl).abs() / ref_ppl;
+    eprintln!("{name}: GGUF perplexity {ppl:.6}, reference {ref_ppl:.6} (rel {rel:.3e})");
+    assert!(rel < 2e-4, "{name}: perplexity differs: {rel:.3e}");
+}
+
+#[test]
+fn qwen3moe_gguf_matches_the_hugging_face_directory() {
+    let mut spec = TinySpec {
+        seed: 41,
+        layers: 2,
+        ..TinySpec::qwen3_moe()
+    };
+    // llama.cpp's qwen3moe renormalises and has no dense layers.
+    let moe = spec.moe.as_mut().unwrap();
+    moe.norm_topk_prob = true;
+    moe.mlp_only_layers.clear();
+    check("qwen3moe", &spec, "qwen3moe");
+}
+
+#[test]
+fn mixtral_as_llama_gguf_matches_the_hugging_face_directory() {
+    // GGUF carries no sliding window: the Mixtral written here has none (as Mixtral-8x7B).
+    let spec = TinySpec {
+        seed: 42,
+        sliding_window: None,
+        ..TinySpec::mixtral()
+    };
+    check("mixtral", &spec, "llama");
+}
