@@ -5,12 +5,52 @@
 //! (Recency and activation magnitude were tried as extra terms: both lowered the hit rate.)
 //! The prior systems' rules (LRU, a window of recent tokens) and the oracle's (Belady: the cluster
 //! used farthest in the future goes first) rank the same entries differently.
+//!
+//! Every cluster of the file has a fixed slot ([`ClusterSlots`]): the token loop asks about tens
+//! of thousands of clusters per token at the 7B scale, so a lookup is an index, not a hash.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::ops::Deref;
 
 /// A cluster: `(layer, cluster index)`.
 pub type ClusterKey = (u32, u32);
+
+/// A dense numbering of a file's clusters: layer `l`'s cluster `c` is slot `first[l] + c`.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterSlots {
+    first: Vec<u32>,
+}
+
+impl ClusterSlots {
+    /// Slots for layers of `clusters[l]` clusters each.
+    pub fn new(clusters: impl IntoIterator<Item = usize>) -> Self {
+        let mut first = vec![0u32];
+        for n in clusters {
+            first.push(first.last().expect("starts with 0") + n as u32);
+        }
+        Self { first }
+    }
+
+    /// The cluster's slot (panics on a key outside the file: a caller's bug).
+    #[inline]
+    pub fn of(&self, key: ClusterKey) -> usize {
+        let (l, c) = (key.0 as usize, key.1);
+        assert!(
+            c < self.first[l + 1] - self.first[l],
+            "cluster {c} of layer {l}"
+        );
+        (self.first[l] + c) as usize
+    }
+
+    /// Slots in all.
+    pub fn len(&self) -> usize {
+        *self.first.last().expect("starts with 0") as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 /// How the dynamic part ranks clusters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,54 +80,71 @@ struct Entry<B> {
 /// Weight of the newest observation in the moving average: about the last 20 tokens count. On
 /// the embedded model 0.02–0.3 gave hit rates within 0.01 of each other.
 const EMA: f32 = 0.05;
+/// `next_use` of a cluster never used again.
+const NEVER: u64 = u64::MAX;
 
 pub struct NeuronCache<B> {
     capacity: u64,
     used: u64,
-    entries: HashMap<ClusterKey, Entry<B>>,
-    /// The unpinned entries, lowest rank (first to go) first: eviction looks at the few it
-    /// needs instead of ranking the whole cache, which holds tens of thousands of clusters at
-    /// the 7B scale.
-    order: BTreeSet<(u64, ClusterKey)>,
-    /// Activity remembered for clusters that are not resident, so a re-read cluster keeps its rank.
-    history: HashMap<ClusterKey, f32>,
+    slots: ClusterSlots,
+    /// The resident clusters, by slot.
+    entries: Vec<Option<Entry<B>>>,
+    /// The unpinned entries by `(rank, slot)`, lowest rank (first to go) first: eviction looks at
+    /// the few it needs instead of ranking the whole cache, which holds tens of thousands of
+    /// clusters at the 7B scale.
+    order: BTreeSet<(u64, u32)>,
+    /// Activity remembered for clusters that are not resident (0 until observed), so a re-read
+    /// cluster keeps its rank.
+    history: Vec<f32>,
     retention: Retention,
     clock: u64,
-    /// When each cluster is next used (Belady only); absent = never.
-    next_use: HashMap<ClusterKey, u64>,
-    /// The data of evicted clusters, until the owner takes it back ([`NeuronCache::take_evicted`]).
+    /// When each cluster is next used (Belady only; [`NEVER`] otherwise).
+    next_use: Vec<u64>,
+    /// The data of evicted clusters, until the owner takes it back ([`NeuronCache::drain_evicted`]).
     evicted: Vec<B>,
+    /// Scratch of [`NeuronCache::offer`]: the entries it would evict.
+    victims: Vec<u32>,
 }
 
 impl<B: Deref<Target = [u8]>> NeuronCache<B> {
-    pub fn new(capacity: u64, retention: Retention) -> Self {
+    pub fn new(capacity: u64, retention: Retention, slots: ClusterSlots) -> Self {
+        let n = slots.len();
         Self {
             capacity,
             used: 0,
-            entries: HashMap::new(),
+            slots,
+            entries: std::iter::repeat_with(|| None).take(n).collect(),
             order: BTreeSet::new(),
-            history: HashMap::new(),
+            history: vec![0.0; n],
             retention,
             clock: 0,
-            next_use: HashMap::new(),
+            next_use: vec![NEVER; n],
             evicted: Vec::new(),
+            victims: Vec::new(),
         }
     }
 
     /// The data of clusters evicted since the last call, for the owner to reuse.
-    pub fn take_evicted(&mut self) -> Vec<B> {
-        std::mem::take(&mut self.evicted)
+    pub fn drain_evicted(&mut self) -> std::vec::Drain<'_, B> {
+        self.evicted.drain(..)
     }
 
     /// Sets what is believed of a cluster before it is ever observed (the profile's activity
     /// frequency), so the first tokens rank clusters by the profile rather than all alike.
     pub fn set_prior(&mut self, key: ClusterKey, freq: f32) {
-        if let Some(e) = self.entries.get_mut(&key) {
-            e.freq = freq;
-            self.rerank(key);
-        } else {
-            self.history.insert(key, freq);
+        let s = self.slots.of(key);
+        match &mut self.entries[s] {
+            Some(e) => {
+                e.freq = freq;
+                self.rerank(s);
+            }
+            None => self.history[s] = freq,
         }
+    }
+
+    /// The numbering of the file's clusters this cache was made for.
+    pub fn slots(&self) -> &ClusterSlots {
+        &self.slots
     }
 
     pub fn capacity(&self) -> u64 {
@@ -99,12 +156,12 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
     }
 
     pub fn contains(&self, key: ClusterKey) -> bool {
-        self.entries.contains_key(&key)
+        self.entries[self.slots.of(key)].is_some()
     }
 
     /// The cluster's bytes, if resident.
     pub fn get(&self, key: ClusterKey) -> Option<&[u8]> {
-        self.entries.get(&key).map(|e| &*e.data)
+        self.entries[self.slots.of(key)].as_ref().map(|e| &*e.data)
     }
 
     /// Advances the clock: call once per token. A window drops what fell out of it.
@@ -113,25 +170,20 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
         if let Retention::Window(k) = self.retention {
             // Ranked by last use: the ones that fell out of the window come first.
             let clock = self.clock;
-            let old: Vec<ClusterKey> = self
-                .order
-                .iter()
-                .take_while(|(last_used, _)| clock - (*last_used).min(clock) > k as u64)
-                .map(|&(_, key)| key)
-                .collect();
-            for key in old {
-                self.evict(key);
+            while let Some(&(last_used, s)) = self.order.first() {
+                if clock - last_used.min(clock) <= k as u64 {
+                    break;
+                }
+                self.evict(s as usize);
             }
         }
     }
 
     /// Tells a Belady cache when `key` is next used (`None`: never again).
     pub fn set_next_use(&mut self, key: ClusterKey, at: Option<u64>) {
-        match at {
-            Some(t) => self.next_use.insert(key, t),
-            None => self.next_use.remove(&key),
-        };
-        self.rerank(key);
+        let s = self.slots.of(key);
+        self.next_use[s] = at.unwrap_or(NEVER);
+        self.rerank(s);
     }
 
     /// Pins a cluster of the profile's hot set. Fails (returns false) when it does not fit.
@@ -149,101 +201,103 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             last_used: self.clock,
             rank: 0,
         };
-        self.entries.insert(key, e);
+        self.entries[self.slots.of(key)] = Some(e);
         true
     }
 
     /// Records whether any of the cluster's neurons was active when its layer ran.
     pub fn observe(&mut self, key: ClusterKey, active: bool) {
+        let s = self.slots.of(key);
         let clock = self.clock;
         let update = |freq: &mut f32| *freq += EMA * ((active as u8 as f32) - *freq);
-        if let Some(e) = self.entries.get_mut(&key) {
-            update(&mut e.freq);
-            if active {
-                e.last_used = clock;
+        match &mut self.entries[s] {
+            Some(e) => {
+                update(&mut e.freq);
+                if active {
+                    e.last_used = clock;
+                }
+                if !e.pinned {
+                    self.rerank(s);
+                }
             }
-            self.rerank(key);
-        } else {
-            update(self.history.entry(key).or_insert(0.0));
+            None => update(&mut self.history[s]),
         }
     }
 
     /// Offers a freshly read cluster. It is kept if there is room, or if evicting lower-ranked
     /// unpinned clusters makes room; otherwise it is dropped (returned as `Some`).
     pub fn offer(&mut self, key: ClusterKey, data: B) -> Option<B> {
+        let s = self.slots.of(key);
         let bytes = data.len() as u64;
-        if bytes > self.capacity || self.entries.contains_key(&key) {
+        if bytes > self.capacity || self.entries[s].is_some() {
             return Some(data);
         }
         let mut candidate = Entry {
             data,
             bytes,
             pinned: false,
-            freq: self.history.get(&key).copied().unwrap_or(0.0),
+            freq: self.history[s],
             last_used: self.clock,
             rank: 0,
         };
-        candidate.rank = self.rank(key, &candidate);
-        let mut victims = Vec::new();
+        candidate.rank = self.rank(s, &candidate);
+        self.victims.clear();
         let mut freed = 0;
-        for &(rank, k) in &self.order {
+        for &(rank, v) in &self.order {
             if self.used - freed + bytes <= self.capacity {
                 break;
             }
             if rank >= candidate.rank {
                 return Some(candidate.data);
             }
-            freed += self.entries[&k].bytes;
-            victims.push(k);
+            freed += self.entries[v as usize].as_ref().expect("ranked").bytes;
+            self.victims.push(v);
         }
         if self.used - freed + bytes > self.capacity {
             return Some(candidate.data);
         }
-        for k in victims {
-            self.evict(k);
+        for i in 0..self.victims.len() {
+            self.evict(self.victims[i] as usize);
         }
         self.used += bytes;
-        self.order.insert((candidate.rank, key));
-        self.entries.insert(key, candidate);
+        self.order.insert((candidate.rank, s as u32));
+        self.entries[s] = Some(candidate);
         None
     }
 
-    fn evict(&mut self, key: ClusterKey) {
-        let e = self
-            .entries
-            .remove(&key)
-            .expect("evicting a resident cluster");
-        self.order.remove(&(e.rank, key));
+    fn evict(&mut self, s: usize) {
+        let e = self.entries[s].take().expect("evicting a resident cluster");
+        self.order.remove(&(e.rank, s as u32));
         self.used -= e.bytes;
-        self.history.insert(key, e.freq);
+        self.history[s] = e.freq;
         self.evicted.push(e.data);
     }
 
     /// Moves an unpinned resident entry to where its current state ranks it.
-    fn rerank(&mut self, key: ClusterKey) {
-        let Some(e) = self.entries.get(&key) else {
+    fn rerank(&mut self, s: usize) {
+        let Some(e) = &self.entries[s] else {
             return;
         };
         if e.pinned {
             return;
         }
-        let rank = self.rank(key, e);
-        let old = std::mem::replace(
-            &mut self.entries.get_mut(&key).expect("resident").rank,
-            rank,
-        );
-        self.order.remove(&(old, key));
-        self.order.insert((rank, key));
+        let rank = self.rank(s, e);
+        if rank == e.rank {
+            return;
+        }
+        let old = std::mem::replace(&mut self.entries[s].as_mut().expect("resident").rank, rank);
+        self.order.remove(&(old, s as u32));
+        self.order.insert((rank, s as u32));
     }
 
     /// Higher is kept longer. Each rule's order is fixed between the updates that `rerank`
     /// (LRU: last use, the same order as age at any clock; activity: the frequency, whose
     /// non-negative `f32` bits order as the values; Belady: the next use, never = lowest).
-    fn rank(&self, key: ClusterKey, e: &Entry<B>) -> u64 {
+    fn rank(&self, s: usize, e: &Entry<B>) -> u64 {
         match self.retention {
             Retention::Lru | Retention::Window(_) => e.last_used,
             Retention::Activity => e.freq.max(0.0).to_bits() as u64,
-            Retention::Belady => u64::MAX - self.next_use.get(&key).copied().unwrap_or(u64::MAX),
+            Retention::Belady => u64::MAX - self.next_use[s],
         }
     }
 }
@@ -256,9 +310,26 @@ mod tests {
         vec![0; n]
     }
 
+    fn slots() -> ClusterSlots {
+        ClusterSlots::new([8, 8])
+    }
+
+    #[test]
+    fn slots_number_the_clusters_layer_after_layer() {
+        let slots = ClusterSlots::new([3, 0, 2]);
+        assert_eq!(slots.len(), 5);
+        assert_eq!(slots.of((0, 0)), 0);
+        assert_eq!(slots.of((0, 2)), 2);
+        assert_eq!(slots.of((2, 0)), 3);
+        assert_eq!(slots.of((2, 1)), 4);
+        // A cluster past its layer's end is a caller's bug, never another layer's slot.
+        assert!(std::panic::catch_unwind(|| slots.of((0, 3))).is_err());
+        assert!(std::panic::catch_unwind(|| slots.of((1, 0))).is_err());
+    }
+
     #[test]
     fn keeps_what_is_used_and_never_evicts_pins() {
-        let mut c = NeuronCache::new(3 * 4096, Retention::Activity);
+        let mut c = NeuronCache::new(3 * 4096, Retention::Activity, slots());
         assert!(c.pin((0, 0), buf(4096), 0.9));
         assert!(c.offer((0, 1), buf(4096)).is_none());
         assert!(c.offer((0, 2), buf(4096)).is_none());
@@ -279,7 +350,7 @@ mod tests {
 
     #[test]
     fn the_profile_ranks_clusters_until_use_says_otherwise() {
-        let mut c = NeuronCache::new(2 * 4096, Retention::Activity);
+        let mut c = NeuronCache::new(2 * 4096, Retention::Activity, slots());
         c.set_prior((0, 0), 0.9);
         c.set_prior((0, 1), 0.2);
         c.set_prior((0, 2), 0.5);
@@ -288,8 +359,8 @@ mod tests {
         // Hotter in the profile than (0, 1): it takes that place, whose buffer is handed back.
         assert!(c.offer((0, 2), buf(4096)).is_none());
         assert!(!c.contains((0, 1)));
-        assert_eq!(c.take_evicted().len(), 1);
-        assert!(c.take_evicted().is_empty());
+        assert_eq!(c.drain_evicted().count(), 1);
+        assert_eq!(c.drain_evicted().count(), 0);
         // Tokens never use (0, 0): its rank decays below (0, 1)'s, which they use.
         for _ in 0..60 {
             c.tick();
@@ -302,7 +373,7 @@ mod tests {
 
     #[test]
     fn lru_evicts_the_oldest() {
-        let mut c = NeuronCache::new(2 * 4096, Retention::Lru);
+        let mut c = NeuronCache::new(2 * 4096, Retention::Lru, slots());
         c.offer((1, 0), buf(4096));
         c.tick();
         c.offer((1, 1), buf(4096));
@@ -315,7 +386,7 @@ mod tests {
 
     #[test]
     fn a_window_drops_what_fell_out_of_it() {
-        let mut c = NeuronCache::new(4 * 4096, Retention::Window(2));
+        let mut c = NeuronCache::new(4 * 4096, Retention::Window(2), slots());
         c.offer((0, 0), buf(4096));
         c.offer((0, 1), buf(4096));
         for _ in 0..2 {
@@ -331,7 +402,7 @@ mod tests {
 
     #[test]
     fn belady_evicts_the_farthest_next_use_and_bypasses_later_ones() {
-        let mut c = NeuronCache::new(2 * 4096, Retention::Belady);
+        let mut c = NeuronCache::new(2 * 4096, Retention::Belady, slots());
         c.set_next_use((0, 0), Some(5));
         c.set_next_use((0, 1), Some(9));
         c.offer((0, 0), buf(4096));

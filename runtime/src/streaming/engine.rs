@@ -13,7 +13,6 @@
 //! What is read ahead, what is pinned and what the cache keeps are the policy's decisions
 //! ([`Schedule`]); this file only carries them out and measures.
 
-use std::collections::HashMap;
 use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,7 +26,7 @@ use crate::config::Activation;
 use crate::kernels::bundles::{down_pass, gate_pass};
 use crate::kernels::{Operand, RowKernels};
 use crate::model::FfnBackend;
-use crate::neuron_cache::{ClusterKey, NeuronCache};
+use crate::neuron_cache::{ClusterKey, ClusterSlots, NeuronCache};
 use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
 
 use super::metrics::Metrics;
@@ -174,7 +173,14 @@ pub(super) struct Core {
     pub cache: NeuronCache<Bytes>,
     /// The file mapped into memory (`mmap` policy): every cluster is addressable, the OS pages.
     pub mapping: Option<Mapping>,
-    pending: HashMap<ClusterKey, (Ticket, u64)>,
+    /// The file's clusters numbered densely, shared with the cache: lookups are indexes.
+    slots: ClusterSlots,
+    /// The queued read of each cluster (by slot) and its size.
+    pending: Vec<Option<(Ticket, u64)>>,
+    /// Scratch of [`Core::request_all`]: the slots of its batch (all false between calls).
+    in_batch: Vec<bool>,
+    /// Scratch of [`Core::refine`]: the late reads.
+    late: Vec<(ClusterKey, u32)>,
     /// Bytes of reads in flight; reads ahead stop at `io_budget`.
     in_flight: u64,
     pub io_budget: u64,
@@ -185,7 +191,7 @@ pub(super) struct Core {
 
 impl Core {
     pub fn is_pending(&self, key: ClusterKey) -> bool {
-        self.pending.contains_key(&key)
+        self.pending[self.slots.of(key)].is_some()
     }
 
     /// Whether a read ahead of `size` bytes fits the I/O budget now.
@@ -201,33 +207,47 @@ impl Core {
     /// Queues reads of the clusters not cached or queued yet, in one submission (one lock and
     /// one wake-up of the read queue for all); returns how many were queued.
     pub fn request_all(&mut self, wanted: &[(ClusterKey, u32)]) -> usize {
-        let mut reads = Vec::with_capacity(wanted.len());
-        let mut keys = Vec::with_capacity(wanted.len());
+        // A key listed twice is queued once: its slot is marked while the batch is formed.
+        let mut reads = Vec::new();
         for &(key, priority) in wanted {
-            if self.cache.contains(key) || self.pending.contains_key(&key) || keys.contains(&key) {
+            let s = self.slots.of(key);
+            if self.cache.contains(key) || self.pending[s].is_some() || self.in_batch[s] {
                 continue;
             }
+            self.in_batch[s] = true;
             let cl = self.plans[key.0 as usize].clusters[key.1 as usize];
             let buf = self.spare.take(cl.size as usize);
             reads.push((buf, cl.offset, priority));
-            keys.push(key);
+        }
+        if reads.is_empty() {
+            return 0;
         }
         let tickets = self.io.submit_batch_into(reads);
-        for (key, ticket) in keys.iter().zip(tickets) {
+        let n = tickets.len();
+        let mut tickets = tickets.into_iter();
+        for &(key, _) in wanted {
+            let s = self.slots.of(key);
+            if !self.in_batch[s] {
+                continue;
+            }
+            // Unmarked once queued: a later duplicate in `wanted` is not queued again.
+            self.in_batch[s] = false;
+            let ticket = tickets.next().expect("one ticket per marked key");
             let size = self.plans[key.0 as usize].clusters[key.1 as usize].size;
-            self.pending.insert(*key, (ticket, size));
+            self.pending[s] = Some((ticket, size));
             self.in_flight += size;
         }
-        keys.len()
+        n
     }
 
     /// Offers a cluster just read to the cache; what the cache declines or evicts is recycled.
     pub fn offer(&mut self, key: ClusterKey, bytes: Bytes) -> bool {
         let declined = self.cache.offer(key, bytes);
         let kept = declined.is_none();
-        for b in declined.into_iter().chain(self.cache.take_evicted()) {
+        let spare = &mut self.spare;
+        for b in declined.into_iter().chain(self.cache.drain_evicted()) {
             if let Bytes::Read(buf) = b {
-                self.spare.give(buf);
+                spare.give(buf);
             }
         }
         kept
@@ -259,7 +279,7 @@ impl Core {
     /// Takes a queued read's buffer, waiting for it, and checks it; the time counts as stalled.
     fn take(&mut self, key: ClusterKey) -> Result<AlignedBuf> {
         let start = Instant::now();
-        let (ticket, size) = self.pending.remove(&key).expect("queued");
+        let (ticket, size) = self.pending[self.slots.of(key)].take().expect("queued");
         self.in_flight -= size;
         let (l, c) = (key.0 as usize, key.1 as usize);
         let buf = self
@@ -290,31 +310,29 @@ impl Core {
     /// Carries out the policy's refinement of layer `l`'s queued reads; issues the needed reads
     /// that nobody requested (late reads).
     fn refine(&mut self, l: usize, is_needed: &[bool], how: Refine) {
-        let keys: Vec<ClusterKey> = self
-            .pending
-            .keys()
-            .copied()
-            .filter(|k| k.0 == l as u32)
-            .collect();
-        for key in keys {
-            let (ticket, size) = self.pending[&key];
-            if is_needed[key.1 as usize] {
+        for (ci, &needed) in is_needed.iter().enumerate() {
+            let key = (l as u32, ci as u32);
+            let s = self.slots.of(key);
+            let Some((ticket, size)) = self.pending[s] else {
+                continue;
+            };
+            if needed {
                 if how.boost {
                     self.io.boost(ticket, URGENT);
                 }
             } else if how.cancel && self.io.cancel(ticket) {
-                self.pending.remove(&key);
+                self.pending[s] = None;
                 self.in_flight -= size;
                 self.metrics.cancelled_reads += 1;
             } else if how.reap {
                 if let Some(done) = self.io.poll(ticket) {
                     // Read already, though not needed now: the cache may keep it; either way its
                     // buffer is released here rather than held by the queue.
-                    self.pending.remove(&key);
+                    self.pending[s] = None;
                     self.in_flight -= size;
                     self.metrics.wasted_reads += 1;
                     if let Ok(buf) = done {
-                        if self.check_cluster(l, key.1 as usize, &buf).is_ok() {
+                        if self.check_cluster(l, ci, &buf).is_ok() {
                             self.offer(key, Bytes::Read(buf));
                         }
                     }
@@ -322,18 +340,23 @@ impl Core {
             }
         }
         if self.mapping.is_none() {
-            let late: Vec<(ClusterKey, u32)> = (0..is_needed.len())
-                .filter(|&ci| is_needed[ci])
-                .map(|ci| ((l as u32, ci as u32), URGENT))
-                .collect();
+            let mut late = std::mem::take(&mut self.late);
+            late.clear();
+            late.extend(
+                (0..is_needed.len())
+                    .filter(|&ci| is_needed[ci] && !self.cache.contains((l as u32, ci as u32)))
+                    .map(|ci| ((l as u32, ci as u32), URGENT)),
+            );
             self.metrics.late_reads += self.request_all(&late) as u64;
+            self.late = late;
         }
     }
 }
 
-/// What one token's layer needs, decided once its FFN input exists.
-struct Selection<'x> {
-    operand: Operand<'x>,
+/// What one token's layer needs, decided once its FFN input exists. The engine keeps one per row
+/// of a forward call and refills it for every layer, so the token loop does not allocate it.
+#[derive(Default)]
+struct Selection {
     /// The layer's own predictor's set, where it ran (see [`OWN_SAMPLE`]).
     own: Option<Vec<bool>>,
     /// Neurons to compute.
@@ -344,6 +367,22 @@ struct Selection<'x> {
     truth: Option<Vec<u32>>,
     /// Per cluster: listed (needed or truly active) and in memory when the input was ready.
     in_memory: Vec<bool>,
+}
+
+/// Per-layer flags that [`StreamEngine::retain_and_measure`] and refinement fill, kept between
+/// layers so that they are not allocated per token.
+#[derive(Default)]
+struct Marks {
+    /// Per cluster: needed by the token.
+    is_needed: Vec<bool>,
+    /// Per neuron: computed and active.
+    computed: Vec<bool>,
+    /// Per neuron: truly active (the trace's, else `computed`).
+    active: Vec<bool>,
+    /// Per cluster: holds a truly active neuron.
+    active_clusters: Vec<bool>,
+    /// Computed clusters that held an active neuron.
+    used: Vec<usize>,
 }
 
 pub struct StreamEngine {
@@ -361,6 +400,9 @@ pub struct StreamEngine {
     /// Per (token, layer) in order: the active stored positions, while recording a trace.
     recording: Option<Vec<Vec<u32>>>,
     work: Work,
+    /// One selection per row of the current forward call.
+    rows: Vec<Selection>,
+    marks: Marks,
 }
 
 impl StreamEngine {
@@ -376,13 +418,17 @@ impl StreamEngine {
         schedule: Box<dyn Schedule>,
         truth: Option<Arc<ActiveTrace>>,
     ) -> Self {
+        let slots = cache.slots().clone();
         Self {
             core: Core {
                 plans,
                 io,
                 cache,
                 mapping,
-                pending: HashMap::new(),
+                slots: slots.clone(),
+                pending: vec![None; slots.len()],
+                in_batch: vec![false; slots.len()],
+                late: Vec::new(),
                 in_flight: 0,
                 io_budget,
                 spare: SpareBuffers::new(io_budget as usize),
@@ -396,6 +442,8 @@ impl StreamEngine {
             truth,
             recording: None,
             work: Work::default(),
+            rows: Vec::new(),
+            marks: Marks::default(),
         }
     }
 
@@ -450,15 +498,21 @@ impl StreamEngine {
         self.call_token += tokens;
     }
 
-    /// What layer `l` of `token` needs, from its FFN input `x`.
-    fn select<'x>(&mut self, l: usize, token: usize, x: &'x [f32]) -> Result<Selection<'x>> {
+    /// What layer `l` of `token` needs, from its FFN input `x` (its q8 form, `operand`), into
+    /// `sel`'s buffers.
+    fn select(
+        &mut self,
+        l: usize,
+        token: usize,
+        x: &[f32],
+        operand: &Operand,
+        sel: &mut Selection,
+    ) -> Result<()> {
         let start = Instant::now();
         let plan = &self.core.plans[l];
         let n = plan.cluster_of.len();
-        // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
-        let operand = Operand::new(x, QuantType::Q8_0);
         // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
-        let own = match (&plan.own, plan.own_on_flash) {
+        sel.own = match (&plan.own, plan.own_on_flash) {
             (Some(p), _) => Some(above(&p.scores(x), p.threshold)),
             (None, Some(extent))
                 if self.sparsity == Sparsity::Certified
@@ -471,55 +525,74 @@ impl StreamEngine {
         };
         let known = self.schedule.needs(&mut self.core, l, token)?;
         let plan = &self.core.plans[l];
-        let candidate: Vec<bool> = match (known, self.sparsity) {
+        let candidate = &mut sel.candidate;
+        candidate.clear();
+        match (known, self.sparsity) {
             (Some(neurons), _) => {
-                let mut c = vec![false; n];
-                neurons.iter().for_each(|&p| c[p as usize] = true);
-                c
+                candidate.resize(n, false);
+                neurons.iter().for_each(|&p| candidate[p as usize] = true);
             }
-            (None, Sparsity::Exact | Sparsity::Dense) => vec![true; n],
-            (None, Sparsity::Certified) => certified_candidates(plan, &operand, |ci| {
-                self.core.cache.contains((l as u32, ci as u32))
-            }),
-            (None, Sparsity::Predicted) => own.clone().expect("computed in predicted mode"),
-        };
-        let needed: Vec<usize> = (0..plan.clusters.len())
-            .filter(|&ci| {
-                let cl = plan.clusters[ci];
-                candidate[cl.first..cl.first + cl.count].contains(&true)
-            })
-            .collect();
-        // What was in memory when the layer's input was ready, for the hit figures.
-        let truth = self.truth.as_ref().map(|t| t.neurons(token, l).to_vec());
-        let mut listed = vec![false; plan.clusters.len()];
-        needed.iter().for_each(|&c| listed[c] = true);
-        for &p in truth.iter().flatten() {
-            listed[plan.cluster_of[p as usize] as usize] = true;
+            (None, Sparsity::Exact | Sparsity::Dense) => candidate.resize(n, true),
+            (None, Sparsity::Certified) => {
+                *candidate = certified_candidates(plan, operand, |ci| {
+                    self.core.cache.contains((l as u32, ci as u32))
+                })
+            }
+            (None, Sparsity::Predicted) => {
+                candidate.extend_from_slice(sel.own.as_deref().expect("computed in predicted mode"))
+            }
         }
-        let in_memory: Vec<bool> = (0..listed.len())
-            .map(|ci| listed[ci] && self.core.in_memory((l as u32, ci as u32)))
-            .collect();
+        let clusters = plan.clusters.len();
+        sel.needed.clear();
+        sel.needed.extend((0..clusters).filter(|&ci| {
+            let cl = plan.clusters[ci];
+            sel.candidate[cl.first..cl.first + cl.count].contains(&true)
+        }));
+        // What was in memory when the layer's input was ready, for the hit figures: of the
+        // clusters needed or (with a trace) truly active.
+        let in_memory = &mut sel.in_memory;
+        in_memory.clear();
+        in_memory.resize(clusters, false);
+        sel.needed.iter().for_each(|&c| in_memory[c] = true);
+        match &self.truth {
+            Some(t) => {
+                let truth = sel.truth.get_or_insert_with(Vec::new);
+                truth.clear();
+                truth.extend_from_slice(t.neurons(token, l));
+                for &p in truth.iter() {
+                    in_memory[plan.cluster_of[p as usize] as usize] = true;
+                }
+            }
+            None => sel.truth = None,
+        }
+        for (ci, m) in in_memory.iter_mut().enumerate() {
+            *m = *m && self.core.in_memory((l as u32, ci as u32));
+        }
         self.core.metrics.select_s += start.elapsed().as_secs_f64();
-        Ok(Selection {
-            operand,
-            own,
-            candidate,
-            needed,
-            truth,
-            in_memory,
-        })
+        Ok(())
     }
 
     /// One token's FFN of layer `l`.
     fn ffn_row(&mut self, l: usize, token: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
-        let sel = self.select(l, token, x)?;
-        let mut is_needed = vec![false; self.core.plans[l].clusters.len()];
+        // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
+        let operand = Operand::new(x, QuantType::Q8_0);
+        let mut rows = std::mem::take(&mut self.rows);
+        if rows.is_empty() {
+            rows.push(Selection::default());
+        }
+        let sel = &mut rows[0];
+        self.select(l, token, x, &operand, sel)?;
+        let mut is_needed = std::mem::take(&mut self.marks.is_needed);
+        is_needed.clear();
+        is_needed.resize(self.core.plans[l].clusters.len(), false);
         sel.needed.iter().for_each(|&c| is_needed[c] = true);
         self.core.refine(l, &is_needed, self.schedule.refine());
-        self.compute(l, &sel.needed, &sel.candidate, &sel.operand, out)?;
+        self.marks.is_needed = is_needed;
+        self.compute(l, &sel.needed, &sel.candidate, &operand, out)?;
         let gates = std::mem::take(&mut self.work.gates);
-        let done = self.retain_and_measure(l, token, &sel, &gates);
+        let done = self.retain_and_measure(l, token, sel, &gates);
         self.work.gates = gates;
+        self.rows = rows;
         done
     }
 
@@ -531,20 +604,29 @@ impl StreamEngine {
     fn ffn_chunk(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
         let h = self.core.plans[l].layout.hidden;
         let first = self.call_token;
-        let mut selections = Vec::with_capacity(x.len() / h);
-        for (r, xr) in x.chunks_exact(h).enumerate() {
-            selections.push(self.select(l, first + r, xr)?);
+        let n_rows = x.len() / h;
+        let operands: Vec<Operand> = x
+            .chunks_exact(h)
+            .map(|xr| Operand::new(xr, QuantType::Q8_0))
+            .collect();
+        let mut rows = std::mem::take(&mut self.rows);
+        if rows.len() < n_rows {
+            rows.resize_with(n_rows, Selection::default);
         }
+        for (r, xr) in x.chunks_exact(h).enumerate() {
+            self.select(l, first + r, xr, &operands[r], &mut rows[r])?;
+        }
+        let selections = &rows[..n_rows];
         let clusters = self.core.plans[l].clusters.len();
         let mut is_needed = vec![false; clusters];
-        for sel in &selections {
+        for sel in selections {
             sel.needed.iter().for_each(|&c| is_needed[c] = true);
         }
         self.core.refine(l, &is_needed, self.schedule.refine());
         let n = self.core.plans[l].cluster_of.len();
         self.work.reset(n, clusters, h);
-        let mut gates = vec![vec![f32::NAN; n]; selections.len()];
-        let mut acc = vec![0.0f32; selections.len() * h];
+        let mut gates = vec![vec![f32::NAN; n]; n_rows];
+        let mut acc = vec![0.0f32; n_rows * h];
         let (act, k, threshold) = (self.act, RowKernels::best(), self.threshold(l));
         let bounds = group_bounds(clusters);
         for g in 0..GROUPS {
@@ -575,7 +657,7 @@ impl StreamEngine {
                         ci,
                         bytes,
                     };
-                    ops.gates(&sel.candidate, &sel.operand, &mut gates[r], &mut work.lists)?;
+                    ops.gates(&sel.candidate, &operands[r], &mut gates[r], &mut work.lists)?;
                     ops.add(&work.lists, &mut acc[r * h..(r + 1) * h]);
                 }
                 self.core.metrics.compute_s += t.elapsed().as_secs_f64();
@@ -590,6 +672,7 @@ impl StreamEngine {
         for (r, (sel, g)) in selections.iter().zip(&gates).enumerate() {
             self.retain_and_measure(l, first + r, sel, g)?;
         }
+        self.rows = rows;
         Ok(())
     }
 
@@ -699,16 +782,20 @@ impl StreamEngine {
         let plan = &self.core.plans[l];
         let threshold = plan.threshold;
         let act = self.act;
-        let computed: Vec<bool> = gates
-            .iter()
-            .map(|&g| !g.is_nan() && act.apply(g).abs() > threshold)
-            .collect();
-        let mut used = Vec::new();
+        let marks = &mut self.marks;
+        marks.computed.clear();
+        marks.computed.extend(
+            gates
+                .iter()
+                .map(|&g| !g.is_nan() && act.apply(g).abs() > threshold),
+        );
+        let computed = &marks.computed;
+        marks.used.clear();
         for &ci in needed {
             let cl = plan.clusters[ci];
             let active = computed[cl.first..cl.first + cl.count].contains(&true);
             if active {
-                used.push(ci);
+                marks.used.push(ci);
             }
             self.core.cache.observe((l as u32, ci as u32), active);
         }
@@ -723,14 +810,16 @@ impl StreamEngine {
         // The truth: the trace's when known, else what was computed (complete unless predicted).
         let active = match &sel.truth {
             Some(t) => {
-                let mut a = vec![false; computed.len()];
-                t.iter().for_each(|&p| a[p as usize] = true);
-                a
+                marks.active.clear();
+                marks.active.resize(computed.len(), false);
+                t.iter().for_each(|&p| marks.active[p as usize] = true);
+                &marks.active
             }
             None => computed,
         };
-        let plan = &self.core.plans[l];
-        let mut active_clusters = vec![false; plan.clusters.len()];
+        let active_clusters = &mut marks.active_clusters;
+        active_clusters.clear();
+        active_clusters.resize(plan.clusters.len(), false);
         for (p, _) in active.iter().enumerate().filter(|(_, &a)| a) {
             active_clusters[plan.cluster_of[p] as usize] = true;
         }
@@ -747,15 +836,15 @@ impl StreamEngine {
         m.cluster_hits += hits as u64;
         m.cluster_misses += (needed.len() - hits) as u64;
         let lookahead = self.schedule.lookahead_set(l);
-        let m = &mut self.core.metrics;
         m.record_layer(
-            &active,
+            active,
             own.as_deref(),
             lookahead.as_deref(),
             needed.len(),
             plan.clusters.len(),
         );
-        self.schedule.end_layer(&mut self.core, l, token, &used)
+        self.schedule
+            .end_layer(&mut self.core, l, token, &self.marks.used)
     }
 }
 

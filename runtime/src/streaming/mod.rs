@@ -28,7 +28,7 @@ use leanstream_format::LsbFile;
 use crate::config::ModelConfig;
 use crate::kv_cache::{KvCache, KvType};
 use crate::model::Model;
-use crate::neuron_cache::{NeuronCache, Retention};
+use crate::neuron_cache::{ClusterSlots, NeuronCache, Retention};
 use crate::storage::{open_device, Device, FlashProfile, IoQueue};
 
 pub use dense_stream::DenseStream;
@@ -195,12 +195,13 @@ impl StreamingModel {
                 tuning.oracle.clone().expect("checked above"),
             )),
         };
+        let slots = ClusterSlots::new(plans.iter().map(|p| p.clusters.len()));
         let mut engine = StreamEngine::new(
             plans,
             config.activation,
             sparsity,
             io,
-            NeuronCache::new(split.neuron_cache, retention),
+            NeuronCache::new(split.neuron_cache, retention, slots),
             mapping,
             io_budget,
             schedule,
