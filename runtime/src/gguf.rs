@@ -257,6 +257,19 @@ impl GgufFile {
                 self.path.display()
             )
         })?;
+        // Older llama.cpp files (Mixtral converted before the stacks) hold each expert's matrix as
+        // its own tensor, `blk.{l}.ffn_gate.{e}.weight` for the stack `blk.{l}.ffn_gate_exps`.
+        let (gguf_name, expert) = match expert {
+            Some(e) if !self.content.tensor_infos.contains_key(&gguf_name) => {
+                let own = gguf_name.replace("_exps.weight", &format!(".{e}.weight"));
+                if self.content.tensor_infos.contains_key(&own) {
+                    (own, None)
+                } else {
+                    (gguf_name, expert)
+                }
+            }
+            _ => (gguf_name, expert),
+        };
         let info = self.info(&gguf_name)?;
         // An expert's matrix is one slice of its layer's stack of `expert_count` matrices.
         let (stacked, first) = match expert {

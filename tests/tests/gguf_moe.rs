@@ -1,8 +1,9 @@
 //! Mixtures of experts from GGUF: the tiny Qwen3-MoE and Mixtral models written as llama.cpp's
-//! converter writes them (`qwen3moe`, and `llama` with `ffn_*_exps` stacks of experts, query/key
-//! rows permuted for llama.cpp's rope) load to the same configuration and give bit-identical
-//! logits to the Hugging Face directory, whose agreement with the f64 reference
-//! `engine_vs_reference` checks; the perplexity is checked against the reference here too.
+//! converter writes them (`qwen3moe`, and `llama` with `ffn_*_exps` stacks of experts or, as in
+//! older Mixtral files, one tensor per expert; query/key rows permuted for llama.cpp's rope) load
+//! to the same configuration and give bit-identical logits to the Hugging Face directory, whose
+//! agreement with the f64 reference `engine_vs_reference` checks; the perplexity is checked
+//! against the reference here too.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -61,9 +62,17 @@ fn f32_tensor(shape: &[usize], values: &[f32]) -> QTensor {
     QTensor::new(storage, shape).unwrap()
 }
 
-/// The tiny model in `dir` as a GGUF file of architecture `arch`, every expert's matrix stacked
-/// into its layer's `ffn_*_exps` tensor in expert order.
-fn write_gguf(dir: &Path, c: &ModelConfig, arch: &str) -> PathBuf {
+/// How a GGUF file holds the experts' matrices.
+#[derive(Clone, Copy, PartialEq)]
+enum Layout {
+    /// Stacked into the layer's `ffn_*_exps` tensor in expert order (llama.cpp today).
+    Stacked,
+    /// One tensor per expert, `blk.{l}.ffn_gate.{e}.weight` (older Mixtral files).
+    OnePerExpert,
+}
+
+/// The tiny model in `dir` as a GGUF file of architecture `arch`, its experts laid out as `layout`.
+fn write_gguf(dir: &Path, c: &ModelConfig, arch: &str, layout: Layout) -> PathBuf {
     let m = c.moe.as_ref().unwrap();
     let key = |k: &str| format!("{arch}.{k}");
     let u32v = |n: usize| Value::U32(n as u32);
@@ -111,7 +120,12 @@ fn write_gguf(dir: &Path, c: &ModelConfig, arch: &str) -> PathBuf {
         match name.split(".experts.").nth(1) {
             Some(rest) => {
                 let e: usize = rest.split('.').next().unwrap().parse().unwrap();
-                stacks.entry(gguf).or_default().push((e, shape, values));
+                if layout == Layout::OnePerExpert {
+                    let own = gguf.replace("_exps.weight", &format!(".{e}.weight"));
+                    plain.push((own, f32_tensor(&shape, &values)));
+                } else {
+                    stacks.entry(gguf).or_default().push((e, shape, values));
+                }
             }
             None => plain.push((gguf, f32_tensor(&shape, &values))),
         }
@@ -131,7 +145,7 @@ fn write_gguf(dir: &Path, c: &ModelConfig, arch: &str) -> PathBuf {
     path
 }
 
-fn check(name: &str, spec: &TinySpec, arch: &str) {
+fn check(name: &str, spec: &TinySpec, arch: &str, layout: Layout) {
     let dir = fresh_dir(
         Path::new(env!("CARGO_TARGET_TMPDIR")),
         &format!("gguf-{name}"),
@@ -139,7 +153,7 @@ fn check(name: &str, spec: &TinySpec, arch: &str) {
     write_tiny_model(&dir, spec).unwrap();
     let from_hf = Model::load(&dir).unwrap();
     let mut want = from_hf.config().clone();
-    let gguf = GgufFile::open(&write_gguf(&dir, &want, arch)).unwrap();
+    let gguf = GgufFile::open(&write_gguf(&dir, &want, arch, layout)).unwrap();
     let got = gguf.config().unwrap();
     // What GGUF does not carry: the token ids the test leaves out, and the Hugging Face family
     // (llama.cpp writes Mixtral as `llama`).
@@ -185,7 +199,7 @@ fn qwen3moe_gguf_matches_the_hugging_face_directory() {
     let moe = spec.moe.as_mut().unwrap();
     moe.norm_topk_prob = true;
     moe.mlp_only_layers.clear();
-    check("qwen3moe", &spec, "qwen3moe");
+    check("qwen3moe", &spec, "qwen3moe", Layout::Stacked);
 }
 
 #[test]
@@ -196,5 +210,16 @@ fn mixtral_as_llama_gguf_matches_the_hugging_face_directory() {
         sliding_window: None,
         ..TinySpec::mixtral()
     };
-    check("mixtral", &spec, "llama");
+    check("mixtral", &spec, "llama", Layout::Stacked);
+}
+
+#[test]
+fn mixtral_with_a_tensor_per_expert_as_older_gguf_files_hold_it() {
+    let spec = TinySpec {
+        seed: 43,
+        layers: 2,
+        sliding_window: None,
+        ..TinySpec::mixtral()
+    };
+    check("mixtral-split", &spec, "llama", Layout::OnePerExpert);
 }
