@@ -345,6 +345,36 @@ fn priority_order_is_honoured() {
 }
 
 #[test]
+fn wait_any_hands_over_reads_in_completion_order() {
+    let device = TestDevice::new(64);
+    let (queue, blocker) = blocked_queue(&device);
+    let late = queue.submit(page(10), PAGE, 1);
+    let early = queue.submit(page(20), PAGE, 9);
+    device.release();
+    // Both done before anyone asks: the one that completed first still comes first, although
+    // it is listed second.
+    while !(queue.is_done(late) && queue.is_done(early)) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(device.offsets(), [0, page(20), page(10)]);
+    let (i, buf) = queue.wait_any(&[late, early]);
+    assert_eq!(i, 1);
+    assert_eq!(&buf.unwrap()[..], &device.data[page(20) as usize..][..PAGE]);
+    let (i, buf) = queue.wait_any(&[late, blocker]);
+    assert_eq!(i, 1, "the blocker completed before both");
+    assert_eq!(&buf.unwrap()[..], &device.data[..PAGE]);
+    let (i, buf) = queue.wait_any(&[late]);
+    assert_eq!(i, 0);
+    assert_eq!(&buf.unwrap()[..], &device.data[page(10) as usize..][..PAGE]);
+    // A redeemed ticket is an error naming it, as with `wait`.
+    let (i, err) = queue.wait_any(&[late]);
+    assert_eq!(
+        (i, err.unwrap_err().kind()),
+        (0, io::ErrorKind::InvalidInput)
+    );
+}
+
+#[test]
 fn cancel_prevents_the_read() {
     let device = TestDevice::new(64);
     let (queue, blocker) = blocked_queue(&device);

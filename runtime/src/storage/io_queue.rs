@@ -133,8 +133,9 @@ struct Request {
 enum ReqState {
     Pending,
     Issued,
-    /// The result, and the instant before which it must not be handed out (timed devices).
-    Done(io::Result<AlignedBuf>, Option<Instant>),
+    /// The result, and when the read completed: past for a real read, possibly still to come
+    /// for a timed device's modelled one (it must not be handed out before).
+    Done(io::Result<AlignedBuf>, Instant),
 }
 
 /// Who is blocking: a worker thread, or a caller of `wait`.
@@ -289,10 +290,47 @@ impl IoQueue {
         // This thread may have been timing the next free slot: hand that over to a worker.
         self.shared.wake_worker(&st, Instant::now());
         drop(st);
-        if let Some(at) = at {
-            clock::sleep_until(at);
-        }
+        clock::sleep_until(at);
         result
+    }
+
+    /// Blocks until one of `tickets` is done and hands over its buffer, with its index: the one
+    /// that completed first (on a timed device, the earliest completion time among those done).
+    /// Errors as with `wait`, for the ticket whose index comes with them.
+    pub fn wait_any(&self, tickets: &[Ticket]) -> (usize, io::Result<AlignedBuf>) {
+        assert!(!tickets.is_empty(), "wait_any of no reads");
+        let mut st = self.shared.lock();
+        let first = loop {
+            let mut first: Option<(usize, Instant)> = None;
+            let mut pending = false;
+            for (i, t) in tickets.iter().enumerate() {
+                match st.requests.get(&t.0).map(|r| &r.state) {
+                    None => return (i, Err(unknown(*t))),
+                    Some(&ReqState::Done(_, at)) => {
+                        if first.is_none_or(|(_, best)| at < best) {
+                            first = Some((i, at));
+                        }
+                    }
+                    Some(ReqState::Pending) => pending = true,
+                    Some(ReqState::Issued) => {}
+                }
+            }
+            match first {
+                Some((i, _)) => break i,
+                // As in `wait`: on a timed device the waiter issues reads itself.
+                None if pending && self.shared.timed => st = self.shared.step(st, Role::Waiter),
+                None => st = self.shared.block(st, Role::Waiter, None),
+            }
+        };
+        let Some(ReqState::Done(result, at)) =
+            st.requests.remove(&tickets[first].0).map(|r| r.state)
+        else {
+            unreachable!("checked above")
+        };
+        self.shared.wake_worker(&st, Instant::now());
+        drop(st);
+        clock::sleep_until(at);
+        (first, result)
     }
 
     /// The read's result if it is done, without blocking; `None` while it is in progress. An
@@ -366,7 +404,7 @@ fn unknown(ticket: Ticket) -> io::Error {
 }
 
 fn is_ready(state: &ReqState, now: Instant) -> bool {
-    matches!(state, ReqState::Done(_, at) if at.is_none_or(|at| at <= now))
+    matches!(state, ReqState::Done(_, at) if *at <= now)
 }
 
 impl State {
@@ -389,7 +427,7 @@ impl State {
         } else {
             self.stats.failed += 1;
             let msg = format!("read of {len} bytes at offset {offset} is not {align}-aligned");
-            ReqState::Done(Err(io::Error::new(io::ErrorKind::InvalidInput, msg)), None)
+            ReqState::Done(Err(io::Error::new(io::ErrorKind::InvalidInput, msg)), now)
         };
         let request = Request {
             submitted: now,
@@ -641,10 +679,9 @@ impl Shared {
                 background: false,
             };
         }
-        let at = (completes > finished).then_some(completes);
         for ((id, _), outcome) in run.parts.iter().zip(outcomes) {
             if let Some(request) = st.requests.get_mut(id) {
-                request.state = ReqState::Done(outcome, at);
+                request.state = ReqState::Done(outcome, completes);
             }
         }
         if st.waiters > 0 {

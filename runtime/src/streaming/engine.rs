@@ -92,6 +92,8 @@ struct Work {
     held: Vec<Option<AlignedBuf>>,
     /// The groups' partial sums, `GROUPS × hidden`.
     acc: Vec<f32>,
+    /// Scratch of `compute`: the needed clusters whose bytes have not come yet.
+    missing: Vec<usize>,
 }
 
 /// What the gates of a layer's clusters decided.
@@ -181,6 +183,8 @@ pub(super) struct Core {
     in_batch: Vec<bool>,
     /// Scratch of [`Core::refine`]: the late reads.
     late: Vec<(ClusterKey, u32)>,
+    /// Scratch of [`Core::take_any`].
+    tickets: Vec<Ticket>,
     /// Bytes of reads in flight; reads ahead stop at `io_budget`.
     in_flight: u64,
     pub io_budget: u64,
@@ -289,6 +293,30 @@ impl Core {
         self.check_cluster(l, c, &buf)?;
         self.metrics.stall_s += start.elapsed().as_secs_f64();
         Ok(buf)
+    }
+
+    /// Takes the first of the queued reads of layer `l`'s clusters `cis` to complete, waiting
+    /// for it, and checks it; returns its index in `cis`. The time counts as stalled.
+    fn take_any(&mut self, l: usize, cis: &[usize]) -> Result<(usize, AlignedBuf)> {
+        let start = Instant::now();
+        let mut tickets = std::mem::take(&mut self.tickets);
+        tickets.clear();
+        tickets.extend(cis.iter().map(|&ci| {
+            self.pending[self.slots.of((l as u32, ci as u32))]
+                .expect("queued")
+                .0
+        }));
+        let (i, result) = self.io.wait_any(&tickets);
+        self.tickets = tickets;
+        let ci = cis[i];
+        let (_, size) = self.pending[self.slots.of((l as u32, ci as u32))]
+            .take()
+            .expect("queued");
+        self.in_flight -= size;
+        let buf = result.with_context(|| format!("reading layer {l} cluster {ci}"))?;
+        self.check_cluster(l, ci, &buf)?;
+        self.metrics.stall_s += start.elapsed().as_secs_f64();
+        Ok((i, buf))
     }
 
     /// The bytes of a cluster that need no read: cached, or in the mapping.
@@ -429,6 +457,7 @@ impl StreamEngine {
                 pending: vec![None; slots.len()],
                 in_batch: vec![false; slots.len()],
                 late: Vec::new(),
+                tickets: Vec::new(),
                 in_flight: 0,
                 io_budget,
                 spare: SpareBuffers::new(io_budget as usize),
@@ -725,27 +754,42 @@ impl StreamEngine {
                 }
             }
         }
+        // A cluster whose bytes came: its gates now, its down columns when its group gets to it.
+        let landed =
+            |core: &Core, work: &mut Work, next: &mut [usize; GROUPS], ci, buf: AlignedBuf| {
+                let ops = ClusterOps {
+                    plan: &core.plans[l],
+                    k,
+                    act,
+                    threshold,
+                    ci,
+                    bytes: &buf,
+                };
+                ops.gates(candidate, operand, &mut work.gates, &mut work.lists)?;
+                work.held[ci] = Some(buf);
+                let g = group_of(&bounds, ci);
+                advance(core, work, l, k, act, g, &bounds, &mut next[g]);
+                anyhow::Ok(())
+            };
+        // Reads held (loaded first) in cluster order, then the others in the order they complete:
+        // the groups make the sum independent of it.
+        let mut missing = std::mem::take(&mut work.missing);
+        missing.clear();
         for &ci in needed {
             if !waiting(work, ci) {
                 continue;
             }
-            let buf = match work.held[ci].take() {
-                Some(buf) => buf,
-                None => core.take((l as u32, ci as u32))?,
-            };
-            let ops = ClusterOps {
-                plan: &core.plans[l],
-                k,
-                act,
-                threshold,
-                ci,
-                bytes: &buf,
-            };
-            ops.gates(candidate, operand, &mut work.gates, &mut work.lists)?;
-            work.held[ci] = Some(buf);
-            let g = group_of(&bounds, ci);
-            advance(core, work, l, k, act, g, &bounds, &mut next[g]);
+            match work.held[ci].take() {
+                Some(buf) => landed(core, work, &mut next, ci, buf)?,
+                None => missing.push(ci),
+            }
         }
+        while !missing.is_empty() {
+            let (i, buf) = core.take_any(l, &missing)?;
+            let ci = missing.swap_remove(i);
+            landed(core, work, &mut next, ci, buf)?;
+        }
+        work.missing = missing;
         debug_assert!((0..GROUPS).all(|g| next[g] == bounds[g + 1]));
         for a in work.acc.chunks_exact(h) {
             out.iter_mut().zip(a).for_each(|(o, a)| *o += a);
