@@ -116,6 +116,9 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let dense_peak = dense["peak_rss_bytes"].as_u64();
     let identical = dense["text"].as_str() == Some(lean.text.as_str());
     let mmap = mmap_in_budget(&file, &args, budget);
+    let file_bytes = std::fs::metadata(&file)
+        .with_context(|| format!("cannot read the size of {}", file.display()))?
+        .len();
     // How many times less memory streaming needed than dense, both measured as peak RSS.
     let dram_ratio = match (peak_rss, dense_peak) {
         (Some(lean), Some(dense)) if lean > 0 => Some(dense as f64 / lean as f64),
@@ -132,6 +135,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             "flash": args.flash,
             "memory_budget_bytes": budget,
             "minimum_memory_bytes": minimum,
+            "file_bytes": file_bytes,
             "ffn_bytes": split["ffn_total"],
             "memory_split": split,
             "peak_rss_bytes": peak_rss,
@@ -214,6 +218,14 @@ pub fn run(args: DemoArgs) -> Result<()> {
             )
         ),
         Err(why) => println!("  mmap in the same budget: skipped ({why})"),
+    }
+    if file_bytes <= budget {
+        println!(
+            "  note: the whole {} file fits in this {} budget, so mmap pages it in once and then runs from memory; \
+             streaming pays where the model is larger than the memory it gets (try `leanstream demo --model` on a bigger model)",
+            format_size(file_bytes),
+            format_size(budget)
+        );
     }
     println!("  identical text: {identical}");
     if !identical {

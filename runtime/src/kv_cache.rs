@@ -30,6 +30,9 @@ pub enum KvType {
 }
 
 impl KvType {
+    /// Every storage, most bytes first.
+    pub const ALL: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Q8_0];
+
     pub fn name(self) -> &'static str {
         match self {
             KvType::F32 => "f32",

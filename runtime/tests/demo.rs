@@ -73,6 +73,15 @@ fn demo_converts_once_and_streams_the_dense_text() {
             || mmap["skipped"].as_str().is_some_and(|s| !s.is_empty()),
         "{mmap}"
     );
+    // The embedded model's file fits its budget whole: the summary must say so (below).
+    let file_bytes = v["file_bytes"].as_u64().unwrap();
+    assert_eq!(
+        file_bytes,
+        std::fs::metadata(v["converted_file"].as_str().unwrap())
+            .unwrap()
+            .len()
+    );
+    assert!(file_bytes <= budget, "{file_bytes} > {budget}");
     let files: Vec<_> = std::fs::read_dir(&cache).unwrap().collect();
     assert_eq!(files.len(), 1, "one converted file in the cache: {files:?}");
 
@@ -93,6 +102,7 @@ fn demo_converts_once_and_streams_the_dense_text() {
         "tok/s streaming",
         "less than the model needs in DRAM (dense, every weight resident: ",
         "  mmap ",
+        "file fits in this",
     ] {
         assert!(stdout.contains(line), "{line:?} missing from {stdout}");
     }

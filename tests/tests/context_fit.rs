@@ -1,5 +1,6 @@
 //! Without `--ctx`, a `--memory` too small for the default context shrinks the context (not below
-//! 256 tokens) and says so; an explicit `--ctx` is never shrunk.
+//! 256 tokens) and says so; an explicit `--ctx` is never shrunk; a refused budget names the
+//! `--kv`/`--ctx` that fit it.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -59,7 +60,27 @@ fn a_budget_too_small_for_the_default_context_shrinks_it() {
     // Below the floor's minimum: refused with that minimum.
     let o = run(&file, &["--memory", &(floor - (64 << 10)).to_string()]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("at ctx 256"), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("at ctx 256"), "{err}");
+    // The refusal names flags that fit, and they do.
+    let flags = err
+        .split("or run with ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no fix named in {err}"));
+    let flags: Vec<&str> = flags.split_whitespace().collect();
+    // A leaner KV cache frees more than the 64 KiB missing; with it the context can be longer
+    // than the floor.
+    assert!(flags.ends_with(&["--kv", "q8_0"]), "{err}");
+    let mut args = vec!["--memory".to_string(), (floor - (64 << 10)).to_string()];
+    args.extend(flags.iter().map(|f| f.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = run(&file, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    if let ["--ctx", ctx, ..] = flags[..] {
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["ctx"].to_string(), ctx, "{}", stderr(&o));
+        assert!(ctx.parse::<u64>().unwrap() > 256, "{err}");
+    }
     // Enough for the default: unchanged, no note.
     let o = run(&file, &["--memory", &full.to_string()]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();

@@ -145,7 +145,7 @@ impl StreamingModel {
             Some(bytes) => bytes,
             None => crate::tokenizer::resident_bytes(&file)?,
         };
-        let input = |ctx| {
+        let input = |ctx, kv| {
             let sizes = sizes.clone();
             plan_input(
                 &file,
@@ -153,16 +153,22 @@ impl StreamingModel {
                 &plans,
                 sizes,
                 ctx,
-                opts.kv,
+                kv,
                 opts.memory,
                 policy,
             )
         };
-        let io_budget = input(opts.ctx).1;
+        let io_budget = input(opts.ctx, opts.kv).1;
         let (ctx, mut split) = match opts.ctx_floor {
-            Some(floor) => planner::fit_context(opts.ctx, floor, |c| input(c).0)?,
-            None => (opts.ctx, planner::plan(input(opts.ctx).0)?),
-        };
+            Some(floor) => planner::fit_context(opts.ctx, floor, |c| input(c, opts.kv).0),
+            None => planner::plan(input(opts.ctx, opts.kv).0).map(|s| (opts.ctx, s)),
+        }
+        .map_err(|refused| {
+            match planner::what_fits(opts.ctx, opts.kv, |c, kv| input(c, kv).0) {
+                Some(flags) => anyhow::anyhow!("{refused}, or run with {flags}"),
+                None => refused,
+            }
+        })?;
         let model = Model::norms_only(config.clone(), |name, shape| tensors.vector(name, shape))?;
         let io = Arc::new(IoQueue::new(device));
         let dense = DenseStream::open(&tensors, &config, split.dense_streamed, Arc::clone(&io))?;

@@ -11,6 +11,7 @@ use anyhow::{bail, Result};
 use serde::Serialize;
 
 use crate::config::ModelConfig;
+use crate::kv_cache::KvType;
 use crate::memory_size::format_size;
 
 pub struct PlanInput {
@@ -237,12 +238,11 @@ pub fn plan(p: PlanInput) -> Result<MemorySplit> {
             .min_by_key(|s| s.fixed())
             .expect("there is always a candidate");
         bail!(
-            "--memory {} is below the minimum of {} for this model at ctx {} ({}); raise --memory{}",
+            "--memory {} is below the minimum of {} for this model at ctx {} ({}); raise --memory",
             format_size(budget),
             format_size(least.fixed() + ffn),
             p.ctx,
             least.describe_fixed(),
-            if p.ctx > 512 { " or lower --ctx" } else { "" }
         );
     };
     split.neuron_cache = (budget - split.fixed()).min(p.ffn);
@@ -279,6 +279,37 @@ pub fn fit_context(
         }
     }
     Ok(fits)
+}
+
+/// The flags that make a refused budget fit, for the refusal to name: a leaner KV cache at the
+/// same context (`--kv q8_0`), else the longest shorter context — a multiple of
+/// [`CONTEXT_STEP`] — with whichever KV storage gives the longest (`--ctx 320`,
+/// `--ctx 192 --kv q8_0`). `None` when not even [`CONTEXT_STEP`] tokens fit with the leanest.
+/// `input(ctx, kv)` is the plan input for the budget that was refused.
+pub fn what_fits(
+    ctx: usize,
+    kv: KvType,
+    input: impl Fn(usize, KvType) -> PlanInput,
+) -> Option<String> {
+    let leaner = KvType::ALL.into_iter().skip_while(|&t| t != kv).skip(1);
+    if let Some(t) = leaner.clone().find(|&t| plan(input(ctx, t)).is_ok()) {
+        return Some(format!("--kv {}", t.name()));
+    }
+    let shorter = ctx.saturating_sub(1) / CONTEXT_STEP * CONTEXT_STEP;
+    if shorter < CONTEXT_STEP {
+        return None;
+    }
+    let longest = std::iter::once(kv)
+        .chain(leaner)
+        .filter_map(|t| {
+            let (c, _) = fit_context(shorter, CONTEXT_STEP, |c| input(c, t)).ok()?;
+            Some((c, t))
+        })
+        .max_by_key(|&(c, t)| (c, t == kv))?;
+    Some(match longest {
+        (c, t) if t == kv => format!("--ctx {c}"),
+        (c, t) => format!("--ctx {c} --kv {}", t.name()),
+    })
 }
 
 /// The process before any model is loaded (code, libraries, allocator, thread stacks: measured at
@@ -432,6 +463,48 @@ mod tests {
             err.contains("minimum of 31.00 MiB for this model at ctx 256"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_refusal_names_the_kv_storage_or_context_that_fits() {
+        // 16 KiB of f32 KV cache per position (8 KiB f16, 4.25 KiB q8_0); the rest 27 MiB.
+        let at = |budget: u64| {
+            move |ctx: usize, kv: KvType| PlanInput {
+                kv_cache: ctx as u64
+                    * match kv {
+                        KvType::F32 => 16 << 10,
+                        KvType::F16 => 8 << 10,
+                        KvType::Q8_0 => 17 << 8,
+                    },
+                ctx,
+                ..input(Some(budget), false)
+            }
+        };
+        // 512 positions: f16 needs 4 MiB, q8_0 2.125 MiB.
+        let fix = |budget, kv| what_fits(512, kv, at(budget));
+        assert_eq!(
+            fix(27 * MIB + 4 * MIB, KvType::F32).as_deref(),
+            Some("--kv f16")
+        );
+        assert_eq!(
+            fix(27 * MIB + 3 * MIB, KvType::F16).as_deref(),
+            Some("--kv q8_0")
+        );
+        // 1 MiB: 128 positions of f16; 240 of q8_0, so 192 (a multiple of 64) with q8_0.
+        assert_eq!(
+            fix(28 * MIB, KvType::F16).as_deref(),
+            Some("--ctx 192 --kv q8_0")
+        );
+        // Already the leanest KV storage: only the context shortens.
+        assert_eq!(
+            what_fits(512, KvType::Q8_0, at(28 * MIB)).as_deref(),
+            Some("--ctx 192")
+        );
+        // Not even 64 positions of q8_0 (272 KiB).
+        assert_eq!(fix(27 * MIB + (200 << 10), KvType::F16), None);
+        // Each suggestion does fit.
+        assert!(plan(at(28 * MIB)(192, KvType::Q8_0)).is_ok());
+        assert!(plan(at(28 * MIB)(256, KvType::Q8_0)).is_err());
     }
 
     #[test]
