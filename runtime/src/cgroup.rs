@@ -48,6 +48,27 @@ impl MemoryGroup {
         Ok(group)
     }
 
+    /// Changes the limit, as an OS taking memory back would. The kernel refuses (EBUSY) a limit
+    /// below what it cannot reclaim, so the caller lowers it in steps the process can follow.
+    pub fn set_limit(&self, limit: u64) -> io::Result<()> {
+        // memsw must stay at least the memory limit: lower memory first, raise memsw first.
+        let memsw = self.path.join("memory.memsw.limit_in_bytes").exists();
+        let lowering = limit < self.read_u64("memory.limit_in_bytes")?;
+        if memsw && !lowering {
+            self.write("memory.memsw.limit_in_bytes", limit)?;
+        }
+        self.write("memory.limit_in_bytes", limit)?;
+        if memsw && lowering {
+            self.write("memory.memsw.limit_in_bytes", limit)?;
+        }
+        Ok(())
+    }
+
+    /// What the kernel charges to the group now.
+    pub fn usage_bytes(&self) -> io::Result<u64> {
+        self.read_u64("memory.usage_in_bytes")
+    }
+
     /// The group's directory.
     pub fn path(&self) -> &Path {
         &self.path

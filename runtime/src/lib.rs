@@ -11,6 +11,7 @@ pub mod chat_template;
 pub mod config;
 pub mod conversion_cache;
 pub mod demo;
+pub mod elastic;
 pub mod generate;
 pub mod gguf;
 pub mod gguf_tokenizer;

@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 use leanstream::conversion_cache::model_to_open;
+use leanstream::elastic::{BudgetSource, BudgetWatch};
 use leanstream::generate::{generate, GenerateOptions, StopReason};
 use leanstream::kv_cache::KvType;
 use leanstream::memory::peak_rss_bytes;
@@ -92,9 +93,14 @@ struct CommonArgs {
     /// llm-in-flash; oracle (needs a recorded trace: `bench`).
     #[arg(long, value_enum)]
     policy: Option<PolicyArg>,
-    /// Hard cap on peak memory (RSS): 512MiB, 1.5GiB, 300MB or bytes. Default: everything fits.
-    #[arg(long, value_parser = leanstream::memory_size::parse_budget)]
-    memory: Option<u64>,
+    /// Hard cap on peak memory (RSS): 512MiB, 1.5GiB, 300MB or bytes; or `auto`: the memory
+    /// cgroup's limit, followed while the model runs. Default: everything fits.
+    #[arg(long, value_parser = parse_memory)]
+    memory: Option<MemoryArg>,
+    /// A file holding the budget (one size such as 300MiB): re-read when it changes and on
+    /// SIGUSR1, the budget follows it while the model runs.
+    #[arg(long, conflicts_with = "memory")]
+    memory_file: Option<PathBuf>,
     /// Flash device: none (the real disk, direct I/O), ufs4, ufs31, nvme, or a profile FILE.toml.
     #[arg(long, default_value = "none")]
     flash: String,
@@ -238,6 +244,31 @@ fn main() -> ExitCode {
     }
 }
 
+#[derive(Clone, Copy)]
+enum MemoryArg {
+    Size(u64),
+    Auto,
+}
+
+fn parse_memory(s: &str) -> std::result::Result<MemoryArg, String> {
+    if s == "auto" {
+        return Ok(MemoryArg::Auto);
+    }
+    leanstream::memory_size::parse_budget(s).map(MemoryArg::Size)
+}
+
+/// Where a changing budget comes from, if the flags ask for one.
+fn budget_source(common: &CommonArgs) -> Result<Option<BudgetSource>> {
+    Ok(match (common.memory, &common.memory_file) {
+        (_, Some(path)) => Some(BudgetSource::File(path.clone())),
+        (Some(MemoryArg::Auto), None) => Some(BudgetSource::Cgroup(
+            leanstream::elastic::Groups::of_this_process()
+                .context("--memory auto follows the memory cgroup")?,
+        )),
+        _ => None,
+    })
+}
+
 /// Sets up threads and opens the model as the flags ask.
 fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
     if let Some(threads) = common.threads {
@@ -249,13 +280,19 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
     let streaming = match common.policy {
         Some(PolicyArg::Dense) => false,
         Some(_) => true,
-        None => common.memory.is_some() || common.flash != "none",
+        None => common.memory.is_some() || common.memory_file.is_some() || common.flash != "none",
     };
     let model = model_to_open(&common.model, streaming, common.no_convert)?;
-    let session = Session::open(&SessionOptions {
+    let watch = budget_source(common)?.map(BudgetWatch::start).transpose()?;
+    let options = session_options(common, default_ctx)?;
+    let mut session = Session::open(&SessionOptions {
         model,
-        ..session_options(common, default_ctx)?
+        memory: watch.as_ref().map(|(_, first)| *first).or(options.memory),
+        ..options
     })?;
+    if let Some((watch, _)) = watch {
+        session.follow_budget(watch)?;
+    }
     if let Some(note) = &session.context_note {
         eprintln!("{note}");
     }
@@ -271,7 +308,11 @@ fn session_options(common: &CommonArgs, default_ctx: usize) -> Result<SessionOpt
     Ok(SessionOptions {
         model: common.model.clone(),
         policy: common.policy.map(policy_choice),
-        memory: common.memory,
+        memory: match common.memory {
+            Some(MemoryArg::Size(bytes)) => Some(bytes),
+            // Followed: set from the watch's first reading.
+            Some(MemoryArg::Auto) | None => None,
+        },
         flash: FlashProfile::from_flash_arg(&common.flash)?,
         sparsity: match common.sparsity {
             SparsityArg::Certified => Sparsity::Certified,

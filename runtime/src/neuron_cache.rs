@@ -151,6 +151,31 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
         self.capacity
     }
 
+    /// A new capacity (the budget changed). Shrinking evicts until what is held fits: the
+    /// lowest-ranked unpinned clusters first, then pinned ones, the profile's coldest first (a
+    /// hot set chosen for a larger budget cannot stay whole in a smaller one). Growing keeps
+    /// everything; later reads fill the room. The evicted data is for the owner to take and free.
+    pub fn set_capacity(&mut self, capacity: u64) {
+        self.capacity = capacity;
+        while self.used > capacity {
+            let Some(&(_, key)) = self.order.first() else {
+                break;
+            };
+            self.evict(key);
+        }
+        if self.used > capacity {
+            let mut pinned: Vec<(f32, ClusterKey)> =
+                self.entries.iter().map(|(&k, e)| (e.freq, k)).collect();
+            pinned.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            for (_, key) in pinned {
+                if self.used <= capacity {
+                    break;
+                }
+                self.evict(key);
+            }
+        }
+    }
+
     pub fn used(&self) -> u64 {
         self.used
     }
@@ -369,6 +394,30 @@ mod tests {
         }
         assert!(c.offer((0, 1), buf(4096)).is_none());
         assert!(c.contains((0, 1)) && !c.contains((0, 0)));
+    }
+
+    #[test]
+    fn shrinking_evicts_the_lowest_ranked_then_the_coldest_pins() {
+        let mut c = NeuronCache::new(4 * 4096, Retention::Activity);
+        assert!(c.pin((0, 0), buf(4096), 0.9));
+        assert!(c.pin((0, 1), buf(4096), 0.4));
+        c.set_prior((1, 0), 0.7);
+        c.set_prior((1, 1), 0.1);
+        assert!(c.offer((1, 0), buf(4096)).is_none());
+        assert!(c.offer((1, 1), buf(4096)).is_none());
+        c.set_capacity(3 * 4096);
+        assert!(!c.contains((1, 1)) && c.contains((1, 0)));
+        c.set_capacity(4096 + 100);
+        // Every unpinned one, then the colder pin.
+        assert!(c.contains((0, 0)) && !c.contains((0, 1)) && !c.contains((1, 0)));
+        assert_eq!((c.used(), c.take_evicted().len()), (4096, 3));
+        c.set_capacity(0);
+        assert_eq!((c.used(), c.take_evicted().len()), (0, 1));
+        // Grown again: room for newcomers, and their history kept their rank.
+        c.set_capacity(2 * 4096);
+        assert!(c.offer((1, 0), buf(4096)).is_none());
+        assert!(c.offer((1, 1), buf(4096)).is_none());
+        assert_eq!(c.capacity(), 2 * 4096);
     }
 
     #[test]

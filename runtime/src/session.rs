@@ -214,6 +214,50 @@ impl Session {
         }
     }
 
+    /// A new memory budget, taken before the next token: the neuron cache shrinks (the memory
+    /// returned to the OS before this returns) or grows. Refused, the old budget staying, below
+    /// what the run needs with its dense weights as opened, and for `dense`, which has no budget.
+    pub fn set_memory_budget(&mut self, bytes: u64) -> Result<()> {
+        match &mut self.engine {
+            Engine::Dense(_) => bail!("--policy dense has no memory budget to change"),
+            Engine::Streaming(s) => s.set_budget(bytes),
+        }
+    }
+
+    /// Follows the budget `watch` publishes (`--memory-file`, `--memory auto`) from the next token.
+    pub fn follow_budget(&mut self, watch: crate::elastic::BudgetWatch) -> Result<()> {
+        match &mut self.engine {
+            Engine::Dense(_) => bail!("--policy dense has no memory budget to follow"),
+            Engine::Streaming(s) => {
+                s.follow(watch);
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether the budget follows a watch ([`Session::follow_budget`]).
+    pub fn follows_budget(&self) -> bool {
+        matches!(&self.engine, Engine::Streaming(s) if s.follows())
+    }
+
+    /// Takes a budget the followed watch published, now (between requests: a server's idle
+    /// worker gives memory back without waiting for the next token).
+    /// Whether there was one to take.
+    pub fn take_followed_budget(&mut self) -> bool {
+        match &mut self.engine {
+            Engine::Streaming(s) => s.take_watched_budget(),
+            Engine::Dense(_) => false,
+        }
+    }
+
+    /// The least budget [`Session::set_memory_budget`] accepts; `None` for dense.
+    pub fn budget_floor(&self) -> Option<u64> {
+        match &self.engine {
+            Engine::Dense(_) => None,
+            Engine::Streaming(s) => Some(s.budget_floor()),
+        }
+    }
+
     /// The memory split, one line, for stderr.
     pub fn describe_memory(&self) -> Option<String> {
         match &self.engine {

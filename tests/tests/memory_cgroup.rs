@@ -1,7 +1,7 @@
 //! The memory promise under real pressure: `leanstream run --flash none --memory B` inside a cgroup
 //! v1 memory group limited to B + 5 % — where the kernel charges the process's memory and the page
 //! cache it fills, and reclaims or kills at the limit — completes with the unconstrained run's
-//! tokens.
+//! tokens. With `--memory auto` the run follows the group's limit as it is lowered under it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -65,6 +65,7 @@ fn streaming_keeps_its_tokens_inside_a_memory_cgroup_of_its_budget() {
         .unwrap()
         .ffn
         .bundle_bytes();
+    let mut least_peak = u64::MAX;
     for budget in [min, min + ffn / 4] {
         let free = text(
             &run_command(&file, budget).output().unwrap(),
@@ -101,9 +102,11 @@ fn streaming_keeps_its_tokens_inside_a_memory_cgroup_of_its_budget() {
             "budget {budget}: different tokens under the limit"
         );
         assert!(peak > 0 && peak <= limit, "peak charge {peak}");
+        least_peak = least_peak.min(peak);
     }
-    // The control: the limit bites. A group of a third of the budget cannot hold the run.
-    if let Some(group) = memory_group(min / 3) {
+    // The control: the limit bites. A group of a third of what the run was charged at most
+    // cannot hold it (a third of the budget can: the run uses less than the planner reserves).
+    if let Some(group) = memory_group(least_peak / 3) {
         let child = group
             .spawn(
                 run_command(&file, min)
@@ -114,9 +117,78 @@ fn streaming_keeps_its_tokens_inside_a_memory_cgroup_of_its_budget() {
         let o = child.wait_with_output().unwrap();
         assert!(
             !o.status.success() && group.oom_kills().unwrap() > 0,
-            "a run completed in a cgroup of a third of its budget: {:?}",
+            "a run completed in a cgroup of a third of its peak charge: {:?}",
             o.status
         );
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn memory_auto_follows_a_cgroup_limit_lowered_while_it_runs() {
+    let dir = leanstream_tests::fresh_dir(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        &format!("cgroup-auto-{}", std::process::id()),
+    );
+    let file: PathBuf = dir.join("austen.lsb");
+    quick_convert(&embedded_model(), &file, &[]);
+    let split = leanstream::streaming::memory_split(&file, 128).unwrap();
+    let (low, ffn) = (split.fixed(), split.ffn_total);
+    // `auto` keeps 4 MiB and 1/32 of the limit for the kernel: a limit with room for everything.
+    let limit_for = |budget: u64| (budget + (4 << 20)) * 32 / 31 + (2 << 20);
+    let command = |memory: &str| {
+        let mut c = Command::new(bin("leanstream"));
+        c.arg("run")
+            .arg("--model")
+            .arg(&file)
+            .args(["-p", "It was a fine morning, and Emma", "--temp", "0"])
+            .args(["-n", "600", "--ctx", "128", "--flash", "none", "--json"])
+            .args(["--memory", memory]);
+        c
+    };
+    let free = text(
+        &command(&(low + ffn).to_string()).output().unwrap(),
+        "unconstrained",
+    );
+    let Some(group) = memory_group(limit_for(low + ffn)) else {
+        return;
+    };
+    let child = group
+        .spawn(
+            command("auto")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped()),
+        )
+        .unwrap();
+    // Take memory back in steps, each a little above what the group holds (the kernel refuses a
+    // limit it cannot reclaim down to, and kills a process that then allocates past it: 6 MiB
+    // leaves the run the token or so it takes to follow), down to the run's floor.
+    let floor = limit_for(low);
+    let mut lowered = 0;
+    let child = {
+        let mut child = child;
+        while child.try_wait().unwrap().is_none() {
+            std::thread::sleep(std::time::Duration::from_millis(150));
+            let usage = group.usage_bytes().unwrap();
+            let next = (usage + (6 << 20)).max(floor);
+            if next < limit_for(low + ffn) && group.set_limit(next).is_ok() {
+                lowered += 1;
+            }
+        }
+        child
+    };
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(group.oom_kills().unwrap(), 0, "the kernel killed the run");
+    assert_eq!(text(&o, "--memory auto"), free, "different tokens");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let changes = v["budget_changes"].as_array().unwrap();
+    eprintln!("{lowered} limits set; {changes:?}");
+    assert!(lowered > 0, "the run ended before the limit was lowered");
+    assert!(
+        changes
+            .iter()
+            .any(|c| c["to"].as_u64() < c["from"].as_u64()),
+        "the limit was lowered {lowered} times and the run never shrank: {changes:?}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

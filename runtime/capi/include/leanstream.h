@@ -53,8 +53,8 @@ typedef enum LsStopReason {
 } LsStopReason;
 
 /**
- * An open model. Generation calls on one model are serialized; `ls_cancel` may be called from
- * any thread.
+ * An open model. Use it from the thread that opened it (its engine is not `Send`), except
+ * `ls_cancel`, which any thread may call.
  */
 typedef struct LsModel LsModel;
 
@@ -71,7 +71,8 @@ typedef struct LsOpenOptions {
    */
   uint32_t ctx;
   /**
-   * Compute threads; 0: all cores.
+   * Compute threads for the whole process (the first `ls_open` that sets it decides); 0: all
+   * cores.
    */
   uint32_t threads;
   /**
@@ -203,6 +204,20 @@ enum LsStatus ls_generate(struct LsModel *model,
  * `model` comes from `ls_open` and is not closed.
  */
 enum LsStatus ls_cancel(const struct LsModel *model);
+
+/**
+ * Sets the memory budget of a model opened with one (`memory_bytes` > 0). Called on the thread
+ * that opened the model while no generation runs, it takes the budget now: the neuron cache
+ * shrinks and the memory is returned to the OS before this returns, and a budget below what the
+ * model needs fails with `LS_STATUS_INVALID_ARGUMENT` (the old budget stays). Called from another
+ * thread, or from the token callback, it returns at once and the budget is taken before the next
+ * token (a refused one is reported on stderr and leaves the old budget); `ls_metrics`'
+ * `memory_budget_bytes` says when it was taken.
+ *
+ * # Safety
+ * `model` comes from `ls_open` and is not closed.
+ */
+enum LsStatus ls_set_memory_budget(const struct LsModel *model, uint64_t bytes);
 
 /**
  * Copies the last generation's figures and the model's running totals into `*out`.

@@ -11,6 +11,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use leanstream::elastic::{BudgetHandle, BudgetWatch};
 use leanstream::generate::{generate_after, GenerateOptions, StopReason};
 use leanstream::sampler::SamplerConfig;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
@@ -114,6 +115,10 @@ pub type LsTokenCallback =
 /// `ls_cancel`, which any thread may call.
 pub struct LsModel {
     session: RefCell<Session>,
+    /// The thread that opened the model (the only one that may use the session).
+    owner: std::thread::ThreadId,
+    /// The budget a streaming model follows (`None`: opened without one, or dense).
+    budget: Option<BudgetHandle>,
     cancel: AtomicBool,
     last: Cell<LsMetrics>,
 }
@@ -259,9 +264,23 @@ pub unsafe extern "C" fn ls_open(
             kv: Default::default(),
             tuning: Tuning::default(),
         };
-        let session = Session::open(&options).map_err(|e| (LsStatus::Open, format!("{e:#}")))?;
+        let mut session =
+            Session::open(&options).map_err(|e| (LsStatus::Open, format!("{e:#}")))?;
+        // A streaming model follows the budget `ls_set_memory_budget` sets, between tokens.
+        let budget = match session.report()["memory_budget_bytes"].as_u64() {
+            Some(bytes) => {
+                let (watch, handle) = BudgetWatch::manual(bytes);
+                session
+                    .follow_budget(watch)
+                    .map_err(|e| (LsStatus::Open, format!("{e:#}")))?;
+                Some(handle)
+            }
+            None => None,
+        };
         let model = LsModel {
             session: RefCell::new(session),
+            owner: std::thread::current().id(),
+            budget,
             cancel: AtomicBool::new(false),
             last: Cell::new(metrics_of(None)),
         };
@@ -406,6 +425,56 @@ pub unsafe extern "C" fn ls_cancel(model: *const LsModel) -> LsStatus {
     })
 }
 
+/// Sets the memory budget of a model opened with one (`memory_bytes` > 0). Called on the thread
+/// that opened the model while no generation runs, it takes the budget now: the neuron cache
+/// shrinks and the memory is returned to the OS before this returns, and a budget below what the
+/// model needs fails with `LS_STATUS_INVALID_ARGUMENT` (the old budget stays). Called from another
+/// thread, or from the token callback, it returns at once and the budget is taken before the next
+/// token (a refused one is reported on stderr and leaves the old budget); `ls_metrics`'
+/// `memory_budget_bytes` says when it was taken.
+///
+/// # Safety
+/// `model` comes from `ls_open` and is not closed.
+#[no_mangle]
+pub unsafe extern "C" fn ls_set_memory_budget(model: *const LsModel, bytes: u64) -> LsStatus {
+    guard(|| {
+        if model.is_null() {
+            return Err(invalid("ls_set_memory_budget: model is NULL"));
+        }
+        if bytes == 0 {
+            return Err(invalid("ls_set_memory_budget: the budget must be positive"));
+        }
+        // SAFETY: `model` comes from `ls_open` and is open (the header's contract). From any
+        // thread only the owner id and the budget handle (an atomic) are referenced, never the
+        // session, which the generating thread may hold.
+        let (owner, handle) = unsafe {
+            (
+                &*std::ptr::addr_of!((*model).owner),
+                &*std::ptr::addr_of!((*model).budget),
+            )
+        };
+        let Some(handle) = handle else {
+            return Err(invalid(
+                "ls_set_memory_budget: the model was opened without a budget (options.memory_bytes 0) or with the dense policy",
+            ));
+        };
+        if *owner == std::thread::current().id() {
+            // SAFETY: on the owning thread the model is not used elsewhere (the header's
+            // contract), so the whole model may be referenced.
+            let model = unsafe { &*model };
+            if let Ok(mut session) = model.session.try_borrow_mut() {
+                session
+                    .set_memory_budget(bytes)
+                    .map_err(|e| invalid(format!("{e:#}")))?;
+            }
+        }
+        // Idle: already taken, and taking it again changes nothing. Generating: taken before
+        // the next token.
+        handle.set(bytes);
+        Ok(())
+    })
+}
+
 /// Copies the last generation's figures and the model's running totals into `*out`.
 ///
 /// # Safety
@@ -506,6 +575,38 @@ mod tests {
                 LsStatus::InvalidArgument
             );
             ls_close(std::ptr::null_mut());
+            assert_eq!(
+                ls_set_memory_budget(std::ptr::null(), 1 << 30),
+                LsStatus::InvalidArgument
+            );
+        }
+    }
+
+    #[test]
+    fn a_model_without_a_budget_refuses_a_new_one() {
+        let path = CString::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../models/austen-relu"
+        ))
+        .unwrap();
+        let mut model = std::ptr::null_mut();
+        // SAFETY: a valid path, default options, a valid out pointer.
+        let status = unsafe { ls_open(path.as_ptr(), std::ptr::null(), &mut model) };
+        assert_eq!(status, LsStatus::Ok, "{}", last_error());
+        // SAFETY: `model` is open; closed once below.
+        unsafe {
+            assert_eq!(ls_set_memory_budget(model, 0), LsStatus::InvalidArgument);
+            assert!(last_error().contains("positive"), "{}", last_error());
+            assert_eq!(
+                ls_set_memory_budget(model, 1 << 30),
+                LsStatus::InvalidArgument
+            );
+            assert!(
+                last_error().contains("opened without a budget"),
+                "{}",
+                last_error()
+            );
+            ls_close(model);
         }
     }
 }

@@ -23,6 +23,7 @@ use anyhow::{anyhow, Result};
 use clap::Args;
 
 use crate::chat::ChatFormat;
+use crate::elastic::BudgetWatch;
 use crate::sampling_args::SamplingArgs;
 use crate::session::Session;
 
@@ -53,7 +54,7 @@ pub struct ServeArgs {
 }
 
 /// Serves `session` until the process is stopped.
-pub fn run(session: Session, args: &ServeArgs) -> Result<()> {
+pub fn run(mut session: Session, args: &ServeArgs) -> Result<()> {
     let server = tiny_http::Server::http((args.host.as_str(), args.port)).map_err(|e| {
         anyhow!(
             "cannot listen on {}:{}: {e} (another server on that port? choose one with --port)",
@@ -69,6 +70,7 @@ pub fn run(session: Session, args: &ServeArgs) -> Result<()> {
     });
     let metrics = Arc::new(metrics::ServerMetrics::default());
     let (queue, jobs) = queue::bounded(args.queue);
+    let budget = budget(&mut session)?;
     let frontend = routes::Frontend {
         model_id: model_id.clone(),
         tokenizer: session.tokenizer.clone(),
@@ -80,6 +82,7 @@ pub fn run(session: Session, args: &ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body,
         metrics: metrics.clone(),
         queue,
+        budget,
     };
     let worker = worker::Worker::new(session, model_id.clone(), metrics);
     let address = server
@@ -93,4 +96,25 @@ pub fn run(session: Session, args: &ServeArgs) -> Result<()> {
         .map_err(|e| anyhow!("cannot start the HTTP thread: {e}"))?;
     worker.run(jobs);
     Ok(())
+}
+
+/// What `POST /v1/budget` works with: a handle the running model follows, when it was started
+/// with a fixed `--memory`; otherwise why the budget cannot be set over HTTP.
+fn budget(session: &mut Session) -> Result<Result<routes::Budget, String>> {
+    if session.follows_budget() {
+        return Ok(Err(
+            "the budget follows --memory-file or --memory auto: change it there".into(),
+        ));
+    }
+    let (Some(floor), Some(bytes)) = (
+        session.budget_floor(),
+        session.report()["memory_budget_bytes"].as_u64(),
+    ) else {
+        return Ok(Err(
+            "the server was started without --memory (or with --policy dense): there is no budget to change".into(),
+        ));
+    };
+    let (watch, handle) = BudgetWatch::manual(bytes);
+    session.follow_budget(watch)?;
+    Ok(Ok(routes::Budget { handle, floor }))
 }

@@ -3,9 +3,9 @@
 //! instead of waiting without bound.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::request::Endpoint;
 use crate::sampler::SamplerConfig;
@@ -71,13 +71,25 @@ impl Queue {
     }
 }
 
-impl Iterator for Jobs {
-    type Item = Job;
+/// What waiting for the next request gave.
+pub enum Next {
+    Job(Box<Job>),
+    /// Nothing arrived in the time given.
+    Idle,
+    /// The HTTP thread is gone.
+    Closed,
+}
 
-    /// The next request in arrival order; waits for one.
-    fn next(&mut self) -> Option<Job> {
-        let job = self.rx.recv().ok()?;
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-        Some(job)
+impl Jobs {
+    /// The next request in arrival order, waiting at most `wait` for one.
+    pub fn next_within(&mut self, wait: Duration) -> Next {
+        match self.rx.recv_timeout(wait) {
+            Ok(job) => {
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
+                Next::Job(Box::new(job))
+            }
+            Err(RecvTimeoutError::Timeout) => Next::Idle,
+            Err(RecvTimeoutError::Disconnected) => Next::Closed,
+        }
     }
 }

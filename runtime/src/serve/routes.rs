@@ -15,6 +15,8 @@ use super::metrics::ServerMetrics;
 use super::queue::{Job, Queue, Work};
 use super::request::{self, CompletionRequest, Endpoint, Prompt};
 use crate::chat::ChatFormat;
+use crate::elastic::BudgetHandle;
+use crate::memory_size::{format_size, parse_budget};
 use crate::sampler::SamplerConfig;
 use crate::tokenizer::Tokenizer;
 
@@ -33,11 +35,28 @@ pub struct Frontend {
     pub max_body_bytes: u64,
     pub metrics: Arc<ServerMetrics>,
     pub queue: Queue,
+    /// How `POST /v1/budget` sets the model's memory budget, or why it cannot.
+    pub budget: Result<Budget, String>,
+}
+
+/// The running model's budget, as `POST /v1/budget` sees it.
+pub struct Budget {
+    pub handle: BudgetHandle,
+    /// The least the model accepts (its fixed needs with the dense weights as opened).
+    pub floor: u64,
 }
 
 const COMPLETIONS: &str = "/v1/completions";
 const CHAT: &str = "/v1/chat/completions";
-const PATHS: [&str; 5] = ["/health", "/metrics", "/v1/models", COMPLETIONS, CHAT];
+const BUDGET: &str = "/v1/budget";
+const PATHS: [&str; 6] = [
+    "/health",
+    "/metrics",
+    "/v1/models",
+    COMPLETIONS,
+    CHAT,
+    BUDGET,
+];
 
 impl Frontend {
     /// Answers or queues every request the server receives.
@@ -47,7 +66,7 @@ impl Frontend {
         }
     }
 
-    fn handle(&self, request: Request) {
+    fn handle(&self, mut request: Request) {
         let path = request.url().split('?').next().unwrap_or("").to_string();
         match (request.method(), path.as_str()) {
             (Method::Get, "/health") => respond_json(
@@ -72,6 +91,14 @@ impl Frontend {
             }
             (Method::Post, COMPLETIONS) => self.enqueue(request, Endpoint::Completions),
             (Method::Post, CHAT) => self.enqueue(request, Endpoint::Chat),
+            (Method::Post, BUDGET) => match self.set_budget(&mut request) {
+                Ok(bytes) => respond_json(
+                    request,
+                    200,
+                    &json!({ "memory_budget_bytes": bytes, "taken": "before the next token" }),
+                ),
+                Err(e) => self.refuse(request, e),
+            },
             (method, p) if PATHS.contains(&p) => {
                 let e = ApiError::new(
                     405,
@@ -89,6 +116,46 @@ impl Frontend {
                 self.refuse(request, e);
             }
         }
+    }
+
+    /// `{"memory": "300MiB"}` or `{"memory": 314572800}`: the model takes it before its next
+    /// token (an idle server at once). Below the model's floor it is refused here, with the floor.
+    fn set_budget(&self, request: &mut Request) -> Result<u64, ApiError> {
+        let budget = self
+            .budget
+            .as_ref()
+            .map_err(|why| ApiError::new(409, "budget_fixed", why.clone()))?;
+        let body = self.body(request)?;
+        let v: Value = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::new(400, "invalid_json", format!("the body is not JSON: {e}"))
+        })?;
+        let bytes = match &v["memory"] {
+            Value::Number(n) => n.as_u64().filter(|&b| b > 0).ok_or_else(|| {
+                ApiError::field(
+                    "memory",
+                    "a positive whole number of bytes, or a size such as \"300MiB\"",
+                )
+            })?,
+            Value::String(s) => parse_budget(s).map_err(|e| ApiError::field("memory", e))?,
+            _ => {
+                return Err(ApiError::field(
+                    "memory",
+                    "give the budget as {\"memory\": \"300MiB\"} or a number of bytes",
+                ))
+            }
+        };
+        if bytes < budget.floor {
+            return Err(ApiError::field(
+                "memory",
+                format!(
+                    "{} is below the {} this model needs with its dense weights as opened",
+                    format_size(bytes),
+                    format_size(budget.floor)
+                ),
+            ));
+        }
+        budget.handle.set(bytes);
+        Ok(bytes)
     }
 
     fn enqueue(&self, mut request: Request, endpoint: Endpoint) {

@@ -5,10 +5,11 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::error::ApiError;
 use super::metrics::ServerMetrics;
-use super::queue::{Job, Jobs};
+use super::queue::{Job, Jobs, Next};
 use super::reply::{Reply, Usage};
 use super::sse::EventStream;
 use super::stop::StopMatcher;
@@ -17,6 +18,9 @@ use crate::kv_cache::KvCache;
 use crate::memory::peak_rss_bytes;
 use crate::session::Session;
 use crate::tokenizer::Tokenizer;
+
+/// How often an idle worker looks for a new budget.
+const IDLE_POLL: Duration = Duration::from_millis(50);
 
 pub struct Worker {
     session: Session,
@@ -55,10 +59,19 @@ impl Worker {
         worker
     }
 
-    /// Serves requests until the queue closes.
-    pub fn run(mut self, jobs: Jobs) {
-        for job in jobs {
-            self.serve(job);
+    /// Serves requests until the queue closes; between them, takes a budget `POST /v1/budget`
+    /// (or a followed file or cgroup) set, so an idle server gives memory back at once.
+    pub fn run(mut self, mut jobs: Jobs) {
+        loop {
+            match jobs.next_within(IDLE_POLL) {
+                Next::Job(job) => self.serve(*job),
+                Next::Idle => {
+                    if self.session.take_followed_budget() {
+                        self.refresh_metrics();
+                    }
+                }
+                Next::Closed => break,
+            }
         }
     }
 
@@ -204,9 +217,14 @@ impl Worker {
     fn refresh_metrics(&self) {
         let mut report = self.session.report();
         report["peak_rss_bytes"] = peak_rss_bytes().into();
+        report["rss_bytes"] = crate::memory::current_rss_bytes().into();
         report["ctx"] = self.session.ctx.into();
         report["kv_cache_tokens"] = self.cache.len().into();
         report["requests_served"] = self.served.into();
+        report["budget_changes_total"] = report["budget_changes"]
+            .as_array()
+            .map_or(0, Vec::len)
+            .into();
         *self
             .metrics
             .runtime

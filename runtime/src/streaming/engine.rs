@@ -488,6 +488,13 @@ impl StreamEngine {
         self.core.metrics = Metrics::default();
     }
 
+    /// Gives the neuron cache a new capacity (the budget changed between tokens); what a
+    /// smaller one evicts is freed, not kept as spare read buffers.
+    pub(super) fn set_cache_capacity(&mut self, bytes: u64) {
+        self.core.cache.set_capacity(bytes);
+        drop(self.core.cache.take_evicted());
+    }
+
     pub(super) fn mapping(&self) -> Option<&Mapping> {
         self.core.mapping.as_ref()
     }
@@ -743,8 +750,8 @@ impl StreamEngine {
                 ops.gates(candidate, operand, &mut work.gates, &mut work.lists)?;
             }
         }
-        for g in 0..GROUPS {
-            advance(core, work, l, k, act, g, &bounds, &mut next[g]);
+        for (g, next) in next.iter_mut().enumerate() {
+            advance(core, work, l, k, act, g, &bounds, next);
         }
         let waiting = |w: &Work, ci: usize| w.lists.stage[ci] == Stage::Waiting;
         if self.schedule.load_then_compute() {
@@ -1053,7 +1060,8 @@ fn certified_candidates(
         if cached(ci) {
             continue;
         }
-        for p in cl.first..cl.first + cl.count {
+        let neurons = candidate.iter_mut().enumerate().skip(cl.first).take(cl.count);
+        for (p, candidate) in neurons {
             let g = k.dot(plan.sketch.qtype, plan.sketch.row(p), x);
             let (e, s) = (plan.sketch_err[p], plan.sketch_norm[p]);
             let w = s + e;
@@ -1061,7 +1069,7 @@ fn certified_candidates(
             if float_bundles {
                 beta += w * dx;
             }
-            candidate[p] = !plan.skip.contains(g - beta, g + beta);
+            *candidate = !plan.skip.contains(g - beta, g + beta);
         }
     }
     candidate

@@ -93,6 +93,7 @@ impl Metrics {
             bytes_read_per_token: per_token(bytes_read),
             reads_per_token: per_token(requests),
             dense_bytes_read_per_token: 0.0,
+            budget_changes: Vec::new(),
             cache_hit_rate: ratio(self.cluster_hits, self.cluster_hits + self.cluster_misses),
             predictor_recall: ratio(self.own_hits, self.own_active),
             predictor_precision: ratio(self.own_hits, self.own_predicted),
@@ -122,6 +123,19 @@ fn ratio_s(part: f64, wall: f64) -> f64 {
     } else {
         0.0
     }
+}
+
+/// A budget change while the model ran.
+#[derive(Debug, Clone, Serialize)]
+pub struct BudgetChange {
+    /// Tokens computed before it was taken.
+    pub at_token: u64,
+    pub from: Option<u64>,
+    pub to: u64,
+    /// From the request to the memory returned to the OS.
+    pub micros: u64,
+    /// The process's resident set right after (from the OS).
+    pub rss_after: Option<u64>,
 }
 
 /// The per-run figures printed in `--json`.
@@ -165,4 +179,6 @@ pub struct Summary {
     pub compute_busy_fraction: f64,
     pub select_busy_fraction: f64,
     pub io_wait_fraction: f64,
+    /// Each budget change taken so far ([`super::StreamingModel::set_budget`]).
+    pub budget_changes: Vec<BudgetChange>,
 }

@@ -26,6 +26,7 @@ use anyhow::{bail, Context, Result};
 use leanstream_format::LsbFile;
 
 use crate::config::ModelConfig;
+use crate::elastic::BudgetWatch;
 use crate::kv_cache::{KvCache, KvType};
 use crate::model::Model;
 use crate::neuron_cache::{ClusterSlots, NeuronCache, Retention};
@@ -34,7 +35,7 @@ use crate::storage::{open_device, Device, FlashProfile, IoQueue};
 pub use dense_stream::DenseStream;
 use dense_stream::DenseTensors;
 pub use engine::{Bytes, Sparsity, StreamEngine};
-pub use metrics::Summary;
+pub use metrics::{BudgetChange, Summary};
 pub use planner::MemorySplit;
 pub use predict::{default_predictor_rank, predictor_bytes, PREDICTOR_SHARE};
 pub use trace::ActiveTrace;
@@ -86,6 +87,11 @@ pub struct StreamingModel {
     engine: StreamEngine,
     pub split: MemorySplit,
     pub budget: Option<u64>,
+    replan_input: planner::PlanInput,
+    /// Where new budgets come from while the model runs (`--memory-file`, `--memory auto`).
+    watch: Option<BudgetWatch>,
+    budget_changes: Vec<BudgetChange>,
+    policy: Policy,
     /// The context planned: `StreamOptions::ctx`, or less where it did not fit the budget.
     pub ctx: usize,
     kv: KvType,
@@ -169,6 +175,8 @@ impl StreamingModel {
                 None => refused,
             }
         })?;
+        // What a new budget is planned with while the model runs ([`StreamingModel::set_budget`]).
+        let replan_input = input(ctx, opts.kv).0;
         let model = Model::norms_only(config.clone(), |name, shape| tensors.vector(name, shape))?;
         let io = Arc::new(IoQueue::new(device));
         let dense = DenseStream::open(&tensors, &config, split.dense_streamed, Arc::clone(&io))?;
@@ -227,12 +235,77 @@ impl StreamingModel {
             engine,
             split,
             budget: opts.memory,
+            replan_input,
+            watch: None,
+            budget_changes: Vec::new(),
+            policy,
             ctx,
             kv: opts.kv,
             started: Instant::now(),
             tokens: 0,
             io_base: IoCounters::default(),
         })
+    }
+
+    /// A new budget, taken between tokens: the neuron cache shrinks (its lowest-ranked clusters
+    /// freed and the memory returned to the OS before this returns) or grows (later reads fill
+    /// it); the dense weights stay as opened. Refused — the old budget staying — below what the
+    /// run needs with its dense weights as opened.
+    pub fn set_budget(&mut self, budget: u64) -> Result<()> {
+        let started = Instant::now();
+        if self.budget == Some(budget) {
+            return Ok(());
+        }
+        if self.policy == Policy::Mmap {
+            bail!("--policy mmap's memory is held by the kernel (a cgroup), not by a budget the runtime can change");
+        }
+        let input = planner::PlanInput {
+            budget: Some(budget),
+            ..self.replan_input.clone()
+        };
+        let split = planner::replan(input, &self.split)?;
+        let from = self.budget;
+        self.engine.set_cache_capacity(split.neuron_cache);
+        crate::memory::release_freed_memory();
+        self.split = split;
+        self.budget = Some(budget);
+        self.budget_changes.push(BudgetChange {
+            at_token: self.tokens,
+            from,
+            to: budget,
+            micros: started.elapsed().as_micros() as u64,
+            rss_after: crate::memory::current_rss_bytes(),
+        });
+        Ok(())
+    }
+
+    /// The least budget [`StreamingModel::set_budget`] accepts: the fixed needs with the dense
+    /// weights as opened.
+    pub fn budget_floor(&self) -> u64 {
+        planner::replan_floor(&self.replan_input, &self.split)
+    }
+
+    /// Follows `watch` from now on: each new budget it publishes is taken before the next token.
+    pub fn follow(&mut self, watch: BudgetWatch) {
+        self.watch = Some(watch);
+    }
+
+    /// Whether a watch sets the budget.
+    pub fn follows(&self) -> bool {
+        self.watch.is_some()
+    }
+
+    /// Takes a budget the watch published since the last token (or now, between requests). One
+    /// that cannot be taken keeps the old budget and says why on stderr.
+    /// Whether there was one to take.
+    pub fn take_watched_budget(&mut self) -> bool {
+        let Some(budget) = self.watch.as_mut().and_then(BudgetWatch::changed) else {
+            return false;
+        };
+        if let Err(e) = self.set_budget(budget) {
+            eprintln!("leanstream: budget unchanged: {e:#}");
+        }
+        true
     }
 
     /// Figures of the run so far (call after generation).
@@ -252,6 +325,7 @@ impl StreamingModel {
             wall,
         );
         summary.dense_bytes_read_per_token = dense_bytes as f64 / self.tokens.max(1) as f64;
+        summary.budget_changes = self.budget_changes.clone();
         summary
     }
 
@@ -324,6 +398,7 @@ impl crate::model::LanguageModel for StreamingModel {
             }
             return Ok(out);
         }
+        self.take_watched_budget();
         self.engine.begin_call(tokens, cache.len())?;
         self.tokens += tokens.len() as u64;
         let logits = self.model.forward_with(

@@ -14,6 +14,7 @@ use crate::config::ModelConfig;
 use crate::kv_cache::KvType;
 use crate::memory_size::format_size;
 
+#[derive(Clone)]
 pub struct PlanInput {
     pub budget: Option<u64>,
     pub overhead: u64,
@@ -247,6 +248,40 @@ pub fn plan(p: PlanInput) -> Result<MemorySplit> {
     };
     split.neuron_cache = (budget - split.fixed()).min(p.ffn);
     Ok(split)
+}
+
+/// A new budget for a running model whose dense weights stay as `current` placed them: the
+/// neuron cache gets what is left. Refused below the fixed part, naming it and, where streaming
+/// more dense weights would go lower, the minimum a restart would reach.
+pub fn replan(p: PlanInput, current: &MemorySplit) -> Result<MemorySplit> {
+    let budget = p.budget.expect("a new budget");
+    let mut split = fixed_split(&p, current.dense_streamed);
+    let needs = replan_floor(&p, current);
+    if budget < needs {
+        let restart = minimum(&p);
+        bail!(
+            "--memory {} is below the {} this run needs with its dense weights as opened ({}){}",
+            format_size(budget),
+            format_size(needs),
+            split.describe_fixed(),
+            if restart < needs {
+                format!(
+                    "; streaming more of them, a restart would run in {}",
+                    format_size(restart)
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
+    split.neuron_cache = (budget - split.fixed()).min(p.ffn);
+    Ok(split)
+}
+
+/// The least budget [`replan`] accepts for a model running with `current`'s dense weights.
+pub fn replan_floor(p: &PlanInput, current: &MemorySplit) -> u64 {
+    let ffn = if p.needs_all_ffn { p.ffn } else { 0 };
+    fixed_split(p, current.dense_streamed).fixed() + ffn
 }
 
 /// A shrunk context is a multiple of this many tokens (or the floor itself).
@@ -505,6 +540,24 @@ mod tests {
         // Each suggestion does fit.
         assert!(plan(at(28 * MIB)(192, KvType::Q8_0)).is_ok());
         assert!(plan(at(28 * MIB)(256, KvType::Q8_0)).is_err());
+    }
+
+    #[test]
+    fn a_running_model_replans_only_its_neuron_cache() {
+        let opened = plan(input(Some(OTHERS + 100 * MIB + 50 * MIB), false)).unwrap();
+        assert_eq!(opened.dense_streamed, DenseStreamed::default());
+        let to = |budget| replan(input(Some(budget), false), &opened);
+        let s = to(OTHERS + 100 * MIB + 10 * MIB).unwrap();
+        assert_eq!(
+            (s.dense_streamed, s.neuron_cache),
+            (opened.dense_streamed, 10 * MIB)
+        );
+        // Growing past the FFN caps the cache at the FFN.
+        assert_eq!(to(OTHERS + 400 * MIB).unwrap().neuron_cache, 200 * MIB);
+        // Below the dense weights as opened: refused, naming what a restart would reach.
+        let err = to(OTHERS + 100 * MIB - 1).unwrap_err().to_string();
+        assert!(err.contains("below the 120.00 MiB this run needs"), "{err}");
+        assert!(err.contains("a restart would run in 29.00 MiB"), "{err}");
     }
 
     #[test]
