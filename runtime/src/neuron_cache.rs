@@ -158,20 +158,21 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
     pub fn set_capacity(&mut self, capacity: u64) {
         self.capacity = capacity;
         while self.used > capacity {
-            let Some(&(_, key)) = self.order.first() else {
+            let Some(&(_, s)) = self.order.first() else {
                 break;
             };
-            self.evict(key);
+            self.evict(s as usize);
         }
         if self.used > capacity {
-            let mut pinned: Vec<(f32, ClusterKey)> =
-                self.entries.iter().map(|(&k, e)| (e.freq, k)).collect();
+            let mut pinned: Vec<(f32, usize)> = (self.entries.iter().enumerate())
+                .filter_map(|(s, e)| e.as_ref().map(|e| (e.freq, s)))
+                .collect();
             pinned.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-            for (_, key) in pinned {
+            for (_, s) in pinned {
                 if self.used <= capacity {
                     break;
                 }
-                self.evict(key);
+                self.evict(s);
             }
         }
     }
@@ -398,7 +399,7 @@ mod tests {
 
     #[test]
     fn shrinking_evicts_the_lowest_ranked_then_the_coldest_pins() {
-        let mut c = NeuronCache::new(4 * 4096, Retention::Activity);
+        let mut c = NeuronCache::new(4 * 4096, Retention::Activity, slots());
         assert!(c.pin((0, 0), buf(4096), 0.9));
         assert!(c.pin((0, 1), buf(4096), 0.4));
         c.set_prior((1, 0), 0.7);
@@ -410,9 +411,9 @@ mod tests {
         c.set_capacity(4096 + 100);
         // Every unpinned one, then the colder pin.
         assert!(c.contains((0, 0)) && !c.contains((0, 1)) && !c.contains((1, 0)));
-        assert_eq!((c.used(), c.take_evicted().len()), (4096, 3));
+        assert_eq!((c.used(), c.drain_evicted().len()), (4096, 3));
         c.set_capacity(0);
-        assert_eq!((c.used(), c.take_evicted().len()), (0, 1));
+        assert_eq!((c.used(), c.drain_evicted().len()), (0, 1));
         // Grown again: room for newcomers, and their history kept their rank.
         c.set_capacity(2 * 4096);
         assert!(c.offer((1, 0), buf(4096)).is_none());

@@ -492,7 +492,7 @@ impl StreamEngine {
     /// smaller one evicts is freed, not kept as spare read buffers.
     pub(super) fn set_cache_capacity(&mut self, bytes: u64) {
         self.core.cache.set_capacity(bytes);
-        drop(self.core.cache.take_evicted());
+        self.core.cache.drain_evicted().for_each(drop);
     }
 
     pub(super) fn mapping(&self) -> Option<&Mapping> {
@@ -1060,7 +1060,11 @@ fn certified_candidates(
         if cached(ci) {
             continue;
         }
-        let neurons = candidate.iter_mut().enumerate().skip(cl.first).take(cl.count);
+        let neurons = candidate
+            .iter_mut()
+            .enumerate()
+            .skip(cl.first)
+            .take(cl.count);
         for (p, candidate) in neurons {
             let g = k.dot(plan.sketch.qtype, plan.sketch.row(p), x);
             let (e, s) = (plan.sketch_err[p], plan.sketch_norm[p]);
