@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use leanstream::config::ModelConfig;
 use leanstream::gguf::{gguf_name, GgufFile};
 use leanstream::model::Model;
@@ -56,6 +56,15 @@ fn converter_permute(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 /// One expert's matrix: its index in the stack, shape and values.
 type Expert = (usize, Vec<usize>, Vec<f32>);
 
+/// An expert's matrix (or stack of them) in `dtype`, quantized by candle as llama.cpp would.
+fn expert_tensor(shape: &[usize], values: &[f32], dtype: GgmlDType) -> QTensor {
+    if dtype == GgmlDType::F32 {
+        return f32_tensor(shape, values);
+    }
+    let t = Tensor::from_slice(values, shape, &Device::Cpu).unwrap();
+    QTensor::quantize(&t, dtype).unwrap()
+}
+
 fn f32_tensor(shape: &[usize], values: &[f32]) -> QTensor {
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let storage = QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::F32).unwrap();
@@ -71,8 +80,15 @@ enum Layout {
     OnePerExpert,
 }
 
-/// The tiny model in `dir` as a GGUF file of architecture `arch`, its experts laid out as `layout`.
-fn write_gguf(dir: &Path, c: &ModelConfig, arch: &str, layout: Layout) -> PathBuf {
+/// The tiny model in `dir` as a GGUF file of architecture `arch`, its experts laid out as `layout`
+/// and encoded as `experts` (everything else f32).
+fn write_gguf(
+    dir: &Path,
+    c: &ModelConfig,
+    arch: &str,
+    layout: Layout,
+    experts: GgmlDType,
+) -> PathBuf {
     let m = c.moe.as_ref().unwrap();
     let key = |k: &str| format!("{arch}.{k}");
     let u32v = |n: usize| Value::U32(n as u32);
@@ -122,7 +138,7 @@ fn write_gguf(dir: &Path, c: &ModelConfig, arch: &str, layout: Layout) -> PathBu
                 let e: usize = rest.split('.').next().unwrap().parse().unwrap();
                 if layout == Layout::OnePerExpert {
                     let own = gguf.replace("_exps.weight", &format!(".{e}.weight"));
-                    plain.push((own, f32_tensor(&shape, &values)));
+                    plain.push((own, expert_tensor(&shape, &values, experts)));
                 } else {
                     stacks.entry(gguf).or_default().push((e, shape, values));
                 }
@@ -130,14 +146,14 @@ fn write_gguf(dir: &Path, c: &ModelConfig, arch: &str, layout: Layout) -> PathBu
             None => plain.push((gguf, f32_tensor(&shape, &values))),
         }
     }
-    for (gguf, mut experts) in stacks {
-        experts.sort_by_key(|(e, _, _)| *e);
-        assert_eq!(experts.len(), m.num_experts);
-        let shape = [&[m.num_experts][..], &experts[0].1].concat();
-        let values: Vec<f32> = experts.into_iter().flat_map(|(_, _, v)| v).collect();
-        plain.push((gguf, f32_tensor(&shape, &values)));
+    for (gguf, mut stack) in stacks {
+        stack.sort_by_key(|(e, _, _)| *e);
+        assert_eq!(stack.len(), m.num_experts);
+        let shape = [&[m.num_experts][..], &stack[0].1].concat();
+        let values: Vec<f32> = stack.into_iter().flat_map(|(_, _, v)| v).collect();
+        plain.push((gguf, expert_tensor(&shape, &values, experts)));
     }
-    let path = dir.join(format!("tiny-{arch}.gguf"));
+    let path = dir.join(format!("tiny-{arch}-{experts:?}-{}.gguf", layout as u8));
     let mut file = std::fs::File::create(&path).unwrap();
     let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensors: Vec<(&str, &QTensor)> = plain.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -153,7 +169,7 @@ fn check(name: &str, spec: &TinySpec, arch: &str, layout: Layout) {
     write_tiny_model(&dir, spec).unwrap();
     let from_hf = Model::load(&dir).unwrap();
     let mut want = from_hf.config().clone();
-    let gguf = GgufFile::open(&write_gguf(&dir, &want, arch, layout)).unwrap();
+    let gguf = GgufFile::open(&write_gguf(&dir, &want, arch, layout, GgmlDType::F32)).unwrap();
     let got = gguf.config().unwrap();
     // What GGUF does not carry: the token ids the test leaves out, and the Hugging Face family
     // (llama.cpp writes Mixtral as `llama`).
@@ -222,4 +238,51 @@ fn mixtral_with_a_tensor_per_expert_as_older_gguf_files_hold_it() {
         ..TinySpec::mixtral()
     };
     check("mixtral-split", &spec, "llama", Layout::OnePerExpert);
+}
+
+/// Quantized stacks (Q8_0, Q4_0: blocks of 32 along each row) are cut into experts at the same
+/// rows as when every expert is its own tensor: both files give bit-identical logits, which differ
+/// from the f32 directory's (the experts really are quantized), Q8_0's less than Q4_0's.
+#[test]
+fn quantized_expert_stacks_cut_like_one_tensor_per_expert() {
+    let spec = TinySpec {
+        seed: 44,
+        layers: 2,
+        sliding_window: None,
+        ..TinySpec::mixtral()
+    };
+    let dir = fresh_dir(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        "gguf-quantized-experts",
+    );
+    write_tiny_model(&dir, &spec).unwrap();
+    let from_hf = Model::load(&dir).unwrap();
+    let c = from_hf.config().clone();
+    let ids = random_ids(spec.seed + 40, 32, spec.vocab);
+    let logits = |m: &Model| {
+        let mut cache = m.new_cache(ids.len());
+        m.forward(&ids, &mut cache, true).unwrap()
+    };
+    let exact = logits(&from_hf);
+    let mut diffs = Vec::new();
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+        let load = |layout| {
+            let path = write_gguf(&dir, &c, "llama", layout, dtype);
+            GgufFile::open(&path).unwrap().load_model().unwrap()
+        };
+        let stacked = logits(&load(Layout::Stacked));
+        assert_eq!(
+            stacked,
+            logits(&load(Layout::OnePerExpert)),
+            "{dtype:?}: stacked vs one tensor per expert"
+        );
+        let diff = stacked
+            .iter()
+            .zip(&exact)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{dtype:?} experts: max |logit - f32 logit| {diff:.3e}");
+        diffs.push(diff);
+    }
+    assert!(diffs[0] > 0.0 && diffs[0] < diffs[1], "{diffs:?}");
 }
