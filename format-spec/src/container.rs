@@ -12,9 +12,9 @@ use crate::FormatError;
 pub const PAGE: u64 = 4096;
 pub const MAGIC: [u8; 8] = *b"LEANSTRM";
 pub const VERSION_MAJOR: u16 = 1;
-/// The highest minor version this build knows; a writer writes the lowest one its sections need
-/// ([`SectionKind::since_minor`]).
-pub const VERSION_MINOR: u16 = 2;
+/// The highest minor version this build knows; a writer writes the lowest one its features need
+/// ([`SectionKind::since_minor`], [`ContainerWriter::require_minor`]).
+pub const VERSION_MINOR: u16 = 3;
 /// The minor version of a file that uses no later feature.
 const BASE_MINOR: u16 = 1;
 const SECTION_TABLE_OFFSET: usize = 32;
@@ -255,6 +255,9 @@ pub struct ContainerWriter {
     pos: u64,
     sections: Vec<SectionEntry>,
     open: Option<OpenSection>,
+    /// The highest minor version declared with [`Self::require_minor`] (features other than a
+    /// section's kind); the header gets the max of it and the sections' (§12).
+    minor: u16,
 }
 
 /// A section being streamed: its start and a running hash of its bytes.
@@ -271,6 +274,7 @@ impl ContainerWriter {
             pos: 0,
             sections: Vec::new(),
             open: None,
+            minor: BASE_MINOR,
         };
         w.write_raw(&vec![0u8; PAGE as usize])?;
         Ok(w)
@@ -360,18 +364,27 @@ impl ContainerWriter {
         Ok(())
     }
 
+    /// Raises the minor version written to at least `minor`: the writer of a feature inside a
+    /// section (a META key, an empty SKETCH layer) says which version introduced it; sections'
+    /// kinds count by themselves ([`SectionKind::since_minor`]). The file gets the highest (§12).
+    pub fn require_minor(&mut self, minor: u16) {
+        self.minor = self.minor.max(minor);
+    }
+
     /// Writes the header, syncs, and renames the file into place.
     pub fn finish(mut self) -> Result<(), FormatError> {
         assert!(self.open.is_none(), "a section is still open");
         if self.sections.len() > MAX_SECTIONS {
             return Err(FormatError::invalid("too many sections for the header"));
         }
+        // The highest minor version among the file's features: its sections' kinds and what
+        // its writers declared with `require_minor` (META keys, SKETCH layers).
         let version_minor = self
             .sections
             .iter()
             .filter_map(|s| SectionKind::from_u32(s.kind))
             .map(SectionKind::since_minor)
-            .fold(BASE_MINOR, u16::max);
+            .fold(self.minor, u16::max);
         let header = Header {
             version_major: VERSION_MAJOR,
             version_minor,

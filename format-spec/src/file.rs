@@ -150,7 +150,9 @@ impl LsbFile {
         }
         if self.sketch.layers.len() != layers
             || self.sketch.layers.iter().any(|l| {
-                l.err_norm.len() != c.intermediate_size || l.hidden as usize != c.hidden_size
+                // An empty layer (format 1.3) has no certificate.
+                !(l.err_norm.is_empty() || l.err_norm.len() == c.intermediate_size)
+                    || l.hidden as usize != c.hidden_size
             })
         {
             return bad("SKETCH");

@@ -16,6 +16,10 @@ pub struct Meta {
     pub sparsity_mode: String,
     /// For `threshold`: the fraction of neurons calibrated to be skipped.
     pub sparsity_target: Option<f32>,
+    /// What the threshold is compared with (format 1.3): `gate` (`|act(gate·x)|`, also when
+    /// absent) or `gate_up` (`|act(gate·x)·(up·x)|`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sparsity_rule: Option<String>,
     pub cluster_kib: u32,
     pub layers: Vec<LayerMeta>,
     /// Free-form provenance: source model, calibration, converter version, timings.
@@ -74,6 +78,23 @@ pub struct LayerMeta {
     /// Activity statistics (format 1.1; absent in older files), held-out split.
     #[serde(flatten)]
     pub activity: Option<Activity>,
+    /// Fraction of the layer's cluster reads per token (nothing cached) that its certificate
+    /// avoids on the held-out split (format 1.3; absent when the layer has no certificate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate_saves: Option<f32>,
+}
+
+impl Meta {
+    /// The lowest minor format version whose META features this file uses (FORMAT.md §12).
+    pub fn minor_version(&self) -> u16 {
+        let v13 = self.sparsity_rule.is_some()
+            || self.layers.iter().any(|l| l.certificate_saves.is_some());
+        if v13 {
+            3
+        } else {
+            1
+        }
+    }
 }
 
 /// How a layer's activity is distributed over neurons and tokens (FORMAT.md §4.2).
@@ -108,6 +129,7 @@ mod tests {
             ffn_quant: "q8_0".into(),
             sparsity_mode: "relu".into(),
             sparsity_target: None,
+            sparsity_rule: None,
             cluster_kib: 32,
             layers: Vec::new(),
             provenance: serde_json::Value::Null,

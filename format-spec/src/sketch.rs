@@ -1,6 +1,7 @@
 //! SKETCH: a low-bit copy of every layer's gate rows, kept in DRAM, with a per-neuron error norm
 //! so that a neuron can be proven inactive without reading its bundle:
-//! `|gate·x − sketch·x| ≤ err_norm · ‖x‖₂`. See FORMAT.md §8.
+//! `|gate·x − sketch·x| ≤ err_norm · ‖x‖₂`. A layer with no neurons has no certificate (1.3).
+//! See FORMAT.md §8.
 
 use crate::codec::{Dec, Enc};
 use crate::quant::{row_bytes, QuantType};
@@ -35,6 +36,15 @@ impl Sketch {
             .iter()
             .map(|l| (l.rows.len() + 4 * l.err_norm.len()) as u64)
             .sum()
+    }
+
+    /// The lowest minor format version this section needs: 1.3 when a layer has no certificate.
+    pub fn minor_version(&self) -> u16 {
+        if self.layers.iter().any(|l| l.err_norm.is_empty()) {
+            3
+        } else {
+            1
+        }
     }
 
     pub fn encode(&self) -> Vec<u8> {

@@ -9,6 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use leanstream::config::ModelConfig;
 use leanstream::kernels::{Matrix, Weight};
 use leanstream::model::{DenseFfn, Model};
+use leanstream::skip_rule::{Skip, SkipRule};
 use leanstream::streaming::default_predictor_rank;
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::{DenseIndex, DenseTensor};
@@ -22,10 +23,13 @@ use serde::Serialize;
 
 use crate::activity;
 use crate::calib::Calibration;
+use crate::certificate::{self, CertificateChoice};
 use crate::placement::{cluster_fill, place};
 use crate::profile::Profiler;
 use crate::source::Source;
-use crate::sparsity::{masks, threshold, SparsityMode};
+use crate::sparsity::{
+    allocate, cost_curve, down_norms, masks, quantile, rescale, scores, SparsityMode,
+};
 use crate::tensors::{dense_specs, ffn_names, quantize_rows};
 use crate::train::{
     normalise_rows, score_threshold, targets, top_k_quality, train, TrainConfig, Trained,
@@ -44,6 +48,7 @@ pub struct ConvertOptions {
     pub output: PathBuf,
     pub quant: QuantType,
     pub sparsity: String,
+    pub certificate: CertificateChoice,
     pub calib: Option<PathBuf>,
     pub calib_tokens: usize,
     pub predictor_rank: Option<usize>,
@@ -60,6 +65,7 @@ pub struct Summary {
     pub ffn_bytes: u64,
     pub quant: String,
     pub sparsity_mode: String,
+    pub sparsity_rule: String,
     pub calib_tokens: usize,
     pub heldout_tokens: usize,
     pub cluster_neurons: Vec<usize>,
@@ -75,6 +81,7 @@ pub struct Summary {
 pub struct Phases {
     pub load: f64,
     pub dense: f64,
+    pub allocate: f64,
     pub profile: f64,
     pub place: f64,
     pub train: f64,
@@ -109,6 +116,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     })?;
     let (tokenizer, tokenizer_json) = (&source.tokenizer, &source.tokenizer_json);
     let mode = SparsityMode::parse(&opts.sparsity, config.activation)?;
+    let rule = mode.rule();
+    let with_certificate = opts.certificate.wanted(rule)?;
     check_block_shapes(&config, opts.quant)?;
     let calib = Calibration::new(tokenizer, opts.calib.as_deref(), opts.calib_tokens)?;
     phases.load = t.elapsed().as_secs_f64();
@@ -131,6 +140,9 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         )
     });
     let mut profiler = Profiler::new(model, &calib)?;
+    let t = Instant::now();
+    let fractions = layer_fractions(mode, &mut profiler, &get, &train_rows, opts.progress)?;
+    phases.allocate = t.elapsed().as_secs_f64();
     let bar = bar(opts.progress, config.num_layers as u64, "layers");
     let mut ffn = FfnIndex::default();
     let (mut predictors, mut sketch, mut refine) =
@@ -141,25 +153,26 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     writer.begin_section(SectionKind::FfnData);
     let (h, n) = (config.hidden_size, config.intermediate_size);
     let act = config.activation;
-    for l in 0..config.num_layers {
+    for (l, &fraction) in fractions.iter().enumerate() {
         bar.set_message(format!("layer {l}: profile"));
         let t = Instant::now();
-        let [gate_name, up_name, down_name] = ffn_names(l);
-        let gate = get(&gate_name, &[n, h])?;
-        let up = get(&up_name, &[n, h])?;
-        let down = get(&down_name, &[h, n])?;
-        profiler.model.set_ffn(
-            l,
-            Some(DenseFfn {
-                gate: Weight::F32(Matrix::new(n, h, gate.clone())),
-                up: Weight::F32(Matrix::new(n, h, up.clone())),
-                down: Weight::F32(Matrix::new(h, n, down.clone())),
-            }),
-        );
+        let (gate, up, down) = ffn_weights(&get, l, h, n, rule)?;
+        profiler
+            .model
+            .set_ffn(l, Some(dense_ffn(&gate, &up, &down, h, n)));
         let prof = profiler.layer(l);
-        let thr = threshold(mode, act, &prof.gate, n, &train_rows);
-        profiler.sparse_layer(l, thr);
-        let mask = masks(act, &prof.gate, thr);
+        let score = scores(rule, act, &prof.gate, &prof.coef);
+        let thr = match mode {
+            SparsityMode::Relu => 0.0,
+            _ => quantile(&score, n, &train_rows, fraction),
+        };
+        let skip = Skip {
+            act,
+            rule,
+            threshold: thr,
+        };
+        profiler.sparse_layer(l, skip);
+        let mask = masks(&score, thr);
         phases.profile += t.elapsed().as_secs_f64();
 
         bar.set_message(format!("layer {l}: place"));
@@ -234,7 +247,9 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
                 let i = i as usize;
                 let column: Vec<f32> = (0..h).map(|r| down[r * n + i]).collect();
                 let g = quantize_row(opts.quant, &gate[i * h..(i + 1) * h])?;
-                add_sketch_row(&mut sketch_layer, SKETCH_QUANT, opts.quant, &g, h)?;
+                if with_certificate {
+                    add_sketch_row(&mut sketch_layer, SKETCH_QUANT, opts.quant, &g, h)?;
+                }
                 extent.extend(g);
                 extent.extend(quantize_row(opts.quant, &up[i * h..(i + 1) * h])?);
                 extent.extend(quantize_row(opts.quant, &column)?);
@@ -249,11 +264,21 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
                 checksum,
             });
         }
+        let certificate_saves = if with_certificate {
+            Some(certificate::saves(
+                &sketch_layer,
+                skip,
+                &prof.ffn_input,
+                &eval_rows,
+                cluster_size,
+            )?)
+        } else {
+            None
+        };
         sketch.layers.push(sketch_layer);
         refine.layers.push(refine_stats(
             &mask,
-            &prof.gate,
-            act,
+            &score,
             n,
             &train_rows,
             &perm,
@@ -280,6 +305,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             cluster_fill: fill,
             cluster_fill_unordered: fill_unordered,
             activity: Some(activity::measure(&mask, n, &eval_rows, &eval_prev, perm)),
+            certificate_saves,
         });
         cluster_neurons.push(cluster_size);
         prev_residual = Some(prof.residual);
@@ -297,6 +323,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         ffn_quant: opts.quant.name().into(),
         sparsity_mode: mode.name().into(),
         sparsity_target: mode.target(),
+        sparsity_rule: (rule != SkipRule::Gate).then(|| rule.name().into()),
         cluster_kib: opts.cluster_kib,
         layers: layer_meta.clone(),
         provenance: serde_json::json!({
@@ -311,6 +338,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         chat_template: source.chat_template.clone(),
         synthetic: None,
     };
+    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
     add_tokenizer(&mut writer, tokenizer_json)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
@@ -327,6 +355,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         ffn_bytes: ffn.bundle_bytes(),
         quant: opts.quant.name().into(),
         sparsity_mode: mode.name().into(),
+        sparsity_rule: rule.name().into(),
         calib_tokens: calib.tokens(),
         heldout_tokens: eval_rows.len(),
         cluster_neurons,
@@ -335,6 +364,81 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         seconds: phases,
         peak_rss_bytes: leanstream::memory::peak_rss_bytes(),
     })
+}
+
+/// Layer `l`'s gate, up and down weights as f32 (`n × h`, `n × h`, `h × n`); under the `gate_up`
+/// rule with every up row scaled by its down column's norm and the column normalised, so the
+/// rule's score is the norm of the neuron's contribution (see [`down_norms`]).
+fn ffn_weights(
+    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+    l: usize,
+    h: usize,
+    n: usize,
+    rule: SkipRule,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let [gate_name, up_name, down_name] = ffn_names(l);
+    let gate = get(&gate_name, &[n, h])?;
+    let mut up = get(&up_name, &[n, h])?;
+    let mut down = get(&down_name, &[h, n])?;
+    if rule == SkipRule::GateUp {
+        let norms = down_norms(&down, h, n);
+        rescale(&mut up, &mut down, &norms, h);
+    }
+    Ok((gate, up, down))
+}
+
+fn dense_ffn(gate: &[f32], up: &[f32], down: &[f32], h: usize, n: usize) -> DenseFfn {
+    DenseFfn {
+        gate: Weight::F32(Matrix::new(n, h, gate.to_vec())),
+        up: Weight::F32(Matrix::new(n, h, up.to_vec())),
+        down: Weight::F32(Matrix::new(h, n, down.to_vec())),
+    }
+}
+
+/// The fraction of neurons each layer skips: none for `relu`, the target everywhere for a uniform
+/// mode, else [`allocate`]d from each layer's cost curve, measured in one dense pass over the
+/// calibration text before the real one.
+fn layer_fractions(
+    mode: SparsityMode,
+    profiler: &mut Profiler,
+    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+    train_rows: &[usize],
+    progress: bool,
+) -> Result<Vec<f32>> {
+    let c = profiler.model.config().clone();
+    let (h, n, layers) = (c.hidden_size, c.intermediate_size, c.num_layers);
+    let fraction = match mode {
+        SparsityMode::Relu => return Ok(vec![0.0; layers]),
+        SparsityMode::Threshold(f)
+        | SparsityMode::Target {
+            fraction: f,
+            allocate: false,
+        } => return Ok(vec![f; layers]),
+        SparsityMode::Target { fraction, .. } => fraction,
+    };
+    let bar = bar(progress, layers as u64, "layers (allocation)");
+    let mut curves = Vec::with_capacity(layers);
+    for l in 0..layers {
+        let (gate, up, down) = ffn_weights(get, l, h, n, mode.rule())?;
+        profiler
+            .model
+            .set_ffn(l, Some(dense_ffn(&gate, &up, &down, h, n)));
+        let prof = profiler.layer(l);
+        let score = scores(mode.rule(), c.activation, &prof.gate, &prof.coef);
+        curves.push(cost_curve(
+            &score,
+            &prof.coef,
+            &down,
+            &prof.residual,
+            h,
+            train_rows,
+        ));
+        profiler.model.set_ffn(l, None);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    profiler.restart()?;
+    Ok(allocate(&curves, fraction))
 }
 
 /// Block types need rows of whole blocks; say so before any work is done.
@@ -426,8 +530,7 @@ pub(crate) fn add_sketch_row(
 /// Cluster and neuron statistics in stored order.
 pub(crate) fn refine_stats(
     mask: &[bool],
-    gate: &[f32],
-    act: leanstream::config::Activation,
+    score: &[f32],
     n: usize,
     rows: &[usize],
     perm: &[u32],
@@ -442,7 +545,7 @@ pub(crate) fn refine_stats(
             if mask[r * n + i] {
                 active[[ri, p / cluster_size]] = 1.0;
                 freq[p] += 1.0;
-                mag[p] += act.apply(gate[r * n + i]).abs();
+                mag[p] += score[r * n + i];
             }
         }
     }

@@ -145,6 +145,7 @@ pub fn describe(f: &LsbFile) -> Value {
         "dense_quant": m.dense_quant,
         "sparsity_mode": m.sparsity_mode,
         "sparsity_target": m.sparsity_target,
+        "sparsity_rule": m.sparsity_rule.as_deref().unwrap_or("gate"),
         "dense_bytes": f.dense.data_bytes(),
         "ffn_bytes": f.ffn.bundle_bytes(),
         "sketch_bytes": f.sketch.bytes(),
@@ -173,8 +174,16 @@ pub fn print(v: &Value) {
         v["intermediate_size"]
     );
     println!(
-        "  quant {}  sparsity {} {}",
-        v["quant"], v["sparsity_mode"], v["sparsity_target"]
+        "  quant {}  sparsity {} {}  rule {} (a neuron is skipped when {} <= its layer's threshold)",
+        v["quant"],
+        v["sparsity_mode"],
+        v["sparsity_target"],
+        v["sparsity_rule"],
+        if v["sparsity_rule"] == "gate_up" {
+            "|act(gate·x)·(up·x)|"
+        } else {
+            "|act(gate·x)|"
+        }
     );
     for key in [
         "file_bytes",
@@ -186,12 +195,16 @@ pub fn print(v: &Value) {
     ] {
         println!("  {key:<16} {:>14}", v[key]);
     }
-    println!("  layer  sparsity  own recall/prec  look-ahead recall/prec  static recall  cluster fill (unordered)  hot10  overlap  group fill");
+    println!("  layer  threshold  sparsity  certificate saves  own recall/prec  look-ahead recall/prec  static recall  cluster fill (unordered)  hot10  overlap  group fill");
     for (i, l) in v["layers"].as_array().into_iter().flatten().enumerate() {
         let f = |k: &str| l[k].as_f64().unwrap_or(f64::NAN);
         println!(
-            "  {i:>5}  {:>8.3}  {:>6.3}/{:<6.3}    {:>6.3}/{:<6.3}           {:>6.3}         {:.3} ({:.3})            {:.3}  {:.3}    {:.3}",
+            "  {i:>5}  {:>9.4}  {:>8.3}  {:>17}  {:>6.3}/{:<6.3}    {:>6.3}/{:<6.3}           {:>6.3}         {:.3} ({:.3})            {:.3}  {:.3}    {:.3}",
+            f("threshold"),
             f("sparsity"),
+            l["certificate_saves"]
+                .as_f64()
+                .map_or("none".to_string(), |s| format!("{s:.3}")),
             f("predictor_recall"),
             f("predictor_precision"),
             f("lookahead_recall"),

@@ -3,6 +3,7 @@
 
 mod activity;
 mod calib;
+mod certificate;
 mod convert;
 mod hub;
 mod inspect;
@@ -22,6 +23,8 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use leanstream_format::quant::QuantType;
+
+use crate::certificate::CertificateChoice;
 
 #[derive(Parser)]
 #[command(
@@ -58,9 +61,15 @@ enum Command {
         /// Weight encoding: f32, f16, bf16, q8 or q4.
         #[arg(long, default_value = "q8")]
         quant: QuantType,
-        /// auto, relu, or threshold:F (skip fraction F of the neurons per layer).
+        /// auto, relu, target:F (SwiGLU: skip by |silu(gate)·up|, a mean fraction F allocated
+        /// across layers), target-uniform:F (the same fraction in every layer), or threshold:F
+        /// (skip by |act(gate)|, fraction F per layer). auto: relu for ReLU models, else target:0.5.
         #[arg(long, default_value = "auto")]
         sparsity: String,
+        /// The certificate exact mode skips unread neurons with: auto (a Q8_0 gate sketch where the
+        /// skip rule is one it can prove, i.e. not target:F), q8, or none.
+        #[arg(long, default_value = "auto")]
+        certificate: String,
         /// Calibration text (default: the public-domain text shipped with LeanStream).
         #[arg(long)]
         calib: Option<PathBuf>,
@@ -117,6 +126,7 @@ fn run(command: Command) -> Result<()> {
             output,
             quant,
             sparsity,
+            certificate,
             calib,
             calib_tokens,
             predictor_rank,
@@ -131,6 +141,7 @@ fn run(command: Command) -> Result<()> {
                 output,
                 quant,
                 sparsity,
+                certificate: CertificateChoice::parse(&certificate)?,
                 calib,
                 calib_tokens: calib_tokens as usize,
                 predictor_rank: predictor_rank.map(|r| r as usize),
@@ -173,8 +184,8 @@ fn print_summary(s: &convert::Summary) {
         s.quant
     );
     println!(
-        "calibration: {} tokens ({} held out); sparsity {}",
-        s.calib_tokens, s.heldout_tokens, s.sparsity_mode
+        "calibration: {} tokens ({} held out); sparsity {} (rule {})",
+        s.calib_tokens, s.heldout_tokens, s.sparsity_mode, s.sparsity_rule
     );
     println!("layer  sparsity  own recall/prec  look-ahead recall/prec  static recall  cluster fill (unordered)");
     for (i, l) in s.layers.iter().enumerate() {

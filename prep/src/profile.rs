@@ -5,6 +5,7 @@
 use leanstream::kv_cache::KvCache;
 use leanstream::model::{FfnProbe, Model};
 use leanstream::perplexity::{Comparison, ComparisonAccum};
+use leanstream::skip_rule::Skip;
 
 use crate::calib::Calibration;
 
@@ -16,6 +17,8 @@ pub struct LayerProfile {
     pub ffn_input: Vec<f32>,
     /// Gate pre-activations (`rows × intermediate`).
     pub gate: Vec<f32>,
+    /// Each neuron's coefficient on its down column, `act(gate·x)·(up·x)` (`rows × intermediate`).
+    pub coef: Vec<f32>,
 }
 
 pub struct Profiler<'a> {
@@ -31,23 +34,30 @@ pub struct Profiler<'a> {
 
 impl<'a> Profiler<'a> {
     pub fn new(model: Model, calib: &'a Calibration) -> anyhow::Result<Self> {
-        let mut dense = Vec::new();
-        let mut sparse = Vec::new();
-        for (w, &held) in calib.windows.iter().zip(&calib.heldout) {
-            let x = model.embed(w)?;
-            if held {
-                sparse.extend_from_slice(&x);
-            }
-            dense.extend(x);
-        }
         let cache = model.new_cache(crate::calib::WINDOW);
-        Ok(Self {
+        let mut p = Self {
             model,
             calib,
-            dense,
-            sparse,
+            dense: Vec::new(),
+            sparse: Vec::new(),
             cache,
-        })
+        };
+        p.restart()?;
+        Ok(p)
+    }
+
+    /// Starts again from the embeddings (after a pass that only measured the dense model).
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.dense.clear();
+        self.sparse.clear();
+        for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
+            let x = self.model.embed(w)?;
+            if held {
+                self.sparse.extend_from_slice(&x);
+            }
+            self.dense.extend(x);
+        }
+        Ok(())
     }
 
     /// Runs layer `l` of the dense model on every window and returns what its FFN saw.
@@ -58,17 +68,23 @@ impl<'a> Profiler<'a> {
         let residual = self.dense.clone();
         let mut ffn_input = vec![0.0; rows * h];
         let mut gate = vec![0.0; rows * n];
+        let mut coef = vec![0.0; rows * n];
+        let act = c.activation;
         let mut row = 0;
         for w in &self.calib.windows {
             let t = w.len();
             let x = &mut self.dense[row * h..(row + t) * h];
-            let (fi, g) = (
+            let (fi, g, cf) = (
                 &mut ffn_input[row * h..(row + t) * h],
                 &mut gate[row * n..(row + t) * n],
+                &mut coef[row * n..(row + t) * n],
             );
             let mut probe = |p: FfnProbe| {
                 fi.copy_from_slice(p.ffn_input);
                 g.copy_from_slice(p.gate);
+                for ((c, &g), &u) in cf.iter_mut().zip(p.gate.iter()).zip(p.up) {
+                    *c = act.apply(g) * u;
+                }
             };
             self.model.block(l, 0, x, &mut self.cache, Some(&mut probe));
             row += t;
@@ -77,14 +93,14 @@ impl<'a> Profiler<'a> {
             residual,
             ffn_input,
             gate,
+            coef,
         }
     }
 
-    /// Runs layer `l` on the held-out windows with every neuron whose `|act(gate·x)|` is at most
-    /// `threshold` dropped: the model as the runtime's sparse policies compute it.
-    pub fn sparse_layer(&mut self, l: usize, threshold: f32) {
-        let c = self.model.config();
-        let (h, act) = (c.hidden_size, c.activation);
+    /// Runs layer `l` on the held-out windows with every neuron `skip` calls inactive dropped: the
+    /// model as the runtime's sparse policies compute it.
+    pub fn sparse_layer(&mut self, l: usize, skip: Skip) {
+        let h = self.model.config().hidden_size;
         let mut row = 0;
         for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
             if !held {
@@ -93,8 +109,8 @@ impl<'a> Profiler<'a> {
             let t = w.len();
             let x = &mut self.sparse[row * h..(row + t) * h];
             let mut probe = |p: FfnProbe| {
-                for g in p.gate.iter_mut() {
-                    if act.apply(*g).abs() <= threshold {
+                for (g, &u) in p.gate.iter_mut().zip(p.up) {
+                    if !skip.active(skip.score(skip.act.apply(*g), u)) {
                         *g = 0.0;
                     }
                 }

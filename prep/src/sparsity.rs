@@ -1,87 +1,248 @@
-//! Which neurons count as active: ReLU's exact zero test, or a per-layer magnitude threshold on
-//! the activation calibrated to skip a target fraction of neurons (CATS/TEAL style).
+//! Which neurons count as active, and the per-layer thresholds that make it so.
+//!
+//! - `relu`: ReLU's exact zero test (`gate` rule, threshold 0).
+//! - `threshold:F`: the `gate` rule `|act(g)| ≤ t`, each layer's `t` the F-quantile of `|act(g)|`
+//!   (CATS style; kept for comparison and older files).
+//! - `target:F`: the `gate_up` rule `|act(g)·u| ≤ t` — a neuron's coefficient on its down column,
+//!   with the up and down rows rescaled at conversion so that `|act(g)·u|` is the norm of what the
+//!   neuron adds (see [`down_norms`]). The skipped fraction F is allocated across layers greedily,
+//!   TEAL-like: each layer's cost curve (the error its skipped neurons add to the residual stream,
+//!   relative to the stream) is measured on the dense model, and each step of sparsity goes to the
+//!   layer where it costs least until the mean over layers is F.
 
 use leanstream::config::Activation;
+use leanstream::skip_rule::SkipRule;
+
+/// `auto` for SiLU models: the target the README's quality table supports.
+pub const AUTO_TARGET: f32 = 0.5;
+/// Allocation step and the largest fraction one layer may be given.
+const STEP: f32 = 0.025;
+const MAX_LAYER_FRACTION: f32 = 0.9;
+/// Rows of the calibration profile a cost curve is measured on.
+const CURVE_ROWS: usize = 256;
 
 /// How neurons are declared skippable.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum SparsityMode {
     /// Active iff gate·x > 0: exact for ReLU models.
     Relu,
-    /// Skip neurons with `|act(gate·x)|` at or below the per-layer quantile `target`.
+    /// `gate` rule, the same fraction skipped in every layer.
     Threshold(f32),
+    /// `gate_up` rule, the fraction allocated across layers (`allocate`) or uniform.
+    Target { fraction: f32, allocate: bool },
 }
 
 impl SparsityMode {
-    /// Parses `auto`, `relu` or `threshold:F` (`auto` is relu for ReLU models, else threshold:0.5).
+    /// Parses `auto`, `relu`, `threshold:F`, `target:F` or `target-uniform:F` (`auto` is relu for
+    /// ReLU models, else `target:0.5`).
     pub fn parse(s: &str, act: Activation) -> anyhow::Result<Self> {
+        let fraction = |prefix: &str| {
+            s.strip_prefix(prefix)
+                .and_then(|v| v.parse::<f32>().ok())
+                .filter(|f| (0.0..1.0).contains(f))
+        };
         match s {
             "auto" if act == Activation::Relu => Ok(Self::Relu),
-            "auto" => Ok(Self::Threshold(0.5)),
+            "auto" => Ok(Self::Target {
+                fraction: AUTO_TARGET,
+                allocate: true,
+            }),
             "relu" if act == Activation::Relu => Ok(Self::Relu),
             "relu" => anyhow::bail!(
-                "--sparsity relu needs a ReLU model; this one uses SiLU: use threshold:F"
+                "--sparsity relu needs a ReLU model; this one uses SiLU: use target:F"
             ),
             _ => {
-                let f: f32 = s
-                    .strip_prefix("threshold:")
-                    .and_then(|v| v.parse().ok())
-                    .filter(|f| (0.0..1.0).contains(f))
-                    .ok_or_else(|| anyhow::anyhow!("--sparsity must be auto, relu or threshold:F with 0 <= F < 1, got {s:?}"))?;
-                Ok(Self::Threshold(f))
+                if let Some(f) = fraction("threshold:") {
+                    Ok(Self::Threshold(f))
+                } else if let Some(f) = fraction("target:") {
+                    Ok(Self::Target {
+                        fraction: f,
+                        allocate: true,
+                    })
+                } else if let Some(f) = fraction("target-uniform:") {
+                    Ok(Self::Target {
+                        fraction: f,
+                        allocate: false,
+                    })
+                } else {
+                    anyhow::bail!(
+                        "--sparsity must be auto, relu, target:F, target-uniform:F or threshold:F \
+                         with 0 <= F < 1, got {s:?}"
+                    )
+                }
             }
         }
     }
 
+    /// META `sparsity_mode`.
     pub fn name(self) -> &'static str {
         match self {
             Self::Relu => "relu",
-            Self::Threshold(_) => "threshold",
+            Self::Threshold(_) | Self::Target { .. } => "threshold",
         }
     }
 
     pub fn target(self) -> Option<f32> {
         match self {
             Self::Relu => None,
-            Self::Threshold(f) => Some(f),
+            Self::Threshold(f) | Self::Target { fraction: f, .. } => Some(f),
+        }
+    }
+
+    pub fn rule(self) -> SkipRule {
+        match self {
+            Self::Relu | Self::Threshold(_) => SkipRule::Gate,
+            Self::Target { .. } => SkipRule::GateUp,
         }
     }
 }
 
-/// At most this many activations are sorted to find a quantile.
+/// At most this many scores are sorted to find a quantile.
 const QUANTILE_SAMPLE: usize = 1 << 22;
 
-/// The layer's skip threshold from the gate pre-activations of the training rows.
-pub fn threshold(
-    mode: SparsityMode,
-    act: Activation,
-    gate: &[f32],
-    n: usize,
-    train_rows: &[usize],
-) -> f32 {
-    let SparsityMode::Threshold(target) = mode else {
-        return 0.0;
-    };
+/// The `fraction`-quantile of the training rows' scores (`rows × n`).
+pub fn quantile(scores: &[f32], n: usize, train_rows: &[usize], fraction: f32) -> f32 {
     let total = train_rows.len() * n;
     let stride = total.div_ceil(QUANTILE_SAMPLE).max(1);
-    let mut mags: Vec<f32> = train_rows
+    let mut s: Vec<f32> = train_rows
         .iter()
-        .flat_map(|&r| gate[r * n..(r + 1) * n].iter())
+        .flat_map(|&r| scores[r * n..(r + 1) * n].iter())
         .step_by(stride)
-        .map(|&g| act.apply(g).abs())
+        .copied()
         .collect();
-    if mags.is_empty() {
+    if s.is_empty() || fraction <= 0.0 {
         return 0.0;
     }
-    let k = ((mags.len() as f64 * target as f64) as usize).min(mags.len() - 1);
-    *mags.select_nth_unstable_by(k, f32::total_cmp).1
+    let k = ((s.len() as f64 * fraction as f64) as usize).min(s.len() - 1);
+    *s.select_nth_unstable_by(k, f32::total_cmp).1
 }
 
-/// Activity of every (row, neuron): `|act(gate)| > threshold`.
-pub fn masks(act: Activation, gate: &[f32], threshold: f32) -> Vec<bool> {
-    gate.iter()
-        .map(|&g| act.apply(g).abs() > threshold)
-        .collect()
+/// Each neuron's score under `rule`: `|act(g)|` or `|act(g)·u|` (`coef` holds `act(g)·u`).
+pub fn scores(rule: SkipRule, act: Activation, gate: &[f32], coef: &[f32]) -> Vec<f32> {
+    match rule {
+        SkipRule::Gate => gate.iter().map(|&g| act.apply(g).abs()).collect(),
+        SkipRule::GateUp => coef.iter().map(|c| c.abs()).collect(),
+    }
+}
+
+/// Activity of every (row, neuron): score above the threshold.
+pub fn masks(scores: &[f32], threshold: f32) -> Vec<bool> {
+    scores.iter().map(|&s| s > threshold).collect()
+}
+
+/// The norm of every down column (`down` is `hidden × n`, row-major). Scaling neuron `i`'s up row
+/// by `‖d_i‖` and its down column by `1/‖d_i‖` leaves the FFN unchanged and makes `|act(g)·u|`
+/// the norm of the neuron's contribution — the weight-informed score (WINA-like) the `gate_up`
+/// rule then applies.
+pub fn down_norms(down: &[f32], hidden: usize, n: usize) -> Vec<f32> {
+    let mut sq = vec![0.0f64; n];
+    for r in 0..hidden {
+        for (s, &v) in sq.iter_mut().zip(&down[r * n..(r + 1) * n]) {
+            *s += (v as f64) * (v as f64);
+        }
+    }
+    sq.into_iter().map(|s| s.sqrt() as f32).collect()
+}
+
+/// Applies [`down_norms`]'s rescaling in place (neurons with a zero column are left alone).
+pub fn rescale(up: &mut [f32], down: &mut [f32], norms: &[f32], hidden: usize) {
+    let n = norms.len();
+    for (i, &d) in norms.iter().enumerate() {
+        if d > 0.0 {
+            up[i * hidden..(i + 1) * hidden]
+                .iter_mut()
+                .for_each(|v| *v *= d);
+        }
+    }
+    for r in 0..hidden {
+        for (v, &d) in down[r * n..(r + 1) * n].iter_mut().zip(norms) {
+            if d > 0.0 {
+                *v /= d;
+            }
+        }
+    }
+}
+
+/// One layer's cost of skipping: `cost[k]` is the mean of `‖Σ_{skipped} c_i d_i‖² / ‖residual‖²`
+/// over sampled rows when a fraction `k·STEP` of the neurons is skipped (threshold at that quantile
+/// of the training scores).
+pub fn cost_curve(
+    scores: &[f32],
+    coef: &[f32],
+    down: &[f32],
+    residual: &[f32],
+    hidden: usize,
+    train_rows: &[usize],
+) -> Vec<f64> {
+    let n = scores.len() / (residual.len() / hidden);
+    let levels = (MAX_LAYER_FRACTION / STEP).round() as usize;
+    let thresholds: Vec<f32> = (0..=levels)
+        .map(|k| quantile(scores, n, train_rows, k as f32 * STEP))
+        .collect();
+    let sample = train_rows.len().div_ceil(CURVE_ROWS).max(1);
+    let mut cost = vec![0.0f64; levels + 1];
+    let mut buckets = vec![0.0f32; (levels + 1) * hidden];
+    // Down columns as rows, read once per (row, neuron).
+    let mut columns = vec![0.0f32; n * hidden];
+    for j in 0..hidden {
+        for i in 0..n {
+            columns[i * hidden + j] = down[j * n + i];
+        }
+    }
+    let mut rows = 0;
+    for &r in train_rows.iter().step_by(sample) {
+        buckets.fill(0.0);
+        for i in 0..n {
+            let s = scores[r * n + i];
+            // The first level whose threshold skips this neuron.
+            let k = thresholds.partition_point(|&t| t < s);
+            if k > levels {
+                continue;
+            }
+            let c = coef[r * n + i];
+            buckets[k * hidden..(k + 1) * hidden]
+                .iter_mut()
+                .zip(&columns[i * hidden..(i + 1) * hidden])
+                .for_each(|(b, d)| *b += c * d);
+        }
+        let res: f64 = residual[r * hidden..(r + 1) * hidden]
+            .iter()
+            .map(|v| (*v as f64).powi(2))
+            .sum::<f64>()
+            .max(1e-12);
+        let mut err = vec![0.0f32; hidden];
+        for (k, c) in cost.iter_mut().enumerate() {
+            err.iter_mut()
+                .zip(&buckets[k * hidden..(k + 1) * hidden])
+                .for_each(|(e, b)| *e += b);
+            *c += err.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / res;
+        }
+        rows += 1;
+    }
+    cost.iter_mut().for_each(|c| *c /= rows.max(1) as f64);
+    cost
+}
+
+/// Greedy allocation: every layer starts dense; each step of `STEP` goes to the layer whose cost
+/// grows least by it, until the mean fraction reaches `target`. Returns each layer's fraction.
+pub fn allocate(curves: &[Vec<f64>], target: f32) -> Vec<f32> {
+    let layers = curves.len();
+    let mut level = vec![0usize; layers];
+    let steps = (target * layers as f32 / STEP).round() as usize;
+    for _ in 0..steps {
+        let best = (0..layers)
+            .filter(|&l| level[l] + 1 < curves[l].len())
+            .min_by(|&a, &b| {
+                let d = |l: usize| curves[l][level[l] + 1] - curves[l][level[l]];
+                // Ties go to the sparser-so-far layer last: spread evenly.
+                d(a).total_cmp(&d(b)).then(level[a].cmp(&level[b]))
+            });
+        match best {
+            Some(l) => level[l] += 1,
+            None => break,
+        }
+    }
+    level.iter().map(|&k| k as f32 * STEP).collect()
 }
 
 #[cfg(test)]
@@ -95,25 +256,63 @@ mod tests {
             .map(|i| ((i * 37) % 1000) as f32 / 100.0 - 5.0)
             .collect();
         let rows: Vec<usize> = (0..10).collect();
-        let t = threshold(
-            SparsityMode::Threshold(0.3),
-            Activation::Silu,
-            &gate,
-            n,
-            &rows,
-        );
-        let skipped = masks(Activation::Silu, &gate, t)
-            .iter()
-            .filter(|a| !**a)
-            .count();
+        let s = scores(SkipRule::Gate, Activation::Silu, &gate, &[]);
+        let t = quantile(&s, n, &rows, 0.3);
+        let skipped = masks(&s, t).iter().filter(|a| !**a).count();
         assert!(
             (skipped as f64 / gate.len() as f64 - 0.3).abs() < 0.01,
             "{skipped}"
         );
-        assert_eq!(
-            threshold(SparsityMode::Relu, Activation::Relu, &gate, n, &rows),
-            0.0
-        );
+        assert_eq!(quantile(&s, n, &rows, 0.0), 0.0);
+    }
+
+    #[test]
+    fn rescaling_keeps_the_ffn_and_scores_by_contribution() {
+        let (h, n) = (3, 2);
+        let mut up = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        // Columns: neuron 0 = (3, 0, 4) (norm 5), neuron 1 = (0, 2, 0) (norm 2).
+        let mut down = vec![3.0, 0.0, 0.0, 2.0, 4.0, 0.0];
+        let norms = down_norms(&down, h, n);
+        assert_eq!(norms, vec![5.0, 2.0]);
+        let (up0, down0) = (up.clone(), down.clone());
+        rescale(&mut up, &mut down, &norms, h);
+        assert_eq!(down_norms(&down, h, n), vec![1.0, 1.0]);
+        for i in 0..n {
+            for j in 0..h {
+                for r in 0..h {
+                    let before = up0[i * h + j] * down0[r * n + i];
+                    let after = up[i * h + j] * down[r * n + i];
+                    assert!((before - after).abs() < 1e-5);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn allocation_gives_sparsity_where_it_costs_least() {
+        // Layer 0 is cheap to sparsify, layer 1 expensive: the mean is met, layer 0 gets more.
+        let levels = (MAX_LAYER_FRACTION / STEP).round() as usize + 1;
+        let cheap: Vec<f64> = (0..levels).map(|k| 0.001 * k as f64).collect();
+        let dear: Vec<f64> = (0..levels).map(|k| 0.1 * (k * k) as f64).collect();
+        let f = allocate(&[cheap, dear.clone()], 0.5);
+        assert!(((f[0] + f[1]) / 2.0 - 0.5).abs() < 1e-6, "{f:?}");
+        assert!(f[0] > 0.85 && f[1] < 0.15, "{f:?}");
+        // Equal convex curves: equal shares.
+        let f = allocate(&[dear.clone(), dear], 0.3);
+        assert!((f[0] - f[1]).abs() <= STEP + 1e-6, "{f:?}");
+    }
+
+    #[test]
+    fn cost_grows_with_the_fraction_skipped() {
+        let (h, n, rows) = (4, 8, 6);
+        let coef: Vec<f32> = (0..rows * n).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+        let s = scores(SkipRule::GateUp, Activation::Silu, &[], &coef);
+        let down: Vec<f32> = (0..h * n).map(|i| ((i * 5) % 7) as f32 / 7.0).collect();
+        let residual = vec![1.0f32; rows * h];
+        let train: Vec<usize> = (0..rows).collect();
+        let c = cost_curve(&s, &coef, &down, &residual, h, &train);
+        assert_eq!(c[0], 0.0);
+        assert!(*c.last().unwrap() > 0.0);
     }
 
     #[test]
@@ -124,13 +323,30 @@ mod tests {
         );
         assert_eq!(
             SparsityMode::parse("auto", Activation::Silu).unwrap(),
-            SparsityMode::Threshold(0.5)
+            SparsityMode::Target {
+                fraction: AUTO_TARGET,
+                allocate: true
+            }
         );
         assert_eq!(
             SparsityMode::parse("threshold:0.7", Activation::Silu).unwrap(),
             SparsityMode::Threshold(0.7)
         );
+        assert_eq!(
+            SparsityMode::parse("target-uniform:0.4", Activation::Silu).unwrap(),
+            SparsityMode::Target {
+                fraction: 0.4,
+                allocate: false
+            }
+        );
+        assert_eq!(
+            SparsityMode::parse("target:0.4", Activation::Silu)
+                .unwrap()
+                .rule(),
+            SkipRule::GateUp
+        );
         assert!(SparsityMode::parse("relu", Activation::Silu).is_err());
         assert!(SparsityMode::parse("threshold:1.5", Activation::Silu).is_err());
+        assert!(SparsityMode::parse("target:x", Activation::Silu).is_err());
     }
 }

@@ -150,6 +150,11 @@ fn dequantized_weights_equal_the_source_within_the_bound() {
             }
         }
         let (h, n) = (spec.hidden, spec.intermediate);
+        assert_eq!(
+            f.meta.sparsity_rule.as_deref(),
+            Some("gate_up"),
+            "SiLU's default"
+        );
         for (l, layer) in f.ffn.layers.iter().enumerate() {
             let p = format!("model.layers.{l}.mlp");
             let gate = src
@@ -173,7 +178,12 @@ fn dequantized_weights_equal_the_source_within_the_bound() {
                         &gate[orig * h..(orig + 1) * h],
                         "gate",
                     );
-                    let column: Vec<f32> = (0..h).map(|r| down[r * n + orig]).collect();
+                    // The gate_up rule stores each down column normalised (its norm moves to the
+                    // up row), computed as the converter does.
+                    let mut column: Vec<f32> = (0..h).map(|r| down[r * n + orig]).collect();
+                    let norm = column.iter().map(|&v| (v as f64).powi(2)).sum::<f64>();
+                    let norm = norm.sqrt() as f32;
+                    column.iter_mut().for_each(|v| *v /= norm);
                     check(layer.qtype, &b[2 * rb..3 * rb], &column, "down");
                 }
             }

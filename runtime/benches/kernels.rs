@@ -22,6 +22,7 @@ use criterion::{Criterion, Throughput};
 use leanstream::config::Activation;
 use leanstream::kernels::bundles::{ffn_bundles, BundleLayout};
 use leanstream::kernels::{Matrix, Operand, QMatrix, RowKernels};
+use leanstream::skip_rule::{Skip, SkipRule};
 use leanstream_format::quant::QuantType;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -113,11 +114,10 @@ fn bench_bundles(c: &mut Criterion, f32_matrix: &Matrix, x: &[f32]) {
     for qtype in QuantType::ALL {
         let m = QMatrix::quantize(f32_matrix, qtype).expect("a whole number of blocks");
         let bundles = Bundles::new(&m, qtype, x, &mut rng);
-        let (layout, views, threshold) = (bundles.layout, bundles.views(), bundles.threshold);
+        let (layout, views, skip) = (bundles.layout, bundles.views(), bundles.skip);
         let operand = Operand::new(x, qtype);
-        let mut gates = vec![0.0f32; ROWS];
+        let mut scores = vec![0.0f32; ROWS];
         let mut out = vec![0.0f32; COLS];
-        let relu = Activation::Relu;
         g.throughput(Throughput::BytesDecimal(bundles.touched as u64));
         let pool = pool(1);
         let mut i = 0;
@@ -125,9 +125,7 @@ fn bench_bundles(c: &mut Criterion, f32_matrix: &Matrix, x: &[f32]) {
             b.iter(|| {
                 i = (i + 1) % views.len();
                 pool.install(|| {
-                    ffn_bundles(
-                        &layout, &operand, &views[i], relu, threshold, &mut out, &mut gates,
-                    )
+                    ffn_bundles(&layout, &operand, &views[i], skip, &mut out, &mut scores)
                 })
             })
         });
@@ -136,12 +134,12 @@ fn bench_bundles(c: &mut Criterion, f32_matrix: &Matrix, x: &[f32]) {
 }
 
 /// A 7B-shaped layer's neuron bundles `[gate | up | down]`, gate and up rows from a matrix and
-/// down columns random, copied to fill the working set; and the ReLU threshold that leaves 10 %
+/// down columns random, copied to fill the working set; and the ReLU skip rule that leaves 10 %
 /// of the neurons active.
 struct Bundles {
     layout: BundleLayout,
     bufs: Vec<Vec<u8>>,
-    threshold: f32,
+    skip: Skip,
     /// Bytes a pass touches: every gate row, and up and down of the active tenth.
     touched: usize,
 }
@@ -160,24 +158,24 @@ impl Bundles {
         let bytes = buf.len();
         let bufs = copies(buf, bytes);
         let operand = Operand::new(x, qtype);
-        let mut gates = vec![0.0f32; ROWS];
+        let mut scores = vec![0.0f32; ROWS];
         let mut out = vec![0.0f32; COLS];
         let views: Vec<&[u8]> = bufs[0].chunks_exact(layout.bundle_bytes()).collect();
-        ffn_bundles(
-            &layout,
-            &operand,
-            &views,
-            Activation::Relu,
-            f32::INFINITY,
-            &mut out,
-            &mut gates,
-        )
-        .expect("valid bundles");
-        gates.sort_by(|a, b| b.total_cmp(a));
+        let relu = Skip {
+            act: Activation::Relu,
+            rule: SkipRule::Gate,
+            threshold: f32::INFINITY,
+        };
+        // The scores are relu(gate): the tenth largest decides.
+        ffn_bundles(&layout, &operand, &views, relu, &mut out, &mut scores).expect("valid bundles");
+        scores.sort_by(|a, b| b.total_cmp(a));
         let touched = ROWS * layout.row_bytes() + ROWS / 10 * 2 * layout.row_bytes();
         Self {
             layout,
-            threshold: gates[ROWS / 10],
+            skip: Skip {
+                threshold: scores[ROWS / 10],
+                ..relu
+            },
             bufs,
             touched,
         }
@@ -237,7 +235,7 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
         let operand = Operand::new(x, qtype);
         let bundles = Bundles::new(&ms[0], qtype, x, &mut rng);
         let views = bundles.views();
-        let (mut gates, mut ffn_out) = (vec![0.0f32; ROWS], vec![0.0f32; COLS]);
+        let (mut scores, mut ffn_out) = (vec![0.0f32; ROWS], vec![0.0f32; COLS]);
         // Fastest seconds per call: read, 1 thread, 2 threads, bundles (a read of their touched
         // bytes in slot 4).
         let mut best = [f64::MAX; 5];
@@ -260,16 +258,13 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
             for v in &views {
                 timed(3, &mut || {
                     pools[0].install(|| {
-                        let relu = Activation::Relu;
-                        let t = bundles.threshold;
                         ffn_bundles(
                             &bundles.layout,
                             &operand,
                             v,
-                            relu,
-                            t,
+                            bundles.skip,
                             &mut ffn_out,
-                            &mut gates,
+                            &mut scores,
                         )
                         .expect("valid bundles");
                     })

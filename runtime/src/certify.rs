@@ -3,8 +3,106 @@
 //! (Cauchy–Schwarz), so the exact gate lies in `[ĝ − β, ĝ + β]`; the neuron is skipped iff every
 //! value in that interval has `|act(g)| ≤ threshold` — the same rule the file's sparsity applies
 //! to the exact gate, so certified output equals the `resident` policy's.
+//!
+//! The certificate is optional (format 1.3: a SKETCH layer may hold no rows), and it proves only
+//! the `gate` rule: under `gate_up` a neuron is inactive when `|act(g)·u|` is small, and the only
+//! bound on `u` without its row, `‖up‖·‖x‖`, is about √hidden too loose to exclude anything. A
+//! layer without a certificate treats every uncached cluster as a candidate: it is read and the
+//! exact values in its bundles decide, so output is still exactly `resident`'s.
+
+use anyhow::Result;
+use leanstream_format::sketch::SketchLayer;
 
 use crate::config::Activation;
+use crate::kernels::{Operand, QMatrix, RowKernels};
+use crate::skip_rule::{Skip, SkipRule};
+use crate::streaming::plan::ClusterRef;
+
+/// One layer's resident certificate: the gate sketch rows (stored order), their error bounds and
+/// their own norms, and the gate values the rule skips.
+pub struct Certificate {
+    sketch: QMatrix,
+    err: Vec<f32>,
+    norm: Vec<f32>,
+    skip: SkipSet,
+}
+
+impl Certificate {
+    /// The layer's certificate, or `None` when the file has none for it or the rule is not one a
+    /// gate sketch can prove (`gate_up`). Takes the rows over from `layer`.
+    pub fn new(layer: &mut SketchLayer, skip: Skip, neurons: usize) -> Result<Option<Self>> {
+        if layer.err_norm.is_empty() || skip.rule != SkipRule::Gate {
+            return Ok(None);
+        }
+        let h = layer.hidden as usize;
+        let sketch = QMatrix::new(neurons, h, layer.qtype, std::mem::take(&mut layer.rows))?;
+        let mut row = vec![0.0f32; h];
+        let norm = (0..neurons)
+            .map(|p| {
+                sketch.dequantize_row(p, &mut row);
+                row.iter().map(|v| v * v).sum::<f32>().sqrt()
+            })
+            .collect();
+        Ok(Some(Self {
+            sketch,
+            err: std::mem::take(&mut layer.err_norm),
+            norm,
+            skip: SkipSet::new(skip.act, skip.threshold),
+        }))
+    }
+
+    /// Resident bytes: the rows, their error bounds and norms.
+    pub fn bytes(&self) -> usize {
+        self.sketch.bytes() + 8 * self.err.len()
+    }
+
+    /// Marks in `candidate` the neurons the sketch cannot prove inactive. The exact gate is `w·x̃` (x̃ the q8 input for
+    /// block bundles, x for float ones); the sketch gives `ŝ·x̃` and `|w − ŝ| ≤ e`, so
+    /// `|w·x̃ − ŝ·x̃| ≤ e‖x̃‖`, plus `(‖ŝ‖ + e)‖x − x̃‖` for float bundles, plus a float-rounding
+    /// slack. The neurons of `cached` clusters are all candidates: their exact gates cost no read,
+    /// so the sketch, which only decides what to read, is not computed for them.
+    pub fn candidates(
+        &self,
+        clusters: &[ClusterRef],
+        x: &Operand,
+        float_bundles: bool,
+        cached: impl Fn(usize) -> bool,
+        candidate: &mut Vec<bool>,
+    ) {
+        let n = self.err.len();
+        let q8 = x.q8();
+        let h = x.x.len();
+        let (mut xq2, mut d2, mut x2) = (0.0f64, 0.0f64, 0.0f64);
+        for i in 0..h {
+            let v = q8.value(i) as f64;
+            xq2 += v * v;
+            d2 += (v - x.x[i] as f64).powi(2);
+            x2 += (x.x[i] as f64).powi(2);
+        }
+        let (xq, dx) = (xq2.sqrt() as f32, d2.sqrt() as f32);
+        let slack = 4.0 * h as f32 * f32::EPSILON;
+        let norm = xq.max(x2.sqrt() as f32);
+        let k = RowKernels::best();
+        candidate.clear();
+        candidate.resize(n, true);
+        for (ci, cl) in clusters.iter().enumerate() {
+            if cached(ci) {
+                continue;
+            }
+            let range = cl.first..cl.first + cl.count;
+            for (p, c) in range.clone().zip(&mut candidate[range]) {
+                let g = k.dot(self.sketch.qtype, self.sketch.row(p), x);
+                let (e, s) = (self.err[p], self.norm[p]);
+                let w = s + e;
+                let mut beta = e * xq + slack * w * norm;
+                if float_bundles {
+                    beta += w * dx;
+                }
+                *c = !self.skip.contains(g - beta, g + beta);
+            }
+        }
+    }
+}
 
 /// The gate values whose activation is skippable (`|act(g)| ≤ threshold`), as disjoint closed
 /// intervals.

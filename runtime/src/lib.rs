@@ -31,6 +31,7 @@ pub mod sampler;
 pub mod sampling_args;
 pub mod serve;
 pub mod session;
+pub mod skip_rule;
 pub mod source;
 pub mod storage;
 pub mod streaming;

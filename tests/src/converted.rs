@@ -73,3 +73,34 @@ pub fn heldout_ids(tokenizer: &leanstream::tokenizer::Tokenizer, n: usize) -> Ve
     ids.truncate(n);
     ids
 }
+
+/// Copies `src` to `dst` with every certificate row negated but its error bound kept (checksums
+/// recomputed): a bound far too tight for its rows (on a q8 file the q8 sketch equals the gates,
+/// so the true bound is zero and scaling it cannot make it too tight), which must make certified
+/// output differ from `resident`.
+pub fn negate_certificate_rows(src: &Path, dst: &Path) {
+    use leanstream_format::container::{checksum, page_align, Header, SectionKind};
+    use leanstream_format::quant::QuantType;
+    let mut f = leanstream_format::LsbFile::open(src).unwrap();
+    for l in &mut f.sketch.layers {
+        assert_eq!(l.qtype, QuantType::Q8_0);
+        // A Q8_0 block is an f16 scale (little-endian: the sign is bit 7 of byte 1) and 32 codes.
+        for block in l.rows.chunks_mut(34) {
+            block[1] ^= 0x80;
+        }
+    }
+    let mut bytes = std::fs::read(src).unwrap();
+    let mut header = Header::decode(&bytes[..4096], bytes.len() as u64).unwrap();
+    let entry = header
+        .sections
+        .iter_mut()
+        .find(|s| s.kind == SectionKind::Sketch as u32)
+        .unwrap();
+    let encoded = f.sketch.encode();
+    assert_eq!(encoded.len() as u64, entry.length, "same layout, same size");
+    let start = entry.offset as usize;
+    bytes[start..start + encoded.len()].copy_from_slice(&encoded);
+    entry.checksum = checksum(&bytes[start..start + page_align(entry.length) as usize]);
+    bytes[..4096].copy_from_slice(&header.encode());
+    std::fs::write(dst, bytes).unwrap();
+}

@@ -589,7 +589,7 @@ impl ReferenceModel {
             })
             .collect();
 
-        for l in 0..c.layers {
+        for (l, counts) in routing.iter_mut().enumerate() {
             let p = format!("model.layers.{l}");
             let mut qs = Vec::with_capacity(t_len);
             let mut ks = Vec::with_capacity(t_len);
@@ -657,7 +657,7 @@ impl ReferenceModel {
             for xt in x.iter_mut() {
                 let hn = self.norm(xt, &format!("{p}.post_attention_layernorm.weight"), brk);
                 let d = match c.moe.as_ref().filter(|m| m.sparse[l]) {
-                    Some(m) => self.experts(&p, m, &hn, brk, &mut routing[l]),
+                    Some(m) => self.experts(&p, m, &hn, brk, counts),
                     None => self.mlp(
                         &format!("{p}.mlp"),
                         ["gate_proj", "up_proj", "down_proj"],

@@ -166,6 +166,109 @@ fn certified_threshold_model_equals_resident() {
     }
 }
 
+/// Perplexity of `ids` with `file` at each of the first three budgets, the FFN bytes read, and
+/// the layers whose certificate the planner kept.
+fn at_three_budgets(file: &Path, ids: &[u32]) -> Vec<(u64, f64, u64, usize)> {
+    budgets(file)
+        .into_iter()
+        .take(3)
+        .map(|b| {
+            let mut s = session(file, PolicyChoice::Leanstream, Some(b));
+            let p = perplexity(s.model(), ids, 64, false).unwrap().perplexity;
+            let certified = s.report()["memory_split"]["certified_layers"]
+                .as_array()
+                .unwrap()
+                .len();
+            (b, p, s.io().unwrap().stats().bytes_read, certified)
+        })
+        .collect()
+}
+
+/// The `gate_up` rule of `--sparsity target:F`: calibrated to the target on held-out windows, no
+/// certificate (a gate sketch cannot prove it), and exact mode — every uncached cluster read, the
+/// exact scores deciding — equals `resident` bit for bit at three budgets.
+#[test]
+fn gate_up_rule_hits_its_target_and_streams_exactly_without_a_certificate() {
+    let dir = leanstream_tests::fresh_dir(&scratch(), "tiny-silu-gate-up");
+    write_tiny_model(&dir, &TinySpec::llama()).unwrap();
+    let file = scratch().join("tiny-silu-gate-up.lsb");
+    convert(&dir, &file, &["--quant", "q8", "--sparsity", "target:0.5"]);
+    let f = leanstream_format::LsbFile::open(&file).unwrap();
+    assert_eq!(f.meta.sparsity_rule.as_deref(), Some("gate_up"));
+    assert_eq!(f.header.version_minor, 3);
+    assert!(f.sketch.layers.iter().all(|l| l.err_norm.is_empty()));
+    let held_out: f32 =
+        f.meta.layers.iter().map(|l| l.sparsity).sum::<f32>() / f.meta.layers.len() as f32;
+    assert!(
+        (held_out - 0.5).abs() <= 0.03,
+        "held-out sparsity {held_out} for target 0.5"
+    );
+    let ids = leanstream_tests::tiny::random_ids(3, 200, 4096);
+    let resident = ppl(&file, PolicyChoice::Resident, None, &ids);
+    let dense = ppl(&file, PolicyChoice::Dense, None, &ids);
+    assert_ne!(resident, dense, "the rule skips something");
+    for (b, streamed, _, certified) in at_three_budgets(&file, &ids) {
+        assert_eq!(certified, 0);
+        assert_eq!(
+            streamed, resident,
+            "budget {b}: exact differs from resident"
+        );
+    }
+}
+
+/// ReLU (`gate` rule) with and without its certificate: exact at three budgets either way; at the
+/// minimum the planner keeps the certificate, and it saves reads.
+#[test]
+fn relu_streams_exactly_with_and_without_the_certificate() {
+    let with = embedded("q8");
+    let without = scratch().join("austen-q8-no-certificate.lsb");
+    convert(
+        &leanstream_tests::converted::workspace().join("models/austen-relu"),
+        &without,
+        &["--quant", "q8", "--certificate", "none"],
+    );
+    let ids = text_ids(&session(&with, PolicyChoice::Resident, None), 200);
+    let resident = ppl(&with, PolicyChoice::Resident, None, &ids);
+    assert_eq!(ppl(&without, PolicyChoice::Resident, None, &ids), resident);
+    let a = at_three_budgets(&with, &ids);
+    let b = at_three_budgets(&without, &ids);
+    for (&(ba, pa, ra, ca), &(bb, pb, rb, cb)) in a.iter().zip(&b) {
+        eprintln!(
+            "with: budget {ba} read {ra} B, {ca} layers certified; without: budget {bb} read {rb} B"
+        );
+        assert_eq!(pa, resident, "budget {ba}: certified differs from resident");
+        assert_eq!(
+            pb, resident,
+            "budget {bb}: uncertified differs from resident"
+        );
+        assert_eq!(cb, 0);
+    }
+    assert!(a[0].3 > 0, "the certificate earns its bytes at the minimum");
+    assert!(a[0].2 < b[0].2, "and saves reads: {} vs {}", a[0].2, b[0].2);
+}
+
+/// A certificate whose error bounds are too tight for its rows (rows negated, bounds kept) "proves"
+/// active neurons inactive: the run differs from `resident`, and this test fails if that ever goes
+/// unnoticed.
+#[test]
+fn a_certificate_made_too_tight_is_caught() {
+    let good = embedded("q8");
+    let bad = scratch().join("austen-q8-tight.lsb");
+    leanstream_tests::converted::negate_certificate_rows(&good, &bad);
+    let ids = text_ids(&session(&good, PolicyChoice::Resident, None), 200);
+    let resident = ppl(&good, PolicyChoice::Resident, None, &ids);
+    let min = leanstream::streaming::minimum_memory(&bad, 128).unwrap();
+    assert_eq!(
+        ppl(&good, PolicyChoice::Leanstream, Some(min), &ids),
+        resident
+    );
+    let tight = ppl(&bad, PolicyChoice::Leanstream, Some(min), &ids);
+    assert_ne!(
+        tight, resident,
+        "a bound too tight for its rows skips neurons it cannot prove inactive, yet the output matched"
+    );
+}
+
 fn run(file: &Path, extra: &[&str]) -> Output {
     Command::new(bin("leanstream"))
         .arg("run")

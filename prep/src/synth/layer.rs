@@ -361,6 +361,7 @@ pub fn build(p: &Params, lay: &Layout, inp: &Inputs, t: &Target) -> anyhow::Resu
             &inp.eval_prev,
             &identity,
         )),
+        certificate_saves: None,
     };
 
     // Bundles: gate (with bias), a random up row, a tiny random down column.

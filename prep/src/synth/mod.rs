@@ -18,6 +18,7 @@ use anyhow::{bail, Context, Result};
 use leanstream::config::ModelConfig;
 use leanstream::kernels::{Matrix, QMatrix, Weight};
 use leanstream::model::{rms_norm, DenseFfn, Model};
+use leanstream::skip_rule::SkipRule;
 use leanstream::streaming::default_predictor_rank;
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::container::{ContainerWriter, SectionKind};
@@ -35,6 +36,7 @@ use crate::convert::{
     add_sketch_row, add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor,
     MIN_PREDICTOR_RANK,
 };
+use crate::sparsity::scores;
 use crate::tensors::dense_specs;
 use dense::{dense_row, Layout};
 use layer::{Inputs, Params, Target};
@@ -200,8 +202,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         let identity: Vec<u32> = (0..n as u32).collect();
         refine.layers.push(refine_stats(
             &built.masks,
-            &built.gates,
-            config.activation,
+            &scores(SkipRule::Gate, config.activation, &built.gates, &[]),
             n,
             &inputs.train,
             &identity,
@@ -243,6 +244,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         ffn_quant: args.quant.name().into(),
         sparsity_mode: "threshold".into(),
         sparsity_target: Some(mean_sparsity),
+        sparsity_rule: None,
         cluster_kib: args.cluster_kib,
         layers: layer_meta.clone(),
         provenance: serde_json::json!({

@@ -3,8 +3,8 @@
 //! A bundle is one FFN neuron's weights stored together so that one read fetches them: its gate
 //! row, its up row and its down column, each `hidden` values in one encoding, `[gate | up | down]`.
 //! The kernel reads bundles where they lie (the resident cache or a buffer just read from flash),
-//! without gathering them into matrices, and skips the up and down work of every neuron whose
-//! activation is negligible. It runs in two halves so that a caller can add the down columns later
+//! without gathering them into matrices, and skips the work of every neuron the layer's skip rule
+//! ([`Skip`]) calls inactive: up and down under the `gate` rule, down under `gate_up`. It runs in two halves so that a caller can add the down columns later
 //! than it computes the gates ([`gate_pass`], [`down_pass`]); the down columns of the active
 //! neurons are added several at a time ([`RowKernels::axpy_rows`]), which touches the output once
 //! per batch rather than once per neuron and gives the bits of adding them one by one.
@@ -14,7 +14,7 @@ use leanstream_format::quant::{row_bytes, QuantType};
 
 use super::operand::Operand;
 use super::rows::RowKernels;
-use crate::config::Activation;
+use crate::skip_rule::Skip;
 
 /// The shape of one layer's bundles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,21 +49,20 @@ const DOWN_BATCH: usize = 8;
 /// Bundles whose gates [`ffn_bundles`] computes before adding their active neurons' down columns.
 const GATE_BATCH: usize = 64;
 
-/// The FFN over a set of neurons: for each bundle `i`, `g = gate·x` is written to `gates[i]`;
-/// `a = act(g)`; if `|a| > threshold`, `out += a · (up·x) · down`. Returns how many neurons were
-/// computed (not skipped). With ReLU and threshold 0 the skip is exact. The result is bitwise that
-/// of adding each computed neuron's `a · (up·x) · down` to `out` in order with the row kernels'
-/// `axpy`.
+/// The FFN over a set of neurons: for each bundle `i`, `g = gate·x`, `a = act(g)`; the rule's
+/// score (`|a|`, or `|a·(up·x)|`) is written to `scores[i]`, and if it exceeds the threshold,
+/// `out += a · (up·x) · down`. Returns how many neurons were computed (not skipped). With ReLU and
+/// threshold 0 the skip is exact. The result is bitwise that of adding each computed neuron's
+/// `a · (up·x) · down` to `out` in order with the row kernels' `axpy`.
 ///
 /// `x` is the FFN input prepared for `layout.qtype`; `out` has `hidden` values and is added to.
 pub fn ffn_bundles(
     layout: &BundleLayout,
     x: &Operand,
     bundles: &[&[u8]],
-    act: Activation,
-    threshold: f32,
+    skip: Skip,
     out: &mut [f32],
-    gates: &mut [f32],
+    scores: &mut [f32],
 ) -> Result<usize> {
     ensure!(
         x.x.len() == layout.hidden && out.len() == layout.hidden,
@@ -73,9 +72,9 @@ pub fn ffn_bundles(
         out.len()
     );
     ensure!(
-        gates.len() == bundles.len(),
-        "{} gate slots for {} bundles",
-        gates.len(),
+        scores.len() == bundles.len(),
+        "{} score slots for {} bundles",
+        scores.len(),
         bundles.len()
     );
     if let Some(i) = bundles
@@ -93,7 +92,10 @@ pub fn ffn_bundles(
     let k = RowKernels::best();
     let (mut active, mut coef) = ([0u32; GATE_BATCH], [0.0f32; GATE_BATCH]);
     let mut computed = 0;
-    for (bs, gs) in bundles.chunks(GATE_BATCH).zip(gates.chunks_mut(GATE_BATCH)) {
+    for (bs, gs) in bundles
+        .chunks(GATE_BATCH)
+        .zip(scores.chunks_mut(GATE_BATCH))
+    {
         let bundle = |i: usize| bs[i];
         let m = gate_pass(
             k,
@@ -101,8 +103,7 @@ pub fn ffn_bundles(
             x,
             bundle,
             |_| true,
-            act,
-            threshold,
+            skip,
             gs,
             &mut active,
             &mut coef,
@@ -113,11 +114,12 @@ pub fn ffn_bundles(
     Ok(computed)
 }
 
-/// The first half of the FFN over `gates.len()` bundles (`bundle(i)` gives bundle `i`, each of
-/// `layout.bundle_bytes()`): for each `i` that is a `candidate`, `g = gate·x` goes to `gates[i]`,
-/// and if `|act(g)| > threshold` (active), `i` to the next slot of `active` and `act(g) · (up·x)`
-/// to the same slot of `coef`. Returns how many are active. Gates of non-candidates are left as
-/// they were. `active` and `coef` must have a slot for every bundle.
+/// The first half of the FFN over `scores.len()` bundles (`bundle(i)` gives bundle `i`, each of
+/// `layout.bundle_bytes()`): for each `i` that is a `candidate`, `g = gate·x`, `a = act(g)`, the
+/// rule's score goes to `scores[i]` (`|a|` under `gate`, `|a·(up·x)|` under `gate_up`), and if it
+/// exceeds the threshold (active), `i` to the next slot of `active` and `a · (up·x)` to the same
+/// slot of `coef`. Returns how many are active. Scores of non-candidates are left as they were.
+/// `active` and `coef` must have a slot for every bundle.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub fn gate_pass<'b>(
@@ -126,17 +128,16 @@ pub fn gate_pass<'b>(
     x: &Operand,
     bundle: impl Fn(usize) -> &'b [u8],
     candidate: impl Fn(usize) -> bool,
-    act: Activation,
-    threshold: f32,
-    gates: &mut [f32],
+    skip: Skip,
+    scores: &mut [f32],
     active: &mut [u32],
     coef: &mut [f32],
 ) -> usize {
     let (q, rb) = (layout.qtype, layout.row_bytes);
-    let n = gates.len();
+    let n = scores.len();
     assert!(active.len() >= n && coef.len() >= n);
     let mut m = 0;
-    for (i, g) in gates.iter_mut().enumerate() {
+    for (i, score) in scores.iter_mut().enumerate() {
         if !candidate(i) {
             continue;
         }
@@ -144,11 +145,21 @@ pub fn gate_pass<'b>(
         if i + 1 < n {
             prefetch(&bundle(i + 1)[..rb]);
         }
-        *g = k.dot(q, &b[..rb], x);
-        let a = act.apply(*g);
-        if a.abs() > threshold {
+        let a = skip.act.apply(k.dot(q, &b[..rb], x));
+        let c = match skip.gate_score(a) {
+            Some(s) => {
+                *score = s;
+                skip.active(s).then(|| a * k.dot(q, &b[rb..2 * rb], x))
+            }
+            None => {
+                let c = a * k.dot(q, &b[rb..2 * rb], x);
+                *score = c.abs();
+                skip.active(*score).then_some(c)
+            }
+        };
+        if let Some(c) = c {
             active[m] = i as u32;
-            coef[m] = a * k.dot(q, &b[rb..2 * rb], x);
+            coef[m] = c;
             m += 1;
         }
     }

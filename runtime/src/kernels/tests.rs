@@ -10,6 +10,7 @@ use super::qmatrix::GEMM_MIN_TOKENS;
 use super::rows::{pick, FORCE_ENV};
 use super::{Matrix, Operand, Q8Vec, QMatrix, RowKernels, RowStream, Weight};
 use crate::config::Activation;
+use crate::skip_rule::{Skip, SkipRule};
 
 fn rng() -> (u64, StdRng) {
     let seed = rand::random();
@@ -335,39 +336,48 @@ fn bundle_ffn_matches_f64() {
         let xs = random(hidden, 1.0, &mut rng);
         let x = Operand::new(&xs, qtype);
         let xq = seen(&x, qtype);
-        for (act, threshold) in [
-            (Activation::Relu, 0.0),
-            (Activation::Silu, 0.5),
-            (Activation::Silu, 0.0),
+        for (act, rule, threshold) in [
+            (Activation::Relu, SkipRule::Gate, 0.0),
+            (Activation::Silu, SkipRule::Gate, 0.5),
+            (Activation::Silu, SkipRule::Gate, 0.0),
+            (Activation::Silu, SkipRule::GateUp, 0.5),
         ] {
+            let skip = Skip {
+                act,
+                rule,
+                threshold,
+            };
             let out0 = random(hidden, 1.0, &mut rng);
             let mut out = out0.clone();
-            let mut gates = vec![0.0; bundles.len()];
-            let computed =
-                ffn_bundles(&layout, &x, &bundles, act, threshold, &mut out, &mut gates).unwrap();
+            let mut scores = vec![0.0; bundles.len()];
+            let computed = ffn_bundles(&layout, &x, &bundles, skip, &mut out, &mut scores).unwrap();
             let mut want: Vec<f64> = out0.iter().map(|v| *v as f64).collect();
             let mut scale = vec![0.0f64; hidden];
             let mut active = 0;
-            for (&i, &g) in chosen.iter().zip(&gates) {
+            for (&i, &s) in chosen.iter().zip(&scores) {
                 let [gate, up, down] = &parts[i];
                 let g64 = dot64(gate, &xq);
-                let tol = REL * abs_dot64(gate, &xq);
+                let u64_ = dot64(up, &xq);
+                let a64 = act.apply(g64 as f32) as f64;
+                let want_s = match rule {
+                    SkipRule::Gate => a64.abs(),
+                    SkipRule::GateUp => (a64 * u64_).abs(),
+                };
+                let tol = 3.0 * REL * abs_dot64(gate, &xq) * (1.0 + abs_dot64(up, &xq));
                 assert!(
-                    (g as f64 - g64).abs() <= tol,
-                    "seed {seed}: {qtype} gate of neuron {i}: {g} vs {g64}"
+                    (s as f64 - want_s).abs() <= tol,
+                    "seed {seed}: {qtype} {rule:?} score of neuron {i}: {s} vs {want_s}"
                 );
-                // The skip decision follows the kernel's own gate value.
-                let a = act.apply(g) as f64;
-                if a.abs() > threshold as f64 {
+                // The skip decision follows the kernel's own score.
+                if s > threshold {
                     active += 1;
-                    let u = dot64(up, &xq);
                     for j in 0..hidden {
-                        want[j] += a * u * down[j];
-                        scale[j] += (a * abs_dot64(up, &xq) * down[j]).abs();
+                        want[j] += a64 * u64_ * down[j];
+                        scale[j] += (a64.abs() + 1.0) * (abs_dot64(up, &xq) * down[j]).abs();
                     }
                 }
             }
-            assert_eq!(computed, active, "seed {seed}: {qtype} {act:?}");
+            assert_eq!(computed, active, "seed {seed}: {qtype} {act:?} {rule:?}");
             let all = act == Activation::Silu && threshold == 0.0;
             assert!(active > 0, "seed {seed}: {qtype}");
             assert_eq!(all, active == bundles.len(), "seed {seed}: {qtype}");
@@ -378,7 +388,7 @@ fn bundle_ffn_matches_f64() {
                     .max((out[j] as f64 - want[j]).abs() / (scale[j] + out0[j].abs() as f64));
                 assert!(
                     (out[j] as f64 - want[j]).abs() <= tol,
-                    "seed {seed}: {qtype} {act:?} output {j}: {} vs {}",
+                    "seed {seed}: {qtype} {act:?} {rule:?} output {j}: {} vs {}",
                     out[j],
                     want[j]
                 );
@@ -403,17 +413,13 @@ fn relu_skipping_is_exact() {
     let xs = random(64, 1.0, &mut rng);
     let x = Operand::new(&xs, layout.qtype);
     let mut sparse = vec![0.0; 64];
-    let mut gates = vec![0.0; 40];
-    let computed = ffn_bundles(
-        &layout,
-        &x,
-        &bundles,
-        Activation::Relu,
-        0.0,
-        &mut sparse,
-        &mut gates,
-    )
-    .unwrap();
+    let mut scores = vec![0.0; 40];
+    let relu = Skip {
+        act: Activation::Relu,
+        rule: SkipRule::Gate,
+        threshold: 0.0,
+    };
+    let computed = ffn_bundles(&layout, &x, &bundles, relu, &mut sparse, &mut scores).unwrap();
     let mut dense = vec![0.0; 64];
     let k = RowKernels::best();
     for b in &bundles {
@@ -434,16 +440,12 @@ fn bundle_errors_name_the_problem() {
     let x = Operand::new(&xs, QuantType::Q8_0);
     let short = vec![0u8; layout.bundle_bytes() - 1];
     let mut out = vec![0.0; 64];
-    let err = ffn_bundles(
-        &layout,
-        &x,
-        &[&short],
-        Activation::Relu,
-        0.0,
-        &mut out,
-        &mut [0.0],
-    )
-    .unwrap_err();
+    let relu = Skip {
+        act: Activation::Relu,
+        rule: SkipRule::Gate,
+        threshold: 0.0,
+    };
+    let err = ffn_bundles(&layout, &x, &[&short], relu, &mut out, &mut [0.0]).unwrap_err();
     assert!(err.to_string().contains("bundle 0"), "{err}");
 }
 

@@ -69,6 +69,8 @@ pub struct FfnProbe<'a> {
     /// those neurons (act(0) = 0 for every supported activation): prep measures sparsity's
     /// quality cost that way.
     pub gate: &'a mut [f32],
+    /// Up projections `up · x` (`t × intermediate`).
+    pub up: &'a [f32],
 }
 
 /// Who computes a block's FFN.
@@ -129,6 +131,7 @@ impl Model {
                 layer: l,
                 ffn_input: &s.xn,
                 gate,
+                up,
             });
         }
         weights.finish(c.activation, t, gate, up, &mut s.proj);

@@ -1,12 +1,13 @@
 //! The streaming FFN, shared by every policy: per token and layer,
 //! 1. *select* — when layer l's FFN input exists, the sparsity mode names the candidate neurons
-//!    (certified: all but those the gate sketch proves inactive; predicted: the layer's own
+//!    (certified: all but those the layer's certificate, where it has one, proves inactive;
+//!    predicted: the layer's own
 //!    predictor's set; exact: all), and so the clusters needed — unless the policy knows the
 //!    active neurons in advance (the oracle);
 //! 2. *refine* — queued reads of the layer that are no longer wanted are cancelled, wanted ones
 //!    boosted, missing ones issued at top priority (each policy says which of these it does);
 //! 3. *compute* — resident clusters first, then clusters as their reads land (or, for a policy
-//!    that loads then computes, once all have landed); the exact gate in each bundle decides, so
+//!    that loads then computes, once all have landed); the exact score in each bundle decides, so
 //!    a speculated-but-inactive neuron costs a read, never a wrong value;
 //! 4. *retain* — the cache is told which clusters were actually used, and how strongly.
 //!
@@ -22,11 +23,11 @@ use leanstream_format::file::check_extent;
 use leanstream_format::quant::QuantType;
 use leanstream_format::FormatError;
 
-use crate::config::Activation;
 use crate::kernels::bundles::{down_pass, gate_pass};
 use crate::kernels::{Operand, RowKernels};
 use crate::model::FfnBackend;
 use crate::neuron_cache::{ClusterKey, ClusterSlots, NeuronCache};
+use crate::skip_rule::Skip;
 use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
 
 use super::metrics::Metrics;
@@ -85,8 +86,8 @@ enum Stage {
 /// layer, so that the token loop does not allocate it.
 #[derive(Default)]
 struct Work {
-    /// Exact gates of the layer's neurons (NaN: not computed).
-    gates: Vec<f32>,
+    /// Exact skip scores of the layer's neurons (NaN: not computed).
+    scores: Vec<f32>,
     lists: Lists,
     /// Reads that landed, held until their down columns are added, then offered to the cache.
     held: Vec<Option<AlignedBuf>>,
@@ -108,7 +109,7 @@ struct Lists {
 }
 
 impl Work {
-    /// Sized for a layer of `neurons` in `clusters` and `hidden` outputs; gates NaN, sums zero,
+    /// Sized for a layer of `neurons` in `clusters` and `hidden` outputs; scores NaN, sums zero,
     /// every cluster skipped.
     fn reset(&mut self, neurons: usize, clusters: usize, hidden: usize) {
         let lists = &mut self.lists;
@@ -121,8 +122,8 @@ impl Work {
             lists.stage.resize(clusters, Stage::Skipped);
             self.held.resize_with(clusters, || None);
         }
-        self.gates.clear();
-        self.gates.resize(neurons, f32::NAN);
+        self.scores.clear();
+        self.scores.resize(neurons, f32::NAN);
         self.acc.clear();
         self.acc.resize(GROUPS * hidden, 0.0);
         lists.stage[..clusters].fill(Stage::Skipped);
@@ -416,7 +417,6 @@ struct Marks {
 pub struct StreamEngine {
     core: Core,
     schedule: Box<dyn Schedule>,
-    act: Activation,
     sparsity: Sparsity,
     /// Index of the first token of the current forward call, counted since the engine started.
     call_token: usize,
@@ -437,7 +437,6 @@ impl StreamEngine {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         plans: Vec<LayerPlan>,
-        act: Activation,
         sparsity: Sparsity,
         io: Arc<IoQueue>,
         cache: NeuronCache<Bytes>,
@@ -464,7 +463,6 @@ impl StreamEngine {
                 metrics: Metrics::default(),
             },
             schedule,
-            act,
             sparsity,
             call_token: 0,
             call_len: 0,
@@ -569,11 +567,21 @@ impl StreamEngine {
                 neurons.iter().for_each(|&p| candidate[p as usize] = true);
             }
             (None, Sparsity::Exact | Sparsity::Dense) => candidate.resize(n, true),
-            (None, Sparsity::Certified) => {
-                *candidate = certified_candidates(plan, operand, |ci| {
-                    self.core.cache.contains((l as u32, ci as u32))
-                })
-            }
+            (None, Sparsity::Certified) => match &plan.certificate {
+                Some(c) => {
+                    let cache = &self.core.cache;
+                    let cached = |ci: usize| cache.contains((l as u32, ci as u32));
+                    c.candidates(
+                        &plan.clusters,
+                        operand,
+                        !plan.block_bundles(),
+                        cached,
+                        candidate,
+                    )
+                }
+                // Every uncached cluster is read; the exact scores in its bundles decide.
+                None => candidate.resize(n, true),
+            },
             (None, Sparsity::Predicted) => {
                 candidate.extend_from_slice(sel.own.as_deref().expect("computed in predicted mode"))
             }
@@ -625,9 +633,9 @@ impl StreamEngine {
         self.core.refine(l, &is_needed, self.schedule.refine());
         self.marks.is_needed = is_needed;
         self.compute(l, &sel.needed, &sel.candidate, &operand, out)?;
-        let gates = std::mem::take(&mut self.work.gates);
-        let done = self.retain_and_measure(l, token, sel, &gates);
-        self.work.gates = gates;
+        let scores = std::mem::take(&mut self.work.scores);
+        let done = self.retain_and_measure(l, token, sel, &scores);
+        self.work.scores = scores;
         self.rows = rows;
         done
     }
@@ -661,9 +669,9 @@ impl StreamEngine {
         self.core.refine(l, &is_needed, self.schedule.refine());
         let n = self.core.plans[l].cluster_of.len();
         self.work.reset(n, clusters, h);
-        let mut gates = vec![vec![f32::NAN; n]; n_rows];
+        let mut scores = vec![vec![f32::NAN; n]; n_rows];
         let mut acc = vec![0.0f32; n_rows * h];
-        let (act, k, threshold) = (self.act, RowKernels::best(), self.threshold(l));
+        let (k, skip) = (RowKernels::best(), self.skip(l));
         let bounds = group_bounds(clusters);
         for g in 0..GROUPS {
             acc.fill(0.0);
@@ -688,12 +696,16 @@ impl StreamEngine {
                     let ops = ClusterOps {
                         plan,
                         k,
-                        act,
-                        threshold,
+                        skip,
                         ci,
                         bytes,
                     };
-                    ops.gates(&sel.candidate, &operands[r], &mut gates[r], &mut work.lists)?;
+                    ops.gates(
+                        &sel.candidate,
+                        &operands[r],
+                        &mut scores[r],
+                        &mut work.lists,
+                    )?;
                     ops.add(&work.lists, &mut acc[r * h..(r + 1) * h]);
                 }
                 self.core.metrics.compute_s += t.elapsed().as_secs_f64();
@@ -705,7 +717,7 @@ impl StreamEngine {
                 o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
             }
         }
-        for (r, (sel, g)) in selections.iter().zip(&gates).enumerate() {
+        for (r, (sel, g)) in selections.iter().zip(&scores).enumerate() {
             self.retain_and_measure(l, first + r, sel, g)?;
         }
         self.rows = rows;
@@ -714,7 +726,7 @@ impl StreamEngine {
 
     /// Computes the needed clusters into `out`: resident ones first, then reads as they land (or
     /// all reads first, if the policy loads then computes), each group's down columns added in
-    /// cluster order ([`GROUPS`]). Leaves the exact gates in `self.work.gates`.
+    /// cluster order ([`GROUPS`]). Leaves the exact scores in `self.work.scores`.
     fn compute(
         &mut self,
         l: usize,
@@ -725,7 +737,7 @@ impl StreamEngine {
     ) -> Result<()> {
         let start = Instant::now();
         let stalled = self.core.metrics.stall_s;
-        let threshold = self.threshold(l);
+        let skip = self.skip(l);
         let core = &mut self.core;
         let work = &mut self.work;
         let (n, clusters) = (core.plans[l].cluster_of.len(), core.plans[l].clusters.len());
@@ -736,22 +748,21 @@ impl StreamEngine {
             .for_each(|&ci| work.lists.stage[ci] = Stage::Waiting);
         let bounds = group_bounds(clusters);
         let mut next: [usize; GROUPS] = std::array::from_fn(|g| bounds[g]);
-        let (act, k) = (self.act, RowKernels::best());
+        let k = RowKernels::best();
         for &ci in needed {
             if let Some(bytes) = core.resident((l as u32, ci as u32)) {
                 let ops = ClusterOps {
                     plan: &core.plans[l],
                     k,
-                    act,
-                    threshold,
+                    skip,
                     ci,
                     bytes,
                 };
-                ops.gates(candidate, operand, &mut work.gates, &mut work.lists)?;
+                ops.gates(candidate, operand, &mut work.scores, &mut work.lists)?;
             }
         }
         for (g, next) in next.iter_mut().enumerate() {
-            advance(core, work, l, k, act, g, &bounds, next);
+            advance(core, work, l, k, skip, g, &bounds, next);
         }
         let waiting = |w: &Work, ci: usize| w.lists.stage[ci] == Stage::Waiting;
         if self.schedule.load_then_compute() {
@@ -767,15 +778,14 @@ impl StreamEngine {
                 let ops = ClusterOps {
                     plan: &core.plans[l],
                     k,
-                    act,
-                    threshold,
+                    skip,
                     ci,
                     bytes: &buf,
                 };
-                ops.gates(candidate, operand, &mut work.gates, &mut work.lists)?;
+                ops.gates(candidate, operand, &mut work.scores, &mut work.lists)?;
                 work.held[ci] = Some(buf);
                 let g = group_of(&bounds, ci);
-                advance(core, work, l, k, act, g, &bounds, &mut next[g]);
+                advance(core, work, l, k, skip, g, &bounds, &mut next[g]);
                 anyhow::Ok(())
             };
         // Reads held (loaded first) in cluster order, then the others in the order they complete:
@@ -813,11 +823,15 @@ impl StreamEngine {
         Ok(())
     }
 
-    /// The skip threshold of layer `l`'s neurons: none in dense mode.
-    fn threshold(&self, l: usize) -> f32 {
+    /// The skip rule of layer `l`'s neurons: none skipped in dense mode.
+    fn skip(&self, l: usize) -> Skip {
+        let skip = self.core.plans[l].skip;
         match self.sparsity {
-            Sparsity::Dense => f32::NEG_INFINITY,
-            _ => self.core.plans[l].threshold,
+            Sparsity::Dense => Skip {
+                threshold: f32::NEG_INFINITY,
+                ..skip
+            },
+            _ => skip,
         }
     }
 
@@ -827,19 +841,15 @@ impl StreamEngine {
         l: usize,
         token: usize,
         sel: &Selection,
-        gates: &[f32],
+        scores: &[f32],
     ) -> Result<()> {
         let (needed, own, in_memory) = (&sel.needed, &sel.own, &sel.in_memory);
         let plan = &self.core.plans[l];
-        let threshold = plan.threshold;
-        let act = self.act;
         let marks = &mut self.marks;
         marks.computed.clear();
-        marks.computed.extend(
-            gates
-                .iter()
-                .map(|&g| !g.is_nan() && act.apply(g).abs() > threshold),
-        );
+        marks
+            .computed
+            .extend(scores.iter().map(|&s| !s.is_nan() && plan.skip.active(s)));
         let computed = &marks.computed;
         marks.used.clear();
         for &ci in needed {
@@ -927,7 +937,7 @@ fn advance(
     work: &mut Work,
     l: usize,
     k: &RowKernels,
-    act: Activation,
+    skip: Skip,
     g: usize,
     bounds: &[usize; GROUPS + 1],
     next: &mut usize,
@@ -948,8 +958,7 @@ fn advance(
                 let ops = ClusterOps {
                     plan: &core.plans[l],
                     k,
-                    act,
-                    threshold: core.plans[l].threshold,
+                    skip,
                     ci,
                     bytes,
                 };
@@ -965,9 +974,8 @@ fn advance(
 struct ClusterOps<'a> {
     plan: &'a LayerPlan,
     k: &'a RowKernels,
-    act: Activation,
-    /// A neuron is computed when `|act(gate)|` exceeds this.
-    threshold: f32,
+    /// A neuron is computed when its score under this rule exceeds the threshold.
+    skip: Skip,
     ci: usize,
     bytes: &'a [u8],
 }
@@ -978,13 +986,13 @@ impl<'a> ClusterOps<'a> {
         &self.bytes[i * bb..(i + 1) * bb]
     }
 
-    /// Computes the exact gates of the cluster's candidate neurons into `gates` (the layer's) and
-    /// records its active neurons.
+    /// Computes the exact scores of the cluster's candidate neurons into `scores` (the layer's)
+    /// and records its active neurons.
     fn gates(
         &self,
         candidate: &[bool],
         x: &Operand,
-        gates: &mut [f32],
+        scores: &mut [f32],
         lists: &mut Lists,
     ) -> Result<()> {
         let cl = self.plan.clusters[self.ci];
@@ -1005,9 +1013,8 @@ impl<'a> ClusterOps<'a> {
             x,
             |i| self.bundle(i),
             |i| candidate[cl.first + i],
-            self.act,
-            self.threshold,
-            &mut gates[r.clone()],
+            self.skip,
+            &mut scores[r.clone()],
             &mut lists.active[r.clone()],
             &mut lists.coef[r],
         );
@@ -1029,56 +1036,4 @@ impl<'a> ClusterOps<'a> {
             acc,
         );
     }
-}
-
-/// Neurons the sketch cannot prove inactive. The exact gate is `w·x̃` (x̃ the q8 input for block
-/// bundles, x for float ones); the sketch gives `ŝ·x̃` and `|w − ŝ| ≤ e`, so
-/// `|w·x̃ − ŝ·x̃| ≤ e‖x̃‖`, plus `(‖ŝ‖ + e)‖x − x̃‖` for float bundles, plus a float-rounding slack.
-/// The neurons of `cached` clusters are all candidates: their exact gates cost no read, so the
-/// sketch, which only decides what to read, is not computed for them.
-fn certified_candidates(
-    plan: &LayerPlan,
-    x: &Operand,
-    cached: impl Fn(usize) -> bool,
-) -> Vec<bool> {
-    let n = plan.cluster_of.len();
-    let q8 = x.q8();
-    let h = x.x.len();
-    let (mut xq2, mut d2) = (0.0f64, 0.0f64);
-    for i in 0..h {
-        let v = q8.value(i) as f64;
-        xq2 += v * v;
-        d2 += (v - x.x[i] as f64).powi(2);
-    }
-    let (xq, dx) = (xq2.sqrt() as f32, d2.sqrt() as f32);
-    let float_bundles = !plan.block_bundles();
-    let slack = 4.0 * h as f32 * f32::EPSILON;
-    let norm = xq.max(x_norm(x.x));
-    let k = RowKernels::best();
-    let mut candidate = vec![true; n];
-    for (ci, cl) in plan.clusters.iter().enumerate() {
-        if cached(ci) {
-            continue;
-        }
-        let neurons = candidate
-            .iter_mut()
-            .enumerate()
-            .skip(cl.first)
-            .take(cl.count);
-        for (p, candidate) in neurons {
-            let g = k.dot(plan.sketch.qtype, plan.sketch.row(p), x);
-            let (e, s) = (plan.sketch_err[p], plan.sketch_norm[p]);
-            let w = s + e;
-            let mut beta = e * xq + slack * w * norm;
-            if float_bundles {
-                beta += w * dx;
-            }
-            *candidate = !plan.skip.contains(g - beta, g + beta);
-        }
-    }
-    candidate
-}
-
-fn x_norm(x: &[f32]) -> f32 {
-    x.iter().map(|v| v * v).sum::<f32>().sqrt()
 }

@@ -9,7 +9,7 @@ pub mod llm_in_flash;
 mod metrics;
 mod mmap;
 mod oracle;
-mod plan;
+pub(crate) mod plan;
 pub mod planner;
 pub mod powerinfer2;
 mod predict;
@@ -141,7 +141,7 @@ impl StreamingModel {
             own: sparsity == Sparsity::Predicted,
             lookahead: policy == Policy::Leanstream && tuning.lookahead,
         };
-        let plans = plan::LayerPlan::all(&mut file, uses)?;
+        let mut plans = plan::LayerPlan::all(&mut file, uses)?;
         // Decoding the file's indexes and plans freed more than the plans keep: give it back
         // to the OS, or the allocator keeps it resident beside the budgeted parts.
         crate::memory::release_freed_memory();
@@ -151,32 +151,49 @@ impl StreamingModel {
             Some(bytes) => bytes,
             None => crate::tokenizer::resident_bytes(&file)?,
         };
-        let input = |ctx, kv| {
-            let sizes = sizes.clone();
-            plan_input(
-                &file,
-                tokenizer,
-                &plans,
-                sizes,
-                ctx,
-                kv,
-                opts.memory,
-                policy,
-            )
-        };
-        let io_budget = input(opts.ctx, opts.kv).1;
-        let (ctx, mut split) = match opts.ctx_floor {
-            Some(floor) => planner::fit_context(opts.ctx, floor, |c| input(c, opts.kv).0),
-            None => planner::plan(input(opts.ctx, opts.kv).0).map(|s| (opts.ctx, s)),
-        }
-        .map_err(|refused| {
-            match planner::what_fits(opts.ctx, opts.kv, |c, kv| input(c, kv).0) {
-                Some(flags) => anyhow::anyhow!("{refused}, or run with {flags}"),
-                None => refused,
+        let fit = |plans: &[plan::LayerPlan]| {
+            let input = |ctx, kv| {
+                plan_input(
+                    &file,
+                    tokenizer,
+                    plans,
+                    sizes.clone(),
+                    ctx,
+                    kv,
+                    opts.memory,
+                    policy,
+                )
+            };
+            let io_budget = input(opts.ctx, opts.kv).1;
+            let (ctx, split) = match opts.ctx_floor {
+                Some(floor) => planner::fit_context(opts.ctx, floor, |c| input(c, opts.kv).0),
+                None => planner::plan(input(opts.ctx, opts.kv).0).map(|s| (opts.ctx, s)),
             }
-        })?;
-        // What a new budget is planned with while the model runs ([`StreamingModel::set_budget`]).
-        let replan_input = input(ctx, opts.kv).0;
+            .map_err(|refused| {
+                match planner::what_fits(opts.ctx, opts.kv, |c, kv| input(c, kv).0) {
+                    Some(flags) => anyhow::anyhow!("{refused}, or run with {flags}"),
+                    None => refused,
+                }
+            })?;
+            // What a new budget is planned with while the model runs
+            // ([`StreamingModel::set_budget`]).
+            let replan_input = input(ctx, opts.kv).0;
+            anyhow::Ok((ctx, split, io_budget, replan_input))
+        };
+        // Certificates that do not earn their bytes even with nothing cached never do (the
+        // minimum budgets are computed without them too); once the plan keeps every dense weight
+        // resident, those that do not earn them at its cache share give their bytes to the cache.
+        drop_certificates(&file, &mut plans, 0.0, sparsity);
+        let (mut ctx, mut split, mut io_budget, mut replan_input) = fit(&plans)?;
+        let share = split.neuron_cache as f64 / split.ffn_total.max(1) as f64;
+        if split.dense_streamed == planner::DenseStreamed::default()
+            && drop_certificates(&file, &mut plans, share, sparsity)
+        {
+            (ctx, split, io_budget, replan_input) = fit(&plans)?;
+        }
+        split.certified_layers = (0..plans.len())
+            .filter(|&l| plans[l].certificate.is_some())
+            .collect();
         let model = Model::norms_only(config.clone(), |name, shape| tensors.vector(name, shape))?;
         let io = Arc::new(IoQueue::new(device));
         let dense = DenseStream::open(&tensors, &config, split.dense_streamed, Arc::clone(&io))?;
@@ -212,7 +229,6 @@ impl StreamingModel {
         let slots = ClusterSlots::new(plans.iter().map(|p| p.clusters.len()));
         let mut engine = StreamEngine::new(
             plans,
-            config.activation,
             sparsity,
             io,
             NeuronCache::new(split.neuron_cache, retention, slots),
@@ -445,6 +461,35 @@ fn check_options(path: &Path, opts: &StreamOptions, layers: usize) -> Result<()>
     Ok(())
 }
 
+/// Drops the certificates that do not earn their bytes ([`planner::keep_certificates`] with a
+/// neuron cache holding `cache_share` of the FFN), and all of them where nothing is certified;
+/// true if any was dropped.
+fn drop_certificates(
+    file: &LsbFile,
+    plans: &mut [plan::LayerPlan],
+    cache_share: f64,
+    sparsity: Sparsity,
+) -> bool {
+    let terms: Vec<planner::CertificateTerm> = plans
+        .iter()
+        .zip(&file.meta.layers)
+        .map(|(p, m)| planner::CertificateTerm {
+            bytes: p.certificate.as_ref().map_or(0, |c| c.bytes() as u64),
+            ffn: p.clusters.iter().map(|c| c.size).sum(),
+            saves: m.certificate_saves.map(f64::from),
+        })
+        .collect();
+    let keep = planner::keep_certificates(&terms, cache_share);
+    let mut dropped = false;
+    for (p, keep) in plans.iter_mut().zip(keep) {
+        if p.certificate.is_some() && (!keep || sparsity != Sparsity::Certified) {
+            p.certificate = None;
+            dropped = true;
+        }
+    }
+    dropped
+}
+
 /// What the planner needs to know about a file; also returns the speculation I/O budget.
 #[allow(clippy::too_many_arguments)] // one plan's inputs, each from a different place
 fn plan_input(
@@ -509,7 +554,9 @@ fn open_plan_input(path: &Path, ctx: usize) -> Result<planner::PlanInput> {
         own: false,
         lookahead: true,
     };
-    let plans = plan::LayerPlan::all(&mut file, uses)?;
+    let mut plans = plan::LayerPlan::all(&mut file, uses)?;
+    // As a run at the minimum keeps them: nothing cached.
+    drop_certificates(&file, &mut plans, 0.0, Sparsity::Certified);
     let sizes = DenseTensors::open(&file)?.sizes(&file.meta.model)?;
     Ok(plan_input(
         &file,

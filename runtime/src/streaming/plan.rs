@@ -7,9 +7,9 @@ use leanstream_format::quant::QuantType;
 use leanstream_format::refine::RefineLayer;
 use leanstream_format::LsbFile;
 
-use crate::certify::SkipSet;
+use crate::certify::Certificate;
 use crate::kernels::bundles::BundleLayout;
-use crate::kernels::QMatrix;
+use crate::skip_rule::{Skip, SkipRule};
 
 use super::predict::QuantPredictor;
 
@@ -30,13 +30,10 @@ pub struct LayerPlan {
     pub clusters: Vec<ClusterRef>,
     /// Cluster of each stored position.
     pub cluster_of: Vec<u32>,
-    /// Skip rule on the exact gate: `|act(g)| ≤ threshold`.
-    pub threshold: f32,
-    pub skip: SkipSet,
-    /// Gate sketch rows (stored order), their error norms and their own norms.
-    pub sketch: QMatrix,
-    pub sketch_err: Vec<f32>,
-    pub sketch_norm: Vec<f32>,
+    /// The file's skip rule and this layer's threshold.
+    pub skip: Skip,
+    /// What proves neurons inactive without their bundles, where the file has it.
+    pub certificate: Option<Certificate>,
     /// The layer's own predictor, resident where it decides something (predicted sparsity).
     pub own: Option<QuantPredictor>,
     /// Otherwise the file offset and size of its record, read for the metrics now and then.
@@ -62,6 +59,14 @@ impl LayerPlan {
         let mut lookahead = std::mem::take(&mut file.predictors.lookahead).into_iter();
         let mut refine = std::mem::take(&mut file.refine.layers).into_iter();
         let c = &file.meta.model;
+        let rule = SkipRule::parse(file.meta.sparsity_rule.as_deref()).ok_or_else(|| {
+            anyhow::anyhow!(
+                "{}: unknown sparsity_rule {:?} in META (this build knows gate and gate_up): \
+                 update leanstream",
+                file.path.display(),
+                file.meta.sparsity_rule
+            )
+        })?;
         let mut plans = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let f = &file.ffn.layers[l];
@@ -84,30 +89,18 @@ impl LayerPlan {
             for (ci, cl) in clusters.iter().enumerate() {
                 cluster_of[cl.first..cl.first + cl.count].fill(ci as u32);
             }
-            let s = &mut file.sketch.layers[l];
-            let sketch = QMatrix::new(
-                f.neurons(),
-                c.hidden_size,
-                s.qtype,
-                std::mem::take(&mut s.rows),
-            )?;
-            let mut row = vec![0.0f32; c.hidden_size];
-            let sketch_norm = (0..f.neurons())
-                .map(|p| {
-                    sketch.dequantize_row(p, &mut row);
-                    row.iter().map(|v| v * v).sum::<f32>().sqrt()
-                })
-                .collect();
-            let threshold = file.meta.layers[l].threshold;
+            let skip = Skip {
+                act: c.activation,
+                rule,
+                threshold: file.meta.layers[l].threshold,
+            };
+            let certificate = Certificate::new(&mut file.sketch.layers[l], skip, f.neurons())?;
             plans.push(LayerPlan {
                 layout: BundleLayout::new(f.qtype, c.hidden_size)?,
                 clusters,
                 cluster_of,
-                threshold,
-                skip: SkipSet::new(c.activation, threshold),
-                sketch,
-                sketch_err: std::mem::take(&mut s.err_norm),
-                sketch_norm,
+                skip,
+                certificate,
                 own: own
                     .next()
                     .filter(|_| uses.own)
@@ -125,7 +118,7 @@ impl LayerPlan {
 
     /// Bytes of the resident per-layer state (sketch, resident predictors, statistics).
     pub fn resident_bytes(&self) -> u64 {
-        (self.sketch.bytes() + 8 * self.sketch_err.len() + 4 * self.cluster_of.len()) as u64
+        (self.certificate.as_ref().map_or(0, Certificate::bytes) + 4 * self.cluster_of.len()) as u64
             + self.predictor_bytes()
             + 8 * self.refine.neuron_freq.len() as u64
             + 12 * self.refine.cluster_freq.len() as u64

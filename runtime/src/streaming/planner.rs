@@ -139,6 +139,9 @@ pub struct MemorySplit {
     pub neuron_cache: u64,
     /// Bytes of all FFN bundles (for "how much of the FFN fits").
     pub ffn_total: u64,
+    /// Layers whose certificate stays resident ([`keep_certificates`]); the others treat every
+    /// uncached cluster as a candidate.
+    pub certified_layers: Vec<usize>,
 }
 
 impl MemorySplit {
@@ -203,6 +206,7 @@ fn fixed_split(p: &PlanInput, streamed: DenseStreamed) -> MemorySplit {
         scratch: p.scratch,
         neuron_cache: 0,
         ffn_total: p.ffn,
+        certified_layers: Vec::new(),
     }
 }
 
@@ -275,6 +279,8 @@ pub fn replan(p: PlanInput, current: &MemorySplit) -> Result<MemorySplit> {
         );
     }
     split.neuron_cache = (budget - split.fixed()).min(p.ffn);
+    // The certificates stay as opened (their bytes are in the fixed part).
+    split.certified_layers = current.certified_layers.clone();
     Ok(split)
 }
 
@@ -372,6 +378,31 @@ pub fn scratch_bytes(c: &ModelConfig) -> u64 {
         + c.intermediate_size * 2) as u64;
     4 * (t * per_token + 2 * c.vocab_size as u64)
         + 4 * t * c.max_position_embeddings.min(2048) as u64
+}
+
+/// One layer's certificate ([K]): its resident bytes, the layer's FFN bytes, and the fraction of
+/// the layer's cluster reads it saves with nothing cached (META `certificate_saves`; unknown in
+/// files before 1.3).
+pub struct CertificateTerm {
+    pub bytes: u64,
+    pub ffn: u64,
+    pub saves: Option<f64>,
+}
+
+/// Which certificates earn their bytes with a neuron cache holding `cache_share` of the FFN.
+/// Without one, exact mode reads every uncached cluster of the layer, so its bytes given to the
+/// cache save as many bytes of reads per token; with it, the layer reads `saves` less of its
+/// uncached part, about `saves · ffn · (1 − cache_share)`. Kept where that is more; a file that
+/// does not say what its certificate saves keeps it.
+pub fn keep_certificates(terms: &[CertificateTerm], cache_share: f64) -> Vec<bool> {
+    let uncached = (1.0 - cache_share).max(0.0);
+    terms
+        .iter()
+        .map(|t| {
+            t.saves
+                .is_none_or(|s| s * t.ffn as f64 * uncached > t.bytes as f64)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -558,6 +589,21 @@ mod tests {
         let err = to(OTHERS + 100 * MIB - 1).unwrap_err().to_string();
         assert!(err.contains("below the 120.00 MiB this run needs"), "{err}");
         assert!(err.contains("a restart would run in 29.00 MiB"), "{err}");
+    }
+
+    #[test]
+    fn a_certificate_is_kept_where_it_saves_more_reads_than_its_bytes_as_cache() {
+        let t = |bytes, saves| CertificateTerm {
+            bytes,
+            ffn: 1000,
+            saves,
+        };
+        // Saving 30 % of a 1000-byte layer beats 100 bytes of cache while little is cached…
+        let terms = [t(100, Some(0.3)), t(100, Some(0.05)), t(100, None)];
+        assert_eq!(keep_certificates(&terms, 0.0), [true, false, true]);
+        // …but not once 70 % of the FFN is cached (it saves 0.3 · 300 = 90 < 100).
+        assert_eq!(keep_certificates(&terms, 0.7), [false, false, true]);
+        assert_eq!(keep_certificates(&terms, 1.5), [false, false, true]);
     }
 
     #[test]
