@@ -14,8 +14,9 @@
 #
 # Environment: TARGETS, OLD (old-rule fractions, default 0.5; empty for none), CALIB_TOKENS,
 # EVAL_BYTES (bytes of each text scored; about 4 bytes per token), CTX, EXTRA_CONVERT (more
-# convert flags), OTHER_TEXT (the second text), BUILD=0 (use the binaries in target/release as
-# they are), OUT (work folder, kept: the .lsb files and every JSON report), LEANSTREAM_SMOLLM2 (the
+# convert flags), OTHER_TEXT (the second text), BIN (folder of the binaries, default
+# target/release), BUILD=0 (use the binaries in BIN as they are), OUT (work folder, kept: the .lsb
+# files and every JSON report), LEANSTREAM_SMOLLM2 (the
 # GGUF; default: the cache that scripts/fetch-smollm2.sh fills).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ CTX=${CTX:-512}
 EXTRA_CONVERT=${EXTRA_CONVERT:-}
 OTHER_TEXT=${OTHER_TEXT:-/usr/share/common-licenses/GPL-3}
 OUT=${OUT:-target/sparsity-quality}
+BIN=${BIN:-target/release}
 
 # Each configuration: NAME:--sparsity value.
 configs() {
@@ -84,7 +86,9 @@ if [[ ! -f $OTHER_TEXT ]]; then
     echo "error: $OTHER_TEXT is missing: set OTHER_TEXT to a text the calibration never saw" >&2
     exit 1
 fi
-[[ ${BUILD:-1} == 0 ]] || cargo build --release -q -p leanstream -p leanstream-prep
+# The test build makes both binaries with the dependencies' features the test suite uses (another
+# selection would compile every dependency again).
+[[ ${BUILD:-1} == 0 ]] || cargo test --release --workspace --no-run -q
 mkdir -p "$OUT"
 head -c "$EVAL_BYTES" data/heldout-head.txt >"$OUT/text-heldout.txt"
 head -c "$EVAL_BYTES" "$OTHER_TEXT" >"$OUT/text-other.txt"
@@ -94,17 +98,17 @@ for c in $(configs); do
     lsb=$OUT/smollm2-q8-$name.lsb
     start=$SECONDS
     # shellcheck disable=SC2086 # EXTRA_CONVERT holds several flags
-    target/release/leanstream-prep convert "$GGUF" -o "$lsb" --quant q8 --sparsity "$c" \
+    "$BIN/leanstream-prep" convert "$GGUF" -o "$lsb" --quant q8 --sparsity "$c" \
         --calib-tokens "$CALIB_TOKENS" $EXTRA_CONVERT --json >"$OUT/convert-$name.json"
     echo "$((SECONDS - start))" >"$OUT/convert-$name.seconds"
-    budget=$(target/release/leanstream-prep inspect "$lsb" --json |
+    budget=$("$BIN/leanstream-prep" inspect "$lsb" --json |
         python3 -c 'import json,sys; v=json.load(sys.stdin); print(v["min_memory_bytes"] + v["ffn_bytes"] // 4)')
     for key in heldout other; do
         for mode in certified predicted; do
-            target/release/leanstream perplexity --model "$lsb" --file "$OUT/text-$key.txt" \
+            "$BIN/leanstream" perplexity --model "$lsb" --file "$OUT/text-$key.txt" \
                 --ctx "$CTX" --sparsity "$mode" --reference dense --json \
                 >"$OUT/ppl-$name-$key-$mode.json"
-            target/release/leanstream perplexity --model "$lsb" --file "$OUT/text-$key.txt" \
+            "$BIN/leanstream" perplexity --model "$lsb" --file "$OUT/text-$key.txt" \
                 --ctx "$CTX" --sparsity "$mode" --memory "$budget" --flash ufs4 --json |
                 python3 -c 'import json,sys
 v = json.load(sys.stdin)

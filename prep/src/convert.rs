@@ -28,7 +28,8 @@ use crate::placement::{cluster_fill, place};
 use crate::profile::Profiler;
 use crate::source::Source;
 use crate::sparsity::{
-    allocate, cost_curve, down_norms, masks, quantile, rescale, scores, SparsityMode,
+    allocate, auto_search, cost_curve, down_norms, level, level_thresholds, masks, quantile,
+    rescale, scores, AutoChoice, SparsityMode,
 };
 use crate::tensors::{dense_specs, ffn_names, quantize_rows};
 use crate::train::{
@@ -73,6 +74,8 @@ pub struct Summary {
     /// The sparse model (`perplexity`) against the dense one (`reference_perplexity`) on the
     /// held-out calibration windows.
     pub quality: leanstream::perplexity::Comparison,
+    /// What `--sparsity auto` chose and measured.
+    pub sparsity_auto: Option<AutoChoice>,
     pub seconds: Phases,
     pub peak_rss_bytes: Option<u64>,
 }
@@ -115,7 +118,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         )))
     })?;
     let (tokenizer, tokenizer_json) = (&source.tokenizer, &source.tokenizer_json);
-    let mode = SparsityMode::parse(&opts.sparsity, config.activation)?;
+    let mut mode = SparsityMode::parse(&opts.sparsity, config.activation)?;
     let rule = mode.rule();
     let with_certificate = opts.certificate.wanted(rule)?;
     check_block_shapes(&config, opts.quant)?;
@@ -141,8 +144,27 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     });
     let mut profiler = Profiler::new(model, &calib)?;
     let t = Instant::now();
-    let fractions = layer_fractions(mode, &mut profiler, &get, &train_rows, opts.progress)?;
+    let (fractions, auto) = layer_fractions(mode, &mut profiler, &get, &train_rows, opts.progress)?;
     phases.allocate = t.elapsed().as_secs_f64();
+    if let Some(a) = &auto {
+        mode = SparsityMode::Target {
+            fraction: a.fraction,
+            allocate: true,
+        };
+        let tried: Vec<String> = a
+            .tried
+            .iter()
+            .map(|(f, c)| format!("{f:.2}: {:+.1} %", 100.0 * c))
+            .collect();
+        eprintln!(
+            "--sparsity auto: target:{:.2}, the largest fraction whose perplexity on the held-out \
+             calibration windows is within {:.0} % of the dense model's ({:+.1} %; tried {})",
+            a.fraction,
+            100.0 * a.max_cost,
+            100.0 * a.cost,
+            tried.join(", ")
+        );
+    }
     let bar = bar(opts.progress, config.num_layers as u64, "layers");
     let mut ffn = FfnIndex::default();
     let (mut predictors, mut sketch, mut refine) =
@@ -171,7 +193,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             rule,
             threshold: thr,
         };
-        profiler.sparse_layer(l, skip);
+        profiler.sparse_layer(l, &[skip]);
         let mask = masks(&score, thr);
         phases.profile += t.elapsed().as_secs_f64();
 
@@ -316,7 +338,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     bar.finish_and_clear();
 
     let t = Instant::now();
-    let quality = profiler.quality();
+    let quality = profiler.quality().remove(0);
     let meta = Meta {
         model: config.clone(),
         dense_quant: opts.quant.name().into(),
@@ -334,6 +356,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             "predictor_rank": rank,
             "epochs": opts.epochs,
             "sparsity_quality": quality,
+            "sparsity_auto": auto,
         }),
         chat_template: source.chat_template.clone(),
         synthetic: None,
@@ -361,6 +384,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         cluster_neurons,
         layers: layer_meta,
         quality,
+        sparsity_auto: auto,
         seconds: phases,
         peak_rss_bytes: leanstream::memory::peak_rss_bytes(),
     })
@@ -397,27 +421,29 @@ fn dense_ffn(gate: &[f32], up: &[f32], down: &[f32], h: usize, n: usize) -> Dens
 
 /// The fraction of neurons each layer skips: none for `relu`, the target everywhere for a uniform
 /// mode, else [`allocate`]d from each layer's cost curve, measured in one dense pass over the
-/// calibration text before the real one.
+/// calibration text before the real one; for `auto`, at the fraction [`auto_search`] picks (then
+/// also returned).
 fn layer_fractions(
     mode: SparsityMode,
     profiler: &mut Profiler,
     get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
     train_rows: &[usize],
     progress: bool,
-) -> Result<Vec<f32>> {
+) -> Result<(Vec<f32>, Option<AutoChoice>)> {
     let c = profiler.model.config().clone();
     let (h, n, layers) = (c.hidden_size, c.intermediate_size, c.num_layers);
     let fraction = match mode {
-        SparsityMode::Relu => return Ok(vec![0.0; layers]),
+        SparsityMode::Relu => return Ok((vec![0.0; layers], None)),
         SparsityMode::Threshold(f)
         | SparsityMode::Target {
             fraction: f,
             allocate: false,
-        } => return Ok(vec![f; layers]),
-        SparsityMode::Target { fraction, .. } => fraction,
+        } => return Ok((vec![f; layers], None)),
+        SparsityMode::Target { fraction, .. } => Some(fraction),
+        SparsityMode::Auto => None,
     };
     let bar = bar(progress, layers as u64, "layers (allocation)");
-    let mut curves = Vec::with_capacity(layers);
+    let (mut curves, mut thresholds) = (Vec::with_capacity(layers), Vec::with_capacity(layers));
     for l in 0..layers {
         let (gate, up, down) = ffn_weights(get, l, h, n, mode.rule())?;
         profiler
@@ -425,6 +451,7 @@ fn layer_fractions(
             .set_ffn(l, Some(dense_ffn(&gate, &up, &down, h, n)));
         let prof = profiler.layer(l);
         let score = scores(mode.rule(), c.activation, &prof.gate, &prof.coef);
+        let t = level_thresholds(&score, n, train_rows);
         curves.push(cost_curve(
             &score,
             &prof.coef,
@@ -432,13 +459,74 @@ fn layer_fractions(
             &prof.residual,
             h,
             train_rows,
+            &t,
         ));
+        thresholds.push(t);
         profiler.model.set_ffn(l, None);
         bar.inc(1);
     }
     bar.finish_and_clear();
+    let auto = match fraction {
+        Some(_) => None,
+        // The profiler now holds the dense model's output on every window.
+        None => Some(auto_search(|fractions| {
+            heldout_costs(
+                profiler,
+                get,
+                mode.rule(),
+                &curves,
+                &thresholds,
+                fractions,
+                progress,
+            )
+        })?),
+    };
     profiler.restart()?;
-    Ok(allocate(&curves, fraction))
+    let fraction = fraction.or(auto.as_ref().map(|a| a.fraction));
+    Ok((allocate(&curves, fraction.expect("set above")), auto))
+}
+
+/// The held-out perplexity cost (`perplexity / dense perplexity − 1`) of each of `fractions`,
+/// [`allocate`]d by `curves` at the `thresholds` of the dense pass that measured them (the ones the
+/// file would get): one pass through the layers with a sparse stream per fraction, after a dense
+/// pass through every layer.
+fn heldout_costs(
+    profiler: &mut Profiler,
+    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+    rule: SkipRule,
+    curves: &[Vec<f64>],
+    thresholds: &[Vec<f32>],
+    fractions: &[f32],
+    progress: bool,
+) -> Result<Vec<f64>> {
+    let c = profiler.model.config().clone();
+    let (h, n) = (c.hidden_size, c.intermediate_size);
+    let allocations: Vec<Vec<f32>> = fractions.iter().map(|&f| allocate(curves, f)).collect();
+    profiler.restart_sparse(fractions.len())?;
+    let bar = bar(progress, c.num_layers as u64, "layers (auto)");
+    for (l, t) in thresholds.iter().enumerate() {
+        let (gate, up, down) = ffn_weights(get, l, h, n, rule)?;
+        profiler
+            .model
+            .set_ffn(l, Some(dense_ffn(&gate, &up, &down, h, n)));
+        let skips: Vec<Skip> = allocations
+            .iter()
+            .map(|a| Skip {
+                act: c.activation,
+                rule,
+                threshold: t[level(a[l])],
+            })
+            .collect();
+        profiler.sparse_layer(l, &skips);
+        profiler.model.set_ffn(l, None);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(profiler
+        .quality()
+        .iter()
+        .map(|q| q.perplexity / q.reference_perplexity - 1.0)
+        .collect())
 }
 
 /// Block types need rows of whole blocks; say so before any work is done.

@@ -27,8 +27,9 @@ pub struct Profiler<'a> {
     calib: &'a Calibration,
     /// Hidden states of every window, dense model.
     dense: Vec<f32>,
-    /// Hidden states of the held-out windows with sub-threshold neurons dropped.
-    sparse: Vec<f32>,
+    /// Hidden states of the held-out windows with sub-threshold neurons dropped, one stream per
+    /// set of thresholds being measured.
+    sparse: Vec<Vec<f32>>,
     cache: KvCache,
 }
 
@@ -46,17 +47,27 @@ impl<'a> Profiler<'a> {
         Ok(p)
     }
 
-    /// Starts again from the embeddings (after a pass that only measured the dense model).
+    /// Starts again from the embeddings (after a pass that only measured the dense model), with
+    /// one sparse stream.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.dense.clear();
-        self.sparse.clear();
-        for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
+        for w in &self.calib.windows {
             let x = self.model.embed(w)?;
-            if held {
-                self.sparse.extend_from_slice(&x);
-            }
             self.dense.extend(x);
         }
+        self.restart_sparse(1)
+    }
+
+    /// Starts `streams` sparse streams again from the embeddings, keeping the dense states (so
+    /// after a dense pass through every layer, [`Profiler::quality`] compares with its output).
+    pub fn restart_sparse(&mut self, streams: usize) -> anyhow::Result<()> {
+        let mut held = Vec::new();
+        for (w, &h) in self.calib.windows.iter().zip(&self.calib.heldout) {
+            if h {
+                held.extend(self.model.embed(w)?);
+            }
+        }
+        self.sparse = vec![held; streams];
         Ok(())
     }
 
@@ -97,52 +108,57 @@ impl<'a> Profiler<'a> {
         }
     }
 
-    /// Runs layer `l` on the held-out windows with every neuron `skip` calls inactive dropped: the
-    /// model as the runtime's sparse policies compute it.
-    pub fn sparse_layer(&mut self, l: usize, skip: Skip) {
+    /// Runs layer `l` on the held-out windows of each sparse stream with every neuron its `skips`
+    /// entry calls inactive dropped: the model as the runtime's sparse policies compute it.
+    pub fn sparse_layer(&mut self, l: usize, skips: &[Skip]) {
+        assert_eq!(skips.len(), self.sparse.len(), "one skip rule per stream");
         let h = self.model.config().hidden_size;
-        let mut row = 0;
-        for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
-            if !held {
-                continue;
-            }
-            let t = w.len();
-            let x = &mut self.sparse[row * h..(row + t) * h];
-            let mut probe = |p: FfnProbe| {
-                for (g, &u) in p.gate.iter_mut().zip(p.up) {
-                    if !skip.active(skip.score(skip.act.apply(*g), u)) {
-                        *g = 0.0;
-                    }
+        for (stream, &skip) in self.sparse.iter_mut().zip(skips) {
+            let mut row = 0;
+            for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
+                if !held {
+                    continue;
                 }
-            };
-            self.model.block(l, 0, x, &mut self.cache, Some(&mut probe));
-            row += t;
+                let t = w.len();
+                let x = &mut stream[row * h..(row + t) * h];
+                let mut probe = |p: FfnProbe| {
+                    for (g, &u) in p.gate.iter_mut().zip(p.up) {
+                        if !skip.active(skip.score(skip.act.apply(*g), u)) {
+                            *g = 0.0;
+                        }
+                    }
+                };
+                self.model.block(l, 0, x, &mut self.cache, Some(&mut probe));
+                row += t;
+            }
         }
     }
 
-    /// Compares the sparse model with the dense one on the held-out windows (call after the last
-    /// layer).
-    pub fn quality(&self) -> Comparison {
+    /// Compares each sparse stream with the dense model on the held-out windows (call after the
+    /// last layer).
+    pub fn quality(&self) -> Vec<Comparison> {
         let c = self.model.config();
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let mut q = ComparisonAccum::default();
+        let mut q: Vec<ComparisonAccum> = self.sparse.iter().map(|_| Default::default()).collect();
         let (mut drow, mut srow) = (0, 0);
         for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
             let t = w.len();
             if held {
                 let ld = self.model.logits(&self.dense[drow * h..(drow + t) * h]);
-                let ls = self.model.logits(&self.sparse[srow * h..(srow + t) * h]);
-                for i in 0..t - 1 {
-                    q.add(
-                        &ls[i * v..(i + 1) * v],
-                        &ld[i * v..(i + 1) * v],
-                        w[i + 1] as usize,
-                    );
+                for (q, stream) in q.iter_mut().zip(&self.sparse) {
+                    let ls = self.model.logits(&stream[srow * h..(srow + t) * h]);
+                    for i in 0..t - 1 {
+                        q.add(
+                            &ls[i * v..(i + 1) * v],
+                            &ld[i * v..(i + 1) * v],
+                            w[i + 1] as usize,
+                        );
+                    }
                 }
                 srow += t;
             }
             drow += t;
         }
-        q.finish()
+        q.iter().map(ComparisonAccum::finish).collect()
     }
 }

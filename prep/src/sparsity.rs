@@ -9,12 +9,20 @@
 //!   TEAL-like: each layer's cost curve (the error its skipped neurons add to the residual stream,
 //!   relative to the stream) is measured on the dense model, and each step of sparsity goes to the
 //!   layer where it costs least until the mean over layers is F.
+//! - `auto` (SwiGLU): `target:F` at the largest F whose held-out perplexity cost against the dense
+//!   model is at most [`AUTO_MAX_COST`] ([`auto_search`]).
 
 use leanstream::config::Activation;
 use leanstream::skip_rule::SkipRule;
 
-/// `auto` for SiLU models: the target the README's quality table supports.
-pub const AUTO_TARGET: f32 = 0.5;
+/// `auto` for SiLU models: the largest target whose perplexity on the held-out calibration windows
+/// is at most this much above the dense model's (with the thresholds the file gets, i.e. what
+/// exact mode computes).
+pub const AUTO_MAX_COST: f64 = 0.02;
+/// `auto`'s search: these fractions first, then the multiples of [`AUTO_STEP`] between the
+/// largest that passes and the next.
+const AUTO_COARSE: [f32; 4] = [0.2, 0.4, 0.6, 0.8];
+const AUTO_STEP: f32 = 0.05;
 /// Allocation step and the largest fraction one layer may be given.
 const STEP: f32 = 0.025;
 const MAX_LAYER_FRACTION: f32 = 0.9;
@@ -30,11 +38,13 @@ pub enum SparsityMode {
     Threshold(f32),
     /// `gate_up` rule, the fraction allocated across layers (`allocate`) or uniform.
     Target { fraction: f32, allocate: bool },
+    /// `gate_up` rule, allocated, at the fraction [`auto_search`] picks.
+    Auto,
 }
 
 impl SparsityMode {
     /// Parses `auto`, `relu`, `threshold:F`, `target:F` or `target-uniform:F` (`auto` is relu for
-    /// ReLU models, else `target:0.5`).
+    /// ReLU models, else [`SparsityMode::Auto`]).
     pub fn parse(s: &str, act: Activation) -> anyhow::Result<Self> {
         let fraction = |prefix: &str| {
             s.strip_prefix(prefix)
@@ -43,10 +53,7 @@ impl SparsityMode {
         };
         match s {
             "auto" if act == Activation::Relu => Ok(Self::Relu),
-            "auto" => Ok(Self::Target {
-                fraction: AUTO_TARGET,
-                allocate: true,
-            }),
+            "auto" => Ok(Self::Auto),
             "relu" if act == Activation::Relu => Ok(Self::Relu),
             "relu" => anyhow::bail!(
                 "--sparsity relu needs a ReLU model; this one uses SiLU: use target:F"
@@ -78,13 +85,14 @@ impl SparsityMode {
     pub fn name(self) -> &'static str {
         match self {
             Self::Relu => "relu",
-            Self::Threshold(_) | Self::Target { .. } => "threshold",
+            Self::Threshold(_) | Self::Target { .. } | Self::Auto => "threshold",
         }
     }
 
+    /// The mean fraction skipped (`None` for `relu`, and for `auto` until it is resolved).
     pub fn target(self) -> Option<f32> {
         match self {
-            Self::Relu => None,
+            Self::Relu | Self::Auto => None,
             Self::Threshold(f) | Self::Target { fraction: f, .. } => Some(f),
         }
     }
@@ -92,9 +100,59 @@ impl SparsityMode {
     pub fn rule(self) -> SkipRule {
         match self {
             Self::Relu | Self::Threshold(_) => SkipRule::Gate,
-            Self::Target { .. } => SkipRule::GateUp,
+            Self::Target { .. } | Self::Auto => SkipRule::GateUp,
         }
     }
+}
+
+/// What `auto` chose and what it measured on the way (fraction, held-out perplexity cost).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AutoChoice {
+    pub fraction: f32,
+    pub cost: f64,
+    pub max_cost: f64,
+    pub tried: Vec<(f32, f64)>,
+}
+
+/// The largest fraction (a multiple of [`AUTO_STEP`], at most the last coarse one) whose cost is
+/// at most [`AUTO_MAX_COST`], taking the cost to grow with the fraction: [`AUTO_COARSE`] first,
+/// then the steps between the largest that passes (or 0) and the next. `costs` measures a batch
+/// of fractions at once (one pass through the model). 0 when none passes.
+pub fn auto_search(
+    mut costs: impl FnMut(&[f32]) -> anyhow::Result<Vec<f64>>,
+) -> anyhow::Result<AutoChoice> {
+    let mut tried: Vec<(f32, f64)> = Vec::new();
+    let mut measure = |fs: &[f32], tried: &mut Vec<(f32, f64)>| -> anyhow::Result<()> {
+        if !fs.is_empty() {
+            tried.extend(fs.iter().copied().zip(costs(fs)?));
+        }
+        Ok(())
+    };
+    measure(&AUTO_COARSE, &mut tried)?;
+    let passes = |tried: &[(f32, f64)]| {
+        tried
+            .iter()
+            .copied()
+            .filter(|&(_, c)| c <= AUTO_MAX_COST)
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+    };
+    let low = passes(&tried).map_or(0.0, |(f, _)| f);
+    let high = AUTO_COARSE
+        .iter()
+        .copied()
+        .find(|&f| f > low)
+        .unwrap_or(low);
+    let steps = ((high - low) / AUTO_STEP).round() as usize;
+    let fine: Vec<f32> = (1..steps).map(|k| low + k as f32 * AUTO_STEP).collect();
+    measure(&fine, &mut tried)?;
+    let (fraction, cost) = passes(&tried).unwrap_or((0.0, 0.0));
+    tried.sort_by(|a, b| a.0.total_cmp(&b.0));
+    Ok(AutoChoice {
+        fraction,
+        cost,
+        max_cost: AUTO_MAX_COST,
+        tried,
+    })
 }
 
 /// At most this many scores are sorted to find a quantile.
@@ -163,9 +221,23 @@ pub fn rescale(up: &mut [f32], down: &mut [f32], norms: &[f32], hidden: usize) {
     }
 }
 
+/// A layer's threshold at every fraction [`allocate`] may give it: `t[k]` skips `k·STEP` of the
+/// training scores (the same [`quantile`] the converter's main pass takes).
+pub fn level_thresholds(scores: &[f32], n: usize, train_rows: &[usize]) -> Vec<f32> {
+    let levels = (MAX_LAYER_FRACTION / STEP).round() as usize;
+    (0..=levels)
+        .map(|k| quantile(scores, n, train_rows, k as f32 * STEP))
+        .collect()
+}
+
+/// The entry of [`level_thresholds`] for a fraction [`allocate`] returned.
+pub fn level(fraction: f32) -> usize {
+    (fraction / STEP).round() as usize
+}
+
 /// One layer's cost of skipping: `cost[k]` is the mean of `‖Σ_{skipped} c_i d_i‖² / ‖residual‖²`
-/// over sampled rows when a fraction `k·STEP` of the neurons is skipped (threshold at that quantile
-/// of the training scores).
+/// over sampled rows when a fraction `k·STEP` of the neurons is skipped (`thresholds[k]`, from
+/// [`level_thresholds`]).
 pub fn cost_curve(
     scores: &[f32],
     coef: &[f32],
@@ -173,12 +245,10 @@ pub fn cost_curve(
     residual: &[f32],
     hidden: usize,
     train_rows: &[usize],
+    thresholds: &[f32],
 ) -> Vec<f64> {
     let n = scores.len() / (residual.len() / hidden);
-    let levels = (MAX_LAYER_FRACTION / STEP).round() as usize;
-    let thresholds: Vec<f32> = (0..=levels)
-        .map(|k| quantile(scores, n, train_rows, k as f32 * STEP))
-        .collect();
+    let levels = thresholds.len() - 1;
     let sample = train_rows.len().div_ceil(CURVE_ROWS).max(1);
     let mut cost = vec![0.0f64; levels + 1];
     let mut buckets = vec![0.0f32; (levels + 1) * hidden];
@@ -310,9 +380,37 @@ mod tests {
         let down: Vec<f32> = (0..h * n).map(|i| ((i * 5) % 7) as f32 / 7.0).collect();
         let residual = vec![1.0f32; rows * h];
         let train: Vec<usize> = (0..rows).collect();
-        let c = cost_curve(&s, &coef, &down, &residual, h, &train);
+        let t = level_thresholds(&s, n, &train);
+        let c = cost_curve(&s, &coef, &down, &residual, h, &train, &t);
         assert_eq!(c[0], 0.0);
         assert!(*c.last().unwrap() > 0.0);
+    }
+
+    /// `auto` finds the largest multiple of 0.05 within the cost, in two batches, and 0 when
+    /// nothing is cheap enough.
+    #[test]
+    fn auto_picks_the_largest_fraction_within_the_cost() {
+        let mut batches = Vec::new();
+        // cost = f²/10: 0.4 costs 0.016, 0.45 costs 0.02025.
+        let c = auto_search(|fs| {
+            batches.push(fs.to_vec());
+            Ok(fs.iter().map(|&f| (f as f64).powi(2) / 10.0).collect())
+        })
+        .unwrap();
+        assert!((c.fraction - 0.4).abs() < 1e-6, "{c:?}");
+        assert!((c.cost - 0.016).abs() < 1e-6, "{c:?}");
+        assert_eq!(batches.len(), 2);
+        assert_eq!(batches[1].len(), 3, "{batches:?}");
+        assert!(c.tried.windows(2).all(|w| w[0].0 < w[1].0), "{c:?}");
+        // Steeper: only 0.05 and 0.1 fit under 0.2.
+        let c = auto_search(|fs| Ok(fs.iter().map(|&f| f as f64 * 0.15).collect())).unwrap();
+        assert!((c.fraction - 0.1).abs() < 1e-6, "{c:?}");
+        // Nothing fits: dense.
+        let c = auto_search(|fs| Ok(vec![1.0; fs.len()])).unwrap();
+        assert_eq!(c.fraction, 0.0);
+        // Everything fits: the largest coarse fraction.
+        let c = auto_search(|fs| Ok(vec![0.0; fs.len()])).unwrap();
+        assert!((c.fraction - 0.8).abs() < 1e-6, "{c:?}");
     }
 
     #[test]
@@ -323,10 +421,7 @@ mod tests {
         );
         assert_eq!(
             SparsityMode::parse("auto", Activation::Silu).unwrap(),
-            SparsityMode::Target {
-                fraction: AUTO_TARGET,
-                allocate: true
-            }
+            SparsityMode::Auto
         );
         assert_eq!(
             SparsityMode::parse("threshold:0.7", Activation::Silu).unwrap(),

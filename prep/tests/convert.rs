@@ -402,3 +402,64 @@ fn hub_ids_resolve_from_the_offline_cache() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("HF_HUB_OFFLINE"), "{}", stderr(&o));
 }
+
+/// `--sparsity auto` on a SwiGLU model: the largest measured fraction within 2 % of the dense
+/// held-out perplexity, the next step above it over, said on stderr, and the file's own held-out
+/// check of the chosen thresholds gives the very cost the search measured.
+#[test]
+fn auto_sparsity_picks_the_largest_fraction_within_two_percent() {
+    let (name, spec) = models().remove(1);
+    let dir = leanstream_tests::fresh_dir(&scratch(), "auto");
+    write_tiny_model(&dir, &spec).unwrap();
+    let out = scratch().join(format!("{name}-auto.lsb"));
+    let o = prep(&[
+        "convert",
+        dir.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--calib-tokens",
+        "2048",
+        "--epochs",
+        "1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--sparsity auto: target:"),
+        "{}",
+        stderr(&o)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let auto = &v["sparsity_auto"];
+    let (f, cost) = (
+        auto["fraction"].as_f64().unwrap(),
+        auto["cost"].as_f64().unwrap(),
+    );
+    assert!(cost <= 0.02, "{auto}");
+    let tried: Vec<(f64, f64)> = auto["tried"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t[0].as_f64().unwrap(), t[1].as_f64().unwrap()))
+        .collect();
+    // Every fraction tried above the choice costs more than 2 %, and the one just above is tried.
+    assert!(
+        tried.iter().all(|&(g, c)| g <= f + 1e-6 || c > 0.02),
+        "{auto}"
+    );
+    if f < 0.8 - 1e-6 {
+        assert!(
+            tried.iter().any(|&(g, _)| (g - f - 0.05).abs() < 1e-6),
+            "{auto}"
+        );
+    }
+    let q = &v["quality"];
+    let own = q["perplexity"].as_f64().unwrap() / q["reference_perplexity"].as_f64().unwrap() - 1.0;
+    assert_eq!(own, cost, "the file's thresholds are the ones measured");
+    let file = LsbFile::open(&out).unwrap();
+    assert_eq!(
+        file.meta.sparsity_target.map(f64::from),
+        Some(f as f32 as f64)
+    );
+    assert_eq!(file.meta.sparsity_rule.as_deref(), Some("gate_up"));
+}
