@@ -369,3 +369,46 @@ fn a_budget_below_the_minimum_says_the_minimum() {
     let o = run(&file, &["--memory", "0"]);
     assert_eq!(o.status.code(), Some(2), "a zero budget is a usage error");
 }
+
+/// A prompt of several chunks under budgets whose cache holds part of the FFN, speculating on
+/// every token: a cluster resident when a chunk's layer is refined can be evicted by a read
+/// offered to the cache before its turn (the engine then reads it again; it used to panic).
+/// Every run gives `resident`'s text.
+#[test]
+fn a_long_prompt_with_a_partly_cached_ffn_equals_resident() {
+    let file = embedded("q8");
+    let split = leanstream::streaming::memory_split(&file, 1024).unwrap();
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/heldout-head.txt"),
+    )
+    .unwrap();
+    let prompt: String = text.chars().take(2000).collect();
+    let run = |extra: &[String]| {
+        let o = Command::new(bin("leanstream"))
+            .arg("run")
+            .arg("--model")
+            .arg(&file)
+            .args(["-p", &prompt, "-n", "2", "--temp", "0", "--ctx", "1024"])
+            .args(["--flash", "ufs4", "--always-lookahead", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(v["prompt_tokens"].as_u64().unwrap() > 256, "one chunk only");
+        v["text"].as_str().unwrap().to_string()
+    };
+    let resident = run(&["--policy".into(), "resident".into()]);
+    for k in 1..=6 {
+        let budget = split.fixed() + split.ffn_total * k / 16;
+        assert_eq!(
+            run(&["--memory".into(), budget.to_string()]),
+            resident,
+            "budget {budget}"
+        );
+    }
+}

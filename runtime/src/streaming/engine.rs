@@ -679,7 +679,15 @@ impl StreamEngine {
                 let key = (l as u32, ci as u32);
                 let read = match self.core.resident(key) {
                     Some(_) => None,
-                    None => Some(self.core.take(key)?),
+                    None => {
+                        if !self.core.is_pending(key) {
+                            // Resident when the chunk was refined, then evicted by a read offered
+                            // to the cache since (this chunk's, or a speculative one): read again.
+                            self.core.request(key, URGENT);
+                            self.core.metrics.late_reads += 1;
+                        }
+                        Some(self.core.take(key)?)
+                    }
                 };
                 let core = &self.core;
                 let bytes = match &read {
