@@ -180,10 +180,13 @@ impl StreamingModel {
             let replan_input = input(ctx, opts.kv).0;
             anyhow::Ok((ctx, split, io_budget, replan_input))
         };
-        // Certificates that do not earn their bytes even with nothing cached never do (the
-        // minimum budgets are computed without them too); once the plan keeps every dense weight
-        // resident, those that do not earn them at its cache share give their bytes to the cache.
-        drop_certificates(&file, &mut plans, 0.0, sparsity);
+        // Opening the file decodes every certificate, so the plan (and the minimum it states)
+        // counts them: a budget that cannot hold them cannot hold the peak of opening. Predicted
+        // sparsity uses none. Once the plan keeps every dense weight resident, the certificates
+        // that do not earn their bytes at its cache share give them to the cache.
+        if sparsity != Sparsity::Certified {
+            drop_certificates(&file, &mut plans, 0.0, sparsity);
+        }
         let (mut ctx, mut split, mut io_budget, mut replan_input) = fit(&plans)?;
         let share = split.neuron_cache as f64 / split.ffn_total.max(1) as f64;
         if split.dense_streamed == planner::DenseStreamed::default()
@@ -554,9 +557,7 @@ fn open_plan_input(path: &Path, ctx: usize) -> Result<planner::PlanInput> {
         own: false,
         lookahead: true,
     };
-    let mut plans = plan::LayerPlan::all(&mut file, uses)?;
-    // As a run at the minimum keeps them: nothing cached.
-    drop_certificates(&file, &mut plans, 0.0, Sparsity::Certified);
+    let plans = plan::LayerPlan::all(&mut file, uses)?;
     let sizes = DenseTensors::open(&file)?.sizes(&file.meta.model)?;
     Ok(plan_input(
         &file,
