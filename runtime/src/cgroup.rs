@@ -160,61 +160,15 @@ impl Drop for MemoryGroup {
     }
 }
 
-/// The directory of this process's own v1 memory group.
+/// The directory of this process's own v1 memory group (found as `--memory auto` finds it).
 fn own_memory_group() -> io::Result<PathBuf> {
-    let unavailable = |what: String| {
-        io::Error::new(
-            io::ErrorKind::Unsupported,
-            format!("no cgroup v1 memory controller: {what}"),
-        )
-    };
-    let cgroups = std::fs::read_to_string("/proc/self/cgroup")?;
-    let relative = cgroups
-        .lines()
-        .find_map(|line| {
-            // Lines are `id:controllers:path`.
-            let mut fields = line.splitn(3, ':');
-            let controllers = fields.nth(1)?;
-            let path = fields.next()?;
-            controllers
-                .split(',')
-                .any(|c| c == "memory")
-                .then(|| path.trim_start_matches('/').to_string())
+    crate::elastic::Groups::of_this_process()?
+        .v1()
+        .map(Path::to_path_buf)
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::Unsupported,
+                "no cgroup v1 memory controller: this process's memory cgroup is v2",
+            )
         })
-        .ok_or_else(|| unavailable("/proc/self/cgroup lists no memory hierarchy".into()))?;
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
-    let mount = memory_mount(&mountinfo)
-        .ok_or_else(|| unavailable("no cgroup mount with the memory option".into()))?;
-    Ok(mount.join(relative))
-}
-
-/// The mount point of the v1 `memory` hierarchy in `/proc/self/mountinfo` text.
-fn memory_mount(mountinfo: &str) -> Option<PathBuf> {
-    mountinfo.lines().find_map(|line| {
-        // Fields: id parent dev root mountpoint options [optional…] - fstype source superoptions
-        let (left, right) = line.split_once(" - ")?;
-        let mut right = right.split(' ');
-        let (fstype, _source, options) = (right.next()?, right.next()?, right.next()?);
-        if fstype == "cgroup" && options.split(',').any(|o| o == "memory") {
-            left.split(' ').nth(4).map(PathBuf::from)
-        } else {
-            None
-        }
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn finds_the_memory_mount() {
-        let info = "31 24 0:27 / /sys/fs/cgroup/cpu rw,relatime shared:9 - cgroup cgroup rw,cpu\n\
-                    35 24 0:31 / /sys/fs/cgroup/memory rw,relatime shared:13 - cgroup cgroup rw,memory\n";
-        assert_eq!(
-            memory_mount(info),
-            Some(PathBuf::from("/sys/fs/cgroup/memory"))
-        );
-        assert_eq!(memory_mount("22 1 0:20 / /sys rw - sysfs sysfs rw\n"), None);
-    }
 }

@@ -66,6 +66,11 @@ impl Groups {
         Ok(Self { v1, v2 })
     }
 
+    /// The v1 memory group's directory, where there is one.
+    pub fn v1(&self) -> Option<&Path> {
+        self.v1.as_deref()
+    }
+
     /// The limit and usage now. A level whose files cannot be read (a container often hides its
     /// parents) is skipped.
     pub fn read(&self) -> io::Result<GroupMemory> {
