@@ -14,7 +14,7 @@ pub const MAGIC: [u8; 8] = *b"LEANSTRM";
 pub const VERSION_MAJOR: u16 = 1;
 /// The highest minor version this build knows; a writer writes the lowest one its features need
 /// ([`SectionKind::since_minor`], [`ContainerWriter::require_minor`]).
-pub const VERSION_MINOR: u16 = 3;
+pub const VERSION_MINOR: u16 = 5;
 /// The minor version of a file that uses no later feature.
 const BASE_MINOR: u16 = 1;
 const SECTION_TABLE_OFFSET: usize = 32;
@@ -49,10 +49,13 @@ pub enum SectionKind {
     Refine = 9,
     /// Optional (since 1.2): a compact byte-level BPE tokenizer.
     BpeVocab = 10,
+    /// A mixture of experts' experts (since 1.5), present with [`SectionKind::ExpertData`].
+    ExpertIndex = 11,
+    ExpertData = 12,
 }
 
 impl SectionKind {
-    pub const ALL: [SectionKind; 10] = [
+    pub const ALL: [SectionKind; 12] = [
         SectionKind::Meta,
         SectionKind::Tokenizer,
         SectionKind::DenseIndex,
@@ -63,6 +66,8 @@ impl SectionKind {
         SectionKind::Sketch,
         SectionKind::Refine,
         SectionKind::BpeVocab,
+        SectionKind::ExpertIndex,
+        SectionKind::ExpertData,
     ];
 
     pub fn from_u32(v: u32) -> Option<Self> {
@@ -81,6 +86,8 @@ impl SectionKind {
             SectionKind::Sketch => "SKETCH",
             SectionKind::Refine => "REFINE",
             SectionKind::BpeVocab => "BPE_VOCAB",
+            SectionKind::ExpertIndex => "EXPERT_INDEX",
+            SectionKind::ExpertData => "EXPERT_DATA",
         }
     }
 
@@ -88,6 +95,7 @@ impl SectionKind {
     pub fn since_minor(self) -> u16 {
         match self {
             SectionKind::BpeVocab => 2,
+            SectionKind::ExpertIndex | SectionKind::ExpertData => 5,
             _ => BASE_MINOR,
         }
     }

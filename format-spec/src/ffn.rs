@@ -57,6 +57,75 @@ impl FfnLayer {
     pub fn cluster_of(&self, p: u32) -> usize {
         self.clusters.partition_point(|c| c.first + c.count <= p)
     }
+
+    /// Appends the layer record (FORMAT.md §6.2): an FFN_INDEX layer, or an expert (§6.5).
+    pub(crate) fn encode(&self, e: &mut Enc) {
+        e.u32(self.perm.len() as u32);
+        e.u32(self.qtype as u32);
+        e.u32(self.hidden);
+        e.u32(self.clusters.len() as u32);
+        e.u32s(&self.perm);
+        for c in &self.clusters {
+            e.u32(c.first);
+            e.u32(c.count);
+            e.u64(c.offset);
+            e.u64(c.extent_size);
+            e.u64(c.checksum);
+        }
+    }
+
+    /// Decodes one layer record and checks it: `perm` is a permutation and the clusters cover the
+    /// stored positions in order with extents that start at `*next` within their data section
+    /// (advanced past them). `what` names the record in errors (`layer 3`, `layer 3 expert 5`).
+    pub(crate) fn decode(d: &mut Dec, what: &str, next: &mut u64) -> Result<Self, FormatError> {
+        let neurons = d.count(4)?;
+        let qtype = QuantType::from_u32(d.u32()?)?;
+        let hidden = d.u32()?;
+        row_bytes(qtype, hidden as usize)?;
+        let n_clusters = d.count(32)?;
+        let perm = d.u32s(neurons)?;
+        let mut seen = vec![false; neurons];
+        for &o in &perm {
+            match seen.get_mut(o as usize) {
+                Some(s) if !*s => *s = true,
+                _ => return Err(d.invalid(format!("{what}: the permutation is invalid"))),
+            }
+        }
+        let mut clusters = Vec::with_capacity(n_clusters);
+        let mut first = 0u32;
+        let bundle = 3 * row_bytes(qtype, hidden as usize)? as u64;
+        for ci in 0..n_clusters {
+            let c = Cluster {
+                first: d.u32()?,
+                count: d.u32()?,
+                offset: d.u64()?,
+                extent_size: d.u64()?,
+                checksum: d.u64()?,
+            };
+            if c.first != first
+                || c.count == 0
+                || c.count as usize > neurons - first as usize
+                || c.offset != *next
+                || c.extent_size != page_align(c.count as u64 * bundle)
+            {
+                return Err(d.invalid(format!("{what} cluster {ci} has an inconsistent extent")));
+            }
+            first += c.count;
+            *next = next
+                .checked_add(c.extent_size)
+                .ok_or_else(|| d.invalid("extent overflow"))?;
+            clusters.push(c);
+        }
+        if first as usize != neurons {
+            return Err(d.invalid(format!("{what}: clusters do not cover every neuron")));
+        }
+        Ok(Self {
+            qtype,
+            hidden,
+            perm,
+            clusters,
+        })
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -77,18 +146,7 @@ impl FfnIndex {
         let mut e = Enc::default();
         e.u32(self.layers.len() as u32);
         for l in &self.layers {
-            e.u32(l.perm.len() as u32);
-            e.u32(l.qtype as u32);
-            e.u32(l.hidden);
-            e.u32(l.clusters.len() as u32);
-            e.u32s(&l.perm);
-            for c in &l.clusters {
-                e.u32(c.first);
-                e.u32(c.count);
-                e.u64(c.offset);
-                e.u64(c.extent_size);
-                e.u64(c.checksum);
-            }
+            l.encode(&mut e);
         }
         e.buf
     }
@@ -100,55 +158,7 @@ impl FfnIndex {
         let mut layers = Vec::with_capacity(n_layers);
         let mut next = 0u64;
         for li in 0..n_layers {
-            let neurons = d.count(4)?;
-            let qtype = QuantType::from_u32(d.u32()?)?;
-            let hidden = d.u32()?;
-            row_bytes(qtype, hidden as usize)?;
-            let n_clusters = d.count(32)?;
-            let perm = d.u32s(neurons)?;
-            let mut seen = vec![false; neurons];
-            for &o in &perm {
-                match seen.get_mut(o as usize) {
-                    Some(s) if !*s => *s = true,
-                    _ => return Err(d.invalid(format!("layer {li}: the permutation is invalid"))),
-                }
-            }
-            let mut clusters = Vec::with_capacity(n_clusters);
-            let mut first = 0u32;
-            let bundle = 3 * row_bytes(qtype, hidden as usize)? as u64;
-            for ci in 0..n_clusters {
-                let c = Cluster {
-                    first: d.u32()?,
-                    count: d.u32()?,
-                    offset: d.u64()?,
-                    extent_size: d.u64()?,
-                    checksum: d.u64()?,
-                };
-                if c.first != first
-                    || c.count == 0
-                    || c.count as usize > neurons - first as usize
-                    || c.offset != next
-                    || c.extent_size != page_align(c.count as u64 * bundle)
-                {
-                    return Err(d.invalid(format!(
-                        "layer {li} cluster {ci} has an inconsistent extent"
-                    )));
-                }
-                first += c.count;
-                next = next
-                    .checked_add(c.extent_size)
-                    .ok_or_else(|| d.invalid("extent overflow"))?;
-                clusters.push(c);
-            }
-            if first as usize != neurons {
-                return Err(d.invalid(format!("layer {li}: clusters do not cover every neuron")));
-            }
-            layers.push(FfnLayer {
-                qtype,
-                hidden,
-                perm,
-                clusters,
-            });
+            layers.push(FfnLayer::decode(d, &format!("layer {li}"), &mut next)?);
         }
         if next != data_len {
             return Err(FormatError::invalid(

@@ -11,6 +11,7 @@ use crate::bpe_vocab::BpeVocab;
 use crate::codec::Dec;
 use crate::container::{checksum, read_at, Encoding, Header, SectionEntry, SectionKind, PAGE};
 use crate::dense::{DenseIndex, DenseTensor};
+use crate::expert::ExpertIndex;
 use crate::ffn::FfnIndex;
 use crate::meta::Meta;
 use crate::predictor::{PredictorInput, Predictors};
@@ -30,8 +31,11 @@ pub struct LsbFile {
     pub predictors: Predictors,
     pub sketch: Sketch,
     pub refine: Refine,
+    /// The experts of a mixture (format 1.5); empty for a dense model.
+    pub experts: ExpertIndex,
     dense_data: SectionEntry,
     ffn_data: SectionEntry,
+    expert_data: Option<SectionEntry>,
 }
 
 impl LsbFile {
@@ -109,6 +113,20 @@ impl LsbFile {
             SectionKind::Refine,
             Refine::decode,
         )?;
+        let expert_data = header.section(SectionKind::ExpertData).copied();
+        let experts = match (header.section(SectionKind::ExpertIndex), expert_data) {
+            (None, None) => ExpertIndex::default(),
+            (Some(_), Some(data)) => {
+                read_section(&mut file, path, &header, SectionKind::ExpertIndex, |d| {
+                    ExpertIndex::decode(d, data.length)
+                })?
+            }
+            _ => {
+                return Err(missing(
+                    "EXPERT_INDEX or EXPERT_DATA (one without the other)",
+                ))
+            }
+        };
         let f = Self {
             path: path.to_path_buf(),
             header,
@@ -119,8 +137,10 @@ impl LsbFile {
             predictors,
             sketch,
             refine,
+            experts,
             dense_data,
             ffn_data,
+            expert_data,
         };
         f.cross_check()?;
         Ok(f)
@@ -139,14 +159,32 @@ impl LsbFile {
         if self.meta.layers.len() != layers {
             return bad("META's layer list");
         }
+        // A mixture's layers keep their experts apart (1.5): their FFN_INDEX layer is empty, and
+        // every layer's per-neuron side data may be empty.
+        let neurons = |l: usize| {
+            if c.is_moe_layer(l) {
+                0
+            } else {
+                c.intermediate_size
+            }
+        };
+        let may_be_empty = c.moe.is_some();
         if self.ffn.layers.len() != layers
             || self
                 .ffn
                 .layers
                 .iter()
-                .any(|l| l.neurons() != c.intermediate_size || l.hidden as usize != c.hidden_size)
+                .enumerate()
+                .any(|(i, l)| l.neurons() != neurons(i) || l.hidden as usize != c.hidden_size)
         {
             return bad("FFN_INDEX");
+        }
+        match self.expert_data {
+            Some(_) => self.experts.check(c)?,
+            None if c.moe.is_some() => {
+                return Err(missing("EXPERT_INDEX (the model is a mixture of experts)"))
+            }
+            None => {}
         }
         if self.sketch.layers.len() != layers
             || self.sketch.layers.iter().any(|l| {
@@ -160,9 +198,16 @@ impl LsbFile {
         let p = &self.predictors;
         if p.own.len() != layers
             || p.lookahead.len() != layers
-            || p.own.iter().chain(&p.lookahead).any(|q| {
-                q.input_dim as usize != c.hidden_size || q.outputs as usize != c.intermediate_size
-            })
+            || p.own
+                .iter()
+                .zip(&p.lookahead)
+                .enumerate()
+                .flat_map(|(l, (o, a))| [(l, o), (l, a)])
+                .any(|(l, q)| {
+                    let empty = may_be_empty && q.rank == 0 && q.outputs == 0;
+                    q.input_dim as usize != c.hidden_size
+                        || (q.outputs as usize != neurons(l) && !empty)
+                })
             || p.own
                 .iter()
                 .enumerate()
@@ -181,7 +226,10 @@ impl LsbFile {
                 .iter()
                 .zip(&self.ffn.layers)
                 .any(|(r, f)| {
-                    r.cluster_freq.len() != f.clusters.len() || r.neuron_freq.len() != f.neurons()
+                    let empty =
+                        may_be_empty && r.cluster_freq.is_empty() && r.neuron_freq.is_empty();
+                    (r.cluster_freq.len() != f.clusters.len() || r.neuron_freq.len() != f.neurons())
+                        && !empty
                 })
         {
             return bad("REFINE");
@@ -198,6 +246,25 @@ impl LsbFile {
     pub fn cluster_extent(&self, layer: usize, cluster: usize) -> (u64, u64) {
         let c = &self.ffn.layers[layer].clusters[cluster];
         (self.ffn_data.offset + c.offset, c.extent_size)
+    }
+
+    /// File offset and size of cluster `cluster` of expert `expert` of layer `layer` (1.5).
+    pub fn expert_cluster_extent(&self, layer: usize, expert: usize, cluster: usize) -> (u64, u64) {
+        let c = &self.experts.layers[layer][expert].clusters[cluster];
+        (self.expert_data_offset() + c.offset, c.extent_size)
+    }
+
+    /// File offset and size of expert `expert` of layer `layer`: its clusters' extents, which
+    /// follow each other, so one read fetches the whole expert (1.5).
+    pub fn expert_extent(&self, layer: usize, expert: usize) -> (u64, u64) {
+        let (offset, size) = self.experts.expert_range(layer, expert);
+        (self.expert_data_offset() + offset, size)
+    }
+
+    fn expert_data_offset(&self) -> u64 {
+        self.expert_data
+            .expect("a file with experts has EXPERT_DATA")
+            .offset
     }
 
     /// Reads a dense tensor (checked against its checksum); returns its encoded data.
@@ -361,6 +428,18 @@ pub fn verify(path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<u64, Fo
                 for (c, cluster) in layer.clusters.iter().enumerate() {
                     let check = (format!("layer {l} cluster {c}"), cluster.checksum);
                     pieces.push((f.cluster_extent(l, c), Some(check)));
+                }
+            }
+        } else if s.kind == SectionKind::ExpertData as u32 {
+            for (l, experts) in f.experts.layers.iter().enumerate() {
+                for (e, expert) in experts.iter().enumerate() {
+                    for (c, cluster) in expert.clusters.iter().enumerate() {
+                        let check = (
+                            format!("layer {l} expert {e} cluster {c}"),
+                            cluster.checksum,
+                        );
+                        pieces.push((f.expert_cluster_extent(l, e, c), Some(check)));
+                    }
                 }
             }
         } else {

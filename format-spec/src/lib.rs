@@ -8,6 +8,7 @@ mod codec;
 pub mod container;
 pub mod dense;
 pub mod error;
+pub mod expert;
 pub mod ffn;
 pub mod file;
 pub mod meta;

@@ -82,6 +82,22 @@ pub struct LayerMeta {
     /// avoids on the held-out split (format 1.3; absent when the layer has no certificate).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub certificate_saves: Option<f32>,
+    /// How the layer's router chose experts on the calibration text (format 1.5; only in a
+    /// mixture-of-experts layer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing: Option<Routing>,
+}
+
+/// A mixture layer's routing profile on the converter's held-out split (FORMAT.md §4.2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Routing {
+    /// Per expert, the fraction of tokens that chose it (they sum to `experts_per_token`).
+    pub expert_freq: Vec<f32>,
+    /// Of the experts a token chose, the fraction the previous token of its window also chose.
+    pub token_reuse: f32,
+    /// Of the experts a token chose, the fraction found by this layer's router applied to the
+    /// residual entering the layer (normalised with the layer's FFN norm), before its attention.
+    pub lookahead_recall: f32,
 }
 
 impl Meta {
@@ -89,7 +105,10 @@ impl Meta {
     pub fn minor_version(&self) -> u16 {
         let v13 = self.sparsity_rule.is_some()
             || self.layers.iter().any(|l| l.certificate_saves.is_some());
-        if v13 {
+        let v15 = self.model.moe.is_some() || self.layers.iter().any(|l| l.routing.is_some());
+        if v15 {
+            5
+        } else if v13 {
             3
         } else {
             1

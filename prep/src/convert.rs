@@ -328,6 +328,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             cluster_fill_unordered: fill_unordered,
             activity: Some(activity::measure(&mask, n, &eval_rows, &eval_prev, perm)),
             certificate_saves,
+            routing: None,
         });
         cluster_neurons.push(cluster_size);
         prev_residual = Some(prof.residual);

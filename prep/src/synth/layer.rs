@@ -362,6 +362,7 @@ pub fn build(p: &Params, lay: &Layout, inp: &Inputs, t: &Target) -> anyhow::Resu
             &identity,
         )),
         certificate_saves: None,
+        routing: None,
     };
 
     // Bundles: gate (with bias), a random up row, a tiny random down column.
