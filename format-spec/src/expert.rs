@@ -9,6 +9,11 @@ use crate::ffn::FfnLayer;
 use crate::model_config::ModelConfig;
 use crate::FormatError;
 
+/// The DENSE_INDEX name of mixture layer `l`'s router (FORMAT.md §5.3).
+pub fn router_name(l: usize) -> String {
+    format!("model.layers.{l}.mlp.gate.weight")
+}
+
 /// Per layer, its experts in expert order (none for a layer whose FFN is dense).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ExpertIndex {

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use leanstream::config::ModelConfig;
 use leanstream::kernels::{Matrix, Weight};
@@ -64,6 +64,8 @@ pub struct Summary {
     pub file_bytes: u64,
     pub dense_bytes: u64,
     pub ffn_bytes: u64,
+    /// Bytes of a mixture's experts' bundles (0 for a dense model).
+    pub expert_bytes: u64,
     pub quant: String,
     pub sparsity_mode: String,
     pub sparsity_rule: String,
@@ -72,8 +74,8 @@ pub struct Summary {
     pub cluster_neurons: Vec<usize>,
     pub layers: Vec<LayerMeta>,
     /// The sparse model (`perplexity`) against the dense one (`reference_perplexity`) on the
-    /// held-out calibration windows.
-    pub quality: leanstream::perplexity::Comparison,
+    /// held-out calibration windows; none for a mixture of experts (nothing is made sparse).
+    pub quality: Option<leanstream::perplexity::Comparison>,
     /// What `--sparsity auto` chose and measured.
     pub sparsity_auto: Option<AutoChoice>,
     pub seconds: Phases,
@@ -101,11 +103,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let source = Source::open(&opts.model_dir)?;
     let config = source.config.clone();
     if config.moe.is_some() {
-        bail!(
-            "{}: a mixture of experts cannot be converted yet (its file format is still to come); \
-             run the Hugging Face directory or GGUF file itself, resident (without --memory)",
-            opts.model_dir.display()
-        );
+        phases.load = t.elapsed().as_secs_f64();
+        return crate::convert_moe::convert(opts, source, phases);
     }
     let get = |name: &str, shape: &[usize]| source.tensor(name, shape);
     // Dense weights only: the FFNs are loaded one layer at a time below, so peak memory is the
@@ -377,6 +376,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         output: opts.output.clone(),
         dense_bytes: dense.data_bytes(),
         ffn_bytes: ffn.bundle_bytes(),
+        expert_bytes: 0,
         quant: opts.quant.name().into(),
         sparsity_mode: mode.name().into(),
         sparsity_rule: rule.name().into(),
@@ -384,7 +384,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         heldout_tokens: eval_rows.len(),
         cluster_neurons,
         layers: layer_meta,
-        quality,
+        quality: Some(quality),
         sparsity_auto: auto,
         seconds: phases,
         peak_rss_bytes: leanstream::memory::peak_rss_bytes(),
@@ -557,7 +557,7 @@ pub(crate) fn check_block_shapes(c: &ModelConfig, q: QuantType) -> Result<()> {
     Ok(())
 }
 
-fn write_dense(
+pub(crate) fn write_dense(
     writer: &mut ContainerWriter,
     config: &ModelConfig,
     quant: QuantType,
@@ -566,8 +566,8 @@ fn write_dense(
     writer.begin_section(SectionKind::DenseData);
     let mut index = DenseIndex::default();
     for spec in dense_specs(config) {
-        let data = get(&spec.name, &spec.shape)?;
-        let qtype = if spec.is_vector() {
+        let data = get(&spec.source, &spec.shape)?;
+        let qtype = if spec.stays_f32() {
             QuantType::F32
         } else {
             quant

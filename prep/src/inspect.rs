@@ -125,13 +125,37 @@ pub fn describe(f: &LsbFile) -> Value {
         .layers
         .iter()
         .zip(&f.ffn.layers)
-        .map(|(lm, fl)| {
+        .enumerate()
+        .map(|(l, (lm, fl))| {
             let mut v = serde_json::to_value(lm).expect("serialisable");
-            v["clusters"] = fl.clusters.len().into();
-            v["neurons_per_cluster"] = fl.clusters.first().map_or(0, |c| c.count).into();
+            // A mixture layer's clusters are its experts'.
+            let experts = f.experts.layers.get(l).map_or(&[][..], Vec::as_slice);
+            let first = experts.first().unwrap_or(fl);
+            v["clusters"] = (fl.clusters.len()
+                + experts.iter().map(|x| x.clusters.len()).sum::<usize>())
+            .into();
+            v["neurons_per_cluster"] = first.clusters.first().map_or(0, |c| c.count).into();
+            v["experts"] = experts.len().into();
             v
         })
         .collect();
+    let mixture = m.model.moe.is_some();
+    let experts = m.model.moe.as_ref().map(|moe| {
+        let sizes: Vec<u64> = (0..f.experts.layers.len())
+            .flat_map(|l| (0..f.experts.layers[l].len()).map(move |e| (l, e)))
+            .map(|(l, e)| f.expert_extent(l, e).1)
+            .collect();
+        json!({
+            "num_experts": moe.num_experts,
+            "experts_per_token": moe.experts_per_token,
+            "expert_intermediate_size": moe.expert_intermediate_size,
+            "norm_topk_prob": moe.norm_topk_prob,
+            "dense_layers": moe.dense_layers,
+            "expert_bytes": f.experts.bundle_bytes(),
+            // What one read of a whole expert fetches (its clusters' extents), on average.
+            "expert_extent_bytes": sizes.iter().sum::<u64>() / sizes.len().max(1) as u64,
+        })
+    });
     json!({
         "path": f.path,
         "format_version": format!("{}.{}", f.header.version_major, f.header.version_minor),
@@ -152,8 +176,10 @@ pub fn describe(f: &LsbFile) -> Value {
         "predictor_bytes": predictor_bytes,
         "cluster_bytes": extents.iter().sum::<u64>() / extents.len().max(1) as u64,
         // At ctx 512: every dense weight resident, and the smallest budget, dense weights streamed.
-        "min_memory_bytes": leanstream::streaming::minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok(),
-        "min_memory_dense_streamed_bytes": leanstream::streaming::streaming_minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok(),
+        // A mixture does not stream yet: no budget applies.
+        "min_memory_bytes": (!mixture).then(|| leanstream::streaming::minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok()).flatten(),
+        "min_memory_dense_streamed_bytes": (!mixture).then(|| leanstream::streaming::streaming_minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok()).flatten(),
+        "experts": experts,
         "sections": f.section_sizes().into_iter().map(|(n, s)| json!({"name": n, "bytes": s})).collect::<Vec<_>>(),
         "provenance": m.provenance,
         "layers": layers,
@@ -185,6 +211,17 @@ pub fn print(v: &Value) {
             "|act(gate·x)|"
         }
     );
+    if let Some(x) = v["experts"].as_object() {
+        println!(
+            "  mixture of experts: {} experts of {} neurons, {} per token (renormalised: {}), dense layers {}; one expert read = {} bytes",
+            x["num_experts"],
+            x["expert_intermediate_size"],
+            x["experts_per_token"],
+            x["norm_topk_prob"],
+            x["dense_layers"],
+            x["expert_extent_bytes"]
+        );
+    }
     for key in [
         "file_bytes",
         "dense_bytes",
@@ -217,5 +254,40 @@ pub fn print(v: &Value) {
             f("group_fill")
         );
     }
+    print_routing(&v["layers"]);
     print_comparison(&v["comparison"]);
+}
+
+/// The routing profile of a mixture's layers (META `routing`), if any: per layer, the look-ahead
+/// recall, the reuse between consecutive tokens and each expert's share of tokens.
+pub fn print_routing(layers: &Value) {
+    let routed: Vec<(usize, &Value)> = layers
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .filter(|(_, l)| l["routing"].is_object())
+        .map(|(i, l)| (i, &l["routing"]))
+        .collect();
+    if routed.is_empty() {
+        return;
+    }
+    println!(
+        "  routing (held-out tokens): layer  look-ahead recall  token reuse  expert frequencies"
+    );
+    for (i, r) in routed {
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        let freq: Vec<String> = r["expert_freq"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|x| format!("{:.2}", x.as_f64().unwrap_or(f64::NAN)))
+            .collect();
+        println!(
+            "  {i:>31}  {:>17.3}  {:>11.3}  {}",
+            f("lookahead_recall"),
+            f("token_reuse"),
+            freq.join(" ")
+        );
+    }
 }

@@ -5,6 +5,7 @@ mod activity;
 mod calib;
 mod certificate;
 mod convert;
+mod convert_moe;
 mod hub;
 mod inspect;
 mod pack;
@@ -178,11 +179,12 @@ fn run(command: Command) -> Result<()> {
 fn print_summary(s: &convert::Summary) {
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!(
-        "wrote {} ({:.1} MiB: dense {:.1} MiB, FFN bundles {:.1} MiB, {})",
+        "wrote {} ({:.1} MiB: dense {:.1} MiB, FFN bundles {:.1} MiB, experts {:.1} MiB, {})",
         s.output.display(),
         mib(s.file_bytes),
         mib(s.dense_bytes),
         mib(s.ffn_bytes),
+        mib(s.expert_bytes),
         s.quant
     );
     println!(
@@ -203,15 +205,17 @@ fn print_summary(s: &convert::Summary) {
             l.cluster_fill_unordered
         );
     }
-    let q = &s.quality;
-    println!(
-        "held-out perplexity: dense {:.3}, sparse {:.3} ({:+.2} %); KL {:.4} nats; top-1 agreement {:.3}",
-        q.reference_perplexity,
-        q.perplexity,
-        100.0 * (q.perplexity / q.reference_perplexity - 1.0),
-        q.kl,
-        q.top1_agreement
-    );
+    if let Some(q) = &s.quality {
+        println!(
+            "held-out perplexity: dense {:.3}, sparse {:.3} ({:+.2} %); KL {:.4} nats; top-1 agreement {:.3}",
+            q.reference_perplexity,
+            q.perplexity,
+            100.0 * (q.perplexity / q.reference_perplexity - 1.0),
+            q.kl,
+            q.top1_agreement
+        );
+    }
+    inspect::print_routing(&serde_json::to_value(&s.layers).unwrap_or_default());
     let p = &s.seconds;
     println!(
         "time: load {:.1}s, dense {:.1}s, profile {:.1}s, place {:.1}s, train {:.1}s, bundles {:.1}s, finish {:.1}s; peak RSS {:.0} MiB",

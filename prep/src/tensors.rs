@@ -6,21 +6,33 @@ use leanstream_format::quant::{quantize_row, QuantType};
 
 /// A dense (non-FFN) tensor: name and shape `[rows, cols]` or `[len]`.
 pub struct DenseSpec {
+    /// Its name in the file.
     pub name: String,
+    /// Its name in the source model (a router's differs: FORMAT.md §5.3).
+    pub source: String,
     pub shape: Vec<usize>,
+    /// A mixture's router: kept f32, since a rounding would change which experts run.
+    pub router: bool,
 }
 
 impl DenseSpec {
     fn new(name: String, shape: &[usize]) -> Self {
         Self {
+            source: name.clone(),
             name,
             shape: shape.to_vec(),
+            router: false,
         }
     }
 
     /// Vectors (norm weights) stay f32: they are tiny and every element matters.
     pub fn is_vector(&self) -> bool {
         self.shape.len() == 1
+    }
+
+    /// Stored f32 whatever the file's quantization: vectors and routers.
+    pub fn stays_f32(&self) -> bool {
+        self.is_vector() || self.router
     }
 }
 
@@ -65,6 +77,14 @@ pub fn dense_specs(c: &ModelConfig) -> Vec<DenseSpec> {
             format!("{p}.post_attention_layernorm.weight"),
             &[h],
         ));
+        if let Some(m) = c.moe.as_ref().filter(|_| c.is_moe_layer(i)) {
+            v.push(DenseSpec {
+                name: leanstream_format::expert::router_name(i),
+                source: leanstream::model::router_tensor_name(c.architecture, i),
+                shape: vec![m.num_experts, h],
+                router: true,
+            });
+        }
     }
     v.push(DenseSpec::new("model.norm.weight".into(), &[h]));
     if !c.tie_word_embeddings {

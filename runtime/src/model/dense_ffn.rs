@@ -60,7 +60,8 @@ pub trait FfnBackend {
     fn ffn(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()>;
 }
 
-/// What a profiling probe sees of one FFN: `t` rows each.
+/// What a profiling probe sees of one FFN: `t` rows each. Of a mixture of experts it sees the input
+/// only (`gate` and `up` are empty).
 pub struct FfnProbe<'a> {
     pub layer: usize,
     /// The normalised FFN input (`t × hidden`).
@@ -110,8 +111,13 @@ impl Model {
                  policy)"
             ),
             Some(FfnWeights::Experts(moe)) => {
-                if probe.is_some() {
-                    bail!("layer {l} is a mixture of experts: profiling probes watch dense FFNs");
+                if let Some(probe) = probe {
+                    probe(FfnProbe {
+                        layer: l,
+                        ffn_input: &s.xn,
+                        gate: &mut [],
+                        up: &[],
+                    });
                 }
                 let m = c
                     .moe

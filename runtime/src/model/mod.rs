@@ -25,7 +25,7 @@ pub use attention::Attention;
 use dense_ffn::Ffn;
 pub use dense_ffn::{DenseFfn, FfnBackend, FfnProbe};
 use moe::MoeScratch;
-pub use moe::{route, Choice, MoeFfn};
+pub use moe::{expert_tensor_names, route, router_tensor_name, Choice, MoeFfn};
 pub use norm::rms_norm;
 pub use projections::{DenseWeights, Projections};
 
@@ -264,7 +264,7 @@ impl Model {
                 };
                 let ffn = match &ffn_mat {
                     Some(mat) if c.is_moe_layer(i) => {
-                        Some(FfnWeights::Experts(MoeFfn::load(c, &p, mat)?))
+                        Some(FfnWeights::Experts(MoeFfn::load(c, i, mat)?))
                     }
                     Some(mat) => Some(FfnWeights::Dense(DenseFfn {
                         gate: mat(&format!("{p}.mlp.gate_proj.weight"), n, h)?,
@@ -309,6 +309,12 @@ impl Model {
     /// Installs or drops layer `l`'s resident FFN (prep holds one layer's FFN at a time).
     pub fn set_ffn(&mut self, l: usize, ffn: Option<DenseFfn>) {
         self.layers[l].ffn = ffn.map(FfnWeights::Dense);
+    }
+
+    /// Installs or drops mixture layer `l`'s resident router and experts (prep profiles routing
+    /// one layer at a time).
+    pub fn set_experts(&mut self, l: usize, moe: Option<MoeFfn>) {
+        self.layers[l].ffn = moe.map(FfnWeights::Experts);
     }
 
     /// The model with the linear weights of every block encoded as `layers` and the embedding

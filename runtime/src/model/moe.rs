@@ -103,34 +103,49 @@ impl MoeScratch {
     }
 }
 
+/// The Hugging Face block of an architecture's mixture and its experts' gate, up and down names:
+/// Qwen3-MoE's (`mlp`, `gate_proj`…) or, for the Mistral/Llama family, Mixtral's
+/// (`block_sparse_moe`, `w1` = gate, `w3` = up, `w2` = down).
+fn hf_block(arch: Architecture) -> (&'static str, [&'static str; 3]) {
+    match arch {
+        Architecture::Qwen3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        Architecture::Llama | Architecture::Mistral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+    }
+}
+
+/// Hugging Face names of expert `e` of layer `l`: its gate, up and down matrices.
+pub fn expert_tensor_names(arch: Architecture, l: usize, e: usize) -> [String; 3] {
+    let (block, parts) = hf_block(arch);
+    parts.map(|w| format!("model.layers.{l}.{block}.experts.{e}.{w}.weight"))
+}
+
+/// Hugging Face name of layer `l`'s router (`[experts, hidden]`).
+pub fn router_tensor_name(arch: Architecture, l: usize) -> String {
+    format!("model.layers.{l}.{}.gate.weight", hf_block(arch).0)
+}
+
 impl MoeFfn {
-    /// Loads the router and experts of the block whose tensors start with `p`
-    /// (`model.layers.{l}`) through `mat`, under Qwen3-MoE's names (`mlp.gate`,
-    /// `mlp.experts.{e}.gate_proj`…) or, for the Mistral/Llama family, Mixtral's
-    /// (`block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1` = gate, `w3` = up, `w2` = down).
+    /// Loads the router and experts of layer `l` through `mat`, under the Hugging Face names of
+    /// the architecture ([`expert_tensor_names`], [`router_tensor_name`]).
     pub(super) fn load(
         c: &ModelConfig,
-        p: &str,
+        l: usize,
         mat: impl Fn(&str, usize, usize) -> Result<Weight>,
     ) -> Result<Self> {
         let m = c.moe.as_ref().expect("an MoE layer has an MoE config");
         let (h, n) = (c.hidden_size, m.expert_intermediate_size);
-        let (block, [gate, up, down]) = match c.architecture {
-            Architecture::Qwen3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-            Architecture::Llama | Architecture::Mistral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-        };
         let experts = (0..m.num_experts)
             .map(|e| {
-                let name = |w: &str| format!("{p}.{block}.experts.{e}.{w}.weight");
+                let [gate, up, down] = expert_tensor_names(c.architecture, l, e);
                 Ok(DenseFfn {
-                    gate: mat(&name(gate), n, h)?,
-                    up: mat(&name(up), n, h)?,
-                    down: mat(&name(down), h, n)?,
+                    gate: mat(&gate, n, h)?,
+                    up: mat(&up, n, h)?,
+                    down: mat(&down, h, n)?,
                 })
             })
             .collect::<Result<_>>()?;
         Ok(Self {
-            router: mat(&format!("{p}.{block}.gate.weight"), m.num_experts, h)?,
+            router: mat(&router_tensor_name(c.architecture, l), m.num_experts, h)?,
             experts,
         })
     }
