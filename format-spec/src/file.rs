@@ -71,6 +71,13 @@ impl LsbFile {
         .map_err(|e| naming(path, e))
     }
 
+    /// Whether the file holds a mixture of experts (an EXPERT_INDEX section, format 1.5), from its
+    /// header alone.
+    pub fn has_experts(path: &Path) -> Result<bool, FormatError> {
+        let (_, header) = open_header(path).map_err(|e| naming(path, e))?;
+        Ok(header.section(SectionKind::ExpertIndex).is_some())
+    }
+
     fn open_inner(path: &Path) -> Result<Self, FormatError> {
         let (mut file, header) = open_header(path)?;
         let meta = read_section(&mut file, path, &header, SectionKind::Meta, |d| {

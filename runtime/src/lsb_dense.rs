@@ -10,11 +10,16 @@ use std::fs::File;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::container::read_at;
+use leanstream_format::expert::router_name;
+use leanstream_format::ffn::FfnLayer;
 use leanstream_format::file::check_extent;
 use leanstream_format::quant::dequantize_row;
 use leanstream_format::LsbFile;
 
-use crate::model::Model;
+use crate::model::{expert_tensor_names, router_tensor_name, Model};
+
+/// One FFN's f32 gate, up (`n × h`) and down (`h × n`) matrices.
+type FfnMatrices = [Vec<f32>; 3];
 
 /// Builds the dense model from an open file.
 pub fn load(file: &LsbFile) -> Result<Model> {
@@ -37,38 +42,41 @@ pub fn load(file: &LsbFile) -> Result<Model> {
     }
     let (h, n) = (config.hidden_size, config.intermediate_size);
     for (l, layer) in file.ffn.layers.iter().enumerate() {
-        let (mut gate, mut up, mut down) = (
-            vec![0.0f32; n * h],
-            vec![0.0f32; n * h],
-            vec![0.0f32; h * n],
-        );
-        let rb = layer.row_bytes();
-        let mut column = vec![0.0f32; h];
-        for (ci, c) in layer.clusters.iter().enumerate() {
-            let (offset, size) = file.cluster_extent(l, ci);
-            let bytes = read_at(&mut f, path, offset, size)?;
-            check_extent(&bytes, c.checksum, || {
-                format!("{}: layer {l} cluster {ci}", path.display())
-            })?;
-            for k in 0..c.count as usize {
-                let orig = layer.perm[c.first as usize + k] as usize;
-                let b = &bytes[k * 3 * rb..(k + 1) * 3 * rb];
-                dequantize_row(layer.qtype, &b[..rb], &mut gate[orig * h..(orig + 1) * h])?;
-                dequantize_row(
-                    layer.qtype,
-                    &b[rb..2 * rb],
-                    &mut up[orig * h..(orig + 1) * h],
-                )?;
-                dequantize_row(layer.qtype, &b[2 * rb..], &mut column)?;
-                for (r, v) in column.iter().enumerate() {
-                    down[r * n + orig] = *v;
-                }
-            }
+        if config.is_moe_layer(l) {
+            continue;
         }
+        let [gate, up, down] = decode_ffn(&mut f, file, layer, h, n, |c| {
+            (file.cluster_extent(l, c), format!("layer {l} cluster {c}"))
+        })?;
         let p = format!("model.layers.{l}.mlp");
         tensors.insert(format!("{p}.gate_proj.weight"), (vec![n, h], gate));
         tensors.insert(format!("{p}.up_proj.weight"), (vec![n, h], up));
         tensors.insert(format!("{p}.down_proj.weight"), (vec![h, n], down));
+    }
+    // A mixture's experts (format 1.5), under the architecture's Hugging Face names, and its
+    // routers, which the file names as Qwen3-MoE does.
+    for (l, experts) in file.experts.layers.iter().enumerate() {
+        let arch = config.architecture;
+        if let Some(router) = tensors.remove(&router_name(l)) {
+            tensors.insert(router_tensor_name(arch, l), router);
+        }
+        for (e, expert) in experts.iter().enumerate() {
+            let m = expert.neurons();
+            let weights = decode_ffn(&mut f, file, expert, h, m, |c| {
+                (
+                    file.expert_cluster_extent(l, e, c),
+                    format!("layer {l} expert {e} cluster {c}"),
+                )
+            })?;
+            let shapes = [vec![m, h], vec![m, h], vec![h, m]];
+            for ((name, shape), data) in expert_tensor_names(arch, l, e)
+                .into_iter()
+                .zip(shapes)
+                .zip(weights)
+            {
+                tensors.insert(name, (shape, data));
+            }
+        }
     }
     let tensors = RefCell::new(tensors);
     Model::from_hf_tensors(config, |name, shape| {
@@ -84,4 +92,44 @@ pub fn load(file: &LsbFile) -> Result<Model> {
         }
         Ok(data)
     })
+}
+
+/// Reads every cluster of an FFN's bundles (`extent(c)` = its file extent and name), checks it
+/// and decodes it into matrices of the original neuron order.
+fn decode_ffn(
+    f: &mut File,
+    file: &LsbFile,
+    layer: &FfnLayer,
+    h: usize,
+    n: usize,
+    extent: impl Fn(usize) -> ((u64, u64), String),
+) -> Result<FfnMatrices> {
+    let path = &file.path;
+    let (mut gate, mut up, mut down) = (
+        vec![0.0f32; n * h],
+        vec![0.0f32; n * h],
+        vec![0.0f32; h * n],
+    );
+    let rb = layer.row_bytes();
+    let mut column = vec![0.0f32; h];
+    for (ci, c) in layer.clusters.iter().enumerate() {
+        let ((offset, size), what) = extent(ci);
+        let bytes = read_at(f, path, offset, size)?;
+        check_extent(&bytes, c.checksum, || format!("{}: {what}", path.display()))?;
+        for k in 0..c.count as usize {
+            let orig = layer.perm[c.first as usize + k] as usize;
+            let b = &bytes[k * 3 * rb..(k + 1) * 3 * rb];
+            dequantize_row(layer.qtype, &b[..rb], &mut gate[orig * h..(orig + 1) * h])?;
+            dequantize_row(
+                layer.qtype,
+                &b[rb..2 * rb],
+                &mut up[orig * h..(orig + 1) * h],
+            )?;
+            dequantize_row(layer.qtype, &b[2 * rb..], &mut column)?;
+            for (r, v) in column.iter().enumerate() {
+                down[r * n + orig] = *v;
+            }
+        }
+    }
+    Ok([gate, up, down])
 }

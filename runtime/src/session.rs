@@ -87,11 +87,18 @@ pub struct Session {
 impl Session {
     pub fn open(o: &SessionOptions) -> Result<Self> {
         let converted = o.model.is_file() && source::is_converted(&o.model)?;
-        let policy = o.policy.unwrap_or(if converted {
+        // A converted mixture of experts (format 1.5) runs with every expert in memory.
+        let mixture = converted && LsbFile::has_experts(&o.model)?;
+        let policy = o.policy.unwrap_or(if mixture {
+            PolicyChoice::Resident
+        } else if converted {
             PolicyChoice::Leanstream
         } else {
             PolicyChoice::Dense
         });
+        if mixture {
+            return Self::open_mixture(o, policy);
+        }
         if policy != PolicyChoice::Dense && !converted {
             bail!(
                 "--policy {} needs a converted file; convert {} with `leanstream-prep convert` or use --policy dense",
@@ -171,6 +178,37 @@ impl Session {
             chat_template,
             ctx,
             context_note,
+            policy,
+        })
+    }
+
+    /// A converted mixture of experts, every expert decoded into memory: `resident` and `dense`
+    /// compute the same (no sparsity is calibrated inside experts yet), exactly the model the file
+    /// was converted from at its stored precision.
+    fn open_mixture(o: &SessionOptions, policy: PolicyChoice) -> Result<Self> {
+        if !matches!(policy, PolicyChoice::Resident | PolicyChoice::Dense)
+            || o.memory.is_some()
+            || o.flash.is_some()
+        {
+            bail!(
+                "{} is a mixture of experts: it runs with every expert in memory (--policy \
+                 resident or dense) for now; streaming its experts under --memory or --flash (or \
+                 --policy {}) is not implemented yet: drop those flags",
+                o.model.display(),
+                policy_name(policy)
+            );
+        }
+        let loaded = source::open(&o.model)?;
+        let ctx = cap_ctx(o, loaded.model.config().max_position_embeddings)?;
+        check_kv(o, loaded.model.config().head_dim)?;
+        Ok(Self {
+            engine: Engine::Dense(Box::new(loaded.model.with_kv(o.kv))),
+            model_path: o.model.clone(),
+            tokenizer: loaded.tokenizer,
+            eos_token_ids: loaded.eos_token_ids,
+            chat_template: loaded.chat_template,
+            ctx,
+            context_note: None,
             policy,
         })
     }
