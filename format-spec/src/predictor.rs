@@ -112,8 +112,16 @@ impl Predictor {
 
 /// A predictor's input as it is trained and applied: `x / sqrt(mean(x²) + 1e-6)` (FORMAT.md §7).
 pub fn normalise_input(x: &[f32]) -> Vec<f32> {
+    let mut out = Vec::new();
+    normalise_input_into(x, &mut out);
+    out
+}
+
+/// [`normalise_input`] into `out` (resized): no allocation once it has held as many values.
+pub fn normalise_input_into(x: &[f32], out: &mut Vec<f32>) {
     let rms = (x.iter().map(|v| v * v).sum::<f32>() / x.len().max(1) as f32 + 1e-6).sqrt();
-    x.iter().map(|v| v / rms).collect()
+    out.clear();
+    out.extend(x.iter().map(|v| v / rms));
 }
 
 /// The look-ahead and own predictor of every layer.

@@ -151,7 +151,7 @@ pub fn generate_after(
         if interrupt.load(Ordering::Relaxed) {
             break StopReason::Interrupted;
         }
-        logits = model.forward(&[tok], cache, false)?;
+        model.forward_into(&[tok], cache, false, &mut logits)?;
     };
     let end = Instant::now();
     if let Some(piece) = stream.finish(tokenizer)? {

@@ -32,6 +32,7 @@ pub mod sampling_args;
 pub mod serve;
 pub mod session;
 pub mod skip_rule;
+pub mod slot_heap;
 pub mod source;
 pub mod storage;
 pub mod streaming;

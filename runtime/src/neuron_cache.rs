@@ -9,8 +9,9 @@
 //! Every cluster of the file has a fixed slot ([`ClusterSlots`]): the token loop asks about tens
 //! of thousands of clusters per token at the 7B scale, so a lookup is an index, not a hash.
 
-use std::collections::BTreeSet;
 use std::ops::Deref;
+
+use crate::slot_heap::SlotHeap;
 
 /// A cluster: `(layer, cluster index)`.
 pub type ClusterKey = (u32, u32);
@@ -92,7 +93,7 @@ pub struct NeuronCache<B> {
     /// The unpinned entries by `(rank, slot)`, lowest rank (first to go) first: eviction looks at
     /// the few it needs instead of ranking the whole cache, which holds tens of thousands of
     /// clusters at the 7B scale.
-    order: BTreeSet<(u64, u32)>,
+    order: SlotHeap,
     /// Activity remembered for clusters that are not resident (0 until observed), so a re-read
     /// cluster keeps its rank.
     history: Vec<f32>,
@@ -102,8 +103,8 @@ pub struct NeuronCache<B> {
     next_use: Vec<u64>,
     /// The data of evicted clusters, until the owner takes it back ([`NeuronCache::drain_evicted`]).
     evicted: Vec<B>,
-    /// Scratch of [`NeuronCache::offer`]: the entries it would evict.
-    victims: Vec<u32>,
+    /// Scratch of [`NeuronCache::offer`]: the entries it would evict, as `(rank, slot)`.
+    victims: Vec<(u64, u32)>,
 }
 
 impl<B: Deref<Target = [u8]>> NeuronCache<B> {
@@ -114,7 +115,7 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             used: 0,
             slots,
             entries: std::iter::repeat_with(|| None).take(n).collect(),
-            order: BTreeSet::new(),
+            order: SlotHeap::new(n),
             history: vec![0.0; n],
             retention,
             clock: 0,
@@ -158,7 +159,7 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
     pub fn set_capacity(&mut self, capacity: u64) {
         self.capacity = capacity;
         while self.used > capacity {
-            let Some(&(_, s)) = self.order.first() else {
+            let Some((_, s)) = self.order.first() else {
                 break;
             };
             self.evict(s as usize);
@@ -196,7 +197,7 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
         if let Retention::Window(k) = self.retention {
             // Ranked by last use: the ones that fell out of the window come first.
             let clock = self.clock;
-            while let Some(&(last_used, s)) = self.order.first() {
+            while let Some((last_used, s)) = self.order.first() {
                 if clock - last_used.min(clock) <= k as u64 {
                     break;
                 }
@@ -267,33 +268,44 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
             rank: 0,
         };
         candidate.rank = self.rank(s, &candidate);
+        // The lowest-ranked entries come out in order until the newcomer fits; they go back if it
+        // does not outrank them all.
         self.victims.clear();
         let mut freed = 0;
-        for &(rank, v) in &self.order {
-            if self.used - freed + bytes <= self.capacity {
-                break;
+        let mut fits = true;
+        while self.used - freed + bytes > self.capacity {
+            match self.order.pop() {
+                Some((rank, v)) if rank < candidate.rank => {
+                    freed += self.entries[v as usize].as_ref().expect("ranked").bytes;
+                    self.victims.push((rank, v));
+                }
+                lowest => {
+                    if let Some((rank, v)) = lowest {
+                        self.order.insert(rank, v);
+                    }
+                    fits = false;
+                    break;
+                }
             }
-            if rank >= candidate.rank {
-                return Some(candidate.data);
-            }
-            freed += self.entries[v as usize].as_ref().expect("ranked").bytes;
-            self.victims.push(v);
         }
-        if self.used - freed + bytes > self.capacity {
+        if !fits {
+            for &(rank, v) in &self.victims {
+                self.order.insert(rank, v);
+            }
             return Some(candidate.data);
         }
         for i in 0..self.victims.len() {
-            self.evict(self.victims[i] as usize);
+            self.evict(self.victims[i].1 as usize);
         }
         self.used += bytes;
-        self.order.insert((candidate.rank, s as u32));
+        self.order.insert(candidate.rank, s as u32);
         self.entries[s] = Some(candidate);
         None
     }
 
     fn evict(&mut self, s: usize) {
         let e = self.entries[s].take().expect("evicting a resident cluster");
-        self.order.remove(&(e.rank, s as u32));
+        self.order.remove(s as u32);
         self.used -= e.bytes;
         self.history[s] = e.freq;
         self.evicted.push(e.data);
@@ -311,9 +323,9 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
         if rank == e.rank {
             return;
         }
-        let old = std::mem::replace(&mut self.entries[s].as_mut().expect("resident").rank, rank);
-        self.order.remove(&(old, s as u32));
-        self.order.insert((rank, s as u32));
+        self.entries[s].as_mut().expect("resident").rank = rank;
+        self.order.remove(s as u32);
+        self.order.insert(rank, s as u32);
     }
 
     /// Higher is kept longer. Each rule's order is fixed between the updates that `rerank`

@@ -24,15 +24,13 @@ impl Rope {
         }
     }
 
-    /// The `(cos, sin)` tables for one position, `head_dim/2` entries each.
-    pub fn tables(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
-        self.inv_freq
-            .iter()
-            .map(|f| {
-                let angle = pos as f32 * f;
-                (angle.cos(), angle.sin())
-            })
-            .unzip()
+    /// The cos and sin tables for one position into `cos` and `sin`, `head_dim/2` entries each.
+    pub fn tables_into(&self, pos: usize, cos: &mut [f32], sin: &mut [f32]) {
+        for ((f, c), s) in self.inv_freq.iter().zip(cos).zip(sin) {
+            let angle = pos as f32 * f;
+            *c = angle.cos();
+            *s = angle.sin();
+        }
     }
 
     /// Rotates every head in `heads` (concatenated, `head_dim` each) in place.
@@ -78,11 +76,16 @@ mod tests {
             inv_freq: vec![1.0, 0.1, 0.01, 0.001],
         };
         let orig: Vec<f32> = (0..head_dim).map(|i| i as f32 - 3.5).collect();
-        let (c0, s0) = rope.tables(0);
+        let tables = |pos| {
+            let (mut c, mut s) = (vec![0.0; head_dim / 2], vec![0.0; head_dim / 2]);
+            rope.tables_into(pos, &mut c, &mut s);
+            (c, s)
+        };
+        let (c0, s0) = tables(0);
         let mut x = orig.clone();
         Rope::apply(&mut x, head_dim, &c0, &s0);
         assert_eq!(x, orig);
-        let (c, s) = rope.tables(7);
+        let (c, s) = tables(7);
         Rope::apply(&mut x, head_dim, &c, &s);
         let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
         assert!((norm(&x) - norm(&orig)).abs() < 1e-4);

@@ -189,7 +189,7 @@ fn execute(job: &Job) -> Result<Outcome> {
     let mut logits = Vec::new();
     // One token per call, as decoding does: the oracle's trace is recorded that way.
     for &t in &job.prompt {
-        logits = model.forward(&[t], &mut cache, false)?;
+        model.forward_into(&[t], &mut cache, false, &mut logits)?;
     }
     match &job.task {
         Task::Generate { tokens } => {
@@ -200,7 +200,7 @@ fn execute(job: &Job) -> Result<Outcome> {
                 }
                 let next = argmax(&logits);
                 generated.push(next);
-                logits = model.forward(&[next], &mut cache, false)?;
+                model.forward_into(&[next], &mut cache, false, &mut logits)?;
             }
             Ok(Outcome {
                 generated,
@@ -221,7 +221,7 @@ fn execute(job: &Job) -> Result<Outcome> {
                 );
             }
             for &t in &sequence[..*warmup] {
-                logits = model.forward(&[t], &mut cache, false)?;
+                model.forward_into(&[t], &mut cache, false, &mut logits)?;
             }
             session.reset_metrics();
             if let (Some(io), Some(_)) = (session.io(), &job.trace) {
@@ -234,7 +234,7 @@ fn execute(job: &Job) -> Result<Outcome> {
             for &t in &sequence[*warmup..] {
                 rows.step(&logits)?;
                 let start = Instant::now();
-                logits = model.forward(&[t], &mut cache, false)?;
+                model.forward_into(&[t], &mut cache, false, &mut logits)?;
                 steps.push((start, Instant::now()));
             }
             // Measured before the timeline is serialised: that is bookkeeping, not the run.

@@ -1,6 +1,8 @@
 //! The input vector of a mat-vec in the forms the row kernels read: f32, and for block-encoded
 //! weights its q8 form, made once and shared by every row (llama.cpp's `vec_dot_q4_0_q8_0` idea).
 
+use std::cell::RefCell;
+
 use leanstream_format::quant::{QuantType, BLOCK_LEN};
 
 /// A vector quantized in blocks of 32: `x ≈ scales[b] · quants[i]` for `i` in block `b`. The scale is
@@ -18,20 +20,26 @@ impl Q8Vec {
     /// Quantizes `x` (a whole number of blocks): `d = amax/127`, `q = round(x/d)`, so
     /// `|x − d·q| ≤ d/2`.
     pub fn quantize(x: &[f32]) -> Self {
+        let mut v = Q8Vec::default();
+        v.quantize_into(x);
+        v
+    }
+
+    /// [`quantize`](Self::quantize) into this vector's storage: no allocation once it has held a
+    /// vector as long.
+    pub fn quantize_into(&mut self, x: &[f32]) {
         assert!(
             x.len().is_multiple_of(BLOCK_LEN),
             "q8 input of {} values is not a whole number of blocks",
             x.len()
         );
-        let blocks = x.len() / BLOCK_LEN;
-        let mut v = Q8Vec {
-            quants: vec![0; x.len()],
-            scales: Vec::with_capacity(blocks),
-            sums: Vec::with_capacity(blocks),
-        };
+        self.quants.clear();
+        self.quants.resize(x.len(), 0);
+        self.scales.clear();
+        self.sums.clear();
         for (xb, qb) in x
             .chunks_exact(BLOCK_LEN)
-            .zip(v.quants.chunks_exact_mut(BLOCK_LEN))
+            .zip(self.quants.chunks_exact_mut(BLOCK_LEN))
         {
             let amax = xb.iter().fold(0.0f32, |m, a| m.max(a.abs()));
             let d = amax / 127.0;
@@ -45,10 +53,9 @@ impl Q8Vec {
                 *q = ((a * inv + MAGIC) - MAGIC) as i8;
                 sum += *q as i32;
             }
-            v.scales.push(d);
-            v.sums.push(d * sum as f32);
+            self.scales.push(d);
+            self.sums.push(d * sum as f32);
         }
-        v
     }
 
     pub fn len(&self) -> usize {
@@ -65,6 +72,17 @@ impl Q8Vec {
     }
 }
 
+thread_local! {
+    /// The q8 buffers of operands this thread dropped, for the next operands it makes: every
+    /// mat-vec input of a decoded token is quantized without allocating once the first tokens
+    /// have grown them (each buffer only grows, to the longest input it held). A handful per
+    /// thread: as many as operands live at once, at most [`SPARE_OPERANDS`].
+    static SPARE: RefCell<Vec<Q8Vec>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The most q8 buffers a thread keeps (a prompt chunk short of `gemm` holds up to 15 operands).
+const SPARE_OPERANDS: usize = 32;
+
 /// A mat-vec input: the f32 vector, plus its q8 form when the weights are block-encoded.
 pub struct Operand<'a> {
     pub x: &'a [f32],
@@ -74,7 +92,15 @@ pub struct Operand<'a> {
 impl<'a> Operand<'a> {
     /// `x` prepared for rows encoded as `qtype`.
     pub fn new(x: &'a [f32], qtype: QuantType) -> Self {
-        let q8 = qtype.is_block().then(|| Q8Vec::quantize(x));
+        let q8 = qtype.is_block().then(|| {
+            let mut v = SPARE
+                .try_with(|s| s.borrow_mut().pop())
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            v.quantize_into(x);
+            v
+        });
         Self { x, q8 }
     }
 
@@ -83,5 +109,19 @@ impl<'a> Operand<'a> {
         self.q8
             .as_ref()
             .expect("operand made for float weights used with block-encoded weights")
+    }
+}
+
+impl Drop for Operand<'_> {
+    fn drop(&mut self) {
+        if let Some(v) = self.q8.take() {
+            // `try_with`: a thread being torn down has no pool left; the buffer is then freed.
+            let _ = SPARE.try_with(|s| {
+                let mut spare = s.borrow_mut();
+                if spare.len() < SPARE_OPERANDS {
+                    spare.push(v);
+                }
+            });
+        }
     }
 }

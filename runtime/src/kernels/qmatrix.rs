@@ -8,6 +8,7 @@ use rayon::prelude::*;
 use super::matrix::{gemm_t, Matrix};
 use super::operand::Operand;
 use super::rows::RowKernels;
+use crate::storage::AlignedBuf;
 
 /// Rows per rayon task in a mat-vec: enough work to amortize the task, few enough to balance.
 const ROWS_PER_TASK: usize = 32;
@@ -26,8 +27,39 @@ pub struct QMatrix {
     pub rows: usize,
     pub cols: usize,
     pub qtype: QuantType,
-    pub data: Vec<u8>,
+    data: Encoded,
     row_bytes: usize,
+}
+
+/// Where a matrix's encoded rows are: a vector of its own, or the read buffer they landed in
+/// (streamed projections are computed where they were read, not copied first).
+enum Encoded {
+    Owned(Vec<u8>),
+    /// The first `.1` bytes of a read.
+    Read(AlignedBuf, usize),
+}
+
+impl std::ops::Deref for Encoded {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Encoded::Owned(v) => v,
+            Encoded::Read(buf, len) => &buf[..*len],
+        }
+    }
+}
+
+/// A copy owns its bytes.
+impl Clone for Encoded {
+    fn clone(&self) -> Self {
+        Encoded::Owned(self.to_vec())
+    }
+}
+
+impl std::fmt::Debug for Encoded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} encoded bytes", self.len())
+    }
 }
 
 /// `out[r] = row r · x` over `out.len()` encoded rows laid end to end in `data` (each row's bytes
@@ -54,6 +86,33 @@ pub fn matvec_rows(k: &RowKernels, qtype: QuantType, data: &[u8], x: &Operand, o
 impl QMatrix {
     /// Wraps encoded rows (e.g. a GGUF tensor as stored); checks the length.
     pub fn new(rows: usize, cols: usize, qtype: QuantType, data: Vec<u8>) -> Result<Self> {
+        Self::wrap(rows, cols, qtype, Encoded::Owned(data))
+    }
+
+    /// The matrix whose rows are the first `len` bytes of a read, used where they landed; checks
+    /// the length. [`into_read`](Self::into_read) gives the buffer back.
+    pub fn in_read(
+        rows: usize,
+        cols: usize,
+        qtype: QuantType,
+        buf: AlignedBuf,
+        len: usize,
+    ) -> Result<Self> {
+        if len > buf.len() {
+            bail!("a read of {} bytes holds no {len}-byte matrix", buf.len());
+        }
+        Self::wrap(rows, cols, qtype, Encoded::Read(buf, len))
+    }
+
+    /// The read buffer of a matrix made by [`in_read`](Self::in_read).
+    pub fn into_read(self) -> Option<AlignedBuf> {
+        match self.data {
+            Encoded::Read(buf, _) => Some(buf),
+            Encoded::Owned(_) => None,
+        }
+    }
+
+    fn wrap(rows: usize, cols: usize, qtype: QuantType, data: Encoded) -> Result<Self> {
         let row_bytes = row_bytes(qtype, cols)?;
         if data.len() != rows * row_bytes {
             bail!(
@@ -78,6 +137,11 @@ impl QMatrix {
             data.extend(quantize_row(qtype, m.row(r))?);
         }
         Self::new(m.rows, m.cols, qtype, data)
+    }
+
+    /// Every row's bytes, end to end.
+    pub fn encoded(&self) -> &[u8] {
+        &self.data
     }
 
     pub fn row(&self, r: usize) -> &[u8] {
@@ -122,8 +186,9 @@ pub struct RowStream<'x> {
     row_bytes: usize,
     x: &'x [f32],
     t: usize,
-    /// Fewer than [`GEMM_MIN_TOKENS`] inputs: each prepared for the encoding.
-    operands: Vec<Operand<'x>>,
+    /// Fewer than [`GEMM_MIN_TOKENS`] inputs: each prepared for the encoding (in place, so that
+    /// a decoded token's mat-vecs allocate nothing).
+    operands: [Option<Operand<'x>>; GEMM_MIN_TOKENS],
     /// Otherwise: the decoded rows of the tile being gathered, which starts at `tile_start`.
     tile: Vec<f32>,
     tile_rows: usize,
@@ -144,13 +209,9 @@ impl<'x> RowStream<'x> {
     ) -> Self {
         assert_eq!(x.len(), t * cols);
         let gemm = t >= GEMM_MIN_TOKENS;
-        let operands = if gemm {
-            Vec::new()
-        } else {
-            x.chunks_exact(cols)
-                .map(|xi| Operand::new(xi, qtype))
-                .collect()
-        };
+        let operands = std::array::from_fn(|i| {
+            (!gemm && i < t).then(|| Operand::new(&x[i * cols..(i + 1) * cols], qtype))
+        });
         let tile_rows = (TILE_WEIGHTS / cols).clamp(1, rows);
         Self {
             qtype,
@@ -179,7 +240,7 @@ impl<'x> RowStream<'x> {
         let n = data.len() / self.row_bytes;
         assert!(self.done + n <= self.rows, "more rows than the matrix has");
         let k = RowKernels::best();
-        if self.operands.is_empty() {
+        if self.operands[0].is_none() {
             let cols = self.cols;
             for row in data.chunks_exact(self.row_bytes) {
                 let f = self.tile_fill;
@@ -195,7 +256,12 @@ impl<'x> RowStream<'x> {
             }
         } else {
             let span = self.done..self.done + n;
-            for (x, o) in self.operands.iter().zip(out.chunks_exact_mut(self.rows)) {
+            for (x, o) in self
+                .operands
+                .iter()
+                .flatten()
+                .zip(out.chunks_exact_mut(self.rows))
+            {
                 matvec_rows(k, self.qtype, data, x, &mut o[span.clone()]);
             }
         }

@@ -467,7 +467,7 @@ fn row_stream_in_blocks_equals_matmul_bit_for_bit() {
             let mut stream = RowStream::new(qtype, rows, cols, rb, &xs, t);
             let mut r0 = 0;
             for block in [700, 1, 900, 899] {
-                stream.push(&q.data[r0 * rb..(r0 + block) * rb], &mut got);
+                stream.push(&q.encoded()[r0 * rb..(r0 + block) * rb], &mut got);
                 r0 += block;
             }
             assert_eq!(r0, rows);
@@ -508,4 +508,23 @@ fn best_follows_the_environment() {
         _ => RowKernels::available()[0].isa.to_string(),
     };
     assert_eq!(RowKernels::best().isa, want);
+}
+
+#[test]
+fn an_operand_in_a_reused_q8_buffer_equals_a_fresh_quantization() {
+    let (seed, mut rng) = rng();
+    let long = random(9 * BLOCK_LEN, 4.0, &mut rng);
+    let short = random(3 * BLOCK_LEN, 1.0, &mut rng);
+    let fresh = Q8Vec::quantize(&short);
+    let same = |v: &Q8Vec| {
+        assert_eq!(v.quants, fresh.quants, "seed {seed}");
+        assert_eq!(v.scales, fresh.scales, "seed {seed}");
+        assert_eq!(v.sums, fresh.sums, "seed {seed}");
+    };
+    let mut v = Q8Vec::quantize(&long);
+    v.quantize_into(&short);
+    same(&v);
+    // The thread's spare buffers: a longer operand dropped, then a shorter one made in its buffer.
+    drop(Operand::new(&long, QuantType::Q4_0));
+    same(Operand::new(&short, QuantType::Q8_0).q8());
 }

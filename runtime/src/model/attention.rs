@@ -26,14 +26,13 @@ impl Model {
         layer: &Layer,
         attn: &Attention,
         start: usize,
-        tables: &[(Vec<f32>, Vec<f32>)],
         x: &mut [f32],
         cache: &mut KvCache,
         s: &mut Scratch,
     ) {
         let c = &self.config;
         let (h, hd) = (c.hidden_size, c.head_dim);
-        let t = tables.len();
+        let t = x.len() / h;
         let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
         for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
             rms_norm(src, &layer.attn_norm, c.rms_norm_eps, dst);
@@ -42,7 +41,8 @@ impl Model {
         attn.wk.matmul_t(&s.xn, t, &mut s.k);
         attn.wv.matmul_t(&s.xn, t, &mut s.v);
         let rows = s.q.chunks_exact_mut(qd).zip(s.k.chunks_exact_mut(kvd));
-        for (i, ((q, k), (cos, sin))) in rows.zip(tables).enumerate() {
+        for (i, ((q, k), table)) in rows.zip(s.rope.chunks_exact(hd)).enumerate() {
+            let (cos, sin) = table.split_at(hd / 2);
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 q.chunks_exact_mut(hd)
                     .for_each(|head| rms_norm_in_place(head, qn, c.rms_norm_eps));
@@ -53,12 +53,14 @@ impl Model {
             Rope::apply(k, hd, cos, sin);
             cache.store(l, start + i, k, &s.v[i * kvd..(i + 1) * kvd]);
         }
-        self.attend(l, start, t, &s.q, cache, &mut s.att);
+        self.attend(l, start, t, &s.q, cache, &mut s.scores, &mut s.att);
         attn.wo.matmul_t(&s.att, t, &mut s.proj);
         x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
     }
 
-    /// Causal softmax attention of `t` queries at positions `start..start+t` over the cache.
+    /// Causal softmax attention of `t` queries at positions `start..start+t` over the cache;
+    /// `scores` is one head's scratch on the calling thread (each parallel task has its own).
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
         l: usize,
@@ -66,28 +68,30 @@ impl Model {
         t: usize,
         q: &[f32],
         cache: &KvCache,
+        scores: &mut Vec<f32>,
         out: &mut [f32],
     ) {
         let c = &self.config;
         let (hd, nh, group) = (c.head_dim, c.num_heads, c.gqa_group());
         let scale = 1.0 / (hd as f32).sqrt();
-        let one = |idx: usize, o: &mut [f32]| {
+        let one = |scores: &mut Vec<f32>, idx: usize, o: &mut [f32]| {
             let (i, head) = (idx / nh, idx % nh);
             let pos = start + i;
             let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let qh = &q[idx * hd..(idx + 1) * hd];
-            let mut scores = vec![0.0; pos + 1 - lo];
-            cache.attend(l, head / group, lo, pos + 1, qh, scale, &mut scores, o);
+            scores.clear();
+            scores.resize(pos + 1 - lo, 0.0);
+            cache.attend(l, head / group, lo, pos + 1, qh, scale, scores, o);
         };
         let work = t * nh * (start + t) * hd;
         if work >= 1 << 16 && rayon::current_num_threads() > 1 {
             out.par_chunks_mut(hd)
                 .enumerate()
-                .for_each(|(idx, o)| one(idx, o));
+                .for_each_init(Vec::new, |scores, (idx, o)| one(scores, idx, o));
         } else {
             out.chunks_mut(hd)
                 .enumerate()
-                .for_each(|(idx, o)| one(idx, o));
+                .for_each(|(idx, o)| one(scores, idx, o));
         }
     }
 }

@@ -11,6 +11,7 @@ mod norm;
 mod projections;
 
 use std::path::Path;
+use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::quant::QuantType;
@@ -65,7 +66,21 @@ pub trait LanguageModel {
         tokens: &[u32],
         cache: &mut KvCache,
         all_logits: bool,
-    ) -> Result<Vec<f32>>;
+    ) -> Result<Vec<f32>> {
+        let mut logits = Vec::new();
+        self.forward_into(tokens, cache, all_logits, &mut logits)?;
+        Ok(logits)
+    }
+
+    /// [`forward`](Self::forward) into `logits` (resized): a decoding loop that keeps its logits
+    /// buffer allocates nothing per token.
+    fn forward_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<()>;
 
     /// Whether scoring a text should feed it one token at a time, as generation does, so that what
     /// the model measures (bytes read, hit rates) is generation's rather than a prompt chunk's.
@@ -87,13 +102,14 @@ impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
         (**self).scores_by_decoding()
     }
 
-    fn forward(
+    fn forward_into(
         &mut self,
         tokens: &[u32],
         cache: &mut KvCache,
         all_logits: bool,
-    ) -> Result<Vec<f32>> {
-        (**self).forward(tokens, cache, all_logits)
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        (**self).forward_into(tokens, cache, all_logits, logits)
     }
 }
 
@@ -106,13 +122,14 @@ impl LanguageModel for Model {
         Model::new_cache(self, ctx)
     }
 
-    fn forward(
+    fn forward_into(
         &mut self,
         tokens: &[u32],
         cache: &mut KvCache,
         all_logits: bool,
-    ) -> Result<Vec<f32>> {
-        Model::forward(self, tokens, cache, all_logits)
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        Model::forward_with(self, tokens, cache, all_logits, None, None, logits)
     }
 }
 
@@ -125,13 +142,14 @@ impl LanguageModel for &Model {
         Model::new_cache(self, ctx)
     }
 
-    fn forward(
+    fn forward_into(
         &mut self,
         tokens: &[u32],
         cache: &mut KvCache,
         all_logits: bool,
-    ) -> Result<Vec<f32>> {
-        Model::forward(self, tokens, cache, all_logits)
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        Model::forward_with(self, tokens, cache, all_logits, None, None, logits)
     }
 }
 
@@ -146,10 +164,23 @@ pub struct Model {
     rope: Rope,
     /// The storage of the caches [`Model::new_cache`] makes (f32 unless set: the reference).
     kv: KvType,
+    /// The buffers of a decoded token's forward pass, kept for the next one (taken while in use:
+    /// a second caller on another thread makes its own).
+    decode: Mutex<Option<Buffers>>,
+}
+
+/// A forward call's residual stream and scratch space.
+struct Buffers {
+    x: Vec<f32>,
+    s: Scratch,
 }
 
 /// Per-call scratch space for a chunk of `t` tokens.
 struct Scratch {
+    /// Each position's rotary tables: `head_dim/2` cosines, then as many sines.
+    rope: Vec<f32>,
+    /// One head's attention scores (up to the cache's capacity).
+    scores: Vec<f32>,
     xn: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
@@ -165,6 +196,8 @@ impl Scratch {
     fn new(c: &ModelConfig, t: usize) -> Self {
         let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         Self {
+            rope: vec![0.0; t * c.head_dim],
+            scores: Vec::new(),
             xn: vec![0.0; t * c.hidden_size],
             q: vec![0.0; t * qd],
             k: vec![0.0; t * kvd],
@@ -299,6 +332,7 @@ impl Model {
             norm,
             rope,
             kv: KvType::F32,
+            decode: Mutex::new(None),
         })
     }
 
@@ -381,11 +415,14 @@ impl Model {
         cache: &mut KvCache,
         all_logits: bool,
     ) -> Result<Vec<f32>> {
-        self.forward_with(tokens, cache, all_logits, None, None)
+        let mut logits = Vec::new();
+        self.forward_with(tokens, cache, all_logits, None, None, &mut logits)?;
+        Ok(logits)
     }
 
-    /// [`forward`](Self::forward) with the FFNs computed by `backend` and the projections taken
-    /// from `dense`, when given.
+    /// [`forward`](Self::forward) into `logits` (resized), with the FFNs computed by `backend` and
+    /// the projections taken from `dense`, when given. A single token (decoding) runs in buffers
+    /// kept from the previous one: no allocation once they have grown.
     pub fn forward_with(
         &self,
         tokens: &[u32],
@@ -393,7 +430,8 @@ impl Model {
         all_logits: bool,
         mut backend: Option<&mut dyn FfnBackend>,
         dense: Option<&mut dyn DenseWeights>,
-    ) -> Result<Vec<f32>> {
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
         let t = tokens.len();
         let start = cache.len();
         if t == 0 {
@@ -414,9 +452,20 @@ impl Model {
                 &mut own
             }
         };
-        let mut x = self.embed_with(tokens, dense)?;
-        let tables = self.rope_tables(start, t);
-        let mut s = Scratch::new(&self.config, t);
+        let kept = if t == 1 {
+            self.decode.lock().expect("never poisoned").take()
+        } else {
+            None
+        };
+        let Buffers { mut x, mut s } = kept.unwrap_or_else(|| Buffers {
+            x: Vec::new(),
+            s: Scratch::new(&self.config, t),
+        });
+        // Grown once to the longest context: a decoded token's scores never reallocate.
+        s.scores.clear();
+        s.scores.reserve(cache.capacity());
+        self.embed_into(tokens, dense, &mut x)?;
+        self.rope_tables(start, t, &mut s.rope);
         for l in 0..self.layers.len() {
             let ffn = match backend.as_deref_mut() {
                 Some(b) => {
@@ -426,11 +475,16 @@ impl Model {
                 None => Ffn::Resident(None),
             };
             let attn = dense.attention(l)?;
-            self.block_with(l, attn, start, &tables, &mut x, cache, &mut s, ffn)?;
+            self.block_with(l, attn, start, &mut x, cache, &mut s, ffn)?;
         }
         cache.advance(t);
         let rows = if all_logits { t } else { 1 };
-        self.logits_with(&x[(t - rows) * self.config.hidden_size..], dense)
+        let h = self.config.hidden_size;
+        self.logits_with(&x[(t - rows) * h..], dense, &mut s.xn, logits)?;
+        if t == 1 {
+            *self.decode.lock().expect("never poisoned") = Some(Buffers { x, s });
+        }
+        Ok(())
     }
 
     /// The model's own projections; an error for a model built with [`Model::norms_only`].
@@ -442,10 +496,17 @@ impl Model {
 
     /// The embedding rows of `tokens` (`tokens.len() × hidden`).
     pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.embed_with(tokens, &mut self.own()?)
+        let mut x = Vec::new();
+        self.embed_into(tokens, &mut self.own()?, &mut x)?;
+        Ok(x)
     }
 
-    fn embed_with(&self, tokens: &[u32], dense: &mut dyn DenseWeights) -> Result<Vec<f32>> {
+    fn embed_into(
+        &self,
+        tokens: &[u32],
+        dense: &mut dyn DenseWeights,
+        x: &mut Vec<f32>,
+    ) -> Result<()> {
         let c = &self.config;
         if let Some(tok) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             bail!(
@@ -453,9 +514,9 @@ impl Model {
                 c.vocab_size
             );
         }
-        let mut x = vec![0.0f32; tokens.len() * c.hidden_size];
-        dense.embed(tokens, &mut x)?;
-        Ok(x)
+        x.clear();
+        x.resize(tokens.len() * c.hidden_size, 0.0);
+        dense.embed(tokens, x)
     }
 
     /// Runs block `l` on the hidden states `x` (`t × hidden`) of positions `start..start+t`,
@@ -471,44 +532,50 @@ impl Model {
         probe: Option<&mut dyn FnMut(FfnProbe)>,
     ) {
         let t = x.len() / self.config.hidden_size;
-        let tables = self.rope_tables(start, t);
         let mut s = Scratch::new(&self.config, t);
+        self.rope_tables(start, t, &mut s.rope);
         let attn = &self.own().expect("block() runs a resident model").attention[l];
-        self.block_with(
-            l,
-            attn,
-            start,
-            &tables,
-            x,
-            cache,
-            &mut s,
-            Ffn::Resident(probe),
-        )
-        .expect("a resident FFN cannot fail");
+        self.block_with(l, attn, start, x, cache, &mut s, Ffn::Resident(probe))
+            .expect("a resident FFN cannot fail");
     }
 
     /// Final norm and output head over the rows of `x` (`rows × hidden`).
     pub fn logits(&self, x: &[f32]) -> Vec<f32> {
         let mut own = self.own().expect("logits() runs a resident model");
-        self.logits_with(x, &mut own)
-            .expect("resident weights cannot fail")
+        let (mut xn, mut logits) = (vec![0.0; x.len()], Vec::new());
+        self.logits_with(x, &mut own, &mut xn, &mut logits)
+            .expect("resident weights cannot fail");
+        logits
     }
 
-    fn logits_with(&self, x: &[f32], dense: &mut dyn DenseWeights) -> Result<Vec<f32>> {
+    /// The logits of the rows of `x` into `logits` (resized), with `xn` (at least `x`'s length)
+    /// as scratch.
+    fn logits_with(
+        &self,
+        x: &[f32],
+        dense: &mut dyn DenseWeights,
+        xn: &mut [f32],
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
         let c = &self.config;
         let h = c.hidden_size;
         let rows = x.len() / h;
-        let mut xn = vec![0.0; rows * h];
+        let xn = &mut xn[..rows * h];
         for (src, dst) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
             rms_norm(src, &self.norm, c.rms_norm_eps, dst);
         }
-        let mut logits = vec![0.0; rows * c.vocab_size];
-        dense.head(&xn, rows, &mut logits)?;
-        Ok(logits)
+        logits.clear();
+        logits.resize(rows * c.vocab_size, 0.0);
+        dense.head(xn, rows, logits)
     }
 
-    fn rope_tables(&self, start: usize, t: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
-        (start..start + t).map(|p| self.rope.tables(p)).collect()
+    /// The rotary tables of positions `start..start + t` into `rope` (`t × head_dim`).
+    fn rope_tables(&self, start: usize, t: usize, rope: &mut [f32]) {
+        let half = self.config.head_dim / 2;
+        for (p, table) in (start..start + t).zip(rope.chunks_exact_mut(2 * half)) {
+            let (cos, sin) = table.split_at_mut(half);
+            self.rope.tables_into(p, cos, sin);
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -517,14 +584,14 @@ impl Model {
         l: usize,
         attn: &Attention,
         start: usize,
-        tables: &[(Vec<f32>, Vec<f32>)],
         x: &mut [f32],
         cache: &mut KvCache,
         s: &mut Scratch,
         ffn: Ffn,
     ) -> Result<()> {
         let layer = &self.layers[l];
-        self.attention_block(l, layer, attn, start, tables, x, cache, s);
-        self.ffn_block(l, layer, tables.len(), x, s, ffn)
+        let t = x.len() / self.config.hidden_size;
+        self.attention_block(l, layer, attn, start, x, cache, s);
+        self.ffn_block(l, layer, t, x, s, ffn)
     }
 }

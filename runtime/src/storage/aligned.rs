@@ -4,6 +4,7 @@
 use std::alloc::{self, Layout};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A zero-initialised heap buffer whose address and length are multiples of [`AlignedBuf::ALIGN`].
 pub struct AlignedBuf {
@@ -31,12 +32,21 @@ impl AlignedBuf {
             "AlignedBuf length {len} is not a positive multiple of {}",
             Self::ALIGN
         );
+        MAPPED.fetch_add(1, Ordering::Relaxed);
         Self {
             ptr: alloc_pages(len),
             len,
         }
     }
+
+    /// Buffers made so far by the whole process: each is a mapping and a fault per page, which
+    /// the token loop avoids by reusing read buffers (the decode-allocation test watches this).
+    pub fn made() -> u64 {
+        MAPPED.load(Ordering::Relaxed)
+    }
 }
+
+static MAPPED: AtomicU64 = AtomicU64::new(0);
 
 /// Read buffers come straight from the kernel (anonymous `mmap`) and go straight back on drop:
 /// page-aligned by construction, and — unlike `malloc`'s aligned allocations, which I/O threads

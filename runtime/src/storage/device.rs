@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::time::Instant;
 
-use super::AlignedBuf;
+use super::{AlignedBuf, MAX_MERGE_BYTES};
 
 /// A block device holding the model file.
 pub trait Device: Send + Sync {
@@ -59,7 +59,12 @@ pub trait Device: Send + Sync {
     }
 }
 
-/// `preadv` of exactly the buffers' total length at `offset`: retries `EINTR`; a short read is an
+/// The most buffers one [`pread_exact`] fills: a merged read's parts are whole pages within
+/// [`MAX_MERGE_BYTES`].
+const MAX_IOV: usize = MAX_MERGE_BYTES / AlignedBuf::ALIGN;
+
+/// `preadv` of exactly the buffers' total length at `offset` (at most [`MAX_IOV`] buffers; their
+/// list is on the stack, as reads happen in the token loop): retries `EINTR`; a short read is an
 /// `UnexpectedEof` error that names the file and the offset, and other errors name them too.
 pub(crate) fn pread_exact(
     file: &File,
@@ -67,17 +72,27 @@ pub(crate) fn pread_exact(
     offset: u64,
     bufs: &mut [AlignedBuf],
 ) -> io::Result<()> {
+    assert!(
+        bufs.len() <= MAX_IOV,
+        "a read into {} buffers, more than {MAX_IOV}",
+        bufs.len()
+    );
     let total: usize = bufs.iter().map(|b| b.len()).sum();
-    let iov: Vec<libc::iovec> = bufs
-        .iter_mut()
-        .map(|b| libc::iovec {
+    let empty = libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    };
+    let mut all = [empty; MAX_IOV];
+    for (v, b) in all.iter_mut().zip(bufs.iter_mut()) {
+        *v = libc::iovec {
             iov_base: b.as_mut_ptr().cast(),
             iov_len: b.len(),
-        })
-        .collect();
+        };
+    }
+    let iov = &all[..bufs.len()];
     let read = loop {
         // SAFETY: each iovec covers one live, exclusively borrowed buffer, and at most
-        // `bufs.len()` (≤ the merge bound / 4 KiB, far below IOV_MAX) of them are passed.
+        // `MAX_IOV` (far below IOV_MAX) of them are passed.
         let n = unsafe {
             libc::preadv(
                 file.as_raw_fd(),

@@ -27,6 +27,8 @@ use super::{clock, AlignedBuf, Device};
 /// Reads that continue each other are merged into device reads of at most this many bytes, so a
 /// merge never delays the read that started it by more than one such transfer.
 pub const MAX_MERGE_BYTES: usize = 1 << 20;
+/// The most device slots a queue has (one I/O thread each).
+const MAX_SLOTS: usize = 256;
 
 /// Retries of a failed device read before the failure counts. Flash can fail a read once and
 /// serve it on the next try, and nothing tells such an `EIO` from a lasting one but trying again,
@@ -121,6 +123,10 @@ struct State {
     spans: Option<Vec<ReadSpan>>,
     /// Reads below this priority are background: at most `.1` of them hold slots at once.
     background: Option<(u32, usize)>,
+    /// The part lists and buffer lists of device reads done with, for the next ones (one each
+    /// per read in progress): issuing a read allocates nothing.
+    spare_parts: Vec<Vec<(u64, Extent)>>,
+    spare_bufs: Vec<Vec<AlignedBuf>>,
 }
 
 struct Request {
@@ -159,6 +165,10 @@ impl IoQueue {
     /// Starts one worker thread per device slot.
     pub fn new(device: Arc<dyn Device>) -> Self {
         let depth = device.queue_depth().max(1);
+        assert!(
+            depth <= MAX_SLOTS,
+            "a queue depth of {depth} is more than {MAX_SLOTS}"
+        );
         let now = Instant::now();
         let free = Slot {
             reading: false,
@@ -181,6 +191,8 @@ impl IoQueue {
                 busy: BusyClock::default(),
                 spans: None,
                 background: None,
+                spare_parts: Vec::new(),
+                spare_bufs: Vec::new(),
             }),
             work: Condvar::new(),
             done: Condvar::new(),
@@ -227,19 +239,29 @@ impl IoQueue {
     /// Like [`IoQueue::submit`], reading `buf.len()` bytes into `buf`, so that callers can recycle
     /// buffers instead of faulting in fresh memory for every read. A cancelled read drops `buf`.
     pub fn submit_into(&self, buf: AlignedBuf, offset: u64, priority: u32) -> Ticket {
-        self.submit_batch_into(vec![(buf, offset, priority)])[0]
-    }
-
-    /// [`IoQueue::submit_into`] for several reads at once: one lock and one wake-up for all.
-    pub fn submit_batch_into(&self, reads: Vec<(AlignedBuf, u64, u32)>) -> Vec<Ticket> {
         let now = Instant::now();
         let mut st = self.shared.lock();
-        let tickets = reads
-            .into_iter()
-            .map(|(buf, offset, priority)| st.insert(offset, buf.len(), Some(buf), priority, now))
-            .collect();
+        let ticket = st.insert(offset, buf.len(), Some(buf), priority, now);
         self.shared.kick(st);
-        tickets
+        ticket
+    }
+
+    /// [`IoQueue::submit_into`] for several reads at once: one lock and one wake-up for all. Their
+    /// tickets replace `tickets`' contents, in order (the caller keeps the vector: no allocation).
+    pub fn submit_batch_into(
+        &self,
+        reads: impl IntoIterator<Item = (AlignedBuf, u64, u32)>,
+        tickets: &mut Vec<Ticket>,
+    ) {
+        let now = Instant::now();
+        let mut st = self.shared.lock();
+        tickets.clear();
+        tickets.extend(
+            reads.into_iter().map(|(buf, offset, priority)| {
+                st.insert(offset, buf.len(), Some(buf), priority, now)
+            }),
+        );
+        self.shared.kick(st);
     }
 
     /// Lets reads below priority `below` (guesses, such as speculative reads) hold at most
@@ -456,18 +478,22 @@ impl State {
         if top >= below {
             return Some((slot, free_at));
         }
-        // Background reads holding slots after `free_at`, latest end first.
-        let mut ends: Vec<Option<Instant>> = self
-            .slots
-            .iter()
-            .filter(|s| s.background && (s.reading || s.free_at > free_at))
-            .map(|s| (!s.reading).then_some(s.free_at))
-            .collect();
+        // Background reads holding slots after `free_at`, latest end first (on the stack: this
+        // runs for every read).
+        let mut all = [None; MAX_SLOTS];
+        let mut n = 0;
+        for s in &self.slots {
+            if s.background && (s.reading || s.free_at > free_at) {
+                all[n] = (!s.reading).then_some(s.free_at);
+                n += 1;
+            }
+        }
+        let ends = &mut all[..n];
         if ends.len() < allowed {
             return Some((slot, free_at));
         }
         // Reading slots (end unknown) sort first; the allowed-th latest end opens the way.
-        ends.sort_by(|a, b| match (a, b) {
+        ends.sort_unstable_by(|a, b| match (a, b) {
             (None, None) => std::cmp::Ordering::Equal,
             (None, _) => std::cmp::Ordering::Less,
             (_, None) => std::cmp::Ordering::Greater,
@@ -606,18 +632,26 @@ impl Shared {
             (Some((below, _)), Some(top)) => top < below,
             _ => false,
         };
+        let parts = st.spare_parts.pop().unwrap_or_default();
         let run = st
             .pending
-            .pop_run(MAX_MERGE_BYTES)
+            .pop_run(MAX_MERGE_BYTES, parts)
             .expect("pending is not empty");
         st.slots[slot].background = background;
         let mut arrival = free_at;
-        let mut given = Vec::with_capacity(run.parts.len());
-        for (id, _) in &run.parts {
+        let mut bufs = st.spare_bufs.pop().unwrap_or_default();
+        for (id, extent) in &run.parts {
             let request = st.requests.get_mut(id).expect("pending reads are known");
             request.state = ReqState::Issued;
             arrival = arrival.max(request.submitted);
-            given.push(request.buf.take());
+            // A read submitted without a buffer gets a new one (not in the token loop, whose
+            // reads bring their own).
+            bufs.push(
+                request
+                    .buf
+                    .take()
+                    .unwrap_or_else(|| AlignedBuf::new(extent.len)),
+            );
         }
         // A timed read is booked now, in the order reads reach the device, and frees its slot
         // when the modelled device completes it, however late this thread gets to the copy.
@@ -631,11 +665,6 @@ impl Shared {
         }
         drop(st);
 
-        let mut bufs: Vec<AlignedBuf> = given
-            .into_iter()
-            .zip(&run.parts)
-            .map(|(buf, (_, extent))| buf.unwrap_or_else(|| AlignedBuf::new(extent.len)))
-            .collect();
         let (result, retries) = read_with_retries(&*self.device, run.offset, &mut bufs);
         let finished = Instant::now();
         // A timed read occupies the device from its arrival to its modelled completion.
@@ -643,20 +672,18 @@ impl Shared {
             Some(at) => (arrival, at),
             None => (now, finished),
         };
-        let outcomes: Vec<io::Result<AlignedBuf>> = match result {
-            Ok(()) => bufs.into_iter().map(Ok).collect(),
-            Err(e) => {
-                let context = self.failure_context(&run, retries);
-                let err = || io::Error::new(e.kind(), format!("{context}: {e}"));
-                run.parts.iter().map(|_| Err(err())).collect()
-            }
-        };
+        let failure = result.err().map(|e| {
+            (
+                e.kind(),
+                format!("{}: {e}", self.failure_context(&run, retries)),
+            )
+        });
 
         let mut st = self.lock();
         st.stats.device_reads += 1;
         st.stats.merged += run.parts.len() as u64 - 1;
         st.stats.retries += u64::from(retries);
-        if outcomes[0].is_err() {
+        if failure.is_some() {
             st.stats.failed += run.parts.len() as u64;
         } else {
             st.stats.bytes_read += run.len as u64;
@@ -679,11 +706,17 @@ impl Shared {
                 background: false,
             };
         }
-        for ((id, _), outcome) in run.parts.iter().zip(outcomes) {
+        for ((id, _), buf) in run.parts.iter().zip(bufs.drain(..)) {
+            let outcome = match &failure {
+                None => Ok(buf),
+                Some((kind, msg)) => Err(io::Error::new(*kind, msg.clone())),
+            };
             if let Some(request) = st.requests.get_mut(id) {
                 request.state = ReqState::Done(outcome, completes);
             }
         }
+        st.spare_parts.push(run.parts);
+        st.spare_bufs.push(bufs);
         if st.waiters > 0 {
             self.done.notify_all();
         }

@@ -76,15 +76,18 @@ impl PendingSet {
     }
 
     /// Takes the most urgent read and every pending read that extends it end to end, forwards
-    /// then backwards, while the run stays within `max_len` bytes.
-    pub fn pop_run(&mut self, max_len: usize) -> Option<Run> {
+    /// then backwards, while the run stays within `max_len` bytes. The run's parts are listed in
+    /// `parts` (cleared first: a caller that recycles it allocates nothing).
+    pub fn pop_run(&mut self, max_len: usize, mut parts: Vec<(u64, Extent)>) -> Option<Run> {
         let &(_, first) = self.by_priority.first()?;
         let (extent, _) = self.entries[&first];
         self.remove(first);
+        parts.clear();
+        parts.push((first, extent));
         let mut run = Run {
             offset: extent.offset,
             len: extent.len,
-            parts: vec![(first, extent)],
+            parts,
         };
         while let Some(&(_, id)) = first_at(&self.by_start, run.offset + run.len as u64) {
             let (next, _) = self.entries[&id];
@@ -128,7 +131,7 @@ mod tests {
         p.insert(1, ext(0, 4096), 5);
         p.insert(2, ext(65536, 4096), 9);
         p.insert(3, ext(131072, 4096), 9);
-        let order: Vec<u64> = std::iter::from_fn(|| p.pop_run(1 << 20))
+        let order: Vec<u64> = std::iter::from_fn(|| p.pop_run(1 << 20, Vec::new()))
             .map(|r| r.parts[0].0)
             .collect();
         assert_eq!(order, [2, 3, 1]);
@@ -142,11 +145,11 @@ mod tests {
         p.insert(3, ext(20480, 4096), 1);
         p.insert(4, ext(4096, 4096), 1);
         p.insert(5, ext(0, 4096), 1);
-        let run = p.pop_run(5 * 4096).unwrap();
+        let run = p.pop_run(5 * 4096, Vec::new()).unwrap();
         assert_eq!((run.offset, run.len), (4096, 5 * 4096));
         let ids: Vec<u64> = run.parts.iter().map(|x| x.0).collect();
         assert_eq!(ids, [4, 1, 2, 3]);
-        let rest = p.pop_run(1 << 20).unwrap();
+        let rest = p.pop_run(1 << 20, Vec::new()).unwrap();
         assert_eq!((rest.offset, rest.len, rest.parts.len()), (0, 4096, 1));
         assert!(p.is_empty());
     }
@@ -160,7 +163,7 @@ mod tests {
         assert!(p.remove(2));
         assert!(!p.remove(2));
         assert!(!p.set_priority(2, 7));
-        assert_eq!(p.pop_run(4096).unwrap().parts[0].0, 1);
-        assert!(p.pop_run(4096).is_none());
+        assert_eq!(p.pop_run(4096, Vec::new()).unwrap().parts[0].0, 1);
+        assert!(p.pop_run(4096, Vec::new()).is_none());
     }
 }

@@ -277,18 +277,17 @@ struct AttentionStream {
     /// The layer being computed.
     current: Option<Attention>,
     /// The reads of the layers expected next, in order.
-    ahead: VecDeque<(usize, Vec<Ticket>)>,
+    ahead: VecDeque<(usize, [Ticket; 4])>,
     /// The buffers of the layer last read, for the next layer's reads.
     spares: SpareBuffers,
 }
 
 impl AttentionStream {
-    fn submit(&mut self, io: &mut Reader, l: usize, priority: u32) -> Vec<Ticket> {
+    fn submit(&mut self, io: &mut Reader, l: usize, priority: u32) -> [Ticket; 4] {
         let spares = &mut self.spares;
         self.layers[l]
-            .iter()
+            .each_ref()
             .map(|e| io.submit(e.offset, e.len, priority, spares))
-            .collect()
     }
 
     /// Queues the reads of the layers after those queued, from `first` when none are.
@@ -312,36 +311,30 @@ impl AttentionStream {
                 self.submit(io, l, URGENT)
             }
         };
-        // The previous layer's matrices take this one's bytes: no allocation per layer, and this
-        // layer beside the reads ahead in memory at most.
-        let mut old = match self.current.take() {
-            Some(a) => [a.wq, a.wk, a.wv, a.wo].map(Some),
-            None => Default::default(),
-        };
-        let mut weights = Vec::with_capacity(4);
-        for ((e, ticket), old) in self.layers[l].iter().zip(tickets).zip(&mut old) {
+        // The previous layer's reads go back to the spares for the reads ahead: this layer's
+        // matrices are computed in their own reads, beside the reads ahead in memory at most.
+        if let Some(a) = self.current.take() {
+            for w in [a.wq, a.wk, a.wv, a.wo] {
+                if let Weight::Encoded(q) = w {
+                    self.spares.give(q.into_read().expect("made in its read"));
+                }
+            }
+        }
+        let layer = &self.layers[l];
+        let mut weights = [0, 1, 2, 3].map(|_| None);
+        for ((e, ticket), w) in layer.iter().zip(tickets).zip(&mut weights) {
             let buf = io.wait(ticket, &e.name)?;
             check_extent(&buf, e.checksum, || {
                 format!("{}: tensor {}", io.queue.device().name(), e.name)
             })?;
-            weights.push(refill(old.take(), e, &buf[..e.size])?);
-            self.spares.give(buf);
+            *w = Some(Weight::Encoded(QMatrix::in_read(
+                e.rows, e.cols, e.qtype, buf, e.size,
+            )?));
         }
-        let [wq, wk, wv, wo] = <[Weight; 4]>::try_from(weights).expect("four projections");
+        let [wq, wk, wv, wo] = weights.map(|w| w.expect("each waited for above"));
         self.queue_ahead(io, (l + 1) % self.layers.len());
         Ok(self.current.insert(Attention { wq, wk, wv, wo }))
     }
-}
-
-/// `bytes` as the matrix `e`, in `old`'s storage when it has the same shape and encoding.
-fn refill(old: Option<Weight>, e: &Extent, bytes: &[u8]) -> Result<Weight> {
-    Ok(match old {
-        Some(Weight::Encoded(mut q)) if (q.rows, q.cols, q.qtype) == (e.rows, e.cols, e.qtype) => {
-            q.data.copy_from_slice(bytes);
-            Weight::Encoded(q)
-        }
-        _ => Weight::Encoded(QMatrix::new(e.rows, e.cols, e.qtype, bytes.to_vec())?),
-    })
 }
 
 /// An embedding or output head read in parts, each checked against page hashes.
@@ -446,10 +439,11 @@ impl TableStream {
             .chunks(EMBED_ROWS_IN_FLIGHT)
             .zip(out.chunks_mut(EMBED_ROWS_IN_FLIGHT * h))
         {
-            let tickets: Vec<Ticket> = toks
-                .iter()
-                .map(|&t| self.submit(io, t as usize, t as usize + 1, URGENT))
-                .collect();
+            let mut tickets = [None; EMBED_ROWS_IN_FLIGHT];
+            for (&t, ticket) in toks.iter().zip(&mut tickets) {
+                *ticket = Some(self.submit(io, t as usize, t as usize + 1, URGENT));
+            }
+            let tickets = tickets.into_iter().flatten();
             for ((&t, ticket), row) in toks.iter().zip(tickets).zip(rows.chunks_exact_mut(h)) {
                 let mut buf = None;
                 let r = t as usize;
@@ -458,6 +452,7 @@ impl TableStream {
                     self.rows(io, &mut buf, ticket, r, r + 1)?,
                     row,
                 );
+                self.spares.give(buf.expect("filled by rows"));
             }
         }
         Ok(())

@@ -33,7 +33,7 @@ use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
 use super::metrics::Metrics;
 use super::mmap::Mapping;
 use super::plan::LayerPlan;
-use super::predict::{above, active_from_flash};
+use super::predict::{above_into, active_from_flash};
 use super::schedule::Schedule;
 use super::trace::ActiveTrace;
 
@@ -95,6 +95,10 @@ struct Work {
     acc: Vec<f32>,
     /// Scratch of `compute`: the needed clusters whose bytes have not come yet.
     missing: Vec<usize>,
+    /// Scratch of a prompt chunk: each row's scores (`rows × neurons`) and group sum
+    /// (`rows × hidden`).
+    chunk_scores: Vec<f32>,
+    chunk_acc: Vec<f32>,
 }
 
 /// What the gates of a layer's clusters decided.
@@ -186,6 +190,8 @@ pub(super) struct Core {
     late: Vec<(ClusterKey, u32)>,
     /// Scratch of [`Core::take_any`].
     tickets: Vec<Ticket>,
+    /// Scratch of [`Core::request_all`]: the reads of its batch.
+    reads: Vec<(AlignedBuf, u64, u32)>,
     /// Bytes of reads in flight; reads ahead stop at `io_budget`.
     in_flight: u64,
     pub io_budget: u64,
@@ -213,7 +219,7 @@ impl Core {
     /// one wake-up of the read queue for all); returns how many were queued.
     pub fn request_all(&mut self, wanted: &[(ClusterKey, u32)]) -> usize {
         // A key listed twice is queued once: its slot is marked while the batch is formed.
-        let mut reads = Vec::new();
+        let mut reads = std::mem::take(&mut self.reads);
         for &(key, priority) in wanted {
             let s = self.slots.of(key);
             if self.cache.contains(key) || self.pending[s].is_some() || self.in_batch[s] {
@@ -225,11 +231,14 @@ impl Core {
             reads.push((buf, cl.offset, priority));
         }
         if reads.is_empty() {
+            self.reads = reads;
             return 0;
         }
-        let tickets = self.io.submit_batch_into(reads);
+        let mut tickets = std::mem::take(&mut self.tickets);
+        self.io.submit_batch_into(reads.drain(..), &mut tickets);
+        self.reads = reads;
         let n = tickets.len();
-        let mut tickets = tickets.into_iter();
+        let mut tickets_in_order = tickets.iter();
         for &(key, _) in wanted {
             let s = self.slots.of(key);
             if !self.in_batch[s] {
@@ -237,11 +246,12 @@ impl Core {
             }
             // Unmarked once queued: a later duplicate in `wanted` is not queued again.
             self.in_batch[s] = false;
-            let ticket = tickets.next().expect("one ticket per marked key");
+            let ticket = *tickets_in_order.next().expect("one ticket per marked key");
             let size = self.plans[key.0 as usize].clusters[key.1 as usize].size;
             self.pending[s] = Some((ticket, size));
             self.in_flight += size;
         }
+        self.tickets = tickets;
         n
     }
 
@@ -386,8 +396,12 @@ impl Core {
 /// of a forward call and refills it for every layer, so the token loop does not allocate it.
 #[derive(Default)]
 struct Selection {
-    /// The layer's own predictor's set, where it ran (see [`OWN_SAMPLE`]).
-    own: Option<Vec<bool>>,
+    /// The layer's own predictor's set, where it ran (see [`OWN_SAMPLE`]): valid when `has_own`.
+    own: Vec<bool>,
+    has_own: bool,
+    /// Scratch of the own predictor: its normalised input and scores.
+    own_input: Vec<f32>,
+    own_scores: Vec<f32>,
     /// Neurons to compute.
     candidate: Vec<bool>,
     /// Clusters holding a candidate, ascending.
@@ -457,6 +471,7 @@ impl StreamEngine {
                 in_batch: vec![false; slots.len()],
                 late: Vec::new(),
                 tickets: Vec::new(),
+                reads: Vec::new(),
                 in_flight: 0,
                 io_budget,
                 spare: SpareBuffers::new(io_budget as usize),
@@ -546,16 +561,21 @@ impl StreamEngine {
         let plan = &self.core.plans[l];
         let n = plan.cluster_of.len();
         // The own predictor's set: the candidates in predicted mode, a measured signal otherwise.
-        sel.own = match (&plan.own, plan.own_on_flash) {
-            (Some(p), _) => Some(above(&p.scores(x), p.threshold)),
+        sel.has_own = match (&plan.own, plan.own_on_flash) {
+            (Some(p), _) => {
+                p.scores_into(x, &mut sel.own_input, &mut sel.own_scores);
+                above_into(&sel.own_scores, p.threshold, &mut sel.own);
+                true
+            }
             (None, Some(extent))
                 if self.sparsity == Sparsity::Certified
                     && self.call_len == 1
                     && token.is_multiple_of(OWN_SAMPLE) =>
             {
-                Some(active_from_flash(&self.core.io, extent, URGENT, x)?)
+                sel.own = active_from_flash(&self.core.io, extent, URGENT, x)?;
+                true
             }
-            (None, _) => None,
+            (None, _) => false,
         };
         let known = self.schedule.needs(&mut self.core, l, token)?;
         let plan = &self.core.plans[l];
@@ -583,7 +603,8 @@ impl StreamEngine {
                 None => candidate.resize(n, true),
             },
             (None, Sparsity::Predicted) => {
-                candidate.extend_from_slice(sel.own.as_deref().expect("computed in predicted mode"))
+                assert!(sel.has_own, "computed in predicted mode");
+                candidate.extend_from_slice(&sel.own);
             }
         }
         let clusters = plan.clusters.len();
@@ -662,15 +683,21 @@ impl StreamEngine {
         }
         let selections = &rows[..n_rows];
         let clusters = self.core.plans[l].clusters.len();
-        let mut is_needed = vec![false; clusters];
+        let mut is_needed = std::mem::take(&mut self.marks.is_needed);
+        is_needed.clear();
+        is_needed.resize(clusters, false);
         for sel in selections {
             sel.needed.iter().for_each(|&c| is_needed[c] = true);
         }
         self.core.refine(l, &is_needed, self.schedule.refine());
         let n = self.core.plans[l].cluster_of.len();
         self.work.reset(n, clusters, h);
-        let mut scores = vec![vec![f32::NAN; n]; n_rows];
-        let mut acc = vec![0.0f32; n_rows * h];
+        let mut scores = std::mem::take(&mut self.work.chunk_scores);
+        scores.clear();
+        scores.resize(n_rows * n, f32::NAN);
+        let mut acc = std::mem::take(&mut self.work.chunk_acc);
+        acc.clear();
+        acc.resize(n_rows * h, 0.0);
         let (k, skip) = (RowKernels::best(), self.skip(l));
         let bounds = group_bounds(clusters);
         for g in 0..GROUPS {
@@ -711,7 +738,7 @@ impl StreamEngine {
                     ops.gates(
                         &sel.candidate,
                         &operands[r],
-                        &mut scores[r],
+                        &mut scores[r * n..(r + 1) * n],
                         &mut work.lists,
                     )?;
                     ops.add(&work.lists, &mut acc[r * h..(r + 1) * h]);
@@ -725,10 +752,13 @@ impl StreamEngine {
                 o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
             }
         }
-        for (r, (sel, g)) in selections.iter().zip(&scores).enumerate() {
+        for (r, (sel, g)) in selections.iter().zip(scores.chunks_exact(n)).enumerate() {
             self.retain_and_measure(l, first + r, sel, g)?;
         }
         self.rows = rows;
+        self.marks.is_needed = is_needed;
+        self.work.chunk_scores = scores;
+        self.work.chunk_acc = acc;
         Ok(())
     }
 
@@ -851,7 +881,8 @@ impl StreamEngine {
         sel: &Selection,
         scores: &[f32],
     ) -> Result<()> {
-        let (needed, own, in_memory) = (&sel.needed, &sel.own, &sel.in_memory);
+        let (needed, in_memory) = (&sel.needed, &sel.in_memory);
+        let own = sel.has_own.then_some(&sel.own[..]);
         let plan = &self.core.plans[l];
         let marks = &mut self.marks;
         marks.computed.clear();
@@ -905,13 +936,7 @@ impl StreamEngine {
         m.cluster_hits += hits as u64;
         m.cluster_misses += (needed.len() - hits) as u64;
         let lookahead = self.schedule.lookahead_set(l);
-        m.record_layer(
-            active,
-            own.as_deref(),
-            lookahead.as_deref(),
-            needed.len(),
-            plan.clusters.len(),
-        );
+        m.record_layer(active, own, lookahead, needed.len(), plan.clusters.len());
         self.schedule
             .end_layer(&mut self.core, l, token, &self.marks.used)
     }

@@ -10,7 +10,7 @@
 use anyhow::Result;
 
 use super::engine::{Core, Refine, SPECULATIVE_MAX};
-use super::predict::above;
+use super::predict::above_into;
 use super::schedule::{hot_order, pin_hottest, Schedule};
 use super::speculation_gate::SpeculationGate;
 use super::tuning::Tuning;
@@ -38,8 +38,21 @@ pub(super) struct Leanstream {
     speculating: bool,
     refine: bool,
     cancel: bool,
-    /// Per layer: the stored positions the look-ahead predicted active for the current token.
-    lookahead_sets: Vec<Option<Vec<bool>>>,
+    /// Per layer: the stored positions the look-ahead predicted active for the current token,
+    /// valid while the flag is set (kept between tokens: the token loop does not allocate them).
+    lookahead_sets: Vec<(bool, Vec<bool>)>,
+    /// Scratch of [`Leanstream::speculate`], kept between layers.
+    scratch: Scratch,
+}
+
+/// What speculating on a layer works in.
+#[derive(Default)]
+struct Scratch {
+    normalised: Vec<f32>,
+    scores: Vec<f32>,
+    /// The clusters worth reading, as (best score, cluster).
+    wanted: Vec<(f32, usize)>,
+    reads: Vec<((u32, u32), u32)>,
 }
 
 impl Leanstream {
@@ -54,7 +67,8 @@ impl Leanstream {
             speculating: false,
             refine: tuning.refine,
             cancel: tuning.cancel,
-            lookahead_sets: vec![None; layers],
+            lookahead_sets: vec![(false, Vec::new()); layers],
+            scratch: Scratch::default(),
         }
     }
 
@@ -69,32 +83,37 @@ impl Leanstream {
             core.cache.contains(key) || core.is_pending(key)
         });
         if all_there {
-            self.lookahead_sets[target] = None;
+            self.lookahead_sets[target].0 = false;
             return;
         }
         let lookahead = plan
             .lookahead
             .as_ref()
             .expect("resident where the policy speculates");
-        let scores = lookahead.scores(residual);
-        let threshold = lookahead.threshold;
-        let mut wanted: Vec<(f32, usize)> = plan
-            .clusters
-            .iter()
-            .enumerate()
-            .map(|(ci, cl)| {
-                let best = scores[cl.first..cl.first + cl.count]
-                    .iter()
-                    .copied()
-                    .fold(0.0f32, f32::max);
-                (best, ci)
-            })
-            .filter(|&(best, _)| best >= threshold)
-            .collect();
-        wanted.sort_by(|a, b| b.0.total_cmp(&a.0));
-        let mut reads = Vec::new();
+        let s = &mut self.scratch;
+        lookahead.scores_into(residual, &mut s.normalised, &mut s.scores);
+        let (scores, threshold) = (&s.scores, lookahead.threshold);
+        s.wanted.clear();
+        s.wanted.extend(
+            plan.clusters
+                .iter()
+                .enumerate()
+                .map(|(ci, cl)| {
+                    let best = scores[cl.first..cl.first + cl.count]
+                        .iter()
+                        .copied()
+                        .fold(0.0f32, f32::max);
+                    (best, ci)
+                })
+                .filter(|&(best, _)| best >= threshold),
+        );
+        // Most likely first, ties in cluster order: what a stable sort by score gives, without
+        // its buffer.
+        s.wanted
+            .sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        s.reads.clear();
         let mut room = 0;
-        for (score, ci) in wanted {
+        for &(score, ci) in &s.wanted {
             let key = (target as u32, ci as u32);
             if core.cache.contains(key) || core.is_pending(key) {
                 continue;
@@ -103,10 +122,13 @@ impl Leanstream {
             if !core.has_room(room) {
                 break;
             }
-            reads.push((key, (score.clamp(0.0, 1.0) * SPECULATIVE_MAX as f32) as u32));
+            s.reads
+                .push((key, (score.clamp(0.0, 1.0) * SPECULATIVE_MAX as f32) as u32));
         }
-        core.metrics.speculative_reads += core.request_all(&reads) as u64;
-        self.lookahead_sets[target] = Some(above(&scores, threshold));
+        core.metrics.speculative_reads += core.request_all(&s.reads) as u64;
+        let (valid, set) = &mut self.lookahead_sets[target];
+        above_into(&s.scores, threshold, set);
+        *valid = true;
         core.metrics.select_s += start.elapsed().as_secs_f64();
     }
 }
@@ -170,7 +192,8 @@ impl Schedule for Leanstream {
         }
     }
 
-    fn lookahead_set(&mut self, l: usize) -> Option<Vec<bool>> {
-        self.lookahead_sets[l].take()
+    fn lookahead_set(&mut self, l: usize) -> Option<&[bool]> {
+        let (valid, set) = &mut self.lookahead_sets[l];
+        std::mem::take(valid).then_some(&set[..])
     }
 }

@@ -400,35 +400,38 @@ impl crate::model::LanguageModel for StreamingModel {
         true
     }
 
-    fn forward(
+    fn forward_into(
         &mut self,
         tokens: &[u32],
         cache: &mut KvCache,
         all_logits: bool,
-    ) -> Result<Vec<f32>> {
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
         if self.engine.decode_only() && tokens.len() > 1 {
             // A trace was recorded one token at a time; a chunk would round differently.
             let mut out = Vec::new();
             for (i, &t) in tokens.iter().enumerate() {
-                let logits = self.forward(&[t], cache, false)?;
+                self.forward_into(&[t], cache, false, logits)?;
                 if all_logits || i + 1 == tokens.len() {
-                    out.extend(logits);
+                    out.extend_from_slice(logits);
                 }
             }
-            return Ok(out);
+            *logits = out;
+            return Ok(());
         }
         self.take_watched_budget();
         self.engine.begin_call(tokens, cache.len())?;
         self.tokens += tokens.len() as u64;
-        let logits = self.model.forward_with(
+        let done = self.model.forward_with(
             tokens,
             cache,
             all_logits,
             Some(&mut self.engine),
             Some(&mut self.dense),
+            logits,
         );
         self.engine.end_call(tokens.len());
-        logits
+        done
     }
 }
 

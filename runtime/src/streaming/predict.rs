@@ -9,7 +9,7 @@
 
 use anyhow::{Context, Result};
 use half::f16;
-use leanstream_format::predictor::{normalise_input, Predictor};
+use leanstream_format::predictor::{normalise_input, normalise_input_into, Predictor};
 
 use crate::storage::{AlignedBuf, IoQueue};
 
@@ -111,13 +111,16 @@ impl QuantPredictor {
         predictor_bytes(self.input_dim, self.rank, self.outputs)
     }
 
-    /// Sigmoid scores for one input, RMS-normalised as in training.
-    pub fn scores(&self, x: &[f32]) -> Vec<f32> {
-        let x = normalise_input(x);
+    /// Sigmoid scores for one input, RMS-normalised as in training, into `z`, with `xn` as
+    /// scratch for the normalised input: no allocation once both have held as many values (the
+    /// token loop keeps them).
+    pub fn scores_into(&self, x: &[f32], xn: &mut Vec<f32>, z: &mut Vec<f32>) {
+        normalise_input_into(x, xn);
         let (d, n) = (self.input_dim, self.outputs);
-        let mut z: Vec<f32> = self.b2.iter().map(|b| b.to_f32()).collect();
+        z.clear();
+        z.extend(self.b2.iter().map(|b| b.to_f32()));
         for j in 0..self.rank {
-            let h = (dot_i8(&self.w1[j * d..(j + 1) * d], &x) * self.w1_scale[j]
+            let h = (dot_i8(&self.w1[j * d..(j + 1) * d], xn) * self.w1_scale[j]
                 + self.b1[j].to_f32())
             .max(0.0);
             if h > 0.0 {
@@ -128,7 +131,6 @@ impl QuantPredictor {
             }
         }
         z.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp()));
-        z
     }
 }
 
@@ -156,7 +158,15 @@ pub(super) fn active_from_flash(
 
 /// Which scores reach the threshold (a predictor's "active" set).
 pub(super) fn above(scores: &[f32], threshold: f32) -> Vec<bool> {
-    scores.iter().map(|&s| s >= threshold).collect()
+    let mut set = Vec::new();
+    above_into(scores, threshold, &mut set);
+    set
+}
+
+/// [`above`] into `set` (resized).
+pub(super) fn above_into(scores: &[f32], threshold: f32, set: &mut Vec<bool>) {
+    set.clear();
+    set.extend(scores.iter().map(|&s| s >= threshold));
 }
 
 #[cfg(test)]
@@ -212,7 +222,8 @@ mod tests {
                 .map(|i| ((i * (t + 3)) as f32 * 0.61).sin())
                 .collect();
             x[t * 7] = 40.0;
-            let fast = q.scores(&x);
+            let (mut xn, mut fast) = (Vec::new(), Vec::new());
+            q.scores_into(&x, &mut xn, &mut fast);
             let reference = p.scores(&normalise_input(&x));
             assert_eq!(fast.len(), n);
             for (a, b) in fast.iter().zip(&reference) {

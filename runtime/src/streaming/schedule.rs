@@ -47,7 +47,7 @@ pub(super) trait Schedule {
     }
 
     /// The neurons the look-ahead predicted for layer `l` of the current token, for the metrics.
-    fn lookahead_set(&mut self, _l: usize) -> Option<Vec<bool>> {
+    fn lookahead_set(&mut self, _l: usize) -> Option<&[bool]> {
         None
     }
 
