@@ -2,6 +2,7 @@
 
 pub mod cli;
 pub mod converted;
+pub mod gguf;
 pub mod reference;
 pub mod tiny;
 

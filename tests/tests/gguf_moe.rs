@@ -3,7 +3,8 @@
 //! older Mixtral files, one tensor per expert; query/key rows permuted for llama.cpp's rope) load
 //! to the same configuration and give bit-identical logits to the Hugging Face directory, whose
 //! agreement with the f64 reference `engine_vs_reference` checks; the perplexity is checked
-//! against the reference here too.
+//! against the reference here too. Converted (format 1.5, f32), such a GGUF runs from the file
+//! bit-identically to the GGUF itself.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -14,7 +15,10 @@ use candle_core::{Device, Tensor};
 use leanstream::config::ModelConfig;
 use leanstream::gguf::{gguf_name, GgufFile};
 use leanstream::model::Model;
+use leanstream_format::LsbFile;
+use leanstream_tests::converted::convert;
 use leanstream_tests::fresh_dir;
+use leanstream_tests::gguf::{converter_permute, tokenizer_metadata};
 use leanstream_tests::reference::ReferenceModel;
 use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
 use safetensors::SafeTensors;
@@ -33,24 +37,6 @@ fn hf_tensors(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
             (name, (view.shape().to_vec(), values))
         })
         .collect()
-}
-
-/// llama.cpp's converter order for `llama` query/key rows: within each head, row `2i + j` holds
-/// Hugging Face row `j * head_dim / 2 + i`.
-fn converter_permute(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
-    let head_dim = values.len() / cols / heads;
-    let mut out = vec![0.0; values.len()];
-    for h in 0..heads {
-        for j in 0..2 {
-            for i in 0..head_dim / 2 {
-                let src = h * head_dim + j * head_dim / 2 + i;
-                let dst = h * head_dim + 2 * i + j;
-                out[dst * cols..(dst + 1) * cols]
-                    .copy_from_slice(&values[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
 }
 
 /// One expert's matrix: its index in the stack, shape and values.
@@ -117,7 +103,10 @@ fn write_gguf(
         ),
         (key("rope.freq_base"), Value::F32(c.rope_theta)),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
-    ];
+    ]
+    .into_iter()
+    .chain(tokenizer_metadata(&dir.join("tokenizer.json")))
+    .collect::<Vec<_>>();
     // GGUF name → (expert index or none, shape, values); stacks are assembled below.
     let mut plain = Vec::new();
     let mut stacks: HashMap<String, Vec<Expert>> = HashMap::new();
@@ -204,18 +193,27 @@ fn check(name: &str, spec: &TinySpec, arch: &str, layout: Layout) {
     assert!(rel < 2e-4, "{name}: perplexity differs: {rel:.3e}");
 }
 
-#[test]
-fn qwen3moe_gguf_matches_the_hugging_face_directory() {
+/// A two-layer Qwen3-MoE as llama.cpp's `qwen3moe` runs it: renormalised, no dense layers.
+fn llamacpp_qwen3moe(seed: u64) -> TinySpec {
     let mut spec = TinySpec {
-        seed: 41,
+        seed,
         layers: 2,
         ..TinySpec::qwen3_moe()
     };
-    // llama.cpp's qwen3moe renormalises and has no dense layers.
     let moe = spec.moe.as_mut().unwrap();
     moe.norm_topk_prob = true;
     moe.mlp_only_layers.clear();
-    check("qwen3moe", &spec, "qwen3moe", Layout::Stacked);
+    spec
+}
+
+#[test]
+fn qwen3moe_gguf_matches_the_hugging_face_directory() {
+    check(
+        "qwen3moe",
+        &llamacpp_qwen3moe(41),
+        "qwen3moe",
+        Layout::Stacked,
+    );
 }
 
 #[test]
@@ -285,4 +283,46 @@ fn quantized_expert_stacks_cut_like_one_tensor_per_expert() {
         diffs.push(diff);
     }
     assert!(diffs[0] > 0.0 && diffs[0] < diffs[1], "{diffs:?}");
+}
+
+/// A GGUF mixture converted to format 1.5 (f32) runs from the file bit-identically to the GGUF
+/// itself — as `qwen3moe` and as Mixtral's `llama` (query/key rows permuted back) — with every
+/// mixture layer's routing profile measured.
+#[test]
+fn a_converted_gguf_mixture_runs_as_the_gguf() {
+    let qwen = llamacpp_qwen3moe(45);
+    let mixtral = TinySpec {
+        seed: 46,
+        layers: 2,
+        sliding_window: None,
+        ..TinySpec::mixtral()
+    };
+    for (spec, arch) in [(qwen, "qwen3moe"), (mixtral, "llama")] {
+        let dir = fresh_dir(
+            Path::new(env!("CARGO_TARGET_TMPDIR")),
+            &format!("gguf-convert-{arch}"),
+        );
+        write_tiny_model(&dir, &spec).unwrap();
+        let c = Model::load(&dir).unwrap().config().clone();
+        let gguf = write_gguf(&dir, &c, arch, Layout::Stacked, GgmlDType::F32);
+        let file = dir.join("from-gguf.lsb");
+        convert(&gguf, &file, &["--quant", "f32"]);
+        let from_gguf = GgufFile::open(&gguf).unwrap().load_model().unwrap();
+        let from_file = leanstream::source::open(&file).unwrap().model;
+        let ids = random_ids(spec.seed + 40, 32, spec.vocab);
+        let logits = |m: &Model| {
+            let mut cache = m.new_cache(ids.len());
+            m.forward(&ids, &mut cache, true).unwrap()
+        };
+        assert_eq!(
+            logits(&from_file),
+            logits(&from_gguf),
+            "{arch}: file vs GGUF"
+        );
+        let f = LsbFile::open(&file).unwrap();
+        assert!(
+            f.meta.layers.iter().all(|l| l.routing.is_some()),
+            "{arch}: every layer is a mixture with a routing profile"
+        );
+    }
 }
