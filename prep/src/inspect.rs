@@ -232,6 +232,15 @@ pub fn print(v: &Value) {
     ] {
         println!("  {key:<16} {:>14}", v[key]);
     }
+    if !v["experts"].is_null() {
+        println!(
+            "  {:<16} {:>14}",
+            "expert_bytes", v["experts"]["expert_bytes"]
+        );
+        // No sparsity is calibrated in a mixture's file yet: its layers have only a routing profile.
+        print_routing(&v["layers"]);
+        return;
+    }
     println!("  layer  threshold  sparsity  certificate saves  own recall/prec  look-ahead recall/prec  static recall  cluster fill (unordered)  hot10  overlap  group fill");
     for (i, l) in v["layers"].as_array().into_iter().flatten().enumerate() {
         let f = |k: &str| l[k].as_f64().unwrap_or(f64::NAN);
