@@ -1,12 +1,23 @@
-//! Row kernels for aarch64 (NEON is part of the base architecture), in two sets picked at run time:
+//! Row kernels for aarch64 (NEON is part of the base architecture), in two sets picked at run time.
+//! Both give the portable kernels' result bit for bit, so an ARM board computes exactly what
+//! `LEANSTREAM_KERNELS=portable` computes on any CPU:
 //!
-//! - `neon`: every ARMv8-A core. 4 floats per vector with four accumulators; block types one block
-//!   per step, the integer dot product through widening 8-bit multiplies (`smull`) and pairwise
-//!   accumulation (`sadalp`): 4 instructions per 16 byte pairs.
+//! - `neon`: every ARMv8-A core. The block types' integer dot product through widening 8-bit
+//!   multiplies (`smull`) and pairwise accumulation (`sadalp`): 4 instructions per 16 byte pairs.
 //! - `neon-dotprod`: cores with FEAT_DotProd (Cortex-A76 and later: Raspberry Pi 5, recent phones;
-//!   `is_aarch64_feature_detected!("dotprod")`). The block types' integer dot product is `sdot`,
-//!   which sums four byte products into each 32-bit lane: 1 instruction per 16 byte pairs. The
-//!   float types are the `neon` kernels.
+//!   `is_aarch64_feature_detected!("dotprod")`). The integer dot product is `sdot`, which sums four
+//!   byte products into each 32-bit lane: 1 instruction per 16 byte pairs.
+//!
+//! Why bit for bit: the activation is quantized to q8 before each mat-vec, and rounding is
+//! discontinuous, so a last-bit difference in a dot product (another summation order) moves a value
+//! across a rounding boundary now and then and the two runs part by a whole quantization step. On
+//! the embedded model's q8 file this turned float-order differences of 1e-7 into a 5.4e-4
+//! perplexity difference (x86's own AVX-512 and portable kernels differ by as much). So each block's
+//! term is computed with the portable code's operations (`d_w·d_x·Σq_w·q_x`, the same roundings,
+//! no fused multiply-add), four blocks at a time in vector lanes, and the terms are added one block
+//! after another as the portable code adds them. The integer sums are exact whichever instruction
+//! forms them. The float types and every `axpy` are the portable code itself (the compiler
+//! vectorizes it for NEON; a fused multiply-add would change its bits).
 //!
 //! Rust has no stable `sdot` intrinsic yet (`vdotq_s32` is unstable even in 1.95), so it is one
 //! instruction of inline assembly in a function compiled with the `dotprod` feature.
@@ -15,10 +26,6 @@
 //! batch-1 mat-vec has one activation vector, so half of them would be wasted and it does no more
 //! useful work per instruction than `sdot` (it pays for two or more input vectors at once, which
 //! here go through `gemm` on decoded rows from 16 tokens up).
-//!
-//! f16 rows (whose NEON conversion intrinsics need Rust 1.94, past this workspace's minimum) and
-//! axpy of the block types use the portable code, which the compiler vectorizes for NEON by itself.
-//! Loops are bounded by the shorter input; tails run the portable code.
 
 use std::arch::aarch64::*;
 use std::arch::asm;
@@ -34,12 +41,9 @@ pub(super) fn kernels() -> RowKernels {
     // SAFETY (every entry): NEON is always present on aarch64; the kernels bound their reads.
     RowKernels {
         isa: "neon",
-        dot_f32: |w, x| unsafe { dot_float(w, x, Float::F32) },
-        dot_bf16: |w, x| unsafe { dot_float(w, x, Float::Bf16) },
-        dot_q8_0: |w, x| unsafe { dot_q8_0::<false>(w, x) },
-        dot_q4_0: |w, x| unsafe { dot_q4::<false, false>(w, x) },
-        dot_q4_1: |w, x| unsafe { dot_q4::<true, false>(w, x) },
-        axpy_f32: |a, w, o| unsafe { axpy_f32(a, w, o) },
+        dot_q8_0: |w, x| unsafe { block_dot::<false>(Block::Q8_0, w, x) },
+        dot_q4_0: |w, x| unsafe { block_dot::<false>(Block::Q4_0, w, x) },
+        dot_q4_1: |w, x| unsafe { block_dot::<false>(Block::Q4_1, w, x) },
         ..PORTABLE
     }
 }
@@ -56,74 +60,11 @@ pub(super) unsafe fn dotprod_kernels() -> RowKernels {
     // SAFETY (every entry): the caller checked the CPU feature; the kernels bound their reads.
     RowKernels {
         isa: "neon-dotprod",
-        dot_q8_0: |w, x| unsafe { dot_q8_0_sdot(w, x) },
-        dot_q4_0: |w, x| unsafe { dot_q4_0_sdot(w, x) },
-        dot_q4_1: |w, x| unsafe { dot_q4_1_sdot(w, x) },
+        dot_q8_0: |w, x| unsafe { dot_sdot(Block::Q8_0, w, x) },
+        dot_q4_0: |w, x| unsafe { dot_sdot(Block::Q4_0, w, x) },
+        dot_q4_1: |w, x| unsafe { dot_sdot(Block::Q4_1, w, x) },
         ..kernels()
     }
-}
-
-#[derive(Clone, Copy)]
-enum Float {
-    F32,
-    Bf16,
-}
-
-impl Float {
-    fn bytes(self) -> usize {
-        match self {
-            Float::F32 => 4,
-            Float::Bf16 => 2,
-        }
-    }
-}
-
-/// 4 values at `p` as f32.
-#[inline(always)]
-unsafe fn load4(p: *const u8, unit: Float) -> float32x4_t {
-    match unit {
-        Float::F32 => vld1q_f32(p as *const f32),
-        Float::Bf16 => {
-            let h = vmovl_u16(vld1_u16(p as *const u16));
-            vreinterpretq_f32_u32(vshlq_n_u32::<16>(h))
-        }
-    }
-}
-
-unsafe fn dot_float(w: &[u8], x: &[f32], unit: Float) -> f32 {
-    let bytes = unit.bytes();
-    let n = x.len().min(w.len() / bytes);
-    let (wp, xp) = (w.as_ptr(), x.as_ptr());
-    let mut acc = [vdupq_n_f32(0.0); 4];
-    let mut i = 0;
-    while i + 16 <= n {
-        for (k, a) in acc.iter_mut().enumerate() {
-            let j = i + 4 * k;
-            *a = vfmaq_f32(*a, load4(wp.add(j * bytes), unit), vld1q_f32(xp.add(j)));
-        }
-        i += 16;
-    }
-    let (tw, tx) = (&w[i * bytes..n * bytes], &x[i..n]);
-    let tail = match unit {
-        Float::F32 => portable::dot_f32(tw, tx),
-        Float::Bf16 => portable::dot_bf16(tw, tx),
-    };
-    vaddvq_f32(vaddq_f32(
-        vaddq_f32(acc[0], acc[1]),
-        vaddq_f32(acc[2], acc[3]),
-    )) + tail
-}
-
-unsafe fn axpy_f32(a: f32, w: &[u8], out: &mut [f32]) {
-    let n = out.len().min(w.len() / 4);
-    let (wp, op) = (w.as_ptr() as *const f32, out.as_mut_ptr());
-    let mut i = 0;
-    while i + 4 <= n {
-        let o = op.add(i);
-        vst1q_f32(o, vfmaq_n_f32(vld1q_f32(o), vld1q_f32(wp.add(i)), a));
-        i += 4;
-    }
-    portable::axpy_f32(a, &w[i * 4..n * 4], &mut out[i..n]);
 }
 
 /// `acc + Σ a·b` of 16 signed byte pairs, four consecutive products summed into each 32-bit lane.
@@ -144,8 +85,8 @@ unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     acc
 }
 
-/// `Σ w·x` of 32 signed bytes each, as 32-bit lanes: `sdot` when `DOT`, else widening multiplies.
-/// (`DOT` is only instantiated inside functions compiled with `dotprod`.)
+/// `Σ w·x` of 32 signed bytes each, spread over four 32-bit lanes: `sdot` when `DOT`, else
+/// widening multiplies. (`DOT` is only instantiated inside functions compiled with `dotprod`.)
 #[inline(always)]
 unsafe fn isum32<const DOT: bool>(w: [int8x16_t; 2], x: [int8x16_t; 2]) -> int32x4_t {
     let mut acc = vdupq_n_s32(0);
@@ -162,68 +103,134 @@ unsafe fn isum32<const DOT: bool>(w: [int8x16_t; 2], x: [int8x16_t; 2]) -> int32
     acc
 }
 
-#[inline(always)]
-unsafe fn dot_q8_0<const DOT: bool>(w: &[u8], x: &Q8Vec) -> f32 {
-    let nb = (w.len() / Q8_0_BYTES).min(x.scales.len());
-    let (wp, xq) = (w.as_ptr(), x.quants.as_ptr());
-    let mut acc = vdupq_n_f32(0.0);
-    for b in 0..nb {
-        let blk = wp.add(b * Q8_0_BYTES + 2) as *const i8;
-        let q = xq.add(b * BLOCK_LEN);
-        let s = isum32::<DOT>(
-            [vld1q_s8(blk), vld1q_s8(blk.add(16))],
-            [vld1q_s8(q), vld1q_s8(q.add(16))],
-        );
-        let scale = f16_at(w, b * Q8_0_BYTES) * x.scales[b];
-        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), scale);
-    }
-    vaddvq_f32(acc)
+/// A block encoding: `d·q` (`Q8_0`), `d·(q − 8)` (`Q4_0`) or `d·q + m` (`Q4_1`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Block {
+    Q8_0,
+    Q4_0,
+    Q4_1,
 }
 
-/// `Q4_0` (`WITH_MIN` false: offset −8 through the activation sums) or `Q4_1`.
+impl Block {
+    fn bytes(self) -> usize {
+        match self {
+            Block::Q8_0 => Q8_0_BYTES,
+            Block::Q4_0 => Q4_0_BYTES,
+            Block::Q4_1 => Q4_1_BYTES,
+        }
+    }
+
+    /// The block's term in the portable code (`portable::block_*`).
+    #[inline(always)]
+    fn portable_term(self, blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
+        match self {
+            Block::Q8_0 => portable::block_q8_0(blk, qx, dx),
+            Block::Q4_0 => portable::block_q4_0(blk, qx, dx, sx),
+            Block::Q4_1 => portable::block_q4_1(blk, qx, dx, sx),
+        }
+    }
+
+    /// Four blocks' terms, one per lane, each with the operations of [`portable_term`]:
+    /// `isum` holds their integer sums, `d`/`m` their scales and minimums, `dx`/`sx` the
+    /// activation blocks' scales and scaled sums.
+    #[inline(always)]
+    unsafe fn terms(
+        self,
+        isum: int32x4_t,
+        d: float32x4_t,
+        m: float32x4_t,
+        dx: float32x4_t,
+        sx: float32x4_t,
+    ) -> float32x4_t {
+        // `Σq_w·q_x` is at most 32·127·127 in magnitude: exact in f32, as `isum as f32` is.
+        let s = vcvtq_f32_s32(isum);
+        match self {
+            Block::Q8_0 => vmulq_f32(vmulq_f32(d, dx), s),
+            Block::Q4_0 => vmulq_f32(d, vsubq_f32(vmulq_f32(dx, s), vmulq_n_f32(sx, 8.0))),
+            Block::Q4_1 => vaddq_f32(vmulq_f32(vmulq_f32(d, dx), s), vmulq_f32(m, sx)),
+        }
+    }
+}
+
+/// Block `blk`'s codes (32, as signed bytes) against 32 activation quants: the integer sum over
+/// four lanes.
 #[inline(always)]
-unsafe fn dot_q4<const WITH_MIN: bool, const DOT: bool>(w: &[u8], x: &Q8Vec) -> f32 {
-    let (bytes, nib) = if WITH_MIN {
-        (Q4_1_BYTES, 4)
-    } else {
-        (Q4_0_BYTES, 2)
+unsafe fn block_isum<const DOT: bool>(kind: Block, blk: *const u8, q: *const i8) -> int32x4_t {
+    let x = [vld1q_s8(q), vld1q_s8(q.add(16))];
+    let w = match kind {
+        Block::Q8_0 => [
+            vld1q_s8(blk.add(2) as *const i8),
+            vld1q_s8(blk.add(18) as *const i8),
+        ],
+        Block::Q4_0 | Block::Q4_1 => {
+            let n = vld1q_u8(blk.add(if kind == Block::Q4_1 { 4 } else { 2 }));
+            // Low nibbles are the block's first 16 values, high nibbles the last 16.
+            [
+                vreinterpretq_s8_u8(vandq_u8(n, vdupq_n_u8(0x0f))),
+                vreinterpretq_s8_u8(vshrq_n_u8::<4>(n)),
+            ]
+        }
     };
+    isum32::<DOT>(w, x)
+}
+
+/// The f16 at byte `offset` of each of four consecutive blocks from `b`, as f32 lanes.
+#[inline(always)]
+unsafe fn f16_lanes(w: &[u8], b: usize, bytes: usize, offset: usize) -> float32x4_t {
+    let v: [f32; 4] = std::array::from_fn(|i| f16_at(w, (b + i) * bytes + offset));
+    vld1q_f32(v.as_ptr())
+}
+
+/// `row · x` for a block-encoded row: bit for bit the portable `dot_q8_0`/`dot_q4_0`/`dot_q4_1`.
+#[inline(always)]
+unsafe fn block_dot<const DOT: bool>(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
+    let bytes = kind.bytes();
     let nb = (w.len() / bytes).min(x.scales.len());
     let (wp, xq) = (w.as_ptr(), x.quants.as_ptr());
-    let low = vdupq_n_u8(0x0f);
-    let mut acc = vdupq_n_f32(0.0);
-    let mut offsets = 0.0f32;
-    for b in 0..nb {
-        let n = vld1q_u8(wp.add(b * bytes + nib));
-        let codes = [
-            vreinterpretq_s8_u8(vandq_u8(n, low)),
-            vreinterpretq_s8_u8(vshrq_n_u8::<4>(n)),
-        ];
-        let q = xq.add(b * BLOCK_LEN);
-        let s = isum32::<DOT>(codes, [vld1q_s8(q), vld1q_s8(q.add(16))]);
-        let dw = f16_at(w, b * bytes);
-        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), dw * x.scales[b]);
-        let o = if WITH_MIN {
-            f16_at(w, b * bytes + 2)
-        } else {
-            dw
+    // The portable code's `Iterator::sum` starts from −0.0 (so a sum of −0.0 terms stays −0.0).
+    let mut sum = -0.0f32;
+    let mut b = 0;
+    while b + 4 <= nb {
+        let isum = |i: usize| {
+            block_isum::<DOT>(kind, wp.add((b + i) * bytes), xq.add((b + i) * BLOCK_LEN))
         };
-        offsets += o * x.sums[b];
+        // Pairwise adds of the lanes leave block b+i's integer sum in lane i.
+        let isum = vpaddq_s32(vpaddq_s32(isum(0), isum(1)), vpaddq_s32(isum(2), isum(3)));
+        let m = if kind == Block::Q4_1 {
+            f16_lanes(w, b, bytes, 2)
+        } else {
+            vdupq_n_f32(0.0)
+        };
+        let terms = kind.terms(
+            isum,
+            f16_lanes(w, b, bytes, 0),
+            m,
+            vld1q_f32(x.scales.as_ptr().add(b)),
+            vld1q_f32(x.sums.as_ptr().add(b)),
+        );
+        let mut t = [0.0f32; 4];
+        vst1q_f32(t.as_mut_ptr(), terms);
+        for v in t {
+            sum += v;
+        }
+        b += 4;
     }
-    vaddvq_f32(acc) + if WITH_MIN { offsets } else { -8.0 * offsets }
+    for b in b..nb {
+        sum += kind.portable_term(
+            &w[b * bytes..(b + 1) * bytes],
+            &x.quants[b * BLOCK_LEN..],
+            x.scales[b],
+            x.sums[b],
+        );
+    }
+    sum
 }
 
+/// [`block_dot`] through `sdot`.
+///
+/// # Safety
+/// The CPU must have FEAT_DotProd.
 #[target_feature(enable = "dotprod")]
-unsafe fn dot_q8_0_sdot(w: &[u8], x: &Q8Vec) -> f32 {
-    dot_q8_0::<true>(w, x)
-}
-
-#[target_feature(enable = "dotprod")]
-unsafe fn dot_q4_0_sdot(w: &[u8], x: &Q8Vec) -> f32 {
-    dot_q4::<false, true>(w, x)
-}
-
-#[target_feature(enable = "dotprod")]
-unsafe fn dot_q4_1_sdot(w: &[u8], x: &Q8Vec) -> f32 {
-    dot_q4::<true, true>(w, x)
+unsafe fn dot_sdot(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
+    block_dot::<true>(kind, w, x)
 }

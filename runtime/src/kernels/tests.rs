@@ -137,6 +137,54 @@ fn report(kernel: &str, isa: &str, qtype: impl std::fmt::Display, max_err: f64) 
     eprintln!("max-error {kernel} {isa} {qtype} {max_err:.3e}");
 }
 
+/// The NEON kernels give the portable kernels' bits (see `neon.rs` for why: the q8 rounding of
+/// the next layer's input turns last-bit differences into whole quantization steps), for every
+/// encoding and length, including zero inputs (the sign of a zero sum).
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_kernels_are_portable_bit_for_bit() {
+    let (seed, mut rng) = rng();
+    let sets: Vec<RowKernels> = RowKernels::available()
+        .into_iter()
+        .filter(|k| k.isa.starts_with("neon"))
+        .collect();
+    assert!(!sets.is_empty(), "no NEON kernel set on aarch64");
+    let portable = *RowKernels::available().last().unwrap();
+    assert_eq!(portable.isa, "portable");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for k in sets {
+        for qtype in QuantType::ALL {
+            for n in lengths(qtype) {
+                for zeros in [false, true] {
+                    let (bytes, _) = encoded_row(qtype, n, &mut rng);
+                    let mut xs = random(n, 2.0, &mut rng);
+                    if zeros {
+                        xs.fill(0.0);
+                    }
+                    let x = Operand::new(&xs, qtype);
+                    let (got, want) = (k.dot(qtype, &bytes, &x), portable.dot(qtype, &bytes, &x));
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "seed {seed}: {} {qtype} n={n} zeros={zeros}: {got} vs {want}",
+                        k.isa
+                    );
+                    let a = rng.random_range(-2.0f32..2.0);
+                    let (mut got, mut want) = (xs.clone(), xs.clone());
+                    k.axpy(qtype, a, &bytes, &mut got);
+                    portable.axpy(qtype, a, &bytes, &mut want);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "seed {seed}: {} {qtype} n={n}",
+                        k.isa
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn axpy_matches_f64_and_decoding_is_exact() {
     let (seed, mut rng) = rng();
