@@ -25,7 +25,7 @@ use crate::activity;
 use crate::calib::Calibration;
 use crate::certificate::{self, CertificateChoice};
 use crate::placement::{cluster_fill, place};
-use crate::profile::Profiler;
+use crate::profile::{Profiler, StreamRule};
 use crate::source::Source;
 use crate::sparsity::{
     allocate, auto_search, cost_curve, down_norms, level, level_thresholds, masks, quantile,
@@ -33,15 +33,23 @@ use crate::sparsity::{
 };
 use crate::tensors::{dense_specs, ffn_names, quantize_rows};
 use crate::train::{
-    normalise_rows, score_threshold, targets, top_k_quality, train, TrainConfig, Trained,
+    at_threshold, energies, massive, miss_threshold, normalise_rows, score_threshold, targets,
+    top_k_quality, train, AtThreshold, TrainConfig, Trained,
 };
 
 /// The gate sketch's encoding: 4-bit, a sixth of an f32 gate row's size.
 const SKETCH_QUANT: QuantType = QuantType::Q8_0;
 /// Partners per cluster kept in the refine statistics.
 const NEIGHBOURS: usize = 8;
-/// Predicted-active budget, as a multiple of the true active fraction, at which recall is judged.
+/// Predicted-active budget, as a multiple of the true active fraction, at which recall is judged
+/// (and, under the `gate` rule, the own predictor's threshold).
 const BUDGET_FACTOR: f32 = 1.5;
+/// Under `gate_up`, the own predictor's threshold lets the active neurons it misses on the training
+/// split carry at most this multiple of the squared contribution (`c²`, summed) the rule itself
+/// skips there, so predicted mode adds at most about that much to exact mode's error in each layer.
+const MISS_SHARE: f64 = 0.5;
+/// The own predictor's output bias for a neuron it always names: `sigmoid(30)` is 1 in f32.
+const ALWAYS_LOGIT: f32 = 30.0;
 
 pub struct ConvertOptions {
     pub model_dir: PathBuf,
@@ -76,10 +84,24 @@ pub struct Summary {
     /// The sparse model (`perplexity`) against the dense one (`reference_perplexity`) on the
     /// held-out calibration windows; none for a mixture of experts (nothing is made sparse).
     pub quality: Option<leanstream::perplexity::Comparison>,
+    /// The same in predicted mode (only the neurons the own predictors name, of those active).
+    pub predicted_quality: Option<leanstream::perplexity::Comparison>,
+    /// Each layer's own predictor at the file's threshold, on the held-out rows (none for a
+    /// mixture).
+    pub predicted: Vec<PredictedLayer>,
     /// What `--sparsity auto` chose and measured.
     pub sparsity_auto: Option<AutoChoice>,
     pub seconds: Phases,
     pub peak_rss_bytes: Option<u64>,
+}
+
+/// A layer's own predictor as predicted mode uses it.
+#[derive(Debug, Serialize)]
+pub struct PredictedLayer {
+    #[serde(flatten)]
+    pub quality: AtThreshold,
+    /// Neurons it always names ([`massive`]).
+    pub always: usize,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -164,11 +186,15 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             tried.join(", ")
         );
     }
+    // Two held-out streams: exact mode (the file's thresholds) and predicted mode (also its own
+    // predictors).
+    profiler.restart_sparse(2)?;
     let bar = bar(opts.progress, config.num_layers as u64, "layers");
     let mut ffn = FfnIndex::default();
     let (mut predictors, mut sketch, mut refine) =
         (Predictors::default(), Sketch::default(), Refine::default());
     let mut layer_meta = Vec::new();
+    let mut predicted = Vec::new();
     let mut cluster_neurons = Vec::new();
     let mut prev_residual: Option<Vec<f32>> = None;
     writer.begin_section(SectionKind::FfnData);
@@ -192,7 +218,6 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             rule,
             threshold: thr,
         };
-        profiler.sparse_layer(l, &[skip]);
         let mask = masks(&score, thr);
         phases.profile += t.elapsed().as_secs_f64();
 
@@ -224,16 +249,54 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         let fit = |x: &[f32]| {
             let xt = normalise_rows(x, h, &train_rows);
             let trained = train(&xt, &y_train, &cfg);
-            let quality = top_k_quality(
-                &trained.scores(normalise_rows(x, h, &eval_rows).view()),
-                &y_eval,
-                k,
+            let (train_scores, eval_scores) = (
+                trained.scores(xt.view()),
+                trained.scores(normalise_rows(x, h, &eval_rows).view()),
             );
-            let thr = score_threshold(&trained.scores(xt.view()), k as f32 / n as f32);
-            (trained, quality, thr)
+            let quality = top_k_quality(&eval_scores, &y_eval, k);
+            let thr = score_threshold(&train_scores, k as f32 / n as f32);
+            (trained, quality, thr, train_scores, eval_scores)
         };
-        let (own, own_q, own_thr) = fit(&prof.ffn_input);
-        let (look, look_q, look_thr) = fit(lookahead_input);
+        let (mut own, own_q, budget_thr, mut own_train, mut own_eval) = fit(&prof.ffn_input);
+        let (look, look_q, look_thr, _, _) = fit(lookahead_input);
+        // Predicted mode drops a missed active neuron however large, so under `gate_up` the own
+        // predictor always names the neurons with massive contributions and its threshold is set
+        // by what its misses carry rather than by a budget.
+        let e_train = energies(&prof.coef, &mask, n, &train_rows);
+        let e_eval = energies(&prof.coef, &mask, n, &eval_rows);
+        let (own_thr, always) = match rule {
+            SkipRule::GateUp => {
+                let always = massive(&e_train);
+                for &j in &always {
+                    own.b2[j] = ALWAYS_LOGIT;
+                    own_train.column_mut(j).fill(1.0);
+                    own_eval.column_mut(j).fill(1.0);
+                }
+                let skipped: f64 = train_rows
+                    .iter()
+                    .flat_map(|&r| r * n..(r + 1) * n)
+                    .filter(|&i| !mask[i])
+                    .map(|i| (prof.coef[i] as f64).powi(2))
+                    .sum();
+                let thr = miss_threshold(&own_train, &e_train, MISS_SHARE * skipped);
+                (thr, always.len())
+            }
+            SkipRule::Gate => (budget_thr, 0),
+        };
+        predicted.push(PredictedLayer {
+            quality: at_threshold(&own_eval, &y_eval, &e_eval, own_thr),
+            always,
+        });
+        profiler.sparse_layer(
+            l,
+            &[
+                StreamRule::exact(skip),
+                StreamRule {
+                    skip,
+                    predictor: Some((&own, own_thr)),
+                },
+            ],
+        );
         let freq = y_train.mean_axis(ndarray::Axis(0)).expect("rows");
         let static_scores = ndarray::Array2::from_shape_fn(y_eval.dim(), |(_, j)| freq[j]);
         let static_q = top_k_quality(&static_scores, &y_eval, k);
@@ -338,7 +401,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     bar.finish_and_clear();
 
     let t = Instant::now();
-    let quality = profiler.quality().remove(0);
+    let [quality, predicted_quality]: [_; 2] = profiler.quality().try_into().expect("two streams");
     let meta = Meta {
         model: config.clone(),
         dense_quant: opts.quant.name().into(),
@@ -356,6 +419,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             "predictor_rank": rank,
             "epochs": opts.epochs,
             "sparsity_quality": quality,
+            "predicted_quality": predicted_quality,
             "sparsity_auto": auto,
         }),
         chat_template: source.chat_template.clone(),
@@ -385,6 +449,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         cluster_neurons,
         layers: layer_meta,
         quality: Some(quality),
+        predicted_quality: Some(predicted_quality),
+        predicted,
         sparsity_auto: auto,
         seconds: phases,
         peak_rss_bytes: leanstream::memory::peak_rss_bytes(),
@@ -510,12 +576,14 @@ fn heldout_costs(
         profiler
             .model
             .set_ffn(l, Some(dense_ffn(&gate, &up, &down, h, n)));
-        let skips: Vec<Skip> = allocations
+        let skips: Vec<StreamRule> = allocations
             .iter()
-            .map(|a| Skip {
-                act: c.activation,
-                rule,
-                threshold: t[level(a[l])],
+            .map(|a| {
+                StreamRule::exact(Skip {
+                    act: c.activation,
+                    rule,
+                    threshold: t[level(a[l])],
+                })
             })
             .collect();
         profiler.sparse_layer(l, &skips);

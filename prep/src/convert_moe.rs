@@ -284,6 +284,8 @@ pub(crate) fn convert(
         cluster_neurons,
         layers: layer_meta,
         quality: None,
+        predicted_quality: None,
+        predicted: Vec::new(),
         sparsity_auto: None,
         seconds: phases,
         peak_rss_bytes: leanstream::memory::peak_rss_bytes(),

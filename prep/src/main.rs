@@ -205,15 +205,26 @@ fn print_summary(s: &convert::Summary) {
             l.cluster_fill_unordered
         );
     }
-    if let Some(q) = &s.quality {
+    for (mode, q) in [("exact", &s.quality), ("predicted", &s.predicted_quality)] {
+        let Some(q) = q else { continue };
         println!(
-            "held-out perplexity: dense {:.3}, sparse {:.3} ({:+.2} %); KL {:.4} nats; top-1 agreement {:.3}",
+            "held-out perplexity, {mode}: dense {:.3}, sparse {:.3} ({:+.2} %); KL {:.4} nats; top-1 agreement {:.3}",
             q.reference_perplexity,
             q.perplexity,
             100.0 * (q.perplexity / q.reference_perplexity - 1.0),
             q.kl,
             q.top1_agreement
         );
+    }
+    let (n, p) = (s.predicted.len().max(1) as f32, &s.predicted);
+    if !p.is_empty() {
+        println!(
+        "own predictors at their thresholds: recall {:.3}, precision {:.3}, predicted fraction {:.3} (means over layers), {} neurons always named",
+        p.iter().map(|a| a.quality.recall).sum::<f32>() / n,
+        p.iter().map(|a| a.quality.precision).sum::<f32>() / n,
+        p.iter().map(|a| a.quality.predicted).sum::<f32>() / n,
+        p.iter().map(|a| a.always).sum::<usize>()
+    );
     }
     inspect::print_routing(&serde_json::to_value(&s.layers).unwrap_or_default());
     let p = &s.seconds;

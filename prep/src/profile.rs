@@ -8,6 +8,7 @@ use leanstream::perplexity::{Comparison, ComparisonAccum};
 use leanstream::skip_rule::Skip;
 
 use crate::calib::Calibration;
+use crate::train::{normalise_rows, Trained};
 
 /// What one layer's FFN saw on every calibration token (rows = tokens of all windows in order).
 pub struct LayerProfile {
@@ -19,6 +20,24 @@ pub struct LayerProfile {
     pub gate: Vec<f32>,
     /// Each neuron's coefficient on its down column, `act(gate·x)·(up·x)` (`rows × intermediate`).
     pub coef: Vec<f32>,
+}
+
+/// What a sparse stream computes of a layer: the neurons its skip rule keeps (exact mode) or, with
+/// a predictor, only those of them the predictor names at its threshold (predicted mode, whose
+/// misses are dropped however large).
+#[derive(Clone, Copy)]
+pub struct StreamRule<'a> {
+    pub skip: Skip,
+    pub predictor: Option<(&'a Trained, f32)>,
+}
+
+impl StreamRule<'_> {
+    pub fn exact(skip: Skip) -> Self {
+        Self {
+            skip,
+            predictor: None,
+        }
+    }
 }
 
 pub struct Profiler<'a> {
@@ -108,12 +127,14 @@ impl<'a> Profiler<'a> {
         }
     }
 
-    /// Runs layer `l` on the held-out windows of each sparse stream with every neuron its `skips`
-    /// entry calls inactive dropped: the model as the runtime's sparse policies compute it.
-    pub fn sparse_layer(&mut self, l: usize, skips: &[Skip]) {
-        assert_eq!(skips.len(), self.sparse.len(), "one skip rule per stream");
-        let h = self.model.config().hidden_size;
-        for (stream, &skip) in self.sparse.iter_mut().zip(skips) {
+    /// Runs layer `l` on the held-out windows of each sparse stream with every neuron its rule
+    /// drops dropped: the model as the runtime's sparse modes compute it.
+    pub fn sparse_layer(&mut self, l: usize, rules: &[StreamRule]) {
+        assert_eq!(rules.len(), self.sparse.len(), "one rule per stream");
+        let c = self.model.config();
+        let (h, n) = (c.hidden_size, c.intermediate_size);
+        for (stream, rule) in self.sparse.iter_mut().zip(rules) {
+            let skip = rule.skip;
             let mut row = 0;
             for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
                 if !held {
@@ -122,8 +143,13 @@ impl<'a> Profiler<'a> {
                 let t = w.len();
                 let x = &mut stream[row * h..(row + t) * h];
                 let mut probe = |p: FfnProbe| {
-                    for (g, &u) in p.gate.iter_mut().zip(p.up) {
-                        if !skip.active(skip.score(skip.act.apply(*g), u)) {
+                    let predicted = rule.predictor.map(|(predictor, threshold)| {
+                        let x = normalise_rows(p.ffn_input, h, &(0..t).collect::<Vec<_>>());
+                        predictor.scores(x.view()).mapv(|s| s >= threshold)
+                    });
+                    for (i, (g, &u)) in p.gate.iter_mut().zip(p.up).enumerate() {
+                        let named = predicted.as_ref().is_none_or(|m| m[[i / n, i % n]]);
+                        if !named || !skip.active(skip.score(skip.act.apply(*g), u)) {
                             *g = 0.0;
                         }
                     }

@@ -51,6 +51,30 @@ pub fn targets(masks: &[bool], n: usize, rows: &[usize]) -> Array2<f32> {
     })
 }
 
+/// Each active entry's `c²` (what missing it adds to the squared error of the layer's output,
+/// down columns being unit norm under `gate_up`), 0 where inactive.
+pub fn energies(coef: &[f32], masks: &[bool], n: usize, rows: &[usize]) -> Array2<f32> {
+    Array2::from_shape_fn((rows.len(), n), |(i, j)| {
+        let k = rows[i] * n + j;
+        if masks[k] {
+            coef[k] * coef[k]
+        } else {
+            0.0
+        }
+    })
+}
+
+/// The neurons whose contribution on some training token carries more energy (`c²`, from
+/// [`energies`]) than a mean token's whole FFN output: massive activations (typically on a
+/// window's first tokens), rare enough that a predictor misses them, large enough that one miss
+/// derails the stream.
+pub fn massive(energy: &Array2<f32>) -> Vec<usize> {
+    let mean_row = energy.sum() as f64 / energy.nrows().max(1) as f64;
+    (0..energy.ncols())
+        .filter(|&j| energy.column(j).iter().any(|&e| e as f64 > mean_row))
+        .collect()
+}
+
 impl Trained {
     /// Sigmoid scores for a batch of normalised inputs.
     pub fn scores(&self, x: ArrayView2<f32>) -> Array2<f32> {
@@ -189,6 +213,71 @@ pub fn top_k_quality(scores: &Array2<f32>, y: &Array2<f32>, k: usize) -> Quality
     }
 }
 
+/// The largest threshold at which the active entries a predictor scores below it (its misses)
+/// carry at most `budget` of `energy` (`rows × n`: what missing each entry costs, 0 where
+/// inactive). Sampled like [`crate::sparsity::quantile`].
+pub fn miss_threshold(scores: &Array2<f32>, energy: &Array2<f32>, budget: f64) -> f32 {
+    const SAMPLE: usize = 1 << 22;
+    let stride = scores.len().div_ceil(SAMPLE).max(1);
+    let mut active: Vec<(f32, f32)> = scores
+        .iter()
+        .zip(energy.iter())
+        .step_by(stride)
+        .filter(|(_, &e)| e > 0.0)
+        .map(|(&s, &e)| (s, e))
+        .collect();
+    active.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+    let budget = budget / stride as f64;
+    let mut missed = 0.0f64;
+    for &(s, e) in &active {
+        missed += e as f64;
+        if missed > budget {
+            return s;
+        }
+    }
+    // Everything may be missed: predict nothing.
+    f32::INFINITY
+}
+
+/// Recall, precision and the predicted fraction of a predictor at `threshold`, with the share of
+/// `energy` its misses carry.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct AtThreshold {
+    pub recall: f32,
+    pub precision: f32,
+    pub predicted: f32,
+    pub missed_energy: f32,
+}
+
+pub fn at_threshold(
+    scores: &Array2<f32>,
+    y: &Array2<f32>,
+    energy: &Array2<f32>,
+    threshold: f32,
+) -> AtThreshold {
+    let (mut hit, mut active, mut predicted) = (0usize, 0usize, 0usize);
+    let (mut missed, mut total) = (0.0f64, 0.0f64);
+    ndarray::Zip::from(scores)
+        .and(y)
+        .and(energy)
+        .for_each(|&s, &t, &e| {
+            let (p, a) = (s >= threshold, t > 0.5);
+            predicted += p as usize;
+            active += a as usize;
+            hit += (p && a) as usize;
+            total += e as f64;
+            if a && !p {
+                missed += e as f64;
+            }
+        });
+    AtThreshold {
+        recall: hit as f32 / active.max(1) as f32,
+        precision: hit as f32 / predicted.max(1) as f32,
+        predicted: predicted as f32 / scores.len().max(1) as f32,
+        missed_energy: (missed / total.max(f64::MIN_POSITIVE)) as f32,
+    }
+}
+
 /// The score above which the top `fraction` of all (row, neuron) scores lie.
 pub fn score_threshold(scores: &Array2<f32>, fraction: f32) -> f32 {
     let mut all: Vec<f32> = scores.iter().copied().collect();
@@ -223,5 +312,32 @@ mod tests {
         // Every neuron fires half the time: a static set of 8 recalls about half.
         let static_scores = Array2::from_shape_fn((rows, n), |(_, j)| -(j as f32));
         assert!(top_k_quality(&static_scores, &y, 8).recall < 0.6);
+    }
+
+    #[test]
+    fn miss_threshold_keeps_the_missed_energy_within_its_budget() {
+        // One row: scores rise with the neuron; neurons 1, 3 and 4 are active with energies 4, 1, 9.
+        let scores = Array2::from_shape_vec((1, 5), vec![0.1, 0.2, 0.3, 0.4, 0.5]).unwrap();
+        let energy = Array2::from_shape_vec((1, 5), vec![0.0, 4.0, 0.0, 1.0, 9.0]).unwrap();
+        let y = energy.mapv(|e| (e > 0.0) as u8 as f32);
+        // Nothing may be missed: the lowest-scored active neuron is kept.
+        assert_eq!(miss_threshold(&scores, &energy, 0.0), 0.2);
+        // 4 may be missed: neuron 1 goes, neuron 3 (1 more) would exceed it.
+        assert_eq!(miss_threshold(&scores, &energy, 4.0), 0.4);
+        assert_eq!(miss_threshold(&scores, &energy, 5.0), 0.5);
+        assert_eq!(miss_threshold(&scores, &energy, 14.0), f32::INFINITY);
+        let a = at_threshold(&scores, &y, &energy, 0.4);
+        assert_eq!((a.recall, a.precision, a.predicted), (2.0 / 3.0, 1.0, 0.4));
+        assert!((a.missed_energy - 4.0 / 14.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn massive_neurons_are_those_that_once_outweigh_a_mean_token() {
+        // Mean row energy (2 + 2 + 20) / 3 = 8: only neuron 2's 18 exceeds it.
+        let energy =
+            Array2::from_shape_vec((3, 3), vec![1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 18.0])
+                .unwrap();
+        assert_eq!(massive(&energy), vec![2]);
+        assert!(massive(&Array2::zeros((2, 3))).is_empty());
     }
 }
