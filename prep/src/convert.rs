@@ -48,7 +48,8 @@ const BUDGET_FACTOR: f32 = 1.5;
 /// split carry at most this multiple of the squared contribution (`c²`, summed) the rule itself
 /// skips there, so predicted mode adds at most about that much to exact mode's error in each layer.
 const MISS_SHARE: f64 = 0.5;
-/// The own predictor's output bias for a neuron it always names: `sigmoid(30)` is 1 in f32.
+/// The own predictor's output bias for a neuron it always names (its output weights zeroed):
+/// `sigmoid(30)` is 1 in f32.
 const ALWAYS_LOGIT: f32 = 30.0;
 
 pub struct ConvertOptions {
@@ -268,6 +269,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             SkipRule::GateUp => {
                 let always = massive(&e_train);
                 for &j in &always {
+                    own.w2.row_mut(j).fill(0.0);
                     own.b2[j] = ALWAYS_LOGIT;
                     own_train.column_mut(j).fill(1.0);
                     own_eval.column_mut(j).fill(1.0);
