@@ -12,7 +12,7 @@
 #   TARGETS="0.5" OLD="" EVAL_BYTES=4096 bash scripts/sparsity-quality.sh
 #   bash scripts/sparsity-quality.sh --table          # only print the table of what OUT holds
 #
-# Environment: TARGETS, OLD (old-rule fractions, default 0.5; empty for none), CALIB_TOKENS,
+# Environment: TARGETS (empty for none), OLD (old-rule fractions, default 0.5; empty for none), CALIB_TOKENS,
 # EVAL_BYTES (bytes of each text scored; about 4 bytes per token), CTX, EXTRA_CONVERT (more
 # convert flags), OTHER_TEXT (the second text), BIN (folder of the binaries, default
 # target/release), BUILD=0 (use the binaries in BIN as they are), OUT (work folder, kept: the .lsb
@@ -22,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 GGUF=${LEANSTREAM_SMOLLM2:-${LEANSTREAM_CACHE:-$HOME/.cache/leanstream}/SmolLM2-135M-Instruct.Q4_1.gguf}
-TARGETS=${TARGETS:-"0.3 0.4 0.5 0.6"}
+TARGETS=${TARGETS-"0.3 0.4 0.5 0.6"}
 OLD=${OLD-"0.5"}
 CALIB_TOKENS=${CALIB_TOKENS:-16384}
 EVAL_BYTES=${EVAL_BYTES:-8192}
