@@ -3,6 +3,8 @@
 
 use std::io::Read;
 
+use xxhash_rust::xxh3::Xxh3;
+
 use crate::FormatError;
 
 /// Appends little-endian values to a byte buffer.
@@ -95,6 +97,29 @@ impl<'a> Dec<'a> {
     /// Bytes of the section not read yet.
     pub fn remaining(&self) -> usize {
         self.len - self.pos
+    }
+
+    /// Bytes of the section read so far.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// Moves past the next `n` bytes without keeping them and returns their XXH3-64, so that a
+    /// part of the section read again later can be checked against what was checksummed now.
+    pub fn skip_hashed(&mut self, n: usize) -> Result<u64, FormatError> {
+        self.advance(n)?;
+        let mut hash = Xxh3::new();
+        let mut chunk = [0u8; 1 << 14];
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(chunk.len());
+            self.src
+                .read_exact(&mut chunk[..k])
+                .map_err(|e| self.invalid(format!("cannot read byte {}: {e}", self.pos - left)))?;
+            hash.update(&chunk[..k]);
+            left -= k;
+        }
+        Ok(hash.digest())
     }
 
     /// Moves past `n` more bytes, failing if the section ends first.

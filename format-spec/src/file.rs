@@ -16,7 +16,7 @@ use crate::ffn::FfnIndex;
 use crate::meta::Meta;
 use crate::predictor::{PredictorInput, Predictors};
 use crate::refine::Refine;
-use crate::sketch::Sketch;
+use crate::sketch::{Sketch, SketchIndex, SketchLayer};
 use crate::FormatError;
 
 /// An open LeanStream file with its indexes decoded.
@@ -29,7 +29,8 @@ pub struct LsbFile {
     pub dense: DenseIndex,
     pub ffn: FfnIndex,
     pub predictors: Predictors,
-    pub sketch: Sketch,
+    /// Where each layer's certificate lies: its rows are read by [`LsbFile::read_sketch_layer`].
+    pub sketch: SketchIndex,
     pub refine: Refine,
     /// The experts of a mixture (format 1.5); empty for a dense model.
     pub experts: ExpertIndex,
@@ -106,13 +107,13 @@ impl LsbFile {
             SectionKind::Predictors,
             Predictors::decode,
         )?;
-        let sketch = read_section(
-            &mut file,
-            path,
-            &header,
-            SectionKind::Sketch,
-            Sketch::decode,
-        )?;
+        let sketch_base = header
+            .section(SectionKind::Sketch)
+            .filter(|s| s.encoding == Encoding::Raw as u32)
+            .map(|s| s.offset);
+        let sketch = read_section(&mut file, path, &header, SectionKind::Sketch, |d| {
+            SketchIndex::decode(d, sketch_base)
+        })?;
         let refine = read_section(
             &mut file,
             path,
@@ -196,7 +197,7 @@ impl LsbFile {
         if self.sketch.layers.len() != layers
             || self.sketch.layers.iter().any(|l| {
                 // An empty layer (format 1.3) has no certificate.
-                !(l.err_norm.is_empty() || l.err_norm.len() == c.intermediate_size)
+                !(l.neurons == 0 || l.neurons as usize == c.intermediate_size)
                     || l.hidden as usize != c.hidden_size
             })
         {
@@ -283,6 +284,22 @@ impl LsbFile {
         })?;
         bytes.truncate(t.size as usize);
         Ok(bytes)
+    }
+
+    /// Reads layer `l`'s certificate, checked against what opening the file checksummed.
+    pub fn read_sketch_layer(&self, l: usize) -> Result<SketchLayer, FormatError> {
+        let mut file = File::open(&self.path).map_err(|e| FormatError::io(&self.path, e))?;
+        self.sketch.layers[l]
+            .load(|offset, len| read_at(&mut file, &self.path, offset, len))
+            .map_err(|e| naming(&self.path, e))
+    }
+
+    /// The whole SKETCH section (tools and tests; the runtime reads only the layers it keeps).
+    pub fn read_sketch(&self) -> Result<Sketch, FormatError> {
+        let layers = (0..self.sketch.layers.len())
+            .map(|l| self.read_sketch_layer(l))
+            .collect::<Result<_, _>>()?;
+        Ok(Sketch { layers })
     }
 
     /// File offset and size of every layer's own predictor record, for a reader that keeps it on

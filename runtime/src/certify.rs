@@ -11,7 +11,7 @@
 //! exact values in its bundles decide, so output is still exactly `resident`'s.
 
 use anyhow::Result;
-use leanstream_format::sketch::SketchLayer;
+use leanstream_format::sketch::{SketchEntry, SketchLayer};
 
 use crate::config::Activation;
 use crate::kernels::{Operand, QMatrix, RowKernels};
@@ -34,6 +34,7 @@ impl Certificate {
         if layer.err_norm.is_empty() || skip.rule != SkipRule::Gate {
             return Ok(None);
         }
+        debug_assert_eq!(layer.err_norm.len(), neurons);
         let h = layer.hidden as usize;
         let sketch = QMatrix::new(neurons, h, layer.qtype, std::mem::take(&mut layer.rows))?;
         let mut row = vec![0.0f32; h];
@@ -54,6 +55,13 @@ impl Certificate {
     /// Resident bytes: the rows, their error bounds and norms.
     pub fn bytes(&self) -> usize {
         self.sketch.bytes() + 8 * self.err.len()
+    }
+
+    /// What [`Certificate::new`] would keep resident for the file's layer `entry` under `skip`
+    /// (before reading its rows), or `None` when it would give no certificate.
+    pub fn resident_bytes(entry: &SketchEntry, skip: Skip) -> Option<u64> {
+        (entry.neurons > 0 && skip.rule == SkipRule::Gate)
+            .then(|| entry.bytes() + 4 * entry.neurons as u64)
     }
 
     /// Marks in `candidate` the neurons the sketch cannot prove inactive. The exact gate is `w·x̃` (x̃ the q8 input for

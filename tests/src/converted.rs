@@ -81,8 +81,11 @@ pub fn heldout_ids(tokenizer: &leanstream::tokenizer::Tokenizer, n: usize) -> Ve
 pub fn negate_certificate_rows(src: &Path, dst: &Path) {
     use leanstream_format::container::{checksum, page_align, Header, SectionKind};
     use leanstream_format::quant::QuantType;
-    let mut f = leanstream_format::LsbFile::open(src).unwrap();
-    for l in &mut f.sketch.layers {
+    let mut sketch = leanstream_format::LsbFile::open(src)
+        .unwrap()
+        .read_sketch()
+        .unwrap();
+    for l in &mut sketch.layers {
         assert_eq!(l.qtype, QuantType::Q8_0);
         // A Q8_0 block is an f16 scale (little-endian: the sign is bit 7 of byte 1) and 32 codes.
         for block in l.rows.chunks_mut(34) {
@@ -96,7 +99,7 @@ pub fn negate_certificate_rows(src: &Path, dst: &Path) {
         .iter_mut()
         .find(|s| s.kind == SectionKind::Sketch as u32)
         .unwrap();
-    let encoded = f.sketch.encode();
+    let encoded = sketch.encode();
     assert_eq!(encoded.len() as u64, entry.length, "same layout, same size");
     let start = entry.offset as usize;
     bytes[start..start + encoded.len()].copy_from_slice(&encoded);

@@ -180,20 +180,18 @@ impl StreamingModel {
             let replan_input = input(ctx, opts.kv).0;
             anyhow::Ok((ctx, split, io_budget, replan_input))
         };
-        // Opening the file decodes every certificate, so the plan (and the minimum it states)
-        // counts them: a budget that cannot hold them cannot hold the peak of opening. Predicted
-        // sparsity uses none. Once the plan keeps every dense weight resident, the certificates
-        // that do not earn their bytes at its cache share give them to the cache.
-        if sparsity != Sparsity::Certified {
-            drop_certificates(&file, &mut plans, 0.0, sparsity);
-        }
+        // Certificates are read only where they earn their bytes: with nothing cached first, and
+        // once the plan keeps every dense weight resident, at its cache share (the bytes of those
+        // that do not earn them go to the cache). Predicted sparsity uses none.
+        choose_certificates(&file, &mut plans, 0.0, sparsity);
         let (mut ctx, mut split, mut io_budget, mut replan_input) = fit(&plans)?;
         let share = split.neuron_cache as f64 / split.ffn_total.max(1) as f64;
         if split.dense_streamed == planner::DenseStreamed::default()
-            && drop_certificates(&file, &mut plans, share, sparsity)
+            && choose_certificates(&file, &mut plans, share, sparsity)
         {
             (ctx, split, io_budget, replan_input) = fit(&plans)?;
         }
+        plan::LayerPlan::load_certificates(&file, &mut plans)?;
         split.certified_layers = (0..plans.len())
             .filter(|&l| plans[l].certificate.is_some())
             .collect();
@@ -467,10 +465,10 @@ fn check_options(path: &Path, opts: &StreamOptions, layers: usize) -> Result<()>
     Ok(())
 }
 
-/// Drops the certificates that do not earn their bytes ([`planner::keep_certificates`] with a
-/// neuron cache holding `cache_share` of the FFN), and all of them where nothing is certified;
-/// true if any was dropped.
-fn drop_certificates(
+/// Keeps the certificates that earn their bytes ([`planner::keep_certificates`] with a neuron
+/// cache holding `cache_share` of the FFN), none where nothing is certified, and never one dropped
+/// before; true if any was dropped.
+fn choose_certificates(
     file: &LsbFile,
     plans: &mut [plan::LayerPlan],
     cache_share: f64,
@@ -480,7 +478,7 @@ fn drop_certificates(
         .iter()
         .zip(&file.meta.layers)
         .map(|(p, m)| planner::CertificateTerm {
-            bytes: p.certificate.as_ref().map_or(0, |c| c.bytes() as u64),
+            bytes: p.certificate_bytes.filter(|_| p.certify).unwrap_or(0),
             ffn: p.clusters.iter().map(|c| c.size).sum(),
             saves: m.certificate_saves.map(f64::from),
         })
@@ -488,8 +486,8 @@ fn drop_certificates(
     let keep = planner::keep_certificates(&terms, cache_share);
     let mut dropped = false;
     for (p, keep) in plans.iter_mut().zip(keep) {
-        if p.certificate.is_some() && (!keep || sparsity != Sparsity::Certified) {
-            p.certificate = None;
+        if p.certify && (!keep || sparsity != Sparsity::Certified) {
+            p.certify = false;
             dropped = true;
         }
     }
@@ -560,7 +558,8 @@ fn open_plan_input(path: &Path, ctx: usize) -> Result<planner::PlanInput> {
         own: false,
         lookahead: true,
     };
-    let plans = plan::LayerPlan::all(&mut file, uses)?;
+    let mut plans = plan::LayerPlan::all(&mut file, uses)?;
+    choose_certificates(&file, &mut plans, 0.0, Sparsity::Certified);
     let sizes = DenseTensors::open(&file)?.sizes(&file.meta.model)?;
     Ok(plan_input(
         &file,

@@ -1,6 +1,7 @@
 //! What the scheduler knows about one layer before any token runs: where each cluster of neuron
 //! bundles lives on flash, the predictors, the gate sketch and its skip rule, and the profile's
-//! statistics — all decoded once from the file.
+//! statistics — all decoded once from the file. A certificate is read only where the planner keeps
+//! it ([`LayerPlan::load_certificates`]).
 
 use anyhow::Result;
 use leanstream_format::quant::QuantType;
@@ -32,8 +33,13 @@ pub struct LayerPlan {
     pub cluster_of: Vec<u32>,
     /// The file's skip rule and this layer's threshold.
     pub skip: Skip,
-    /// What proves neurons inactive without their bundles, where the file has it.
+    /// What proves neurons inactive without their bundles, where the plan keeps it.
     pub certificate: Option<Certificate>,
+    /// Resident bytes of the layer's certificate in the file (`None`: it has none the skip rule
+    /// can use); counted where `certify` is set.
+    pub certificate_bytes: Option<u64>,
+    /// The plan keeps the certificate: [`LayerPlan::load_certificates`] reads it.
+    pub certify: bool,
     /// The layer's own predictor, resident where it decides something (predicted sparsity).
     pub own: Option<QuantPredictor>,
     /// Otherwise the file offset and size of its record, read for the metrics now and then.
@@ -51,7 +57,7 @@ pub struct PredictorUse {
 }
 
 impl LayerPlan {
-    /// Decodes every layer's plan from an open file, taking over its sketch, predictors and
+    /// Decodes every layer's plan from an open file (no certificate read yet), taking over its predictors and
     /// statistics (so they are not held twice); keeps the predictors `uses` names, as int8.
     pub fn all(file: &mut LsbFile, uses: PredictorUse) -> Result<Vec<LayerPlan>> {
         let own_extents = file.own_predictor_extents();
@@ -94,13 +100,15 @@ impl LayerPlan {
                 rule,
                 threshold: file.meta.layers[l].threshold,
             };
-            let certificate = Certificate::new(&mut file.sketch.layers[l], skip, f.neurons())?;
+            let certificate_bytes = Certificate::resident_bytes(&file.sketch.layers[l], skip);
             plans.push(LayerPlan {
                 layout: BundleLayout::new(f.qtype, c.hidden_size)?,
                 clusters,
                 cluster_of,
                 skip,
-                certificate,
+                certificate: None,
+                certificate_bytes,
+                certify: certificate_bytes.is_some(),
                 own: own
                     .next()
                     .filter(|_| uses.own)
@@ -118,11 +126,24 @@ impl LayerPlan {
 
     /// Bytes of the resident per-layer state (sketch, resident predictors, statistics).
     pub fn resident_bytes(&self) -> u64 {
-        (self.certificate.as_ref().map_or(0, Certificate::bytes) + 4 * self.cluster_of.len()) as u64
+        self.certificate_bytes.filter(|_| self.certify).unwrap_or(0)
+            + 4 * self.cluster_of.len() as u64
             + self.predictor_bytes()
             + 8 * self.refine.neuron_freq.len() as u64
             + 12 * self.refine.cluster_freq.len() as u64
                 * (1 + self.refine.neighbours.first().map_or(0, Vec::len) as u64)
+    }
+
+    /// Reads the certificates the plans keep and drops the others.
+    pub fn load_certificates(file: &LsbFile, plans: &mut [LayerPlan]) -> Result<()> {
+        for (l, p) in plans.iter_mut().enumerate() {
+            p.certificate = None;
+            if p.certify {
+                let mut layer = file.read_sketch_layer(l)?;
+                p.certificate = Certificate::new(&mut layer, p.skip, p.cluster_of.len())?;
+            }
+        }
+        Ok(())
     }
 
     /// Bytes of the resident predictors.
