@@ -7,6 +7,7 @@
 
 use rayon::prelude::*;
 
+use super::qmatrix::GEMM_MIN_TOKENS;
 use super::PARALLEL_MIN_WEIGHTS;
 
 /// A row-major matrix of `rows × cols` f32 (a Hugging Face linear weight is `[out, in]`).
@@ -114,14 +115,25 @@ pub fn matvec(w: &Matrix, x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// `out (t × rows) = X (t × cols) · Wᵀ` for `t` row-major input vectors.
+/// `out (t × rows) = X (t × cols) · Wᵀ` for `t` row-major input vectors: `gemm` on each whole
+/// block of [`GEMM_MIN_TOKENS`] inputs, a mat-vec for each input after them, so that a token's
+/// result does not depend on the input's length (as [`super::qmatrix::RowStream`]).
 pub fn matmul_t(w: &Matrix, x: &[f32], t: usize, out: &mut [f32]) {
     assert_eq!(x.len(), t * w.cols);
     assert_eq!(out.len(), t * w.rows);
-    if t == 1 {
-        return matvec(w, x, out);
+    let gemm_tokens = t - t % GEMM_MIN_TOKENS;
+    let (xs, tail_x) = x.split_at(gemm_tokens * w.cols);
+    let (outs, tail_out) = out.split_at_mut(gemm_tokens * w.rows);
+    let blocks = xs.chunks_exact(GEMM_MIN_TOKENS * w.cols);
+    for (x, out) in blocks.zip(outs.chunks_exact_mut(GEMM_MIN_TOKENS * w.rows)) {
+        gemm_t(&w.data, w.rows, w.cols, x, GEMM_MIN_TOKENS, out, w.rows);
     }
-    gemm_t(&w.data, w.rows, w.cols, x, t, out, w.rows);
+    for (x, out) in tail_x
+        .chunks_exact(w.cols)
+        .zip(tail_out.chunks_exact_mut(w.rows))
+    {
+        matvec(w, x, out);
+    }
 }
 
 /// `out[i·out_stride + r] = X[i,:] · W[r,:]` for a row-major `rows × cols` weight `w` and `t` input

@@ -15,8 +15,11 @@ const ROWS_PER_TASK: usize = 32;
 /// Below this many encoded bytes a mat-vec runs on the calling thread: waking a parked worker
 /// costs more than the second thread saves (measured on this project's 2-vCPU machines).
 const PARALLEL_MIN_BYTES: usize = 1 << 20;
-/// Prompt chunks shorter than this run as one mat-vec per token: decoding every row to f32 for
-/// `gemm` costs about as much as ten mat-vecs.
+/// Inputs go through `gemm` in blocks of exactly this many tokens, the rest (fewer) as one mat-vec
+/// each: decoding every row to f32 for `gemm` costs about as much as ten mat-vecs. The block is
+/// fixed so that a token's result depends only on its place in the input, never on how long the
+/// input is: a prompt split into chunks of any multiple of this length gives the same bits as one
+/// chunk (the budget sizes prompt chunks), while `gemm`'s summation order may depend on its `m`.
 pub(super) const GEMM_MIN_TOKENS: usize = 16;
 /// Weights per decoded tile in a mat-mat: a tile (f32) stays within L2 while `gemm` reads it.
 const TILE_WEIGHTS: usize = 1 << 18;
@@ -177,19 +180,22 @@ impl QMatrix {
 }
 
 /// [`QMatrix::matmul_t`] over rows that arrive in order, a block at a time (a matrix streamed from
-/// flash): the same kernels on the same bytes, so the same result. Short inputs run one mat-vec per
-/// token; prompt chunks decode tiles of rows to f32 for `gemm`, a tile gathered across blocks.
+/// flash): the same kernels on the same bytes, so the same result. Each whole block of
+/// [`GEMM_MIN_TOKENS`] inputs multiplies tiles of rows decoded to f32 (a tile gathered across
+/// blocks and shared by every input block); the inputs after the last whole block run one mat-vec
+/// each.
 pub struct RowStream<'x> {
     qtype: QuantType,
     rows: usize,
     cols: usize,
     row_bytes: usize,
     x: &'x [f32],
-    t: usize,
-    /// Fewer than [`GEMM_MIN_TOKENS`] inputs: each prepared for the encoding (in place, so that
-    /// a decoded token's mat-vecs allocate nothing).
+    /// Inputs in whole `gemm` blocks.
+    gemm_tokens: usize,
+    /// The inputs after them (fewer than a block), each prepared for the encoding in place, so
+    /// that a decoded token's mat-vecs allocate nothing.
     operands: [Option<Operand<'x>>; GEMM_MIN_TOKENS],
-    /// Otherwise: the decoded rows of the tile being gathered, which starts at `tile_start`.
+    /// The decoded rows of the tile being gathered, which starts at `tile_start`.
     tile: Vec<f32>,
     tile_rows: usize,
     tile_start: usize,
@@ -208,9 +214,10 @@ impl<'x> RowStream<'x> {
         t: usize,
     ) -> Self {
         assert_eq!(x.len(), t * cols);
-        let gemm = t >= GEMM_MIN_TOKENS;
+        let gemm_tokens = t - t % GEMM_MIN_TOKENS;
         let operands = std::array::from_fn(|i| {
-            (!gemm && i < t).then(|| Operand::new(&x[i * cols..(i + 1) * cols], qtype))
+            let at = gemm_tokens + i;
+            (at < t).then(|| Operand::new(&x[at * cols..(at + 1) * cols], qtype))
         });
         let tile_rows = (TILE_WEIGHTS / cols).clamp(1, rows);
         Self {
@@ -219,9 +226,9 @@ impl<'x> RowStream<'x> {
             cols,
             row_bytes,
             x,
-            t,
+            gemm_tokens,
             operands,
-            tile: if gemm {
+            tile: if gemm_tokens > 0 {
                 vec![0.0; tile_rows * cols]
             } else {
                 Vec::new()
@@ -235,35 +242,35 @@ impl<'x> RowStream<'x> {
 
     /// Takes the next whole rows (`data`) and writes their columns of `out` (`t × rows`).
     pub fn push(&mut self, data: &[u8], out: &mut [f32]) {
-        assert_eq!(out.len(), self.t * self.rows);
+        let (rows, cols) = (self.rows, self.cols);
+        let tail_tokens = self.operands.iter().flatten().count();
+        assert_eq!(out.len(), (self.gemm_tokens + tail_tokens) * rows);
         assert!(data.len().is_multiple_of(self.row_bytes));
         let n = data.len() / self.row_bytes;
-        assert!(self.done + n <= self.rows, "more rows than the matrix has");
+        assert!(self.done + n <= rows, "more rows than the matrix has");
         let k = RowKernels::best();
-        if self.operands[0].is_none() {
-            let cols = self.cols;
+        if self.gemm_tokens > 0 {
+            let block = GEMM_MIN_TOKENS * cols;
             for row in data.chunks_exact(self.row_bytes) {
                 let f = self.tile_fill;
                 k.dequantize(self.qtype, row, &mut self.tile[f * cols..(f + 1) * cols]);
                 self.tile_fill += 1;
-                if self.tile_fill == self.tile_rows.min(self.rows - self.tile_start) {
+                if self.tile_fill == self.tile_rows.min(rows - self.tile_start) {
                     let tile = &self.tile[..self.tile_fill * cols];
-                    let dst = &mut out[self.tile_start..];
-                    gemm_t(tile, self.tile_fill, cols, self.x, self.t, dst, self.rows);
+                    let xs = &self.x[..self.gemm_tokens * cols];
+                    for (b, x) in xs.chunks_exact(block).enumerate() {
+                        let dst = &mut out[b * GEMM_MIN_TOKENS * rows + self.tile_start..];
+                        gemm_t(tile, self.tile_fill, cols, x, GEMM_MIN_TOKENS, dst, rows);
+                    }
                     self.tile_start += self.tile_fill;
                     self.tile_fill = 0;
                 }
             }
-        } else {
-            let span = self.done..self.done + n;
-            for (x, o) in self
-                .operands
-                .iter()
-                .flatten()
-                .zip(out.chunks_exact_mut(self.rows))
-            {
-                matvec_rows(k, self.qtype, data, x, &mut o[span.clone()]);
-            }
+        }
+        let span = self.done..self.done + n;
+        let tail = out[self.gemm_tokens * rows..].chunks_exact_mut(rows);
+        for (x, o) in self.operands.iter().flatten().zip(tail) {
+            matvec_rows(k, self.qtype, data, x, &mut o[span.clone()]);
         }
         self.done += n;
     }

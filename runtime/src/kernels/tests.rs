@@ -278,9 +278,9 @@ fn matvec_and_matmul_match_f64() {
             for i in 0..t {
                 let xi = &xs[i * cols..(i + 1) * cols];
                 let op = Operand::new(xi, qtype);
-                // Short chunks run mat-vecs (q8 input for block types); long ones decode the
-                // weights to f32 and multiply the unquantized input.
-                let seen_x = if t < GEMM_MIN_TOKENS {
+                // Inputs past the last whole gemm block run mat-vecs (q8 input for block types);
+                // those in blocks decode the weights to f32 and multiply the unquantized input.
+                let seen_x = if i >= t - t % GEMM_MIN_TOKENS {
                     seen(&op, qtype)
                 } else {
                     xi.iter().map(|v| *v as f64).collect()
@@ -507,7 +507,7 @@ fn row_stream_in_blocks_equals_matmul_bit_for_bit() {
     for qtype in [QuantType::Q8_0, QuantType::F16, QuantType::Q4_1] {
         let q = QMatrix::quantize(&m, qtype).unwrap();
         let rb = q.row(0).len();
-        for t in [1, 5, GEMM_MIN_TOKENS + 4] {
+        for t in [1, 5, GEMM_MIN_TOKENS + 4, 3 * GEMM_MIN_TOKENS] {
             let xs = random(t * cols, 1.0, &mut rng);
             let mut want = vec![0.0; t * rows];
             q.matmul_t(&xs, t, &mut want);
@@ -524,6 +524,37 @@ fn row_stream_in_blocks_equals_matmul_bit_for_bit() {
                     .zip(&got)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "seed {seed}: {qtype} t={t}"
+            );
+        }
+    }
+}
+
+/// A token's result depends on its place in the input, not on the input's length: a 45-token
+/// prompt in chunks of 16 (two gemm blocks, then 13 mat-vecs) gives the bits of one 45-token call,
+/// so a budget that shortens prompt chunks to a multiple of the block keeps prefill exact.
+#[test]
+fn a_prompt_in_chunks_of_whole_gemm_blocks_equals_one_chunk_bit_for_bit() {
+    let (seed, mut rng) = rng();
+    let (rows, cols, t) = (300, 288, 2 * GEMM_MIN_TOKENS + 13);
+    let m = Matrix::new(rows, cols, random(rows * cols, 1.0, &mut rng));
+    for qtype in [QuantType::Q8_0, QuantType::Q4_1, QuantType::F32] {
+        let q = QMatrix::quantize(&m, qtype).unwrap();
+        let xs = random(t * cols, 1.0, &mut rng);
+        let mut whole = vec![0.0; t * rows];
+        q.matmul_t(&xs, t, &mut whole);
+        for chunk in [GEMM_MIN_TOKENS, 2 * GEMM_MIN_TOKENS] {
+            let mut parts = Vec::with_capacity(t * rows);
+            for x in xs.chunks(chunk * cols) {
+                let mut out = vec![0.0; x.len() / cols * rows];
+                q.matmul_t(x, x.len() / cols, &mut out);
+                parts.extend(out);
+            }
+            assert!(
+                whole
+                    .iter()
+                    .zip(&parts)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "seed {seed}: {qtype} in chunks of {chunk}"
             );
         }
     }
