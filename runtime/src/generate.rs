@@ -116,7 +116,7 @@ pub fn generate_after(
     let mut sampler = Sampler::new(opts.sampler.clone());
     let start = Instant::now();
     let mut logits = Vec::new();
-    for chunk in prompt.chunks(PROMPT_CHUNK) {
+    for chunk in prompt.chunks(model.prompt_chunk()) {
         logits = model.forward(chunk, cache, false)?;
     }
     let prompt_s = start.elapsed().as_secs_f64();

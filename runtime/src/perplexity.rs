@@ -155,7 +155,11 @@ fn for_each_position(
     let chunk_len = if models.iter().any(|m| m.scores_by_decoding()) {
         1
     } else {
-        PROMPT_CHUNK
+        models
+            .iter()
+            .map(|m| m.prompt_chunk())
+            .min()
+            .unwrap_or(PROMPT_CHUNK)
     };
     for w in windows {
         caches.iter_mut().for_each(KvCache::clear);

@@ -318,12 +318,16 @@ fn the_binary_keeps_its_budget_and_its_tokens() {
         .bundle_bytes();
     let mut first_bytes: Option<f64> = None;
     let (mut last_bytes, mut last_hit) = (0.0, 0.0);
+    // Everything resident, with room for the binary's own overhead.
+    let all = leanstream::streaming::memory_split(&file, 128)
+        .unwrap()
+        .budget_for_ffn_share(1.5);
     for b in [
         min,
         min + ffn / 10,
         min + ffn / 4,
         min + ffn / 2,
-        min + 2 * ffn,
+        all.max(min + 2 * ffn),
     ] {
         let o = run(&file, &["--memory", &b.to_string(), "--flash", "ufs4"]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -400,15 +404,23 @@ fn a_long_prompt_with_a_partly_cached_ffn_equals_resident() {
         );
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert!(v["prompt_tokens"].as_u64().unwrap() > 256, "one chunk only");
-        v["text"].as_str().unwrap().to_string()
+        let chunk = v["memory_split"]["prompt_chunk"].as_u64();
+        (v["text"].as_str().unwrap().to_string(), chunk)
     };
-    let resident = run(&["--policy".into(), "resident".into()]);
+    let (resident, _) = run(&["--policy".into(), "resident".into()]);
     for k in 1..=6 {
         let budget = split.fixed() + split.ffn_total * k / 16;
-        assert_eq!(
-            run(&["--memory".into(), budget.to_string()]),
-            resident,
-            "budget {budget}"
-        );
+        let (text, chunk) = run(&["--memory".into(), budget.to_string()]);
+        assert_eq!(chunk, Some(256), "budget {budget}");
+        assert_eq!(text, resident, "budget {budget}");
     }
+    // Near the floor the scratch holds shorter prompt chunks (the gemm blocks then split the
+    // prompt as one 256-token chunk does, so the bits are the same).
+    let floor = leanstream::streaming::streaming_minimum_memory(&file, 1024).unwrap();
+    let (text, chunk) = run(&["--memory".into(), floor.to_string()]);
+    assert!(
+        chunk.unwrap() < 256,
+        "budget {floor}: {chunk:?}-token chunks"
+    );
+    assert_eq!(text, resident, "budget {floor}");
 }

@@ -87,6 +87,12 @@ pub trait LanguageModel {
     fn scores_by_decoding(&self) -> bool {
         false
     }
+
+    /// The most prompt tokens one forward call should take (a streaming model plans its scratch
+    /// for this many; a longer slice is split).
+    fn prompt_chunk(&self) -> usize {
+        crate::generate::PROMPT_CHUNK
+    }
 }
 
 impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
@@ -100,6 +106,10 @@ impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
 
     fn scores_by_decoding(&self) -> bool {
         (**self).scores_by_decoding()
+    }
+
+    fn prompt_chunk(&self) -> usize {
+        (**self).prompt_chunk()
     }
 
     fn forward_into(

@@ -94,6 +94,8 @@ pub struct StreamingModel {
     policy: Policy,
     /// The context planned: `StreamOptions::ctx`, or less where it did not fit the budget.
     pub ctx: usize,
+    /// The most prompt tokens a forward call computes at once (its scratch is planned for it).
+    prompt_chunk: usize,
     kv: KvType,
     started: Instant,
     tokens: u64,
@@ -152,44 +154,60 @@ impl StreamingModel {
             None => crate::tokenizer::resident_bytes(&file)?,
         };
         let fit = |plans: &[plan::LayerPlan]| {
-            let input = |ctx, kv| {
-                plan_input(
-                    &file,
-                    tokenizer,
-                    plans,
-                    sizes.clone(),
-                    ctx,
-                    kv,
-                    opts.memory,
-                    policy,
-                )
+            let input = |shape: Shape| {
+                let sizes = sizes.clone();
+                plan_input(&file, tokenizer, plans, sizes, shape, opts.memory, policy)
             };
-            let io_budget = input(opts.ctx, opts.kv).1;
-            let (ctx, split) = match opts.ctx_floor {
-                Some(floor) => planner::fit_context(opts.ctx, floor, |c| input(c, opts.kv).0),
-                None => planner::plan(input(opts.ctx, opts.kv).0).map(|s| (opts.ctx, s)),
-            }
-            .map_err(|refused| {
-                match planner::what_fits(opts.ctx, opts.kv, |c, kv| input(c, kv).0) {
-                    Some(flags) => anyhow::anyhow!("{refused}, or run with {flags}"),
-                    None => refused,
-                }
-            })?;
+            let asked = Shape {
+                ctx: opts.ctx,
+                kv: opts.kv,
+                chunk: crate::generate::PROMPT_CHUNK,
+            };
+            let io_budget = input(asked).1;
+            let shortest = Shape {
+                chunk: planner::MIN_PROMPT_CHUNK,
+                ..asked
+            };
+            // The context asked for with the longest prompt chunk that fits; where the context
+            // may shrink, the shortest chunk with the longest context that fits.
+            let (shape, split) = planner::fit_chunk(|chunk| input(Shape { chunk, ..asked }).0)
+                .map(|(chunk, split)| (Shape { chunk, ..asked }, split))
+                .or_else(|refused| match opts.ctx_floor {
+                    Some(floor) => planner::fit_context(opts.ctx, floor, |ctx| {
+                        input(Shape { ctx, ..shortest }).0
+                    })
+                    .map(|(ctx, split)| (Shape { ctx, ..shortest }, split)),
+                    None => Err(refused),
+                })
+                .map_err(|refused| {
+                    let fits = |ctx, kv| {
+                        input(Shape {
+                            ctx,
+                            kv,
+                            ..shortest
+                        })
+                        .0
+                    };
+                    match planner::what_fits(opts.ctx, opts.kv, fits) {
+                        Some(flags) => anyhow::anyhow!("{refused}, or run with {flags}"),
+                        None => refused,
+                    }
+                })?;
             // What a new budget is planned with while the model runs
             // ([`StreamingModel::set_budget`]).
-            let replan_input = input(ctx, opts.kv).0;
-            anyhow::Ok((ctx, split, io_budget, replan_input))
+            let replan_input = input(shape).0;
+            anyhow::Ok((shape, split, io_budget, replan_input))
         };
         // Certificates are read only where they earn their bytes: with nothing cached first, and
         // once the plan keeps every dense weight resident, at its cache share (the bytes of those
         // that do not earn them go to the cache). Predicted sparsity uses none.
         choose_certificates(&file, &mut plans, 0.0, sparsity);
-        let (mut ctx, mut split, mut io_budget, mut replan_input) = fit(&plans)?;
+        let (mut shape, mut split, mut io_budget, mut replan_input) = fit(&plans)?;
         let share = split.neuron_cache as f64 / split.ffn_total.max(1) as f64;
         if split.dense_streamed == planner::DenseStreamed::default()
             && choose_certificates(&file, &mut plans, share, sparsity)
         {
-            (ctx, split, io_budget, replan_input) = fit(&plans)?;
+            (shape, split, io_budget, replan_input) = fit(&plans)?;
         }
         plan::LayerPlan::load_certificates(&file, &mut plans)?;
         split.certified_layers = (0..plans.len())
@@ -256,7 +274,8 @@ impl StreamingModel {
             watch: None,
             budget_changes: Vec::new(),
             policy,
-            ctx,
+            ctx: shape.ctx,
+            prompt_chunk: shape.chunk,
             kv: opts.kv,
             started: Instant::now(),
             tokens: 0,
@@ -394,6 +413,10 @@ impl crate::model::LanguageModel for StreamingModel {
         KvCache::new(self.config(), ctx, self.kv)
     }
 
+    fn prompt_chunk(&self) -> usize {
+        self.prompt_chunk
+    }
+
     fn scores_by_decoding(&self) -> bool {
         true
     }
@@ -405,12 +428,19 @@ impl crate::model::LanguageModel for StreamingModel {
         all_logits: bool,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
-        if self.engine.decode_only() && tokens.len() > 1 {
-            // A trace was recorded one token at a time; a chunk would round differently.
+        // A trace was recorded one token at a time (a chunk would round differently); otherwise
+        // no more tokens at once than the scratch was planned for.
+        let most = if self.engine.decode_only() {
+            1
+        } else {
+            self.prompt_chunk
+        };
+        if tokens.len() > most {
             let mut out = Vec::new();
-            for (i, &t) in tokens.iter().enumerate() {
-                self.forward_into(&[t], cache, false, logits)?;
-                if all_logits || i + 1 == tokens.len() {
+            let last = (tokens.len() - 1) / most;
+            for (i, chunk) in tokens.chunks(most).enumerate() {
+                self.forward_into(chunk, cache, all_logits, logits)?;
+                if all_logits || i == last {
                     out.extend_from_slice(logits);
                 }
             }
@@ -494,18 +524,25 @@ fn choose_certificates(
     dropped
 }
 
+/// What a plan is made for: the context, the KV cache's storage and the prompt chunk.
+#[derive(Clone, Copy)]
+struct Shape {
+    ctx: usize,
+    kv: KvType,
+    chunk: usize,
+}
+
 /// What the planner needs to know about a file; also returns the speculation I/O budget.
-#[allow(clippy::too_many_arguments)] // one plan's inputs, each from a different place
 fn plan_input(
     file: &LsbFile,
     tokenizer_bytes: u64,
     plans: &[plan::LayerPlan],
     dense: planner::DenseSizes,
-    ctx: usize,
-    kv: KvType,
+    shape: Shape,
     budget: Option<u64>,
     policy: Policy,
 ) -> (planner::PlanInput, u64) {
+    let Shape { ctx, kv, chunk } = shape;
     let sizes = || plans.iter().flat_map(|p| p.clusters.iter().map(|c| c.size));
     let max_cluster = sizes().max().unwrap_or(0);
     // Speculation may keep about one layer's FFN in flight (more only waits in the queue).
@@ -524,10 +561,11 @@ fn plan_input(
         resident_state: plans.iter().map(|p| p.resident_bytes()).sum(),
         // Speculative reads for the next layer while this layer's own reads are in flight.
         io_buffers: 2 * io_budget,
-        scratch: planner::scratch_bytes(config),
+        scratch: planner::scratch_bytes(config, chunk),
         ffn: sizes().sum(),
         needs_all_ffn: matches!(policy, Policy::Resident | Policy::Dense),
         ctx,
+        prompt_chunk: chunk,
     };
     (input, io_budget)
 }
@@ -542,16 +580,20 @@ pub fn minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
 /// The smallest `--memory` the `leanstream` policy accepts for `file` at `ctx`: every bundle and
 /// the dense weights the planner may stream stream.
 pub fn streaming_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
-    Ok(planner::minimum(&open_plan_input(path, ctx)?))
+    Ok(planner::minimum(&open_plan_input(
+        path,
+        ctx,
+        planner::MIN_PROMPT_CHUNK,
+    )?))
 }
 
 /// The planner's split for `file` at `ctx` without a budget: the fixed part with every dense
 /// weight resident and the size of the FFN bundles, from which budgets are chosen.
 pub fn memory_split(path: &Path, ctx: usize) -> Result<MemorySplit> {
-    planner::plan(open_plan_input(path, ctx)?)
+    planner::plan(open_plan_input(path, ctx, crate::generate::PROMPT_CHUNK)?)
 }
 
-fn open_plan_input(path: &Path, ctx: usize) -> Result<planner::PlanInput> {
+fn open_plan_input(path: &Path, ctx: usize, chunk: usize) -> Result<planner::PlanInput> {
     let mut file = LsbFile::open(path)?;
     // The default run: certified sparsity, speculating with the look-ahead predictors.
     let uses = plan::PredictorUse {
@@ -566,8 +608,11 @@ fn open_plan_input(path: &Path, ctx: usize) -> Result<planner::PlanInput> {
         crate::tokenizer::resident_bytes(&file)?,
         &plans,
         sizes,
-        ctx,
-        KvType::default(),
+        Shape {
+            ctx,
+            kv: KvType::default(),
+            chunk,
+        },
         None,
         Policy::Leanstream,
     )

@@ -28,6 +28,8 @@ pub struct PlanInput {
     /// The policy keeps every cluster resident.
     pub needs_all_ffn: bool,
     pub ctx: usize,
+    /// The prompt tokens `scratch` holds activations for.
+    pub prompt_chunk: usize,
 }
 
 /// The dense weights' bytes by what may stream, and the buffers each needs while streaming (read
@@ -136,6 +138,8 @@ pub struct MemorySplit {
     pub resident_state: u64,
     pub io_buffers: u64,
     pub scratch: u64,
+    /// The prompt tokens a forward call takes at most (what `scratch` is sized for).
+    pub prompt_chunk: usize,
     pub neuron_cache: u64,
     /// Bytes of all FFN bundles (for "how much of the FFN fits").
     pub ffn_total: u64,
@@ -181,13 +185,14 @@ impl MemorySplit {
             String::new()
         };
         format!(
-            "overhead {}, dense {}{streamed}, KV cache {}, sketch+predictors {}, I/O buffers {}, scratch {}",
+            "overhead {}, dense {}{streamed}, KV cache {}, sketch+predictors {}, I/O buffers {}, scratch {} ({}-token prompt chunks)",
             format_size(self.overhead),
             format_size(self.dense),
             format_size(self.kv_cache),
             format_size(self.resident_state),
             format_size(self.io_buffers),
-            format_size(self.scratch)
+            format_size(self.scratch),
+            self.prompt_chunk
         )
     }
 }
@@ -204,6 +209,7 @@ fn fixed_split(p: &PlanInput, streamed: DenseStreamed) -> MemorySplit {
         resident_state: p.resident_state,
         io_buffers: p.io_buffers,
         scratch: p.scratch,
+        prompt_chunk: p.prompt_chunk,
         neuron_cache: 0,
         ffn_total: p.ffn,
         certified_layers: Vec::new(),
@@ -290,6 +296,26 @@ pub fn replan_floor(p: &PlanInput, current: &MemorySplit) -> u64 {
     fixed_split(p, current.dense_streamed).fixed() + ffn
 }
 
+/// Prompt chunk lengths a plan may use, longest first. A shorter chunk needs less scratch (the
+/// activations and attention scores of each of its tokens) and costs only prefill speed: each
+/// cluster a chunk needs is read and its weights decoded once per chunk.
+pub const PROMPT_CHUNKS: [usize; 5] = [crate::generate::PROMPT_CHUNK, 128, 64, 32, 16];
+/// The shortest prompt chunk a plan uses.
+pub const MIN_PROMPT_CHUNK: usize = PROMPT_CHUNKS[PROMPT_CHUNKS.len() - 1];
+
+/// The longest prompt chunk whose plan fits the budget, and that plan; refused with the
+/// shortest chunk's minimum. `input(chunk)` is the plan input with scratch for `chunk` tokens.
+pub fn fit_chunk(input: impl Fn(usize) -> PlanInput) -> Result<(usize, MemorySplit)> {
+    let mut refused = None;
+    for chunk in PROMPT_CHUNKS {
+        match plan(input(chunk)) {
+            Ok(split) => return Ok((chunk, split)),
+            Err(e) => refused = Some(e),
+        }
+    }
+    Err(refused.expect("at least one chunk length"))
+}
+
 /// A shrunk context is a multiple of this many tokens (or the floor itself).
 const CONTEXT_STEP: usize = 64;
 
@@ -369,9 +395,9 @@ pub fn baseline_overhead(tokenizer_bytes: u64) -> u64 {
     (startup + tokenizer_bytes + 4 * MIB).div_ceil(MIB) * MIB
 }
 
-/// Activations of one prompt chunk and the logits.
-pub fn scratch_bytes(c: &ModelConfig) -> u64 {
-    let t = crate::generate::PROMPT_CHUNK as u64;
+/// Activations of a prompt chunk of `chunk` tokens, their attention scores, and the logits.
+pub fn scratch_bytes(c: &ModelConfig, chunk: usize) -> u64 {
+    let t = chunk as u64;
     let per_token = (c.hidden_size * 4
         + c.num_heads * c.head_dim * 2
         + c.num_kv_heads * c.head_dim * 2
@@ -432,6 +458,7 @@ mod tests {
             ffn: 200 * MIB,
             needs_all_ffn: false,
             ctx: 256,
+            prompt_chunk: 256,
         }
     }
 
@@ -604,6 +631,26 @@ mod tests {
         // …but not once 70 % of the FFN is cached (it saves 0.3 · 300 = 90 < 100).
         assert_eq!(keep_certificates(&terms, 0.7), [false, false, true]);
         assert_eq!(keep_certificates(&terms, 1.5), [false, false, true]);
+    }
+
+    #[test]
+    fn a_tight_budget_takes_a_shorter_prompt_chunk_before_it_is_refused() {
+        // Scratch of 16 KiB per chunk token; everything else streams in 28 MiB.
+        let at = |budget: u64| {
+            move |chunk: usize| PlanInput {
+                scratch: chunk as u64 * (16 << 10),
+                prompt_chunk: chunk,
+                ..input(Some(budget), false)
+            }
+        };
+        let (chunk, s) = fit_chunk(at(28 * MIB + 4 * MIB)).unwrap();
+        assert_eq!((chunk, s.prompt_chunk, s.scratch), (256, 256, 4 * MIB));
+        assert_eq!(fit_chunk(at(28 * MIB + 4 * MIB - 1)).unwrap().0, 128);
+        assert_eq!(fit_chunk(at(28 * MIB + MIB / 4)).unwrap().0, 16);
+        let err = fit_chunk(at(28 * MIB + MIB / 4 - 1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("below the minimum of 28.25 MiB"), "{err}");
     }
 
     #[test]
