@@ -18,13 +18,13 @@ use anyhow::{bail, Context, Result};
 use leanstream::config::ModelConfig;
 use leanstream::kernels::{Matrix, QMatrix, Weight};
 use leanstream::model::{rms_norm, DenseFfn, Model};
-use leanstream::skip_rule::SkipRule;
+use leanstream::skip_rule::{Skip, SkipRule};
 use leanstream::streaming::default_predictor_rank;
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::{DenseIndex, DenseTensor};
 use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
-use leanstream_format::meta::{Meta, Synthetic};
+use leanstream_format::meta::{LayerMeta, Meta, Synthetic};
 use leanstream_format::predictor::{normalise_input, PredictorInput, Predictors};
 use leanstream_format::quant::{row_bytes, QuantType};
 use leanstream_format::refine::Refine;
@@ -32,6 +32,7 @@ use leanstream_format::sketch::{Sketch, SketchLayer};
 use leanstream_format::LsbFile;
 
 use crate::calib::{Calibration, WINDOW};
+use crate::certificate;
 use crate::convert::{
     add_sketch_row, add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor,
     MIN_PREDICTOR_RANK,
@@ -229,7 +230,18 @@ pub fn run(args: SynthArgs) -> Result<()> {
             perm: layer::shuffled_order(n, args.seed ^ l as u64),
             clusters,
         });
-        layer_meta.push(built.meta);
+        // What the certificate saves on the held-out rows, so that the runtime keeps it only
+        // where it earns its bytes (as `convert` measures it).
+        let skip = Skip {
+            act: config.activation,
+            rule: SkipRule::Gate,
+            threshold: THRESHOLD,
+        };
+        let saves = certificate::saves(&sketch_layer, skip, &inputs.x, &inputs.eval, cluster_size)?;
+        layer_meta.push(LayerMeta {
+            certificate_saves: Some(saves),
+            ..built.meta
+        });
         knobs.push(built.knobs);
         source_layer.push(sl);
         bar.inc(1);
@@ -265,6 +277,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
             source_layers: src.meta.layers.clone(),
         }),
     };
+    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
     add_tokenizer(&mut writer, &src.tokenizer_json)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
