@@ -223,13 +223,6 @@ pub fn run(args: SynthArgs) -> Result<()> {
             PredictorInput::Residual,
             built.lookahead_threshold,
         ));
-        sketch.layers.push(sketch_layer);
-        ffn.layers.push(FfnLayer {
-            qtype: args.quant,
-            hidden: h as u32,
-            perm: layer::shuffled_order(n, args.seed ^ l as u64),
-            clusters,
-        });
         // What the certificate saves on the held-out rows, so that the runtime keeps it only
         // where it earns its bytes (as `convert` measures it).
         let skip = Skip {
@@ -238,6 +231,13 @@ pub fn run(args: SynthArgs) -> Result<()> {
             threshold: THRESHOLD,
         };
         let saves = certificate::saves(&sketch_layer, skip, &inputs.x, &inputs.eval, cluster_size)?;
+        sketch.layers.push(sketch_layer);
+        ffn.layers.push(FfnLayer {
+            qtype: args.quant,
+            hidden: h as u32,
+            perm: layer::shuffled_order(n, args.seed ^ l as u64),
+            clusters,
+        });
         layer_meta.push(LayerMeta {
             certificate_saves: Some(saves),
             ..built.meta
