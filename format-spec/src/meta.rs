@@ -98,6 +98,13 @@ pub struct Routing {
     /// Of the experts a token chose, the fraction found by this layer's router applied to the
     /// residual entering the layer (normalised with the layer's FFN norm), before its attention.
     pub lookahead_recall: f32,
+    /// Co-selection with the next mixture layer: per expert, the expert there that the tokens
+    /// choosing it most often choose (empty on the last mixture layer).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub next_partners: Vec<u32>,
+    /// Per expert, the fraction of the tokens choosing it that choose its partner next.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub next_partner_share: Vec<f32>,
 }
 
 impl Meta {

@@ -164,6 +164,8 @@ fn write(out: &Path, moe: bool, edit: impl FnOnce(&mut ModelConfig, &mut ExpertI
         expert_freq: vec![1.0, 0.75, 0.25],
         token_reuse: 0.5,
         lookahead_recall: 0.875,
+        next_partners: Vec::new(),
+        next_partner_share: Vec::new(),
     };
     let meta = Meta {
         model: config,

@@ -112,6 +112,8 @@ pub(crate) fn convert(
     };
     let mut layer_meta = Vec::with_capacity(layers);
     let mut cluster_neurons = Vec::with_capacity(layers);
+    // The previous mixture layer and its choices per row, for its co-selection with the next.
+    let mut last_mixture: Option<(usize, Vec<Vec<u32>>)> = None;
     writer.begin_section(SectionKind::ExpertData);
     for l in 0..layers {
         let moe = config.is_moe_layer(l);
@@ -183,7 +185,7 @@ pub(crate) fn convert(
                     &format!("model.layers.{l}.post_attention_layernorm.weight"),
                     &[h],
                 )?;
-                Some(profile_routing(
+                let (routing, choices) = profile_routing(
                     &Probed {
                         router: &router,
                         ffn_norm: &norm,
@@ -194,7 +196,14 @@ pub(crate) fn convert(
                     &m,
                     &eval_rows,
                     &eval_prev,
-                ))
+                );
+                if let Some((before_layer, before)) = &last_mixture {
+                    let earlier: &mut LayerMeta = &mut layer_meta[*before_layer];
+                    let earlier = earlier.routing.as_mut().expect("a mixture layer's profile");
+                    co_selection(earlier, before, &choices, &eval_rows);
+                }
+                last_mixture = Some((l, choices));
+                Some(routing)
             }
             _ => None,
         };
@@ -360,7 +369,13 @@ struct Probed<'a> {
 
 /// The routing profile (FORMAT.md §4.2 `routing`) on `rows`, whose previous tokens in their window
 /// are `prev`.
-fn profile_routing(p: &Probed, m: &MoeConfig, rows: &[usize], prev: &[Option<usize>]) -> Routing {
+/// Also returns every row's chosen experts, for the co-selection with the next mixture layer.
+fn profile_routing(
+    p: &Probed,
+    m: &MoeConfig,
+    rows: &[usize],
+    prev: &[Option<usize>],
+) -> (Routing, Vec<Vec<u32>>) {
     let (e_count, k) = (m.num_experts, m.experts_per_token);
     let h = p.ffn_norm.len();
     let mut logits = vec![0.0f32; e_count];
@@ -395,11 +410,44 @@ fn profile_routing(p: &Probed, m: &MoeConfig, rows: &[usize], prev: &[Option<usi
     }
     let share = |a: usize, b: usize| if b == 0 { 0.0 } else { a as f32 / b as f32 };
     freq.iter_mut().for_each(|f| *f /= rows.len().max(1) as f32);
-    Routing {
+    let routing = Routing {
         expert_freq: freq,
         token_reuse: share(reused, followed),
         lookahead_recall: share(found, k * rows.len()),
+        next_partners: Vec::new(),
+        next_partner_share: Vec::new(),
+    };
+    (routing, choices)
+}
+
+/// Sets `earlier`'s co-selection with the next mixture layer, whose choices are `later` (both
+/// per row; measured on `rows`).
+fn co_selection(earlier: &mut Routing, before: &[Vec<u32>], after: &[Vec<u32>], rows: &[usize]) {
+    let e_count = earlier.expert_freq.len();
+    let mut counts = vec![0usize; e_count * e_count];
+    let mut chosen = vec![0usize; e_count];
+    for &r in rows {
+        for &e in &before[r] {
+            chosen[e as usize] += 1;
+            for &o in &after[r] {
+                counts[e as usize * e_count + o as usize] += 1;
+            }
+        }
     }
+    (earlier.next_partners, earlier.next_partner_share) = (0..e_count)
+        .map(|e| {
+            let row = &counts[e * e_count..(e + 1) * e_count];
+            // The first of the most frequent (ties to the lower index); itself if never chosen.
+            let best = (1..e_count).fold(0, |b, o| if row[o] > row[b] { o } else { b });
+            let best = if chosen[e] == 0 { e } else { best };
+            let share = if chosen[e] == 0 {
+                0.0
+            } else {
+                row[best] as f32 / chosen[e] as f32
+            };
+            (best as u32, share)
+        })
+        .unzip();
 }
 
 /// A layer the converter does not calibrate (1.5: a mixture's layers): threshold 0, no

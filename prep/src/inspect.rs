@@ -282,7 +282,7 @@ pub fn print_routing(layers: &Value) {
         return;
     }
     println!(
-        "  routing (held-out tokens): layer  look-ahead recall  token reuse  expert frequencies"
+        "  routing (held-out tokens): layer  look-ahead recall  token reuse  next-layer partner share (mean)  expert frequencies"
     );
     for (i, r) in routed {
         let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
@@ -292,8 +292,18 @@ pub fn print_routing(layers: &Value) {
             .flatten()
             .map(|x| format!("{:.2}", x.as_f64().unwrap_or(f64::NAN)))
             .collect();
+        let shares: Vec<f64> = r["next_partner_share"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x.as_f64())
+            .collect();
+        let partner = match shares.len() {
+            0 => "-".to_string(),
+            n => format!("{:.3}", shares.iter().sum::<f64>() / n as f64),
+        };
         println!(
-            "  {i:>31}  {:>17.3}  {:>11.3}  {}",
+            "  {i:>31}  {:>17.3}  {:>11.3}  {partner:>31}  {}",
             f("lookahead_recall"),
             f("token_reuse"),
             freq.join(" ")

@@ -102,6 +102,26 @@ fn routing_profile(file: &Path, spec: &TinySpec) -> Vec<(f64, f64)> {
             r["token_reuse"].as_f64().unwrap(),
         );
         assert!((0.0..=1.0).contains(&ahead) && (0.0..=1.0).contains(&reuse));
+        // Co-selection with the next mixture layer, except on the last one.
+        let partners: Vec<u32> =
+            serde_json::from_value(r["next_partners"].clone()).unwrap_or_default();
+        let shares: Vec<f64> =
+            serde_json::from_value(r["next_partner_share"].clone()).unwrap_or_default();
+        let last = (l + 1..spec.layers).all(|n| !moe.is_moe_layer(spec.arch, n));
+        if last {
+            assert!(partners.is_empty() && shares.is_empty(), "layer {l}");
+        } else {
+            assert_eq!((partners.len(), shares.len()), (moe.experts, moe.experts));
+            assert!(partners.iter().all(|&p| (p as usize) < moe.experts));
+            // A partner is chosen by at least an even share of the tokens (top-k of E).
+            let floor = moe.top_k as f64 / moe.experts as f64;
+            for (&share, &f) in shares.iter().zip(&freq) {
+                assert!(
+                    f == 0.0 || (floor - 1e-6..=1.0).contains(&share),
+                    "layer {l}: {shares:?}"
+                );
+            }
+        }
         profile.push((ahead, reuse));
     }
     profile
