@@ -211,7 +211,8 @@ done
 # rest of the FFN streaming from an emulated UFS 4.0. Equal to resident token for token and in
 # every margin (bit for bit).
 lsb="$WORK/austen-q8.lsb"
-min=$(qemu max "$ARM_LS" run --model "$lsb" -p Emma -n 1 --memory 1 2>&1 >/dev/null |
+# (the refusal exits non-zero: that is expected here, the pipeline must not fail on it)
+min=$({ qemu max "$ARM_LS" run --model "$lsb" -p Emma -n 1 --memory 1 2>&1 >/dev/null || true; } |
   sed -n 's/.*minimum[^0-9]*\([0-9][0-9.]*\) MiB.*/\1/p' | head -1)
 [ -n "$min" ] || die "could not read the planner's minimum from the refusal of --memory 1"
 ffn=$("$HOST_PREP" inspect "$lsb" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["ffn_bytes"])')
