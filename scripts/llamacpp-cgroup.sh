@@ -7,8 +7,10 @@
 # usage: scripts/llamacpp-cgroup.sh [MODEL.gguf] [TOKENS=32] [THREADS=1] [CONVERT_ARGS...]
 # MODEL defaults to SmolLM2-135M-Instruct Q4_1 (scripts/fetch-smollm2.sh); leanstream runs the file
 # `leanstream-prep convert MODEL CONVERT_ARGS` writes (default: --quant q4 --sparsity
-# threshold:0.3, the least lossy sparsity measured on SmolLM2). Needs a writable cgroup v1 memory
-# controller (as the test suite's memory_cgroup test does); installs llama-cpp-python if missing.
+# threshold:0.3, the least lossy sparsity measured on SmolLM2), or LSB=FILE when set (a file already
+# converted from MODEL). PCTS lists the limits in % of llama.cpp's own peak (default: 100 down to
+# 30). Needs a writable cgroup v1 memory controller (as the test suite's memory_cgroup test does);
+# installs llama-cpp-python if missing.
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -33,8 +35,8 @@ cleanup() {
     rm -rf "$tmp"
 }
 trap cleanup EXIT
-lsb="$tmp/model.lsb"
-"$root/target/release/leanstream-prep" convert "$model" -o "$lsb" "${convert_args[@]}" >&2
+lsb="${LSB:-$tmp/model.lsb}"
+[[ -n "${LSB:-}" ]] || "$root/target/release/leanstream-prep" convert "$model" -o "$lsb" "${convert_args[@]}" >&2
 
 # This process's v1 memory group, under which the limited groups are made.
 mount="$(awk '{ for (i = 7; i < NF; i++) if ($i == "-") { if ($(i + 1) == "cgroup" && $NF ~ /(^|,)memory(,|$)/) print $5; break } }' /proc/self/mountinfo | head -1)"
@@ -82,7 +84,7 @@ minimum="$( ("$leanstream" run --model "$lsb" -p x --memory 1 --ctx 512 2>&1 || 
 echo "$(basename "$model"): llama.cpp unconstrained peak $((peak >> 20)) MiB (process and page cache);"
 echo "leanstream's minimum at ctx 512: $minimum; $tokens tokens greedy, $threads thread(s), cold page cache"
 printf '%-7s %10s %16s %16s %8s\n' limit MiB "llama.cpp tok/s" "leanstream tok/s" ratio
-for pct in 100 90 80 70 60; do
+for pct in ${PCTS:-100 90 80 70 60 50 40 30}; do
     limit=$((peak * pct / 100))
     cold "$model"
     g="$(new_group "$limit")"
