@@ -116,8 +116,8 @@ pub fn matvec(w: &Matrix, x: &[f32], out: &mut [f32]) {
 }
 
 /// `out (t × rows) = X (t × cols) · Wᵀ` for `t` row-major input vectors: `gemm` on each whole
-/// block of [`GEMM_MIN_TOKENS`] inputs, a mat-vec for each input after them, so that a token's
-/// result does not depend on the input's length (as [`super::qmatrix::RowStream`]).
+/// block of [`GEMM_MIN_TOKENS`] inputs and then on the rest, a mat-vec for a single input, so that
+/// a token's result does not depend on the input's length (as [`super::qmatrix::RowStream`]).
 pub fn matmul_t(w: &Matrix, x: &[f32], t: usize, out: &mut [f32]) {
     assert_eq!(x.len(), t * w.cols);
     assert_eq!(out.len(), t * w.rows);
@@ -128,11 +128,10 @@ pub fn matmul_t(w: &Matrix, x: &[f32], t: usize, out: &mut [f32]) {
     for (x, out) in blocks.zip(outs.chunks_exact_mut(GEMM_MIN_TOKENS * w.rows)) {
         gemm_t(&w.data, w.rows, w.cols, x, GEMM_MIN_TOKENS, out, w.rows);
     }
-    for (x, out) in tail_x
-        .chunks_exact(w.cols)
-        .zip(tail_out.chunks_exact_mut(w.rows))
-    {
-        matvec(w, x, out);
+    match t % GEMM_MIN_TOKENS {
+        0 => {}
+        1 => matvec(w, tail_x, tail_out),
+        tail => gemm_t(&w.data, w.rows, w.cols, tail_x, tail, tail_out, w.rows),
     }
 }
 

@@ -15,11 +15,11 @@ const ROWS_PER_TASK: usize = 32;
 /// Below this many encoded bytes a mat-vec runs on the calling thread: waking a parked worker
 /// costs more than the second thread saves (measured on this project's 2-vCPU machines).
 const PARALLEL_MIN_BYTES: usize = 1 << 20;
-/// Inputs go through `gemm` in blocks of exactly this many tokens, the rest (fewer) as one mat-vec
-/// each: decoding every row to f32 for `gemm` costs about as much as ten mat-vecs. The block is
-/// fixed so that a token's result depends only on its place in the input, never on how long the
-/// input is: a prompt split into chunks of any multiple of this length gives the same bits as one
-/// chunk (the budget sizes prompt chunks), while `gemm`'s summation order may depend on its `m`.
+/// Inputs go through `gemm` in blocks of exactly this many tokens, then the rest in one call; a
+/// single input is a mat-vec. The block is fixed so that a token's result depends only on its place
+/// in the input, never on how long the input is: a prompt split into chunks of any multiple of this
+/// length gives the same bits as one chunk (the budget sizes prompt chunks), while `gemm`'s
+/// summation order may depend on its `m`.
 pub(super) const GEMM_MIN_TOKENS: usize = 16;
 /// Weights per decoded tile in a mat-mat: a tile (f32) stays within L2 while `gemm` reads it.
 const TILE_WEIGHTS: usize = 1 << 18;
@@ -180,10 +180,10 @@ impl QMatrix {
 }
 
 /// [`QMatrix::matmul_t`] over rows that arrive in order, a block at a time (a matrix streamed from
-/// flash): the same kernels on the same bytes, so the same result. Each whole block of
-/// [`GEMM_MIN_TOKENS`] inputs multiplies tiles of rows decoded to f32 (a tile gathered across
-/// blocks and shared by every input block); the inputs after the last whole block run one mat-vec
-/// each.
+/// flash): the same kernels on the same bytes, so the same result. The inputs go through `gemm` on
+/// tiles of rows decoded to f32 (a tile gathered across blocks), in whole blocks of
+/// [`GEMM_MIN_TOKENS`] and then the rest as one call; a single input (a decoded token, or a last
+/// input after whole blocks) is one mat-vec.
 pub struct RowStream<'x> {
     qtype: QuantType,
     rows: usize,
@@ -192,9 +192,11 @@ pub struct RowStream<'x> {
     x: &'x [f32],
     /// Inputs in whole `gemm` blocks.
     gemm_tokens: usize,
-    /// The inputs after them (fewer than a block), each prepared for the encoding in place, so
-    /// that a decoded token's mat-vecs allocate nothing.
-    operands: [Option<Operand<'x>>; GEMM_MIN_TOKENS],
+    /// Inputs after them: one `gemm` call when two or more.
+    tail: usize,
+    /// A single last input, prepared for the encoding in place (a decoded token's mat-vec
+    /// allocates nothing).
+    operand: Option<Operand<'x>>,
     /// The decoded rows of the tile being gathered, which starts at `tile_start`.
     tile: Vec<f32>,
     tile_rows: usize,
@@ -214,11 +216,9 @@ impl<'x> RowStream<'x> {
         t: usize,
     ) -> Self {
         assert_eq!(x.len(), t * cols);
-        let gemm_tokens = t - t % GEMM_MIN_TOKENS;
-        let operands = std::array::from_fn(|i| {
-            let at = gemm_tokens + i;
-            (at < t).then(|| Operand::new(&x[at * cols..(at + 1) * cols], qtype))
-        });
+        let tail = t % GEMM_MIN_TOKENS;
+        let gemm_tokens = t - tail;
+        let operand = (tail == 1).then(|| Operand::new(&x[gemm_tokens * cols..], qtype));
         let tile_rows = (TILE_WEIGHTS / cols).clamp(1, rows);
         Self {
             qtype,
@@ -227,8 +227,9 @@ impl<'x> RowStream<'x> {
             row_bytes,
             x,
             gemm_tokens,
-            operands,
-            tile: if gemm_tokens > 0 {
+            tail,
+            operand,
+            tile: if t >= 2 {
                 vec![0.0; tile_rows * cols]
             } else {
                 Vec::new()
@@ -243,13 +244,12 @@ impl<'x> RowStream<'x> {
     /// Takes the next whole rows (`data`) and writes their columns of `out` (`t × rows`).
     pub fn push(&mut self, data: &[u8], out: &mut [f32]) {
         let (rows, cols) = (self.rows, self.cols);
-        let tail_tokens = self.operands.iter().flatten().count();
-        assert_eq!(out.len(), (self.gemm_tokens + tail_tokens) * rows);
+        assert_eq!(out.len(), (self.gemm_tokens + self.tail) * rows);
         assert!(data.len().is_multiple_of(self.row_bytes));
         let n = data.len() / self.row_bytes;
         assert!(self.done + n <= rows, "more rows than the matrix has");
         let k = RowKernels::best();
-        if self.gemm_tokens > 0 {
+        if !self.tile.is_empty() {
             let block = GEMM_MIN_TOKENS * cols;
             for row in data.chunks_exact(self.row_bytes) {
                 let f = self.tile_fill;
@@ -257,20 +257,23 @@ impl<'x> RowStream<'x> {
                 self.tile_fill += 1;
                 if self.tile_fill == self.tile_rows.min(rows - self.tile_start) {
                     let tile = &self.tile[..self.tile_fill * cols];
-                    let xs = &self.x[..self.gemm_tokens * cols];
+                    let (xs, tail_x) = self.x.split_at(self.gemm_tokens * cols);
                     for (b, x) in xs.chunks_exact(block).enumerate() {
                         let dst = &mut out[b * GEMM_MIN_TOKENS * rows + self.tile_start..];
                         gemm_t(tile, self.tile_fill, cols, x, GEMM_MIN_TOKENS, dst, rows);
+                    }
+                    if self.tail >= 2 {
+                        let dst = &mut out[self.gemm_tokens * rows + self.tile_start..];
+                        gemm_t(tile, self.tile_fill, cols, tail_x, self.tail, dst, rows);
                     }
                     self.tile_start += self.tile_fill;
                     self.tile_fill = 0;
                 }
             }
         }
-        let span = self.done..self.done + n;
-        let tail = out[self.gemm_tokens * rows..].chunks_exact_mut(rows);
-        for (x, o) in self.operands.iter().flatten().zip(tail) {
-            matvec_rows(k, self.qtype, data, x, &mut o[span.clone()]);
+        if let Some(x) = &self.operand {
+            let o = &mut out[self.gemm_tokens * rows..];
+            matvec_rows(k, self.qtype, data, x, &mut o[self.done..self.done + n]);
         }
         self.done += n;
     }

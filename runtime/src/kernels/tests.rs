@@ -278,9 +278,9 @@ fn matvec_and_matmul_match_f64() {
             for i in 0..t {
                 let xi = &xs[i * cols..(i + 1) * cols];
                 let op = Operand::new(xi, qtype);
-                // Inputs past the last whole gemm block run mat-vecs (q8 input for block types);
-                // those in blocks decode the weights to f32 and multiply the unquantized input.
-                let seen_x = if i >= t - t % GEMM_MIN_TOKENS {
+                // A single input runs a mat-vec (q8 input for block types); two or more decode
+                // the weights to f32 and multiply the unquantized input.
+                let seen_x = if t % GEMM_MIN_TOKENS == 1 && i == t - 1 {
                     seen(&op, qtype)
                 } else {
                     xi.iter().map(|v| *v as f64).collect()
@@ -530,7 +530,7 @@ fn row_stream_in_blocks_equals_matmul_bit_for_bit() {
 }
 
 /// A token's result depends on its place in the input, not on the input's length: a 45-token
-/// prompt in chunks of 16 (two gemm blocks, then 13 mat-vecs) gives the bits of one 45-token call,
+/// prompt in chunks of 16 (two gemm blocks, then one 13-input gemm) gives the bits of one call,
 /// so a budget that shortens prompt chunks to a multiple of the block keeps prefill exact.
 #[test]
 fn a_prompt_in_chunks_of_whole_gemm_blocks_equals_one_chunk_bit_for_bit() {
