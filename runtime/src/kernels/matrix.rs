@@ -115,23 +115,47 @@ pub fn matvec(w: &Matrix, x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// `out (t × rows) = X (t × cols) · Wᵀ` for `t` row-major input vectors: `gemm` on each whole
-/// block of [`GEMM_MIN_TOKENS`] inputs and then on the rest, a mat-vec for a single input, so that
-/// a token's result does not depend on the input's length (as [`super::qmatrix::RowStream`]).
+/// `out (t × rows) = X (t × cols) · Wᵀ` for `t` row-major input vectors, by the rule of
+/// [`gemm_inputs`] (as [`super::qmatrix::RowStream`]).
 pub fn matmul_t(w: &Matrix, x: &[f32], t: usize, out: &mut [f32]) {
     assert_eq!(x.len(), t * w.cols);
     assert_eq!(out.len(), t * w.rows);
-    let gemm_tokens = t - t % GEMM_MIN_TOKENS;
-    let (xs, tail_x) = x.split_at(gemm_tokens * w.cols);
-    let (outs, tail_out) = out.split_at_mut(gemm_tokens * w.rows);
-    let blocks = xs.chunks_exact(GEMM_MIN_TOKENS * w.cols);
-    for (x, out) in blocks.zip(outs.chunks_exact_mut(GEMM_MIN_TOKENS * w.rows)) {
-        gemm_t(&w.data, w.rows, w.cols, x, GEMM_MIN_TOKENS, out, w.rows);
+    let g = gemm_inputs(t);
+    let (xs, last_x) = x.split_at(g * w.cols);
+    let (outs, last_out) = out.split_at_mut(g * w.rows);
+    gemm_t_blocked(&w.data, w.rows, w.cols, xs, g, outs, w.rows);
+    if g < t {
+        matvec(w, last_x, last_out);
     }
-    match t % GEMM_MIN_TOKENS {
-        0 => {}
-        1 => matvec(w, tail_x, tail_out),
-        tail => gemm_t(&w.data, w.rows, w.cols, tail_x, tail, tail_out, w.rows),
+}
+
+/// How many of `t` inputs go through `gemm`: all but a single input left after the whole blocks of
+/// [`GEMM_MIN_TOKENS`] (that one, or a lone decoded token, is a mat-vec). A token's result then
+/// depends only on its place in the input, not on the input's length: a prompt split into chunks of
+/// any multiple of the block gives one chunk's bits (the budget sizes prompt chunks), while
+/// `gemm`'s summation order may depend on its `m`.
+pub(super) fn gemm_inputs(t: usize) -> usize {
+    if t % GEMM_MIN_TOKENS == 1 {
+        t - 1
+    } else {
+        t
+    }
+}
+
+/// [`gemm_t`] over `t` inputs in whole blocks of [`GEMM_MIN_TOKENS`], then the rest in one call.
+pub(super) fn gemm_t_blocked(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    assert_eq!(x.len(), t * cols);
+    for (b, x) in x.chunks(GEMM_MIN_TOKENS * cols).enumerate() {
+        let dst = &mut out[b * GEMM_MIN_TOKENS * out_stride..];
+        gemm_t(w, rows, cols, x, x.len() / cols, dst, out_stride);
     }
 }
 

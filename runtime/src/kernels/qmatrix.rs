@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
 use rayon::prelude::*;
 
-use super::matrix::{gemm_t, Matrix};
+use super::matrix::{gemm_inputs, gemm_t_blocked, Matrix};
 use super::operand::Operand;
 use super::rows::RowKernels;
 use crate::storage::AlignedBuf;
@@ -15,11 +15,8 @@ const ROWS_PER_TASK: usize = 32;
 /// Below this many encoded bytes a mat-vec runs on the calling thread: waking a parked worker
 /// costs more than the second thread saves (measured on this project's 2-vCPU machines).
 const PARALLEL_MIN_BYTES: usize = 1 << 20;
-/// Inputs go through `gemm` in blocks of exactly this many tokens, then the rest in one call; a
-/// single input is a mat-vec. The block is fixed so that a token's result depends only on its place
-/// in the input, never on how long the input is: a prompt split into chunks of any multiple of this
-/// length gives the same bits as one chunk (the budget sizes prompt chunks), while `gemm`'s
-/// summation order may depend on its `m`.
+/// Inputs per `gemm` block in a mat-mat ([`super::matrix::gemm_inputs`]): decoding every row to
+/// f32 for `gemm` costs about as much as ten mat-vecs.
 pub(super) const GEMM_MIN_TOKENS: usize = 16;
 /// Weights per decoded tile in a mat-mat: a tile (f32) stays within L2 while `gemm` reads it.
 const TILE_WEIGHTS: usize = 1 << 18;
@@ -180,21 +177,19 @@ impl QMatrix {
 }
 
 /// [`QMatrix::matmul_t`] over rows that arrive in order, a block at a time (a matrix streamed from
-/// flash): the same kernels on the same bytes, so the same result. The inputs go through `gemm` on
-/// tiles of rows decoded to f32 (a tile gathered across blocks), in whole blocks of
-/// [`GEMM_MIN_TOKENS`] and then the rest as one call; a single input (a decoded token, or a last
-/// input after whole blocks) is one mat-vec.
+/// flash): the same kernels on the same bytes, so the same result. The inputs
+/// [`gemm_inputs`] names multiply tiles of rows decoded to f32 (a tile gathered across blocks); a
+/// single one left is a mat-vec.
 pub struct RowStream<'x> {
     qtype: QuantType,
     rows: usize,
     cols: usize,
     row_bytes: usize,
     x: &'x [f32],
-    /// Inputs in whole `gemm` blocks.
+    t: usize,
+    /// The first inputs, through `gemm`.
     gemm_tokens: usize,
-    /// Inputs after them: one `gemm` call when two or more.
-    tail: usize,
-    /// A single last input, prepared for the encoding in place (a decoded token's mat-vec
+    /// The input left after them, prepared for the encoding in place (a decoded token's mat-vec
     /// allocates nothing).
     operand: Option<Operand<'x>>,
     /// The decoded rows of the tile being gathered, which starts at `tile_start`.
@@ -216,9 +211,8 @@ impl<'x> RowStream<'x> {
         t: usize,
     ) -> Self {
         assert_eq!(x.len(), t * cols);
-        let tail = t % GEMM_MIN_TOKENS;
-        let gemm_tokens = t - tail;
-        let operand = (tail == 1).then(|| Operand::new(&x[gemm_tokens * cols..], qtype));
+        let gemm_tokens = gemm_inputs(t);
+        let operand = (gemm_tokens < t).then(|| Operand::new(&x[gemm_tokens * cols..], qtype));
         let tile_rows = (TILE_WEIGHTS / cols).clamp(1, rows);
         Self {
             qtype,
@@ -226,10 +220,10 @@ impl<'x> RowStream<'x> {
             cols,
             row_bytes,
             x,
+            t,
             gemm_tokens,
-            tail,
             operand,
-            tile: if t >= 2 {
+            tile: if gemm_tokens > 0 {
                 vec![0.0; tile_rows * cols]
             } else {
                 Vec::new()
@@ -244,28 +238,21 @@ impl<'x> RowStream<'x> {
     /// Takes the next whole rows (`data`) and writes their columns of `out` (`t × rows`).
     pub fn push(&mut self, data: &[u8], out: &mut [f32]) {
         let (rows, cols) = (self.rows, self.cols);
-        assert_eq!(out.len(), (self.gemm_tokens + self.tail) * rows);
+        assert_eq!(out.len(), self.t * rows);
         assert!(data.len().is_multiple_of(self.row_bytes));
         let n = data.len() / self.row_bytes;
         assert!(self.done + n <= rows, "more rows than the matrix has");
         let k = RowKernels::best();
-        if !self.tile.is_empty() {
-            let block = GEMM_MIN_TOKENS * cols;
+        if self.gemm_tokens > 0 {
             for row in data.chunks_exact(self.row_bytes) {
                 let f = self.tile_fill;
                 k.dequantize(self.qtype, row, &mut self.tile[f * cols..(f + 1) * cols]);
                 self.tile_fill += 1;
                 if self.tile_fill == self.tile_rows.min(rows - self.tile_start) {
                     let tile = &self.tile[..self.tile_fill * cols];
-                    let (xs, tail_x) = self.x.split_at(self.gemm_tokens * cols);
-                    for (b, x) in xs.chunks_exact(block).enumerate() {
-                        let dst = &mut out[b * GEMM_MIN_TOKENS * rows + self.tile_start..];
-                        gemm_t(tile, self.tile_fill, cols, x, GEMM_MIN_TOKENS, dst, rows);
-                    }
-                    if self.tail >= 2 {
-                        let dst = &mut out[self.gemm_tokens * rows + self.tile_start..];
-                        gemm_t(tile, self.tile_fill, cols, tail_x, self.tail, dst, rows);
-                    }
+                    let xs = &self.x[..self.gemm_tokens * cols];
+                    let dst = &mut out[self.tile_start..];
+                    gemm_t_blocked(tile, self.tile_fill, cols, xs, self.gemm_tokens, dst, rows);
                     self.tile_start += self.tile_fill;
                     self.tile_fill = 0;
                 }
