@@ -31,7 +31,7 @@ impl Certificate {
     /// The layer's certificate, or `None` when the file has none for it or the rule is not one a
     /// gate sketch can prove (`gate_up`). Takes the rows over from `layer`.
     pub fn new(layer: &mut SketchLayer, skip: Skip, neurons: usize) -> Result<Option<Self>> {
-        if layer.err_norm.is_empty() || skip.rule != SkipRule::Gate {
+        if !Self::proves(layer.err_norm.len(), skip) {
             return Ok(None);
         }
         debug_assert_eq!(layer.err_norm.len(), neurons);
@@ -60,8 +60,13 @@ impl Certificate {
     /// What [`Certificate::new`] would keep resident for the file's layer `entry` under `skip`
     /// (before reading its rows), or `None` when it would give no certificate.
     pub fn resident_bytes(entry: &SketchEntry, skip: Skip) -> Option<u64> {
-        (entry.neurons > 0 && skip.rule == SkipRule::Gate)
-            .then(|| entry.bytes() + 4 * entry.neurons as u64)
+        Self::proves(entry.neurons as usize, skip).then(|| entry.bytes() + 4 * entry.neurons as u64)
+    }
+
+    /// A sketch layer of `neurons` rows gives a certificate: it has rows, and the rule is one a
+    /// gate sketch can prove.
+    fn proves(neurons: usize, skip: Skip) -> bool {
+        neurons > 0 && skip.rule == SkipRule::Gate
     }
 
     /// Marks in `candidate` the neurons the sketch cannot prove inactive. The exact gate is `w·x̃` (x̃ the q8 input for
