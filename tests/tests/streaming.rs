@@ -8,6 +8,7 @@ use leanstream::perplexity::perplexity;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
+use leanstream_format::quant::QuantType;
 use leanstream_tests::converted::{bin, convert, embedded, heldout_ids, scratch};
 use leanstream_tests::tiny::{write_tiny_model, TinySpec};
 
@@ -266,6 +267,47 @@ fn a_certificate_made_too_tight_is_caught() {
     assert_ne!(
         tight, resident,
         "a bound too tight for its rows skips neurons it cannot prove inactive, yet the output matched"
+    );
+}
+
+/// The certificate a q4 file's `auto` writes — its own Q4_0 gate rows, the exact gates (a lossy
+/// code with error bounds proves too little to earn its bytes: `convert --certificate-study`) —
+/// on the embedded ReLU model: exact output equals `resident` bit for bit at three budgets, the
+/// planner keeps it at the minimum, and the same certificate with its rows negated (bounds kept)
+/// is caught.
+#[test]
+fn a_q4_file_streams_exactly_with_its_own_gates_as_certificate_and_a_too_tight_one_is_caught() {
+    let model = leanstream_tests::converted::workspace().join("models/austen-relu");
+    let file = scratch().join("austen-q4.lsb");
+    convert(&model, &file, &["--quant", "q4"]);
+    let f = leanstream_format::LsbFile::open(&file).unwrap();
+    assert!(f.sketch.layers.iter().any(|l| l.neurons > 0));
+    assert!(f
+        .sketch
+        .layers
+        .iter()
+        .all(|l| l.neurons == 0 || l.qtype == QuantType::Q4_0));
+    let ids = text_ids(&session(&file, PolicyChoice::Resident, None), 200);
+    let resident = ppl(&file, PolicyChoice::Resident, None, &ids);
+    let runs = at_three_budgets(&file, &ids);
+    for &(b, streamed, read, certified) in &runs {
+        eprintln!("budget {b}: read {read} B, {certified} layers certified");
+        assert_eq!(
+            streamed, resident,
+            "budget {b}: exact differs from resident"
+        );
+    }
+    assert!(
+        runs[0].3 > 0,
+        "the planner keeps the certificate at the minimum"
+    );
+    let bad = scratch().join("austen-q4-tight.lsb");
+    leanstream_tests::converted::negate_certificate_rows(&file, &bad);
+    let tight = ppl(&bad, PolicyChoice::Leanstream, Some(runs[0].0), &ids);
+    assert_ne!(
+        tight, resident,
+        "a bound too tight for its rows skips neurons it cannot prove inactive, yet the output \
+         matched"
     );
 }
 

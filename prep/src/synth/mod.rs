@@ -34,8 +34,7 @@ use leanstream_format::LsbFile;
 use crate::calib::{Calibration, WINDOW};
 use crate::certificate;
 use crate::convert::{
-    add_sketch_row, add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor,
-    MIN_PREDICTOR_RANK,
+    add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor, MIN_PREDICTOR_RANK,
 };
 use crate::sparsity::scores;
 use crate::tensors::dense_specs;
@@ -183,7 +182,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         let mut clusters = Vec::new();
         for (ci, chunk) in built.bundles.chunks(cluster_size).enumerate() {
             for b in chunk {
-                add_sketch_row(
+                certificate::add_sketch_row(
                     &mut sketch_layer,
                     sketch_q,
                     args.quant,
