@@ -7,6 +7,7 @@ mod certificate;
 mod certificate_study;
 mod convert;
 mod convert_moe;
+mod gguf_export;
 mod hub;
 mod inspect;
 mod pack;
@@ -114,6 +115,8 @@ enum Command {
     Push(push::PushArgs),
     /// Write a full-size file of a published shape with a source file's activity planted.
     Synth(synth::SynthArgs),
+    /// Write a converted file's weights as a GGUF file for llama.cpp (the same weights, to compare).
+    Gguf(gguf_export::GgufArgs),
 }
 
 fn main() -> ExitCode {
@@ -181,6 +184,7 @@ fn run(command: Command) -> Result<()> {
         Command::Pack(args) => pack::run(args)?,
         Command::Push(args) => push::run(args)?,
         Command::Synth(args) => synth::run(args)?,
+        Command::Gguf(args) => gguf_export::run(args)?,
     }
     Ok(())
 }
