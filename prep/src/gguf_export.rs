@@ -213,11 +213,7 @@ type FfnTensor = (&'static str, Vec<u8>, Vec<usize>);
 
 /// Layer `l`'s gate, up (`[n, h]`, rows copied from the bundles in original neuron order) and
 /// down (`[h, n]`, decoded from the bundles' columns and encoded along its rows).
-fn ffn_tensors(
-    file: &LsbFile,
-    reader: &mut File,
-    l: usize,
-) -> Result<[FfnTensor; 3]> {
+fn ffn_tensors(file: &LsbFile, reader: &mut File, l: usize) -> Result<[FfnTensor; 3]> {
     let layer = &file.ffn.layers[l];
     let (h, n, qtype) = (layer.hidden as usize, layer.neurons(), layer.qtype);
     let (rb, bb) = (layer.row_bytes(), layer.bundle_bytes());
