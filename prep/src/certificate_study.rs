@@ -498,6 +498,6 @@ mod tests {
         let t = ternary_code(&w);
         let sse = |c: &[f32]| c.iter().zip(&w).map(|(x, y)| (x - y).powi(2)).sum::<f32>();
         assert!(sse(&t) < sse(&s), "ternary {} sign {}", sse(&t), sse(&s));
-        assert!(sse(&t) < sse(&vec![0.0; 32]));
+        assert!(sse(&t) < sse(&[0.0; 32]));
     }
 }
