@@ -15,6 +15,9 @@
 //! - `exact gates`: the bundles' own gate rows resident (no error);
 //! - `none`, and the `needed` oracle (the clusters holding a neuron the rule keeps).
 //!
+//! Under the `gate_up` rule no gate design proves anything (the rule needs `u`): they read every
+//! uncached cluster, and only the oracle says what any certificate at all could save.
+//!
 //! Reads per token are modelled as the planner sees them: at a budget of the minimum plus a share
 //! of the FFN, the certificate's bytes come out of the neuron cache, the cache holds the clusters
 //! read most often, and every other cluster costs its bytes each time it is not proven silent.
@@ -22,7 +25,7 @@
 
 use anyhow::Result;
 use leanstream::certify::SkipSet;
-use leanstream::skip_rule::Skip;
+use leanstream::skip_rule::{Skip, SkipRule};
 use leanstream_format::quant::{dequantize_row, quantize_row, row_bytes, QuantType};
 use ndarray::Array2;
 use serde::Serialize;
@@ -172,6 +175,11 @@ pub fn layer(inp: &LayerInput) -> Result<LayerStudy> {
             }
             Design::None => (0, vec![1.0; clusters]),
             Design::Needed => (0, needed(inp, &rows, clusters)),
+            // A gate certificate cannot prove `|act(g)·u|` small: it bounds g, not u.
+            _ if inp.skip.rule != SkipRule::Gate => {
+                let (_, _, b) = approximate(design, &gates, inp)?;
+                (b, vec![1.0; clusters])
+            }
             _ => {
                 let (approx, err, b) = approximate(design, &gates, inp)?;
                 let norms = if err.ncols() == 1 { &whole } else { &per_block };
@@ -410,7 +418,6 @@ pub fn summarise(layers: &[LayerStudy], bundle: QuantType) -> Study {
 mod tests {
     use super::*;
     use leanstream::config::Activation;
-    use leanstream::skip_rule::SkipRule;
 
     /// ReLU, two clusters of two neurons, x = ones: cluster 0's gates point away from x (silent),
     /// cluster 1's along it. Every design that is tight enough proves cluster 0 silent and never
@@ -457,6 +464,18 @@ mod tests {
             );
             assert_eq!(r[0], expected, "{design:?} on the silent cluster");
         }
+        let gate_up = layer(&LayerInput {
+            skip: Skip {
+                rule: SkipRule::GateUp,
+                ..inp.skip
+            },
+            ..inp
+        })
+        .unwrap();
+        for (d, design) in Design::ALL.iter().enumerate() {
+            let expected = if *design == Design::Needed { 0.0 } else { 1.0 };
+            assert_eq!(gate_up.read[d][0], expected, "{design:?} under gate_up");
+        }
         let s = summarise(&[l], QuantType::Q8_0);
         let by = |name: &str| {
             s.designs
@@ -479,6 +498,6 @@ mod tests {
         let t = ternary_code(&w);
         let sse = |c: &[f32]| c.iter().zip(&w).map(|(x, y)| (x - y).powi(2)).sum::<f32>();
         assert!(sse(&t) < sse(&s), "ternary {} sign {}", sse(&t), sse(&s));
-        assert!(sse(&t) < sse(&vec![0.0; 32]));
+        assert!(sse(&t) < sse(&[0.0; 32]));
     }
 }
