@@ -297,7 +297,7 @@ fn a_q4_file_streams_exactly_with_its_own_gates_as_certificate_and_a_too_tight_o
     let ids = text_ids(&session(&file, PolicyChoice::Resident, None), 200);
     let resident = ppl(&file, PolicyChoice::Resident, None, &ids);
     let runs = at_three_budgets(&file, &ids);
-    for &(b, streamed, read, certified) in &runs {
+    for &(b, streamed, read, certified, _) in &runs {
         eprintln!("budget {b}: read {read} B, {certified} layers certified");
         assert_eq!(
             streamed, resident,

@@ -245,4 +245,16 @@ impl Schedule for Leanstream {
         let (valid, set) = &mut self.lookahead_sets[l];
         std::mem::take(valid).then_some(&set[..])
     }
+
+    /// The layer's reads are taken, so the I/O budget has room again: the certain reads of the
+    /// steps after it are queued now rather than when the next layer begins, so that the device
+    /// does not idle through the layer's compute.
+    fn end_layer(&mut self, core: &mut Core, l: usize, token: usize, _: &[usize]) -> Result<()> {
+        if l + 1 < core.plans.len() {
+            self.read_ahead(core, l + 1, token);
+        } else if core.call_len == 1 {
+            self.read_ahead(core, 0, token + 1);
+        }
+        Ok(())
+    }
 }
