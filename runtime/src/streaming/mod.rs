@@ -497,7 +497,8 @@ fn check_options(path: &Path, opts: &StreamOptions, layers: usize) -> Result<()>
 
 /// Keeps the certificates that earn their bytes ([`planner::keep_certificates`] with a neuron
 /// cache holding `cache_share` of the FFN), none where nothing is certified, and never one dropped
-/// before; true if any was dropped.
+/// before; true if any was dropped. A certified layer without one reads every uncached cluster on
+/// every token, so its look-ahead predictor, which guesses which to read, goes too.
 fn choose_certificates(
     file: &LsbFile,
     plans: &mut [plan::LayerPlan],
@@ -518,6 +519,10 @@ fn choose_certificates(
     for (p, keep) in plans.iter_mut().zip(keep) {
         if p.certify && (!keep || sparsity != Sparsity::Certified) {
             p.certify = false;
+            dropped = true;
+        }
+        if !p.certify && sparsity == Sparsity::Certified && p.lookahead.is_some() {
+            p.lookahead = None;
             dropped = true;
         }
     }
