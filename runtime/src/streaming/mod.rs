@@ -4,6 +4,7 @@
 
 mod dense_stream;
 mod engine;
+pub mod experts;
 mod leanstream;
 pub mod llm_in_flash;
 mod metrics;
@@ -436,16 +437,9 @@ impl crate::model::LanguageModel for StreamingModel {
             self.prompt_chunk
         };
         if tokens.len() > most {
-            let mut out = Vec::new();
-            let last = (tokens.len() - 1) / most;
-            for (i, chunk) in tokens.chunks(most).enumerate() {
-                self.forward_into(chunk, cache, all_logits, logits)?;
-                if all_logits || i == last {
-                    out.extend_from_slice(logits);
-                }
-            }
-            *logits = out;
-            return Ok(());
+            return forward_in_chunks(tokens, most, all_logits, logits, |chunk, logits| {
+                self.forward_into(chunk, cache, all_logits, logits)
+            });
         }
         self.take_watched_budget();
         self.engine.begin_call(tokens, cache.len())?;
@@ -461,6 +455,27 @@ impl crate::model::LanguageModel for StreamingModel {
         self.engine.end_call(tokens.len());
         done
     }
+}
+
+/// Runs `tokens` through `step` in pieces of at most `most`, keeping every piece's logits when
+/// `all_logits`, else the last piece's (what one call on all of `tokens` would return).
+fn forward_in_chunks(
+    tokens: &[u32],
+    most: usize,
+    all_logits: bool,
+    logits: &mut Vec<f32>,
+    mut step: impl FnMut(&[u32], &mut Vec<f32>) -> Result<()>,
+) -> Result<()> {
+    let mut out = Vec::new();
+    let last = (tokens.len() - 1) / most;
+    for (i, chunk) in tokens.chunks(most).enumerate() {
+        step(chunk, logits)?;
+        if all_logits || i == last {
+            out.extend_from_slice(logits);
+        }
+    }
+    *logits = out;
+    Ok(())
 }
 
 /// Refuses option combinations a policy cannot run with, saying what to change.
