@@ -33,6 +33,7 @@ use leanstream_format::LsbFile;
 
 use crate::calib::{Calibration, WINDOW};
 use crate::certificate;
+use crate::certificate_study;
 use crate::convert::{
     add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor, MIN_PREDICTOR_RANK,
 };
@@ -79,6 +80,10 @@ pub struct SynthArgs {
     /// Also write the same weights as a GGUF file for llama.cpp (see `leanstream-prep gguf`).
     #[arg(long)]
     gguf: Option<PathBuf>,
+    /// Also measure every candidate certificate design (bytes, reads per token) on the held-out
+    /// rows, as `convert --certificate-study` does (`certificate_study` in --json).
+    #[arg(long)]
+    certificate_study: bool,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -153,6 +158,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         Refine::default(),
     );
     let (mut layer_meta, mut knobs, mut source_layer) = (Vec::new(), Vec::new(), Vec::new());
+    let mut studies = Vec::new();
     writer.begin_section(SectionKind::FfnData);
     for l in 0..layers {
         bar.set_message(format!("layer {l}"));
@@ -233,6 +239,27 @@ pub fn run(args: SynthArgs) -> Result<()> {
             threshold: THRESHOLD,
         };
         let saves = certificate::saves(&sketch_layer, skip, &inputs.x, &inputs.eval, cluster_size)?;
+        if args.certificate_study {
+            let gates: Vec<Vec<u8>> = built
+                .bundles
+                .iter()
+                .map(|b| b[..bundle_bytes / 3].to_vec())
+                .collect();
+            let identity: Vec<u32> = (0..n as u32).collect();
+            studies.push(certificate_study::layer(&certificate_study::LayerInput {
+                gates: &gates,
+                bundle: args.quant,
+                hidden: h,
+                skip,
+                x: &inputs.x,
+                rows: &inputs.eval,
+                mask: &built.masks,
+                perm: &identity,
+                cluster_size,
+                bundle_bytes,
+                written: Some(sketch_q),
+            })?);
+        }
         sketch.layers.push(sketch_layer);
         ffn.layers.push(FfnLayer {
             qtype: args.quant,
@@ -293,6 +320,9 @@ pub fn run(args: SynthArgs) -> Result<()> {
         Some(path) => Some(crate::gguf_export::export(&args.output, path, !args.json)?),
         None => None,
     };
+    let study = args
+        .certificate_study
+        .then(|| certificate_study::summarise(&studies, args.quant));
     let summary = serde_json::json!({
         "output": args.output,
         "gguf": gguf,
@@ -303,6 +333,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         "seconds": started.elapsed().as_secs_f64(),
         "peak_rss_bytes": leanstream::memory::peak_rss_bytes(),
         "comparison": crate::inspect::comparison(&meta),
+        "certificate_study": study,
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -317,6 +348,9 @@ pub fn run(args: SynthArgs) -> Result<()> {
             summary["peak_rss_bytes"].as_f64().unwrap_or(0.0) / (1u64 << 20) as f64
         );
         crate::inspect::print_comparison(&summary["comparison"]);
+        if let Some(study) = &study {
+            certificate_study::print(study);
+        }
         if let Some(done) = &gguf {
             crate::gguf_export::print(done);
         }
