@@ -409,7 +409,8 @@ impl FfnBackend for ExpertStream {
     fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()> {
         let next = l + 1;
         let decoding = residual.len() == self.work.xn.len();
-        if decoding && matches!(self.layers.get(next), Some(LayerFfn::Mixture(_))) {
+        let mixture_next = matches!(self.layers.get(next), Some(LayerFfn::Mixture(_)));
+        if decoding && mixture_next && self.speculative > 0 {
             self.speculate(next, residual)?;
         }
         Ok(())
