@@ -237,16 +237,15 @@ pub(crate) fn convert(
         chat_template: source.chat_template.clone(),
         synthetic: None,
     };
-    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
-    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
-    add_tokenizer(&mut writer, &source.tokenizer_json)?;
-    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
-    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
-    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
-    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
-    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
-    writer.add_section(SectionKind::ExpertIndex, &experts.encode(), false)?;
-    writer.finish()?;
+    finish_mixture(
+        writer,
+        &meta,
+        &source.tokenizer_json,
+        &dense,
+        &ffn,
+        (predictors, sketch, refine),
+        &experts,
+    )?;
     phases.finish = t.elapsed().as_secs_f64();
     Ok(Summary {
         file_bytes: std::fs::metadata(&opts.output)?.len(),
@@ -468,6 +467,30 @@ pub(crate) fn unmeasured(routing: Option<Routing>) -> LayerMeta {
         certificate_saves: None,
         routing,
     }
+}
+
+/// Writes a mixture's META, tokenizer and index sections after its data sections, and finishes
+/// the file.
+pub(crate) fn finish_mixture(
+    mut writer: ContainerWriter,
+    meta: &Meta,
+    tokenizer_json: &[u8],
+    dense: &leanstream_format::dense::DenseIndex,
+    ffn: &FfnIndex,
+    (predictors, sketch, refine): (Predictors, Sketch, Refine),
+    experts: &ExpertIndex,
+) -> Result<()> {
+    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
+    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(meta)?, false)?;
+    add_tokenizer(&mut writer, tokenizer_json)?;
+    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
+    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
+    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
+    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
+    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
+    writer.add_section(SectionKind::ExpertIndex, &experts.encode(), false)?;
+    writer.finish()?;
+    Ok(())
 }
 
 /// Empty predictors, sketch and refine statistics for every layer (FORMAT.md §6.5: a mixture's

@@ -33,9 +33,9 @@ use super::dense::{rng_for, uniform, Layout};
 use super::plant::solve_increasing;
 use super::{kept_for_inputs, layer0_inputs, tensor_bytes, write_tensor, SynthArgs};
 use crate::calib::Calibration;
-use crate::convert::{add_tokenizer, bar, check_block_shapes};
+use crate::convert::{bar, check_block_shapes};
 use crate::convert_moe::{
-    co_selection, empty_side_data, encode_bundles, unmeasured, write_extents,
+    co_selection, empty_side_data, encode_bundles, finish_mixture, unmeasured, write_extents,
 };
 use crate::tensors::dense_specs;
 
@@ -263,16 +263,15 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
             source_layers: src.meta.layers.clone(),
         }),
     };
-    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
-    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
-    add_tokenizer(&mut writer, &src.tokenizer_json)?;
-    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
-    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
-    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
-    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
-    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
-    writer.add_section(SectionKind::ExpertIndex, &experts.encode(), false)?;
-    writer.finish()?;
+    finish_mixture(
+        writer,
+        &meta,
+        &src.tokenizer_json,
+        &dense,
+        &ffn,
+        (predictors, sketch, refine),
+        &experts,
+    )?;
 
     let gguf = match &args.gguf {
         Some(path) => Some(crate::gguf_export::export(&args.output, path, !args.json)?),
