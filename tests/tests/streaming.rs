@@ -308,6 +308,20 @@ fn a_q4_file_streams_exactly_with_its_own_gates_as_certificate_and_a_too_tight_o
         runs[0].3 > 0,
         "the planner keeps the certificate at the minimum"
     );
+    // The certificate is optional: the stated floor keeps none, and a run there (where the
+    // certificate does not fit beside every dense weight) reads every uncached cluster instead.
+    let floor = leanstream::streaming::streaming_minimum_memory(&file, 128).unwrap();
+    let mut s = session(&file, PolicyChoice::Leanstream, Some(floor));
+    let at_floor = perplexity(s.model(), &ids, 64, false).unwrap().perplexity;
+    let certified = s.report()["memory_split"]["certified_layers"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(certified, 0, "at the floor the certificate gives way");
+    assert_eq!(
+        at_floor, resident,
+        "at the floor: exact differs from resident"
+    );
     let bad = scratch().join("austen-q4-tight.lsb");
     leanstream_tests::converted::negate_certificate_rows(&file, &bad);
     let tight = ppl(&bad, PolicyChoice::Leanstream, Some(runs[0].0), &ids);
