@@ -48,6 +48,11 @@ impl BundleLayout {
 const DOWN_BATCH: usize = 8;
 /// Bundles whose gates [`ffn_bundles`] computes before adding their active neurons' down columns.
 const GATE_BATCH: usize = 64;
+/// How many bundles ahead [`gate_pass`] asks for the gate and up rows it will need: one bundle
+/// ahead left most of their cache misses exposed (the first of them stalled on the prefetch
+/// itself); SmolLM2 q4 `resident`, AVX-512, CPU time per decoded token: 12.3 ms one ahead
+/// (gate row only), 8.8 ms three ahead (gate and up rows), 8.9 ms four ahead.
+const PREFETCH_AHEAD: usize = 3;
 
 /// The FFN over a set of neurons: for each bundle `i`, `g = gate·x`, `a = act(g)`; the rule's
 /// score (`|a|`, or `|a·(up·x)|`) is written to `scores[i]`, and if it exceeds the threshold,
@@ -142,8 +147,8 @@ pub fn gate_pass<'b>(
             continue;
         }
         let b = bundle(i);
-        if i + 1 < n {
-            prefetch(&bundle(i + 1)[..rb]);
+        if i + PREFETCH_AHEAD < n {
+            prefetch(&bundle(i + PREFETCH_AHEAD)[..2 * rb]);
         }
         let a = skip.act.apply(k.dot(q, &b[..rb], x));
         let c = match skip.gate_score(a) {
@@ -179,7 +184,16 @@ pub fn down_pass<'b>(
 ) {
     let (q, rb) = (layout.qtype, layout.row_bytes);
     let mut rows: [&[u8]; DOWN_BATCH] = [&[]; DOWN_BATCH];
-    for (idx, c) in active.chunks(DOWN_BATCH).zip(coef.chunks(DOWN_BATCH)) {
+    for (j, (idx, c)) in active
+        .chunks(DOWN_BATCH)
+        .zip(coef.chunks(DOWN_BATCH))
+        .enumerate()
+    {
+        // The next batch's down columns, while this one is added.
+        let next = &active[((j + 1) * DOWN_BATCH).min(active.len())..];
+        for &i in next.iter().take(DOWN_BATCH) {
+            prefetch(&bundle(i as usize)[2 * rb..]);
+        }
         for (r, &i) in rows.iter_mut().zip(idx) {
             *r = &bundle(i as usize)[2 * rb..];
         }
@@ -187,8 +201,9 @@ pub fn down_pass<'b>(
     }
 }
 
-/// Asks for `bytes` to be brought into cache: bundles lie apart, so the hardware prefetcher, which
-/// follows sequential reads, misses the start of every gate row.
+/// Asks for `bytes` to be brought into cache: the rows a pass reads are not contiguous (the gate
+/// pass skips every down column, the down pass every inactive neuron), and the hardware
+/// prefetcher, which follows sequential reads, misses the start of each.
 #[inline(always)]
 fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
