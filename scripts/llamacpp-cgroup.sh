@@ -9,7 +9,8 @@
 # `leanstream-prep convert MODEL CONVERT_ARGS` writes (default: --quant q4 --sparsity
 # threshold:0.3, the least lossy sparsity measured on SmolLM2), or LSB=FILE when set (a file already
 # converted from MODEL). PCTS lists the limits in % of llama.cpp's own peak (default: 100 down to
-# 30). Needs a writable cgroup v1 memory controller (as the test suite's memory_cgroup test does);
+# 30); LIMITS lists them in bytes instead (IEC suffixes: LIMITS="2G 4G"), as for the synthetic 7B
+# (`leanstream-prep synth ... --gguf MODEL.gguf`, then LSB= the synthetic file). Needs a writable cgroup v1 memory controller (as the test suite's memory_cgroup test does);
 # installs llama-cpp-python if missing.
 set -euo pipefail
 
@@ -84,17 +85,25 @@ minimum="$( ("$leanstream" run --model "$lsb" -p x --memory 1 --ctx 512 2>&1 || 
 echo "$(basename "$model"): llama.cpp unconstrained peak $((peak >> 20)) MiB (process and page cache);"
 echo "leanstream's minimum at ctx 512: $minimum; $tokens tokens greedy, $threads thread(s), cold page cache"
 printf '%-7s %10s %16s %16s %8s\n' limit MiB "llama.cpp tok/s" "leanstream tok/s" ratio
-for pct in ${PCTS:-100 90 80 70 60 50 40 30}; do
-    limit=$((peak * pct / 100))
+# "LABEL BYTES" per limit.
+limits=()
+if [[ -n "${LIMITS:-}" ]]; then
+    for l in $LIMITS; do limits+=("$l $(numfmt --from=iec "$l")"); done
+else
+    for pct in ${PCTS:-100 90 80 70 60 50 40 30}; do limits+=("$pct% $((peak * pct / 100))"); done
+fi
+for entry in "${limits[@]}"; do
+    read -r label limit <<< "$entry"
     cold "$model"
     g="$(new_group "$limit")"
     groups+=("$g")
     theirs="$(in_group "$g" llamacpp_rate "$model" "$prompt" "$tokens" "$threads" 2>/dev/null || echo killed)"
+    cold "$lsb"
     g="$(new_group "$limit")"
     groups+=("$g")
     # The budget is a cap on peak RSS (measured at 86-95 % of it at the minimum), and O_DIRECT
     # reads leave no page cache to charge: leanstream gets the limit itself as its budget.
     ours="$(in_group "$g" leanstream_rate "$limit" || echo "fails: $(grep -o 'below the minimum of [^ ]* [A-Za-z]*' "$tmp/leanstream.err" || tail -c 60 "$tmp/leanstream.err")")"
     ratio="$(python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a) / float(b):.2f}')" "$ours" "$theirs" 2>/dev/null || echo -)"
-    printf '%-7s %10d %16s %16s %8s\n' "$pct %" $((limit >> 20)) "$theirs" "$ours" "$ratio"
+    printf '%-7s %10d %16s %16s %8s\n' "$label" $((limit >> 20)) "$theirs" "$ours" "$ratio"
 done

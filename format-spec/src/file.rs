@@ -286,6 +286,24 @@ impl LsbFile {
         Ok(bytes)
     }
 
+    /// Reads cluster `cluster` of layer `layer` (checked against its checksum): its bundles, one
+    /// after the other, then the extent's padding.
+    pub fn read_cluster(
+        &self,
+        file: &mut File,
+        layer: usize,
+        cluster: usize,
+    ) -> Result<Vec<u8>, FormatError> {
+        let (offset, size) = self.cluster_extent(layer, cluster);
+        let bytes = read_at(file, &self.path, offset, size)?;
+        check_extent(
+            &bytes,
+            self.ffn.layers[layer].clusters[cluster].checksum,
+            || format!("{}: layer {layer} cluster {cluster}", self.path.display()),
+        )?;
+        Ok(bytes)
+    }
+
     /// Reads layer `l`'s certificate, checked against what opening the file checksummed.
     pub fn read_sketch_layer(&self, l: usize) -> Result<SketchLayer, FormatError> {
         let mut file = File::open(&self.path).map_err(|e| FormatError::io(&self.path, e))?;

@@ -1,23 +1,33 @@
-//! Whether the converter writes a certificate (the SKETCH section's gate rows, FORMAT.md §8), and
-//! what one is worth: the fraction of a layer's cluster reads it avoids when nothing is cached,
-//! recorded per layer in META (`certificate_saves`) so the runtime's planner keeps it resident only
-//! where it saves more reads than its bytes would buy as neuron cache.
+//! Whether the converter writes a certificate (the SKETCH section's gate rows, FORMAT.md §8), in
+//! which encoding, and what one is worth: the fraction of a layer's cluster reads it avoids when
+//! nothing is cached, recorded per layer in META (`certificate_saves`) so the runtime's planner
+//! keeps it resident only where it saves more reads than its bytes would buy as neuron cache.
+//!
+//! `auto` judges each layer's certificate in bytes: of the sketch encodings that can prove the
+//! rule (the bundle's own encoding, which is the exact gates; Q8_0; Q4_0), it writes the one whose
+//! saved reads minus its bytes are largest with a quarter of the FFN cached, and none where even
+//! with nothing cached it saves fewer bytes per token than it holds.
 
 use anyhow::{bail, Result};
 use leanstream::certify::SkipSet;
 use leanstream::skip_rule::{Skip, SkipRule};
-use leanstream_format::quant::dequantize_row;
+use leanstream_format::quant::{dequantize_row, quantize_row, QuantType};
 use leanstream_format::sketch::SketchLayer;
 
 /// Rows of the held-out profile the saving is measured on.
 const SAVES_ROWS: usize = 256;
+/// The neuron cache's share of the FFN at which `auto` ranks encodings (the "+25 % of the FFN"
+/// budget the issue judges at); the runtime's planner decides again at its own share.
+const RANK_CACHE_SHARE: f64 = 0.25;
 
 /// `--certificate`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CertificateChoice {
-    /// A Q8_0 gate sketch where the rule is one it can prove (`gate`), none under `gate_up`.
+    /// Per layer, the encoding that earns most (see the module header), or none; none under
+    /// `gate_up`.
     Auto,
     Q8,
+    Q4,
     None,
 }
 
@@ -26,8 +36,33 @@ impl CertificateChoice {
         match s {
             "auto" => Ok(Self::Auto),
             "q8" => Ok(Self::Q8),
+            "q4" => Ok(Self::Q4),
             "none" => Ok(Self::None),
-            _ => bail!("--certificate must be auto, q8 or none, got {s:?}"),
+            _ => bail!("--certificate must be auto, q8, q4 or none, got {s:?}"),
+        }
+    }
+
+    /// The sketch encodings to weigh for bundles encoded as `bundle` (one for an explicit choice,
+    /// which is written whatever it saves).
+    pub fn encodings(self, bundle: QuantType) -> Vec<QuantType> {
+        match self {
+            Self::None => Vec::new(),
+            Self::Q8 => vec![QuantType::Q8_0],
+            Self::Q4 => vec![QuantType::Q4_0],
+            Self::Auto => {
+                // The bundle's own block encoding is the exact gates (no error); a float one
+                // would cost more than the bundles' gate rows, so it is not a candidate.
+                let mut v = Vec::new();
+                if matches!(bundle, QuantType::Q4_0 | QuantType::Q4_1) {
+                    v.push(bundle);
+                }
+                for q in [QuantType::Q8_0, QuantType::Q4_0] {
+                    if !v.contains(&q) {
+                        v.push(q);
+                    }
+                }
+                v
+            }
         }
     }
 
@@ -36,14 +71,84 @@ impl CertificateChoice {
         match (self, rule) {
             (Self::None, _) => Ok(false),
             (Self::Auto, r) => Ok(r == SkipRule::Gate),
-            (Self::Q8, SkipRule::Gate) => Ok(true),
-            (Self::Q8, SkipRule::GateUp) => bail!(
-                "--certificate q8 cannot prove the gate_up rule of --sparsity target:F (a neuron's \
+            (Self::Q8 | Self::Q4, SkipRule::Gate) => Ok(true),
+            (Self::Q8 | Self::Q4, SkipRule::GateUp) => bail!(
+                "--certificate q8/q4 cannot prove the gate_up rule of --sparsity target:F (a neuron's \
                  |act(g)·u| needs u, which a gate sketch does not bound): use --certificate none, \
                  or --sparsity threshold:F"
             ),
         }
     }
+}
+
+/// One layer's certificate as the converter writes it: of `encodings`, the sketch of the bundle
+/// gate rows `gates` (stored order, each `h` values encoded as `bundle`) that earns most against its bytes
+/// with a quarter of the layer's `ffn_bytes` cached, and what it saves (`certificate_saves`). With
+/// several encodings (`auto`) a layer whose best saves fewer bytes than it holds even with nothing
+/// cached gets no certificate (no rows, saves `None`); a single encoding is written as asked.
+#[allow(clippy::too_many_arguments)]
+pub fn build(
+    gates: &[Vec<u8>],
+    bundle: QuantType,
+    h: usize,
+    encodings: &[QuantType],
+    skip: Skip,
+    x: &[f32],
+    rows: &[usize],
+    cluster_size: usize,
+    ffn_bytes: u64,
+) -> Result<(SketchLayer, Option<f32>)> {
+    let empty = |qtype| SketchLayer {
+        qtype,
+        hidden: h as u32,
+        rows: Vec::new(),
+        err_norm: Vec::new(),
+    };
+    let mut best: Option<(f64, SketchLayer, f32)> = None;
+    for &q in encodings {
+        let mut layer = empty(q);
+        for g in gates {
+            add_sketch_row(&mut layer, q, bundle, g, h)?;
+        }
+        let s = saves(&layer, skip, x, rows, cluster_size)?;
+        let bytes = (layer.rows.len() + 8 * layer.err_norm.len()) as f64;
+        let value = s as f64 * ffn_bytes as f64 * (1.0 - RANK_CACHE_SHARE) - bytes;
+        let earns = s as f64 * ffn_bytes as f64 > bytes;
+        if (encodings.len() == 1 || earns) && best.as_ref().is_none_or(|b| value > b.0) {
+            best = Some((value, layer, s));
+        }
+    }
+    Ok(match best {
+        Some((_, layer, s)) => (layer, Some(s)),
+        None => (empty(QuantType::Q8_0), None),
+    })
+}
+
+/// Appends the sketch of one bundle gate row: its `sketch_q` copy and the error norm against the
+/// row as the bundle (`bundle_q`) stores it.
+pub(crate) fn add_sketch_row(
+    s: &mut SketchLayer,
+    sketch_q: QuantType,
+    bundle_q: QuantType,
+    gate_bytes: &[u8],
+    h: usize,
+) -> Result<()> {
+    let mut exact = vec![0.0f32; h];
+    dequantize_row(bundle_q, gate_bytes, &mut exact)?;
+    let sk = quantize_row(sketch_q, &exact)?;
+    let mut approx = vec![0.0f32; h];
+    dequantize_row(sketch_q, &sk, &mut approx)?;
+    let err = exact
+        .iter()
+        .zip(&approx)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    s.rows.extend(sk);
+    // Round up so the bound stays a bound after the f32 conversion.
+    s.err_norm
+        .push((err * (1.0 + 1e-6)) as f32 + f32::MIN_POSITIVE);
+    Ok(())
 }
 
 /// Mean fraction, over held-out `rows` of the FFN input `x` (`rows × hidden`), of the layer's
@@ -90,7 +195,6 @@ pub fn saves(
 mod tests {
     use super::*;
     use leanstream::config::Activation;
-    use leanstream_format::quant::{quantize_row, QuantType};
 
     #[test]
     fn choices_follow_the_rule() {
@@ -100,7 +204,61 @@ mod tests {
         assert!(!c("none").wanted(SkipRule::Gate).unwrap());
         assert!(c("q8").wanted(SkipRule::Gate).unwrap());
         assert!(c("q8").wanted(SkipRule::GateUp).is_err());
+        assert!(c("q4").wanted(SkipRule::Gate).unwrap());
+        assert!(c("q4").wanted(SkipRule::GateUp).is_err());
         assert!(CertificateChoice::parse("q2").is_err());
+        use QuantType::*;
+        assert_eq!(c("auto").encodings(Q8_0), vec![Q8_0, Q4_0]);
+        assert_eq!(c("auto").encodings(Q4_0), vec![Q4_0, Q8_0]);
+        assert_eq!(c("auto").encodings(Q4_1), vec![Q4_1, Q8_0, Q4_0]);
+        assert_eq!(c("auto").encodings(F32), vec![Q8_0, Q4_0]);
+        assert_eq!(c("q4").encodings(Q8_0), vec![Q4_0]);
+        assert!(c("none").encodings(Q8_0).is_empty());
+    }
+
+    /// Two clusters of two neurons, cluster 0 silent: both encodings prove it, so `auto` takes the
+    /// cheaper Q4_0 when the reads are worth its bytes and nothing when they are not; an explicit
+    /// encoding is written either way.
+    #[test]
+    fn auto_writes_the_encoding_that_earns_most_or_none() {
+        let h = 32;
+        let x = vec![1.0f32; h];
+        let gates: Vec<Vec<u8>> = [-1.0f32, -0.5, 1.0, 0.5]
+            .iter()
+            .map(|&s| {
+                let row: Vec<f32> = (0..h).map(|j| s * (1.0 + (j % 3) as f32 * 0.1)).collect();
+                quantize_row(QuantType::Q8_0, &row).unwrap()
+            })
+            .collect();
+        let skip = Skip {
+            act: Activation::Relu,
+            rule: SkipRule::Gate,
+            threshold: 0.0,
+        };
+        let both = [QuantType::Q8_0, QuantType::Q4_0];
+        let build = |encodings: &[QuantType], ffn| {
+            build(
+                &gates,
+                QuantType::Q8_0,
+                h,
+                encodings,
+                skip,
+                &x,
+                &[0],
+                2,
+                ffn,
+            )
+            .unwrap()
+        };
+        let (layer, saves) = build(&both, 1 << 20);
+        assert_eq!((layer.qtype, saves), (QuantType::Q4_0, Some(0.5)));
+        assert_eq!(layer.err_norm.len(), 4);
+        // 4 rows × (18 + 8) bytes = 104: saving half of 200 bytes a token does not earn them.
+        let (layer, saves) = build(&both, 200);
+        assert!(layer.err_norm.is_empty() && layer.rows.is_empty());
+        assert_eq!(saves, None);
+        let (layer, saves) = build(&[QuantType::Q8_0], 200);
+        assert_eq!((layer.qtype, saves), (QuantType::Q8_0, Some(0.5)));
     }
 
     #[test]

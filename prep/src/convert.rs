@@ -16,14 +16,15 @@ use leanstream_format::dense::{DenseIndex, DenseTensor};
 use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
 use leanstream_format::meta::{LayerMeta, Meta};
 use leanstream_format::predictor::{Predictor, PredictorInput, Predictors};
-use leanstream_format::quant::{dequantize_row, quantize_row, row_bytes, QuantType};
+use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
 use leanstream_format::refine::{Refine, RefineLayer};
-use leanstream_format::sketch::{Sketch, SketchLayer};
+use leanstream_format::sketch::Sketch;
 use serde::Serialize;
 
 use crate::activity;
 use crate::calib::Calibration;
 use crate::certificate::{self, CertificateChoice};
+use crate::certificate_study;
 use crate::placement::{cluster_fill, place};
 use crate::profile::{Profiler, StreamRule};
 use crate::source::Source;
@@ -37,8 +38,6 @@ use crate::train::{
     top_k_quality, train, AtThreshold, TrainConfig, Trained,
 };
 
-/// The gate sketch's encoding: 4-bit, a sixth of an f32 gate row's size.
-const SKETCH_QUANT: QuantType = QuantType::Q8_0;
 /// Partners per cluster kept in the refine statistics.
 const NEIGHBOURS: usize = 8;
 /// Predicted-active budget, as a multiple of the true active fraction, at which recall is judged
@@ -59,6 +58,9 @@ pub struct ConvertOptions {
     pub quant: QuantType,
     pub sparsity: String,
     pub certificate: CertificateChoice,
+    /// Measure every candidate certificate design on the held-out profile
+    /// ([`crate::certificate_study`]); the file does not change.
+    pub certificate_study: bool,
     pub calib: Option<PathBuf>,
     pub calib_tokens: usize,
     pub predictor_rank: Option<usize>,
@@ -92,6 +94,10 @@ pub struct Summary {
     pub predicted: Vec<PredictedLayer>,
     /// What `--sparsity auto` chose and measured.
     pub sparsity_auto: Option<AutoChoice>,
+    /// Each layer's certificate encoding (`none` where it has none).
+    pub certificates: Vec<String>,
+    /// `--certificate-study`: every candidate design's bytes and reads.
+    pub certificate_study: Option<certificate_study::Study>,
     pub seconds: Phases,
     pub peak_rss_bytes: Option<u64>,
 }
@@ -143,6 +149,11 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let mut mode = SparsityMode::parse(&opts.sparsity, config.activation)?;
     let rule = mode.rule();
     let with_certificate = opts.certificate.wanted(rule)?;
+    let encodings = if with_certificate {
+        opts.certificate.encodings(opts.quant)
+    } else {
+        Vec::new()
+    };
     check_block_shapes(&config, opts.quant)?;
     let calib = Calibration::new(tokenizer, opts.calib.as_deref(), opts.calib_tokens)?;
     phases.load = t.elapsed().as_secs_f64();
@@ -197,6 +208,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let mut layer_meta = Vec::new();
     let mut predicted = Vec::new();
     let mut cluster_neurons = Vec::new();
+    let (mut studies, mut certificates) = (Vec::new(), Vec::new());
     let mut prev_residual: Option<Vec<f32>> = None;
     writer.begin_section(SectionKind::FfnData);
     let (h, n) = (config.hidden_size, config.intermediate_size);
@@ -320,12 +332,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
 
         bar.set_message(format!("layer {l}: bundles"));
         let t = Instant::now();
-        let mut sketch_layer = SketchLayer {
-            qtype: SKETCH_QUANT,
-            hidden: h as u32,
-            rows: Vec::new(),
-            err_norm: Vec::new(),
-        };
+        let mut gate_rows = Vec::new();
         let mut clusters = Vec::new();
         for (ci, chunk) in perm.chunks(cluster_size).enumerate() {
             let mut extent = Vec::with_capacity(chunk.len() * bundle_bytes);
@@ -333,10 +340,10 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
                 let i = i as usize;
                 let column: Vec<f32> = (0..h).map(|r| down[r * n + i]).collect();
                 let g = quantize_row(opts.quant, &gate[i * h..(i + 1) * h])?;
-                if with_certificate {
-                    add_sketch_row(&mut sketch_layer, SKETCH_QUANT, opts.quant, &g, h)?;
+                extent.extend_from_slice(&g);
+                if with_certificate || opts.certificate_study {
+                    gate_rows.push(g);
                 }
-                extent.extend(g);
                 extent.extend(quantize_row(opts.quant, &up[i * h..(i + 1) * h])?);
                 extent.extend(quantize_row(opts.quant, &column)?);
             }
@@ -350,17 +357,37 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
                 checksum,
             });
         }
-        let certificate_saves = if with_certificate {
-            Some(certificate::saves(
-                &sketch_layer,
+        let (sketch_layer, certificate_saves) = certificate::build(
+            &gate_rows,
+            opts.quant,
+            h,
+            &encodings,
+            skip,
+            &prof.ffn_input,
+            &eval_rows,
+            cluster_size,
+            (n * bundle_bytes) as u64,
+        )?;
+        if opts.certificate_study {
+            studies.push(certificate_study::layer(&certificate_study::LayerInput {
+                gates: &gate_rows,
+                bundle: opts.quant,
+                hidden: h,
                 skip,
-                &prof.ffn_input,
-                &eval_rows,
+                x: &prof.ffn_input,
+                rows: &eval_rows,
+                mask: &mask,
+                perm: &perm,
                 cluster_size,
-            )?)
+                bundle_bytes,
+                written: (!sketch_layer.err_norm.is_empty()).then_some(sketch_layer.qtype),
+            })?);
+        }
+        certificates.push(if sketch_layer.err_norm.is_empty() {
+            "none".to_string()
         } else {
-            None
-        };
+            sketch_layer.qtype.name().to_string()
+        });
         sketch.layers.push(sketch_layer);
         refine.layers.push(refine_stats(
             &mask,
@@ -454,6 +481,10 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         predicted_quality: Some(predicted_quality),
         predicted,
         sparsity_auto: auto,
+        certificates,
+        certificate_study: opts
+            .certificate_study
+            .then(|| certificate_study::summarise(&studies, opts.quant)),
         seconds: phases,
         peak_rss_bytes: leanstream::memory::peak_rss_bytes(),
     })
@@ -657,33 +688,6 @@ pub(crate) fn write_dense(
     }
     writer.end_section();
     Ok(index)
-}
-
-/// Appends the sketch of one bundle gate row: its low-bit copy and the error norm against the
-/// row as the bundle stores it.
-pub(crate) fn add_sketch_row(
-    s: &mut SketchLayer,
-    sketch_q: QuantType,
-    bundle_q: QuantType,
-    gate_bytes: &[u8],
-    h: usize,
-) -> Result<()> {
-    let mut exact = vec![0.0f32; h];
-    dequantize_row(bundle_q, gate_bytes, &mut exact)?;
-    let sk = quantize_row(sketch_q, &exact)?;
-    let mut approx = vec![0.0f32; h];
-    dequantize_row(sketch_q, &sk, &mut approx)?;
-    let err = exact
-        .iter()
-        .zip(&approx)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    s.rows.extend(sk);
-    // Round up so the bound stays a bound after the f32 conversion.
-    s.err_norm
-        .push((err * (1.0 + 1e-6)) as f32 + f32::MIN_POSITIVE);
-    Ok(())
 }
 
 /// Cluster and neuron statistics in stored order.

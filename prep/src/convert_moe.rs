@@ -296,6 +296,8 @@ pub(crate) fn convert(
         predicted_quality: None,
         predicted: Vec::new(),
         sparsity_auto: None,
+        certificates: Vec::new(),
+        certificate_study: None,
         seconds: phases,
         peak_rss_bytes: leanstream::memory::peak_rss_bytes(),
     })

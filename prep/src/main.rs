@@ -4,8 +4,10 @@
 mod activity;
 mod calib;
 mod certificate;
+mod certificate_study;
 mod convert;
 mod convert_moe;
+mod gguf_export;
 mod hub;
 mod inspect;
 mod pack;
@@ -69,10 +71,16 @@ enum Command {
         /// is within 2 % of the dense model's (it says which).
         #[arg(long, default_value = "auto")]
         sparsity: String,
-        /// The certificate exact mode skips unread neurons with: auto (a Q8_0 gate sketch where the
-        /// skip rule is one it can prove, i.e. not target:F), q8, or none.
+        /// The certificate exact mode skips unread neurons with: auto (per layer, the gate sketch
+        /// encoding — the bundles' own, q8 or q4 — that saves most reads for its bytes, or none
+        /// where none earns them; none for target:F, whose rule a gate sketch cannot prove), q8,
+        /// q4, or none.
         #[arg(long, default_value = "auto")]
         certificate: String,
+        /// Also measure every candidate certificate design (bytes, reads per token) on the
+        /// held-out calibration rows and report it (`certificate_study` in --json).
+        #[arg(long)]
+        certificate_study: bool,
         /// Calibration text (default: the public-domain text shipped with LeanStream).
         #[arg(long)]
         calib: Option<PathBuf>,
@@ -107,6 +115,8 @@ enum Command {
     Push(push::PushArgs),
     /// Write a full-size file of a published shape with a source file's activity planted.
     Synth(synth::SynthArgs),
+    /// Write a converted file's weights as a GGUF file for llama.cpp (the same weights, to compare).
+    Gguf(gguf_export::GgufArgs),
 }
 
 fn main() -> ExitCode {
@@ -130,6 +140,7 @@ fn run(command: Command) -> Result<()> {
             quant,
             sparsity,
             certificate,
+            certificate_study,
             calib,
             calib_tokens,
             predictor_rank,
@@ -145,6 +156,7 @@ fn run(command: Command) -> Result<()> {
                 quant,
                 sparsity,
                 certificate: CertificateChoice::parse(&certificate)?,
+                certificate_study,
                 calib,
                 calib_tokens: calib_tokens as usize,
                 predictor_rank: predictor_rank.map(|r| r as usize),
@@ -172,6 +184,7 @@ fn run(command: Command) -> Result<()> {
         Command::Pack(args) => pack::run(args)?,
         Command::Push(args) => push::run(args)?,
         Command::Synth(args) => synth::run(args)?,
+        Command::Gguf(args) => gguf_export::run(args)?,
     }
     Ok(())
 }
@@ -227,6 +240,32 @@ fn print_summary(s: &convert::Summary) {
     );
     }
     inspect::print_routing(&serde_json::to_value(&s.layers).unwrap_or_default());
+    if !s.certificates.is_empty() {
+        println!("certificate per layer: {}", s.certificates.join(" "));
+    }
+    if let Some(study) = &s.certificate_study {
+        println!(
+            "certificate designs (held-out rows; FFN {:.2} MiB; read = FFN MiB per token):",
+            mib(study.ffn_bytes)
+        );
+        println!("  resident MiB  share  saves  read (none cached)  read at +25 %  design");
+        for d in &study.designs {
+            let at = d
+                .read_per_token_at_25
+                .map_or("does not fit".to_string(), |r| {
+                    format!("{:.3}", r / (1 << 20) as f64)
+                });
+            println!(
+                "  {:>12.3}  {:>5.3}  {:>5.3}  {:>18.3}  {:>13}  {}",
+                mib(d.resident_bytes),
+                d.share_of_ffn,
+                d.saves,
+                d.read_per_token / (1 << 20) as f64,
+                at,
+                d.design
+            );
+        }
+    }
     let p = &s.seconds;
     println!(
         "time: load {:.1}s, dense {:.1}s, profile {:.1}s, place {:.1}s, train {:.1}s, bundles {:.1}s, finish {:.1}s; peak RSS {:.0} MiB",

@@ -557,14 +557,29 @@ fn dense_gguf_name(hf_name: &str) -> Option<String> {
 /// Hugging Face row `j * head_dim/2 + i`). This puts `data` (rows of `row_bytes`, in any block
 /// encoding, since blocks never span rows) back into Hugging Face order.
 pub fn unpermute_rope_rows(data: &[u8], heads: usize, row_bytes: usize) -> Vec<u8> {
+    move_rope_rows(data, heads, row_bytes, |gguf, hf| (gguf, hf))
+}
+
+/// The converter's reordering itself (Hugging Face order in, llama.cpp's out): what a GGUF writer
+/// applies to `llama` query/key rows; [`unpermute_rope_rows`] undoes it.
+pub fn permute_rope_rows(data: &[u8], heads: usize, row_bytes: usize) -> Vec<u8> {
+    move_rope_rows(data, heads, row_bytes, |gguf, hf| (hf, gguf))
+}
+
+/// Copies each row of `data` to its place: `src_dst(gguf_row, hf_row)` gives (source, destination).
+fn move_rope_rows(
+    data: &[u8],
+    heads: usize,
+    row_bytes: usize,
+    src_dst: impl Fn(usize, usize) -> (usize, usize),
+) -> Vec<u8> {
     let head_dim = data.len() / row_bytes / heads;
     let half = head_dim / 2;
     let mut out = vec![0u8; data.len()];
     for h in 0..heads {
         for i in 0..half {
             for j in 0..2 {
-                let src = h * head_dim + 2 * i + j;
-                let dst = h * head_dim + j * half + i;
+                let (src, dst) = src_dst(h * head_dim + 2 * i + j, h * head_dim + j * half + i);
                 out[dst * row_bytes..(dst + 1) * row_bytes]
                     .copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
             }
@@ -646,19 +661,20 @@ mod tests {
 
     #[test]
     fn unpermute_inverts_the_converters_permutation() {
-        // Two heads of head_dim 4, one byte per row: Hugging Face rows 0..8.
-        let (heads, head_dim) = (2, 4);
+        // Two heads of head_dim 4, one byte per row: Hugging Face rows 0..8. The converter views
+        // rows as (head, half, i) and swaps the last two axes.
+        let heads = 2;
         let hf: Vec<u8> = (0..8).collect();
-        // The converter's permute: view rows as (head, half, i) and swap the last two axes.
-        let mut gguf = vec![0u8; 8];
-        for h in 0..heads {
-            for j in 0..2 {
-                for i in 0..head_dim / 2 {
-                    gguf[h * head_dim + 2 * i + j] = hf[h * head_dim + j * head_dim / 2 + i];
-                }
-            }
-        }
+        let gguf = permute_rope_rows(&hf, heads, 1);
         assert_eq!(gguf, [0, 2, 1, 3, 4, 6, 5, 7]);
         assert_eq!(unpermute_rope_rows(&gguf, heads, 1), hf);
+        // Rows of several bytes move whole.
+        let wide: Vec<u8> = (0..16).collect();
+        let moved = permute_rope_rows(&wide, 1, 4);
+        assert_eq!(
+            moved,
+            [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+        );
+        assert_eq!(unpermute_rope_rows(&moved, 1, 4), wide);
     }
 }

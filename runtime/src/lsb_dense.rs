@@ -21,12 +21,45 @@ use crate::model::{expert_tensor_names, router_tensor_name, Model};
 /// One FFN's f32 gate, up (`n × h`) and down (`h × n`) matrices.
 type FfnMatrices = [Vec<f32>; 3];
 
+/// The file's tensors decoded to f32 under their Hugging Face names, with their shapes.
+pub type Tensors = HashMap<String, (Vec<usize>, Vec<f32>)>;
+
 /// Builds the dense model from an open file.
 pub fn load(file: &LsbFile) -> Result<Model> {
-    let config = file.meta.model.clone();
+    let tensors = RefCell::new(tensors(file, true)?);
+    Model::from_hf_tensors(file.meta.model.clone(), |name, shape| {
+        take(&tensors, file, name, shape)
+    })
+}
+
+/// Removes tensor `name` of the expected `shape` from `tensors` (decoded from `file`).
+pub fn take(
+    tensors: &RefCell<Tensors>,
+    file: &LsbFile,
+    name: &str,
+    shape: &[usize],
+) -> Result<Vec<f32>> {
+    let path = &file.path;
+    let (stored_shape, data) = tensors
+        .borrow_mut()
+        .remove(name)
+        .with_context(|| format!("{}: tensor {name} is missing", path.display()))?;
+    if stored_shape != shape {
+        bail!(
+            "{}: tensor {name} has shape {stored_shape:?}, the config implies {shape:?}",
+            path.display()
+        );
+    }
+    Ok(data)
+}
+
+/// Every dense tensor, dense FFN and router of `file` decoded to f32 under its Hugging Face name,
+/// and every expert too when `with_experts` (an expert stream decodes them one at a time instead).
+pub fn tensors(file: &LsbFile, with_experts: bool) -> Result<Tensors> {
+    let config = &file.meta.model;
     let path = &file.path;
     let mut f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut tensors: HashMap<String, (Vec<usize>, Vec<f32>)> = HashMap::new();
+    let mut tensors = Tensors::new();
     for t in &file.dense.tensors {
         let bytes = file.read_dense(&mut f, t)?;
         let (rows, cols) = (t.rows(), t.cols());
@@ -60,6 +93,9 @@ pub fn load(file: &LsbFile) -> Result<Model> {
         if let Some(router) = tensors.remove(&router_name(l)) {
             tensors.insert(router_tensor_name(arch, l), router);
         }
+        if !with_experts {
+            continue;
+        }
         for (e, expert) in experts.iter().enumerate() {
             let m = expert.neurons();
             let weights = decode_ffn(&mut f, file, expert, h, m, |c| {
@@ -78,20 +114,7 @@ pub fn load(file: &LsbFile) -> Result<Model> {
             }
         }
     }
-    let tensors = RefCell::new(tensors);
-    Model::from_hf_tensors(config, |name, shape| {
-        let (stored_shape, data) = tensors
-            .borrow_mut()
-            .remove(name)
-            .with_context(|| format!("{}: tensor {name} is missing", path.display()))?;
-        if stored_shape != shape {
-            bail!(
-                "{}: tensor {name} has shape {stored_shape:?}, the config implies {shape:?}",
-                path.display()
-            );
-        }
-        Ok(data)
-    })
+    Ok(tensors)
 }
 
 /// Reads every cluster of an FFN's bundles (`extent(c)` = its file extent and name), checks it
@@ -110,26 +133,47 @@ fn decode_ffn(
         vec![0.0f32; n * h],
         vec![0.0f32; h * n],
     );
-    let rb = layer.row_bytes();
     let mut column = vec![0.0f32; h];
     for (ci, c) in layer.clusters.iter().enumerate() {
         let ((offset, size), what) = extent(ci);
         let bytes = read_at(f, path, offset, size)?;
         check_extent(&bytes, c.checksum, || format!("{}: {what}", path.display()))?;
-        for k in 0..c.count as usize {
-            let orig = layer.perm[c.first as usize + k] as usize;
-            let b = &bytes[k * 3 * rb..(k + 1) * 3 * rb];
-            dequantize_row(layer.qtype, &b[..rb], &mut gate[orig * h..(orig + 1) * h])?;
-            dequantize_row(
-                layer.qtype,
-                &b[rb..2 * rb],
-                &mut up[orig * h..(orig + 1) * h],
-            )?;
-            dequantize_row(layer.qtype, &b[2 * rb..], &mut column)?;
-            for (r, v) in column.iter().enumerate() {
-                down[r * n + orig] = *v;
-            }
-        }
+        decode_cluster(
+            layer,
+            ci,
+            &bytes,
+            [&mut gate, &mut up, &mut down],
+            &mut column,
+        )?;
     }
     Ok([gate, up, down])
+}
+
+/// Decodes cluster `ci` of `layer` from its extent's `bytes` into the f32 gate, up (`n × h`) and
+/// down (`h × n`) matrices `[gate, up, down]` at its neurons' original rows (columns of down);
+/// `column` is scratch of `h`.
+pub fn decode_cluster(
+    layer: &FfnLayer,
+    ci: usize,
+    bytes: &[u8],
+    [gate, up, down]: [&mut [f32]; 3],
+    column: &mut [f32],
+) -> Result<()> {
+    let c = &layer.clusters[ci];
+    let (rb, h, n) = (layer.row_bytes(), column.len(), layer.neurons());
+    for k in 0..c.count as usize {
+        let orig = layer.perm[c.first as usize + k] as usize;
+        let b = &bytes[k * 3 * rb..(k + 1) * 3 * rb];
+        dequantize_row(layer.qtype, &b[..rb], &mut gate[orig * h..(orig + 1) * h])?;
+        dequantize_row(
+            layer.qtype,
+            &b[rb..2 * rb],
+            &mut up[orig * h..(orig + 1) * h],
+        )?;
+        dequantize_row(layer.qtype, &b[2 * rb..], column)?;
+        for (r, v) in column.iter().enumerate() {
+            down[r * n + orig] = *v;
+        }
+    }
+    Ok(())
 }

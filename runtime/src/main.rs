@@ -400,6 +400,9 @@ fn run(args: RunArgs) -> Result<()> {
             "{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s, first token after {:.0} ms",
             stats.prompt_tokens, stats.prompt_tokens_per_s, stats.generated_tokens, stats.tokens_per_s, stats.ttft_ms
         );
+        if let Some(line) = session.describe_experts() {
+            eprintln!("{line}");
+        }
     }
     Ok(())
 }

@@ -12,6 +12,7 @@ use crate::kv_cache::KvType;
 use crate::model::{LanguageModel, Model};
 use crate::source;
 use crate::storage::FlashProfile;
+use crate::streaming::experts::{ExpertModel, ExpertOptions};
 use crate::streaming::{Policy, Sparsity, StreamOptions, StreamingModel, Tuning};
 use crate::tokenizer::Tokenizer;
 
@@ -70,6 +71,8 @@ pub struct SessionOptions {
 enum Engine {
     Dense(Box<Model>),
     Streaming(Box<StreamingModel>),
+    /// A mixture of experts whose experts stream.
+    Experts(Box<ExpertModel>),
 }
 
 pub struct Session {
@@ -87,10 +90,15 @@ pub struct Session {
 impl Session {
     pub fn open(o: &SessionOptions) -> Result<Self> {
         let converted = o.model.is_file() && source::is_converted(&o.model)?;
-        // A converted mixture of experts (format 1.5) runs with every expert in memory.
+        // A converted mixture of experts (format 1.5) runs with every expert in memory, or with
+        // its experts streaming under a budget or from a flash device.
         let mixture = converted && LsbFile::has_experts(&o.model)?;
         let policy = o.policy.unwrap_or(if mixture {
-            PolicyChoice::Resident
+            if o.memory.is_some() || o.flash.is_some() {
+                PolicyChoice::Leanstream
+            } else {
+                PolicyChoice::Resident
+            }
         } else if converted {
             PolicyChoice::Leanstream
         } else {
@@ -182,18 +190,22 @@ impl Session {
         })
     }
 
-    /// A converted mixture of experts, every expert decoded into memory: `resident` and `dense`
-    /// compute the same (no sparsity is calibrated inside experts yet), exactly the model the file
-    /// was converted from at its stored precision.
+    /// A converted mixture of experts: with `leanstream`, its experts stream from flash under the
+    /// budget ([`ExpertModel`]); with `resident` or `dense`, every expert is decoded into memory
+    /// (the two compute the same: no sparsity is calibrated inside experts yet), exactly the model
+    /// the file was converted from at its stored precision.
     fn open_mixture(o: &SessionOptions, policy: PolicyChoice) -> Result<Self> {
+        if policy == PolicyChoice::Leanstream {
+            return Self::open_streamed_mixture(o);
+        }
         if !matches!(policy, PolicyChoice::Resident | PolicyChoice::Dense)
             || o.memory.is_some()
             || o.flash.is_some()
         {
             bail!(
-                "{} is a mixture of experts: it runs with every expert in memory (--policy \
-                 resident or dense) for now; streaming its experts under --memory or --flash (or \
-                 --policy {}) is not implemented yet: drop those flags",
+                "{} is a mixture of experts: its experts stream with --policy leanstream (the \
+                 default under --memory or --flash) or stay in memory with --policy resident or \
+                 dense, without --memory and --flash; --policy {} is not implemented for experts",
                 o.model.display(),
                 policy_name(policy)
             );
@@ -213,10 +225,40 @@ impl Session {
         })
     }
 
+    /// A converted mixture whose experts stream under `o.memory` from `o.flash`.
+    fn open_streamed_mixture(o: &SessionOptions) -> Result<Self> {
+        let tokenizer = Tokenizer::from_lsb(&o.model)?;
+        let file = LsbFile::open(&o.model)?;
+        let ctx = cap_ctx(o, file.meta.model.max_position_embeddings)?;
+        check_kv(o, file.meta.model.head_dim)?;
+        let opts = ExpertOptions {
+            memory: o.memory,
+            flash: o.flash.clone(),
+            ctx,
+            kv: o.kv,
+            tokenizer_bytes: tokenizer.resident_bytes(&file),
+        };
+        let eos_token_ids = file.meta.model.eos_token_ids.clone();
+        let chat_template = file.meta.chat_template.clone();
+        let mut model = ExpertModel::open(&o.model, file, &opts)?;
+        model.reset_clock();
+        Ok(Self {
+            engine: Engine::Experts(Box::new(model)),
+            model_path: o.model.clone(),
+            tokenizer,
+            eos_token_ids,
+            chat_template,
+            ctx,
+            context_note: None,
+            policy: PolicyChoice::Leanstream,
+        })
+    }
+
     pub fn model(&mut self) -> &mut dyn LanguageModel {
         match &mut self.engine {
             Engine::Dense(m) => m.as_mut(),
             Engine::Streaming(s) => s.as_mut(),
+            Engine::Experts(m) => m.as_mut(),
         }
     }
 
@@ -232,6 +274,13 @@ impl Session {
                 v["memory_split"] = serde_json::to_value(&s.split).expect("serialisable");
                 v
             }
+            Engine::Experts(m) => {
+                let mut v = serde_json::to_value(m.summary()).expect("serialisable");
+                v["policy"] = policy_name(self.policy).into();
+                v["memory_budget_bytes"] = m.budget.into();
+                v["expert_split"] = serde_json::to_value(&m.split).expect("serialisable");
+                v
+            }
         };
         v["kernels"] = crate::kernels::RowKernels::best().isa.into();
         v
@@ -239,8 +288,10 @@ impl Session {
 
     /// Starts the streaming counters and clock afresh, e.g. after a warm-up.
     pub fn reset_metrics(&mut self) {
-        if let Engine::Streaming(s) = &mut self.engine {
-            s.reset_clock();
+        match &mut self.engine {
+            Engine::Streaming(s) => s.reset_clock(),
+            Engine::Experts(m) => m.reset_clock(),
+            Engine::Dense(_) => {}
         }
     }
 
@@ -249,6 +300,7 @@ impl Session {
         match &self.engine {
             Engine::Dense(_) => None,
             Engine::Streaming(s) => Some(s.io()),
+            Engine::Experts(m) => Some(m.io()),
         }
     }
 
@@ -259,6 +311,7 @@ impl Session {
         match &mut self.engine {
             Engine::Dense(_) => bail!("--policy dense has no memory budget to change"),
             Engine::Streaming(s) => s.set_budget(bytes),
+            Engine::Experts(_) => bail!(EXPERT_BUDGET_FIXED),
         }
     }
 
@@ -266,6 +319,7 @@ impl Session {
     pub fn follow_budget(&mut self, watch: crate::elastic::BudgetWatch) -> Result<()> {
         match &mut self.engine {
             Engine::Dense(_) => bail!("--policy dense has no memory budget to follow"),
+            Engine::Experts(_) => bail!(EXPERT_BUDGET_FIXED),
             Engine::Streaming(s) => {
                 s.follow(watch);
                 Ok(())
@@ -284,16 +338,32 @@ impl Session {
     pub fn take_followed_budget(&mut self) -> bool {
         match &mut self.engine {
             Engine::Streaming(s) => s.take_watched_budget(),
-            Engine::Dense(_) => false,
+            Engine::Dense(_) | Engine::Experts(_) => false,
         }
     }
 
     /// The least budget [`Session::set_memory_budget`] accepts; `None` for dense.
     pub fn budget_floor(&self) -> Option<u64> {
         match &self.engine {
-            Engine::Dense(_) => None,
+            Engine::Dense(_) | Engine::Experts(_) => None,
             Engine::Streaming(s) => Some(s.budget_floor()),
         }
+    }
+
+    /// A streamed mixture's expert figures, one line, for stderr.
+    pub fn describe_experts(&self) -> Option<String> {
+        let Engine::Experts(m) = &self.engine else {
+            return None;
+        };
+        let s = m.summary();
+        Some(format!(
+            "experts: hit rate {:.3}, look-ahead recall {:.3} precision {:.3}, {:.2} experts ({}) read per token",
+            s.expert_hit_rate,
+            s.expert_lookahead_recall,
+            s.expert_lookahead_precision,
+            s.experts_read_per_token,
+            crate::memory_size::format_size(s.bytes_read_per_token as u64)
+        ))
     }
 
     /// The memory split, one line, for stderr.
@@ -301,9 +371,14 @@ impl Session {
         match &self.engine {
             Engine::Dense(_) => None,
             Engine::Streaming(s) => Some(s.split.describe()),
+            Engine::Experts(m) => Some(m.split.describe()),
         }
     }
 }
+
+/// Why a streamed mixture's budget cannot change while it runs.
+const EXPERT_BUDGET_FIXED: &str =
+    "a mixture of experts streams under the budget it was opened with (a new budget while it runs is not implemented for experts)";
 
 pub fn policy_name(p: PolicyChoice) -> &'static str {
     match p {

@@ -75,9 +75,9 @@ pub fn heldout_ids(tokenizer: &leanstream::tokenizer::Tokenizer, n: usize) -> Ve
 }
 
 /// Copies `src` to `dst` with every certificate row negated but its error bound kept (checksums
-/// recomputed): a bound far too tight for its rows (on a q8 file the q8 sketch equals the gates,
-/// so the true bound is zero and scaling it cannot make it too tight), which must make certified
-/// output differ from `resident`.
+/// recomputed): a bound far too tight for its rows (where the sketch is the bundle's own encoding
+/// it equals the gates, so the true bound is zero and scaling it cannot make it too tight), which
+/// must make certified output differ from `resident`.
 pub fn negate_certificate_rows(src: &Path, dst: &Path) {
     use leanstream_format::container::{checksum, page_align, Header, SectionKind};
     use leanstream_format::quant::QuantType;
@@ -86,9 +86,14 @@ pub fn negate_certificate_rows(src: &Path, dst: &Path) {
         .read_sketch()
         .unwrap();
     for l in &mut sketch.layers {
-        assert_eq!(l.qtype, QuantType::Q8_0);
-        // A Q8_0 block is an f16 scale (little-endian: the sign is bit 7 of byte 1) and 32 codes.
-        for block in l.rows.chunks_mut(34) {
+        // A Q8_0 or Q4_0 block is an f16 scale (little-endian: the sign is bit 7 of byte 1) and
+        // 32 codes (Q4_0: centred on 8, so negating the scale negates every value).
+        let block = match l.qtype {
+            QuantType::Q8_0 => 34,
+            QuantType::Q4_0 => 18,
+            q => panic!("cannot negate a {q:?} sketch"),
+        };
+        for block in l.rows.chunks_mut(block) {
             block[1] ^= 0x80;
         }
     }

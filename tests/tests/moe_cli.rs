@@ -2,7 +2,7 @@
 //! decodes the same greedy tokens as the engine in process (whose logits `engine_vs_reference`
 //! checks against the f64 reference), `perplexity` scores a text as the f64 reference does; and the
 //! ways an expert model is refused (a config whose expert count disagrees with the tensors, a
-//! streaming budget asked of a mixture) fail cleanly, naming what is wrong. Converted mixtures are
+//! streaming budget below the mixture's minimum) fail cleanly, naming what is wrong. Converted mixtures are
 //! `moe_convert`'s.
 
 use std::path::{Path, PathBuf};
@@ -125,11 +125,16 @@ fn mixtures_are_refused_cleanly_where_they_cannot_go() {
     let dir = moe_dir("moe-cli-mixtral", &spec);
     let args = ["run", "-p", PROMPT, "-n", "2", "--temp", "0"];
 
-    // Streaming a mixture (which converts it first): not yet; the message says so.
+    // Streaming a mixture (which converts it first) below its minimum: the message names it.
     let mut streamed = args.to_vec();
-    streamed.extend(["--memory", "1GiB"]);
+    streamed.extend(["--memory", "64KiB"]);
     let o = leanstream(&streamed, &dir);
-    assert_clean_failure("run --memory", &o, 1, &["mixture of experts"]);
+    assert_clean_failure(
+        "run --memory 64KiB",
+        &o,
+        1,
+        &["mixture of experts", "use --memory"],
+    );
     let prep = |extra: &[&str]| {
         let out = dir.join("out.lsb");
         let o = Command::new(bin("leanstream-prep"))

@@ -8,6 +8,7 @@ use leanstream::perplexity::perplexity;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
+use leanstream_format::quant::QuantType;
 use leanstream_tests::converted::{bin, convert, embedded, heldout_ids, scratch};
 use leanstream_tests::tiny::{write_tiny_model, TinySpec};
 
@@ -168,7 +169,8 @@ fn certified_threshold_model_equals_resident() {
 
 /// Perplexity of `ids` with `file` at each of the first three budgets, the FFN bytes read, and
 /// the layers whose certificate the planner kept.
-fn at_three_budgets(file: &Path, ids: &[u32]) -> Vec<(u64, f64, u64, usize)> {
+/// Per budget: the budget, perplexity, bytes read, layers certified and late reads.
+fn at_three_budgets(file: &Path, ids: &[u32]) -> Vec<(u64, f64, u64, usize, u64)> {
     budgets(file)
         .into_iter()
         .take(3)
@@ -179,7 +181,8 @@ fn at_three_budgets(file: &Path, ids: &[u32]) -> Vec<(u64, f64, u64, usize)> {
                 .as_array()
                 .unwrap()
                 .len();
-            (b, p, s.io().unwrap().stats().bytes_read, certified)
+            let late = s.report()["late_reads"].as_u64().unwrap();
+            (b, p, s.io().unwrap().stats().bytes_read, certified, late)
         })
         .collect()
 }
@@ -207,7 +210,7 @@ fn gate_up_rule_hits_its_target_and_streams_exactly_without_a_certificate() {
     let resident = ppl(&file, PolicyChoice::Resident, None, &ids);
     let dense = ppl(&file, PolicyChoice::Dense, None, &ids);
     assert_ne!(resident, dense, "the rule skips something");
-    for (b, streamed, _, certified) in at_three_budgets(&file, &ids) {
+    for (b, streamed, _, certified, _) in at_three_budgets(&file, &ids) {
         assert_eq!(certified, 0);
         assert_eq!(
             streamed, resident,
@@ -217,7 +220,8 @@ fn gate_up_rule_hits_its_target_and_streams_exactly_without_a_certificate() {
 }
 
 /// ReLU (`gate` rule) with and without its certificate: exact at three budgets either way; at the
-/// minimum the planner keeps the certificate, and it saves reads.
+/// minimum the planner keeps the certificate, and it saves reads. Without one every uncached
+/// cluster is needed, so leanstream reads them all ahead of their layers: none is late.
 #[test]
 fn relu_streams_exactly_with_and_without_the_certificate() {
     let with = embedded("q8");
@@ -232,9 +236,9 @@ fn relu_streams_exactly_with_and_without_the_certificate() {
     assert_eq!(ppl(&without, PolicyChoice::Resident, None, &ids), resident);
     let a = at_three_budgets(&with, &ids);
     let b = at_three_budgets(&without, &ids);
-    for (&(ba, pa, ra, ca), &(bb, pb, rb, cb)) in a.iter().zip(&b) {
+    for (&(ba, pa, ra, ca, _), &(bb, pb, rb, cb, late)) in a.iter().zip(&b) {
         eprintln!(
-            "with: budget {ba} read {ra} B, {ca} layers certified; without: budget {bb} read {rb} B"
+            "with: budget {ba} read {ra} B, {ca} layers certified; without: budget {bb} read {rb} B, {late} late reads"
         );
         assert_eq!(pa, resident, "budget {ba}: certified differs from resident");
         assert_eq!(
@@ -242,6 +246,10 @@ fn relu_streams_exactly_with_and_without_the_certificate() {
             "budget {bb}: uncertified differs from resident"
         );
         assert_eq!(cb, 0);
+        assert_eq!(
+            late, 0,
+            "budget {bb}: reads of an uncertified layer were left late"
+        );
     }
     assert!(a[0].3 > 0, "the certificate earns its bytes at the minimum");
     assert!(a[0].2 < b[0].2, "and saves reads: {} vs {}", a[0].2, b[0].2);
@@ -266,6 +274,47 @@ fn a_certificate_made_too_tight_is_caught() {
     assert_ne!(
         tight, resident,
         "a bound too tight for its rows skips neurons it cannot prove inactive, yet the output matched"
+    );
+}
+
+/// The certificate a q4 file's `auto` writes — its own Q4_0 gate rows, the exact gates (a lossy
+/// code with error bounds proves too little to earn its bytes: `convert --certificate-study`) —
+/// on the embedded ReLU model: exact output equals `resident` bit for bit at three budgets, the
+/// planner keeps it at the minimum, and the same certificate with its rows negated (bounds kept)
+/// is caught.
+#[test]
+fn a_q4_file_streams_exactly_with_its_own_gates_as_certificate_and_a_too_tight_one_is_caught() {
+    let model = leanstream_tests::converted::workspace().join("models/austen-relu");
+    let file = scratch().join("austen-q4.lsb");
+    convert(&model, &file, &["--quant", "q4"]);
+    let f = leanstream_format::LsbFile::open(&file).unwrap();
+    assert!(f.sketch.layers.iter().any(|l| l.neurons > 0));
+    assert!(f
+        .sketch
+        .layers
+        .iter()
+        .all(|l| l.neurons == 0 || l.qtype == QuantType::Q4_0));
+    let ids = text_ids(&session(&file, PolicyChoice::Resident, None), 200);
+    let resident = ppl(&file, PolicyChoice::Resident, None, &ids);
+    let runs = at_three_budgets(&file, &ids);
+    for &(b, streamed, read, certified, _) in &runs {
+        eprintln!("budget {b}: read {read} B, {certified} layers certified");
+        assert_eq!(
+            streamed, resident,
+            "budget {b}: exact differs from resident"
+        );
+    }
+    assert!(
+        runs[0].3 > 0,
+        "the planner keeps the certificate at the minimum"
+    );
+    let bad = scratch().join("austen-q4-tight.lsb");
+    leanstream_tests::converted::negate_certificate_rows(&file, &bad);
+    let tight = ppl(&bad, PolicyChoice::Leanstream, Some(runs[0].0), &ids);
+    assert_ne!(
+        tight, resident,
+        "a bound too tight for its rows skips neurons it cannot prove inactive, yet the output \
+         matched"
     );
 }
 

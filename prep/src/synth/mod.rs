@@ -34,8 +34,7 @@ use leanstream_format::LsbFile;
 use crate::calib::{Calibration, WINDOW};
 use crate::certificate;
 use crate::convert::{
-    add_sketch_row, add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor,
-    MIN_PREDICTOR_RANK,
+    add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor, MIN_PREDICTOR_RANK,
 };
 use crate::sparsity::scores;
 use crate::tensors::dense_specs;
@@ -77,6 +76,9 @@ pub struct SynthArgs {
     /// Target size of a neuron cluster (one read), in KiB.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(4..=4096))]
     cluster_kib: u32,
+    /// Also write the same weights as a GGUF file for llama.cpp (see `leanstream-prep gguf`).
+    #[arg(long)]
+    gguf: Option<PathBuf>,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -183,7 +185,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         let mut clusters = Vec::new();
         for (ci, chunk) in built.bundles.chunks(cluster_size).enumerate() {
             for b in chunk {
-                add_sketch_row(
+                certificate::add_sketch_row(
                     &mut sketch_layer,
                     sketch_q,
                     args.quant,
@@ -287,8 +289,13 @@ pub fn run(args: SynthArgs) -> Result<()> {
     writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
     writer.finish()?;
 
+    let gguf = match &args.gguf {
+        Some(path) => Some(crate::gguf_export::export(&args.output, path, !args.json)?),
+        None => None,
+    };
     let summary = serde_json::json!({
         "output": args.output,
+        "gguf": gguf,
         "shape": args.shape.name(),
         "file_bytes": std::fs::metadata(&args.output)?.len(),
         "dense_bytes": dense.data_bytes(),
@@ -310,6 +317,9 @@ pub fn run(args: SynthArgs) -> Result<()> {
             summary["peak_rss_bytes"].as_f64().unwrap_or(0.0) / (1u64 << 20) as f64
         );
         crate::inspect::print_comparison(&summary["comparison"]);
+        if let Some(done) = &gguf {
+            crate::gguf_export::print(done);
+        }
     }
     Ok(())
 }

@@ -32,7 +32,7 @@ impl DenseFfn {
     }
 
     /// The FFN of the `t` rows of `x` into `out` (`t × hidden`), with `gate` and `up` as scratch.
-    pub(super) fn apply(
+    pub fn apply(
         &self,
         act: Activation,
         x: &[f32],

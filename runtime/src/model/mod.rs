@@ -25,8 +25,7 @@ use crate::safetensors_dir::SafetensorsDir;
 pub use attention::Attention;
 use dense_ffn::Ffn;
 pub use dense_ffn::{DenseFfn, FfnBackend, FfnProbe};
-use moe::MoeScratch;
-pub use moe::{expert_tensor_names, route, router_tensor_name, Choice, MoeFfn};
+pub use moe::{expert_tensor_names, route, router_tensor_name, Choice, MoeFfn, MoeScratch};
 pub use norm::rms_norm;
 pub use projections::{DenseWeights, Projections};
 

@@ -60,11 +60,17 @@ pub fn route(logits: &[f32], norm_topk_prob: bool, chosen: &mut [Choice]) {
     chosen.iter_mut().for_each(|c| c.weight /= denom);
 }
 
-/// Scratch space for routing a chunk of `t` tokens and running their experts.
-pub(super) struct MoeScratch {
+/// Scratch space for routing a chunk of `t` tokens and running their experts: [`MoeScratch::route`]
+/// chooses, then [`MoeScratch::add_expert`] adds each chosen expert in expert order — the
+/// resident mixture and the expert stream run these same steps, so their bits agree.
+pub struct MoeScratch {
     logits: Vec<f32>,
     /// `t × k` choices, token-major.
     chosen: Vec<Choice>,
+    /// Experts per token.
+    k: usize,
+    /// Tokens of the last [`MoeScratch::route`].
+    routed: usize,
     /// The tokens routed to the expert being run, and their weights.
     rows: Vec<(usize, f32)>,
     /// Those tokens' inputs, gathered.
@@ -76,7 +82,7 @@ pub(super) struct MoeScratch {
 
 impl MoeScratch {
     /// Empty when the model has no mixture of experts.
-    pub(super) fn new(c: &ModelConfig, t: usize) -> Self {
+    pub fn new(c: &ModelConfig, t: usize) -> Self {
         let (e, k, n) = c.moe.as_ref().map_or((0, 0, 0), |m| {
             (
                 m.num_experts,
@@ -94,11 +100,69 @@ impl MoeScratch {
                 };
                 rows * k
             ],
+            k,
+            routed: 0,
             rows: Vec::with_capacity(rows),
             xs: vec![0.0; rows * c.hidden_size],
             gate: vec![0.0; rows * n],
             up: vec![0.0; rows * n],
             out: vec![0.0; rows * c.hidden_size],
+        }
+    }
+
+    /// Routes the `t` inputs `x` (`t × hidden`) through `router` (`[experts, hidden]`).
+    pub fn route(&mut self, router: &Weight, m: &MoeConfig, x: &[f32], t: usize) {
+        let (e_count, k) = (m.num_experts, m.experts_per_token);
+        router.matmul_t(x, t, &mut self.logits[..t * e_count]);
+        let logits = self.logits[..t * e_count].chunks_exact(e_count);
+        for (l, chosen) in logits.zip(self.chosen.chunks_exact_mut(k)) {
+            route(l, m.norm_topk_prob, chosen);
+        }
+        self.routed = t;
+    }
+
+    /// The choices of the tokens last routed, `k` per token, token-major.
+    pub fn chosen(&self) -> &[Choice] {
+        &self.chosen[..self.routed * self.k]
+    }
+
+    /// Adds expert `e`'s output for the tokens last routed that chose it, weighted, to `out`
+    /// (`t × hidden`); nothing if none chose it.
+    pub fn add_expert(
+        &mut self,
+        e: usize,
+        expert: &DenseFfn,
+        act: Activation,
+        x: &[f32],
+        t: usize,
+        out: &mut [f32],
+    ) {
+        let (h, k) = (x.len() / t, self.k);
+        let n = expert.gate.rows();
+        self.rows.clear();
+        for (row, chosen) in self.chosen[..t * k].chunks_exact(k).enumerate() {
+            if let Some(c) = chosen.iter().find(|c| c.expert as usize == e) {
+                self.rows.push((row, c.weight));
+            }
+        }
+        let r = self.rows.len();
+        if r == 0 {
+            return;
+        }
+        for (&(row, _), dst) in self.rows.iter().zip(self.xs.chunks_exact_mut(h)) {
+            dst.copy_from_slice(&x[row * h..(row + 1) * h]);
+        }
+        expert.apply(
+            act,
+            &self.xs[..r * h],
+            r,
+            &mut self.gate[..r * n],
+            &mut self.up[..r * n],
+            &mut self.out[..r * h],
+        );
+        for (&(row, w), y) in self.rows.iter().zip(self.out.chunks_exact(h)) {
+            let dst = &mut out[row * h..(row + 1) * h];
+            dst.iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
         }
     }
 }
@@ -160,40 +224,10 @@ impl MoeFfn {
         s: &mut MoeScratch,
         out: &mut [f32],
     ) -> Result<()> {
-        let (h, k, n) = (x.len() / t, m.experts_per_token, m.expert_intermediate_size);
-        let e_count = self.experts.len();
-        self.router.matmul_t(x, t, &mut s.logits[..t * e_count]);
-        let logits = s.logits[..t * e_count].chunks_exact(e_count);
-        for (l, chosen) in logits.zip(s.chosen.chunks_exact_mut(k)) {
-            route(l, m.norm_topk_prob, chosen);
-        }
+        s.route(&self.router, m, x, t);
         out.fill(0.0);
         for (e, expert) in self.experts.iter().enumerate() {
-            s.rows.clear();
-            for (row, chosen) in s.chosen[..t * k].chunks_exact(k).enumerate() {
-                if let Some(c) = chosen.iter().find(|c| c.expert as usize == e) {
-                    s.rows.push((row, c.weight));
-                }
-            }
-            let r = s.rows.len();
-            if r == 0 {
-                continue;
-            }
-            for (&(row, _), dst) in s.rows.iter().zip(s.xs.chunks_exact_mut(h)) {
-                dst.copy_from_slice(&x[row * h..(row + 1) * h]);
-            }
-            expert.apply(
-                act,
-                &s.xs[..r * h],
-                r,
-                &mut s.gate[..r * n],
-                &mut s.up[..r * n],
-                &mut s.out[..r * h],
-            );
-            for (&(row, w), y) in s.rows.iter().zip(s.out.chunks_exact(h)) {
-                let dst = &mut out[row * h..(row + 1) * h];
-                dst.iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
-            }
+            s.add_expert(e, expert, act, x, t, out);
         }
         Ok(())
     }

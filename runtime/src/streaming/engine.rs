@@ -176,6 +176,10 @@ pub(super) struct Refine {
 /// flight and the counters.
 pub(super) struct Core {
     pub plans: Vec<LayerPlan>,
+    /// How the run chooses neurons.
+    pub sparsity: Sparsity,
+    /// Tokens in the current forward call (1 while decoding, more in a prompt chunk).
+    pub call_len: usize,
     /// Shared with the dense weights' stream ([`super::dense_stream`]): one queue per device.
     pub io: Arc<IoQueue>,
     pub cache: NeuronCache<Bytes>,
@@ -206,6 +210,17 @@ pub(super) struct Core {
 }
 
 impl Core {
+    /// Whether layer `l` needs every cluster whatever its input, so that its uncached clusters are
+    /// read on every token: exact modes, and certified layers without a certificate (nothing
+    /// proves a neuron inactive before its bundle is read).
+    pub fn needs_every_cluster(&self, l: usize) -> bool {
+        match self.sparsity {
+            Sparsity::Exact | Sparsity::Dense => true,
+            Sparsity::Certified => self.plans[l].certificate.is_none(),
+            Sparsity::Predicted => false,
+        }
+    }
+
     pub fn is_pending(&self, key: ClusterKey) -> bool {
         self.pending[self.slots.of(key)].is_some()
     }
@@ -457,11 +472,8 @@ struct Marks {
 pub struct StreamEngine {
     core: Core,
     schedule: Box<dyn Schedule>,
-    sparsity: Sparsity,
     /// Index of the first token of the current forward call, counted since the engine started.
     call_token: usize,
-    /// Tokens in the current forward call (1 while decoding).
-    call_len: usize,
     /// The true active sets of the tokens to come, when known (the bench records them): the
     /// truth the metrics use, and the oracle's knowledge.
     truth: Option<Arc<ActiveTrace>>,
@@ -491,6 +503,8 @@ impl StreamEngine {
         Self {
             core: Core {
                 plans,
+                sparsity,
+                call_len: 0,
                 io,
                 cache,
                 mapping,
@@ -508,9 +522,7 @@ impl StreamEngine {
                 metrics: Metrics::default(),
             },
             schedule,
-            sparsity,
             call_token: 0,
-            call_len: 0,
             truth,
             recording: None,
             work: Work::default(),
@@ -574,7 +586,7 @@ impl StreamEngine {
 
     /// A forward call of `tokens` at positions `start..`: checked against the trace, if any.
     pub(super) fn begin_call(&mut self, tokens: &[u32], start: usize) -> Result<()> {
-        self.call_len = tokens.len();
+        self.core.call_len = tokens.len();
         if let Some(refill) = &mut self.refill {
             if !refill.step(&mut self.core) {
                 self.refill = None;
@@ -613,8 +625,8 @@ impl StreamEngine {
                 true
             }
             (None, Some(extent))
-                if self.sparsity == Sparsity::Certified
-                    && self.call_len == 1
+                if self.core.sparsity == Sparsity::Certified
+                    && self.core.call_len == 1
                     && token.is_multiple_of(OWN_SAMPLE) =>
             {
                 sel.own = active_from_flash(&self.core.io, extent, URGENT, x)?;
@@ -626,7 +638,7 @@ impl StreamEngine {
         let plan = &self.core.plans[l];
         let candidate = &mut sel.candidate;
         candidate.clear();
-        match (known, self.sparsity) {
+        match (known, self.core.sparsity) {
             (Some(neurons), _) => {
                 candidate.resize(n, false);
                 neurons.iter().for_each(|&p| candidate[p as usize] = true);
@@ -909,7 +921,7 @@ impl StreamEngine {
     /// The skip rule of layer `l`'s neurons: none skipped in dense mode.
     fn skip(&self, l: usize) -> Skip {
         let skip = self.core.plans[l].skip;
-        match self.sparsity {
+        match self.core.sparsity {
             Sparsity::Dense => Skip {
                 threshold: f32::NEG_INFINITY,
                 ..skip
@@ -936,13 +948,19 @@ impl StreamEngine {
             .extend(scores.iter().map(|&s| !s.is_nan() && plan.skip.active(s)));
         let computed = &marks.computed;
         marks.used.clear();
+        // What an uncached cluster costs is a read whenever it is needed: a layer that needs every
+        // cluster values them all alike (so the cache keeps what it has rather than trading
+        // clusters it would read back on the next token); elsewhere activity ranks them.
+        let every = self.core.needs_every_cluster(l);
         for &ci in needed {
             let cl = plan.clusters[ci];
             let active = computed[cl.first..cl.first + cl.count].contains(&true);
             if active {
                 marks.used.push(ci);
             }
-            self.core.cache.observe((l as u32, ci as u32), active);
+            self.core
+                .cache
+                .observe((l as u32, ci as u32), active || every);
         }
         if let Some(rec) = &mut self.recording {
             rec.push(

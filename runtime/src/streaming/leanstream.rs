@@ -3,13 +3,16 @@
 //! within the I/O budget, on the tokens where speculating measurably pays (see
 //! [`SpeculationGate`]); when a layer's needs are known, reads no longer wanted are cancelled and
 //! wanted ones boosted; speculative reads use at most a quarter of the device's slots, so the
-//! ones still waiting are there to cancel. The cache starts with the profile's hottest clusters
-//! and keeps what tokens used. Ablations switch off the look-ahead, the refinement, or only its
+//! ones still waiting are there to cancel. A layer that needs every cluster whatever its input
+//! (certified, without a certificate) has nothing to guess: its uncached clusters are read ahead
+//! for certain, layer after layer up to a token ahead, as far as the I/O budget allows, and need
+//! no look-ahead predictor. The cache starts with the profile's hottest clusters and keeps what
+//! tokens used. Ablations switch off the look-ahead, the refinement, or only its
 //! cancelling.
 
 use anyhow::Result;
 
-use super::engine::{Core, Refine, SPECULATIVE_MAX};
+use super::engine::{Core, Refine, SPECULATIVE_MAX, URGENT};
 use super::predict::above_into;
 use super::schedule::{hot_order, pin_hottest, Schedule};
 use super::speculation_gate::SpeculationGate;
@@ -43,6 +46,9 @@ pub(super) struct Leanstream {
     lookahead_sets: Vec<(bool, Vec<bool>)>,
     /// Scratch of [`Leanstream::speculate`], kept between layers.
     scratch: Scratch,
+    /// The first step (token × layers + layer) whose certain reads are not all queued yet
+    /// ([`Leanstream::read_ahead`]).
+    ahead: u64,
 }
 
 /// What speculating on a layer works in.
@@ -69,7 +75,47 @@ impl Leanstream {
             cancel: tuning.cancel,
             lookahead_sets: vec![(false, Vec::new()); layers],
             scratch: Scratch::default(),
+            ahead: 0,
         }
+    }
+
+    /// Queues the certain reads of the steps from layer `l` of `token` on: the uncached clusters
+    /// of every layer that needs them all ([`Core::needs_every_cluster`]), the nearest step first
+    /// and at the higher priority, while they fit the I/O budget — up to a token ahead while
+    /// decoding, within the call in a prompt chunk (no token may follow it). Steps whose reads
+    /// were all queued are not looked at again; a cluster evicted after its step was passed is
+    /// read when its layer comes (a late read).
+    fn read_ahead(&mut self, core: &mut Core, l: usize, token: usize) {
+        let layers = core.plans.len() as u64;
+        let now = token as u64 * layers + l as u64;
+        let horizon = match core.call_len {
+            1 => now + layers,
+            _ => (token as u64 + 1) * layers,
+        };
+        self.ahead = self.ahead.max(now);
+        let reads = &mut self.scratch.reads;
+        reads.clear();
+        let mut room = 0;
+        'steps: while self.ahead < horizon {
+            let target = (self.ahead % layers) as usize;
+            if core.needs_every_cluster(target) {
+                // Below the late reads, above every guess.
+                let priority = URGENT - 1 - (self.ahead - now) as u32;
+                for (ci, cl) in core.plans[target].clusters.iter().enumerate() {
+                    let key = (target as u32, ci as u32);
+                    if core.cache.contains(key) || core.is_pending(key) {
+                        continue;
+                    }
+                    if !core.has_room(room + cl.size) {
+                        break 'steps;
+                    }
+                    room += cl.size;
+                    reads.push((key, priority));
+                }
+            }
+            self.ahead += 1;
+        }
+        core.request_all(reads);
     }
 
     /// Queues reads of the clusters layer `target`'s look-ahead predictor expects from `residual`.
@@ -77,11 +123,13 @@ impl Leanstream {
         let start = std::time::Instant::now();
         let plan = &core.plans[target];
         // Nothing to read ahead (and no predictor to run) when the whole layer is in memory or on
-        // its way: at budgets that hold the FFN, speculation then costs nothing.
-        let all_there = (0..plan.clusters.len()).all(|ci| {
-            let key = (target as u32, ci as u32);
-            core.cache.contains(key) || core.is_pending(key)
-        });
+        // its way — at budgets that hold the FFN, speculation then costs nothing — or when the
+        // layer's reads are certain ([`Leanstream::read_ahead`]).
+        let all_there = core.needs_every_cluster(target)
+            || (0..plan.clusters.len()).all(|ci| {
+                let key = (target as u32, ci as u32);
+                core.cache.contains(key) || core.is_pending(key)
+            });
         if all_there {
             self.lookahead_sets[target].0 = false;
             return;
@@ -164,6 +212,7 @@ impl Schedule for Leanstream {
         token: usize,
         residual: &[f32],
     ) -> Result<()> {
+        self.read_ahead(core, l, token);
         if l == 0 {
             self.speculating = match &mut self.speculation {
                 Speculation::Never => false,
@@ -195,5 +244,17 @@ impl Schedule for Leanstream {
     fn lookahead_set(&mut self, l: usize) -> Option<&[bool]> {
         let (valid, set) = &mut self.lookahead_sets[l];
         std::mem::take(valid).then_some(&set[..])
+    }
+
+    /// The layer's reads are taken, so the I/O budget has room again: the certain reads of the
+    /// steps after it are queued now rather than when the next layer begins, so that the device
+    /// does not idle through the layer's compute.
+    fn end_layer(&mut self, core: &mut Core, l: usize, token: usize, _: &[usize]) -> Result<()> {
+        if l + 1 < core.plans.len() {
+            self.read_ahead(core, l + 1, token);
+        } else if core.call_len == 1 {
+            self.read_ahead(core, 0, token + 1);
+        }
+        Ok(())
     }
 }

@@ -4,6 +4,7 @@
 
 mod dense_stream;
 mod engine;
+pub mod experts;
 mod leanstream;
 pub mod llm_in_flash;
 mod metrics;
@@ -457,16 +458,9 @@ impl crate::model::LanguageModel for StreamingModel {
             self.prompt_chunk
         };
         if tokens.len() > most {
-            let mut out = Vec::new();
-            let last = (tokens.len() - 1) / most;
-            for (i, chunk) in tokens.chunks(most).enumerate() {
-                self.forward_into(chunk, cache, all_logits, logits)?;
-                if all_logits || i == last {
-                    out.extend_from_slice(logits);
-                }
-            }
-            *logits = out;
-            return Ok(());
+            return forward_in_chunks(tokens, most, all_logits, logits, |chunk, logits| {
+                self.forward_into(chunk, cache, all_logits, logits)
+            });
         }
         self.take_watched_budget();
         self.engine.begin_call(tokens, cache.len())?;
@@ -482,6 +476,27 @@ impl crate::model::LanguageModel for StreamingModel {
         self.engine.end_call(tokens.len());
         done
     }
+}
+
+/// Runs `tokens` through `step` in pieces of at most `most`, keeping every piece's logits when
+/// `all_logits`, else the last piece's (what one call on all of `tokens` would return).
+fn forward_in_chunks(
+    tokens: &[u32],
+    most: usize,
+    all_logits: bool,
+    logits: &mut Vec<f32>,
+    mut step: impl FnMut(&[u32], &mut Vec<f32>) -> Result<()>,
+) -> Result<()> {
+    let mut out = Vec::new();
+    let last = (tokens.len() - 1) / most;
+    for (i, chunk) in tokens.chunks(most).enumerate() {
+        step(chunk, logits)?;
+        if all_logits || i == last {
+            out.extend_from_slice(logits);
+        }
+    }
+    *logits = out;
+    Ok(())
 }
 
 /// Refuses option combinations a policy cannot run with, saying what to change.
@@ -518,7 +533,8 @@ fn check_options(path: &Path, opts: &StreamOptions, layers: usize) -> Result<()>
 
 /// Keeps the certificates that earn their bytes ([`planner::keep_certificates`] with a neuron
 /// cache holding `cache_share` of the FFN), none where nothing is certified, and never one dropped
-/// before; true if any was dropped.
+/// before; true if any was dropped. A certified layer without one reads every uncached cluster on
+/// every token, so its look-ahead predictor, which guesses which to read, goes too.
 fn choose_certificates(
     file: &LsbFile,
     plans: &mut [plan::LayerPlan],
@@ -539,6 +555,10 @@ fn choose_certificates(
     for (p, keep) in plans.iter_mut().zip(keep) {
         if p.certify && (!keep || sparsity != Sparsity::Certified) {
             p.certify = false;
+            dropped = true;
+        }
+        if !p.certify && sparsity == Sparsity::Certified && p.lookahead.is_some() {
+            p.lookahead = None;
             dropped = true;
         }
     }

@@ -1,0 +1,435 @@
+//! The FFN backend of a streamed mixture: each layer's exact top-k routing decides which experts
+//! run; an expert not in the cache is read whole from flash through the read queue. While a token
+//! enters layer `l`, layer `l+1`'s router applied to that residual (normalised with `l+1`'s FFN
+//! norm) guesses `l+1`'s experts, and their reads are queued at a low priority, most probable
+//! first; when `l+1` routes, the guesses it did not choose are cancelled (or, if already issued,
+//! kept in the cache) and the reads it needs are raised to urgent. Experts are kept as stored and
+//! decoded to f32 one at a time when they run, with the same decode and the same routed steps as
+//! `--policy resident` ([`MoeScratch`]): the output is resident's, bit for bit.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use leanstream_format::ffn::FfnLayer;
+use leanstream_format::file::check_extent;
+
+use super::cache::ExpertCache;
+use super::metrics::ExpertCounters;
+use crate::config::{Activation, MoeConfig};
+use crate::kernels::{Matrix, Weight};
+use crate::model::{rms_norm, route, Choice, DenseFfn, FfnBackend, MoeScratch};
+use crate::storage::{AlignedBuf, IoQueue, Ticket};
+
+/// Reads a layer waits for.
+const URGENT: u32 = 2;
+/// Guesses for the next layer: never ahead of an urgent read.
+const SPECULATIVE: u32 = 1;
+
+/// A mixture layer as the stream holds it: the router resident, the experts on flash.
+pub(super) struct MixtureLayer {
+    pub router: Weight,
+    /// The layer's FFN norm, which the look-ahead applies to the residual before routing.
+    pub ffn_norm: Vec<f32>,
+    /// Each expert's stored index (clusters, neuron order, quantization).
+    pub experts: Vec<FfnLayer>,
+    /// Each expert's file extent (offset, size): its clusters back to back.
+    pub extents: Vec<(u64, u64)>,
+}
+
+/// A layer's FFN: resident (a dense layer of a mixture model) or experts on flash.
+pub(super) enum LayerFfn {
+    Dense(DenseFfn),
+    Mixture(MixtureLayer),
+}
+
+/// Buffers a forward call reuses: nothing is allocated per token once they have grown.
+struct Work {
+    moe: MoeScratch,
+    /// The expert being run, decoded to f32.
+    decoded: DenseFfn,
+    column: Vec<f32>,
+    /// A dense layer's gate and up activations.
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// The look-ahead's normalised residual, logits and guesses.
+    xn: Vec<f32>,
+    logits: Vec<f32>,
+    guess: Vec<Choice>,
+    /// The running layer's chosen experts.
+    chosen: Vec<bool>,
+    /// Buffers of evicted experts, for the next reads.
+    spare: Vec<AlignedBuf>,
+}
+
+pub(super) struct ExpertStream {
+    layers: Vec<LayerFfn>,
+    moe: MoeConfig,
+    act: Activation,
+    eps: f32,
+    path: PathBuf,
+    io: IoQueue,
+    cache: ExpertCache,
+    /// Per expert id, its read in flight.
+    tickets: Vec<Option<Ticket>>,
+    /// Per expert id, whether the look-ahead guessed it for its layer's next run.
+    predicted: Vec<bool>,
+    /// Per layer, the ids guessed for its next run, most probable first.
+    guessed: Vec<Vec<usize>>,
+    /// Guesses per token (the speculative share of the slots).
+    speculative: usize,
+    work: Work,
+    pub counters: ExpertCounters,
+}
+
+fn f32_data(w: &mut Weight) -> &mut [f32] {
+    match w {
+        Weight::F32(m) => &mut m.data,
+        Weight::Encoded(_) => unreachable!("the decoded expert is f32"),
+    }
+}
+
+impl ExpertStream {
+    /// `chunk` = the most tokens of one forward call; `prior` = every expert's profile frequency.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        layers: Vec<LayerFfn>,
+        config: &crate::config::ModelConfig,
+        path: PathBuf,
+        io: IoQueue,
+        slots: usize,
+        speculative: usize,
+        prior: &[f32],
+        chunk: usize,
+    ) -> Self {
+        let moe = config.moe.clone().expect("a mixture's config");
+        let (h, n, e) = (
+            config.hidden_size,
+            moe.expert_intermediate_size,
+            moe.num_experts,
+        );
+        let f32_matrix = |rows, cols| Weight::F32(Matrix::new(rows, cols, vec![0.0; rows * cols]));
+        let dense_n = config.intermediate_size;
+        let experts = layers.len() * e;
+        let counters = ExpertCounters::new(layers.len());
+        io.limit_background(URGENT, 1);
+        Self {
+            work: Work {
+                moe: MoeScratch::new(config, chunk),
+                decoded: DenseFfn {
+                    gate: f32_matrix(n, h),
+                    up: f32_matrix(n, h),
+                    down: f32_matrix(h, n),
+                },
+                column: vec![0.0; h],
+                gate: vec![0.0; chunk * dense_n],
+                up: vec![0.0; chunk * dense_n],
+                xn: vec![0.0; h],
+                logits: vec![0.0; e],
+                guess: vec![
+                    Choice {
+                        expert: 0,
+                        weight: 0.0
+                    };
+                    speculative.min(e)
+                ],
+                chosen: vec![false; e],
+                spare: Vec::with_capacity(slots),
+            },
+            guessed: (0..layers.len())
+                .map(|_| Vec::with_capacity(speculative))
+                .collect(),
+            layers,
+            act: config.activation,
+            eps: config.rms_norm_eps,
+            moe,
+            path,
+            io,
+            cache: ExpertCache::new(slots, e, prior),
+            tickets: vec![None; experts],
+            predicted: vec![false; experts],
+            speculative: speculative.min(e),
+            counters,
+        }
+    }
+
+    pub(super) fn reset_counters(&mut self) {
+        self.counters = ExpertCounters::new(self.layers.len());
+    }
+
+    pub(super) fn io(&self) -> &IoQueue {
+        &self.io
+    }
+
+    /// Fills the cache with the profile's most chosen experts, leaving room for one layer's reads
+    /// and the speculative ones (start-up: not counted).
+    pub(super) fn warm(&mut self, order: &[usize]) -> Result<()> {
+        let room = self
+            .cache
+            .slots()
+            .saturating_sub(self.moe.experts_per_token + self.speculative);
+        let e_count = self.moe.num_experts;
+        for &id in order.iter().take(room) {
+            self.submit(id / e_count, id % e_count, URGENT, false)?;
+        }
+        for &id in order.iter().take(room) {
+            self.land(id / e_count, id % e_count)?;
+        }
+        self.reset_counters();
+        Ok(())
+    }
+
+    fn mixture(&self, l: usize) -> &MixtureLayer {
+        match &self.layers[l] {
+            LayerFfn::Mixture(m) => m,
+            LayerFfn::Dense(_) => unreachable!("layer {l} is a mixture"),
+        }
+    }
+
+    /// Queues the read of expert `e` of layer `l` if a slot can be had — for a speculative read
+    /// only by evicting a less used expert; false if not queued where `optional`, an error if not.
+    fn submit(&mut self, l: usize, e: usize, priority: u32, optional: bool) -> Result<bool> {
+        let id = self.cache.id(l, e);
+        let claimed = if priority == SPECULATIVE {
+            self.cache.claim_for(id)
+        } else {
+            self.cache.claim()
+        };
+        let Some(evicted) = claimed else {
+            if optional {
+                return Ok(false);
+            }
+            bail!("no expert slot is free for layer {l}'s expert {e} (a planning error)");
+        };
+        if let Some(buf) = evicted {
+            self.work.spare.push(buf);
+        }
+        let (offset, size) = self.mixture(l).extents[e];
+        let buf = match self.work.spare.pop() {
+            Some(b) if b.len() == size as usize => b,
+            _ => AlignedBuf::new(size as usize),
+        };
+        self.tickets[id] = Some(self.io.submit_into(buf, offset, priority));
+        Ok(true)
+    }
+
+    /// Waits for the read of expert `e` of layer `l`, checks its clusters and makes it resident.
+    fn land(&mut self, l: usize, e: usize) -> Result<()> {
+        let id = self.cache.id(l, e);
+        let ticket = self.tickets[id].take().expect("a read in flight");
+        let buf = match self.io.wait(ticket) {
+            Ok(buf) => buf,
+            Err(err) => {
+                self.cache.release();
+                return Err(err).with_context(|| {
+                    format!(
+                        "cannot read layer {l}'s expert {e} from {}",
+                        self.path.display()
+                    )
+                });
+            }
+        };
+        let expert = &self.mixture(l).experts[e];
+        let first = expert.clusters.first().map_or(0, |c| c.offset);
+        for (ci, c) in expert.clusters.iter().enumerate() {
+            let at = (c.offset - first) as usize;
+            check_extent(&buf[at..at + c.extent_size as usize], c.checksum, || {
+                format!(
+                    "{}: layer {l} expert {e} cluster {ci} (run `leanstream-prep verify` on the file)",
+                    self.path.display()
+                )
+            })?;
+        }
+        self.counters.reads += 1;
+        self.counters.bytes += buf.len() as u64;
+        self.cache.insert(id, buf);
+        Ok(())
+    }
+
+    /// The look-ahead: layer `n`'s router on the residual `x` entering the layer before it.
+    fn speculate(&mut self, n: usize, x: &[f32]) -> Result<()> {
+        let s = self.speculative;
+        {
+            let LayerFfn::Mixture(m) = &self.layers[n] else {
+                unreachable!("layer {n} is a mixture")
+            };
+            let w = &mut self.work;
+            rms_norm(x, &m.ffn_norm, self.eps, &mut w.xn);
+            m.router.matmul_t(&w.xn, 1, &mut w.logits);
+            route(&w.logits, false, &mut w.guess[..s]);
+        }
+        for i in 0..s {
+            let e = self.work.guess[i].expert as usize;
+            let id = self.cache.id(n, e);
+            self.predicted[id] = true;
+            self.guessed[n].push(id);
+            if self.cache.get(id).is_some() || self.tickets[id].is_some() {
+                continue;
+            }
+            if self.submit(n, e, SPECULATIVE, true)? {
+                self.counters.speculative_reads += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s experts for the `t` inputs `x`, added to `out`.
+    fn run_mixture(&mut self, l: usize, x: &[f32], t: usize, out: &mut [f32]) -> Result<()> {
+        let e_count = self.moe.num_experts;
+        self.cache.begin_run();
+        {
+            let LayerFfn::Mixture(m) = &self.layers[l] else {
+                unreachable!("layer {l} is a mixture")
+            };
+            self.work.moe.route(&m.router, &self.moe, x, t);
+        }
+        let chosen = &mut self.work.chosen;
+        chosen.fill(false);
+        for c in self.work.moe.chosen() {
+            chosen[c.expert as usize] = true;
+        }
+        self.cache.observe(l, &self.work.chosen);
+        let judged = t == 1 && !self.guessed[l].is_empty();
+        let c = &mut self.counters;
+        for e in (0..e_count).filter(|&e| self.work.chosen[e]) {
+            let id = self.cache.id(l, e);
+            c.needed += 1;
+            if self.cache.get(id).is_some() {
+                c.hits += 1;
+            }
+            if judged {
+                c.chosen_by_layer[l] += 1;
+                if self.predicted[id] {
+                    c.found_by_layer[l] += 1;
+                }
+            }
+            self.cache.needed(id);
+        }
+        if judged {
+            c.predicted_by_layer[l] += self.guessed[l].len() as u64;
+        }
+        // Refinement: guesses not chosen are withdrawn, or kept if their read already started.
+        for i in 0..self.guessed[l].len() {
+            let id = self.guessed[l][i];
+            self.predicted[id] = false;
+            let e = id % e_count;
+            if self.work.chosen[e] {
+                continue;
+            }
+            if let Some(ticket) = self.tickets[id] {
+                if self.io.cancel(ticket) {
+                    self.tickets[id] = None;
+                    self.cache.release();
+                    self.counters.cancelled += 1;
+                } else {
+                    self.land(l, e)?;
+                }
+            }
+        }
+        self.guessed[l].clear();
+        // The chosen experts not resident: guesses raised to urgent, the others read as slots
+        // allow (a prompt chunk may choose more experts than there are slots: each expert frees
+        // its slot once it has run).
+        for e in 0..e_count {
+            let id = self.cache.id(l, e);
+            if self.work.chosen[e] && self.cache.get(id).is_none() {
+                if let Some(ticket) = self.tickets[id] {
+                    self.io.boost(ticket, URGENT);
+                }
+            }
+        }
+        let mut next = self.read_ahead(l, 0)?;
+        out.fill(0.0);
+        for e in 0..e_count {
+            if !self.work.chosen[e] {
+                continue;
+            }
+            let id = self.cache.id(l, e);
+            if self.cache.get(id).is_none() {
+                if self.tickets[id].is_none() {
+                    self.submit(l, e, URGENT, false)?;
+                    next = e + 1;
+                }
+                self.land(l, e)?;
+            }
+            let LayerFfn::Mixture(m) = &self.layers[l] else {
+                unreachable!("layer {l} is a mixture")
+            };
+            let bytes = self.cache.get(id).expect("landed");
+            let w = &mut self.work;
+            decode_expert(&m.experts[e], bytes, &mut w.decoded, &mut w.column)?;
+            w.moe.add_expert(e, &w.decoded, self.act, x, t, out);
+            self.cache.done(id);
+            next = self.read_ahead(l, next)?;
+        }
+        Ok(())
+    }
+
+    /// Queues the reads of layer `l`'s chosen experts from `from` on that are neither resident nor
+    /// in flight, in expert order, while slots can be had; returns the first not queued.
+    fn read_ahead(&mut self, l: usize, from: usize) -> Result<usize> {
+        let e_count = self.moe.num_experts;
+        for e in from..e_count {
+            let id = self.cache.id(l, e);
+            if !self.work.chosen[e] || self.cache.get(id).is_some() || self.tickets[id].is_some() {
+                continue;
+            }
+            if !self.submit(l, e, URGENT, true)? {
+                return Ok(e);
+            }
+        }
+        Ok(e_count)
+    }
+}
+
+/// Decodes an expert's stored clusters (`bytes`, its whole extent) into `into`'s f32 matrices.
+fn decode_expert(
+    expert: &FfnLayer,
+    bytes: &[u8],
+    into: &mut DenseFfn,
+    column: &mut [f32],
+) -> Result<()> {
+    let first = expert.clusters.first().map_or(0, |c| c.offset);
+    let DenseFfn { gate, up, down } = into;
+    let mats = [f32_data(gate), f32_data(up), f32_data(down)];
+    let [g, u, d] = mats;
+    for (ci, c) in expert.clusters.iter().enumerate() {
+        let at = (c.offset - first) as usize;
+        crate::lsb_dense::decode_cluster(
+            expert,
+            ci,
+            &bytes[at..at + c.extent_size as usize],
+            [&mut *g, &mut *u, &mut *d],
+            column,
+        )?;
+    }
+    Ok(())
+}
+
+impl FfnBackend for ExpertStream {
+    fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()> {
+        let next = l + 1;
+        let decoding = residual.len() == self.work.xn.len();
+        if decoding && matches!(self.layers.get(next), Some(LayerFfn::Mixture(_))) {
+            self.speculate(next, residual)?;
+        }
+        Ok(())
+    }
+
+    fn ffn(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
+        let t = x.len() / self.work.xn.len();
+        if let LayerFfn::Dense(f) = &self.layers[l] {
+            let n = f.gate.rows();
+            let w = &mut self.work;
+            f.apply(
+                self.act,
+                x,
+                t,
+                &mut w.gate[..t * n],
+                &mut w.up[..t * n],
+                out,
+            );
+            return Ok(());
+        }
+        self.run_mixture(l, x, t, out)
+    }
+}
