@@ -101,6 +101,38 @@ pub fn print_table(points: &[Point], step_tokens: usize) {
     }
 }
 
+/// Each budget change the run took (`budget_changes` of its report): the time from the request to
+/// the memory returned, the resident set right after and which dense weights stream.
+pub fn print_changes(changes: &serde_json::Value) {
+    let Some(changes) = changes.as_array() else {
+        return;
+    };
+    println!(
+        "{:>12} {:>12} {:>10} {:>12}  dense weights streaming",
+        "from", "to", "ms", "RSS after"
+    );
+    let size = |v: &serde_json::Value| v.as_u64().map_or("-".into(), format_size);
+    for c in changes {
+        let d = &c["dense_streamed"];
+        let parts: Vec<&str> = ["attention", "head", "embedding"]
+            .into_iter()
+            .filter(|p| d[*p] == true)
+            .collect();
+        println!(
+            "{:>12} {:>12} {:>10.2} {:>12}  {}",
+            size(&c["from"]),
+            size(&c["to"]),
+            c["micros"].as_f64().unwrap_or(0.0) / 1e3,
+            size(&c["rss_after"]),
+            if parts.is_empty() {
+                "none".to_string()
+            } else {
+                parts.join(", ")
+            }
+        );
+    }
+}
+
 const W: f64 = 760.0;
 const H: f64 = 520.0;
 const LEFT: f64 = 70.0;
@@ -119,13 +151,16 @@ fn render(points: &[Point], title: &str) -> String {
     const MIB: f64 = 1024.0 * 1024.0;
     let x1 = points.last().map_or(1.0, |p| p.t_s).max(1e-3);
     let px = |t: f64| LEFT + t / x1 * (W - LEFT - RIGHT);
-    let mib_top = nice_ceiling(
-        points
-            .iter()
-            .map(|p| p.rss_bytes.max(p.budget_bytes) as f64 / MIB)
-            .fold(1.0, f64::max)
-            * 1.05,
-    );
+    // A multiple of 4 (whole grid lines), not 1, 2 or 5 × 10^k: budgets differ by a few MiB, and a
+    // ceiling twice their size would flatten the steps.
+    let mib_top = (points
+        .iter()
+        .map(|p| p.rss_bytes.max(p.budget_bytes) as f64 / MIB)
+        .fold(1.0, f64::max)
+        * 1.05
+        / 4.0)
+        .ceil()
+        * 4.0;
     let rates = rates(points);
     let rate_top = nice_ceiling(rates.iter().copied().fold(1.0, f64::max) * 1.05);
     let panel_y = |top: f64, v: f64, max: f64| top + PANEL - v / max * PANEL;

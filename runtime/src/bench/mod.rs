@@ -277,12 +277,19 @@ fn run_elastic(args: &BenchArgs, prompt: Vec<u32>) -> Result<()> {
             "points": outcome.elastic,
             "identical_to_resident": exact,
             "budget_changes": outcome.report["budget_changes"],
+            "reread_bytes": outcome.report["reread_bytes"],
+            "refill_reads": outcome.report["refill_reads"],
             "tokens_per_s": outcome.tokens_per_s,
         });
         println!("{}", serde_json::to_string_pretty(&obj)?);
     } else {
         elastic::print_table(&outcome.elastic, step_tokens);
-        println!("identical to resident: {exact}");
+        elastic::print_changes(&outcome.report["budget_changes"]);
+        println!(
+            "identical to resident: {exact}; re-read after growing: {}; refill reads: {}",
+            format_size(outcome.report["reread_bytes"].as_u64().unwrap_or(0)),
+            outcome.report["refill_reads"]
+        );
     }
     if let Some(path) = &args.plot {
         let name = args.model.file_name().unwrap_or(args.model.as_os_str());
