@@ -204,8 +204,25 @@ fn execute(job: &Job) -> Result<Outcome> {
     for &t in &job.prompt {
         model.forward_into(&[t], &mut cache, false, &mut logits)?;
     }
+    if let Task::Decode {
+        sequence, warmup, ..
+    }
+    | Task::Elastic {
+        sequence, warmup, ..
+    } = &job.task
+    {
+        warm_up(
+            job,
+            &mut session,
+            &mut cache,
+            &mut logits,
+            sequence,
+            *warmup,
+        )?;
+    }
     match &job.task {
         Task::Generate { tokens } => {
+            let model = session.model();
             let mut generated = Vec::with_capacity(*tokens);
             for _ in 0..*tokens {
                 if cache.len() >= job.ctx {
@@ -226,14 +243,6 @@ fn execute(job: &Job) -> Result<Outcome> {
             record,
             reference,
         } => {
-            warm_up(
-                job,
-                &mut session,
-                &mut cache,
-                &mut logits,
-                sequence,
-                *warmup,
-            )?;
             if let (Some(io), Some(_)) = (session.io(), &job.trace) {
                 io.record_spans();
             }
@@ -268,14 +277,6 @@ fn execute(job: &Job) -> Result<Outcome> {
             budgets,
             step_tokens,
         } => {
-            warm_up(
-                job,
-                &mut session,
-                &mut cache,
-                &mut logits,
-                sequence,
-                *warmup,
-            )?;
             let (points, exact) = super::elastic::decode(
                 &mut session,
                 &mut cache,
