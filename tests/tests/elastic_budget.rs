@@ -69,7 +69,14 @@ fn a_budget_changed_while_running_is_followed_and_the_text_stays_exact() {
 
     let budget_file = dir.join("budget");
     std::fs::write(&budget_file, (low + ffn).to_string()).unwrap();
-    let mut child = run(&file, &["--memory-file", budget_file.to_str().unwrap()])
+    // One thread: the 700 tokens last long enough for several budgets on a fast machine too.
+    let watched = [
+        "--memory-file",
+        budget_file.to_str().unwrap(),
+        "--threads",
+        "1",
+    ];
+    let mut child = run(&file, &watched)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -122,7 +129,9 @@ fn a_budget_changed_while_running_is_followed_and_the_text_stays_exact() {
     while child.try_wait().unwrap().is_none() {
         write_budget(&budget_file, steps[written % steps.len()]);
         written += 1;
-        std::thread::sleep(Duration::from_millis(200));
+        // Two and a half of the run's 20 ms polls: each budget is seen, and the run goes through
+        // the steps more than once.
+        std::thread::sleep(Duration::from_millis(50));
     }
     let o = child.wait_with_output().unwrap();
     reader.join().unwrap();
