@@ -414,6 +414,30 @@ pub fn summarise(layers: &[LayerStudy], bundle: QuantType) -> Study {
     }
 }
 
+/// Prints the study as the converter's text summary does.
+pub fn print(study: &Study) {
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    println!(
+        "certificate designs (held-out rows; FFN {:.2} MiB; read = FFN MiB per token):",
+        mib(study.ffn_bytes as f64)
+    );
+    println!("  resident MiB  share  saves  read (none cached)  read at +25 %  design");
+    for d in &study.designs {
+        let at = d
+            .read_per_token_at_25
+            .map_or("does not fit".to_string(), |r| format!("{:.3}", mib(r)));
+        println!(
+            "  {:>12.3}  {:>5.3}  {:>5.3}  {:>18.3}  {:>13}  {}",
+            mib(d.resident_bytes as f64),
+            d.share_of_ffn,
+            d.saves,
+            mib(d.read_per_token),
+            at,
+            d.design
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use leanstream::config::ModelConfig;
+use leanstream::config::{Activation, ModelConfig};
 use leanstream::kernels::{Matrix, Weight};
 use leanstream::model::{DenseFfn, Model};
 use leanstream::skip_rule::{Skip, SkipRule};
@@ -272,30 +272,32 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         };
         let (mut own, own_q, budget_thr, mut own_train, mut own_eval) = fit(&prof.ffn_input);
         let (look, look_q, look_thr, _, _) = fit(lookahead_input);
-        // Predicted mode drops a missed active neuron however large, so under `gate_up` the own
+        // Predicted mode drops a missed active neuron however large, so for SwiGLU (the
+        // `gate_up` rule, and the `gate` rule on |silu(g)|, whose misses cost as much) the own
         // predictor always names the neurons with massive contributions and its threshold is set
-        // by what its misses carry rather than by a budget.
+        // by what its misses carry rather than by a budget. ReLU keeps the budget: `relu(g) = 0`
+        // is exact, and its misses are the rule's own small gates.
         let e_train = energies(&prof.coef, &mask, n, &train_rows);
         let e_eval = energies(&prof.coef, &mask, n, &eval_rows);
-        let (own_thr, always) = match rule {
-            SkipRule::GateUp => {
-                let always = massive(&e_train);
-                for &j in &always {
-                    own.w2.row_mut(j).fill(0.0);
-                    own.b2[j] = ALWAYS_LOGIT;
-                    own_train.column_mut(j).fill(1.0);
-                    own_eval.column_mut(j).fill(1.0);
-                }
-                let skipped: f64 = train_rows
-                    .iter()
-                    .flat_map(|&r| r * n..(r + 1) * n)
-                    .filter(|&i| !mask[i])
-                    .map(|i| (prof.coef[i] as f64).powi(2))
-                    .sum();
-                let thr = miss_threshold(&own_train, &e_train, MISS_SHARE * skipped);
-                (thr, always.len())
+        let by_contribution = rule == SkipRule::GateUp || act != Activation::Relu;
+        let (own_thr, always) = if by_contribution {
+            let always = massive(&e_train);
+            for &j in &always {
+                own.w2.row_mut(j).fill(0.0);
+                own.b2[j] = ALWAYS_LOGIT;
+                own_train.column_mut(j).fill(1.0);
+                own_eval.column_mut(j).fill(1.0);
             }
-            SkipRule::Gate => (budget_thr, 0),
+            let skipped: f64 = train_rows
+                .iter()
+                .flat_map(|&r| r * n..(r + 1) * n)
+                .filter(|&i| !mask[i])
+                .map(|i| (prof.coef[i] as f64).powi(2))
+                .sum();
+            let thr = miss_threshold(&own_train, &e_train, MISS_SHARE * skipped);
+            (thr, always.len())
+        } else {
+            (budget_thr, 0)
         };
         predicted.push(PredictedLayer {
             quality: at_threshold(&own_eval, &y_eval, &e_eval, own_thr),

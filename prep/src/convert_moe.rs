@@ -216,38 +216,7 @@ pub(crate) fn convert(
     bar.finish_and_clear();
 
     let t = Instant::now();
-    let (mut predictors, mut sketch, mut refine) =
-        (Predictors::default(), Sketch::default(), Refine::default());
-    for l in 0..layers {
-        let empty = |source_layer: usize, input| Predictor {
-            source_layer: source_layer as u32,
-            input,
-            input_dim: h as u32,
-            rank: 0,
-            outputs: 0,
-            threshold: 0.0,
-            w1: Vec::new(),
-            b1: Vec::new(),
-            w2: Vec::new(),
-            b2: Vec::new(),
-        };
-        predictors
-            .lookahead
-            .push(empty(l.saturating_sub(1), PredictorInput::Residual));
-        predictors.own.push(empty(l, PredictorInput::FfnInput));
-        sketch.layers.push(SketchLayer {
-            qtype: QuantType::Q8_0,
-            hidden: h as u32,
-            rows: Vec::new(),
-            err_norm: Vec::new(),
-        });
-        refine.layers.push(RefineLayer {
-            cluster_freq: Vec::new(),
-            neighbours: Vec::new(),
-            neuron_freq: Vec::new(),
-            neuron_mag: Vec::new(),
-        });
-    }
+    let (predictors, sketch, refine) = empty_side_data(layers, h);
     let relu = config.activation == Activation::Relu;
     let meta = Meta {
         model: config.clone(),
@@ -268,16 +237,15 @@ pub(crate) fn convert(
         chat_template: source.chat_template.clone(),
         synthetic: None,
     };
-    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
-    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
-    add_tokenizer(&mut writer, &source.tokenizer_json)?;
-    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
-    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
-    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
-    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
-    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
-    writer.add_section(SectionKind::ExpertIndex, &experts.encode(), false)?;
-    writer.finish()?;
+    finish_mixture(
+        writer,
+        &meta,
+        &source.tokenizer_json,
+        &dense,
+        &ffn,
+        (predictors, sketch, refine),
+        &experts,
+    )?;
     phases.finish = t.elapsed().as_secs_f64();
     Ok(Summary {
         file_bytes: std::fs::metadata(&opts.output)?.len(),
@@ -319,21 +287,30 @@ fn resident_ffn([gate, up, down]: [Vec<f32>; 3], n: usize, h: usize) -> DenseFfn
 
 /// Writes an FFN (`[gate, up, down]` as f32, `n × h`, `n × h`, `h × n`) into the open data section
 /// as bundles in their original order, cut into clusters of `cluster` neurons (FORMAT.md §6).
-fn write_bundles(
+pub(crate) fn write_bundles(
     w: &mut ContainerWriter,
+    q: QuantType,
+    weights: &[Vec<f32>; 3],
+    h: usize,
+    cluster: usize,
+) -> Result<FfnLayer> {
+    let extents = encode_bundles(q, weights, h, cluster)?;
+    write_extents(w, q, h, weights[0].len() / h, cluster, &extents)
+}
+
+/// The cluster extents (unpadded) of an FFN's bundles in original order, `cluster` neurons each.
+pub(crate) fn encode_bundles(
     q: QuantType,
     [gate, up, down]: &[Vec<f32>; 3],
     h: usize,
     cluster: usize,
-) -> Result<FfnLayer> {
+) -> Result<Vec<Vec<u8>>> {
     let n = gate.len() / h;
-    let perm: Vec<u32> = (0..n as u32).collect();
-    let mut clusters = Vec::with_capacity(n.div_ceil(cluster));
     let mut column = vec![0.0f32; h];
-    for (ci, chunk) in perm.chunks(cluster).enumerate() {
-        let mut extent = Vec::with_capacity(chunk.len() * 3 * row_bytes(q, h)?);
-        for &i in chunk {
-            let i = i as usize;
+    let mut extents = Vec::with_capacity(n.div_ceil(cluster));
+    for first in (0..n).step_by(cluster) {
+        let mut extent = Vec::with_capacity(cluster.min(n - first) * 3 * row_bytes(q, h)?);
+        for i in first..(first + cluster).min(n) {
             for (r, c) in column.iter_mut().enumerate() {
                 *c = down[r * n + i];
             }
@@ -341,10 +318,26 @@ fn write_bundles(
             extent.extend(quantize_row(q, &up[i * h..(i + 1) * h])?);
             extent.extend(quantize_row(q, &column)?);
         }
-        let (offset, extent_size, checksum) = w.write_extent(&extent)?;
+        extents.push(extent);
+    }
+    Ok(extents)
+}
+
+/// Writes [`encode_bundles`]' extents of an FFN of `n` neurons into the open data section.
+pub(crate) fn write_extents(
+    w: &mut ContainerWriter,
+    q: QuantType,
+    h: usize,
+    n: usize,
+    cluster: usize,
+    extents: &[Vec<u8>],
+) -> Result<FfnLayer> {
+    let mut clusters = Vec::with_capacity(extents.len());
+    for (ci, extent) in extents.iter().enumerate() {
+        let (offset, extent_size, checksum) = w.write_extent(extent)?;
         clusters.push(Cluster {
             first: (ci * cluster) as u32,
-            count: chunk.len() as u32,
+            count: cluster.min(n - ci * cluster) as u32,
             offset,
             extent_size,
             checksum,
@@ -353,7 +346,7 @@ fn write_bundles(
     Ok(FfnLayer {
         qtype: q,
         hidden: h as u32,
-        perm,
+        perm: (0..n as u32).collect(),
         clusters,
     })
 }
@@ -424,7 +417,12 @@ fn profile_routing(
 
 /// Sets `earlier`'s co-selection with the next mixture layer, whose choices are `later` (both
 /// per row; measured on `rows`).
-fn co_selection(earlier: &mut Routing, before: &[Vec<u32>], after: &[Vec<u32>], rows: &[usize]) {
+pub(crate) fn co_selection(
+    earlier: &mut Routing,
+    before: &[Vec<u32>],
+    after: &[Vec<u32>],
+    rows: &[usize],
+) {
     let e_count = earlier.expert_freq.len();
     let mut counts = vec![0usize; e_count * e_count];
     let mut chosen = vec![0usize; e_count];
@@ -454,7 +452,7 @@ fn co_selection(earlier: &mut Routing, before: &[Vec<u32>], after: &[Vec<u32>], 
 
 /// A layer the converter does not calibrate (1.5: a mixture's layers): threshold 0, no
 /// measurements, with its routing profile if it is a mixture layer.
-fn unmeasured(routing: Option<Routing>) -> LayerMeta {
+pub(crate) fn unmeasured(routing: Option<Routing>) -> LayerMeta {
     LayerMeta {
         threshold: 0.0,
         sparsity: 0.0,
@@ -469,4 +467,66 @@ fn unmeasured(routing: Option<Routing>) -> LayerMeta {
         certificate_saves: None,
         routing,
     }
+}
+
+/// Writes a mixture's META, tokenizer and index sections after its data sections, and finishes
+/// the file.
+pub(crate) fn finish_mixture(
+    mut writer: ContainerWriter,
+    meta: &Meta,
+    tokenizer_json: &[u8],
+    dense: &leanstream_format::dense::DenseIndex,
+    ffn: &FfnIndex,
+    (predictors, sketch, refine): (Predictors, Sketch, Refine),
+    experts: &ExpertIndex,
+) -> Result<()> {
+    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
+    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(meta)?, false)?;
+    add_tokenizer(&mut writer, tokenizer_json)?;
+    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
+    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
+    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
+    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
+    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
+    writer.add_section(SectionKind::ExpertIndex, &experts.encode(), false)?;
+    writer.finish()?;
+    Ok(())
+}
+
+/// Empty predictors, sketch and refine statistics for every layer (FORMAT.md §6.5: a mixture's
+/// file has no per-neuron side data in 1.5).
+pub(crate) fn empty_side_data(layers: usize, h: usize) -> (Predictors, Sketch, Refine) {
+    let (mut predictors, mut sketch, mut refine) =
+        (Predictors::default(), Sketch::default(), Refine::default());
+    for l in 0..layers {
+        let empty = |source_layer: usize, input| Predictor {
+            source_layer: source_layer as u32,
+            input,
+            input_dim: h as u32,
+            rank: 0,
+            outputs: 0,
+            threshold: 0.0,
+            w1: Vec::new(),
+            b1: Vec::new(),
+            w2: Vec::new(),
+            b2: Vec::new(),
+        };
+        predictors
+            .lookahead
+            .push(empty(l.saturating_sub(1), PredictorInput::Residual));
+        predictors.own.push(empty(l, PredictorInput::FfnInput));
+        sketch.layers.push(SketchLayer {
+            qtype: QuantType::Q8_0,
+            hidden: h as u32,
+            rows: Vec::new(),
+            err_norm: Vec::new(),
+        });
+        refine.layers.push(RefineLayer {
+            cluster_freq: Vec::new(),
+            neighbours: Vec::new(),
+            neuron_freq: Vec::new(),
+            neuron_mag: Vec::new(),
+        });
+    }
+    (predictors, sketch, refine)
 }

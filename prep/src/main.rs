@@ -244,27 +244,7 @@ fn print_summary(s: &convert::Summary) {
         println!("certificate per layer: {}", s.certificates.join(" "));
     }
     if let Some(study) = &s.certificate_study {
-        println!(
-            "certificate designs (held-out rows; FFN {:.2} MiB; read = FFN MiB per token):",
-            mib(study.ffn_bytes)
-        );
-        println!("  resident MiB  share  saves  read (none cached)  read at +25 %  design");
-        for d in &study.designs {
-            let at = d
-                .read_per_token_at_25
-                .map_or("does not fit".to_string(), |r| {
-                    format!("{:.3}", r / (1 << 20) as f64)
-                });
-            println!(
-                "  {:>12.3}  {:>5.3}  {:>5.3}  {:>18.3}  {:>13}  {}",
-                mib(d.resident_bytes),
-                d.share_of_ffn,
-                d.saves,
-                d.read_per_token / (1 << 20) as f64,
-                at,
-                d.design
-            );
-        }
+        certificate_study::print(study);
     }
     let p = &s.seconds;
     println!(

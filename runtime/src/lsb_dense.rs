@@ -56,11 +56,21 @@ pub fn take(
 /// Every dense tensor, dense FFN and router of `file` decoded to f32 under its Hugging Face name,
 /// and every expert too when `with_experts` (an expert stream decodes them one at a time instead).
 pub fn tensors(file: &LsbFile, with_experts: bool) -> Result<Tensors> {
+    tensors_of(file, with_experts, &|_| false)
+}
+
+/// [`tensors`] without the experts, and without the dense tensors (by file name) that `skip`
+/// names (a caller that keeps them encoded).
+pub fn tensors_except(file: &LsbFile, skip: &dyn Fn(&str) -> bool) -> Result<Tensors> {
+    tensors_of(file, false, skip)
+}
+
+fn tensors_of(file: &LsbFile, with_experts: bool, skip: &dyn Fn(&str) -> bool) -> Result<Tensors> {
     let config = &file.meta.model;
     let path = &file.path;
     let mut f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut tensors = Tensors::new();
-    for t in &file.dense.tensors {
+    for t in file.dense.tensors.iter().filter(|t| !skip(&t.name)) {
         let bytes = file.read_dense(&mut f, t)?;
         let (rows, cols) = (t.rows(), t.cols());
         let mut data = vec![0.0f32; rows * cols];

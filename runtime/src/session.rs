@@ -191,12 +191,12 @@ impl Session {
     }
 
     /// A converted mixture of experts: with `leanstream`, its experts stream from flash under the
-    /// budget ([`ExpertModel`]); with `resident` or `dense`, every expert is decoded into memory
-    /// (the two compute the same: no sparsity is calibrated inside experts yet), exactly the model
-    /// the file was converted from at its stored precision.
+    /// budget ([`ExpertModel`]); with `resident` or `dense`, the same engine with room for every
+    /// expert (the two compute the same: no sparsity is calibrated inside experts yet): the dense
+    /// weights as stored, every expert read once and kept, exactly the model the file holds.
     fn open_mixture(o: &SessionOptions, policy: PolicyChoice) -> Result<Self> {
         if policy == PolicyChoice::Leanstream {
-            return Self::open_streamed_mixture(o);
+            return Self::open_streamed_mixture(o, policy);
         }
         if !matches!(policy, PolicyChoice::Resident | PolicyChoice::Dense)
             || o.memory.is_some()
@@ -210,23 +210,11 @@ impl Session {
                 policy_name(policy)
             );
         }
-        let loaded = source::open(&o.model)?;
-        let ctx = cap_ctx(o, loaded.model.config().max_position_embeddings)?;
-        check_kv(o, loaded.model.config().head_dim)?;
-        Ok(Self {
-            engine: Engine::Dense(Box::new(loaded.model.with_kv(o.kv))),
-            model_path: o.model.clone(),
-            tokenizer: loaded.tokenizer,
-            eos_token_ids: loaded.eos_token_ids,
-            chat_template: loaded.chat_template,
-            ctx,
-            context_note: None,
-            policy,
-        })
+        Self::open_streamed_mixture(o, policy)
     }
 
     /// A converted mixture whose experts stream under `o.memory` from `o.flash`.
-    fn open_streamed_mixture(o: &SessionOptions) -> Result<Self> {
+    fn open_streamed_mixture(o: &SessionOptions, policy: PolicyChoice) -> Result<Self> {
         let tokenizer = Tokenizer::from_lsb(&o.model)?;
         let file = LsbFile::open(&o.model)?;
         let ctx = cap_ctx(o, file.meta.model.max_position_embeddings)?;
@@ -237,6 +225,7 @@ impl Session {
             ctx,
             kv: o.kv,
             tokenizer_bytes: tokenizer.resident_bytes(&file),
+            lookahead: o.tuning.lookahead,
         };
         let eos_token_ids = file.meta.model.eos_token_ids.clone();
         let chat_template = file.meta.chat_template.clone();
@@ -250,7 +239,7 @@ impl Session {
             chat_template,
             ctx,
             context_note: None,
-            policy: PolicyChoice::Leanstream,
+            policy,
         })
     }
 

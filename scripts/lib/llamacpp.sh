@@ -22,9 +22,21 @@ install_llamacpp() {
 # usage: llamacpp_rate MODEL.gguf PROMPT TOKENS THREADS
 llamacpp_rate() {
     python3 - "$@" <<'EOF'
-import sys, time
+import os, sys, time
 import numpy as np
+import llama_cpp
 from llama_cpp import Llama
+
+if os.environ.get("LLAMACPP_NO_REPACK") == "1":
+    # The weights stay in the mapped file: no CPU repack copies (llama.cpp's use_extra_bufts).
+    default = llama_cpp.llama_model_default_params
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    llama_cpp.llama_model_default_params = params
+    import llama_cpp.llama
+    llama_cpp.llama.llama_cpp.llama_model_default_params = params
 
 path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)

@@ -7,6 +7,7 @@
 
 mod dense;
 mod layer;
+mod moe;
 mod plant;
 mod shape;
 
@@ -33,6 +34,7 @@ use leanstream_format::LsbFile;
 
 use crate::calib::{Calibration, WINDOW};
 use crate::certificate;
+use crate::certificate_study;
 use crate::convert::{
     add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor, MIN_PREDICTOR_RANK,
 };
@@ -79,6 +81,15 @@ pub struct SynthArgs {
     /// Also write the same weights as a GGUF file for llama.cpp (see `leanstream-prep gguf`).
     #[arg(long)]
     gguf: Option<PathBuf>,
+    /// Also measure every candidate certificate design (bytes, reads per token) on the held-out
+    /// rows, as `convert --certificate-study` does (`certificate_study` in --json).
+    #[arg(long)]
+    certificate_study: bool,
+    /// Mixtures of experts: the share of a token's experts that the previous token also chose
+    /// (default: the profile's measurement of its layer when `--profile-from` is a mixture,
+    /// else 0.3).
+    #[arg(long)]
+    token_reuse: Option<f32>,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -88,6 +99,9 @@ pub fn run(args: SynthArgs) -> Result<()> {
     let started = Instant::now();
     let src = LsbFile::open(&args.profile_from)?;
     let src_path = args.profile_from.display().to_string();
+    if args.shape.config(None, Vec::new()).moe.is_some() {
+        return moe::run(&args, &src, started);
+    }
     if src.meta.layers.iter().any(|l| l.activity.is_none()) {
         bail!(
             "{src_path} has no activity statistics (converted before format 1.1): convert the \
@@ -153,6 +167,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         Refine::default(),
     );
     let (mut layer_meta, mut knobs, mut source_layer) = (Vec::new(), Vec::new(), Vec::new());
+    let mut studies = Vec::new();
     writer.begin_section(SectionKind::FfnData);
     for l in 0..layers {
         bar.set_message(format!("layer {l}"));
@@ -233,6 +248,27 @@ pub fn run(args: SynthArgs) -> Result<()> {
             threshold: THRESHOLD,
         };
         let saves = certificate::saves(&sketch_layer, skip, &inputs.x, &inputs.eval, cluster_size)?;
+        if args.certificate_study {
+            let gates: Vec<Vec<u8>> = built
+                .bundles
+                .iter()
+                .map(|b| b[..bundle_bytes / 3].to_vec())
+                .collect();
+            let identity: Vec<u32> = (0..n as u32).collect();
+            studies.push(certificate_study::layer(&certificate_study::LayerInput {
+                gates: &gates,
+                bundle: args.quant,
+                hidden: h,
+                skip,
+                x: &inputs.x,
+                rows: &inputs.eval,
+                mask: &built.masks,
+                perm: &identity,
+                cluster_size,
+                bundle_bytes,
+                written: Some(sketch_q),
+            })?);
+        }
         sketch.layers.push(sketch_layer);
         ffn.layers.push(FfnLayer {
             qtype: args.quant,
@@ -293,6 +329,9 @@ pub fn run(args: SynthArgs) -> Result<()> {
         Some(path) => Some(crate::gguf_export::export(&args.output, path, !args.json)?),
         None => None,
     };
+    let study = args
+        .certificate_study
+        .then(|| certificate_study::summarise(&studies, args.quant));
     let summary = serde_json::json!({
         "output": args.output,
         "gguf": gguf,
@@ -303,6 +342,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         "seconds": started.elapsed().as_secs_f64(),
         "peak_rss_bytes": leanstream::memory::peak_rss_bytes(),
         "comparison": crate::inspect::comparison(&meta),
+        "certificate_study": study,
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -317,6 +357,9 @@ pub fn run(args: SynthArgs) -> Result<()> {
             summary["peak_rss_bytes"].as_f64().unwrap_or(0.0) / (1u64 << 20) as f64
         );
         crate::inspect::print_comparison(&summary["comparison"]);
+        if let Some(study) = &study {
+            certificate_study::print(study);
+        }
         if let Some(done) = &gguf {
             crate::gguf_export::print(done);
         }
@@ -343,42 +386,72 @@ fn write_dense(
     let mut index = DenseIndex::default();
     let mut kept: HashMap<String, (Vec<usize>, Vec<u8>)> = HashMap::new();
     for (ti, spec) in dense_specs(config).into_iter().enumerate() {
-        let qtype = if spec.is_vector() {
-            QuantType::F32
-        } else {
-            args.quant
-        };
-        let cols = *spec.shape.last().expect("shape");
-        let rows = if spec.is_vector() { 1 } else { spec.shape[0] };
-        let rb = row_bytes(qtype, cols)?;
-        let mut bytes = vec![0u8; rows * rb];
-        use rayon::prelude::*;
-        bytes
-            .par_chunks_mut(rb)
-            .enumerate()
-            .try_for_each(|(r, out)| -> Result<()> {
-                let mut row = vec![0.0f32; cols];
-                dense_row(lay, config, args.seed, ti as u64, &spec.name, r, &mut row);
-                out.copy_from_slice(&leanstream_format::quant::quantize_row(qtype, &row)?);
-                Ok(())
-            })?;
-        let (offset, extent_size, checksum) = writer.write_extent(&bytes)?;
-        index.tensors.push(DenseTensor {
-            name: spec.name.clone(),
-            qtype,
-            shape: spec.shape.iter().map(|&d| d as u64).collect(),
-            offset,
-            size: bytes.len() as u64,
-            extent_size,
-            checksum,
-        });
-        let layer0 = spec.name.starts_with("model.layers.0.");
-        if layer0 || spec.name == "model.embed_tokens.weight" || spec.name == "model.norm.weight" {
+        let (qtype, bytes) = tensor_bytes(lay, config, args, ti, &spec)?;
+        index
+            .tensors
+            .push(write_tensor(writer, &spec, qtype, &bytes)?);
+        if kept_for_inputs(&spec.name) {
             kept.insert(spec.name, (spec.shape, bytes));
         }
     }
     writer.end_section();
     Ok((index, layer0_inputs(config, args.quant, kept, calib)?))
+}
+
+/// Dense tensor `ti` (`spec`) encoded: its type (f32 for vectors and routers, else the file's)
+/// and bytes.
+fn tensor_bytes(
+    lay: &Layout,
+    config: &ModelConfig,
+    args: &SynthArgs,
+    ti: usize,
+    spec: &crate::tensors::DenseSpec,
+) -> Result<(QuantType, Vec<u8>)> {
+    let qtype = if spec.stays_f32() {
+        QuantType::F32
+    } else {
+        args.quant
+    };
+    let cols = *spec.shape.last().expect("shape");
+    let rows = if spec.is_vector() { 1 } else { spec.shape[0] };
+    let rb = row_bytes(qtype, cols)?;
+    let mut bytes = vec![0u8; rows * rb];
+    use rayon::prelude::*;
+    bytes
+        .par_chunks_mut(rb)
+        .enumerate()
+        .try_for_each(|(r, out)| -> Result<()> {
+            let mut row = vec![0.0f32; cols];
+            dense_row(lay, config, args.seed, ti as u64, &spec.name, r, &mut row);
+            out.copy_from_slice(&leanstream_format::quant::quantize_row(qtype, &row)?);
+            Ok(())
+        })?;
+    Ok((qtype, bytes))
+}
+
+/// Writes an encoded dense tensor as one extent of the open DENSE_DATA; returns its index entry.
+fn write_tensor(
+    writer: &mut ContainerWriter,
+    spec: &crate::tensors::DenseSpec,
+    qtype: QuantType,
+    bytes: &[u8],
+) -> Result<DenseTensor> {
+    let (offset, extent_size, checksum) = writer.write_extent(bytes)?;
+    Ok(DenseTensor {
+        name: spec.name.clone(),
+        qtype,
+        shape: spec.shape.iter().map(|&d| d as u64).collect(),
+        offset,
+        size: bytes.len() as u64,
+        extent_size,
+        checksum,
+    })
+}
+
+/// Whether [`layer0_inputs`] needs the dense tensor `name`.
+fn kept_for_inputs(name: &str) -> bool {
+    let layer0 = name.starts_with("model.layers.0.") && !name.contains(".mlp.");
+    layer0 || name == "model.embed_tokens.weight" || name == "model.norm.weight"
 }
 
 /// The calibration windows through the stored embedding and layer 0 (as the runtime computes
@@ -394,6 +467,7 @@ fn layer0_inputs(
         num_layers: 1,
         intermediate_size: 32,
         tie_word_embeddings: true,
+        moe: None,
         ..config.clone()
     };
     let kept = std::cell::RefCell::new(kept);

@@ -165,6 +165,34 @@ impl MoeScratch {
             dst.iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
         }
     }
+
+    /// [`add_expert`](Self::add_expert) with the expert run by `run(x_row, y)`, which writes the
+    /// expert's output for one token's input into `y` (`hidden` values, zeroed first): for an
+    /// expert computed where it lies, in its stored encoding, one token at a time.
+    pub fn add_expert_with(
+        &mut self,
+        e: usize,
+        x: &[f32],
+        t: usize,
+        out: &mut [f32],
+        mut run: impl FnMut(&[f32], &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        let (h, k) = (x.len() / t, self.k);
+        self.rows.clear();
+        for (row, chosen) in self.chosen[..t * k].chunks_exact(k).enumerate() {
+            if let Some(c) = chosen.iter().find(|c| c.expert as usize == e) {
+                self.rows.push((row, c.weight));
+            }
+        }
+        let y = &mut self.out[..h];
+        for &(row, w) in &self.rows {
+            y.fill(0.0);
+            run(&x[row * h..(row + 1) * h], y)?;
+            let dst = &mut out[row * h..(row + 1) * h];
+            dst.iter_mut().zip(y.iter()).for_each(|(o, v)| *o += w * v);
+        }
+        Ok(())
+    }
 }
 
 /// The Hugging Face block of an architecture's mixture and its experts' gate, up and down names:

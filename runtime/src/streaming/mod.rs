@@ -155,10 +155,14 @@ impl StreamingModel {
             Some(bytes) => bytes,
             None => crate::tokenizer::resident_bytes(&file)?,
         };
-        let fit = |plans: &[plan::LayerPlan]| {
+        // `freed`: resident bytes the plans would give up (what dropping the certificates frees).
+        let fit = |plans: &[plan::LayerPlan], freed: u64| {
             let input = |shape: Shape| {
                 let sizes = sizes.clone();
-                plan_input(&file, tokenizer, plans, sizes, shape, opts.memory, policy)
+                let (mut input, io) =
+                    plan_input(&file, tokenizer, plans, sizes, shape, opts.memory, policy);
+                input.resident_state -= freed;
+                (input, io)
             };
             let asked = Shape {
                 ctx: opts.ctx,
@@ -203,13 +207,43 @@ impl StreamingModel {
         // Certificates are read only where they earn their bytes: with nothing cached first, and
         // once the plan keeps every dense weight resident, at its cache share (the bytes of those
         // that do not earn them go to the cache). Predicted sparsity uses none.
+        // They are optional: where the budget cannot hold them beside every dense weight, the plan
+        // without any is taken when it fits where they do not, or reads fewer bytes per token
+        // (the dense weights they would push to flash are read on every token).
         choose_certificates(&file, &mut plans, 0.0, sparsity);
-        let (mut shape, mut split, mut io_budget, mut replan_input) = fit(&plans)?;
+        let with = fit(&plans, 0);
+        let freed = certificates_bytes(&plans);
+        let mut fitted = with;
+        if freed > 0
+            && fitted
+                .as_ref()
+                .map_or(true, |f| f.1.dense_streamed != Default::default())
+        {
+            let terms = certificate_terms(&file, &plans);
+            let certified: Vec<bool> = plans.iter().map(|p| p.certify).collect();
+            let reads = |split: &planner::MemorySplit, certified: &[bool]| {
+                let share = split.neuron_cache as f64 / split.ffn_total.max(1) as f64;
+                planner::reads_per_token(sizes.total - split.dense, share, &terms, certified)
+            };
+            let without = fit(&plans, freed);
+            let take_without = match (&fitted, &without) {
+                (Ok(w), Ok(wo)) => {
+                    reads(&wo.1, &vec![false; plans.len()]) < reads(&w.1, &certified)
+                }
+                (Err(_), _) => true,
+                (Ok(_), Err(_)) => false,
+            };
+            if take_without {
+                drop_certificates(&mut plans);
+                fitted = without.and_then(|_| fit(&plans, 0));
+            }
+        }
+        let (mut shape, mut split, mut io_budget, mut replan_input) = fitted?;
         let share = split.neuron_cache as f64 / split.ffn_total.max(1) as f64;
         if split.dense_streamed == planner::DenseStreamed::default()
             && choose_certificates(&file, &mut plans, share, sparsity)
         {
-            (shape, split, io_budget, replan_input) = fit(&plans)?;
+            (shape, split, io_budget, replan_input) = fit(&plans, 0)?;
         }
         plan::LayerPlan::load_certificates(&file, &mut plans)?;
         split.certified_layers = (0..plans.len())
@@ -541,16 +575,7 @@ fn choose_certificates(
     cache_share: f64,
     sparsity: Sparsity,
 ) -> bool {
-    let terms: Vec<planner::CertificateTerm> = plans
-        .iter()
-        .zip(&file.meta.layers)
-        .map(|(p, m)| planner::CertificateTerm {
-            bytes: p.certificate_bytes.filter(|_| p.certify).unwrap_or(0),
-            ffn: p.clusters.iter().map(|c| c.size).sum(),
-            saves: m.certificate_saves.map(f64::from),
-        })
-        .collect();
-    let keep = planner::keep_certificates(&terms, cache_share);
+    let keep = planner::keep_certificates(&certificate_terms(file, plans), cache_share);
     let mut dropped = false;
     for (p, keep) in plans.iter_mut().zip(keep) {
         if p.certify && (!keep || sparsity != Sparsity::Certified) {
@@ -563,6 +588,38 @@ fn choose_certificates(
         }
     }
     dropped
+}
+
+/// Each layer's certificate as the planner weighs it.
+fn certificate_terms(file: &LsbFile, plans: &[plan::LayerPlan]) -> Vec<planner::CertificateTerm> {
+    plans
+        .iter()
+        .zip(&file.meta.layers)
+        .map(|(p, m)| planner::CertificateTerm {
+            bytes: p.certificate_bytes.filter(|_| p.certify).unwrap_or(0),
+            ffn: p.clusters.iter().map(|c| c.size).sum(),
+            saves: m.certificate_saves.map(f64::from),
+        })
+        .collect()
+}
+
+/// The resident bytes [`drop_certificates`] frees: the certificates kept and the look-ahead
+/// predictors of their layers.
+fn certificates_bytes(plans: &[plan::LayerPlan]) -> u64 {
+    plans
+        .iter()
+        .filter(|p| p.certify)
+        .map(|p| p.certificate_bytes.unwrap_or(0) + p.lookahead.as_ref().map_or(0, |q| q.bytes()))
+        .sum()
+}
+
+/// Drops every certificate; a certified layer without one reads every uncached cluster, so its
+/// look-ahead predictor goes too (as in [`choose_certificates`]).
+fn drop_certificates(plans: &mut [plan::LayerPlan]) {
+    for p in plans.iter_mut().filter(|p| p.certify) {
+        p.certify = false;
+        p.lookahead = None;
+    }
 }
 
 /// What a plan is made for: the context, the KV cache's storage and the prompt chunk.
@@ -619,12 +676,13 @@ pub fn minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
 }
 
 /// The smallest `--memory` the `leanstream` policy accepts for `file` at `ctx`: every bundle and
-/// the dense weights the planner may stream stream.
+/// the dense weights the planner may stream stream, and no certificate is kept (they are optional).
 pub fn streaming_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
     Ok(planner::minimum(&open_plan_input(
         path,
         ctx,
         planner::MIN_PROMPT_CHUNK,
+        false,
     )?))
 }
 
@@ -642,10 +700,21 @@ pub fn running_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
 /// The planner's split for `file` at `ctx` without a budget: the fixed part with every dense
 /// weight resident and the size of the FFN bundles, from which budgets are chosen.
 pub fn memory_split(path: &Path, ctx: usize) -> Result<MemorySplit> {
-    planner::plan(open_plan_input(path, ctx, crate::generate::PROMPT_CHUNK)?)
+    planner::plan(open_plan_input(
+        path,
+        ctx,
+        crate::generate::PROMPT_CHUNK,
+        true,
+    )?)
 }
 
-fn open_plan_input(path: &Path, ctx: usize, chunk: usize) -> Result<planner::PlanInput> {
+/// `certificates`: keep those that earn their bytes with nothing cached (else none).
+fn open_plan_input(
+    path: &Path,
+    ctx: usize,
+    chunk: usize,
+    certificates: bool,
+) -> Result<planner::PlanInput> {
     let mut file = LsbFile::open(path)?;
     // The default run: certified sparsity, speculating with the look-ahead predictors.
     let uses = plan::PredictorUse {
@@ -654,6 +723,9 @@ fn open_plan_input(path: &Path, ctx: usize, chunk: usize) -> Result<planner::Pla
     };
     let mut plans = plan::LayerPlan::all(&mut file, uses)?;
     choose_certificates(&file, &mut plans, 0.0, Sparsity::Certified);
+    if !certificates {
+        drop_certificates(&mut plans);
+    }
     let sizes = DenseTensors::open(&file)?.sizes(&file.meta.model)?;
     Ok(plan_input(
         &file,

@@ -406,6 +406,27 @@ pub fn keep_certificates(terms: &[CertificateTerm], cache_share: f64) -> Vec<boo
         .collect()
 }
 
+/// Bytes a token reads from flash, estimated: the dense weights that stream, and each layer's
+/// uncached part of the FFN, less what its certificate saves where `certified[l]` (a file that does
+/// not say what a certificate saves counts it as saving nothing).
+pub fn reads_per_token(
+    dense_streamed: u64,
+    cache_share: f64,
+    terms: &[CertificateTerm],
+    certified: &[bool],
+) -> f64 {
+    let uncached = (1.0 - cache_share).clamp(0.0, 1.0);
+    dense_streamed as f64
+        + terms
+            .iter()
+            .zip(certified)
+            .map(|(t, &c)| {
+                let saves = if c { t.saves.unwrap_or(0.0) } else { 0.0 };
+                t.ffn as f64 * uncached * (1.0 - saves)
+            })
+            .sum::<f64>()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -622,6 +643,28 @@ mod tests {
         // …but not once 70 % of the FFN is cached (it saves 0.3 · 300 = 90 < 100).
         assert_eq!(keep_certificates(&terms, 0.7), [false, false, true]);
         assert_eq!(keep_certificates(&terms, 1.5), [false, false, true]);
+    }
+
+    #[test]
+    fn reads_per_token_counts_streamed_dense_and_the_uncached_ffn_less_what_certificates_save() {
+        let t = |saves| CertificateTerm {
+            bytes: 100,
+            ffn: 1000,
+            saves,
+        };
+        let terms = [t(Some(0.25)), t(Some(0.5)), t(None)];
+        // Nothing cached, nothing certified: every FFN byte and the streamed dense weights.
+        assert_eq!(reads_per_token(500, 0.0, &terms, &[false; 3]), 3500.0);
+        // Certified layers read 75 % and 50 % of their uncached part; an unknown saving counts 0.
+        assert_eq!(
+            reads_per_token(0, 0.0, &terms, &[true; 3]),
+            750.0 + 500.0 + 1000.0
+        );
+        // With 40 % of the FFN cached, 60 % of each layer is left to read.
+        assert_eq!(
+            reads_per_token(0, 0.4, &terms, &[true, false, false]),
+            450.0 + 600.0 + 600.0
+        );
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! How a memory budget splits for a streamed mixture of experts: the fixed part (start-up, the
-//! dense weights and routers as f32 — the same values `--policy resident` computes with — the KV
+//! dense weights as stored, norms and routers as f32 — what `--policy resident` computes with — the KV
 //! cache, activations and one decoded expert), then whole expert slots. The least a run needs is
 //! `2k` slots: the `k` experts a layer runs, read at once, and `k` for the next layer's speculative
 //! reads; every slot beyond holds an expert for reuse.
@@ -37,7 +37,7 @@ impl ExpertSplit {
     /// One line for stderr.
     pub fn describe(&self) -> String {
         format!(
-            "memory: {} fixed (dense weights and routers as f32, KV cache, activations), {} expert \
+            "memory: {} fixed (dense weights as stored, norms and routers f32, KV cache, activations), {} expert \
              slots of {} ({} of {} experts resident at most, {} for speculative reads)",
             format_size(self.fixed),
             self.slots,
@@ -67,7 +67,7 @@ pub fn split(
         None => most,
         Some(b) if b < minimum => bail!(
             "--memory {} is below the minimum of {} for streaming the mixture of experts {what}: \
-             {} fixed (dense weights and routers as f32, KV cache, activations) and {least} expert \
+             {} fixed (dense weights as stored, norms and routers f32, KV cache, activations) and {least} expert \
              slots of {} (the {k} experts a layer runs and {k} speculative reads): use --memory {} \
              or more",
             format_size(b),

@@ -1,6 +1,7 @@
-//! A converted mixture of experts run under `--memory`: the attention, embeddings, norms, routers
-//! and any dense FFN layer resident as f32 (what `--policy resident` computes with), the experts
-//! on flash, read whole through the read queue into an expert cache ([`cache`]) as the exact
+//! A converted mixture of experts run under `--memory` (and, with room for every expert, as
+//! `--policy resident`): the embeddings and attention resident as stored (their encoded bytes, run
+//! by the quantized kernels; f32 files as f32), the norms, routers and any dense FFN layer as f32,
+//! the experts on flash, read whole through the read queue into an expert cache ([`cache`]) as the exact
 //! routing needs them and speculatively from the next layer's router ([`stream`]); the budget
 //! sets the cache's slots ([`budget`]).
 
@@ -10,14 +11,17 @@ mod metrics;
 mod stream;
 
 use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fs::File;
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+use leanstream_format::quant::QuantType;
 use leanstream_format::LsbFile;
 
 use crate::config::ModelConfig;
-use crate::kernels::{Matrix, Weight};
+use crate::kernels::{Matrix, QMatrix, Weight};
 use crate::kv_cache::{KvCache, KvType};
 use crate::lsb_dense;
 use crate::model::{router_tensor_name, DenseFfn, LanguageModel, Model};
@@ -37,6 +41,8 @@ pub struct ExpertOptions {
     pub kv: KvType,
     /// What the caller's tokenizer holds.
     pub tokenizer_bytes: u64,
+    /// Speculate with the next layer's router (`--no-lookahead` turns it off: the ablation).
+    pub lookahead: bool,
 }
 
 /// A mixture of experts whose experts stream from flash.
@@ -61,7 +67,13 @@ fn plan(file: &LsbFile, o: &ExpertOptions) -> Result<ExpertSplit> {
         .dense
         .tensors
         .iter()
-        .map(|t| f32_bytes(t.rows() * t.cols()))
+        .map(|t| {
+            if kept_encoded(t) {
+                t.size
+            } else {
+                f32_bytes(t.rows() * t.cols())
+            }
+        })
         .sum();
     let dense_ffn: u64 = (0..c.num_layers)
         .filter(|&l| !c.is_moe_layer(l))
@@ -107,10 +119,38 @@ pub fn minimum_memory(path: &Path, ctx: usize, kv: KvType) -> Result<u64> {
         ctx,
         kv,
         tokenizer_bytes: crate::tokenizer::resident_bytes(&file)?,
+        lookahead: true,
     };
     let split = plan(&file, &o)?;
     let k = split.speculative;
     Ok(split.fixed + ExpertSplit::min_slots(k) as u64 * split.expert_bytes)
+}
+
+/// Whether a dense tensor stays encoded in memory: a matrix stored in a quantized type, except
+/// a router (kept f32 by the writer: a rounding would change which experts run).
+fn kept_encoded(t: &leanstream_format::dense::DenseTensor) -> bool {
+    t.qtype != QuantType::F32
+        && t.shape.len() == 2
+        // A router: FORMAT.md §5.3 names it `model.layers.{l}.mlp.gate.weight`.
+        && !t.name.ends_with(".mlp.gate.weight")
+}
+
+/// The dense tensors [`kept_encoded`], by Hugging Face name: shape, type and stored bytes.
+type EncodedTensors = HashMap<String, (Vec<usize>, QuantType, Vec<u8>)>;
+
+/// Splits `file`'s dense tensors: those [`kept_encoded`] as their bytes, the rest (and any dense
+/// FFN layer) decoded to f32 as [`lsb_dense::tensors`] gives them.
+fn resident_tensors(file: &LsbFile) -> Result<(lsb_dense::Tensors, EncodedTensors)> {
+    let path = &file.path;
+    let mut f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut encoded = EncodedTensors::new();
+    for t in file.dense.tensors.iter().filter(|t| kept_encoded(t)) {
+        let bytes = file.read_dense(&mut f, t)?;
+        let shape = t.shape.iter().map(|&d| d as usize).collect();
+        encoded.insert(t.name.clone(), (shape, t.qtype, bytes));
+    }
+    let decoded = lsb_dense::tensors_except(file, &|name| encoded.contains_key(name))?;
+    Ok((decoded, encoded))
 }
 
 impl ExpertModel {
@@ -120,9 +160,21 @@ impl ExpertModel {
         let split = plan(&file, o)?;
         let config: ModelConfig = file.meta.model.clone();
         let moe = config.moe.clone().context("not a mixture of experts")?;
-        let tensors = RefCell::new(lsb_dense::tensors(&file, false)?);
+        let (decoded, encoded) = resident_tensors(&file)?;
+        let tensors = RefCell::new(decoded);
+        let encoded = RefCell::new(encoded);
         let take = |name: &str, shape: &[usize]| lsb_dense::take(&tensors, &file, name, shape);
         let mat = |name: &str, rows: usize, cols: usize| -> Result<Weight> {
+            if let Some((shape, qtype, bytes)) = encoded.borrow_mut().remove(name) {
+                if shape != [rows, cols] {
+                    bail!(
+                        "{}: tensor {name} has shape {shape:?}, the config implies {:?}",
+                        path.display(),
+                        [rows, cols]
+                    );
+                }
+                return Ok(Weight::Encoded(QMatrix::new(rows, cols, qtype, bytes)?));
+            }
             Ok(Weight::F32(Matrix::new(
                 rows,
                 cols,
@@ -167,8 +219,9 @@ impl ExpertModel {
                 extents,
             }));
         }
-        let model = Model::without_ffn(config.clone(), &take, mat)?.with_kv(o.kv);
+        let model = Model::without_ffn(config.clone(), take, mat)?.with_kv(o.kv);
         drop(tensors);
+        drop(encoded);
         crate::memory::release_freed_memory();
         let device = open_device(path, o.flash.clone())
             .with_context(|| format!("cannot open {} for streaming", path.display()))?;
@@ -178,7 +231,7 @@ impl ExpertModel {
             path.to_path_buf(),
             IoQueue::new(device),
             split.slots,
-            split.speculative,
+            if o.lookahead { split.speculative } else { 0 },
             &prior,
             CHUNK,
         );

@@ -16,8 +16,10 @@ use leanstream_format::file::check_extent;
 use super::cache::ExpertCache;
 use super::metrics::ExpertCounters;
 use crate::config::{Activation, MoeConfig};
-use crate::kernels::{Matrix, Weight};
+use crate::kernels::bundles::{down_pass, gate_pass, BundleLayout};
+use crate::kernels::{Matrix, Operand, RowKernels, Weight};
 use crate::model::{rms_norm, route, Choice, DenseFfn, FfnBackend, MoeScratch};
+use crate::skip_rule::{Skip, SkipRule};
 use crate::storage::{AlignedBuf, IoQueue, Ticket};
 
 /// Reads a layer waits for.
@@ -59,6 +61,10 @@ struct Work {
     chosen: Vec<bool>,
     /// Buffers of evicted experts, for the next reads.
     spare: Vec<AlignedBuf>,
+    /// The bundle kernel's scores, active neurons and their coefficients (one gate batch).
+    scores: Vec<f32>,
+    active: Vec<u32>,
+    coef: Vec<f32>,
 }
 
 pub(super) struct ExpertStream {
@@ -134,6 +140,9 @@ impl ExpertStream {
                 ],
                 chosen: vec![false; e],
                 spare: Vec::with_capacity(slots),
+                scores: vec![0.0; GATE_BATCH],
+                active: vec![0; GATE_BATCH],
+                coef: vec![0.0; GATE_BATCH],
             },
             guessed: (0..layers.len())
                 .map(|_| Vec::with_capacity(speculative))
@@ -356,8 +365,22 @@ impl ExpertStream {
             };
             let bytes = self.cache.get(id).expect("landed");
             let w = &mut self.work;
-            decode_expert(&m.experts[e], bytes, &mut w.decoded, &mut w.column)?;
-            w.moe.add_expert(e, &w.decoded, self.act, x, t, out);
+            let expert = &m.experts[e];
+            if expert.qtype.is_block() {
+                // Where it lies, in its stored encoding (q4/q8 bundles): every neuron computed.
+                let layout = BundleLayout::new(expert.qtype, expert.hidden as usize)?;
+                let (kernels, act) = (RowKernels::best(), self.act);
+                let (scores, active, coef) = (&mut w.scores, &mut w.active, &mut w.coef);
+                w.moe.add_expert_with(e, x, t, out, |xr, y| {
+                    run_bundles(
+                        kernels, &layout, expert, bytes, act, xr, y, scores, active, coef,
+                    );
+                    Ok(())
+                })?;
+            } else {
+                decode_expert(expert, bytes, &mut w.decoded, &mut w.column)?;
+                w.moe.add_expert(e, &w.decoded, self.act, x, t, out);
+            }
             self.cache.done(id);
             next = self.read_ahead(l, next)?;
         }
@@ -378,6 +401,57 @@ impl ExpertStream {
             }
         }
         Ok(e_count)
+    }
+}
+
+/// Neurons whose gates [`run_bundles`] computes before adding their down columns.
+const GATE_BATCH: usize = 64;
+
+/// An expert's output for one input `x` added to `y`: the bundle kernel over its bundles where
+/// they lie in `bytes` (its whole extent), every neuron computed (the rule's threshold is below
+/// any score), in stored order.
+#[allow(clippy::too_many_arguments)]
+fn run_bundles(
+    kernels: &RowKernels,
+    layout: &BundleLayout,
+    expert: &FfnLayer,
+    bytes: &[u8],
+    act: Activation,
+    x: &[f32],
+    y: &mut [f32],
+    scores: &mut [f32],
+    active: &mut [u32],
+    coef: &mut [f32],
+) {
+    let bb = layout.bundle_bytes();
+    let first = expert.clusters.first().map_or(0, |c| c.offset);
+    let bundle = |p: usize| -> &[u8] {
+        let c = &expert.clusters[expert.cluster_of(p as u32)];
+        let at = (c.offset - first) as usize + (p - c.first as usize) * bb;
+        &bytes[at..at + bb]
+    };
+    let op = Operand::new(x, layout.qtype);
+    let every = Skip {
+        act,
+        rule: SkipRule::Gate,
+        threshold: -1.0,
+    };
+    let n = expert.neurons();
+    for start in (0..n).step_by(GATE_BATCH) {
+        let len = GATE_BATCH.min(n - start);
+        let at = |i: usize| bundle(start + i);
+        let m = gate_pass(
+            kernels,
+            layout,
+            &op,
+            at,
+            |_| true,
+            every,
+            &mut scores[..len],
+            active,
+            coef,
+        );
+        down_pass(kernels, layout, at, &active[..m], &coef[..m], y);
     }
 }
 
@@ -409,7 +483,8 @@ impl FfnBackend for ExpertStream {
     fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()> {
         let next = l + 1;
         let decoding = residual.len() == self.work.xn.len();
-        if decoding && matches!(self.layers.get(next), Some(LayerFfn::Mixture(_))) {
+        let mixture_next = matches!(self.layers.get(next), Some(LayerFfn::Mixture(_)));
+        if decoding && mixture_next && self.speculative > 0 {
             self.speculate(next, residual)?;
         }
         Ok(())
