@@ -688,12 +688,14 @@ pub fn streaming_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
 
 /// The least budget a running `leanstream` run of `file` at `ctx`, opened with the longest prompt
 /// chunk, takes when it changes ([`StreamingModel::budget_floor`]): every dense weight the planner
-/// may stream streaming.
+/// may stream streaming, the certificates kept as [`memory_split`] keeps them (a run keeps those
+/// it opened with).
 pub fn running_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
     Ok(planner::minimum(&open_plan_input(
         path,
         ctx,
         crate::generate::PROMPT_CHUNK,
+        true,
     )?))
 }
 
