@@ -155,14 +155,17 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
     /// A new capacity (the budget changed). Shrinking evicts until what is held fits: the
     /// lowest-ranked unpinned clusters first, then pinned ones, the profile's coldest first (a
     /// hot set chosen for a larger budget cannot stay whole in a smaller one). Growing keeps
-    /// everything; later reads fill the room. The evicted data is for the owner to take and free.
-    pub fn set_capacity(&mut self, capacity: u64) {
+    /// everything; later reads fill the room. The evicted data is for the owner to take and free;
+    /// returns the evicted clusters' slots.
+    pub fn set_capacity(&mut self, capacity: u64) -> Vec<usize> {
         self.capacity = capacity;
+        let mut evicted = Vec::new();
         while self.used > capacity {
             let Some((_, s)) = self.order.first() else {
                 break;
             };
             self.evict(s as usize);
+            evicted.push(s as usize);
         }
         if self.used > capacity {
             let mut pinned: Vec<(f32, usize)> = (self.entries.iter().enumerate())
@@ -174,8 +177,10 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
                     break;
                 }
                 self.evict(s);
+                evicted.push(s);
             }
         }
+        evicted
     }
 
     pub fn used(&self) -> u64 {
@@ -418,13 +423,14 @@ mod tests {
         c.set_prior((1, 1), 0.1);
         assert!(c.offer((1, 0), buf(4096)).is_none());
         assert!(c.offer((1, 1), buf(4096)).is_none());
-        c.set_capacity(3 * 4096);
+        let slot = |key| slots().of(key);
+        assert_eq!(c.set_capacity(3 * 4096), [slot((1, 1))]);
         assert!(!c.contains((1, 1)) && c.contains((1, 0)));
-        c.set_capacity(4096 + 100);
         // Every unpinned one, then the colder pin.
+        assert_eq!(c.set_capacity(4096 + 100), [slot((1, 0)), slot((0, 1))]);
         assert!(c.contains((0, 0)) && !c.contains((0, 1)) && !c.contains((1, 0)));
         assert_eq!((c.used(), c.drain_evicted().len()), (4096, 3));
-        c.set_capacity(0);
+        assert_eq!(c.set_capacity(0), [slot((0, 0))]);
         assert_eq!((c.used(), c.drain_evicted().len()), (0, 1));
         // Grown again: room for newcomers, and their history kept their rank.
         c.set_capacity(2 * 4096);

@@ -14,6 +14,17 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// The size a message states right after `prefix` (a refusal's "below the minimum of 16.71 MiB
+/// for ..."); panics naming the prefix when there is none.
+pub fn stated_size(text: &str, prefix: &str) -> u64 {
+    let size = text
+        .split(prefix)
+        .nth(1)
+        .and_then(|r| r.split(" for").next())
+        .unwrap_or_else(|| panic!("no {prefix:?} in {text}"));
+    leanstream::memory_size::parse_size(&size.replace(' ', "")).unwrap()
+}
+
 /// Asserts that a command failed cleanly: exit code `code`, no panic, and a message on stderr
 /// containing every one of `needles` (the file it is about, what is wrong).
 pub fn assert_clean_failure(what: &str, o: &Output, code: i32, needles: &[&str]) {

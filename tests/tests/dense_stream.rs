@@ -17,6 +17,7 @@ use leanstream::streaming::{
 };
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::LsbFile;
+use leanstream_tests::cli::stated_size;
 use leanstream_tests::converted::{bin, convert, embedded, heldout_ids, scratch};
 use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
 use serde_json::Value;
@@ -162,16 +163,6 @@ fn run(file: &Path, extra: &[&str]) -> Output {
         .args(extra)
         .output()
         .unwrap()
-}
-
-/// The size a message states after `prefix`, e.g. "below the minimum of 21.64 MiB".
-fn stated_size(text: &str, prefix: &str) -> u64 {
-    let size = text
-        .split(prefix)
-        .nth(1)
-        .and_then(|r| r.split(" for").next())
-        .unwrap_or_else(|| panic!("no {prefix:?} in {text}"));
-    leanstream::memory_size::parse_size(&size.replace(' ', "")).unwrap()
 }
 
 /// Below the old minimum the binary streams dense weights, generates the resident tokens and stays

@@ -8,7 +8,7 @@ use std::process::{Command, Output, Stdio};
 
 use leanstream::cgroup::MemoryGroup;
 use leanstream::storage::page_cache;
-use leanstream_tests::cli::{bin, embedded_model, quick_convert, stderr};
+use leanstream_tests::cli::{bin, embedded_model, quick_convert, stated_size, stderr};
 
 fn run_command(file: &Path, budget: u64) -> Command {
     let mut c = Command::new(bin("leanstream"));
@@ -30,13 +30,7 @@ fn text(o: &Output, what: &str) -> String {
 /// The smallest budget the binary accepts for `file`, from its own refusal of 1 MiB.
 fn minimum_budget(file: &Path) -> u64 {
     let o = run_command(file, 1 << 20).output().unwrap();
-    let err = stderr(&o);
-    let min = err
-        .split("below the minimum of ")
-        .nth(1)
-        .and_then(|r| r.split(" for").next())
-        .unwrap_or_else(|| panic!("no minimum in: {err}"));
-    leanstream::memory_size::parse_size(&min.replace(' ', "")).unwrap()
+    stated_size(&stderr(&o), "below the minimum of ")
 }
 
 /// Creates the group, or says loudly why it cannot; `None` skips the test outside CI only (the CI
@@ -190,5 +184,45 @@ fn memory_auto_follows_a_cgroup_limit_lowered_while_it_runs() {
             .any(|c| c["to"].as_u64() < c["from"].as_u64()),
         "the limit was lowered {lowered} times and the run never shrank: {changes:?}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The kernel's v1 pressure events reach `--memory auto`'s signals: a group of 16 MiB reading a
+/// 64 MiB file must reclaim its page cache, which the kernel reports at least at the `low` level.
+#[test]
+fn v1_pressure_events_are_received() {
+    use leanstream::elastic::{Pressure, PressureSignals};
+    let dir = leanstream_tests::fresh_dir(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        &format!("cgroup-pressure-{}", std::process::id()),
+    );
+    let big = dir.join("big");
+    // Written back before it is dropped from the page cache (dirty pages stay), so that the
+    // group's read fills the cache anew and is charged for it.
+    let mut f = std::fs::File::create(&big).unwrap();
+    std::io::Write::write_all(&mut f, &vec![1u8; 64 << 20]).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    page_cache::evict(&big).unwrap();
+    let Some(group) = memory_group(16 << 20) else {
+        return;
+    };
+    let mut signals = PressureSignals::open(Some(group.path()), None);
+    assert!(signals.has_events(), "no v1 events registered");
+    assert_eq!(signals.event_level(), Pressure::None);
+    let o = group
+        .spawn(Command::new("cat").arg(&big).stdout(Stdio::null()))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(o.success());
+    // The group was full: the rest of the file was read by reclaiming its cache.
+    let peak = group.peak_bytes().unwrap();
+    assert!(peak > 15 << 20, "the read never met the limit: peak {peak}");
+    assert!(
+        signals.event_level() >= Pressure::Moderate,
+        "no pressure event while the group reclaimed"
+    );
+    drop(group);
     std::fs::remove_dir_all(&dir).unwrap();
 }

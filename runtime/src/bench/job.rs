@@ -87,6 +87,14 @@ pub enum Task {
         record: Option<PathBuf>,
         reference: Option<PathBuf>,
     },
+    /// Decode `sequence` as `Decode` does, taking `budgets[i]` before the `i`-th `step_tokens`
+    /// tokens after the warm-up (`bench --elastic`).
+    Elastic {
+        sequence: Vec<u32>,
+        warmup: usize,
+        budgets: Vec<u64>,
+        step_tokens: usize,
+    },
 }
 
 /// What a worker prints.
@@ -110,6 +118,11 @@ pub struct Outcome {
     /// `mmap` runs: the peak charge of the memory cgroup that enforced the budget (the process's
     /// memory and the page cache it filled).
     pub memory_group_peak_bytes: Option<u64>,
+    /// `Elastic` runs: every measured token, and whether each step's most likely token was the
+    /// sequence's.
+    #[serde(default)]
+    pub elastic: Vec<super::elastic::Point>,
+    pub exact: Option<bool>,
 }
 
 /// The `bench-worker` entry point: runs `job_path` and prints the outcome as JSON on stdout.
@@ -191,8 +204,25 @@ fn execute(job: &Job) -> Result<Outcome> {
     for &t in &job.prompt {
         model.forward_into(&[t], &mut cache, false, &mut logits)?;
     }
+    if let Task::Decode {
+        sequence, warmup, ..
+    }
+    | Task::Elastic {
+        sequence, warmup, ..
+    } = &job.task
+    {
+        warm_up(
+            job,
+            &mut session,
+            &mut cache,
+            &mut logits,
+            sequence,
+            *warmup,
+        )?;
+    }
     match &job.task {
         Task::Generate { tokens } => {
+            let model = session.model();
             let mut generated = Vec::with_capacity(*tokens);
             for _ in 0..*tokens {
                 if cache.len() >= job.ctx {
@@ -213,17 +243,6 @@ fn execute(job: &Job) -> Result<Outcome> {
             record,
             reference,
         } => {
-            if job.prompt.len() + sequence.len() > job.ctx {
-                bail!(
-                    "prompt and sequence ({} tokens) do not fit in --ctx {}",
-                    job.prompt.len() + sequence.len(),
-                    job.ctx
-                );
-            }
-            for &t in &sequence[..*warmup] {
-                model.forward_into(&[t], &mut cache, false, &mut logits)?;
-            }
-            session.reset_metrics();
             if let (Some(io), Some(_)) = (session.io(), &job.trace) {
                 io.record_spans();
             }
@@ -252,7 +271,54 @@ fn execute(job: &Job) -> Result<Outcome> {
             outcome.peak_rss_bytes = peak_rss;
             Ok(outcome)
         }
+        Task::Elastic {
+            sequence,
+            warmup,
+            budgets,
+            step_tokens,
+        } => {
+            let (points, exact) = super::elastic::decode(
+                &mut session,
+                &mut cache,
+                &mut logits,
+                sequence,
+                *warmup,
+                budgets,
+                *step_tokens,
+            )?;
+            let times: Vec<f64> = points.iter().map(|p| p.step_ms / 1e3).collect();
+            let mut outcome = timing(&times);
+            outcome.peak_rss_bytes = peak_rss_bytes();
+            outcome.report = session.report();
+            outcome.elastic = points;
+            outcome.exact = Some(exact);
+            Ok(outcome)
+        }
     }
+}
+
+/// Checks that the prompt and `sequence` fit the context, decodes the first `warmup` tokens of
+/// `sequence` unmeasured, and starts the measurement.
+fn warm_up(
+    job: &Job,
+    session: &mut Session,
+    cache: &mut crate::kv_cache::KvCache,
+    logits: &mut Vec<f32>,
+    sequence: &[u32],
+    warmup: usize,
+) -> Result<()> {
+    if job.prompt.len() + sequence.len() > job.ctx {
+        bail!(
+            "prompt and sequence ({} tokens) do not fit in --ctx {}",
+            job.prompt.len() + sequence.len(),
+            job.ctx
+        );
+    }
+    for &t in &sequence[..warmup] {
+        session.model().forward_into(&[t], cache, false, logits)?;
+    }
+    session.reset_metrics();
+    Ok(())
 }
 
 /// Throughput and per-token latency percentiles from per-step times (seconds).

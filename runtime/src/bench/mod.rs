@@ -6,6 +6,7 @@
 //! sparsity, every bundle in DRAM); every policy is fed that sequence, so their outputs can be
 //! compared with the dense reference position by position.
 
+mod elastic;
 mod job;
 mod plot;
 mod report;
@@ -78,6 +79,15 @@ pub struct BenchArgs {
     /// Write a timeline of every run's reads and decode steps (Chrome trace format; Perfetto).
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Budgets one leanstream run steps through while it decodes, in order, comma-separated
+    /// (sizes or ffn:P%, as --memory): instead of the table of policies and budgets, a trace of
+    /// the resident set and tokens/s over time (--plot draws it); --memory and --policy are not
+    /// used.
+    #[arg(long, value_delimiter = ',')]
+    elastic: Vec<String>,
+    /// Tokens decoded at each --elastic budget.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    step_tokens: u64,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -94,6 +104,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let prompt = tokenizer.encode(&prompt_text, true)?;
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens: give some text");
+    }
+    if !args.elastic.is_empty() {
+        return run_elastic(&args, prompt);
     }
     let budgets = resolve_budgets(&args.model, args.ctx, &args.memory)?;
     let variants = expand_policies(&args.policy, &args.flash)?;
@@ -131,11 +144,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // they predict, so what they computed cannot serve as the truth).
     if !per_budget.is_empty() {
         bar.set_message("resident: the true active sets");
-        let all: Vec<u32> = runner.prompt.iter().chain(&sequence).copied().collect();
-        let trace = crate::streaming::ActiveTrace::record(&args.model, &all, args.ctx)?;
-        let path = runner.active_trace_path();
-        std::fs::write(&path, serde_json::to_vec(&trace)?)
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        runner.record_active_trace(&sequence)?;
     }
     let reference = (!synthetic).then(|| work.path.join("dense.logprobs"));
     let decode = |record: Option<PathBuf>, reference: Option<PathBuf>| Task::Decode {
@@ -217,35 +226,120 @@ pub fn run(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `--elastic`: the resident sequence, then one leanstream run stepping through the budgets.
+fn run_elastic(args: &BenchArgs, prompt: Vec<u32>) -> Result<()> {
+    let plan = crate::streaming::memory_split(&args.model, args.ctx)?;
+    let steps = args
+        .elastic
+        .iter()
+        .map(|spec| resolve_budget(&plan, spec))
+        .collect::<Result<Vec<_>>>()?;
+    let step_tokens = args.step_tokens as usize;
+    let bar = ProgressBar::new(3);
+    let work = tempdir(&args.model)?;
+    let runner = Runner {
+        args,
+        prompt,
+        work: work.path.clone(),
+        bar: &bar,
+    };
+    bar.set_message("resident: the token sequence");
+    let tokens = args.warmup + steps.len() * step_tokens + 1;
+    let generated = runner.execute(
+        &Variant::new(PolicyChoice::Resident),
+        None,
+        Task::Generate { tokens },
+    )?;
+    if let Some(e) = generated.error {
+        bail!("the resident policy cannot run this model: {e}");
+    }
+    let sequence = generated.generated;
+    bar.set_message("resident: the true active sets");
+    runner.record_active_trace(&sequence)?;
+    bar.set_message("leanstream: stepping the budget");
+    let outcome = runner.execute(
+        &Variant::new(PolicyChoice::Leanstream),
+        Some(steps[0].0),
+        Task::Elastic {
+            sequence,
+            warmup: args.warmup,
+            budgets: steps.iter().map(|s| s.0).collect(),
+            step_tokens,
+        },
+    )?;
+    bar.finish_and_clear();
+    if let Some(e) = outcome.error {
+        bail!("leanstream cannot start at {}: {e}", steps[0].1);
+    }
+    let exact = outcome.exact == Some(true);
+    if args.json {
+        let obj = serde_json::json!({
+            "points": outcome.elastic,
+            "identical_to_resident": exact,
+            "budget_changes": outcome.report["budget_changes"],
+            "reread_bytes": outcome.report["reread_bytes"],
+            "refill_reads": outcome.report["refill_reads"],
+            "tokens_per_s": outcome.tokens_per_s,
+        });
+        println!("{}", serde_json::to_string_pretty(&obj)?);
+    } else {
+        elastic::print_table(&outcome.elastic, step_tokens);
+        elastic::print_changes(&outcome.report["budget_changes"]);
+        println!(
+            "identical to resident: {exact}; re-read after growing: {}; refill reads: {}",
+            format_size(outcome.report["reread_bytes"].as_u64().unwrap_or(0)),
+            outcome.report["refill_reads"]
+        );
+    }
+    if let Some(path) = &args.plot {
+        let name = args.model.file_name().unwrap_or(args.model.as_os_str());
+        let title = format!(
+            "{}: resident set and tokens/s as the budget steps ({} flash)",
+            name.to_string_lossy(),
+            args.flash
+        );
+        elastic::write_plot(path, &outcome.elastic, &title)?;
+    }
+    if !exact {
+        bail!("the tokens of the run whose budget changed differ from resident's");
+    }
+    Ok(())
+}
+
 /// Budgets as bytes with their labels, smallest first.
 fn resolve_budgets(model: &Path, ctx: usize, specs: &[String]) -> Result<Vec<(u64, String)>> {
     let plan = crate::streaming::memory_split(model, ctx)?;
-    let mut out = Vec::new();
-    for spec in specs {
-        let spec = spec.trim();
-        let budget = match spec.strip_prefix("ffn:") {
-            Some(pct) => {
-                let p: f64 = pct
-                    .trim_end_matches('%')
-                    .parse()
-                    .ok()
-                    .filter(|p: &f64| (0.0..=100.0).contains(p))
-                    .with_context(|| {
-                        format!("--memory {spec}: write ffn:P% with P between 0 and 100")
-                    })?;
-                let b = plan.budget_for_ffn_share(p / 100.0);
-                (b, format!("{spec} ({})", format_size(b)))
-            }
-            None => {
-                let b = parse_size(spec).with_context(|| format!("--memory {spec}"))?;
-                (b, format_size(b))
-            }
-        };
-        out.push(budget);
-    }
+    let mut out = specs
+        .iter()
+        .map(|spec| resolve_budget(&plan, spec))
+        .collect::<Result<Vec<_>>>()?;
     out.sort_by_key(|b| b.0);
     out.dedup_by_key(|b| b.0);
     Ok(out)
+}
+
+/// A budget as bytes with its label: a size, or ffn:P% (the minimum with every dense weight
+/// resident plus P% of the FFN bundles).
+fn resolve_budget(plan: &crate::streaming::MemorySplit, spec: &str) -> Result<(u64, String)> {
+    let spec = spec.trim();
+    Ok(match spec.strip_prefix("ffn:") {
+        Some(pct) => {
+            let p: f64 = pct
+                .trim_end_matches('%')
+                .parse()
+                .ok()
+                .filter(|p: &f64| (0.0..=100.0).contains(p))
+                .with_context(|| {
+                    format!("--memory {spec}: write ffn:P% with P between 0 and 100")
+                })?;
+            let b = plan.budget_for_ffn_share(p / 100.0);
+            (b, format!("{spec} ({})", format_size(b)))
+        }
+        None => {
+            let b = parse_size(spec).with_context(|| format!("--memory {spec}"))?;
+            (b, format_size(b))
+        }
+    })
 }
 
 /// Policies as runnable variants; `all` is every policy and ablation.
@@ -421,6 +515,15 @@ impl Runner<'_> {
 impl Runner<'_> {
     fn active_trace_path(&self) -> PathBuf {
         self.work.join("active-trace.json")
+    }
+
+    /// Records the true active sets of the prompt and `sequence` where the budgeted runs read them.
+    fn record_active_trace(&self, sequence: &[u32]) -> Result<()> {
+        let all: Vec<u32> = self.prompt.iter().chain(sequence).copied().collect();
+        let trace = crate::streaming::ActiveTrace::record(&self.args.model, &all, self.args.ctx)?;
+        let path = self.active_trace_path();
+        std::fs::write(&path, serde_json::to_vec(&trace)?)
+            .with_context(|| format!("cannot write {}", path.display()))
     }
 
     fn timeline_path(&self) -> PathBuf {

@@ -14,18 +14,40 @@ const LEFT: f64 = 70.0;
 const RIGHT: f64 = 210.0;
 const TOP: f64 = 40.0;
 const BOTTOM: f64 = 60.0;
-const COLOURS: [&str; 10] = [
+pub(super) const COLOURS: [&str; 10] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
     "#bcbd22", "#17becf",
 ];
 
-/// Writes the plot to `path` (through a temporary name, so a failed write leaves no half file).
+/// Writes the plot to `path`.
 pub fn write(path: &Path, runs: &[Run], model: &Path) -> Result<()> {
     let name = model.file_name().unwrap_or(model.as_os_str());
-    let svg = render(runs, &name.to_string_lossy());
+    write_svg(path, &render(runs, &name.to_string_lossy()))
+}
+
+/// Writes an SVG to `path` through a temporary name, so a failed write leaves no half file.
+pub(super) fn write_svg(path: &Path, svg: &str) -> Result<()> {
     let tmp = path.with_extension("svg.tmp");
     std::fs::write(&tmp, svg).with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// An SVG of `w` × `h` on white, `title` centred above the plot area that starts `left` from the
+/// left edge and ends `right` from the right.
+pub(super) fn svg_start(w: f64, h: f64, left: f64, right: f64, title: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="22" text-anchor="middle" font-size="14">{}</text>"#,
+        (w - right + left) / 2.0,
+        escape(title)
+    );
+    s
 }
 
 fn render(runs: &[Run], title: &str) -> String {
@@ -53,17 +75,12 @@ fn render(runs: &[Run], title: &str) -> String {
     let y1 = nice_ceiling(runs.iter().map(|r| r.tokens_per_s).fold(1.0, f64::max) * 1.05);
     let px = |x: f64| LEFT + (x - x0) / (x1 - x0) * (W - LEFT - RIGHT);
     let py = |y: f64| H - BOTTOM - y / y1 * (H - TOP - BOTTOM);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="22" text-anchor="middle" font-size="14">tokens/s versus memory budget: {}</text>"#,
-        (W - RIGHT + LEFT) / 2.0,
-        escape(title)
+    let mut s = svg_start(
+        W,
+        H,
+        LEFT,
+        RIGHT,
+        &format!("tokens/s versus memory budget: {title}"),
     );
     // Axes and grid.
     for i in 0..=5 {
@@ -160,7 +177,7 @@ fn render(runs: &[Run], title: &str) -> String {
 }
 
 /// The smallest 1, 2 or 5 × 10^k at or above `v`.
-fn nice_ceiling(v: f64) -> f64 {
+pub(super) fn nice_ceiling(v: f64) -> f64 {
     let mag = 10f64.powf(v.log10().floor());
     [1.0, 2.0, 5.0, 10.0]
         .iter()
@@ -169,7 +186,7 @@ fn nice_ceiling(v: f64) -> f64 {
         .unwrap_or(10.0 * mag)
 }
 
-fn trim(v: f64) -> String {
+pub(super) fn trim(v: f64) -> String {
     if v >= 100.0 || v.fract().abs() < 1e-9 {
         format!("{v:.0}")
     } else {

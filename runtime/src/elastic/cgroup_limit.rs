@@ -21,12 +21,15 @@ pub struct GroupMemory {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Groups {
     v1: Option<PathBuf>,
+    /// The v2 group, where the memory controller's files are.
     v2: Option<PathBuf>,
+    /// The v2 group, with or without them (a child group may still get the controller).
+    v2_dir: Option<PathBuf>,
 }
 
 impl Groups {
     /// This process's groups. Fails when neither a v1 memory hierarchy nor a v2 hierarchy is
-    /// mounted (no cgroups: `--memory auto` has nothing to follow).
+    /// mounted (no cgroups: `--memory auto` has nothing to follow, no group can be made).
     pub fn of_this_process() -> io::Result<Self> {
         let cgroup = std::fs::read_to_string("/proc/self/cgroup")?;
         let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
@@ -56,14 +59,13 @@ impl Groups {
             }
         }
         // A v2 hierarchy without the memory controller has no memory files: it does not count.
+        let v2_dir = v2.clone();
         let v2 = v2.filter(|p| ancestors(p).any(|a| a.join("memory.max").exists()));
-        if v1.is_none() && v2.is_none() {
-            return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "this process is in no memory cgroup (neither a v1 memory hierarchy nor a v2 one with memory.max is mounted)",
-            ));
+        let groups = Self { v1, v2, v2_dir };
+        if groups.v2_dir.is_none() {
+            groups.memory_files()?;
         }
-        Ok(Self { v1, v2 })
+        Ok(groups)
     }
 
     /// The v1 memory group's directory, where there is one.
@@ -71,9 +73,28 @@ impl Groups {
         self.v1.as_deref()
     }
 
+    /// The v2 group's directory and the hierarchy's mount point, where v2 is mounted (whether
+    /// or not the memory controller is enabled down to the group).
+    pub fn v2(&self) -> Option<&Path> {
+        self.v2_dir.as_deref()
+    }
+
+    /// Fails when there is no group with memory files to read (no v1 memory hierarchy, and v2
+    /// without the memory controller down to this process's group).
+    fn memory_files(&self) -> io::Result<()> {
+        if self.v1.is_none() && self.v2.is_none() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "this process is in no memory cgroup (neither a v1 memory hierarchy nor a v2 one with memory.max is mounted)",
+            ));
+        }
+        Ok(())
+    }
+
     /// The limit and usage now. A level whose files cannot be read (a container often hides its
     /// parents) is skipped.
     pub fn read(&self) -> io::Result<GroupMemory> {
+        self.memory_files()?;
         let mut limit: Option<u64> = None;
         let mut usage = None;
         let mut tighten = |l: Option<u64>| {

@@ -3,7 +3,9 @@
 //! watches it; the streaming model re-plans for each new value between tokens.
 
 pub mod cgroup_limit;
+pub mod pressure;
 pub mod watch;
 
 pub use cgroup_limit::{GroupMemory, Groups};
+pub use pressure::{Pressure, PressureSignals};
 pub use watch::{auto_budget, read_budget, BudgetHandle, BudgetSource, BudgetWatch};

@@ -1,8 +1,8 @@
 //! Watches where the budget comes from and publishes each new value for the token loop to take
 //! between tokens. A background thread polls the source — a file holding a size
 //! (`--memory-file`: re-read when its modification time or length changes, and at once on
-//! SIGUSR1), or the memory cgroup (`--memory auto`) — so the token loop only loads an atomic: a
-//! budget that does not change costs nothing per token.
+//! SIGUSR1), or the memory cgroup and the memory-pressure signals (`--memory auto`) — so the
+//! token loop only loads an atomic: a budget that does not change costs nothing per token.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::{bail, Context, Result};
 
 use super::cgroup_limit::{GroupMemory, Groups};
+use super::pressure::PressureSignals;
 use crate::memory_size::{format_size, parse_budget};
 
 /// Where the budget comes from.
@@ -83,6 +84,9 @@ extern "C" fn on_usr1(_: libc::c_int) {
 pub struct BudgetWatch {
     latest: Arc<AtomicU64>,
     taken: u64,
+    /// The source lowers the budget under memory pressure as far as it will go: a budget below
+    /// the run's floor means the floor ([`BudgetWatch::to_floor`]).
+    to_floor: bool,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -94,6 +98,7 @@ impl BudgetWatch {
         // Stamped before the first read: a change after it is seen by the first poll.
         let stamp = file_stamp(&source);
         let first = read_budget(&source)?;
+        let to_floor = matches!(source, BudgetSource::Cgroup(_));
         if let BudgetSource::File(_) = source {
             // SAFETY: the handler only stores to an atomic, which is async-signal-safe; it
             // replaces SIGUSR1's default action (terminate), which nothing else here relies on.
@@ -113,6 +118,7 @@ impl BudgetWatch {
         let watch = Self {
             latest,
             taken: first,
+            to_floor,
             stop,
             thread: Some(thread),
         };
@@ -126,10 +132,17 @@ impl BudgetWatch {
         let watch = Self {
             latest: Arc::clone(&latest),
             taken: budget,
+            to_floor: false,
             stop: Arc::new(AtomicBool::new(false)),
             thread: None,
         };
         (watch, BudgetHandle(latest))
+    }
+
+    /// Whether a budget below the run's floor means "the floor" (memory pressure asking for all
+    /// that can be given) rather than a value to refuse.
+    pub fn to_floor(&self) -> bool {
+        self.to_floor
     }
 
     /// The new budget, once per change since the last call.
@@ -174,6 +187,10 @@ fn file_stamp(source: &BudgetSource) -> Stamp {
 
 fn watch(source: BudgetSource, mut last_stamp: Stamp, latest: &AtomicU64, stop: &AtomicBool) {
     let mut tick = 0u32;
+    let mut pressure = match &source {
+        BudgetSource::Cgroup(groups) => Some(PressureSignals::open(groups.v1(), groups.v2())),
+        BudgetSource::File(_) => None,
+    };
     while !stop.load(Ordering::Acquire) {
         std::thread::sleep(POLL);
         tick = tick.wrapping_add(1);
@@ -192,7 +209,10 @@ fn watch(source: BudgetSource, mut last_stamp: Stamp, latest: &AtomicU64, stop: 
             continue;
         }
         match read_budget(&source) {
-            Ok(b) => latest.store(b, Ordering::Release),
+            Ok(b) => {
+                let share = pressure.as_mut().map_or(1.0, |p| p.level().share());
+                latest.store((b as f64 * share) as u64, Ordering::Release)
+            }
             // A file caught half-written, or a bad value: keep the budget and say so once.
             Err(e) => {
                 if let BudgetSource::File(_) = source {

@@ -16,7 +16,9 @@
 //!
 //! Streamed weights run through the same kernels on the same encoded bytes as resident ones (the
 //! head through [`RowStream`], which is how a resident matrix computes too), so the results are
-//! bit-identical.
+//! bit-identical — also when a new budget moves a part between resident and streamed while the
+//! model runs ([`DenseStream::set_streamed`]): resident weights are read through the same queue,
+//! checked whole against their index checksums.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -127,17 +129,6 @@ impl<'a> DenseTensors<'a> {
         let mut v = vec![0.0f32; shape.iter().product()];
         dequantize_row(t.qtype, &self.read(t)?, &mut v)?;
         Ok(v)
-    }
-
-    /// A matrix kept encoded as stored.
-    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
-        let t = self.tensor(name, &[rows, cols])?;
-        Ok(Weight::Encoded(QMatrix::new(
-            rows,
-            cols,
-            t.qtype,
-            self.read(t)?,
-        )?))
     }
 
     fn extent(&self, name: &str, rows: usize, cols: usize) -> Result<Extent> {
@@ -350,29 +341,13 @@ struct TableStream {
 }
 
 impl TableStream {
-    /// Reads the extent once, whole, in chunks: checks it against its index checksum and keeps
-    /// the hash of each page.
+    /// Reads the extent once, whole: checks it against its index checksum and keeps the hash of
+    /// each page.
     fn open(io: &mut Reader, e: Extent) -> Result<Self> {
-        let mut whole = Xxh3::new();
         let mut pages = Vec::with_capacity(e.len / PAGE);
-        for start in (0..e.len).step_by(CHECK_CHUNK) {
-            let len = CHECK_CHUNK.min(e.len - start);
-            let ticket = io.submit(
-                e.offset + start as u64,
-                len,
-                URGENT,
-                &mut SpareBuffers::new(0),
-            );
-            let buf = io.wait(ticket, &e.name)?;
-            whole.update(&buf);
-            pages.extend(buf.chunks(PAGE).map(xxh3_64));
-        }
-        if whole.digest() != e.checksum {
-            return Err(FormatError::Checksum {
-                what: format!("{}: tensor {}", io.queue.device().name(), e.name),
-            }
-            .into());
-        }
+        read_checked(io, &e, |chunk| {
+            pages.extend(chunk.chunks(PAGE).map(xxh3_64))
+        })?;
         let block_rows = block_rows(&e);
         // One block's read: its rows' pages, one more where they straddle a page boundary.
         let block_read = (block_rows * e.row_bytes()).div_ceil(PAGE) * PAGE + PAGE;
@@ -503,19 +478,64 @@ impl TableStream {
     }
 }
 
+/// Reads extent `e` whole, in chunks of [`CHECK_CHUNK`] bytes handed to `each` as they land, and
+/// checks it against its index checksum.
+fn read_checked(io: &mut Reader, e: &Extent, mut each: impl FnMut(&[u8])) -> Result<()> {
+    let mut whole = Xxh3::new();
+    for start in (0..e.len).step_by(CHECK_CHUNK) {
+        let len = CHECK_CHUNK.min(e.len - start);
+        let ticket = io.submit(
+            e.offset + start as u64,
+            len,
+            URGENT,
+            &mut SpareBuffers::new(0),
+        );
+        let buf = io.wait(ticket, &e.name)?;
+        whole.update(&buf);
+        each(&buf);
+    }
+    if whole.digest() != e.checksum {
+        return Err(FormatError::Checksum {
+            what: format!("{}: tensor {}", io.queue.device().name(), e.name),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// A matrix made resident: its extent read whole and checked, kept encoded as stored.
+fn resident(io: &mut Reader, e: &Extent) -> Result<Weight> {
+    let mut data = Vec::with_capacity(e.len);
+    read_checked(io, e, |chunk| data.extend_from_slice(chunk))?;
+    data.truncate(e.size);
+    Ok(Weight::Encoded(QMatrix::new(
+        e.rows, e.cols, e.qtype, data,
+    )?))
+}
+
 /// An embedding or an output head: resident, or streamed.
 enum Table {
     Resident(Weight),
     Streamed(TableStream),
+    /// Neither: a budget change failed to read it again ([`DenseStream::set_streamed`]).
+    Unloaded,
 }
 
 impl Table {
-    fn open(t: &DenseTensors, io: &mut Reader, e: Extent, streamed: bool) -> Result<Self> {
+    fn open(io: &mut Reader, e: &Extent, streamed: bool) -> Result<Self> {
         Ok(if streamed {
-            Table::Streamed(TableStream::open(io, e)?)
+            Table::Streamed(TableStream::open(io, e.clone())?)
         } else {
-            Table::Resident(t.matrix(&e.name, e.rows, e.cols)?)
+            Table::Resident(resident(io, e)?)
         })
+    }
+
+    /// Drops the table, withdrawing its reads in flight.
+    fn unload(&mut self, io: &Reader) {
+        if let Table::Streamed(s) = self {
+            s.in_flight.drain(..).for_each(|(_, t)| io.discard(t));
+        }
+        *self = Table::Unloaded;
     }
 }
 
@@ -523,15 +543,78 @@ impl Table {
 enum Layers {
     Resident(Vec<Attention>),
     Streamed(Box<AttentionStream>),
+    /// Neither: a budget change failed to read them again.
+    Unloaded,
+}
+
+impl Layers {
+    fn open(io: &mut Reader, layers: &[[Extent; 4]], streamed: bool) -> Result<Self> {
+        if streamed {
+            // One layer's four projections.
+            let layer_bytes = layers
+                .iter()
+                .map(|l| l.iter().map(|e| e.len).sum::<usize>())
+                .max()
+                .unwrap_or(0);
+            let mut stream = AttentionStream {
+                layers: layers.to_vec(),
+                current: None,
+                ahead: VecDeque::new(),
+                spares: SpareBuffers::new(layer_bytes),
+            };
+            // The next token's reads start now, as every later token's start during the one
+            // before.
+            stream.queue_ahead(io, 0);
+            return Ok(Layers::Streamed(Box::new(stream)));
+        }
+        let layers = layers
+            .iter()
+            .map(|[q, k, v, o]| {
+                Ok(Attention {
+                    wq: resident(io, q)?,
+                    wk: resident(io, k)?,
+                    wv: resident(io, v)?,
+                    wo: resident(io, o)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Layers::Resident(layers))
+    }
+
+    /// Drops the projections, withdrawing the reads ahead.
+    fn unload(&mut self, io: &Reader) {
+        if let Layers::Streamed(s) = self {
+            s.ahead
+                .drain(..)
+                .flat_map(|(_, t)| t)
+                .for_each(|t| io.discard(t));
+        }
+        *self = Layers::Unloaded;
+    }
+}
+
+/// Where the dense tensors are in the file.
+struct Extents {
+    attention: Vec<[Extent; 4]>,
+    embedding: Extent,
+    /// `None`: tied to the embedding.
+    head: Option<Extent>,
 }
 
 /// The dense weights of a streaming model, as [`DenseWeights`] for its forward passes.
 pub struct DenseStream {
     io: Reader,
+    extents: Extents,
+    streamed: DenseStreamed,
     attention: Layers,
     embed: Table,
     /// `None`: tied to the embedding.
     head: Option<Table>,
+}
+
+/// What a forward pass finds where a failed budget change left a part unloaded.
+fn unloaded() -> anyhow::Error {
+    anyhow::anyhow!("the dense weights could not be read again after a budget change")
 }
 
 impl DenseStream {
@@ -543,61 +626,68 @@ impl DenseStream {
         streamed: DenseStreamed,
         queue: Arc<IoQueue>,
     ) -> Result<Self> {
-        let mut io = Reader {
-            queue,
-            bytes: 0,
-            reads: 0,
-        };
-        let attention = if streamed.attention {
-            let layers = t.attention_extents(c)?;
-            // One layer's four projections.
-            let layer_bytes = layers
-                .iter()
-                .map(|l| l.iter().map(|e| e.len).sum::<usize>())
-                .max()
-                .unwrap_or(0);
-            Layers::Streamed(Box::new(AttentionStream {
-                layers,
-                current: None,
-                ahead: VecDeque::new(),
-                spares: SpareBuffers::new(layer_bytes),
-            }))
-        } else {
-            let layers = t.attention_extents(c)?;
-            let m = |e: &Extent| t.matrix(&e.name, e.rows, e.cols);
-            Layers::Resident(
-                layers
-                    .iter()
-                    .map(|[q, k, v, o]| {
-                        Ok(Attention {
-                            wq: m(q)?,
-                            wk: m(k)?,
-                            wv: m(v)?,
-                            wo: m(o)?,
-                        })
-                    })
-                    .collect::<Result<_>>()?,
-            )
-        };
-        let embed = Table::open(t, &mut io, t.embedding(c)?, streamed.embedding)?;
-        let head = match t.head(c)? {
-            Some(e) => Some(Table::open(t, &mut io, e, streamed.head)?),
-            None => None,
+        let extents = Extents {
+            attention: t.attention_extents(c)?,
+            embedding: t.embedding(c)?,
+            head: t.head(c)?,
         };
         let mut stream = Self {
-            io,
-            attention,
-            embed,
-            head,
+            io: Reader {
+                queue,
+                bytes: 0,
+                reads: 0,
+            },
+            extents,
+            streamed,
+            attention: Layers::Unloaded,
+            embed: Table::Unloaded,
+            head: None,
         };
-        // The first token's reads start now, as every later token's start during the one before.
-        if let Layers::Streamed(a) = &mut stream.attention {
-            a.queue_ahead(&mut stream.io, 0);
-        }
-        if let Some(Table::Streamed(s)) = stream.head.as_mut().or(Some(&mut stream.embed)) {
-            s.queue_blocks(&mut stream.io);
-        }
+        stream.load(DenseStreamed::default(), true)?;
         Ok(stream)
+    }
+
+    /// Moves dense weights between resident and streamed (a new budget, between tokens): each
+    /// part that changes is dropped first — its memory freed, its reads in flight withdrawn —
+    /// then read again as resident (whole, checked) or opened as a stream. Output is unchanged:
+    /// both compute on the same encoded bytes. After an error (a read that failed) the parts not
+    /// read again make the next forward pass fail with an error, never with other results.
+    pub fn set_streamed(&mut self, to: DenseStreamed) -> Result<()> {
+        let from = std::mem::replace(&mut self.streamed, to);
+        self.load(from, false)
+    }
+
+    /// (Re)loads the parts whose placement differs from `from`'s (every part when `all`).
+    fn load(&mut self, from: DenseStreamed, all: bool) -> Result<()> {
+        let to = self.streamed;
+        let io = &mut self.io;
+        let e = &self.extents;
+        let tied = e.head.is_none();
+        // A tied head is the embedding: it moves with it.
+        let head_moves = all || from.head != to.head;
+        let embed_moves = all || from.embedding != to.embedding;
+        if all || from.attention != to.attention {
+            self.attention.unload(io);
+            self.attention = Layers::open(io, &e.attention, to.attention)?;
+        }
+        if let (Some(h), true) = (&mut self.head, head_moves) {
+            h.unload(io);
+        }
+        if embed_moves {
+            self.embed.unload(io);
+            self.embed = Table::open(io, &e.embedding, to.embedding)?;
+        }
+        if let (Some(h), true) = (&e.head, head_moves) {
+            self.head = Some(Table::open(io, h, to.head)?);
+        }
+        // The next token's first head blocks, queued now as every later token's are during the
+        // one before.
+        if head_moves || (tied && embed_moves) {
+            if let Some(Table::Streamed(s)) = self.head.as_mut().or(Some(&mut self.embed)) {
+                s.queue_blocks(io);
+            }
+        }
+        Ok(())
     }
 
     /// Bytes and reads of dense weights submitted so far.
@@ -611,6 +701,7 @@ impl DenseWeights for DenseStream {
         match &mut self.embed {
             Table::Resident(w) => w.rows_f32(tokens, out),
             Table::Streamed(s) => s.embed(&mut self.io, tokens, out)?,
+            Table::Unloaded => return Err(unloaded()),
         }
         Ok(())
     }
@@ -619,6 +710,7 @@ impl DenseWeights for DenseStream {
         match &mut self.attention {
             Layers::Streamed(stream) => stream.get(&mut self.io, l),
             Layers::Resident(layers) => Ok(&layers[l]),
+            Layers::Unloaded => Err(unloaded()),
         }
     }
 
@@ -626,6 +718,7 @@ impl DenseWeights for DenseStream {
         match self.head.as_mut().unwrap_or(&mut self.embed) {
             Table::Resident(w) => w.matmul_t(xn, rows, logits),
             Table::Streamed(s) => s.head(&mut self.io, xn, rows, logits)?,
+            Table::Unloaded => return Err(unloaded()),
         }
         Ok(())
     }

@@ -34,6 +34,7 @@ use super::metrics::Metrics;
 use super::mmap::Mapping;
 use super::plan::LayerPlan;
 use super::predict::{above_into, active_from_flash};
+use super::refill::Refill;
 use super::schedule::Schedule;
 use super::trace::ActiveTrace;
 
@@ -190,6 +191,10 @@ pub(super) struct Core {
     pending: Vec<Option<(Ticket, u64)>>,
     /// Scratch of [`Core::request_all`]: the slots of its batch (all false between calls).
     in_batch: Vec<bool>,
+    /// Per slot: evicted when the budget shrank and not read since ([`Metrics::reread_bytes`]).
+    shrunk: Vec<bool>,
+    /// Per slot: the queued read refills the cache ([`super::refill`]): refinement leaves it.
+    refilling: Vec<bool>,
     /// Scratch of [`Core::refine`]: the late reads.
     late: Vec<(ClusterKey, u32)>,
     /// Scratch of [`Core::take_any`].
@@ -263,11 +268,30 @@ impl Core {
             self.in_batch[s] = false;
             let ticket = *tickets_in_order.next().expect("one ticket per marked key");
             let size = self.plans[key.0 as usize].clusters[key.1 as usize].size;
+            self.refilling[s] = false;
+            if std::mem::take(&mut self.shrunk[s]) {
+                self.metrics.reread_bytes += size;
+            }
             self.pending[s] = Some((ticket, size));
             self.in_flight += size;
         }
         self.tickets = tickets;
         n
+    }
+
+    /// Queues refill reads ([`super::refill`]): like [`Core::request_all`], but refinement
+    /// neither withdraws them nor counts them as wasted.
+    pub fn request_refill(&mut self, wanted: &[(ClusterKey, u32)]) {
+        self.metrics.refill_reads += self.request_all(wanted) as u64;
+        for &(key, _) in wanted {
+            let s = self.slots.of(key);
+            self.refilling[s] = self.pending[s].is_some();
+        }
+    }
+
+    /// Bytes of reads in flight.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight
     }
 
     /// Offers a cluster just read to the cache; what the cache declines or evicts is recycled.
@@ -374,7 +398,7 @@ impl Core {
                 if how.boost {
                     self.io.boost(ticket, URGENT);
                 }
-            } else if how.cancel && self.io.cancel(ticket) {
+            } else if how.cancel && !self.refilling[s] && self.io.cancel(ticket) {
                 self.pending[s] = None;
                 self.in_flight -= size;
                 self.metrics.cancelled_reads += 1;
@@ -384,7 +408,9 @@ impl Core {
                     // buffer is released here rather than held by the queue.
                     self.pending[s] = None;
                     self.in_flight -= size;
-                    self.metrics.wasted_reads += 1;
+                    if !std::mem::take(&mut self.refilling[s]) {
+                        self.metrics.wasted_reads += 1;
+                    }
                     if let Ok(buf) = done {
                         if self.check_cluster(l, ci, &buf).is_ok() {
                             self.offer(key, Bytes::Read(buf));
@@ -457,6 +483,8 @@ pub struct StreamEngine {
     /// One selection per row of the current forward call.
     rows: Vec<Selection>,
     marks: Marks,
+    /// Refilling the cache after the budget grew, while under way.
+    refill: Option<Refill>,
 }
 
 impl StreamEngine {
@@ -483,6 +511,8 @@ impl StreamEngine {
                 slots: slots.clone(),
                 pending: vec![None; slots.len()],
                 in_batch: vec![false; slots.len()],
+                shrunk: vec![false; slots.len()],
+                refilling: vec![false; slots.len()],
                 late: Vec::new(),
                 tickets: Vec::new(),
                 reads: Vec::new(),
@@ -498,6 +528,7 @@ impl StreamEngine {
             work: Work::default(),
             rows: Vec::new(),
             marks: Marks::default(),
+            refill: None,
         }
     }
 
@@ -514,10 +545,19 @@ impl StreamEngine {
     }
 
     /// Gives the neuron cache a new capacity (the budget changed between tokens); what a
-    /// smaller one evicts is freed, not kept as spare read buffers.
+    /// smaller one evicts is freed, not kept as spare read buffers, and remembered so that
+    /// reading it again counts as re-read. A larger one is refilled from the profile's hottest
+    /// clusters in the background ([`super::refill`]).
     pub(super) fn set_cache_capacity(&mut self, bytes: u64) {
-        self.core.cache.set_capacity(bytes);
+        let grows = bytes > self.core.cache.capacity();
+        for s in self.core.cache.set_capacity(bytes) {
+            self.core.shrunk[s] = true;
+        }
         self.core.cache.drain_evicted().for_each(drop);
+        if grows && self.core.mapping.is_none() {
+            let order = super::schedule::hot_order(&self.core);
+            self.refill = Some(Refill::new(order.into_iter().map(|(_, k)| k).collect()));
+        }
     }
 
     pub(super) fn mapping(&self) -> Option<&Mapping> {
@@ -547,6 +587,11 @@ impl StreamEngine {
     /// A forward call of `tokens` at positions `start..`: checked against the trace, if any.
     pub(super) fn begin_call(&mut self, tokens: &[u32], start: usize) -> Result<()> {
         self.core.call_len = tokens.len();
+        if let Some(refill) = &mut self.refill {
+            if !refill.step(&mut self.core) {
+                self.refill = None;
+            }
+        }
         if let Some(trace) = &self.truth {
             for (r, &tok) in tokens.iter().enumerate() {
                 trace.check(self.call_token + r, tok, start + r)?;

@@ -29,6 +29,11 @@ pub struct Metrics {
     /// Speculative reads that completed but were not needed.
     pub wasted_reads: u64,
     pub late_reads: u64,
+    /// Bytes of clusters evicted when the budget shrank that were queued for reading again: what
+    /// giving memory back cost in reads once it came back.
+    pub reread_bytes: u64,
+    /// Reads refilling the cache after the budget grew ([`super::refill`]).
+    pub refill_reads: u64,
     /// Truly active clusters (token × layer), those of them in memory when their layer's input
     /// was ready, and the bytes of the others: what any policy must read at least.
     pub active_clusters: u64,
@@ -109,6 +114,8 @@ impl Metrics {
             cancelled_reads: self.cancelled_reads,
             wasted_reads: self.wasted_reads,
             late_reads: self.late_reads,
+            reread_bytes: self.reread_bytes,
+            refill_reads: self.refill_reads,
             io_busy_fraction: io_busy,
             compute_busy_fraction: ratio_s(self.compute_s, wall_s),
             select_busy_fraction: ratio_s(self.select_s, wall_s),
@@ -136,6 +143,8 @@ pub struct BudgetChange {
     pub micros: u64,
     /// The process's resident set right after (from the OS).
     pub rss_after: Option<u64>,
+    /// Which dense weights stream under the new budget.
+    pub dense_streamed: super::planner::DenseStreamed,
 }
 
 /// The per-run figures printed in `--json`.
@@ -173,6 +182,10 @@ pub struct Summary {
     pub wasted_reads: u64,
     /// Clusters needed but neither resident nor requested when the FFN input was ready.
     pub late_reads: u64,
+    /// Bytes of clusters the cache gave up when the budget shrank, read again since.
+    pub reread_bytes: u64,
+    /// Reads that refilled the cache in the background after the budget grew.
+    pub refill_reads: u64,
     pub io_busy_fraction: f64,
     /// Shares of the wall time spent computing bundles, choosing neurons (predictors, sketch
     /// bounds, speculation) and waiting for reads: what is left is attention, norms and the head.

@@ -14,6 +14,7 @@ pub(crate) mod plan;
 pub mod planner;
 pub mod powerinfer2;
 mod predict;
+mod refill;
 mod schedule;
 mod speculation_gate;
 mod trace;
@@ -318,10 +319,12 @@ impl StreamingModel {
         })
     }
 
-    /// A new budget, taken between tokens: the neuron cache shrinks (its lowest-ranked clusters
-    /// freed and the memory returned to the OS before this returns) or grows (later reads fill
-    /// it); the dense weights stay as opened. Refused — the old budget staying — below what the
-    /// run needs with its dense weights as opened.
+    /// A new budget, taken between tokens and planned as at start-up ([`planner::replan`]).
+    /// Shrinking first evicts the neuron cache's lowest-ranked clusters, then moves dense weights
+    /// to streaming if the cache alone does not make room; growing first reads streamed dense
+    /// weights back into memory, then gives the cache its room (later reads fill it). What is
+    /// freed is returned to the OS before this returns. Refused — the old budget staying — below
+    /// the minimum at the run's context.
     pub fn set_budget(&mut self, budget: u64) -> Result<()> {
         let started = Instant::now();
         if self.budget == Some(budget) {
@@ -336,6 +339,15 @@ impl StreamingModel {
         };
         let split = planner::replan(input, &self.split)?;
         let from = self.budget;
+        // Room is made before anything is read: the cache shrinks first, and a part of the dense
+        // weights is dropped before it is read again in its new form.
+        self.engine
+            .set_cache_capacity(split.neuron_cache.min(self.split.neuron_cache));
+        if split.dense_streamed != self.split.dense_streamed {
+            self.dense
+                .set_streamed(split.dense_streamed)
+                .context("cannot move the dense weights for the new budget")?;
+        }
         self.engine.set_cache_capacity(split.neuron_cache);
         crate::memory::release_freed_memory();
         self.split = split;
@@ -346,14 +358,15 @@ impl StreamingModel {
             to: budget,
             micros: started.elapsed().as_micros() as u64,
             rss_after: crate::memory::current_rss_bytes(),
+            dense_streamed: self.split.dense_streamed,
         });
         Ok(())
     }
 
-    /// The least budget [`StreamingModel::set_budget`] accepts: the fixed needs with the dense
-    /// weights as opened.
+    /// The least budget [`StreamingModel::set_budget`] accepts: every dense weight the planner
+    /// may stream streaming, at the run's context and prompt chunk.
     pub fn budget_floor(&self) -> u64 {
-        planner::replan_floor(&self.replan_input, &self.split)
+        planner::minimum(&self.replan_input)
     }
 
     /// Follows `watch` from now on: each new budget it publishes is taken before the next token.
@@ -367,12 +380,20 @@ impl StreamingModel {
     }
 
     /// Takes a budget the watch published since the last token (or now, between requests). One
-    /// that cannot be taken keeps the old budget and says why on stderr.
+    /// that cannot be taken keeps the old budget and says why on stderr; one below the floor from
+    /// a source that lowers it as far as it goes (`--memory auto` under pressure) is the floor.
     /// Whether there was one to take.
     pub fn take_watched_budget(&mut self) -> bool {
-        let Some(budget) = self.watch.as_mut().and_then(BudgetWatch::changed) else {
+        let Some(watch) = self.watch.as_mut() else {
             return false;
         };
+        let to_floor = watch.to_floor();
+        let Some(mut budget) = watch.changed() else {
+            return false;
+        };
+        if to_floor {
+            budget = budget.max(self.budget_floor());
+        }
         if let Err(e) = self.set_budget(budget) {
             eprintln!("leanstream: budget unchanged: {e:#}");
         }
@@ -662,6 +683,19 @@ pub fn streaming_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
         ctx,
         planner::MIN_PROMPT_CHUNK,
         false,
+    )?))
+}
+
+/// The least budget a running `leanstream` run of `file` at `ctx`, opened with the longest prompt
+/// chunk, takes when it changes ([`StreamingModel::budget_floor`]): every dense weight the planner
+/// may stream streaming, the certificates kept as [`memory_split`] keeps them (a run keeps those
+/// it opened with).
+pub fn running_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
+    Ok(planner::minimum(&open_plan_input(
+        path,
+        ctx,
+        crate::generate::PROMPT_CHUNK,
+        true,
     )?))
 }
 

@@ -260,40 +260,15 @@ pub fn plan(p: PlanInput) -> Result<MemorySplit> {
     Ok(split)
 }
 
-/// A new budget for a running model whose dense weights stay as `current` placed them: the
-/// neuron cache gets what is left. Refused below the fixed part, naming it and, where streaming
-/// more dense weights would go lower, the minimum a restart would reach.
+/// A new budget for a running model, planned as at start-up for the run's context and prompt
+/// chunk: the fewest dense weights streaming that fit, the rest to the neuron cache. So a budget
+/// that shrinks empties the cache first and then streams dense weights in the usual order, and one
+/// that grows makes them resident again before the cache grows. The certificates stay as opened
+/// (their bytes are in the fixed part). Refused below [`minimum`], which the error states.
 pub fn replan(p: PlanInput, current: &MemorySplit) -> Result<MemorySplit> {
-    let budget = p.budget.expect("a new budget");
-    let mut split = fixed_split(&p, current.dense_streamed);
-    let needs = replan_floor(&p, current);
-    if budget < needs {
-        let restart = minimum(&p);
-        bail!(
-            "--memory {} is below the {} this run needs with its dense weights as opened ({}){}",
-            format_size(budget),
-            format_size(needs),
-            split.describe_fixed(),
-            if restart < needs {
-                format!(
-                    "; streaming more of them, a restart would run in {}",
-                    format_size(restart)
-                )
-            } else {
-                String::new()
-            }
-        );
-    }
-    split.neuron_cache = (budget - split.fixed()).min(p.ffn);
-    // The certificates stay as opened (their bytes are in the fixed part).
+    let mut split = plan(p)?;
     split.certified_layers = current.certified_layers.clone();
     Ok(split)
-}
-
-/// The least budget [`replan`] accepts for a model running with `current`'s dense weights.
-pub fn replan_floor(p: &PlanInput, current: &MemorySplit) -> u64 {
-    let ffn = if p.needs_all_ffn { p.ffn } else { 0 };
-    fixed_split(p, current.dense_streamed).fixed() + ffn
 }
 
 /// Prompt chunk lengths a plan may use, longest first. A shorter chunk needs less scratch (the
@@ -622,21 +597,37 @@ mod tests {
     }
 
     #[test]
-    fn a_running_model_replans_only_its_neuron_cache() {
-        let opened = plan(input(Some(OTHERS + 100 * MIB + 50 * MIB), false)).unwrap();
+    fn a_running_model_streams_dense_weights_below_them_and_takes_them_back() {
+        let mut opened = plan(input(Some(OTHERS + 100 * MIB + 50 * MIB), false)).unwrap();
+        opened.certified_layers = vec![1, 3];
         assert_eq!(opened.dense_streamed, DenseStreamed::default());
-        let to = |budget| replan(input(Some(budget), false), &opened);
-        let s = to(OTHERS + 100 * MIB + 10 * MIB).unwrap();
+        let to = |budget, current: &MemorySplit| replan(input(Some(budget), false), current);
+        // Shrinking empties the cache first…
+        let s = to(OTHERS + 100 * MIB + 10 * MIB, &opened).unwrap();
         assert_eq!(
             (s.dense_streamed, s.neuron_cache),
-            (opened.dense_streamed, 10 * MIB)
+            (DenseStreamed::default(), 10 * MIB)
         );
-        // Growing past the FFN caps the cache at the FFN.
-        assert_eq!(to(OTHERS + 400 * MIB).unwrap().neuron_cache, 200 * MIB);
-        // Below the dense weights as opened: refused, naming what a restart would reach.
-        let err = to(OTHERS + 100 * MIB - 1).unwrap_err().to_string();
-        assert!(err.contains("below the 120.00 MiB this run needs"), "{err}");
-        assert!(err.contains("a restart would run in 29.00 MiB"), "{err}");
+        // …then streams attention, then the head and the embedding, as at start-up.
+        let s = to(OTHERS + 99 * MIB, &s).unwrap();
+        assert_eq!(s.dense_streamed, streamed(true, false, false));
+        assert_eq!(s.neuron_cache, 35 * MIB);
+        let s = to(OTHERS + 9 * MIB, &s).unwrap();
+        assert_eq!(s.dense_streamed, streamed(true, true, true));
+        assert_eq!((s.dense, s.neuron_cache), (0, 0));
+        // Growing makes them resident again before the cache grows, capped at the FFN.
+        let s = to(OTHERS + 100 * MIB, &s).unwrap();
+        assert_eq!(
+            (s.dense_streamed, s.neuron_cache),
+            (DenseStreamed::default(), 0)
+        );
+        let s = to(OTHERS + 400 * MIB, &s).unwrap();
+        assert_eq!((s.dense, s.neuron_cache), (100 * MIB, 200 * MIB));
+        assert_eq!(s.certified_layers, [1, 3]);
+        // Below the minimum: refused, stating it.
+        let err = to(OTHERS + 9 * MIB - 1, &s).unwrap_err().to_string();
+        assert!(err.contains("below the minimum of 29.00 MiB"), "{err}");
+        assert_eq!(minimum(&input(None, false)), OTHERS + 9 * MIB);
     }
 
     #[test]
