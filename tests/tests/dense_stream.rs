@@ -18,7 +18,7 @@ use leanstream::streaming::{
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::LsbFile;
 use leanstream_tests::cli::stated_size;
-use leanstream_tests::converted::{bin, convert, embedded, heldout_ids, scratch};
+use leanstream_tests::converted::{bin, convert, heldout_ids, scratch, workspace};
 use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
 use serde_json::Value;
 
@@ -62,9 +62,23 @@ fn untied() -> &'static Path {
         assert!(!spec.tied);
         write_tiny_model(&dir, &spec).unwrap();
         let file = scratch().join("tiny-untied.lsb");
-        convert(&dir, &file, &["--quant", "q8"]);
+        convert(&dir, &file, &["--quant", "q8", "--certificate", "none"]);
         file
     })
+}
+
+/// The embedded model at q8 without a certificate: which dense weights stream is then the
+/// planner's order alone (where a file has one, a tight budget may first give up the optional
+/// certificate instead; streaming.rs tests that).
+fn uncertified() -> PathBuf {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let file = scratch().join("austen-q8-uncertified.lsb");
+        let model = workspace().join("models/austen-relu");
+        convert(&model, &file, &["--quant", "q8", "--certificate", "none"]);
+        file
+    })
+    .clone()
 }
 
 fn streamed(report: &Value) -> [bool; 3] {
@@ -95,7 +109,7 @@ fn streamed_perplexity_equals_resident(file: &Path, ids: &[u32], expect: &[(u64,
 #[test]
 fn streamed_dense_weights_give_the_resident_perplexity() {
     // Tied (the embedded model): attention first, then the embedding table as head and rows.
-    let file = embedded("q8");
+    let file = uncertified();
     let (new, old) = (
         streaming_minimum_memory(&file, CTX).unwrap(),
         minimum_memory(&file, CTX).unwrap(),
@@ -169,7 +183,7 @@ fn run(file: &Path, extra: &[&str]) -> Output {
 /// within its budget + 5 % (the OS's peak RSS); below the new minimum it says what the minimum is.
 #[test]
 fn the_binary_streams_dense_weights_within_its_budget() {
-    let file = embedded("q8");
+    let file = uncertified();
     let resident = run(&file, &["--policy", "resident"]);
     assert!(resident.status.success());
     let want: Value = serde_json::from_slice(&resident.stdout).unwrap();
@@ -251,7 +265,7 @@ fn generate_with_flip(file: &Path, at: u64) -> anyhow::Result<Vec<u32>> {
 /// attention projections when their layer is read, the embedding table when it is checked at open.
 #[test]
 fn a_corrupted_streamed_tensor_is_caught() {
-    let file = embedded("q8");
+    let file = uncertified();
     let lsb = LsbFile::open(&file).unwrap();
     // The header is read once at open, never through the device: a flip there changes nothing.
     assert!(generate_with_flip(&file, 0).is_ok());
