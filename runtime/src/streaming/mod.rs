@@ -207,17 +207,18 @@ impl StreamingModel {
         // Certificates are read only where they earn their bytes: with nothing cached first, and
         // once the plan keeps every dense weight resident, at its cache share (the bytes of those
         // that do not earn them go to the cache). Predicted sparsity uses none.
-        // They are optional: where the budget cannot hold them beside every dense weight, the plan
-        // without any is taken when it fits where they do not, or reads fewer bytes per token
-        // (the dense weights they would push to flash are read on every token).
+        // They are optional: where the budget cannot hold them beside every dense weight and the
+        // context asked for, the plan without any is taken when it fits where they do not, holds
+        // a longer context, or reads fewer bytes per token (the dense weights they would push to
+        // flash are read on every token).
         choose_certificates(&file, &mut plans, 0.0, sparsity);
         let with = fit(&plans, 0);
         let freed = certificates_bytes(&plans);
         let mut fitted = with;
         if freed > 0
-            && fitted
-                .as_ref()
-                .map_or(true, |f| f.1.dense_streamed != Default::default())
+            && fitted.as_ref().map_or(true, |f| {
+                f.0.ctx < opts.ctx || f.1.dense_streamed != Default::default()
+            })
         {
             let terms = certificate_terms(&file, &plans);
             let certified: Vec<bool> = plans.iter().map(|p| p.certify).collect();
@@ -227,8 +228,11 @@ impl StreamingModel {
             };
             let without = fit(&plans, freed);
             let take_without = match (&fitted, &without) {
+                // A certificate never costs context; else the fewer bytes read per token win.
                 (Ok(w), Ok(wo)) => {
-                    reads(&wo.1, &vec![false; plans.len()]) < reads(&w.1, &certified)
+                    wo.0.ctx > w.0.ctx
+                        || (wo.0.ctx == w.0.ctx
+                            && reads(&wo.1, &vec![false; plans.len()]) < reads(&w.1, &certified))
                 }
                 (Err(_), _) => true,
                 (Ok(_), Err(_)) => false,
