@@ -323,14 +323,7 @@ impl Planned {
     fn new(name: String, qtype: QuantType, dims: Vec<usize>, part: Part) -> Result<Self> {
         let cols = *dims.last().context("a tensor has a shape")?;
         let rows: usize = dims[..dims.len() - 1].iter().product();
-        let ggml_type = match qtype {
-            QuantType::F32 => 0,
-            QuantType::F16 => 1,
-            QuantType::Q4_0 => 2,
-            QuantType::Q4_1 => 3,
-            QuantType::Q8_0 => 8,
-            QuantType::BF16 => 30,
-        };
+        let ggml_type = qtype.ggml_type();
         Ok(Self {
             bytes: (rows * row_bytes(qtype, cols)?) as u64,
             name,
