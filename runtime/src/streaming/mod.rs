@@ -212,9 +212,8 @@ impl StreamingModel {
         // a longer context, or reads fewer bytes per token (the dense weights they would push to
         // flash are read on every token).
         choose_certificates(&file, &mut plans, 0.0, sparsity);
-        let with = fit(&plans, 0);
+        let mut fitted = fit(&plans, 0);
         let freed = certificates_bytes(&plans);
-        let mut fitted = with;
         if freed > 0
             && fitted.as_ref().map_or(true, |f| {
                 f.0.ctx < opts.ctx || f.1.dense_streamed != Default::default()
@@ -238,8 +237,9 @@ impl StreamingModel {
                 (Ok(_), Err(_)) => false,
             };
             if take_without {
+                // `without` is the plan of these plans once dropped: `freed` is what they free.
                 drop_certificates(&mut plans);
-                fitted = without.and_then(|_| fit(&plans, 0));
+                fitted = without;
             }
         }
         let (mut shape, mut split, mut io_budget, mut replan_input) = fitted?;
