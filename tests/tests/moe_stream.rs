@@ -1,6 +1,7 @@
 //! A converted mixture of experts with its experts streamed from flash under `--memory` computes
 //! exactly what `--policy resident` computes: every position's logits and the greedy tokens are
-//! bit-identical at three budgets (the stated minimum, halfway, and nearly every expert resident);
+//! bit-identical at three budgets (the stated minimum, where the embedding, attention and head
+//! stream too; halfway; and nearly every expert resident);
 //! a budget below the minimum is refused, naming it. The figures (hit rate, look-ahead recall,
 //! experts read per token) move the way the budget says they should.
 
@@ -54,8 +55,9 @@ fn outputs(s: &mut Session, ids: &[u32], prompt: &[u32]) -> (Vec<f32>, Vec<u32>)
     (logits, tokens)
 }
 
-fn converted(spec: &TinySpec) -> PathBuf {
-    let dir = fresh_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), "moe-stream");
+/// Converted into its own folder `name` (tests run in parallel).
+fn converted(spec: &TinySpec, name: &str) -> PathBuf {
+    let dir = fresh_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), name);
     write_tiny_model(&dir, spec).unwrap();
     let file = dir.join("model.lsb");
     convert(&dir, &file, &["--quant", "q8"]);
@@ -69,7 +71,7 @@ fn streamed_experts_give_residents_bits_at_three_budgets() {
         ..TinySpec::qwen3_moe()
     };
     let moe = spec.moe.clone().unwrap();
-    let file = converted(&spec);
+    let file = converted(&spec, "moe-stream");
     let ids = random_ids(spec.seed + 3, 40, spec.vocab);
     let prompt = &ids[..8];
     let mut resident = Session::open(&options(&file, PolicyChoice::Resident, None)).unwrap();
@@ -126,10 +128,51 @@ fn streamed_experts_give_residents_bits_at_three_budgets() {
             by_layer[0].is_null() && by_layer[1].is_f64(),
             "{by_layer:?}"
         );
+        // The minimum streams every dense weight (read on every token); the larger budgets keep
+        // them resident.
+        let streamed = &r["expert_split"]["dense_streamed"];
+        let dense_read = r["dense_bytes_read_per_token"].as_f64().unwrap();
+        if what == "minimum" {
+            assert!(
+                [
+                    streamed["embedding"].as_bool(),
+                    streamed["head"].as_bool(),
+                    streamed["attention"].as_bool()
+                ] == [Some(true); 3],
+                "{streamed}"
+            );
+            assert!(dense_read > 0.0, "{dense_read}");
+        } else {
+            assert_eq!(r["expert_split"]["dense_buffers"], 0, "{what}");
+            assert_eq!(dense_read, 0.0, "{what}");
+        }
         rates.push((read, hit));
     }
     // At the minimum, experts stream on most tokens; nearly all resident, few are read.
     assert!(rates[0].0 > 0.5, "{rates:?}");
     assert!(rates[2].1 > rates[0].1, "{rates:?}");
     assert!(rates[2].0 < rates[0].0, "{rates:?}");
+}
+
+/// The planner's minimum for the shape at another depth (layers repeated: how the full-depth
+/// figure of a `synth --layers` file is stated) is the file's own at its depth, and grows by the
+/// same bytes with every copy of the layers (their norms, routers, KV cache and experts' share).
+#[test]
+fn the_minimum_at_depth_is_the_files_at_its_own_and_linear_beyond() {
+    let spec = TinySpec {
+        seed: 72,
+        ..TinySpec::qwen3_moe()
+    };
+    let file = converted(&spec, "moe-stream-depth");
+    let at = |depth| {
+        leanstream::streaming::experts::minimum_memory_at_depth(&file, CTX, KvType::F16, depth)
+            .unwrap()
+    };
+    let l = spec.layers;
+    assert_eq!(at(l), minimum_memory(&file, CTX, KvType::F16).unwrap());
+    let step = at(2 * l) - at(l);
+    assert!(step > 0);
+    assert_eq!(at(3 * l) - at(2 * l), step);
+    // A shallower depth needs less, never more.
+    assert!(at(1) < at(l));
 }

@@ -8,6 +8,7 @@
 //! `--policy resident` ([`MoeScratch`]): the output is resident's, bit for bit.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::ffn::FfnLayer;
@@ -22,9 +23,11 @@ use crate::model::{rms_norm, route, Choice, DenseFfn, FfnBackend, MoeScratch};
 use crate::skip_rule::{Skip, SkipRule};
 use crate::storage::{AlignedBuf, IoQueue, Ticket};
 
-/// Reads a layer waits for.
-const URGENT: u32 = 2;
-/// Guesses for the next layer: never ahead of an urgent read.
+/// Reads a layer waits for (the engine's urgent priority: ahead of the dense stream's reads of the
+/// next layer's attention).
+const URGENT: u32 = crate::streaming::engine::URGENT;
+/// Guesses for the next layer: behind urgent reads and the dense stream's reads ahead, within the
+/// engine's speculative share.
 const SPECULATIVE: u32 = 1;
 
 /// A mixture layer as the stream holds it: the router resident, the experts on flash.
@@ -73,7 +76,7 @@ pub(super) struct ExpertStream {
     act: Activation,
     eps: f32,
     path: PathBuf,
-    io: IoQueue,
+    io: Arc<IoQueue>,
     cache: ExpertCache,
     /// Per expert id, its read in flight.
     tickets: Vec<Option<Ticket>>,
@@ -101,7 +104,7 @@ impl ExpertStream {
         layers: Vec<LayerFfn>,
         config: &crate::config::ModelConfig,
         path: PathBuf,
-        io: IoQueue,
+        io: Arc<IoQueue>,
         slots: usize,
         speculative: usize,
         prior: &[f32],
@@ -114,19 +117,31 @@ impl ExpertStream {
             moe.num_experts,
         );
         let f32_matrix = |rows, cols| Weight::F32(Matrix::new(rows, cols, vec![0.0; rows * cols]));
-        let dense_n = config.intermediate_size;
+        // A dense layer's activations, and the f32 copy of an expert that is not run where it
+        // lies: only where some layer needs them (the planner counts them only then).
+        let dense_n = if layers.iter().any(|l| matches!(l, LayerFfn::Dense(_))) {
+            config.intermediate_size
+        } else {
+            0
+        };
+        let decodes = layers.iter().any(|l| match l {
+            LayerFfn::Mixture(m) => m.experts.iter().any(|x| !x.qtype.is_block()),
+            LayerFfn::Dense(_) => false,
+        });
+        let (dn, dh) = if decodes { (n, h) } else { (0, 0) };
         let experts = layers.len() * e;
         let counters = ExpertCounters::new(layers.len());
-        io.limit_background(URGENT, 1);
+        // Speculative reads hold one device slot at most: an urgent read never waits behind two.
+        io.limit_background(crate::streaming::engine::SPECULATIVE_MAX + 1, 1);
         Self {
             work: Work {
                 moe: MoeScratch::new(config, chunk),
                 decoded: DenseFfn {
-                    gate: f32_matrix(n, h),
-                    up: f32_matrix(n, h),
-                    down: f32_matrix(h, n),
+                    gate: f32_matrix(dn, dh),
+                    up: f32_matrix(dn, dh),
+                    down: f32_matrix(dh, dn),
                 },
-                column: vec![0.0; h],
+                column: vec![0.0; dh],
                 gate: vec![0.0; chunk * dense_n],
                 up: vec![0.0; chunk * dense_n],
                 xn: vec![0.0; h],
