@@ -64,15 +64,31 @@ fn converted(spec: &TinySpec, name: &str) -> PathBuf {
     file
 }
 
-#[test]
-fn streamed_experts_give_residents_bits_at_three_budgets() {
+/// The tiny Qwen3-MoE of `seed` converted into folder `name`, and 40 token ids.
+fn tiny(seed: u64, name: &str) -> (TinySpec, PathBuf, Vec<u32>) {
     let spec = TinySpec {
-        seed: 71,
+        seed,
         ..TinySpec::qwen3_moe()
     };
-    let moe = spec.moe.clone().unwrap();
-    let file = converted(&spec, "moe-stream");
+    let file = converted(&spec, name);
     let ids = random_ids(spec.seed + 3, 40, spec.vocab);
+    (spec, file, ids)
+}
+
+/// The size of an expert slot and the number of experts, from the split without a budget.
+fn slot_and_experts(file: &Path) -> (u64, u64) {
+    let all = Session::open(&options(file, PolicyChoice::Leanstream, None)).unwrap();
+    let split = all.report()["expert_split"].clone();
+    (
+        split["expert_bytes"].as_u64().unwrap(),
+        split["experts"].as_u64().unwrap(),
+    )
+}
+
+#[test]
+fn streamed_experts_give_residents_bits_at_three_budgets() {
+    let (spec, file, ids) = tiny(71, "moe-stream");
+    let moe = spec.moe.clone().unwrap();
     let prompt = &ids[..8];
     let mut resident = Session::open(&options(&file, PolicyChoice::Resident, None)).unwrap();
     let want = outputs(&mut resident, &ids, prompt);
@@ -87,15 +103,11 @@ fn streamed_experts_give_residents_bits_at_three_budgets() {
     );
 
     // The split without a budget gives the size of a slot and the number of experts.
-    let all = Session::open(&options(&file, PolicyChoice::Leanstream, None)).unwrap();
-    let split = all.report()["expert_split"].clone();
-    let slot = split["expert_bytes"].as_u64().unwrap();
-    let experts = split["experts"].as_u64().unwrap();
+    let (slot, experts) = slot_and_experts(&file);
     let mixture_layers = (0..spec.layers)
         .filter(|&l| moe.is_moe_layer(spec.arch, l))
         .count() as u64;
     assert_eq!(experts, mixture_layers * moe.experts as u64);
-    drop(all);
 
     let mut rates = Vec::new();
     for (what, budget) in [
@@ -159,11 +171,7 @@ fn streamed_experts_give_residents_bits_at_three_budgets() {
 /// same bytes with every copy of the layers (their norms, routers, KV cache and experts' share).
 #[test]
 fn the_minimum_at_depth_is_the_files_at_its_own_and_linear_beyond() {
-    let spec = TinySpec {
-        seed: 72,
-        ..TinySpec::qwen3_moe()
-    };
-    let file = converted(&spec, "moe-stream-depth");
+    let (spec, file, _) = tiny(72, "moe-stream-depth");
     let at = |depth| {
         leanstream::streaming::experts::minimum_memory_at_depth(&file, CTX, KvType::F16, depth)
             .unwrap()
@@ -175,4 +183,105 @@ fn the_minimum_at_depth_is_the_files_at_its_own_and_linear_beyond() {
     assert_eq!(at(3 * l) - at(2 * l), step);
     // A shallower depth needs less, never more.
     assert!(at(1) < at(l));
+}
+
+/// Decodes `ids` one token per call (as the expert trace is recorded); every step's logits.
+fn decode_each(s: &mut Session, ids: &[u32]) -> Vec<f32> {
+    let m = s.model();
+    let mut cache = m.new_cache(CTX);
+    let mut all = Vec::new();
+    for &t in ids {
+        all.extend(m.forward(&[t], &mut cache, false).unwrap());
+    }
+    all
+}
+
+/// The expert oracle (`bench`'s `expert-oracle`: each token's true experts read where leanstream
+/// reads the next router's guesses, Belady retention) computes resident's bits, guesses every
+/// expert right, and with room to keep experts reads fewer than leanstream does.
+#[test]
+fn the_expert_oracle_guesses_every_expert_and_reads_no_more_than_leanstream() {
+    let (spec, file, ids) = tiny(73, "moe-stream-oracle");
+    let moe = spec.moe.clone().unwrap();
+    let trace =
+        leanstream::streaming::experts::ExpertTrace::record(&file, &ids, CTX, KvType::F32).unwrap();
+    assert_eq!(trace.chosen.len(), ids.len());
+    assert!(
+        trace.chosen[0][1].len() == moe.top_k,
+        "{:?}",
+        trace.chosen[0]
+    );
+    let mut resident = Session::open(&options(&file, PolicyChoice::Resident, None)).unwrap();
+    let want = decode_each(&mut resident, &ids);
+    let minimum = minimum_memory(&file, CTX, KvType::F32).unwrap();
+    let (slot, experts) = slot_and_experts(&file);
+    let budget = minimum + experts / 2 * slot;
+    let mut read = Vec::new();
+    for oracle in [false, true] {
+        let mut o = options(&file, PolicyChoice::Leanstream, Some(budget));
+        if oracle {
+            o.tuning.expert_oracle = Some(std::sync::Arc::new(trace.clone()));
+        }
+        let mut s = Session::open(&o).unwrap();
+        s.reset_metrics();
+        assert!(
+            decode_each(&mut s, &ids) == want,
+            "oracle {oracle}: logits differ"
+        );
+        let r = s.report();
+        if oracle {
+            assert_eq!(r["expert_lookahead_recall"].as_f64(), Some(1.0), "{r}");
+            assert_eq!(r["expert_lookahead_precision"].as_f64(), Some(1.0), "{r}");
+        }
+        read.push(r["experts_read_per_token"].as_f64().unwrap());
+    }
+    assert!(
+        read[1] <= read[0],
+        "oracle reads {} > leanstream {}",
+        read[1],
+        read[0]
+    );
+}
+
+/// `leanstream bench` on a mixture runs its three rows at each budget and reports the expert
+/// figures: the oracle guesses every expert, the ablation none, and nothing reads less than the
+/// oracle where experts can stay.
+#[test]
+fn bench_runs_leanstream_its_ablation_and_the_expert_oracle_on_a_mixture() {
+    let (_, file, _) = tiny(74, "moe-stream-bench");
+    let out = std::process::Command::new(leanstream_tests::converted::bin("leanstream"))
+        .args(["bench", "--model"])
+        .arg(&file)
+        .args(["--memory", "min,ffn:50%", "--tokens", "8", "--ctx", "64"])
+        .args(["--flash", "none", "--threads", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    let labels: Vec<&str> = runs.iter().map(|r| r["label"].as_str().unwrap()).collect();
+    assert_eq!(
+        labels,
+        [
+            "leanstream",
+            "leanstream-no-lookahead",
+            "expert-oracle",
+            "leanstream",
+            "leanstream-no-lookahead",
+            "expert-oracle"
+        ]
+    );
+    let f = |i: usize, k: &str| runs[i]["details"][k].as_f64().unwrap();
+    for b in [0, 3] {
+        assert!(runs[b]["error"].is_null(), "{}", runs[b]);
+        assert_eq!(f(b + 1, "expert_lookahead_recall"), 0.0);
+        assert_eq!(f(b + 2, "expert_lookahead_recall"), 1.0);
+        assert!(f(b, "experts_read_per_token") > 0.0);
+    }
+    assert!(f(5, "experts_read_per_token") <= f(3, "experts_read_per_token"));
+    assert!(f(5, "experts_read_per_token") <= f(4, "experts_read_per_token"));
 }

@@ -8,6 +8,7 @@
 mod budget;
 mod cache;
 mod metrics;
+mod oracle;
 mod stream;
 
 use std::cell::RefCell;
@@ -31,6 +32,7 @@ use crate::streaming::dense_stream::{DenseStream, DenseTensors};
 use crate::streaming::planner::{DenseSizes, DenseStreamed};
 pub use budget::ExpertSplit;
 pub use metrics::ExpertSummary;
+pub use oracle::ExpertTrace;
 use stream::{ExpertStream, LayerFfn, MixtureLayer};
 
 /// How to open a streamed mixture.
@@ -46,6 +48,8 @@ pub struct ExpertOptions {
     pub tokenizer_bytes: u64,
     /// Speculate with the next layer's router (`--no-lookahead` turns it off: the ablation).
     pub lookahead: bool,
+    /// The expert oracle's knowledge (`bench`): the true experts of the tokens to come.
+    pub oracle: Option<Arc<ExpertTrace>>,
 }
 
 /// A mixture of experts whose experts stream from flash.
@@ -362,6 +366,14 @@ impl ExpertModel {
         let mut order: Vec<usize> = (0..prior.len()).filter(|&i| prior[i] > 0.0).collect();
         order.sort_by(|&a, &b| prior[b].total_cmp(&prior[a]).then(a.cmp(&b)));
         stream.warm(&order)?;
+        if let Some(trace) = &o.oracle {
+            let layers = config.num_layers;
+            stream.set_oracle(oracle::Oracle::new(
+                Arc::clone(trace),
+                layers,
+                moe.num_experts,
+            ));
+        }
         #[cfg(target_os = "linux")]
         if o.flash.is_none() {
             // Every later read is direct: what opening read through the page cache would be
@@ -437,6 +449,7 @@ impl LanguageModel for ExpertModel {
             });
         }
         self.tokens += tokens.len() as u64;
+        self.stream.position = cache.len();
         self.model.forward_with(
             tokens,
             cache,

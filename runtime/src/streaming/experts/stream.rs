@@ -16,6 +16,7 @@ use leanstream_format::file::check_extent;
 
 use super::cache::ExpertCache;
 use super::metrics::ExpertCounters;
+use super::oracle::Oracle;
 use crate::config::{Activation, MoeConfig};
 use crate::kernels::bundles::{down_pass, gate_pass, BundleLayout};
 use crate::kernels::{Matrix, Operand, RowKernels, Weight};
@@ -88,6 +89,12 @@ pub(super) struct ExpertStream {
     speculative: usize,
     work: Work,
     pub counters: ExpertCounters,
+    /// The position of the forward call's first token (set by the model before each call).
+    pub position: usize,
+    /// Recording: per position, per layer, the experts chosen (one-token calls only).
+    pub record: Option<Vec<Vec<Vec<u16>>>>,
+    /// The expert oracle: the true experts guessed, Belady retention.
+    oracle: Option<Oracle>,
 }
 
 fn f32_data(w: &mut Weight) -> &mut [f32] {
@@ -173,7 +180,23 @@ impl ExpertStream {
             predicted: vec![false; experts],
             speculative: speculative.min(e),
             counters,
+            position: 0,
+            record: None,
+            oracle: None,
         }
+    }
+
+    /// Guesses the true experts from `oracle` and keeps experts by their next use in it.
+    pub(super) fn set_oracle(&mut self, mut oracle: Oracle) {
+        let (layers, e_count) = (self.layers.len(), self.moe.num_experts);
+        for l in 0..layers {
+            for e in 0..e_count {
+                let id = self.cache.id(l, e);
+                self.cache
+                    .set_score(id, oracle.score_after(id, l, layers, None));
+            }
+        }
+        self.oracle = Some(oracle);
     }
 
     pub(super) fn reset_counters(&mut self) {
@@ -272,7 +295,19 @@ impl ExpertStream {
     /// The look-ahead: layer `n`'s router on the residual `x` entering the layer before it.
     fn speculate(&mut self, n: usize, x: &[f32]) -> Result<()> {
         let s = self.speculative;
-        {
+        let known = match &self.oracle {
+            Some(o) => match o.chosen(self.position, n) {
+                Some(c) => {
+                    for (g, &e) in self.work.guess[..s].iter_mut().zip(c) {
+                        g.expert = e as u32;
+                    }
+                    true
+                }
+                None => false,
+            },
+            None => false,
+        };
+        if !known {
             let LayerFfn::Mixture(m) = &self.layers[n] else {
                 unreachable!("layer {n} is a mixture")
             };
@@ -311,7 +346,22 @@ impl ExpertStream {
         for c in self.work.moe.chosen() {
             chosen[c.expert as usize] = true;
         }
-        self.cache.observe(l, &self.work.chosen);
+        if let (Some(rec), 1) = (&mut self.record, t) {
+            let layers = self.layers.len();
+            if rec.len() <= self.position {
+                rec.resize(self.position + 1, vec![Vec::new(); layers]);
+            }
+            rec[self.position][l] = self
+                .work
+                .moe
+                .chosen()
+                .iter()
+                .map(|c| c.expert as u16)
+                .collect();
+        }
+        if self.oracle.is_none() {
+            self.cache.observe(l, &self.work.chosen);
+        }
         let judged = t == 1 && !self.guessed[l].is_empty();
         let c = &mut self.counters;
         for e in (0..e_count).filter(|&e| self.work.chosen[e]) {
@@ -398,6 +448,14 @@ impl ExpertStream {
             }
             self.cache.done(id);
             next = self.read_ahead(l, next)?;
+        }
+        if let Some(o) = &mut self.oracle {
+            let (layers, last) = (self.layers.len(), self.position + t - 1);
+            for e in 0..e_count {
+                let id = self.cache.id(l, e);
+                self.cache
+                    .set_score(id, o.score_after(id, l, layers, Some(last)));
+            }
         }
         Ok(())
     }
