@@ -249,19 +249,14 @@ fn the_expert_oracle_guesses_every_expert_and_reads_no_more_than_leanstream() {
 #[test]
 fn bench_runs_leanstream_its_ablation_and_the_expert_oracle_on_a_mixture() {
     let (_, file, _) = tiny(74, "moe-stream-bench");
-    let out = std::process::Command::new(leanstream_tests::converted::bin("leanstream"))
+    let out = std::process::Command::new(leanstream_tests::cli::bin("leanstream"))
         .args(["bench", "--model"])
         .arg(&file)
         .args(["--memory", "min,ffn:50%", "--tokens", "8", "--ctx", "64"])
         .args(["--flash", "none", "--threads", "1", "--json"])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = leanstream_tests::cli::json_output(&out);
     let runs = v["runs"].as_array().unwrap();
     let labels: Vec<&str> = runs.iter().map(|r| r["label"].as_str().unwrap()).collect();
     assert_eq!(
