@@ -25,7 +25,7 @@ use leanstream_format::sketch::{Sketch, SketchLayer};
 use crate::calib::{Calibration, WINDOW};
 use crate::certificate::CertificateChoice;
 use crate::convert::{
-    add_tokenizer, bar, check_block_shapes, write_dense, ConvertOptions, Phases, Summary,
+    bar, check_block_shapes, write_dense, write_index_sections, ConvertOptions, Phases, Summary,
 };
 use crate::source::Source;
 use crate::tensors::ffn_names;
@@ -477,17 +477,10 @@ pub(crate) fn finish_mixture(
     tokenizer_json: &[u8],
     dense: &leanstream_format::dense::DenseIndex,
     ffn: &FfnIndex,
-    (predictors, sketch, refine): (Predictors, Sketch, Refine),
+    side: (Predictors, Sketch, Refine),
     experts: &ExpertIndex,
 ) -> Result<()> {
-    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
-    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(meta)?, false)?;
-    add_tokenizer(&mut writer, tokenizer_json)?;
-    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
-    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
-    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
-    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
-    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
+    write_index_sections(&mut writer, meta, tokenizer_json, dense, ffn, &side)?;
     writer.add_section(SectionKind::ExpertIndex, &experts.encode(), false)?;
     writer.finish()?;
     Ok(())

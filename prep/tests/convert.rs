@@ -13,9 +13,7 @@ use leanstream_format::LsbFile;
 use leanstream_tests::tiny::{random_ids, write_tiny_model, Act, TinySpec, WeightDtype};
 
 fn scratch() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("leanstream-prep-tests-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    leanstream_tests::scratch_dir("leanstream-prep-tests")
 }
 
 fn prep(args: &[&str]) -> Output {

@@ -18,9 +18,7 @@ pub fn bin(name: &str) -> PathBuf {
 
 /// This test process's scratch directory.
 pub fn scratch() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("leanstream-streaming-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    crate::scratch_dir("leanstream-streaming")
 }
 
 pub fn workspace() -> PathBuf {
