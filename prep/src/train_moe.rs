@@ -88,7 +88,8 @@ pub struct TrainMoeArgs {
     /// Gradient norm clip.
     #[arg(long, default_value_t = 1.0)]
     pub clip: f64,
-    /// Validate (perplexity, expert use, look-ahead recall on the held-out text) every N steps.
+    /// Validate (perplexity, expert use, look-ahead recall on the held-out text) and write the
+    /// model every N steps (and after the last).
     #[arg(long, default_value_t = 250)]
     pub eval_every: usize,
     /// Validation windows (of `--seq` tokens) taken from the start of the held-out text.
@@ -601,26 +602,29 @@ pub fn run(a: TrainMoeArgs) -> Result<()> {
         if step % 50 == 0 || step + 1 == a.steps {
             eprintln!(
                 "step {step:5}  lr {lr:.2e}  loss {last_loss:.4}  balance {:.4}  look-ahead {:.4}  \
-                 grad {norm:.3}  {:.0} s",
+                 grad {norm:.3}  {:.0} s ({:.0} s CPU)",
                 aux.balance.to_scalar::<f32>()?,
                 aux.lookahead.to_scalar::<f32>()?,
-                started.elapsed().as_secs_f64()
+                started.elapsed().as_secs_f64(),
+                cpu_seconds().unwrap_or(f64::NAN)
             );
         }
         if (step + 1) % a.eval_every == 0 || step + 1 == a.steps {
             let e = evaluate(&model, &windows)?;
             eprintln!("eval at step {}: {}", step + 1, serde_json::to_string(&e)?);
             log.push(json!({ "step": step + 1, "train_loss": last_loss, "eval": e }));
+            // A checkpoint at every validation: a run stopped early leaves its last one.
+            write_model(&a, &params, vocab, &tok_bytes)?;
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    write_model(&a, &params, vocab, &tok_bytes)?;
     let summary = json!({
         "args": format!("{a:?}"),
         "parameters": count,
         "training_tokens": train.len(),
         "final_train_loss": last_loss,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds(),
         "evals": log,
     });
     let path = a.output.join("training.json");
@@ -632,6 +636,16 @@ pub fn run(a: TrainMoeArgs) -> Result<()> {
         seconds
     );
     Ok(())
+}
+
+/// This process's user + system CPU time (Linux: /proc/self/stat), if it can be read.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
 }
 
 /// Linear warm-up, then cosine from `lr` down to `lr / 10`.
