@@ -11,9 +11,11 @@
 //!   layer, `f_e` the share of the token slots routed to expert `e` and `P_e` its mean router
 //!   probability, so that every expert is used;
 //! - look-ahead consistency (optional, `--lookahead-weight`, 0 by default): for each layer `l ≥ 1`,
-//!   the cross-entropy from layer `l`'s routing distribution (held fixed) to layer `l`'s router
-//!   applied to the residual entering layer `l − 1` — what the runtime's look-ahead computes — so
-//!   that routing is predictable one layer early (as Pre-gated MoE trains its pre-gates).
+//!   the cross-entropy from layer `l`'s routing (held fixed: its distribution, or with
+//!   `--lookahead-target chosen` its chosen experts, 1/k each) to layer `l`'s router applied to the
+//!   residual entering layer `l − 1` — what the runtime's look-ahead computes — averaged over the
+//!   layers (`--lookahead-layer-weights` weighs them), so that routing is predictable one layer early (as Pre-gated MoE trains its
+//!   pre-gates).
 //!
 //! Training is single-device f32 on the CPU, deterministic for a seed and a thread count.
 
@@ -85,6 +87,14 @@ pub struct TrainMoeArgs {
     /// Weight of the look-ahead consistency loss (0: off).
     #[arg(long, default_value_t = 0.0)]
     pub lookahead_weight: f64,
+    /// What the look-ahead is pulled towards: the layer's routing distribution (soft), or its
+    /// chosen experts, each 1/k (chosen: aims at the top-k sets, what the runtime's recall counts).
+    #[arg(long, value_enum, default_value_t = LookaheadTarget::Soft)]
+    pub lookahead_target: LookaheadTarget,
+    /// Relative weights of the look-ahead loss of layers 1, 2, … (the last repeats; default all
+    /// equal): the first predicted layer, seen only through the token embedding, is the hardest.
+    #[arg(long, value_delimiter = ',')]
+    pub lookahead_layer_weights: Vec<f64>,
     /// Gradient norm clip.
     #[arg(long, default_value_t = 1.0)]
     pub clip: f64,
@@ -97,6 +107,12 @@ pub struct TrainMoeArgs {
     pub eval_windows: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LookaheadTarget {
+    Soft,
+    Chosen,
 }
 
 const ROPE_THETA: f64 = 10_000.0;
@@ -309,6 +325,15 @@ impl<'a> Model<'a> {
         })
     }
 
+    /// Layer `l`'s share of the look-ahead loss (the layer weights normalised to sum to 1).
+    fn lookahead_share(&self, l: usize) -> f64 {
+        let w = |l: usize| {
+            let w = &self.a.lookahead_layer_weights;
+            w.get(l - 1).or(w.last()).copied().unwrap_or(1.0)
+        };
+        w(l) / (1..self.a.layers).map(w).sum::<f64>()
+    }
+
     /// Logits `[B·T, V]` of `ids` (`b` sequences of `seq` tokens) and the auxiliary terms.
     fn forward(&self, ids: &[u32], b: usize) -> Result<(Tensor, Aux)> {
         let a = self.a;
@@ -385,12 +410,15 @@ impl<'a> Model<'a> {
             let early = match &previous_input {
                 Some(prev) => {
                     let early = linear(&rms(prev, &p.post_norm)?, &p.router)?;
-                    let target = probs.detach();
+                    let target = match a.lookahead_target {
+                        LookaheadTarget::Soft => probs.detach(),
+                        LookaheadTarget::Chosen => (&mask / a.top_k as f64)?,
+                    };
                     let ce = (target * candle_nn::ops::log_softmax(&early, D::Minus1)?)?
                         .sum(1)?
                         .mean(0)?
                         .neg()?;
-                    lookahead = (lookahead + ce)?;
+                    lookahead = (lookahead + (ce * self.lookahead_share(l))?)?;
                     Some(early)
                 }
                 None => None,
@@ -407,7 +435,7 @@ impl<'a> Model<'a> {
             logits,
             Aux {
                 balance: (balance / layers)?,
-                lookahead: (lookahead / (layers - 1.0).max(1.0))?,
+                lookahead,
                 routers,
             },
         ))
@@ -422,6 +450,9 @@ struct Eval {
     lookahead_recall: Vec<Option<f64>>,
     /// Per layer: the largest share of token slots one expert took (1/E is perfectly even).
     busiest_expert_share: Vec<f64>,
+    /// Per layer: the recall of a guess that ignores the token, the k experts most chosen on these
+    /// windows (what the look-ahead has to beat).
+    static_recall: Vec<f64>,
 }
 
 fn evaluate(m: &Model, windows: &[&[u32]]) -> Result<Eval> {
@@ -461,6 +492,17 @@ fn evaluate(m: &Model, windows: &[&[u32]]) -> Result<Eval> {
             .iter()
             .map(|u| *u.iter().max().unwrap_or(&0) as f64 / u.iter().sum::<usize>().max(1) as f64)
             .collect(),
+        static_recall: uses
+            .iter()
+            .map(|u| {
+                let busiest: usize =
+                    top_k(&u.iter().map(|&c| c as f32).collect::<Vec<_>>(), a.top_k)
+                        .iter()
+                        .map(|&e| u[e])
+                        .sum();
+                busiest as f64 / u.iter().sum::<usize>().max(1) as f64
+            })
+            .collect(),
     })
 }
 
@@ -484,6 +526,14 @@ fn check(a: &TrainMoeArgs) -> Result<()> {
         "--top-k ({}) must be between 1 and --experts ({})",
         a.top_k,
         a.experts
+    );
+    ensure!(
+        a.lookahead_layer_weights.is_empty()
+            || a.lookahead_layer_weights
+                .iter()
+                .all(|w| w.is_finite() && *w >= 0.0)
+                && a.lookahead_layer_weights.iter().any(|w| *w > 0.0),
+        "--lookahead-layer-weights must be non-negative numbers, one at least positive"
     );
     ensure!(
         a.seq >= 2 && a.batch >= 1 && a.steps >= 1,
