@@ -82,7 +82,8 @@ enum Command {
         /// held-out calibration rows and report it (`certificate_study` in --json).
         #[arg(long)]
         certificate_study: bool,
-        /// Calibration text (default: the public-domain text shipped with LeanStream).
+        /// Calibration text (default: for SwiGLU models prose, Python source and technical English
+        /// in turns, for ReLU models the prose alone; the texts shipped in data/).
         #[arg(long)]
         calib: Option<PathBuf>,
         /// Calibration tokens to profile.
