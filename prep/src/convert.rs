@@ -22,7 +22,7 @@ use leanstream_format::sketch::Sketch;
 use serde::Serialize;
 
 use crate::activity;
-use crate::calib::Calibration;
+use crate::calib::{self, Calibration};
 use crate::certificate::{self, CertificateChoice};
 use crate::certificate_study;
 use crate::placement::{cluster_fill, place};
@@ -155,7 +155,12 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         Vec::new()
     };
     check_block_shapes(&config, opts.quant)?;
-    let calib = Calibration::new(tokenizer, opts.calib.as_deref(), opts.calib_tokens)?;
+    let calib = Calibration::new(
+        tokenizer,
+        opts.calib.as_deref(),
+        &calib::default_text(config.activation),
+        opts.calib_tokens,
+    )?;
     phases.load = t.elapsed().as_secs_f64();
 
     let mut writer = ContainerWriter::create(&opts.output)
@@ -446,6 +451,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             "source": opts.source_name,
             "converter": concat!("leanstream-prep ", env!("CARGO_PKG_VERSION")),
             "calib_tokens": calib.tokens(),
+            "calib_text": calib::text_name(opts.calib.as_deref(), config.activation),
             "heldout_tokens": eval_rows.len(),
             "predictor_rank": rank,
             "epochs": opts.epochs,
@@ -456,14 +462,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         chat_template: source.chat_template.clone(),
         synthetic: None,
     };
-    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
-    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
-    add_tokenizer(&mut writer, tokenizer_json)?;
-    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
-    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
-    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
-    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
-    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
+    let side = (predictors, sketch, refine);
+    write_index_sections(&mut writer, &meta, tokenizer_json, &dense, &ffn, &side)?;
     writer.finish()?;
     phases.finish = t.elapsed().as_secs_f64();
     Ok(Summary {
@@ -635,6 +635,27 @@ fn heldout_costs(
 
 /// Block types need rows of whole blocks; say so before any work is done.
 /// Writes TOKENIZER, and BPE_VOCAB when the compact tokenizer reproduces `tokenizer.json` (else
+/// Writes the sections that follow a file's data — META, tokenizer, the dense and FFN indexes
+/// and the per-neuron side data — raising the file's minor version to what they use.
+pub(crate) fn write_index_sections(
+    writer: &mut ContainerWriter,
+    meta: &Meta,
+    tokenizer_json: &[u8],
+    dense: &DenseIndex,
+    ffn: &FfnIndex,
+    (predictors, sketch, refine): &(Predictors, Sketch, Refine),
+) -> Result<()> {
+    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
+    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(meta)?, false)?;
+    add_tokenizer(writer, tokenizer_json)?;
+    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
+    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
+    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
+    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
+    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
+    Ok(())
+}
+
 /// says why on stderr: the runtime then parses `tokenizer.json`, about ten times its size).
 pub(crate) fn add_tokenizer(writer: &mut ContainerWriter, json: &[u8]) -> Result<()> {
     writer.add_section(SectionKind::Tokenizer, json, true)?;
@@ -677,19 +698,31 @@ pub(crate) fn write_dense(
         };
         let cols = *spec.shape.last().expect("shape");
         let bytes = quantize_rows(qtype, &data, cols, &spec.name)?;
-        let (offset, extent_size, checksum) = writer.write_extent(&bytes)?;
-        index.tensors.push(DenseTensor {
-            name: spec.name,
-            qtype,
-            shape: spec.shape.iter().map(|&d| d as u64).collect(),
-            offset,
-            size: bytes.len() as u64,
-            extent_size,
-            checksum,
-        });
+        index
+            .tensors
+            .push(write_tensor(writer, &spec, qtype, &bytes)?);
     }
     writer.end_section();
     Ok(index)
+}
+
+/// Writes an encoded dense tensor as one extent of the open DENSE_DATA; returns its index entry.
+pub(crate) fn write_tensor(
+    writer: &mut ContainerWriter,
+    spec: &crate::tensors::DenseSpec,
+    qtype: QuantType,
+    bytes: &[u8],
+) -> Result<DenseTensor> {
+    let (offset, extent_size, checksum) = writer.write_extent(bytes)?;
+    Ok(DenseTensor {
+        name: spec.name.clone(),
+        qtype,
+        shape: spec.shape.iter().map(|&d| d as u64).collect(),
+        offset,
+        size: bytes.len() as u64,
+        extent_size,
+        checksum,
+    })
 }
 
 /// Cluster and neuron statistics in stored order.

@@ -22,10 +22,10 @@ use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
 use leanstream_format::refine::{Refine, RefineLayer};
 use leanstream_format::sketch::{Sketch, SketchLayer};
 
-use crate::calib::{Calibration, WINDOW};
+use crate::calib::{self, Calibration, WINDOW};
 use crate::certificate::CertificateChoice;
 use crate::convert::{
-    add_tokenizer, bar, check_block_shapes, write_dense, ConvertOptions, Phases, Summary,
+    bar, check_block_shapes, write_dense, write_index_sections, ConvertOptions, Phases, Summary,
 };
 use crate::source::Source;
 use crate::tensors::ffn_names;
@@ -48,7 +48,12 @@ pub(crate) fn convert(
     }
     check_block_shapes(&config, opts.quant)?;
     let get = |name: &str, shape: &[usize]| source.tensor(name, shape);
-    let calib = Calibration::new(&source.tokenizer, opts.calib.as_deref(), opts.calib_tokens)?;
+    let calib = Calibration::new(
+        &source.tokenizer,
+        opts.calib.as_deref(),
+        &calib::default_text(config.activation),
+        opts.calib_tokens,
+    )?;
     let (_, eval_rows) = calib.split_rows();
     let eval_prev = calib.previous(&eval_rows);
 
@@ -231,6 +236,7 @@ pub(crate) fn convert(
             "source": opts.source_name,
             "converter": concat!("leanstream-prep ", env!("CARGO_PKG_VERSION")),
             "calib_tokens": calib.tokens(),
+            "calib_text": calib::text_name(opts.calib.as_deref(), config.activation),
             "heldout_tokens": eval_rows.len(),
             "experts": "stored exactly: no sparsity is calibrated inside experts (format 1.5)",
         }),
@@ -477,17 +483,10 @@ pub(crate) fn finish_mixture(
     tokenizer_json: &[u8],
     dense: &leanstream_format::dense::DenseIndex,
     ffn: &FfnIndex,
-    (predictors, sketch, refine): (Predictors, Sketch, Refine),
+    side: (Predictors, Sketch, Refine),
     experts: &ExpertIndex,
 ) -> Result<()> {
-    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
-    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(meta)?, false)?;
-    add_tokenizer(&mut writer, tokenizer_json)?;
-    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
-    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
-    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
-    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
-    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
+    write_index_sections(&mut writer, meta, tokenizer_json, dense, ffn, &side)?;
     writer.add_section(SectionKind::ExpertIndex, &experts.encode(), false)?;
     writer.finish()?;
     Ok(())

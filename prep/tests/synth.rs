@@ -29,8 +29,7 @@ fn workspace() -> PathBuf {
 
 #[test]
 fn synthetic_file_carries_the_sources_statistics_and_streams() {
-    let dir = std::env::temp_dir().join(format!("leanstream-synth-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = leanstream_tests::scratch_dir("leanstream-synth");
     let (src, syn) = (dir.join("austen.lsb"), dir.join("synth.lsb"));
     let (src_s, syn_s) = (src.to_str().unwrap(), syn.to_str().unwrap());
     let model = workspace().join("models/austen-relu");

@@ -11,9 +11,7 @@ use leanstream_format::archive::{write_archive, Manifest, PackOptions, ARCHIVE_V
 use leanstream_format::LsbFile;
 
 fn scratch() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("leanstream-transfer-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    leanstream_tests::scratch_dir("leanstream-transfer")
 }
 
 /// The `leanstream` binary, built next to `leanstream-prep` by `cargo test --workspace` (or

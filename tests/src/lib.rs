@@ -45,6 +45,29 @@ pub fn rows_f64(flat: &[f32], vocab: usize) -> Vec<Vec<f64>> {
         .collect()
 }
 
+/// This test process's scratch directory, `$TMPDIR/{prefix}-{pid}`. Test binaries have no
+/// teardown, so each run first removes the directories earlier runs of the same prefix left
+/// behind (on Linux, those whose process is gone); a live run's directory is never touched.
+pub fn scratch_dir(prefix: &str) -> PathBuf {
+    let tmp = std::env::temp_dir();
+    if Path::new("/proc/self").exists() {
+        let stale = std::fs::read_dir(&tmp).into_iter().flatten().flatten();
+        for entry in stale {
+            let name = entry.file_name();
+            let pid = name
+                .to_str()
+                .and_then(|n| n.strip_prefix(prefix)?.strip_prefix('-'))
+                .filter(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()));
+            if pid.is_some_and(|pid| !Path::new("/proc").join(pid).exists()) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    let d = tmp.join(format!("{prefix}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("create the test's scratch directory");
+    d
+}
+
 /// A fresh (emptied) directory `base/name` for one test's model.
 pub fn fresh_dir(base: &Path, name: &str) -> PathBuf {
     let d = base.join(name);

@@ -14,9 +14,7 @@ use leanstream_tests::cli::{assert_clean_failure, bin, embedded_model, quick_con
 use rand::{RngCore, SeedableRng};
 
 fn scratch() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("leanstream-bad-input-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    leanstream_tests::scratch_dir("leanstream-bad-input")
 }
 
 /// The embedded model, converted once.

@@ -9,8 +9,7 @@ use serde_json::Value;
 
 #[test]
 fn bench_compares_policies_on_one_token_sequence() {
-    let dir = std::env::temp_dir().join(format!("leanstream-bench-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = leanstream_tests::scratch_dir("leanstream-bench-test");
     let model = dir.join("austen.lsb");
     convert(&workspace().join("models/austen-relu"), &model, &[]);
     let plot = dir.join("bench.svg");

@@ -17,8 +17,7 @@ const WINDOW: usize = 64;
 fn converted() -> &'static Path {
     static FILE: OnceLock<PathBuf> = OnceLock::new();
     FILE.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("leanstream-quality-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = leanstream_tests::scratch_dir("leanstream-quality");
         let out = dir.join("austen-f32.lsb");
         convert(
             &workspace().join("models/austen-relu"),

@@ -23,7 +23,7 @@ use leanstream::skip_rule::{Skip, SkipRule};
 use leanstream::streaming::default_predictor_rank;
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::container::{ContainerWriter, SectionKind};
-use leanstream_format::dense::{DenseIndex, DenseTensor};
+use leanstream_format::dense::DenseIndex;
 use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
 use leanstream_format::meta::{LayerMeta, Meta, Synthetic};
 use leanstream_format::predictor::{normalise_input, PredictorInput, Predictors};
@@ -32,11 +32,12 @@ use leanstream_format::refine::Refine;
 use leanstream_format::sketch::{Sketch, SketchLayer};
 use leanstream_format::LsbFile;
 
-use crate::calib::{Calibration, WINDOW};
+use crate::calib::{Calibration, DEFAULT_CALIB, WINDOW};
 use crate::certificate;
 use crate::certificate_study;
 use crate::convert::{
-    add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor, MIN_PREDICTOR_RANK,
+    add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor, write_tensor,
+    MIN_PREDICTOR_RANK,
 };
 use crate::sparsity::scores;
 use crate::tensors::dense_specs;
@@ -127,7 +128,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
     let lay = Layout::new(&config)?;
     let tokenizer = Tokenizer::from_bytes(&src.tokenizer_json)
         .with_context(|| format!("{src_path}: its tokenizer cannot be loaded"))?;
-    let calib = Calibration::new(&tokenizer, None, args.calib_tokens as usize)?;
+    let calib = Calibration::new(&tokenizer, None, DEFAULT_CALIB, args.calib_tokens as usize)?;
     let (h, n, layers) = (
         config.hidden_size,
         config.intermediate_size,
@@ -427,25 +428,6 @@ fn tensor_bytes(
             Ok(())
         })?;
     Ok((qtype, bytes))
-}
-
-/// Writes an encoded dense tensor as one extent of the open DENSE_DATA; returns its index entry.
-fn write_tensor(
-    writer: &mut ContainerWriter,
-    spec: &crate::tensors::DenseSpec,
-    qtype: QuantType,
-    bytes: &[u8],
-) -> Result<DenseTensor> {
-    let (offset, extent_size, checksum) = writer.write_extent(bytes)?;
-    Ok(DenseTensor {
-        name: spec.name.clone(),
-        qtype,
-        shape: spec.shape.iter().map(|&d| d as u64).collect(),
-        offset,
-        size: bytes.len() as u64,
-        extent_size,
-        checksum,
-    })
 }
 
 /// Whether [`layer0_inputs`] needs the dense tensor `name`.

@@ -18,6 +18,7 @@ mod matrix;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod operand;
+pub mod parallel;
 mod portable;
 mod qmatrix;
 mod rows;

@@ -15,7 +15,7 @@
 //! ([`Schedule`]); this file only carries them out and measures.
 
 use std::ops::Deref;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -23,7 +23,8 @@ use leanstream_format::file::check_extent;
 use leanstream_format::quant::QuantType;
 use leanstream_format::FormatError;
 
-use crate::kernels::bundles::{down_pass, gate_pass};
+use crate::kernels::bundles::{down_pass, gate_pass, PARALLEL_MIN_BYTES};
+use crate::kernels::parallel;
 use crate::kernels::{Operand, RowKernels};
 use crate::model::FfnBackend;
 use crate::neuron_cache::{ClusterKey, ClusterSlots, NeuronCache};
@@ -33,7 +34,7 @@ use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
 use super::metrics::Metrics;
 use super::mmap::Mapping;
 use super::plan::LayerPlan;
-use super::predict::{above_into, active_from_flash};
+use super::predict::{above_into, active_from_read, read_predictor};
 use super::refill::Refill;
 use super::schedule::Schedule;
 use super::trace::ActiveTrace;
@@ -440,6 +441,9 @@ struct Selection {
     /// The layer's own predictor's set, where it ran (see [`OWN_SAMPLE`]): valid when `has_own`.
     own: Vec<bool>,
     has_own: bool,
+    /// The read of the own predictor kept on flash, and its extent, while it is sampled and not
+    /// scored yet.
+    own_read: Option<(Ticket, (u64, u64))>,
     /// Scratch of the own predictor: its normalised input and scores.
     own_input: Vec<f32>,
     own_scores: Vec<f32>,
@@ -629,8 +633,9 @@ impl StreamEngine {
                     && self.core.call_len == 1
                     && token.is_multiple_of(OWN_SAMPLE) =>
             {
-                sel.own = active_from_flash(&self.core.io, extent, URGENT, x)?;
-                true
+                // Read now, scored once the layer is computed: the metric does not hold it up.
+                sel.own_read = Some((read_predictor(&self.core.io, extent, URGENT), extent));
+                false
             }
             (None, _) => false,
         };
@@ -711,6 +716,12 @@ impl StreamEngine {
         self.core.refine(l, &is_needed, self.schedule.refine());
         self.marks.is_needed = is_needed;
         self.compute(l, &sel.needed, &sel.candidate, &operand, out)?;
+        if let Some((read, extent)) = sel.own_read.take() {
+            let t = Instant::now();
+            sel.own = active_from_read(&self.core.io, read, extent, x)?;
+            sel.has_own = true;
+            self.core.metrics.select_s += t.elapsed().as_secs_f64();
+        }
         let scores = std::mem::take(&mut self.work.scores);
         let done = self.retain_and_measure(l, token, sel, &scores);
         self.work.scores = scores;
@@ -844,21 +855,9 @@ impl StreamEngine {
         let bounds = group_bounds(clusters);
         let mut next: [usize; GROUPS] = std::array::from_fn(|g| bounds[g]);
         let k = RowKernels::best();
-        for &ci in needed {
-            if let Some(bytes) = core.resident((l as u32, ci as u32)) {
-                let ops = ClusterOps {
-                    plan: &core.plans[l],
-                    k,
-                    skip,
-                    ci,
-                    bytes,
-                };
-                ops.gates(candidate, operand, &mut work.scores, &mut work.lists)?;
-            }
-        }
-        for (g, next) in next.iter_mut().enumerate() {
-            advance(core, work, l, k, skip, g, &bounds, next);
-        }
+        resident_groups(
+            core, work, l, k, skip, needed, candidate, operand, &bounds, &mut next,
+        )?;
         let waiting = |w: &Work, ci: usize| w.lists.stage[ci] == Stage::Waiting;
         if self.schedule.load_then_compute() {
             for &ci in needed {
@@ -898,6 +897,7 @@ impl StreamEngine {
         }
         while !missing.is_empty() {
             let (i, buf) = core.take_any(l, &missing)?;
+            self.schedule.taken(core);
             let ci = missing.swap_remove(i);
             landed(core, work, &mut next, ci, buf)?;
         }
@@ -1038,31 +1038,189 @@ fn advance(
     bounds: &[usize; GROUPS + 1],
     next: &mut usize,
 ) {
-    let h = core.plans[l].layout.hidden;
-    while *next < bounds[g + 1] {
-        let ci = *next;
-        match work.lists.stage[ci] {
-            Stage::Waiting => return,
-            Stage::Skipped | Stage::Added => {}
-            Stage::Gated => {
-                let bytes = match &work.held[ci] {
-                    Some(buf) => &buf[..],
-                    None => core
-                        .resident((l as u32, ci as u32))
-                        .expect("a gated cluster stays resident until its layer is done"),
-                };
+    let plan = &core.plans[l];
+    let [mut group] = work.groups(plan, bounds, g..g + 1);
+    group.advance(core, l, k, skip, next);
+}
+
+/// The resident clusters of layer `l` among the `needed`: their gates, then each group's down
+/// columns in cluster order as far as the first cluster still waiting for its bytes (`next`).
+/// The groups are independent (each its own clusters, neurons and partial sum), so with more than
+/// one thread (`--threads`, the size of rayon's pool) and [`PARALLEL_MIN_BYTES`] of bundles or
+/// more they are shared out among this thread and parked helpers ([`parallel::for_each`], which
+/// allocates nothing): the same operations on the same values in the same order as on one
+/// thread, so the same bits.
+#[allow(clippy::too_many_arguments)]
+fn resident_groups(
+    core: &Core,
+    work: &mut Work,
+    l: usize,
+    k: &RowKernels,
+    skip: Skip,
+    needed: &[usize],
+    candidate: &[bool],
+    operand: &Operand,
+    bounds: &[usize; GROUPS + 1],
+    next: &mut [usize; GROUPS],
+) -> Result<()> {
+    let plan = &core.plans[l];
+    let start = *next;
+    let one = |g: usize, group: &mut GroupWork, next: &mut usize| -> Result<()> {
+        let lo = needed.partition_point(|&c| c < bounds[g]);
+        let hi = needed.partition_point(|&c| c < bounds[g + 1]);
+        for &ci in &needed[lo..hi] {
+            if let Some(bytes) = core.resident((l as u32, ci as u32)) {
                 let ops = ClusterOps {
-                    plan: &core.plans[l],
+                    plan,
                     k,
                     skip,
                     ci,
                     bytes,
                 };
-                ops.add(&work.lists, &mut work.acc[g * h..(g + 1) * h]);
-                work.lists.stage[ci] = Stage::Added;
+                group.gates(&ops, candidate, operand)?;
             }
         }
-        *next += 1;
+        group.advance(core, l, k, skip, next);
+        Ok(())
+    };
+    let groups: [GroupWork; GROUPS] = work.groups(plan, bounds, 0..GROUPS);
+    let bytes = needed.len() * plan.cluster_of.len() / plan.clusters.len().max(1)
+        * plan.layout.bundle_bytes();
+    let threads = if bytes >= PARALLEL_MIN_BYTES {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    // Each group behind its own (uncontended) lock: whichever thread takes it has it alone.
+    let cells = groups.map(|group| Mutex::new((group, 0, anyhow::Ok(()))));
+    parallel::for_each(threads, GROUPS, &|g| {
+        let mut cell = cells[g].lock().unwrap_or_else(|e| e.into_inner());
+        let (group, next, result) = &mut *cell;
+        *next = start[g];
+        *result = one(g, group, next);
+    });
+    for (cell, next) in cells.into_iter().zip(next) {
+        let (_, n, result) = cell.into_inner().unwrap_or_else(|e| e.into_inner());
+        *next = n;
+        result?;
+    }
+    Ok(())
+}
+
+/// One reduction group's share of a layer's working state ([`Work::groups`]): its clusters'
+/// lists, stages and held reads, its neurons' scores and active lists, and its partial sum.
+struct GroupWork<'w> {
+    /// The group's first cluster and first neuron (indexes of the slices below start there).
+    c0: usize,
+    n0: usize,
+    end: usize,
+    scores: &'w mut [f32],
+    active: &'w mut [u32],
+    coef: &'w mut [f32],
+    n_active: &'w mut [u32],
+    stage: &'w mut [Stage],
+    held: &'w mut [Option<AlignedBuf>],
+    acc: &'w mut [f32],
+}
+
+impl Work {
+    /// The shares of groups `gs` (`N` of them, consecutive) of layer `plan`, cut from this
+    /// state without copying it.
+    fn groups<const N: usize>(
+        &mut self,
+        plan: &LayerPlan,
+        bounds: &[usize; GROUPS + 1],
+        gs: std::ops::Range<usize>,
+    ) -> [GroupWork<'_>; N] {
+        assert_eq!(gs.len(), N);
+        let h = plan.layout.hidden;
+        let neuron = |c: usize| {
+            plan.clusters
+                .get(c)
+                .map_or(plan.cluster_of.len(), |cl| cl.first)
+        };
+        let (c_start, n_start) = (bounds[gs.start], neuron(bounds[gs.start]));
+        let lists = &mut self.lists;
+        let mut scores = &mut self.scores[n_start..];
+        let mut active = &mut lists.active[n_start..];
+        let mut coef = &mut lists.coef[n_start..];
+        let mut n_active = &mut lists.n_active[c_start..];
+        let mut stage = &mut lists.stage[c_start..];
+        let mut held = &mut self.held[c_start..];
+        let mut acc = &mut self.acc[gs.start * h..];
+        fn cut<'a, T>(rest: &mut &'a mut [T], n: usize) -> &'a mut [T] {
+            let (head, tail) = std::mem::take(rest).split_at_mut(n);
+            *rest = tail;
+            head
+        }
+        std::array::from_fn(|i| {
+            let g = gs.start + i;
+            let (c0, c1) = (bounds[g], bounds[g + 1]);
+            let (n0, n1) = (neuron(c0), neuron(c1));
+            GroupWork {
+                c0,
+                n0,
+                end: c1,
+                scores: cut(&mut scores, n1 - n0),
+                active: cut(&mut active, n1 - n0),
+                coef: cut(&mut coef, n1 - n0),
+                n_active: cut(&mut n_active, c1 - c0),
+                stage: cut(&mut stage, c1 - c0),
+                held: cut(&mut held, c1 - c0),
+                acc: cut(&mut acc, h),
+            }
+        })
+    }
+}
+
+impl GroupWork<'_> {
+    /// Computes the gates of cluster `ops.ci` (one of this group's) and records its active
+    /// neurons.
+    fn gates(&mut self, ops: &ClusterOps, candidate: &[bool], x: &Operand) -> Result<()> {
+        let cl = ops.plan.clusters[ops.ci];
+        let r = cl.first - self.n0..cl.first - self.n0 + cl.count;
+        let m = ops.gate_into(
+            candidate,
+            x,
+            &mut self.scores[r.clone()],
+            &mut self.active[r.clone()],
+            &mut self.coef[r],
+        )?;
+        self.n_active[ops.ci - self.c0] = m as u32;
+        self.stage[ops.ci - self.c0] = Stage::Gated;
+        Ok(())
+    }
+
+    /// Adds, in cluster order, the down columns of the group's clusters whose gates are computed,
+    /// from `next` up to the first whose bytes have not come yet.
+    fn advance(&mut self, core: &Core, l: usize, k: &RowKernels, skip: Skip, next: &mut usize) {
+        while *next < self.end {
+            let (ci, i) = (*next, *next - self.c0);
+            match self.stage[i] {
+                Stage::Waiting => return,
+                Stage::Skipped | Stage::Added => {}
+                Stage::Gated => {
+                    let bytes = match &self.held[i] {
+                        Some(buf) => &buf[..],
+                        None => core
+                            .resident((l as u32, ci as u32))
+                            .expect("a gated cluster stays resident until its layer is done"),
+                    };
+                    let ops = ClusterOps {
+                        plan: &core.plans[l],
+                        k,
+                        skip,
+                        ci,
+                        bytes,
+                    };
+                    let first = ops.plan.clusters[ci].first - self.n0;
+                    let r = first..first + self.n_active[i] as usize;
+                    ops.add_from(&self.active[r.clone()], &self.coef[r], self.acc);
+                    self.stage[i] = Stage::Added;
+                }
+            }
+            *next += 1;
+        }
     }
 }
 
@@ -1092,6 +1250,31 @@ impl<'a> ClusterOps<'a> {
         lists: &mut Lists,
     ) -> Result<()> {
         let cl = self.plan.clusters[self.ci];
+        let r = cl.first..cl.first + cl.count;
+        let m = self.gate_into(
+            candidate,
+            x,
+            &mut scores[r.clone()],
+            &mut lists.active[r.clone()],
+            &mut lists.coef[r],
+        )?;
+        lists.n_active[self.ci] = m as u32;
+        lists.stage[self.ci] = Stage::Gated;
+        Ok(())
+    }
+
+    /// The cluster's gates: its neurons' exact scores into `scores`, and its active neurons
+    /// (offsets within it) and their coefficients into the first slots of `active` and `coef`
+    /// (each as long as the cluster); returns how many are active.
+    fn gate_into(
+        &self,
+        candidate: &[bool],
+        x: &Operand,
+        scores: &mut [f32],
+        active: &mut [u32],
+        coef: &mut [f32],
+    ) -> Result<usize> {
+        let cl = self.plan.clusters[self.ci];
         let bb = self.plan.layout.bundle_bytes();
         if self.bytes.len() < cl.count * bb {
             bail!(
@@ -1102,33 +1285,34 @@ impl<'a> ClusterOps<'a> {
                 cl.count * bb
             );
         }
-        let r = cl.first..cl.first + cl.count;
-        let m = gate_pass(
+        Ok(gate_pass(
             self.k,
             &self.plan.layout,
             x,
             |i| self.bundle(i),
             |i| candidate[cl.first + i],
             self.skip,
-            &mut scores[r.clone()],
-            &mut lists.active[r.clone()],
-            &mut lists.coef[r],
-        );
-        lists.n_active[self.ci] = m as u32;
-        lists.stage[self.ci] = Stage::Gated;
-        Ok(())
+            scores,
+            active,
+            coef,
+        ))
     }
 
     /// Adds the cluster's active neurons' down columns to `acc`, in order.
     fn add(&self, lists: &Lists, acc: &mut [f32]) {
         let cl = self.plan.clusters[self.ci];
         let r = cl.first..cl.first + lists.n_active[self.ci] as usize;
+        self.add_from(&lists.active[r.clone()], &lists.coef[r], acc);
+    }
+
+    /// Adds `coef[j] · down(active[j])` for the cluster's neurons `active`, in order, to `acc`.
+    fn add_from(&self, active: &[u32], coef: &[f32], acc: &mut [f32]) {
         down_pass(
             self.k,
             &self.plan.layout,
             |i| self.bundle(i),
-            &lists.active[r.clone()],
-            &lists.coef[r],
+            active,
+            coef,
             acc,
         );
     }

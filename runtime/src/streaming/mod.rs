@@ -582,13 +582,10 @@ fn choose_certificates(
     let keep = planner::keep_certificates(&certificate_terms(file, plans), cache_share);
     let mut dropped = false;
     for (p, keep) in plans.iter_mut().zip(keep) {
-        if p.certify && (!keep || sparsity != Sparsity::Certified) {
-            p.certify = false;
-            dropped = true;
-        }
-        if !p.certify && sparsity == Sparsity::Certified && p.lookahead.is_some() {
-            p.lookahead = None;
-            dropped = true;
+        if sparsity != Sparsity::Certified {
+            dropped |= std::mem::take(&mut p.certify);
+        } else if !keep || !p.certify {
+            dropped |= p.uncertify();
         }
     }
     dropped
@@ -621,8 +618,7 @@ fn certificates_bytes(plans: &[plan::LayerPlan]) -> u64 {
 /// look-ahead predictor goes too (as in [`choose_certificates`]).
 fn drop_certificates(plans: &mut [plan::LayerPlan]) {
     for p in plans.iter_mut().filter(|p| p.certify) {
-        p.certify = false;
-        p.lookahead = None;
+        p.uncertify();
     }
 }
 

@@ -57,6 +57,16 @@ pub struct PredictorUse {
 }
 
 impl LayerPlan {
+    /// Drops the layer's certificate and its look-ahead predictor with it: a certified layer
+    /// without a certificate reads every uncached cluster, so there is nothing left to guess.
+    /// True if anything was dropped.
+    pub fn uncertify(&mut self) -> bool {
+        let had = self.certify || self.lookahead.is_some();
+        self.certify = false;
+        self.lookahead = None;
+        had
+    }
+
     /// Decodes every layer's plan from an open file (no certificate read yet), taking over its predictors and
     /// statistics (so they are not held twice); keeps the predictors `uses` names, as int8.
     pub fn all(file: &mut LsbFile, uses: PredictorUse) -> Result<Vec<LayerPlan>> {
