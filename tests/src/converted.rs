@@ -110,3 +110,24 @@ pub fn negate_certificate_rows(src: &Path, dst: &Path) {
     bytes[..4096].copy_from_slice(&header.encode());
     std::fs::write(dst, bytes).unwrap();
 }
+
+/// Options of a session on `model` with `policy` under `memory` at context `ctx`: certified
+/// sparsity on the emulated `ufs4` flash, default tuning.
+pub fn session_options(
+    model: &Path,
+    policy: leanstream::session::PolicyChoice,
+    memory: Option<u64>,
+    ctx: usize,
+) -> leanstream::session::SessionOptions {
+    leanstream::session::SessionOptions {
+        model: model.to_path_buf(),
+        policy: Some(policy),
+        memory,
+        flash: leanstream::storage::FlashProfile::from_flash_arg("ufs4").unwrap(),
+        sparsity: leanstream::streaming::Sparsity::Certified,
+        ctx: Some(ctx),
+        default_ctx: ctx,
+        kv: Default::default(),
+        tuning: Default::default(),
+    }
+}
