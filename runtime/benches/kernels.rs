@@ -7,6 +7,11 @@
 //! - `matvec/<isa>/<type>/t<threads>`: batch-1 mat-vec of every encoding and instruction set;
 //! - `matvec_hot/<isa>/<type>`: the same on a matrix that stays in L2 (the compute ceiling);
 //! - `bundles/<type>`: the sparse FFN over neuron bundles with 10 % of the neurons active;
+//! - `down/<type>/{per_neuron,blocked}`: the down projection of a tenth of the neurons (1100
+//!   columns of 4096), added one column at a time (`axpy`, the output read and written per
+//!   neuron) against [`RowKernels::axpy_rows`] eight at a time (the output once per eight), the
+//!   same bits; in bytes of columns per second (the columns, 1.7–5 MB, stay in the last-level
+//!   cache after the first pass: this is the compute side of the down projection);
 //! - `matmul/<type>`: a 64-token prompt chunk (mat-mat), in multiply-adds per second.
 //!
 //! A filter argument works as for any criterion bench (`cargo bench -p leanstream --bench kernels --
@@ -189,6 +194,52 @@ impl Bundles {
     }
 }
 
+/// The down projection of a tenth of a 7B layer's neurons: per neuron against blocked.
+fn bench_down(c: &mut Criterion, f32_matrix: &Matrix) {
+    const ACTIVE: usize = ROWS / 10;
+    const BLOCK: usize = 8;
+    let mut g = c.benchmark_group("down");
+    let k = RowKernels::best();
+    let coef: Vec<f32> = (0..ACTIVE).map(|i| 1.0 / (1 + i) as f32).collect();
+    for qtype in [
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::F16,
+    ] {
+        // A tenth of the rows, spread over the matrix as active neurons are.
+        let m = QMatrix::quantize(f32_matrix, qtype).expect("a whole number of blocks");
+        let rows: Vec<&[u8]> = (0..ACTIVE).map(|i| m.row(i * 10)).collect();
+        g.throughput(Throughput::BytesDecimal((ACTIVE * m.row(0).len()) as u64));
+        let (mut one, mut blocked) = (vec![0.0f32; COLS], vec![0.0f32; COLS]);
+        let per_neuron = |out: &mut [f32]| {
+            for (&a, r) in coef.iter().zip(&rows) {
+                k.axpy(qtype, a, r, out);
+            }
+        };
+        let in_blocks = |out: &mut [f32]| {
+            for (a, r) in coef.chunks(BLOCK).zip(rows.chunks(BLOCK)) {
+                k.axpy_rows(qtype, a, r, out);
+            }
+        };
+        // Once from zero each: the same bits.
+        per_neuron(&mut one);
+        in_blocks(&mut blocked);
+        assert_eq!(
+            one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            blocked.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{qtype}: blocked and per-neuron down projections differ"
+        );
+        g.bench_function(format!("{qtype}/per_neuron"), |b| {
+            b.iter(|| per_neuron(&mut one))
+        });
+        g.bench_function(format!("{qtype}/blocked"), |b| {
+            b.iter(|| in_blocks(&mut blocked))
+        });
+    }
+    g.finish();
+}
+
 fn bench_matmul(c: &mut Criterion) {
     const T: usize = 64;
     let (rows, cols) = (2048, 2048);
@@ -326,6 +377,7 @@ fn main() {
     bench_matvec(&mut c, &m, &x);
     bench_matvec_hot(&mut c, &x);
     bench_bundles(&mut c, &m, &x);
+    bench_down(&mut c, &m);
     bench_matmul(&mut c);
     c.final_summary();
 }

@@ -226,6 +226,7 @@ impl Session {
             kv: o.kv,
             tokenizer_bytes: tokenizer.resident_bytes(&file),
             lookahead: o.tuning.lookahead,
+            oracle: o.tuning.expert_oracle.clone(),
         };
         let eos_token_ids = file.meta.model.eos_token_ids.clone();
         let chat_template = file.meta.chat_template.clone();

@@ -14,6 +14,12 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// The JSON a successful run printed; panics with its stderr when it failed.
+pub fn json_output(o: &Output) -> serde_json::Value {
+    assert!(o.status.success(), "{}", stderr(o));
+    serde_json::from_slice(&o.stdout).expect("one JSON object on stdout")
+}
+
 /// The size a message states right after `prefix` (a refusal's "below the minimum of 16.71 MiB
 /// for ..."); panics naming the prefix when there is none.
 pub fn stated_size(text: &str, prefix: &str) -> u64 {

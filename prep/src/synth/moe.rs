@@ -43,6 +43,9 @@ use crate::tensors::dense_specs;
 /// (and the routing the routers were planted on) stays that of layer 0 through every layer.
 const DOWN_SCALE: f32 = 0.03;
 
+/// The context the summary states the planner's minimum at (the issue's target: ctx 512).
+const MINIMUM_CTX: usize = 512;
+
 /// Token reuse planted when the profile has no mixture layers and `--token-reuse` is not given.
 const DEFAULT_TOKEN_REUSE: f32 = 0.3;
 
@@ -285,8 +288,31 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
     let mean = |f: &dyn Fn(&Routing) -> f32| {
         routing.iter().map(|r| f(r)).sum::<f32>() / layers.max(1) as f32
     };
+    // The planner's minimum at ctx 512 (default f16 KV) for this file, and for the shape at full
+    // depth: the same planner with the file's layers repeated (they are alike), no file written.
+    let kv = leanstream::kv_cache::KvType::default();
+    let full_depth = args.shape.config(None, Vec::new()).num_layers;
+    let minimum = leanstream::streaming::experts::minimum_memory(&args.output, MINIMUM_CTX, kv)?;
+    let minimum_full = leanstream::streaming::experts::minimum_memory_at_depth(
+        &args.output,
+        MINIMUM_CTX,
+        kv,
+        full_depth,
+    )?;
+    let full_1gib = leanstream::streaming::experts::split_at_depth(
+        &args.output,
+        MINIMUM_CTX,
+        kv,
+        full_depth,
+        Some(1 << 30),
+    )
+    .ok();
     let summary = serde_json::json!({
         "output": args.output,
+        "full_depth_split_1gib": full_1gib,
+        "minimum_memory_ctx512": minimum,
+        "full_depth_layers": full_depth,
+        "minimum_memory_full_depth_ctx512": minimum_full,
         "gguf": gguf,
         "shape": args.shape.name(),
         "layers": layers,
@@ -313,6 +339,12 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
             summary["peak_rss_bytes"].as_f64().unwrap_or(0.0) / (1u64 << 20) as f64,
             summary["token_reuse"].as_f64().unwrap_or(0.0),
             summary["lookahead_recall"].as_f64().unwrap_or(0.0),
+        );
+        println!(
+            "planner minimum at ctx {MINIMUM_CTX} (f16 KV): {} for this file, {} at the shape's \
+             full depth ({full_depth} layers)",
+            leanstream::memory_size::format_size(minimum),
+            leanstream::memory_size::format_size(minimum_full),
         );
         if let Some(done) = &gguf {
             crate::gguf_export::print(done);

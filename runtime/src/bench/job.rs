@@ -35,6 +35,9 @@ pub struct Job {
     /// The recorded active sets of the prompt and sequence: the truth of every streaming run's
     /// metrics, and the oracle's knowledge.
     pub active_trace: Option<PathBuf>,
+    /// A mixture's recorded experts of the prompt and sequence (the expert oracle's knowledge).
+    #[serde(default)]
+    pub expert_trace: Option<PathBuf>,
 }
 
 /// A policy with its settings; `label` names it in tables and plots.
@@ -50,6 +53,9 @@ pub struct Variant {
     pub cancel: bool,
     pub hot_fraction: Option<f32>,
     pub window: Option<usize>,
+    /// A mixture's expert oracle: the true experts guessed, Belady retention.
+    #[serde(default)]
+    pub expert_oracle: bool,
 }
 
 impl Variant {
@@ -65,6 +71,7 @@ impl Variant {
             cancel: true,
             hot_fraction: None,
             window: None,
+            expert_oracle: false,
         }
     }
 
@@ -174,6 +181,16 @@ fn session_options(job: &Job) -> Result<SessionOptions> {
             oracle: match &job.active_trace {
                 Some(p) => Some(Arc::new(read_trace(p)?)),
                 None => None,
+            },
+            expert_oracle: match (&job.expert_trace, v.expert_oracle) {
+                (Some(p), true) => {
+                    let bytes =
+                        std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?;
+                    Some(Arc::new(serde_json::from_slice(&bytes).with_context(
+                        || format!("{} is not an expert trace", p.display()),
+                    )?))
+                }
+                _ => None,
             },
         },
     })

@@ -8,6 +8,7 @@
 
 mod elastic;
 mod job;
+mod moe;
 mod plot;
 mod report;
 mod trace;
@@ -45,6 +46,8 @@ pub struct BenchArgs {
     memory: Vec<String>,
     /// Policies, comma-separated, or `all`. Besides the policies of `run --policy`, the ablations
     /// leanstream-no-lookahead, -always-lookahead, -no-refine, -no-cancel, -lru and -predicted.
+    /// A mixture of experts runs leanstream, leanstream-no-lookahead and expert-oracle, at budgets
+    /// given as sizes, `min` or ffn:P% (every dense weight resident, 2k slots, P% of the experts).
     #[arg(long, value_delimiter = ',', default_value = "all")]
     policy: Vec<String>,
     /// Flash device: ufs4, ufs31, nvme, a profile FILE.toml, or none (the real disk, direct I/O).
@@ -96,6 +99,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // Random weights carry no quality worth measuring, and their dense form (f32) may not even
     // fit in memory at the 7B scale: synthetic files get no dense reference.
     let synthetic = file.meta.synthetic.is_some();
+    let mixture = file.meta.model.moe.is_some();
     drop(file);
     let prompt_text = match &args.prompt_file {
         Some(p) => crate::tokenizer::read_text(p)?,
@@ -104,6 +108,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let prompt = tokenizer.encode(&prompt_text, true)?;
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens: give some text");
+    }
+    if mixture {
+        if !args.elastic.is_empty() {
+            bail!("--elastic is not implemented for a mixture of experts");
+        }
+        return moe::run(&args, prompt);
     }
     if !args.elastic.is_empty() {
         return run_elastic(&args, prompt);
@@ -124,21 +134,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         prompt,
         work: work.path.clone(),
         bar: &bar,
+        moe: false,
     };
     // The shared sequence, then the dense reference distributions of each measured step.
     let warmup = args.warmup;
     bar.set_message("resident: the token sequence");
-    let generated = runner.execute(
-        &Variant::new(PolicyChoice::Resident),
-        None,
-        Task::Generate {
-            tokens: warmup + args.tokens as usize,
-        },
-    )?;
-    if let Some(e) = generated.error {
-        bail!("the resident policy cannot run this model: {e}");
-    }
-    let sequence = generated.generated;
+    let sequence = runner.resident_sequence(warmup + args.tokens as usize)?;
     // The true active sets of the sequence: the oracle's knowledge, and the truth against which
     // every streaming run's predictors and hits are measured (predicted runs compute only what
     // they predict, so what they computed cannot serve as the truth).
@@ -189,11 +190,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     for (b, &(budget, _)) in budgets.iter().enumerate() {
         for (i, v) in per_budget.iter().enumerate() {
-            let mut all = std::mem::take(&mut outcomes[b * per_budget.len() + i]);
-            all.sort_by(|x, y| x.tokens_per_s.total_cmp(&y.tokens_per_s));
-            let rates = all.iter().map(|o| o.tokens_per_s).collect();
-            let median = all.swap_remove(all.len() / 2);
-            runs.push(Run::new((*v).clone(), Some(budget), median).with_runs(rates));
+            let all = std::mem::take(&mut outcomes[b * per_budget.len() + i]);
+            runs.push(median_run(v, budget, all));
         }
     }
     bar.finish_and_clear();
@@ -242,18 +240,11 @@ fn run_elastic(args: &BenchArgs, prompt: Vec<u32>) -> Result<()> {
         prompt,
         work: work.path.clone(),
         bar: &bar,
+        moe: false,
     };
     bar.set_message("resident: the token sequence");
     let tokens = args.warmup + steps.len() * step_tokens + 1;
-    let generated = runner.execute(
-        &Variant::new(PolicyChoice::Resident),
-        None,
-        Task::Generate { tokens },
-    )?;
-    if let Some(e) = generated.error {
-        bail!("the resident policy cannot run this model: {e}");
-    }
-    let sequence = generated.generated;
+    let sequence = runner.resident_sequence(tokens)?;
     bar.set_message("resident: the true active sets");
     runner.record_active_trace(&sequence)?;
     bar.set_message("leanstream: stepping the budget");
@@ -324,15 +315,7 @@ fn resolve_budget(plan: &crate::streaming::MemorySplit, spec: &str) -> Result<(u
     let spec = spec.trim();
     Ok(match spec.strip_prefix("ffn:") {
         Some(pct) => {
-            let p: f64 = pct
-                .trim_end_matches('%')
-                .parse()
-                .ok()
-                .filter(|p: &f64| (0.0..=100.0).contains(p))
-                .with_context(|| {
-                    format!("--memory {spec}: write ffn:P% with P between 0 and 100")
-                })?;
-            let b = plan.budget_for_ffn_share(p / 100.0);
+            let b = plan.budget_for_ffn_share(ffn_percent(spec, pct)? / 100.0);
             (b, format!("{spec} ({})", format_size(b)))
         }
         None => {
@@ -340,6 +323,15 @@ fn resolve_budget(plan: &crate::streaming::MemorySplit, spec: &str) -> Result<(u
             (b, format_size(b))
         }
     })
+}
+
+/// P of `--memory ffn:P%` (`spec`), between 0 and 100.
+fn ffn_percent(spec: &str, pct: &str) -> Result<f64> {
+    pct.trim_end_matches('%')
+        .parse()
+        .ok()
+        .filter(|p: &f64| (0.0..=100.0).contains(p))
+        .with_context(|| format!("--memory {spec}: write ffn:P% with P between 0 and 100"))
 }
 
 /// Policies as runnable variants; `all` is every policy and ablation.
@@ -424,6 +416,15 @@ fn variants(name: &str) -> Option<Vec<Variant>> {
     Some(vec![v])
 }
 
+/// The run with the median tokens/s of `all` (one policy's repeats at one budget), every repeat's
+/// rate kept.
+fn median_run(v: &Variant, budget: u64, mut all: Vec<Outcome>) -> Run {
+    all.sort_by(|x, y| x.tokens_per_s.total_cmp(&y.tokens_per_s));
+    let rates = all.iter().map(|o| o.tokens_per_s).collect();
+    let median = all.swap_remove(all.len() / 2);
+    Run::new(v.clone(), Some(budget), median).with_runs(rates)
+}
+
 /// References run once, without a budget.
 fn budget_free(v: &Variant) -> bool {
     v.policy == "dense" || v.policy == "resident"
@@ -435,9 +436,25 @@ struct Runner<'a> {
     prompt: Vec<u32>,
     work: PathBuf,
     bar: &'a ProgressBar,
+    /// A mixture of experts: its runs get the expert trace, not the neurons' active sets.
+    moe: bool,
 }
 
 impl Runner<'_> {
+    /// The resident policy's greedy continuation of the prompt, `tokens` long: the sequence every
+    /// run decodes.
+    fn resident_sequence(&self, tokens: usize) -> Result<Vec<u32>> {
+        let generated = self.execute(
+            &Variant::new(PolicyChoice::Resident),
+            None,
+            Task::Generate { tokens },
+        )?;
+        if let Some(e) = generated.error {
+            bail!("the resident policy cannot run this model: {e}");
+        }
+        Ok(generated.generated)
+    }
+
     fn execute(&self, variant: &Variant, memory: Option<u64>, task: Task) -> Result<Outcome> {
         let job = Job {
             model: self.args.model.clone(),
@@ -452,7 +469,12 @@ impl Runner<'_> {
             threads: self.args.threads.map(usize::from),
             prompt: self.prompt.clone(),
             trace: (self.args.trace.is_some() && memory.is_some()).then(|| self.timeline_path()),
-            active_trace: memory.map(|_| self.active_trace_path()),
+            active_trace: memory
+                .filter(|_| !self.moe)
+                .map(|_| self.active_trace_path()),
+            expert_trace: memory
+                .filter(|_| self.moe)
+                .map(|_| self.expert_trace_path()),
             task,
         };
         let path = self.work.join("job.json");
@@ -515,6 +537,10 @@ impl Runner<'_> {
 impl Runner<'_> {
     fn active_trace_path(&self) -> PathBuf {
         self.work.join("active-trace.json")
+    }
+
+    fn expert_trace_path(&self) -> PathBuf {
+        self.work.join("expert-trace.json")
     }
 
     /// Records the true active sets of the prompt and `sequence` where the budgeted runs read them.

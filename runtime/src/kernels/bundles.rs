@@ -14,7 +14,7 @@ use leanstream_format::quant::{row_bytes, QuantType};
 
 use super::operand::Operand;
 use super::rows::RowKernels;
-use crate::skip_rule::Skip;
+use crate::skip_rule::{Skip, SkipRule};
 
 /// Bundle bytes of a layer's needed clusters from which its FFN is split across threads (when
 /// there is more than one): below, waking a second thread costs more than it saves (a layer of
@@ -59,6 +59,11 @@ const GATE_BATCH: usize = 64;
 /// itself); SmolLM2 q4 `resident`, AVX-512, CPU time per decoded token: 12.3 ms one ahead
 /// (gate row only), 8.8 ms three ahead (gate and up rows), 8.9 ms four ahead.
 const PREFETCH_AHEAD: usize = 3;
+/// Under the `gate` rule a neuron's up row is read only if it is active, so [`gate_pass`] asks
+/// for the up rows ahead only while at least one in this many of the neurons it has seen was
+/// active: a ReLU layer with a tenth of its neurons active would otherwise pull in nine up rows
+/// it never reads for every one it does (the `gate_up` rule reads every candidate's up row).
+const UP_PREFETCH_SHARE: usize = 4;
 
 /// The FFN over a set of neurons: for each bundle `i`, `g = gate·x`, `a = act(g)`; the rule's
 /// score (`|a|`, or `|a·(up·x)|`) is written to `scores[i]`, and if it exceeds the threshold,
@@ -147,15 +152,22 @@ pub fn gate_pass<'b>(
     let (q, rb) = (layout.qtype, layout.row_bytes);
     let n = scores.len();
     assert!(active.len() >= n && coef.len() >= n);
-    let mut m = 0;
+    let up_always = matches!(skip.rule, SkipRule::GateUp);
+    let (mut m, mut seen) = (0, 0);
     for (i, score) in scores.iter_mut().enumerate() {
         if !candidate(i) {
             continue;
         }
         let b = bundle(i);
         if i + PREFETCH_AHEAD < n {
-            prefetch(&bundle(i + PREFETCH_AHEAD)[..2 * rb]);
+            let rows = if up_always || m * UP_PREFETCH_SHARE >= seen {
+                2
+            } else {
+                1
+            };
+            prefetch(&bundle(i + PREFETCH_AHEAD)[..rows * rb]);
         }
+        seen += 1;
         let a = skip.act.apply(k.dot(q, &b[..rb], x));
         let c = match skip.gate_score(a) {
             Some(s) => {

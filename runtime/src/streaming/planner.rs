@@ -90,7 +90,7 @@ impl DenseStreamed {
     }
 
     /// What streams, for people.
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         [
             (self.attention, "attention"),
             (self.head, "output head"),

@@ -28,6 +28,8 @@ pub struct Tuning {
     /// The true active sets of the tokens to come: the oracle's knowledge, and the truth the
     /// metrics of any policy use when given.
     pub oracle: Option<Arc<ActiveTrace>>,
+    /// A mixture's expert oracle (`bench`'s `expert-oracle`): each token's true experts.
+    pub expert_oracle: Option<Arc<super::experts::ExpertTrace>>,
 }
 
 impl Default for Tuning {
@@ -41,6 +43,7 @@ impl Default for Tuning {
             hot_fraction: None,
             window: None,
             oracle: None,
+            expert_oracle: None,
         }
     }
 }

@@ -83,6 +83,11 @@ impl ExpertCache {
         }
     }
 
+    /// Sets expert `id`'s retention score (the oracle's: minus its next use).
+    pub fn set_score(&mut self, id: usize, score: f32) {
+        self.score[id] = score;
+    }
+
     /// Claims a slot for a read about to be submitted, evicting the lowest-scored unprotected
     /// resident expert if every slot is taken; the evicted buffer is returned for reuse. `None`
     /// (nothing claimed) when every slot is in flight or protected.

@@ -35,7 +35,10 @@ pub struct ExpertSummary {
     /// Per layer (null where nothing predicts it: the first mixture layer, dense layers).
     pub expert_lookahead_recall_by_layer: Vec<Option<f64>>,
     pub experts_read_per_token: f64,
+    /// Experts' and streamed dense weights' bytes read per token.
     pub bytes_read_per_token: f64,
+    /// Of those, the dense weights' (embedding, head, attention where the budget streams them).
+    pub dense_bytes_read_per_token: f64,
     pub speculative_reads: u64,
     pub cancelled_reads: u64,
     pub tokens: u64,
@@ -76,6 +79,7 @@ impl ExpertCounters {
                 .collect(),
             experts_read_per_token: share(self.reads, tokens),
             bytes_read_per_token: share(self.bytes, tokens),
+            dense_bytes_read_per_token: 0.0,
             speculative_reads: self.speculative_reads,
             cancelled_reads: self.cancelled,
             tokens,

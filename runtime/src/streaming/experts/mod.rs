@@ -8,12 +8,14 @@
 mod budget;
 mod cache;
 mod metrics;
+mod oracle;
 mod stream;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -24,10 +26,13 @@ use crate::config::ModelConfig;
 use crate::kernels::{Matrix, QMatrix, Weight};
 use crate::kv_cache::{KvCache, KvType};
 use crate::lsb_dense;
-use crate::model::{router_tensor_name, DenseFfn, LanguageModel, Model};
+use crate::model::{router_tensor_name, DenseFfn, DenseWeights, LanguageModel, Model};
 use crate::storage::{open_device, FlashProfile, IoQueue};
+use crate::streaming::dense_stream::{DenseStream, DenseTensors};
+use crate::streaming::planner::{DenseSizes, DenseStreamed};
 pub use budget::ExpertSplit;
 pub use metrics::ExpertSummary;
+pub use oracle::ExpertTrace;
 use stream::{ExpertStream, LayerFfn, MixtureLayer};
 
 /// How to open a streamed mixture.
@@ -43,12 +48,18 @@ pub struct ExpertOptions {
     pub tokenizer_bytes: u64,
     /// Speculate with the next layer's router (`--no-lookahead` turns it off: the ablation).
     pub lookahead: bool,
+    /// The expert oracle's knowledge (`bench`): the true experts of the tokens to come.
+    pub oracle: Option<Arc<ExpertTrace>>,
 }
 
 /// A mixture of experts whose experts stream from flash.
 pub struct ExpertModel {
     model: Model,
     stream: ExpertStream,
+    /// The embedding, attention and head when the budget streams some of them.
+    dense: Option<DenseStream>,
+    /// Dense bytes read before the measured run.
+    dense_base: u64,
     pub split: ExpertSplit,
     pub budget: Option<u64>,
     started: Instant,
@@ -58,72 +69,152 @@ pub struct ExpertModel {
 /// The most prompt tokens one forward call computes (the scratch is sized for it).
 const CHUNK: usize = crate::generate::PROMPT_CHUNK;
 
-/// The budget split for `file` at `o`'s context (refused below the minimum, naming it).
-fn plan(file: &LsbFile, o: &ExpertOptions) -> Result<ExpertSplit> {
+/// The planner's input for `file` at `depth` layers: the file's own when `depth` is its layer
+/// count; deeper, layer `d` a copy of the file's layer `d mod layers` (for a uniform shape such as
+/// `synth`'s, what the full-depth file would need: its tensors, KV cache and experts).
+fn plan_input(
+    file: &LsbFile,
+    tokenizer_bytes: u64,
+    ctx: usize,
+    kv: KvType,
+    depth: usize,
+) -> Result<budget::PlanInput> {
     let c = &file.meta.model;
     let moe = c.moe.as_ref().context("not a mixture of experts")?;
+    let layers = c.num_layers.max(1);
+    // How many of the `depth` layers copy the file's layer `l`.
+    let copies = |l: usize| ((depth + layers - 1).saturating_sub(l) / layers) as u64;
+    let times = |name: &str| {
+        name.strip_prefix("model.layers.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|l| l.parse::<usize>().ok())
+            .map_or(1, copies)
+    };
     let f32_bytes = |n: usize| 4 * n as u64;
-    let dense: u64 = file
-        .dense
-        .tensors
-        .iter()
-        .map(|t| {
-            if kept_encoded(t) {
-                t.size
-            } else {
-                f32_bytes(t.rows() * t.cols())
-            }
-        })
-        .sum();
-    let dense_ffn: u64 = (0..c.num_layers)
-        .filter(|&l| !c.is_moe_layer(l))
-        .map(|_| f32_bytes(3 * c.intermediate_size * c.hidden_size))
-        .sum();
+    // As held in memory: encoded as stored, or decoded to f32.
+    let held = |t: &leanstream_format::dense::DenseTensor| {
+        if kept_encoded(t) {
+            t.size
+        } else {
+            f32_bytes(t.rows() * t.cols())
+        }
+    };
+    let (mut dense, mut attention, mut other) = (0, 0, 0);
+    for t in &file.dense.tensors {
+        let n = times(&t.name);
+        if is_attention_projection(&t.name) {
+            attention += n * t.size;
+            dense += n * held(t);
+        } else if t.name == "model.embed_tokens.weight" || t.name == "lm_head.weight" {
+            dense += n * held(t);
+        } else {
+            other += n * held(t);
+        }
+    }
+    let sizes = DenseSizes {
+        attention,
+        ..DenseTensors::open(file)?.sizes(c)?
+    };
+    let dense_layers = (0..depth).filter(|&d| !c.is_moe_layer(d % layers)).count();
+    let dense_ffn = dense_layers as u64 * f32_bytes(3 * c.intermediate_size * c.hidden_size);
     let (h, n, e, k) = (
         c.hidden_size,
         moe.expert_intermediate_size,
         moe.num_experts,
         moe.experts_per_token,
     );
-    // Routing and running a chunk's experts, and the one expert decoded at a time.
-    let moe_scratch = f32_bytes(CHUNK * (e + 2 * k + 3 * h + 2 * n) + 3 * n * h + h);
-    let fixed = crate::streaming::planner::baseline_overhead(o.tokenizer_bytes)
-        + dense
+    // Routing and running a chunk's experts, and the one expert decoded at a time where experts
+    // are not run where they lie (f32 files).
+    let decoded = if decodes_experts(file) { 3 * n * h } else { 0 };
+    let moe_scratch = f32_bytes(CHUNK * (e + 2 * k + 3 * h + 2 * n) + decoded + h);
+    // The model's scratch; without a dense FFN layer its FFN activations are never written (every
+    // FFN runs in the expert stream), so they take no memory.
+    let mut shape = c.clone();
+    shape.num_layers = depth;
+    if dense_layers == 0 {
+        shape.intermediate_size = 0;
+    }
+    let base = crate::streaming::planner::baseline_overhead(tokenizer_bytes)
+        + other
         + dense_ffn
-        + KvCache::bytes_for(c, o.ctx, o.kv) as u64
-        + crate::streaming::planner::scratch_bytes(c, CHUNK)
+        + KvCache::bytes_for(&shape, ctx, kv) as u64
+        + crate::streaming::planner::scratch_bytes(&shape, CHUNK)
         + moe_scratch;
-    let experts = file.experts.layers.iter().map(Vec::len).sum();
+    let experts = (0..file.experts.layers.len())
+        .map(|l| copies(l) * file.experts.layers[l].len() as u64)
+        .sum::<u64>() as usize;
     let expert_bytes = (0..file.experts.layers.len())
         .flat_map(|l| (0..file.experts.layers[l].len()).map(move |e| (l, e)))
         .map(|(l, e)| file.expert_extent(l, e).1)
         .max()
         .unwrap_or(0);
-    budget::split(
-        fixed,
+    Ok(budget::PlanInput {
+        base,
+        dense,
+        sizes,
         expert_bytes,
         experts,
         k,
-        o.memory,
-        &file.path.display().to_string(),
-    )
+    })
+}
+
+/// A query, key, value or output projection (FORMAT.md §5.3 names).
+fn is_attention_projection(name: &str) -> bool {
+    name.contains(".self_attn.")
+        && ["q_proj", "k_proj", "v_proj", "o_proj"]
+            .iter()
+            .any(|p| name.ends_with(&format!(".{p}.weight")))
+}
+
+/// Whether some expert is stored in a type the bundle kernel does not run (f32, f16, bf16): it is
+/// decoded to f32 matrices to run.
+fn decodes_experts(file: &LsbFile) -> bool {
+    file.experts
+        .layers
+        .iter()
+        .flatten()
+        .any(|x| !x.qtype.is_block())
+}
+
+/// The budget split for `file` at `o`'s context (refused below the minimum, naming it).
+fn plan(file: &LsbFile, o: &ExpertOptions) -> Result<ExpertSplit> {
+    let input = plan_input(
+        file,
+        o.tokenizer_bytes,
+        o.ctx,
+        o.kv,
+        file.meta.model.num_layers,
+    )?;
+    budget::split(&input, o.memory, &file.path.display().to_string())
 }
 
 /// The least `--memory` a streamed run of the mixture at `path` accepts at `ctx` with KV storage
-/// `kv`: the fixed part and [`ExpertSplit::min_slots`] expert slots.
+/// `kv`: every dense weight streamed and [`ExpertSplit::min_slots`] expert slots.
 pub fn minimum_memory(path: &Path, ctx: usize, kv: KvType) -> Result<u64> {
     let file = LsbFile::open(path)?;
-    let o = ExpertOptions {
-        memory: None,
-        flash: None,
-        ctx,
-        kv,
-        tokenizer_bytes: crate::tokenizer::resident_bytes(&file)?,
-        lookahead: true,
-    };
-    let split = plan(&file, &o)?;
-    let k = split.speculative;
-    Ok(split.fixed + ExpertSplit::min_slots(k) as u64 * split.expert_bytes)
+    minimum_memory_at_depth(path, ctx, kv, file.meta.model.num_layers)
+}
+
+/// [`minimum_memory`] of the same shape at `depth` layers, layer `d` a copy of the file's layer
+/// `d mod layers`: what the planner would state for the full-depth file of a shape written with
+/// `synth --layers` (whose layers are alike), without writing it.
+pub fn minimum_memory_at_depth(path: &Path, ctx: usize, kv: KvType, depth: usize) -> Result<u64> {
+    Ok(split_at_depth(path, ctx, kv, depth, None)?.minimum)
+}
+
+/// The planner's split of `budget` (`None`: room for everything) for the shape of the mixture at
+/// `path` at `depth` layers, deepened as [`minimum_memory_at_depth`] says.
+pub fn split_at_depth(
+    path: &Path,
+    ctx: usize,
+    kv: KvType,
+    depth: usize,
+    budget: Option<u64>,
+) -> Result<ExpertSplit> {
+    let file = LsbFile::open(path)?;
+    let tokenizer = crate::tokenizer::resident_bytes(&file)?;
+    let input = plan_input(&file, tokenizer, ctx, kv, depth)?;
+    budget::split(&input, budget, &path.display().to_string())
 }
 
 /// Whether a dense tensor stays encoded in memory: a matrix stored in a quantized type, except
@@ -139,17 +230,33 @@ fn kept_encoded(t: &leanstream_format::dense::DenseTensor) -> bool {
 type EncodedTensors = HashMap<String, (Vec<usize>, QuantType, Vec<u8>)>;
 
 /// Splits `file`'s dense tensors: those [`kept_encoded`] as their bytes, the rest (and any dense
-/// FFN layer) decoded to f32 as [`lsb_dense::tensors`] gives them.
-fn resident_tensors(file: &LsbFile) -> Result<(lsb_dense::Tensors, EncodedTensors)> {
+/// FFN layer) decoded to f32 as [`lsb_dense::tensors`] gives them. With `streamed`, the embedding,
+/// attention projections and head are left out (a [`DenseStream`] holds them).
+fn resident_tensors(
+    file: &LsbFile,
+    streamed: bool,
+) -> Result<(lsb_dense::Tensors, EncodedTensors)> {
     let path = &file.path;
+    let skip = |name: &str| {
+        streamed
+            && (is_attention_projection(name)
+                || name == "model.embed_tokens.weight"
+                || name == "lm_head.weight")
+    };
     let mut f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut encoded = EncodedTensors::new();
-    for t in file.dense.tensors.iter().filter(|t| kept_encoded(t)) {
+    for t in file
+        .dense
+        .tensors
+        .iter()
+        .filter(|t| kept_encoded(t) && !skip(&t.name))
+    {
         let bytes = file.read_dense(&mut f, t)?;
         let shape = t.shape.iter().map(|&d| d as usize).collect();
         encoded.insert(t.name.clone(), (shape, t.qtype, bytes));
     }
-    let decoded = lsb_dense::tensors_except(file, &|name| encoded.contains_key(name))?;
+    let decoded =
+        lsb_dense::tensors_except(file, &|name| encoded.contains_key(name) || skip(name))?;
     Ok((decoded, encoded))
 }
 
@@ -160,7 +267,8 @@ impl ExpertModel {
         let split = plan(&file, o)?;
         let config: ModelConfig = file.meta.model.clone();
         let moe = config.moe.clone().context("not a mixture of experts")?;
-        let (decoded, encoded) = resident_tensors(&file)?;
+        let streams = split.dense_streamed != DenseStreamed::default();
+        let (decoded, encoded) = resident_tensors(&file, streams)?;
         let tensors = RefCell::new(decoded);
         let encoded = RefCell::new(encoded);
         let take = |name: &str, shape: &[usize]| lsb_dense::take(&tensors, &file, name, shape);
@@ -219,17 +327,36 @@ impl ExpertModel {
                 extents,
             }));
         }
-        let model = Model::without_ffn(config.clone(), take, mat)?.with_kv(o.kv);
+        let model = if streams {
+            Model::norms_only(config.clone(), take)?
+        } else {
+            Model::without_ffn(config.clone(), take, mat)?
+        }
+        .with_kv(o.kv);
         drop(tensors);
         drop(encoded);
         crate::memory::release_freed_memory();
         let device = open_device(path, o.flash.clone())
             .with_context(|| format!("cannot open {} for streaming", path.display()))?;
+        let io = Arc::new(IoQueue::new(device));
+        // Where the budget streams dense weights, all of them come through the dense stream (the
+        // resident ones read whole once, checked): the same encoded bytes and kernels as resident.
+        let dense = if streams {
+            let t = DenseTensors::open(&file)?;
+            Some(DenseStream::open(
+                &t,
+                &config,
+                split.dense_streamed,
+                Arc::clone(&io),
+            )?)
+        } else {
+            None
+        };
         let mut stream = ExpertStream::new(
             layers,
             &config,
             path.to_path_buf(),
-            IoQueue::new(device),
+            io,
             split.slots,
             if o.lookahead { split.speculative } else { 0 },
             &prior,
@@ -239,6 +366,14 @@ impl ExpertModel {
         let mut order: Vec<usize> = (0..prior.len()).filter(|&i| prior[i] > 0.0).collect();
         order.sort_by(|&a, &b| prior[b].total_cmp(&prior[a]).then(a.cmp(&b)));
         stream.warm(&order)?;
+        if let Some(trace) = &o.oracle {
+            let layers = config.num_layers;
+            stream.set_oracle(oracle::Oracle::new(
+                Arc::clone(trace),
+                layers,
+                moe.num_experts,
+            ));
+        }
         #[cfg(target_os = "linux")]
         if o.flash.is_none() {
             // Every later read is direct: what opening read through the page cache would be
@@ -249,6 +384,8 @@ impl ExpertModel {
         Ok(Self {
             model,
             stream,
+            dense,
+            dense_base: 0,
             split,
             budget: o.memory,
             started: Instant::now(),
@@ -258,9 +395,18 @@ impl ExpertModel {
 
     /// The expert figures since the last [`reset_clock`](Self::reset_clock).
     pub fn summary(&self) -> ExpertSummary {
-        self.stream
+        let mut s = self
+            .stream
             .counters
-            .summary(self.tokens, self.started.elapsed().as_secs_f64())
+            .summary(self.tokens, self.started.elapsed().as_secs_f64());
+        let dense = self.dense_read() - self.dense_base;
+        s.dense_bytes_read_per_token = dense as f64 / self.tokens.max(1) as f64;
+        s.bytes_read_per_token += s.dense_bytes_read_per_token;
+        s
+    }
+
+    fn dense_read(&self) -> u64 {
+        self.dense.as_ref().map_or(0, |d| d.counters().0)
     }
 
     /// Starts counting tokens, time and reads afresh.
@@ -268,6 +414,7 @@ impl ExpertModel {
         self.started = Instant::now();
         self.tokens = 0;
         self.stream.reset_counters();
+        self.dense_base = self.dense_read();
     }
 
     /// The read queue.
@@ -289,6 +436,10 @@ impl LanguageModel for ExpertModel {
         CHUNK
     }
 
+    fn scores_by_decoding(&self) -> bool {
+        true
+    }
+
     fn forward_into(
         &mut self,
         tokens: &[u32],
@@ -302,12 +453,13 @@ impl LanguageModel for ExpertModel {
             });
         }
         self.tokens += tokens.len() as u64;
+        self.stream.position = cache.len();
         self.model.forward_with(
             tokens,
             cache,
             all_logits,
             Some(&mut self.stream),
-            None,
+            self.dense.as_mut().map(|d| d as &mut dyn DenseWeights),
             logits,
         )
     }

@@ -8,6 +8,7 @@
 //! `--policy resident` ([`MoeScratch`]): the output is resident's, bit for bit.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::ffn::FfnLayer;
@@ -15,6 +16,7 @@ use leanstream_format::file::check_extent;
 
 use super::cache::ExpertCache;
 use super::metrics::ExpertCounters;
+use super::oracle::Oracle;
 use crate::config::{Activation, MoeConfig};
 use crate::kernels::bundles::{down_pass, gate_pass, BundleLayout};
 use crate::kernels::{Matrix, Operand, RowKernels, Weight};
@@ -22,9 +24,11 @@ use crate::model::{rms_norm, route, Choice, DenseFfn, FfnBackend, MoeScratch};
 use crate::skip_rule::{Skip, SkipRule};
 use crate::storage::{AlignedBuf, IoQueue, Ticket};
 
-/// Reads a layer waits for.
-const URGENT: u32 = 2;
-/// Guesses for the next layer: never ahead of an urgent read.
+/// Reads a layer waits for (the engine's urgent priority: ahead of the dense stream's reads of the
+/// next layer's attention).
+const URGENT: u32 = crate::streaming::engine::URGENT;
+/// Guesses for the next layer: behind urgent reads and the dense stream's reads ahead, within the
+/// engine's speculative share.
 const SPECULATIVE: u32 = 1;
 
 /// A mixture layer as the stream holds it: the router resident, the experts on flash.
@@ -73,7 +77,7 @@ pub(super) struct ExpertStream {
     act: Activation,
     eps: f32,
     path: PathBuf,
-    io: IoQueue,
+    io: Arc<IoQueue>,
     cache: ExpertCache,
     /// Per expert id, its read in flight.
     tickets: Vec<Option<Ticket>>,
@@ -85,6 +89,12 @@ pub(super) struct ExpertStream {
     speculative: usize,
     work: Work,
     pub counters: ExpertCounters,
+    /// The position of the forward call's first token (set by the model before each call).
+    pub position: usize,
+    /// Recording: per position, per layer, the experts chosen (one-token calls only).
+    pub record: Option<Vec<Vec<Vec<u16>>>>,
+    /// The expert oracle: the true experts guessed, Belady retention.
+    oracle: Option<Oracle>,
 }
 
 fn f32_data(w: &mut Weight) -> &mut [f32] {
@@ -101,7 +111,7 @@ impl ExpertStream {
         layers: Vec<LayerFfn>,
         config: &crate::config::ModelConfig,
         path: PathBuf,
-        io: IoQueue,
+        io: Arc<IoQueue>,
         slots: usize,
         speculative: usize,
         prior: &[f32],
@@ -114,19 +124,31 @@ impl ExpertStream {
             moe.num_experts,
         );
         let f32_matrix = |rows, cols| Weight::F32(Matrix::new(rows, cols, vec![0.0; rows * cols]));
-        let dense_n = config.intermediate_size;
+        // A dense layer's activations, and the f32 copy of an expert that is not run where it
+        // lies: only where some layer needs them (the planner counts them only then).
+        let dense_n = if layers.iter().any(|l| matches!(l, LayerFfn::Dense(_))) {
+            config.intermediate_size
+        } else {
+            0
+        };
+        let decodes = layers.iter().any(|l| match l {
+            LayerFfn::Mixture(m) => m.experts.iter().any(|x| !x.qtype.is_block()),
+            LayerFfn::Dense(_) => false,
+        });
+        let (dn, dh) = if decodes { (n, h) } else { (0, 0) };
         let experts = layers.len() * e;
         let counters = ExpertCounters::new(layers.len());
-        io.limit_background(URGENT, 1);
+        // Speculative reads hold one device slot at most: an urgent read never waits behind two.
+        io.limit_background(crate::streaming::engine::SPECULATIVE_MAX + 1, 1);
         Self {
             work: Work {
                 moe: MoeScratch::new(config, chunk),
                 decoded: DenseFfn {
-                    gate: f32_matrix(n, h),
-                    up: f32_matrix(n, h),
-                    down: f32_matrix(h, n),
+                    gate: f32_matrix(dn, dh),
+                    up: f32_matrix(dn, dh),
+                    down: f32_matrix(dh, dn),
                 },
-                column: vec![0.0; h],
+                column: vec![0.0; dh],
                 gate: vec![0.0; chunk * dense_n],
                 up: vec![0.0; chunk * dense_n],
                 xn: vec![0.0; h],
@@ -158,7 +180,23 @@ impl ExpertStream {
             predicted: vec![false; experts],
             speculative: speculative.min(e),
             counters,
+            position: 0,
+            record: None,
+            oracle: None,
         }
+    }
+
+    /// Guesses the true experts from `oracle` and keeps experts by their next use in it.
+    pub(super) fn set_oracle(&mut self, mut oracle: Oracle) {
+        let (layers, e_count) = (self.layers.len(), self.moe.num_experts);
+        for l in 0..layers {
+            for e in 0..e_count {
+                let id = self.cache.id(l, e);
+                self.cache
+                    .set_score(id, oracle.score_after(id, l, layers, None));
+            }
+        }
+        self.oracle = Some(oracle);
     }
 
     pub(super) fn reset_counters(&mut self) {
@@ -257,7 +295,19 @@ impl ExpertStream {
     /// The look-ahead: layer `n`'s router on the residual `x` entering the layer before it.
     fn speculate(&mut self, n: usize, x: &[f32]) -> Result<()> {
         let s = self.speculative;
-        {
+        let known = match &self.oracle {
+            Some(o) => match o.chosen(self.position, n) {
+                Some(c) => {
+                    for (g, &e) in self.work.guess[..s].iter_mut().zip(c) {
+                        g.expert = e as u32;
+                    }
+                    true
+                }
+                None => false,
+            },
+            None => false,
+        };
+        if !known {
             let LayerFfn::Mixture(m) = &self.layers[n] else {
                 unreachable!("layer {n} is a mixture")
             };
@@ -296,7 +346,22 @@ impl ExpertStream {
         for c in self.work.moe.chosen() {
             chosen[c.expert as usize] = true;
         }
-        self.cache.observe(l, &self.work.chosen);
+        if let (Some(rec), 1) = (&mut self.record, t) {
+            let layers = self.layers.len();
+            if rec.len() <= self.position {
+                rec.resize(self.position + 1, vec![Vec::new(); layers]);
+            }
+            rec[self.position][l] = self
+                .work
+                .moe
+                .chosen()
+                .iter()
+                .map(|c| c.expert as u16)
+                .collect();
+        }
+        if self.oracle.is_none() {
+            self.cache.observe(l, &self.work.chosen);
+        }
         let judged = t == 1 && !self.guessed[l].is_empty();
         let c = &mut self.counters;
         for e in (0..e_count).filter(|&e| self.work.chosen[e]) {
@@ -383,6 +448,14 @@ impl ExpertStream {
             }
             self.cache.done(id);
             next = self.read_ahead(l, next)?;
+        }
+        if let Some(o) = &mut self.oracle {
+            let (layers, last) = (self.layers.len(), self.position + t - 1);
+            for e in 0..e_count {
+                let id = self.cache.id(l, e);
+                self.cache
+                    .set_score(id, o.score_after(id, l, layers, Some(last)));
+            }
         }
         Ok(())
     }
