@@ -138,3 +138,19 @@ pub fn argmax(row: &[f32]) -> u32 {
         .max_by(|&a, &b| row[a].total_cmp(&row[b]).then(b.cmp(&a)))
         .expect("a non-empty row") as u32
 }
+
+/// Options of a session on `model` with `policy` under `memory` at context `ctx`: certified
+/// sparsity on the emulated `ufs4` flash, the default KV cache and tuning.
+pub fn session_options(
+    model: &Path,
+    policy: leanstream::session::PolicyChoice,
+    memory: Option<u64>,
+    ctx: usize,
+) -> leanstream::session::SessionOptions {
+    leanstream::session::SessionOptions {
+        flash: leanstream::storage::FlashProfile::from_flash_arg("ufs4").unwrap(),
+        sparsity: leanstream::streaming::Sparsity::Certified,
+        kv: Default::default(),
+        ..exact_options(model, policy, memory, ctx)
+    }
+}

@@ -9,8 +9,8 @@ use std::sync::{Arc, OnceLock};
 use leanstream::generate::{generate, GenerateOptions};
 use leanstream::perplexity::perplexity;
 use leanstream::sampler::SamplerConfig;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
-use leanstream::storage::{Device, DirectDevice, Fault, FaultyDevice, FlashProfile};
+use leanstream::session::{PolicyChoice, Session};
+use leanstream::storage::{Device, DirectDevice, Fault, FaultyDevice};
 use leanstream::streaming::{
     minimum_memory, streaming_minimum_memory, Policy, Sparsity, StreamOptions, StreamingModel,
     Tuning,
@@ -18,25 +18,14 @@ use leanstream::streaming::{
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::LsbFile;
 use leanstream_tests::cli::stated_size;
-use leanstream_tests::converted::{bin, convert, heldout_ids, scratch, workspace};
+use leanstream_tests::converted::{bin, convert, heldout_ids, scratch, session_options, workspace};
 use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
 use serde_json::Value;
 
 const CTX: usize = 128;
 
 fn session(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
-    Session::open(&SessionOptions {
-        model: file.to_path_buf(),
-        policy: Some(policy),
-        memory,
-        flash: FlashProfile::from_flash_arg("ufs4").unwrap(),
-        sparsity: Sparsity::Certified,
-        ctx: Some(CTX),
-        default_ctx: CTX,
-        kv: Default::default(),
-        tuning: Tuning::default(),
-    })
-    .unwrap()
+    Session::open(&session_options(file, policy, memory, CTX)).unwrap()
 }
 
 /// Perplexity of `ids` and the run's report.
