@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The quality cost of SwiGLU sparsity on SmolLM2-135M-Instruct (issue [K] item 6): converts the
 # cached GGUF with `--sparsity target:F` (the gate_up rule, F allocated across layers) at each F and
-# with the old |silu(gate)| rule (`threshold:F`) at 0.5, then scores two texts the calibration never
+# with the old |silu(gate)| rule (`threshold:F`) at 0.5, each calibrated on the converter's default
+# text (for SwiGLU models the varied one: prose, Python source and technical English; data/README.md)
+# unless EXTRA_CONVERT says `--calib FILE`, then scores two texts the calibration never
 # saw — the start of data/heldout-head.txt and a text of another kind (the GPL-3 licence, from
 # /usr/share/common-licenses) — in exact (certified) and predicted modes against the dense weights
 # of the same file (`leanstream perplexity --reference dense`, one pass each), and the FFN bytes

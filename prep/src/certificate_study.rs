@@ -13,6 +13,9 @@
 //! - `cluster centroid`: one Q8_0 row per cluster (the mean gate) and one radius, the same
 //!   interval for all its neurons;
 //! - `exact gates`: the bundles' own gate rows resident (no error);
+//! - `exact gates of the coldest clusters`: the same for only the clusters where they save the most
+//!   reads, as many as fit in [`SUBSET_SHARE`] of the layer's FFN bundle bytes (a gate row is a
+//!   third of a bundle, so at most 30 % of the clusters): the side-data target of issue 16;
 //! - `none`, and the `needed` oracle (the clusters holding a neuron the rule keeps).
 //!
 //! Under the `gate_up` rule no gate design proves anything (the rule needs `u`): they read every
@@ -34,6 +37,8 @@ use serde::Serialize;
 const STUDY_ROWS: usize = 256;
 /// Values per block of the block-bound designs (and of Q4_0 / Q8_0).
 const BLOCK: usize = 32;
+/// The share of a layer's FFN bundle bytes the exact gates of its coldest clusters may take.
+const SUBSET_SHARE: f64 = 0.10;
 
 /// One design's totals over the model.
 #[derive(Debug, Clone, Serialize)]
@@ -67,6 +72,7 @@ enum Design {
     Sign,
     Centroid,
     Exact,
+    ExactColdest,
     /// What the converter wrote for the layer (`--certificate`, per layer).
     Written,
     None,
@@ -74,7 +80,7 @@ enum Design {
 }
 
 impl Design {
-    const ALL: [Design; 10] = [
+    const ALL: [Design; 11] = [
         Design::Sketch(QuantType::Q8_0),
         Design::Sketch(QuantType::Q4_0),
         Design::Q4Blocks,
@@ -82,6 +88,7 @@ impl Design {
         Design::Sign,
         Design::Centroid,
         Design::Exact,
+        Design::ExactColdest,
         Design::Written,
         Design::None,
         Design::Needed,
@@ -95,6 +102,10 @@ impl Design {
             Design::Sign => "1-bit (sign) + f16 scale and bound per 32 values".into(),
             Design::Centroid => "cluster centroid (q8_0) + one radius per cluster".into(),
             Design::Exact => format!("exact gates ({} as in the bundles)", bundle.name()),
+            Design::ExactColdest => format!(
+                "exact gates of the clusters they save most in, within {:.0} % of the FFN",
+                100.0 * SUBSET_SHARE
+            ),
             Design::Written => "as written (--certificate, per layer)".into(),
             Design::None => "none".into(),
             Design::Needed => "needed (oracle: no certificate could read less)".into(),
@@ -155,7 +166,7 @@ pub fn layer(inp: &LayerInput) -> Result<LayerStudy> {
     };
     let (whole, per_block) = (norm_of(h), norm_of(BLOCK));
     let clusters = n.div_ceil(inp.cluster_size);
-    let cluster_bytes = (0..clusters)
+    let cluster_bytes: Vec<u64> = (0..clusters)
         .map(|c| (inp.cluster_size.min(n - c * inp.cluster_size) * inp.bundle_bytes) as u64)
         .collect();
     let set = SkipSet::new(inp.skip.act, inp.skip.threshold);
@@ -175,6 +186,13 @@ pub fn layer(inp: &LayerInput) -> Result<LayerStudy> {
             }
             Design::None => (0, vec![1.0; clusters]),
             Design::Needed => (0, needed(inp, &rows, clusters)),
+            Design::ExactColdest => {
+                let exact = &read[Design::ALL
+                    .iter()
+                    .position(|&d| d == Design::Exact)
+                    .expect("exact gates come first")];
+                coldest(exact, &cluster_bytes, inp)?
+            }
             // A gate certificate cannot prove `|act(g)·u|` small: it bounds g, not u.
             _ if inp.skip.rule != SkipRule::Gate => {
                 let (_, _, b) = approximate(design, &gates, inp)?;
@@ -210,6 +228,27 @@ pub fn layer(inp: &LayerInput) -> Result<LayerStudy> {
         read,
         cluster_bytes,
     })
+}
+
+/// The exact gates of the clusters `exact` (each cluster's read fraction with every gate resident)
+/// proves silent most often, cluster by cluster while their rows and norms fit in
+/// [`SUBSET_SHARE`] of the layer's bundle bytes: their bytes and the read fractions (the others
+/// read whenever they are not cached).
+fn coldest(exact: &[f32], cluster_bytes: &[u64], inp: &LayerInput) -> Result<(u64, Vec<f32>)> {
+    let per_neuron = (row_bytes(inp.bundle, inp.hidden)? + 4) as u64;
+    let budget = (SUBSET_SHARE * cluster_bytes.iter().sum::<u64>() as f64) as u64;
+    let mut order: Vec<usize> = (0..exact.len()).collect();
+    order.sort_by(|&a, &b| exact[a].total_cmp(&exact[b]));
+    let (mut used, mut read) = (0u64, vec![1.0f32; exact.len()]);
+    for c in order {
+        let cost = per_neuron * cluster_bytes[c] / inp.bundle_bytes as u64;
+        if exact[c] >= 1.0 || used + cost > budget {
+            break;
+        }
+        used += cost;
+        read[c] = exact[c];
+    }
+    Ok((used, read))
 }
 
 /// The fraction of `rows` on which each cluster holds a neuron the rule keeps.
@@ -306,7 +345,9 @@ fn approximate(
             }
             (clusters * (row_bytes(QuantType::Q8_0, h)? + 4)) as u64
         }
-        Design::Written | Design::None | Design::Needed => unreachable!("no rows of its own"),
+        Design::ExactColdest | Design::Written | Design::None | Design::Needed => {
+            unreachable!("no rows of its own")
+        }
     };
     if design != Design::Exact {
         for p in 0..n {
@@ -481,7 +522,12 @@ mod tests {
         for (d, design) in Design::ALL.iter().enumerate() {
             let r = &l.read[d];
             assert_eq!(r[1], 1.0, "{design:?} never proves the active cluster");
-            let expected = if *design == Design::None { 1.0 } else { 0.0 };
+            // The exact gates of cluster 0 (2 × 72 bytes) exceed 10 % of the layer's 4 bundles.
+            let expected = if matches!(design, Design::None | Design::ExactColdest) {
+                1.0
+            } else {
+                0.0
+            };
             assert!(
                 *design != Design::Written || l.bytes[d] == l.bytes[6],
                 "written = exact"
@@ -512,6 +558,36 @@ mod tests {
         assert_eq!(by("q8_0 sketch").resident_bytes, 4 * (68 + 8));
         assert_eq!(by("1-bit").resident_bytes, 4 * (2 * 8 + 4));
         assert_eq!(by("cluster").resident_bytes, 2 * (68 + 4));
+    }
+
+    /// The exact gates of the clusters proven silent most often, while they fit in 10 % of the
+    /// layer's bundle bytes: 4 clusters of 2 neurons, a bundle 400 bytes, a gate row and its norm
+    /// 72, so 320 bytes hold two clusters' gates (288).
+    #[test]
+    fn the_coldest_clusters_get_the_exact_gates_that_fit() {
+        let inp = LayerInput {
+            gates: &[],
+            bundle: QuantType::Q8_0,
+            hidden: 64,
+            skip: Skip {
+                act: Activation::Relu,
+                rule: SkipRule::Gate,
+                threshold: 0.0,
+            },
+            x: &[],
+            rows: &[],
+            mask: &[],
+            perm: &[],
+            cluster_size: 2,
+            bundle_bytes: 400,
+            written: None,
+        };
+        let (bytes, read) = coldest(&[0.2, 0.9, 0.0, 1.0], &[800; 4], &inp).unwrap();
+        assert_eq!(bytes, 2 * 2 * 72);
+        assert_eq!(read, [0.2, 1.0, 0.0, 1.0]);
+        // A cluster never proven silent is not worth a byte.
+        let (bytes, read) = coldest(&[1.0, 1.0, 0.5, 1.0], &[800; 4], &inp).unwrap();
+        assert_eq!((bytes, read), (2 * 72, vec![1.0, 1.0, 0.5, 1.0]));
     }
 
     #[test]

@@ -22,7 +22,7 @@ use leanstream_format::sketch::Sketch;
 use serde::Serialize;
 
 use crate::activity;
-use crate::calib::Calibration;
+use crate::calib::{self, Calibration};
 use crate::certificate::{self, CertificateChoice};
 use crate::certificate_study;
 use crate::placement::{cluster_fill, place};
@@ -155,7 +155,12 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         Vec::new()
     };
     check_block_shapes(&config, opts.quant)?;
-    let calib = Calibration::new(tokenizer, opts.calib.as_deref(), opts.calib_tokens)?;
+    let calib = Calibration::new(
+        tokenizer,
+        opts.calib.as_deref(),
+        &calib::default_text(config.activation),
+        opts.calib_tokens,
+    )?;
     phases.load = t.elapsed().as_secs_f64();
 
     let mut writer = ContainerWriter::create(&opts.output)
@@ -446,6 +451,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             "source": opts.source_name,
             "converter": concat!("leanstream-prep ", env!("CARGO_PKG_VERSION")),
             "calib_tokens": calib.tokens(),
+            "calib_text": calib::text_name(opts.calib.as_deref(), config.activation),
             "heldout_tokens": eval_rows.len(),
             "predictor_rank": rank,
             "epochs": opts.epochs,

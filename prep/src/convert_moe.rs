@@ -22,7 +22,7 @@ use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
 use leanstream_format::refine::{Refine, RefineLayer};
 use leanstream_format::sketch::{Sketch, SketchLayer};
 
-use crate::calib::{Calibration, WINDOW};
+use crate::calib::{self, Calibration, WINDOW};
 use crate::certificate::CertificateChoice;
 use crate::convert::{
     bar, check_block_shapes, write_dense, write_index_sections, ConvertOptions, Phases, Summary,
@@ -48,7 +48,12 @@ pub(crate) fn convert(
     }
     check_block_shapes(&config, opts.quant)?;
     let get = |name: &str, shape: &[usize]| source.tensor(name, shape);
-    let calib = Calibration::new(&source.tokenizer, opts.calib.as_deref(), opts.calib_tokens)?;
+    let calib = Calibration::new(
+        &source.tokenizer,
+        opts.calib.as_deref(),
+        &calib::default_text(config.activation),
+        opts.calib_tokens,
+    )?;
     let (_, eval_rows) = calib.split_rows();
     let eval_prev = calib.previous(&eval_rows);
 
@@ -231,6 +236,7 @@ pub(crate) fn convert(
             "source": opts.source_name,
             "converter": concat!("leanstream-prep ", env!("CARGO_PKG_VERSION")),
             "calib_tokens": calib.tokens(),
+            "calib_text": calib::text_name(opts.calib.as_deref(), config.activation),
             "heldout_tokens": eval_rows.len(),
             "experts": "stored exactly: no sparsity is calibrated inside experts (format 1.5)",
         }),

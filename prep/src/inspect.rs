@@ -200,11 +200,13 @@ pub fn print(v: &Value) {
         v["intermediate_size"]
     );
     println!(
-        "  quant {}  sparsity {} {}  rule {} (a neuron is skipped when {} <= its layer's threshold)",
-        v["quant"],
-        v["sparsity_mode"],
-        v["sparsity_target"],
-        v["sparsity_rule"],
+        "  quant {}  sparsity {}{}  rule {} (a neuron is skipped when {} <= its layer's threshold)",
+        v["quant"].as_str().unwrap_or(""),
+        v["sparsity_mode"].as_str().unwrap_or(""),
+        v["sparsity_target"]
+            .as_f64()
+            .map_or(String::new(), |t| format!(" (target fraction {t:.2})")),
+        v["sparsity_rule"].as_str().unwrap_or(""),
         if v["sparsity_rule"] == "gate_up" {
             "|act(gate·x)·(up·x)|"
         } else {

@@ -19,6 +19,7 @@ mod sparsity;
 mod synth;
 mod tensors;
 mod train;
+mod train_moe;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -81,7 +82,8 @@ enum Command {
         /// held-out calibration rows and report it (`certificate_study` in --json).
         #[arg(long)]
         certificate_study: bool,
-        /// Calibration text (default: the public-domain text shipped with LeanStream).
+        /// Calibration text (default: for SwiGLU models prose, Python source and technical English
+        /// in turns, for ReLU models the prose alone; the texts shipped in data/).
         #[arg(long)]
         calib: Option<PathBuf>,
         /// Calibration tokens to profile.
@@ -117,6 +119,8 @@ enum Command {
     Synth(synth::SynthArgs),
     /// Write a converted file's weights as a GGUF file for llama.cpp (the same weights, to compare).
     Gguf(gguf_export::GgufArgs),
+    /// Train a small Qwen3-MoE from scratch on a text (how models/qwen3-moe-austen was made).
+    TrainMoe(train_moe::TrainMoeArgs),
 }
 
 fn main() -> ExitCode {
@@ -185,6 +189,7 @@ fn run(command: Command) -> Result<()> {
         Command::Push(args) => push::run(args)?,
         Command::Synth(args) => synth::run(args)?,
         Command::Gguf(args) => gguf_export::run(args)?,
+        Command::TrainMoe(args) => train_moe::run(args)?,
     }
     Ok(())
 }

@@ -460,4 +460,44 @@ fn auto_sparsity_picks_the_largest_fraction_within_two_percent() {
         Some(f as f32 as f64)
     );
     assert_eq!(file.meta.sparsity_rule.as_deref(), Some("gate_up"));
+    // A SwiGLU model without --calib is calibrated on the varied default text.
+    assert!(
+        file.meta.provenance["calib_text"]
+            .as_str()
+            .unwrap()
+            .starts_with("default: varied"),
+        "{}",
+        file.meta.provenance
+    );
+    // The rule, each layer's threshold and its sparsity measured on the held-out windows are in
+    // META and in `inspect` (--json and text) alike.
+    let o = prep(&["inspect", out.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["sparsity_rule"], "gate_up");
+    assert_eq!(
+        j["sparsity_target"].as_f64().map(|t| t as f32),
+        Some(f as f32)
+    );
+    let layers = j["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), file.meta.layers.len());
+    for (l, m) in layers.iter().zip(&file.meta.layers) {
+        let (t, sp) = (l["threshold"].as_f64(), l["sparsity"].as_f64());
+        assert_eq!(t.map(|t| t as f32), Some(m.threshold), "{l}");
+        assert_eq!(sp.map(|s| s as f32), Some(m.sparsity), "{l}");
+        assert!(m.threshold > 0.0 && m.sparsity > 0.0, "{l}");
+    }
+    let o = prep(&["inspect", out.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains(&format!(
+            "sparsity threshold (target fraction {f:.2})  rule gate_up (a neuron is skipped when \
+             |act(gate·x)·(up·x)| <= its layer's threshold)"
+        )),
+        "{text}"
+    );
+    for (i, m) in file.meta.layers.iter().enumerate() {
+        let row = format!("{i:>5}  {:>9.4}  {:>8.3}", m.threshold, m.sparsity);
+        assert!(text.contains(&row), "layer {i} ({row}) missing:\n{text}");
+    }
 }

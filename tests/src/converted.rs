@@ -110,3 +110,31 @@ pub fn negate_certificate_rows(src: &Path, dst: &Path) {
     bytes[..4096].copy_from_slice(&header.encode());
     std::fs::write(dst, bytes).unwrap();
 }
+
+/// Session options for `file` computing exactly (`Sparsity::Exact`, an f32 KV cache) with `policy`
+/// under `memory` at context `ctx`.
+pub fn exact_options(
+    file: &Path,
+    policy: leanstream::session::PolicyChoice,
+    memory: Option<u64>,
+    ctx: usize,
+) -> leanstream::session::SessionOptions {
+    leanstream::session::SessionOptions {
+        model: file.to_path_buf(),
+        policy: Some(policy),
+        memory,
+        flash: None,
+        sparsity: leanstream::streaming::Sparsity::Exact,
+        ctx: Some(ctx),
+        default_ctx: ctx,
+        kv: leanstream::kv_cache::KvType::F32,
+        tuning: Default::default(),
+    }
+}
+
+/// The index of `row`'s largest value (ties: the lowest index), as a token id.
+pub fn argmax(row: &[f32]) -> u32 {
+    (0..row.len())
+        .max_by(|&a, &b| row[a].total_cmp(&row[b]).then(b.cmp(&a)))
+        .expect("a non-empty row") as u32
+}

@@ -145,26 +145,50 @@ fn certified_streaming_of_an_f32_file_equals_dense() {
     }
 }
 
-/// A SiLU model with a calibrated threshold: certification works on |silu(g)| too.
+/// A SiLU model under the `gate` rule (`threshold:F`, skip when |silu(g)| <= t), with and without
+/// its certificate (q8 bundles: the Q8_0 sketch is the exact gates): exact output equals `resident`
+/// bit for bit at three budgets either way, the planner keeps the certificate at the minimum where
+/// it saves reads, and the same certificate with its rows negated (bounds kept) is caught. Hidden
+/// 512 makes a bundle 1632 bytes, so an 8 KiB cluster holds 5 neurons and at 80 % sparsity about
+/// a third of the clusters hold none the rule keeps.
 #[test]
-fn certified_threshold_model_equals_resident() {
+fn certified_threshold_model_equals_resident_with_and_without_its_certificate() {
     let dir = leanstream_tests::fresh_dir(&scratch(), "tiny-silu");
-    write_tiny_model(&dir, &TinySpec::llama()).unwrap();
-    let file = scratch().join("tiny-silu.lsb");
+    let spec = TinySpec {
+        hidden: 512,
+        intermediate: 640,
+        head_dim: 128,
+        ..TinySpec::llama()
+    };
+    write_tiny_model(&dir, &spec).unwrap();
+    let with = scratch().join("tiny-silu.lsb");
+    let without = scratch().join("tiny-silu-no-certificate.lsb");
+    let args = ["--quant", "q8", "--sparsity", "threshold:0.8"];
+    convert(&dir, &with, &[&args[..], &["--certificate", "q8"]].concat());
     convert(
         &dir,
-        &file,
-        &["--quant", "q8", "--sparsity", "threshold:0.5"],
+        &without,
+        &[&args[..], &["--certificate", "none"]].concat(),
     );
+    let f = leanstream_format::LsbFile::open(&with).unwrap();
+    assert_eq!(f.meta.sparsity_rule, None, "the gate rule");
+    assert!(f.sketch.layers.iter().all(|l| l.neurons > 0));
     let ids = leanstream_tests::tiny::random_ids(3, 200, 4096);
-    let resident = ppl(&file, PolicyChoice::Resident, None, &ids);
-    for b in budgets(&file).into_iter().take(3) {
-        let streamed = ppl(&file, PolicyChoice::Leanstream, Some(b), &ids);
-        assert!(
-            (streamed / resident - 1.0).abs() < 1e-5,
-            "budget {b}: {streamed} vs {resident}"
-        );
-    }
+    let resident = ppl(&with, PolicyChoice::Resident, None, &ids);
+    assert_ne!(
+        resident,
+        ppl(&with, PolicyChoice::Dense, None, &ids),
+        "the rule skips something"
+    );
+    let minimum = exact_with_and_without_certificate(&with, &without, &ids, resident);
+    let bad = scratch().join("tiny-silu-tight.lsb");
+    leanstream_tests::converted::negate_certificate_rows(&with, &bad);
+    let tight = ppl(&bad, PolicyChoice::Leanstream, Some(minimum), &ids);
+    assert_ne!(
+        tight, resident,
+        "a bound too tight for its rows skips neurons it cannot prove inactive, yet the output \
+         matched"
+    );
 }
 
 /// Perplexity of `ids` with `file` at each of the first three budgets, the FFN bytes read, and
@@ -185,6 +209,39 @@ fn at_three_budgets(file: &Path, ids: &[u32]) -> Vec<(u64, f64, u64, usize, u64)
             (b, p, s.io().unwrap().stats().bytes_read, certified, late)
         })
         .collect()
+}
+
+/// `with` (a certificate) and `without` (none; same weights): exact output equals `resident` bit
+/// for bit at three budgets either way; the planner keeps the certificate at the minimum, where it
+/// saves reads; without one every uncached cluster is needed, so leanstream reads them all ahead of
+/// their layers and none is late. Returns `with`'s minimum.
+fn exact_with_and_without_certificate(
+    with: &Path,
+    without: &Path,
+    ids: &[u32],
+    resident: f64,
+) -> u64 {
+    assert_eq!(ppl(without, PolicyChoice::Resident, None, ids), resident);
+    let a = at_three_budgets(with, ids);
+    let b = at_three_budgets(without, ids);
+    for (&(ba, pa, ra, ca, _), &(bb, pb, rb, cb, late)) in a.iter().zip(&b) {
+        eprintln!(
+            "with: budget {ba} read {ra} B, {ca} layers certified; without: budget {bb} read {rb} B, {late} late reads"
+        );
+        assert_eq!(pa, resident, "budget {ba}: certified differs from resident");
+        assert_eq!(
+            pb, resident,
+            "budget {bb}: uncertified differs from resident"
+        );
+        assert_eq!(cb, 0);
+        assert_eq!(
+            late, 0,
+            "budget {bb}: reads of an uncertified layer were left late"
+        );
+    }
+    assert!(a[0].3 > 0, "the certificate earns its bytes at the minimum");
+    assert!(a[0].2 < b[0].2, "and saves reads: {} vs {}", a[0].2, b[0].2);
+    a[0].0
 }
 
 /// The `gate_up` rule of `--sparsity target:F`: calibrated to the target on held-out windows, no
@@ -210,8 +267,12 @@ fn gate_up_rule_hits_its_target_and_streams_exactly_without_a_certificate() {
     let resident = ppl(&file, PolicyChoice::Resident, None, &ids);
     let dense = ppl(&file, PolicyChoice::Dense, None, &ids);
     assert_ne!(resident, dense, "the rule skips something");
-    for (b, streamed, _, certified, _) in at_three_budgets(&file, &ids) {
+    for (b, streamed, _, certified, late) in at_three_budgets(&file, &ids) {
         assert_eq!(certified, 0);
+        assert_eq!(
+            late, 0,
+            "budget {b}: reads of an uncertified layer were left late"
+        );
         assert_eq!(
             streamed, resident,
             "budget {b}: exact differs from resident"
@@ -233,26 +294,7 @@ fn relu_streams_exactly_with_and_without_the_certificate() {
     );
     let ids = text_ids(&session(&with, PolicyChoice::Resident, None), 200);
     let resident = ppl(&with, PolicyChoice::Resident, None, &ids);
-    assert_eq!(ppl(&without, PolicyChoice::Resident, None, &ids), resident);
-    let a = at_three_budgets(&with, &ids);
-    let b = at_three_budgets(&without, &ids);
-    for (&(ba, pa, ra, ca, _), &(bb, pb, rb, cb, late)) in a.iter().zip(&b) {
-        eprintln!(
-            "with: budget {ba} read {ra} B, {ca} layers certified; without: budget {bb} read {rb} B, {late} late reads"
-        );
-        assert_eq!(pa, resident, "budget {ba}: certified differs from resident");
-        assert_eq!(
-            pb, resident,
-            "budget {bb}: uncertified differs from resident"
-        );
-        assert_eq!(cb, 0);
-        assert_eq!(
-            late, 0,
-            "budget {bb}: reads of an uncertified layer were left late"
-        );
-    }
-    assert!(a[0].3 > 0, "the certificate earns its bytes at the minimum");
-    assert!(a[0].2 < b[0].2, "and saves reads: {} vs {}", a[0].2, b[0].2);
+    exact_with_and_without_certificate(&with, &without, &ids, resident);
 }
 
 /// A certificate whose error bounds are too tight for its rows (rows negated, bounds kept) "proves"

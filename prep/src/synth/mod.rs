@@ -32,7 +32,7 @@ use leanstream_format::refine::Refine;
 use leanstream_format::sketch::{Sketch, SketchLayer};
 use leanstream_format::LsbFile;
 
-use crate::calib::{Calibration, WINDOW};
+use crate::calib::{Calibration, DEFAULT_CALIB, WINDOW};
 use crate::certificate;
 use crate::certificate_study;
 use crate::convert::{
@@ -128,7 +128,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
     let lay = Layout::new(&config)?;
     let tokenizer = Tokenizer::from_bytes(&src.tokenizer_json)
         .with_context(|| format!("{src_path}: its tokenizer cannot be loaded"))?;
-    let calib = Calibration::new(&tokenizer, None, args.calib_tokens as usize)?;
+    let calib = Calibration::new(&tokenizer, None, DEFAULT_CALIB, args.calib_tokens as usize)?;
     let (h, n, layers) = (
         config.hidden_size,
         config.intermediate_size,

@@ -32,7 +32,7 @@ use rayon::prelude::*;
 use super::dense::{rng_for, uniform, Layout};
 use super::plant::solve_increasing;
 use super::{kept_for_inputs, layer0_inputs, tensor_bytes, write_tensor, SynthArgs};
-use crate::calib::Calibration;
+use crate::calib::{Calibration, DEFAULT_CALIB};
 use crate::convert::{bar, check_block_shapes};
 use crate::convert_moe::{
     co_selection, empty_side_data, encode_bundles, finish_mixture, unmeasured, write_extents,
@@ -94,7 +94,7 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
     let lay = Layout::new(&config)?;
     let tokenizer = Tokenizer::from_bytes(&src.tokenizer_json)
         .with_context(|| format!("{src_path}: its tokenizer cannot be loaded"))?;
-    let calib = Calibration::new(&tokenizer, None, args.calib_tokens as usize)?;
+    let calib = Calibration::new(&tokenizer, None, DEFAULT_CALIB, args.calib_tokens as usize)?;
     let (h, layers, e_count, k, m) = (
         config.hidden_size,
         config.num_layers,

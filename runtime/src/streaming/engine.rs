@@ -34,7 +34,7 @@ use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
 use super::metrics::Metrics;
 use super::mmap::Mapping;
 use super::plan::LayerPlan;
-use super::predict::{above_into, active_from_flash};
+use super::predict::{above_into, active_from_read, read_predictor};
 use super::refill::Refill;
 use super::schedule::Schedule;
 use super::trace::ActiveTrace;
@@ -441,6 +441,9 @@ struct Selection {
     /// The layer's own predictor's set, where it ran (see [`OWN_SAMPLE`]): valid when `has_own`.
     own: Vec<bool>,
     has_own: bool,
+    /// The read of the own predictor kept on flash, and its extent, while it is sampled and not
+    /// scored yet.
+    own_read: Option<(Ticket, (u64, u64))>,
     /// Scratch of the own predictor: its normalised input and scores.
     own_input: Vec<f32>,
     own_scores: Vec<f32>,
@@ -630,8 +633,9 @@ impl StreamEngine {
                     && self.core.call_len == 1
                     && token.is_multiple_of(OWN_SAMPLE) =>
             {
-                sel.own = active_from_flash(&self.core.io, extent, URGENT, x)?;
-                true
+                // Read now, scored once the layer is computed: the metric does not hold it up.
+                sel.own_read = Some((read_predictor(&self.core.io, extent, URGENT), extent));
+                false
             }
             (None, _) => false,
         };
@@ -712,6 +716,12 @@ impl StreamEngine {
         self.core.refine(l, &is_needed, self.schedule.refine());
         self.marks.is_needed = is_needed;
         self.compute(l, &sel.needed, &sel.candidate, &operand, out)?;
+        if let Some((read, extent)) = sel.own_read.take() {
+            let t = Instant::now();
+            sel.own = active_from_read(&self.core.io, read, extent, x)?;
+            sel.has_own = true;
+            self.core.metrics.select_s += t.elapsed().as_secs_f64();
+        }
         let scores = std::mem::take(&mut self.work.scores);
         let done = self.retain_and_measure(l, token, sel, &scores);
         self.work.scores = scores;
@@ -887,6 +897,7 @@ impl StreamEngine {
         }
         while !missing.is_empty() {
             let (i, buf) = core.take_any(l, &missing)?;
+            self.schedule.taken(core);
             let ci = missing.swap_remove(i);
             landed(core, work, &mut next, ci, buf)?;
         }

@@ -46,9 +46,12 @@ pub(super) struct Leanstream {
     lookahead_sets: Vec<(bool, Vec<bool>)>,
     /// Scratch of [`Leanstream::speculate`], kept between layers.
     scratch: Scratch,
-    /// The first step (token × layers + layer) whose certain reads are not all queued yet
-    /// ([`Leanstream::read_ahead`]).
+    /// The first step (token × layers + layer) whose certain reads are not all queued yet, and
+    /// in it the first cluster not looked at ([`Leanstream::read_ahead`]).
     ahead: u64,
+    ahead_cluster: usize,
+    /// The layer and token being computed.
+    current: (usize, usize),
 }
 
 /// What speculating on a layer works in.
@@ -76,15 +79,18 @@ impl Leanstream {
             lookahead_sets: vec![(false, Vec::new()); layers],
             scratch: Scratch::default(),
             ahead: 0,
+            ahead_cluster: 0,
+            current: (0, 0),
         }
     }
 
     /// Queues the certain reads of the steps from layer `l` of `token` on: the uncached clusters
     /// of every layer that needs them all ([`Core::needs_every_cluster`]), the nearest step first
     /// and at the higher priority, while they fit the I/O budget — up to a token ahead while
-    /// decoding, within the call in a prompt chunk (no token may follow it). Steps whose reads
-    /// were all queued are not looked at again; a cluster evicted after its step was passed is
-    /// read when its layer comes (a late read).
+    /// decoding, within the call in a prompt chunk (no token may follow it). Called at each layer's
+    /// start and end and whenever a read is taken, it resumes where it stopped (clusters already
+    /// looked at are not looked at again, so each call costs what it queues); a cluster evicted
+    /// after it was passed is read when its layer comes (a late read).
     fn read_ahead(&mut self, core: &mut Core, l: usize, token: usize) {
         let layers = core.plans.len() as u64;
         let now = token as u64 * layers + l as u64;
@@ -92,7 +98,10 @@ impl Leanstream {
             1 => now + layers,
             _ => (token as u64 + 1) * layers,
         };
-        self.ahead = self.ahead.max(now);
+        if self.ahead < now {
+            self.ahead = now;
+            self.ahead_cluster = 0;
+        }
         let reads = &mut self.scratch.reads;
         reads.clear();
         let mut room = 0;
@@ -101,19 +110,21 @@ impl Leanstream {
             if core.needs_every_cluster(target) {
                 // Below the late reads, above every guess.
                 let priority = URGENT - 1 - (self.ahead - now) as u32;
-                for (ci, cl) in core.plans[target].clusters.iter().enumerate() {
-                    let key = (target as u32, ci as u32);
-                    if core.cache.contains(key) || core.is_pending(key) {
-                        continue;
+                let clusters = &core.plans[target].clusters;
+                while let Some(cl) = clusters.get(self.ahead_cluster) {
+                    let key = (target as u32, self.ahead_cluster as u32);
+                    if !core.cache.contains(key) && !core.is_pending(key) {
+                        if !core.has_room(room + cl.size) {
+                            break 'steps;
+                        }
+                        room += cl.size;
+                        reads.push((key, priority));
                     }
-                    if !core.has_room(room + cl.size) {
-                        break 'steps;
-                    }
-                    room += cl.size;
-                    reads.push((key, priority));
+                    self.ahead_cluster += 1;
                 }
             }
             self.ahead += 1;
+            self.ahead_cluster = 0;
         }
         core.request_all(reads);
     }
@@ -212,6 +223,7 @@ impl Schedule for Leanstream {
         token: usize,
         residual: &[f32],
     ) -> Result<()> {
+        self.current = (l, token);
         self.read_ahead(core, l, token);
         if l == 0 {
             self.speculating = match &mut self.speculation {
@@ -238,6 +250,15 @@ impl Schedule for Leanstream {
             boost: self.refine,
             cancel: self.refine && self.cancel,
             reap: true,
+        }
+    }
+
+    /// Once a quarter of the I/O budget is free again, the certain reads after it are queued in
+    /// one batch (so that neighbours still merge into long reads).
+    fn taken(&mut self, core: &mut Core) {
+        if core.has_room(core.io_budget / 4) {
+            let (l, token) = self.current;
+            self.read_ahead(core, l, token);
         }
     }
 

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use half::f16;
 use leanstream_format::predictor::{normalise_input, normalise_input_into, Predictor};
 
-use crate::storage::{AlignedBuf, IoQueue};
+use crate::storage::{AlignedBuf, IoQueue, Ticket};
 
 /// The share of a layer's FFN bundle bytes its two predictors may hold resident by default.
 pub const PREDICTOR_SHARE: f64 = 0.03;
@@ -134,23 +134,30 @@ impl QuantPredictor {
     }
 }
 
-/// The active set of a predictor kept on flash: its record (`extent`: file offset and size) read
-/// through `io` as whole pages at `priority`, then scored with the f32 reference. For the metrics
-/// of a predictor that decides nothing in the run, so is not resident.
-pub(super) fn active_from_flash(
-    io: &IoQueue,
-    extent: (u64, u64),
-    priority: u32,
-    x: &[f32],
-) -> Result<Vec<bool>> {
+/// Queues the read of a predictor kept on flash: its record (`extent`: file offset and size) as
+/// whole pages at `priority`. Redeem it with [`active_from_read`].
+pub(super) fn read_predictor(io: &IoQueue, extent: (u64, u64), priority: u32) -> Ticket {
     let page = AlignedBuf::ALIGN as u64;
     let (offset, len) = extent;
     let start = offset / page * page;
     let end = (offset + len).div_ceil(page) * page;
+    io.submit(start, (end - start) as usize, priority)
+}
+
+/// The active set of a predictor read with [`read_predictor`], scored with the f32 reference.
+/// For the metrics of a predictor that decides nothing in the run, so is not resident.
+pub(super) fn active_from_read(
+    io: &IoQueue,
+    read: Ticket,
+    extent: (u64, u64),
+    x: &[f32],
+) -> Result<Vec<bool>> {
+    let page = AlignedBuf::ALIGN as u64;
+    let (offset, len) = extent;
     let buf = io
-        .wait(io.submit(start, (end - start) as usize, priority))
+        .wait(read)
         .with_context(|| format!("cannot read a predictor from {}", io.device().name()))?;
-    let at = (offset - start) as usize;
+    let at = (offset - offset / page * page) as usize;
     let p = Predictor::from_record(&buf[at..at + len as usize])
         .with_context(|| format!("{}: a damaged predictor", io.device().name()))?;
     Ok(above(&p.scores(&normalise_input(x)), p.threshold))

@@ -41,6 +41,10 @@ pub(super) trait Schedule {
         }
     }
 
+    /// A read of the layer being computed was taken, so the I/O budget has room again: the moment
+    /// to queue more reads rather than let the device idle until the layer ends.
+    fn taken(&mut self, _core: &mut Core) {}
+
     /// Wait for all of a layer's reads before computing any of them (else compute as they land).
     fn load_then_compute(&self) -> bool {
         false
@@ -82,16 +86,28 @@ pub(super) struct Mapped;
 
 impl Schedule for Mapped {}
 
-/// Every cluster, most frequently active in the profile first.
+/// Every cluster, most valuable to cache first, with its value: how often its layer needs it, by
+/// the profile. A layer that needs every cluster whatever its input
+/// ([`Core::needs_every_cluster`]) reads each of its uncached clusters on every token, so each is
+/// worth 1 and which of them are cached changes how the reads fall, not how many bytes they are:
+/// they are taken from all such layers in turn, each layer's from its start, so that what is left
+/// to read is one run of neighbours per layer (merged into long reads) and every layer's compute
+/// has about the same reads to overlap with — filling whole layers first would leave the device
+/// idle through the cached layers and the compute waiting on the others.
 pub(super) fn hot_order(core: &Core) -> Vec<(f32, ClusterKey)> {
-    let mut order: Vec<(f32, ClusterKey)> = Vec::new();
+    // (value, share of its layer's clusters before it, key).
+    let mut order: Vec<(f32, f32, ClusterKey)> = Vec::new();
     for (l, p) in core.plans.iter().enumerate() {
-        for (c, &f) in p.refine.cluster_freq.iter().enumerate() {
-            order.push((f, (l as u32, c as u32)));
-        }
+        let freq = &p.refine.cluster_freq;
+        let every = core.needs_every_cluster(l);
+        let n = freq.len() as f32;
+        order.extend(freq.iter().enumerate().map(|(c, &f)| match every {
+            true => (1.0, c as f32 / n, (l as u32, c as u32)),
+            false => (f, 0.0, (l as u32, c as u32)),
+        }));
     }
-    order.sort_by(|a, b| b.0.total_cmp(&a.0));
-    order
+    order.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.total_cmp(&b.1)));
+    order.into_iter().map(|(v, _, key)| (v, key)).collect()
 }
 
 /// Pins clusters of `order` while they fit in `limit` bytes; returns how many were pinned.

@@ -289,6 +289,10 @@ impl LanguageModel for ExpertModel {
         CHUNK
     }
 
+    fn scores_by_decoding(&self) -> bool {
+        true
+    }
+
     fn forward_into(
         &mut self,
         tokens: &[u32],
