@@ -47,6 +47,16 @@ pub fn convert(model: &Path, out: &Path, extra: &[&str]) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// `spec` written as a tiny Hugging Face model in the scratch folder `name` and converted (as
+/// [`convert`] does, plus `extra`) to `name.lsb` beside it.
+pub fn convert_tiny(name: &str, spec: &crate::tiny::TinySpec, extra: &[&str]) -> PathBuf {
+    let dir = crate::fresh_dir(&scratch(), name);
+    crate::tiny::write_tiny_model(&dir, spec).unwrap();
+    let file = scratch().join(format!("{name}.lsb"));
+    convert(&dir, &file, extra);
+    file
+}
+
 /// The embedded ReLU model converted to `q8` or `f32`, once per test process.
 pub fn embedded(quant: &str) -> PathBuf {
     static Q8: OnceLock<PathBuf> = OnceLock::new();

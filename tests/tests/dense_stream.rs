@@ -18,8 +18,10 @@ use leanstream::streaming::{
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::LsbFile;
 use leanstream_tests::cli::stated_size;
-use leanstream_tests::converted::{bin, convert, heldout_ids, scratch, session_options, workspace};
-use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
+use leanstream_tests::converted::{
+    bin, convert, convert_tiny, heldout_ids, scratch, session_options, workspace,
+};
+use leanstream_tests::tiny::{random_ids, TinySpec};
 use serde_json::Value;
 
 const CTX: usize = 128;
@@ -39,7 +41,6 @@ fn ppl(file: &Path, policy: PolicyChoice, memory: Option<u64>, ids: &[u32]) -> (
 fn untied() -> &'static Path {
     static FILE: OnceLock<PathBuf> = OnceLock::new();
     FILE.get_or_init(|| {
-        let dir = leanstream_tests::fresh_dir(&scratch(), "tiny-untied");
         // Large enough that streaming each part saves more than its buffers cost.
         let spec = TinySpec {
             hidden: 256,
@@ -49,10 +50,11 @@ fn untied() -> &'static Path {
             ..TinySpec::llama()
         };
         assert!(!spec.tied);
-        write_tiny_model(&dir, &spec).unwrap();
-        let file = scratch().join("tiny-untied.lsb");
-        convert(&dir, &file, &["--quant", "q8", "--certificate", "none"]);
-        file
+        convert_tiny(
+            "tiny-untied",
+            &spec,
+            &["--quant", "q8", "--certificate", "none"],
+        )
     })
 }
 

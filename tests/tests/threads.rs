@@ -10,8 +10,8 @@ use leanstream::kernels::bundles::PARALLEL_MIN_BYTES;
 use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
-use leanstream_tests::converted::{convert, embedded, heldout_ids, scratch};
-use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
+use leanstream_tests::converted::{convert_tiny, embedded, heldout_ids};
+use leanstream_tests::tiny::{random_ids, TinySpec};
 
 const CTX: usize = 128;
 
@@ -130,7 +130,6 @@ fn embedded_relu_model_at_two_threads_equals_one() {
 
 #[test]
 fn swiglu_threshold_model_at_two_threads_equals_one() {
-    let dir = leanstream_tests::fresh_dir(&scratch(), "tiny-silu-threads");
     let spec = TinySpec {
         hidden: 128,
         intermediate: 1024,
@@ -138,11 +137,9 @@ fn swiglu_threshold_model_at_two_threads_equals_one() {
         kv_heads: 8,
         ..TinySpec::llama()
     };
-    write_tiny_model(&dir, &spec).unwrap();
-    let file = scratch().join("tiny-silu-threads.lsb");
-    convert(
-        &dir,
-        &file,
+    let file = convert_tiny(
+        "tiny-silu-threads",
+        &spec,
         &["--quant", "q8", "--sparsity", "threshold:0.5"],
     );
     two_threads_equal_one(&file, &random_ids(5, 40, spec.vocab));
