@@ -49,6 +49,6 @@ start = time.perf_counter()
 for _ in range(n - 1):
     llm.eval([tok])
     tok = next_token()
-print(f"{(n - 1) / (time.perf_counter() - start):.1f}")
+print(f"{(n - 1) / (time.perf_counter() - start):.3g}")
 EOF
 }
