@@ -360,8 +360,11 @@ pub fn what_fits(
 /// for the allocator and the file's indexes while they are decoded. A parsed tokenizer's parse
 /// peaks at up to 26 times the JSON, but the runtime parses it first and returns the garbage before
 /// anything else is loaded, so that peak stays below the rest. Each compute thread beyond the
-/// first (`--threads`: a rayon worker and a parked FFN helper, started after that measure) adds
-/// [`THREAD_BYTES`].
+/// first that the machine runs by default (one per core: a rayon worker and a parked FFN helper,
+/// started after that measure) adds [`THREAD_BYTES`]. The machine's core count, not this
+/// process's `--threads`, so that every process on a machine states the same minimum (`bench`
+/// and tests plan budgets for runs with other thread counts); a lower `--threads` leaves the
+/// difference as slack.
 pub fn baseline_overhead(tokenizer_bytes: u64) -> u64 {
     // The measured start-up RSS (about 5 MiB on x86-64 Linux) varies by ~100 KiB from run to run;
     // a floor above it, and rounding up to whole MiB, keep the stated minimum — and so the cache
@@ -369,7 +372,8 @@ pub fn baseline_overhead(tokenizer_bytes: u64) -> u64 {
     const MIB: u64 = 1 << 20;
     const STARTUP_FLOOR: u64 = 6 * MIB;
     let startup = crate::memory::startup_rss_bytes().max(STARTUP_FLOOR);
-    let threads = THREAD_BYTES * (rayon::current_num_threads() as u64).saturating_sub(1);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = THREAD_BYTES * (cores as u64).saturating_sub(1);
     (startup + tokenizer_bytes + threads + 4 * MIB).div_ceil(MIB) * MIB
 }
 
