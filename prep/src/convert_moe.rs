@@ -119,6 +119,9 @@ pub(crate) fn convert(
     let mut cluster_neurons = Vec::with_capacity(layers);
     // The previous mixture layer and its choices per row, for its co-selection with the next.
     let mut last_mixture: Option<(usize, Vec<Vec<u32>>)> = None;
+    // A mixture layer's look-ahead input (the runtime's): the residual after the previous layer's
+    // attention, before its FFN; for the first layer, the residual entering it (the embedding).
+    let mut lookahead_input = config.is_moe_layer(0).then(|| x.clone());
     writer.begin_section(SectionKind::ExpertData);
     for l in 0..layers {
         let moe = config.is_moe_layer(l);
@@ -159,10 +162,12 @@ pub(crate) fn convert(
         };
         cluster_neurons.push(cluster(neurons));
         let t = Instant::now();
-        // The residual entering the layer (for the look-ahead), then the layer on every window,
-        // keeping its FFN input.
-        let residual = routing.is_some().then(|| x.clone());
+        // The layer on every window, keeping its FFN input and, if the next layer is a mixture,
+        // the residual after its attention (the next layer's look-ahead input).
+        let residual = lookahead_input.take();
         let mut ffn_input = vec![0.0f32; if routing.is_some() { rows * h } else { 0 }];
+        let next_mixture = l + 1 < layers && config.is_moe_layer(l + 1);
+        let mut after_attention = vec![0.0f32; if next_mixture { rows * h } else { 0 }];
         // The router again, for the profile: the model holds its own copy.
         let router = match routing {
             Some(moe) => {
@@ -175,9 +180,13 @@ pub(crate) fn convert(
         for w in &calib.windows {
             let span = row * h..(row + w.len()) * h;
             let mut fi = ffn_input.get_mut(span.clone());
+            let mut aa = after_attention.get_mut(span.clone());
             let mut probe = |p: FfnProbe| {
                 if let Some(fi) = fi.as_deref_mut() {
                     fi.copy_from_slice(p.ffn_input);
+                }
+                if let Some(aa) = aa.as_deref_mut() {
+                    aa.copy_from_slice(p.residual);
                 }
             };
             let x = &mut x[span];
@@ -212,6 +221,7 @@ pub(crate) fn convert(
             }
             _ => None,
         };
+        lookahead_input = next_mixture.then_some(after_attention);
         model.set_ffn(l, None);
         layer_meta.push(unmeasured(routing));
         phases.profile += t.elapsed().as_secs_f64();
@@ -362,7 +372,8 @@ struct Probed<'a> {
     router: &'a Weight,
     ffn_norm: &'a [f32],
     eps: f32,
-    /// The residual stream entering the layer (`rows × hidden`).
+    /// The look-ahead's input (`rows × hidden`): the residual after the previous layer's
+    /// attention, or entering the layer if it is the first.
     residual: &'a [f32],
     /// The layer's normalised FFN input (`rows × hidden`).
     ffn_input: &'a [f32],

@@ -13,7 +13,8 @@
 //! - look-ahead consistency (optional, `--lookahead-weight`, 0 by default): for each layer `l ≥ 1`,
 //!   the cross-entropy from layer `l`'s routing (held fixed: its distribution, or with
 //!   `--lookahead-target chosen` its chosen experts, 1/k each) to layer `l`'s router applied to the
-//!   residual entering layer `l − 1` — what the runtime's look-ahead computes — averaged over the
+//!   residual after layer `l − 1`'s attention (before its FFN) — what the runtime's look-ahead
+//!   computes — averaged over the
 //!   layers (`--lookahead-layer-weights` weighs them), so that routing is predictable one layer early (as Pre-gated MoE trains its
 //!   pre-gates).
 //!
@@ -142,8 +143,8 @@ struct Params {
 struct Aux {
     balance: Tensor,
     lookahead: Tensor,
-    /// Per layer: the router logits on the true input, and (layers ≥ 1) on the residual entering
-    /// the layer before — `[N, E]` each.
+    /// Per layer: the router logits on the true input, and (layers ≥ 1) on the residual after the
+    /// layer before's attention — `[N, E]` each.
     routers: Vec<(Tensor, Option<Tensor>)>,
 }
 
@@ -347,7 +348,6 @@ impl<'a> Model<'a> {
         let mut previous_input: Option<Tensor> = None;
         let groups = a.heads / a.kv_heads;
         for (l, p) in self.p.layers.iter().enumerate() {
-            let entering = x.clone();
             // Attention.
             let xn = rms(&x, &p.input_norm)?;
             let heads = |w: &Var, count: usize, norm: &Var| -> Result<Tensor> {
@@ -371,6 +371,7 @@ impl<'a> Model<'a> {
             let att = candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(&v)?;
             let att = att.transpose(1, 2)?.reshape((n, a.heads * hd))?;
             x = (x + linear(&att, &p.o)?)?;
+            let after_attention = x.clone();
             // The mixture.
             let xn = rms(&x, &p.post_norm)?;
             let logits = linear(&xn, &p.router)?;
@@ -406,7 +407,8 @@ impl<'a> Model<'a> {
             let share = Tensor::from_vec(share, e_count, &self.dev)?;
             let layer_balance = ((probs.mean(0)? * share)?.sum_all()? * e_count as f64)?;
             balance = (balance + layer_balance)?;
-            // The look-ahead: this layer's router on the residual entering the layer before.
+            // The look-ahead: this layer's router on the residual after the layer before's
+            // attention.
             let early = match &previous_input {
                 Some(prev) => {
                     let early = linear(&rms(prev, &p.post_norm)?, &p.router)?;
@@ -425,7 +427,7 @@ impl<'a> Model<'a> {
             };
             routers.push((logits, early));
             let _ = l;
-            previous_input = Some(entering);
+            previous_input = Some(after_attention);
             x = (x + out)?;
         }
         let x = rms(&x, &self.p.norm)?;

@@ -3,8 +3,8 @@
 //! from flash under `--memory` it computes exactly what `--policy resident` computes — every
 //! position's logits of a held-out window (one prompt chunk), the same window fed one token at a
 //! time, and a greedy continuation — at three budgets; and its next-router look-ahead (layer
-//! l+1's router on the residual entering layer l) finds, whatever the budget, at least 80 % of the
-//! experts layers 2 and 3 chose on that window (layer 1: see `RECALL`).
+//! l+1's router on the residual after layer l's attention) finds, whatever the budget, at least
+//! 80 % of the experts each of layers 1, 2 and 3 chose on that window (see `RECALL`).
 
 use std::path::{Path, PathBuf};
 
@@ -19,12 +19,12 @@ const CTX: usize = 256;
 /// Held-out tokens fed one at a time (the window the look-ahead is judged on).
 const WINDOW: usize = 160;
 const GREEDY: usize = 16;
-/// The least look-ahead recall asserted for layers 1, 2 and 3 on the window. Layers 2 and 3 meet
-/// the target of 0.8 (measured 0.943 and 0.938); layer 1, predicted from the residual
-/// entering layer 0 — the token's embedding alone — does not (measured 0.656; 0.643 over all of
-/// heldout-head.txt, little above the 0.62 of always guessing its two busiest experts): its floor
-/// keeps what it has.
-const RECALL: [f64; 3] = [0.6, 0.8, 0.8];
+/// The least look-ahead recall asserted for layers 1, 2 and 3 on the window: the target of
+/// 0.8 or more on every layer, a margin below the measured 0.861, 0.926 and 0.966 (over all of
+/// heldout-head.txt: 0.896, 0.948, 0.963). Layer 1, predicted from the residual after layer 0's
+/// attention, had 0.656 here when the look-ahead read the residual entering layer 0 (the token's
+/// embedding alone) and the model was trained for that.
+const RECALL: [f64; 3] = [0.8, 0.85, 0.9];
 
 fn model_dir() -> PathBuf {
     workspace().join("models/qwen3-moe-austen")

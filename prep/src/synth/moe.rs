@@ -10,9 +10,10 @@
 //! one over the slow part weighted `sin α`: the biases set how often each expert wins (fitted to
 //! the target frequencies), α how much routing follows the slow part that consecutive tokens
 //! share (solved for the target reuse). Since the residual hardly changes between layers, the next
-//! layer's router sees almost its own input early: look-ahead recall on this file is near 1 from
-//! layer 2 on (layer 1's look-ahead sees the embedding only), an upper bound for real models,
-//! whose recall the trained tiny mixture measures.
+//! layer's router sees almost its own input early: the look-ahead (layer `l`'s router on the
+//! residual after layer `l − 1`'s attention, as the runtime computes it) sees layer 0's output from
+//! layer 1 on, and its recall on this file is near 1 there, an upper bound for real models, whose
+//! recall the trained tiny mixture measures.
 
 use std::time::Instant;
 
@@ -222,7 +223,8 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
     let mut layer_meta = Vec::with_capacity(layers);
     let mut last: Option<Vec<Vec<u32>>> = None;
     for (l, router) in routers.iter().enumerate() {
-        // The residual entering layer 0 is the embedding; later ones, layer 0's output.
+        // The look-ahead's input: for layer 0 the residual entering it (the embedding); for later
+        // layers the residual after the previous layer's attention, layer 0's output here.
         let entering = if l == 0 {
             &inputs.embed_hat
         } else {
@@ -527,8 +529,8 @@ fn plant_router(
 }
 
 /// The routing profile (FORMAT.md §4.2) of a router on the held-out rows, and every row's chosen
-/// experts; the look-ahead is this router on `entering` (the residual entering the layer,
-/// normalised: the layer's norm is all ones here).
+/// experts; the look-ahead is this router on `entering` (the residual after the previous layer's
+/// attention, or entering the first layer; normalised: the layer's norm is all ones here).
 fn measure(
     router: &[f32],
     inputs: &super::layer::Inputs,

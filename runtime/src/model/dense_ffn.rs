@@ -56,6 +56,12 @@ pub trait FfnBackend {
     /// The residual stream entering layer `l` (`t × hidden`) is ready: the moment to speculate
     /// about the FFNs ahead.
     fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()>;
+    /// Layer `l`'s attention has been added to the residual stream (`t × hidden`, before the FFN
+    /// norm): a later moment to speculate, one that has seen the context. Does nothing unless a
+    /// backend uses it.
+    fn after_attention(&mut self, _l: usize, _residual: &[f32]) -> Result<()> {
+        Ok(())
+    }
     /// Adds layer `l`'s FFN output for the normalised inputs `x` (`t × hidden`) to `out`.
     fn ffn(&mut self, l: usize, x: &[f32], out: &mut [f32]) -> Result<()>;
 }
@@ -64,6 +70,9 @@ pub trait FfnBackend {
 /// only (`gate` and `up` are empty).
 pub struct FfnProbe<'a> {
     pub layer: usize,
+    /// The residual stream after the layer's attention, before the FFN norm (`t × hidden`): what
+    /// the next layer's look-ahead routes from.
+    pub residual: &'a [f32],
     /// The normalised FFN input (`t × hidden`).
     pub ffn_input: &'a [f32],
     /// Gate pre-activations `gate · x` (`t × intermediate`). A probe may zero entries to drop
@@ -89,10 +98,13 @@ impl Model {
         t: usize,
         x: &mut [f32],
         s: &mut Scratch,
-        ffn: Ffn,
+        mut ffn: Ffn,
     ) -> Result<()> {
         let c = &self.config;
         let h = c.hidden_size;
+        if let Ffn::Backend(b) = &mut ffn {
+            b.after_attention(l, x)?;
+        }
         for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
             rms_norm(src, &layer.ffn_norm, c.rms_norm_eps, dst);
         }
@@ -114,6 +126,7 @@ impl Model {
                 if let Some(probe) = probe {
                     probe(FfnProbe {
                         layer: l,
+                        residual: x,
                         ffn_input: &s.xn,
                         gate: &mut [],
                         up: &[],
@@ -135,6 +148,7 @@ impl Model {
         if let Some(probe) = probe {
             probe(FfnProbe {
                 layer: l,
+                residual: x,
                 ffn_input: &s.xn,
                 gate,
                 up,

@@ -27,8 +27,8 @@ pub struct ExpertCounters {
 pub struct ExpertSummary {
     /// Share of the chosen experts resident when their layer routed.
     pub expert_hit_rate: f64,
-    /// Of the experts decoded tokens chose, the share the look-ahead (the next layer's router on
-    /// the residual entering this one) had predicted.
+    /// Of the experts decoded tokens chose, the share the look-ahead (a layer's router on the
+    /// residual after the previous layer's attention) had predicted.
     pub expert_lookahead_recall: f64,
     /// Of the experts the look-ahead predicted, the share chosen.
     pub expert_lookahead_precision: f64,

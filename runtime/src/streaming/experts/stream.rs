@@ -1,9 +1,10 @@
 //! The FFN backend of a streamed mixture: each layer's exact top-k routing decides which experts
-//! run; an expert not in the cache is read whole from flash through the read queue. While a token
-//! enters layer `l`, layer `l+1`'s router applied to that residual (normalised with `l+1`'s FFN
-//! norm) guesses `l+1`'s experts, and their reads are queued at a low priority, most probable
-//! first; when `l+1` routes, the guesses it did not choose are cancelled (or, if already issued,
-//! kept in the cache) and the reads it needs are raised to urgent. Experts are kept as stored and
+//! run; an expert not in the cache is read whole from flash through the read queue. Once layer
+//! `l`'s attention has been added to a token's residual (before `l`'s FFN), layer `l+1`'s router
+//! applied to that residual (normalised with `l+1`'s FFN norm) guesses `l+1`'s experts, and their
+//! reads are queued at a low priority, most probable first, to overlap `l`'s FFN and `l+1`'s
+//! attention; when `l+1` routes, the guesses it did not choose are cancelled (or, if already
+//! issued, kept in the cache) and the reads it needs are raised to urgent. Experts are kept as stored and
 //! decoded to f32 one at a time when they run, with the same decode and the same routed steps as
 //! `--policy resident` ([`MoeScratch`]): the output is resident's, bit for bit.
 
@@ -292,7 +293,8 @@ impl ExpertStream {
         Ok(())
     }
 
-    /// The look-ahead: layer `n`'s router on the residual `x` entering the layer before it.
+    /// The look-ahead: layer `n`'s router on the residual `x` after the previous layer's
+    /// attention.
     fn speculate(&mut self, n: usize, x: &[f32]) -> Result<()> {
         let s = self.speculative;
         let known = match &self.oracle {
@@ -553,7 +555,14 @@ fn decode_expert(
 }
 
 impl FfnBackend for ExpertStream {
-    fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()> {
+    /// Nothing: the look-ahead waits for `l`'s attention, which carries the context (from the
+    /// residual entering `l` it finds fewer of `l+1`'s experts, and a first guess here refined
+    /// after the attention reads more at the same recall: the README's MoE section).
+    fn begin_layer(&mut self, _: usize, _: &[f32]) -> Result<()> {
+        Ok(())
+    }
+
+    fn after_attention(&mut self, l: usize, residual: &[f32]) -> Result<()> {
         let next = l + 1;
         let decoding = residual.len() == self.work.xn.len();
         let mixture_next = matches!(self.layers.get(next), Some(LayerFfn::Mixture(_)));
