@@ -337,6 +337,7 @@ fn session_options(common: &CommonArgs, default_ctx: usize) -> Result<SessionOpt
             hot_fraction: common.hot_fraction,
             window: common.window,
             oracle: None,
+            oracle_exact_compute: false,
             expert_oracle: None,
         },
     })

@@ -375,6 +375,67 @@ fn wait_any_hands_over_reads_in_completion_order() {
 }
 
 #[test]
+fn watched_reads_come_in_completion_order_with_their_hashes() {
+    let device = TestDevice::new(64);
+    let (queue, blocker) = blocked_queue(&device);
+    let bufs = [10u64, 20, 30].map(|_| AlignedBuf::new(PAGE));
+    let mut tickets = Vec::new();
+    let reads = bufs
+        .into_iter()
+        .zip([(page(10), 1), (page(20), 9), (page(30), 5)])
+        .map(|(b, (offset, priority))| (b, offset, priority));
+    queue.submit_batch_into(reads, &mut tickets, true);
+    // Watched under tags 100, 200, 300; the first is also redeemed by `wait` before its turn.
+    queue.watch_all(tickets.iter().zip([100, 200, 300]).map(|(&t, g)| (t, g)));
+    device.release();
+    queue.wait(blocker).unwrap();
+    let data = |p: u64| &device.data[page(p) as usize..][..PAGE];
+    let mut order = Vec::new();
+    while let Some((tag, buf, hash)) = queue.wait_watched() {
+        let buf = buf.unwrap();
+        let p = u64::from(tag / 10);
+        assert_eq!(&buf[..], data(p));
+        assert_eq!(hash, Some(leanstream_format::container::checksum(data(p))));
+        order.push(tag);
+        if order.len() == 1 {
+            assert_eq!(queue.wait(tickets[0]).unwrap()[..], *data(10));
+        }
+    }
+    // Most urgent first (the device serves one read at a time); the redeemed one is skipped.
+    assert_eq!(order, [200, 300]);
+    assert_eq!(device.offsets(), [0, page(20), page(30), page(10)]);
+    // Without `hash`, no hash; a new watch set replaces the old.
+    let mut plain = Vec::new();
+    queue.submit_batch_into([(AlignedBuf::new(PAGE), page(5), 1)], &mut plain, false);
+    queue.watch_all([(plain[0], 7)]);
+    let (tag, buf, hash) = queue.wait_watched().unwrap();
+    assert_eq!((tag, hash), (7, None));
+    assert_eq!(&buf.unwrap()[..], data(5));
+    assert!(queue.wait_watched().is_none());
+}
+
+#[test]
+fn watched_reads_arrive_from_the_flash_model_checked() {
+    let _t = timing_lock();
+    let (_, bytes) = data_file();
+    let queue = ufs4_queue();
+    let offsets: Vec<u64> = (0..64).map(|i| i * 37 * PAGE as u64).collect();
+    let mut tickets = Vec::new();
+    let reads = offsets.iter().map(|&o| (AlignedBuf::new(2 * PAGE), o, 1));
+    queue.submit_batch_into(reads, &mut tickets, true);
+    queue.watch_all(tickets.iter().enumerate().map(|(i, &t)| (t, i as u32)));
+    let mut seen = vec![false; offsets.len()];
+    while let Some((tag, buf, hash)) = queue.wait_watched() {
+        let o = offsets[tag as usize] as usize;
+        let want = &bytes[o..o + 2 * PAGE];
+        assert_eq!(&buf.unwrap()[..], want);
+        assert_eq!(hash, Some(leanstream_format::container::checksum(want)));
+        assert!(!std::mem::replace(&mut seen[tag as usize], true));
+    }
+    assert!(seen.iter().all(|&s| s));
+}
+
+#[test]
 fn cancel_prevents_the_read() {
     let device = TestDevice::new(64);
     let (queue, blocker) = blocked_queue(&device);

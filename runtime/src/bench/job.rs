@@ -56,6 +56,9 @@ pub struct Variant {
     /// A mixture's expert oracle: the true experts guessed, Belady retention.
     #[serde(default)]
     pub expert_oracle: bool,
+    /// The oracle computing as the exact engine does (`oracle-exact`).
+    #[serde(default)]
+    pub oracle_exact: bool,
 }
 
 impl Variant {
@@ -72,6 +75,7 @@ impl Variant {
             hot_fraction: None,
             window: None,
             expert_oracle: false,
+            oracle_exact: false,
         }
     }
 
@@ -182,6 +186,7 @@ fn session_options(job: &Job) -> Result<SessionOptions> {
                 Some(p) => Some(Arc::new(read_trace(p)?)),
                 None => None,
             },
+            oracle_exact_compute: v.oracle_exact,
             expert_oracle: match (&job.expert_trace, v.expert_oracle) {
                 (Some(p), true) => {
                     let bytes =

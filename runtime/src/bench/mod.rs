@@ -45,7 +45,8 @@ pub struct BenchArgs {
     )]
     memory: Vec<String>,
     /// Policies, comma-separated, or `all`. Besides the policies of `run --policy`, the ablations
-    /// leanstream-no-lookahead, -always-lookahead, -no-refine, -no-cancel, -lru and -predicted.
+    /// leanstream-no-lookahead, -always-lookahead, -no-refine, -no-cancel, -lru and -predicted,
+    /// and oracle-exact (the oracle's reads, the exact engine's compute: every gate it holds).
     /// A mixture of experts runs leanstream, leanstream-no-lookahead and expert-oracle, at budgets
     /// given as sizes, `min` or ffn:P% (every dense weight resident, 2k slots, P% of the experts).
     #[arg(long, value_delimiter = ',', default_value = "all")]
@@ -363,8 +364,10 @@ fn expand_policies(names: &[String], flash: &str) -> Result<Vec<Variant>> {
     Ok(out)
 }
 
-/// Ablations of leanstream: each turns one of its parts off.
-const ABLATIONS: [&str; 6] = [
+/// Ablations of leanstream, each turning one of its parts off, and the oracle computing as the
+/// exact engine does.
+const ABLATIONS: [&str; 7] = [
+    "oracle-exact",
     "leanstream-no-lookahead",
     "leanstream-always-lookahead",
     "leanstream-no-refine",
@@ -401,6 +404,12 @@ fn variants(name: &str) -> Option<Vec<Variant>> {
                 .collect(),
             _ => vec![base],
         });
+    }
+    if name == "oracle-exact" {
+        let mut v = Variant::new(PolicyChoice::Oracle);
+        v.label = name.to_string();
+        v.oracle_exact = true;
+        return Some(vec![v]);
     }
     let mut v = Variant::new(PolicyChoice::Leanstream);
     v.label = name.to_string();

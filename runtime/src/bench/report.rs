@@ -83,6 +83,12 @@ pub struct AtBudget {
     pub oracle_tokens_per_s: Option<f64>,
     /// oracle ÷ leanstream (1 = the limit reached).
     pub oracle_gap: Option<f64>,
+    /// leanstream's speed ÷ the oracle's by median time per token (oracle p50 ÷ leanstream p50),
+    /// which moves less with the machine's load than the mean rate.
+    pub leanstream_vs_oracle_p50: Option<f64>,
+    /// The same against `oracle-exact`: the oracle's reads with the exact engine's compute (every
+    /// gate of what it holds), so what separates them is scheduling and bookkeeping.
+    pub leanstream_vs_oracle_exact_p50: Option<f64>,
     /// oracle ÷ the best prior policy: the most an exact policy with perfect foresight gains
     /// over it here, so the ceiling of `speedup_vs_best_prior`.
     pub oracle_vs_best_prior: Option<f64>,
@@ -131,6 +137,13 @@ pub fn summarise(runs: &[Run]) -> Summary {
             let predicted = at("leanstream-predicted", b).map(|r| r.tokens_per_s);
             let prior = best_prior_at(b);
             let oracle = at("oracle", b);
+            let oracle_exact = at("oracle-exact", b);
+            let ls_run = at("leanstream", b);
+            let p50 = |o: Option<&Run>| {
+                ls_run
+                    .zip(o)
+                    .map(|(l, o)| o.ms_per_token_p50 / l.ms_per_token_p50)
+            };
             if let Some(o) = oracle {
                 // Predicted policies skip active neurons, so they may read and compute less than
                 // the exact oracle; mmap's bytes are the kernel's, not comparable per read.
@@ -164,6 +177,8 @@ pub fn summarise(runs: &[Run]) -> Summary {
                 speedup_vs_best_prior: ls.zip(prior).map(|(l, p)| l / p.tokens_per_s),
                 oracle_tokens_per_s: oracle.map(|r| r.tokens_per_s),
                 oracle_gap: ls.zip(oracle).map(|(l, o)| o.tokens_per_s / l),
+                leanstream_vs_oracle_p50: p50(oracle),
+                leanstream_vs_oracle_exact_p50: p50(oracle_exact),
                 oracle_vs_best_prior: oracle.zip(prior).map(|(o, p)| o.tokens_per_s / p.tokens_per_s),
                 predicted_speedup_vs_best_prior: predicted
                     .zip(prior)
@@ -267,6 +282,12 @@ pub fn print_summary(s: &Summary) {
         }
         if let Some(g) = b.oracle_gap {
             line += &format!("; the oracle is {g:.2}x leanstream");
+        }
+        if let Some(r) = b.leanstream_vs_oracle_p50 {
+            line += &format!("; leanstream = {r:.2}x the oracle by p50 time per token");
+        }
+        if let Some(r) = b.leanstream_vs_oracle_exact_p50 {
+            line += &format!(", {r:.2}x oracle-exact");
         }
         if let Some(c) = b.oracle_vs_best_prior {
             line += &format!(" and {c:.2}x the best prior (the ceiling)");

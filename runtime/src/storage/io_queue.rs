@@ -6,15 +6,19 @@
 //! The device has `queue_depth` command slots. A read holds a slot from the moment it reaches the
 //! device until it completes. For a real device that is while a worker thread blocks in it (one
 //! worker per slot). For a device that models time ([`Device::models_time`]) the read is booked
-//! with the model when its slot frees, in slot order, and holds the slot until the modelled
-//! completion; moving its bytes is only a copy, done by whichever thread found the slot free —
-//! usually the submitting or the waiting one, a worker otherwise — and the waiting caller sleeps
-//! out the completion itself. So no thread is tied up per emulated read, no hand-off is paid per
-//! read, and a read reaches the device when its slot frees (or when it is submitted, if later)
-//! even if the thread that books it runs a little after that, as the kernel would have sent it
-//! from its own queue.
+//! with the model when its slot frees, in slot order (by whichever thread finds the slot free:
+//! usually the submitting or the waiting one, a worker otherwise), and holds the slot until the
+//! modelled completion; moving its bytes is only a copy (with, if asked, their XXH3), done by a
+//! worker — not by the submitting thread, which is the one computing, as a phone's DMA moves bytes
+//! without the CPU that asked for them — or by a caller waiting for a read whose bytes have not
+//! been moved yet (it has nothing else to do); the waiting caller sleeps out the completion
+//! itself. So no thread
+//! is tied up per emulated read, and a read reaches the device when its slot frees (or when it is
+//! submitted, if later) even if the thread that books it runs a little after that, as the kernel
+//! would have sent it from its own queue.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -30,6 +34,13 @@ use super::{clock, AlignedBuf, Device};
 pub const MAX_MERGE_BYTES: usize = 1 << 20;
 /// The most device slots a queue has (one I/O thread each).
 const MAX_SLOTS: usize = 256;
+/// On a timed device, the submitting thread moves the bytes of a device read shorter than this
+/// itself and hands longer ones to a worker: handing over costs a wake-up and a lock round trip
+/// (several µs on a loaded VM, about the copy and hash of 16–32 KiB), so the 4 KiB reads of the
+/// queue's own throughput test would lose IOPS to it, while a cluster of 32 KiB or more gains.
+const HAND_OFF_MIN_BYTES: usize = 32 << 10;
+/// The most submitted reads one device read serves: whole pages within [`MAX_MERGE_BYTES`].
+const MAX_PARTS: usize = MAX_MERGE_BYTES / AlignedBuf::ALIGN;
 
 /// Retries of a failed device read before the failure counts. Flash can fail a read once and
 /// serve it on the next try, and nothing tells such an `EIO` from a lasting one but trying again,
@@ -128,6 +139,16 @@ struct State {
     /// per read in progress): issuing a read allocates nothing.
     spare_parts: Vec<Vec<(u64, Extent)>>,
     spare_bufs: Vec<Vec<AlignedBuf>>,
+    /// The watch set ([`IoQueue::watch_all`]): its generation (a request watched under an older
+    /// one is not in it), how many of its reads are not issued yet, and its reads that are done,
+    /// earliest completion first, with their tags. Each completion costs O(log n), not a scan.
+    watch_gen: u64,
+    watched_pending: usize,
+    watched_left: usize,
+    ready: BinaryHeap<Reverse<(Instant, u64, u32)>>,
+    /// Timed reads issued by a submitting thread, whose bytes a worker (or a waiting caller)
+    /// moves, oldest first.
+    booked: VecDeque<Booked>,
 }
 
 struct Request {
@@ -135,6 +156,10 @@ struct Request {
     /// The caller's buffer to read into (`submit_into`), until the read is issued.
     buf: Option<AlignedBuf>,
     state: ReqState,
+    /// Hash the bytes once read, on the thread that moved them ([`Done::hash`]).
+    hash: bool,
+    /// The watch generation and tag it is watched under (generation 0: not watched).
+    watch: (u64, u32),
 }
 
 enum ReqState {
@@ -142,7 +167,7 @@ enum ReqState {
     Issued,
     /// The result, and when the read completed: past for a real read, possibly still to come
     /// for a timed device's modelled one (it must not be handed out before).
-    Done(io::Result<AlignedBuf>, Instant),
+    Done(io::Result<AlignedBuf>, Instant, Option<u64>),
 }
 
 /// Hashes a request's id, a counter, by one multiplication: the map is looked up several times
@@ -166,6 +191,19 @@ impl Hasher for IdHasher {
     fn write_u64(&mut self, id: u64) {
         self.0 = id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
+}
+
+/// A device read issued (and, on a timed device, booked) whose bytes have not been moved yet.
+struct Booked {
+    slot: usize,
+    run: Run,
+    bufs: Vec<AlignedBuf>,
+    /// Which parts want their bytes hashed.
+    hash: [bool; MAX_PARTS],
+    /// The modelled completion (timed devices).
+    scheduled: Option<Instant>,
+    arrival: Instant,
+    now: Instant,
 }
 
 /// Who is blocking: a worker thread, or a caller of `wait`.
@@ -217,6 +255,11 @@ impl IoQueue {
                 background: None,
                 spare_parts: Vec::new(),
                 spare_bufs: Vec::new(),
+                watch_gen: 0,
+                watched_pending: 0,
+                watched_left: 0,
+                ready: BinaryHeap::new(),
+                booked: VecDeque::new(),
             }),
             work: Condvar::new(),
             done: Condvar::new(),
@@ -254,7 +297,7 @@ impl IoQueue {
         let mut st = self.shared.lock();
         let tickets = reads
             .iter()
-            .map(|&(offset, len, priority)| st.insert(offset, len, None, priority, now))
+            .map(|&(offset, len, priority)| st.insert(offset, len, None, priority, now, false))
             .collect();
         self.shared.kick(st);
         tickets
@@ -265,27 +308,86 @@ impl IoQueue {
     pub fn submit_into(&self, buf: AlignedBuf, offset: u64, priority: u32) -> Ticket {
         let now = Instant::now();
         let mut st = self.shared.lock();
-        let ticket = st.insert(offset, buf.len(), Some(buf), priority, now);
+        let ticket = st.insert(offset, buf.len(), Some(buf), priority, now, false);
         self.shared.kick(st);
         ticket
     }
 
     /// [`IoQueue::submit_into`] for several reads at once: one lock and one wake-up for all. Their
     /// tickets replace `tickets`' contents, in order (the caller keeps the vector: no allocation).
+    /// With `hash`, the thread that moves each read's bytes also takes their XXH3
+    /// ([`IoQueue::wait_hashed`], [`IoQueue::wait_watched`]): with a timed device, an I/O thread
+    /// rather than the caller, as a phone's DMA moves the bytes and another core may hash them.
     pub fn submit_batch_into(
         &self,
         reads: impl IntoIterator<Item = (AlignedBuf, u64, u32)>,
         tickets: &mut Vec<Ticket>,
+        hash: bool,
     ) {
         let now = Instant::now();
         let mut st = self.shared.lock();
         tickets.clear();
-        tickets.extend(
-            reads.into_iter().map(|(buf, offset, priority)| {
-                st.insert(offset, buf.len(), Some(buf), priority, now)
-            }),
-        );
+        tickets.extend(reads.into_iter().map(|(buf, offset, priority)| {
+            st.insert(offset, buf.len(), Some(buf), priority, now, hash)
+        }));
         self.shared.kick(st);
+    }
+
+    /// Makes `reads` (ticket, tag) the watch set, replacing the previous one: [`IoQueue::wait_watched`]
+    /// hands them over in completion order, each in O(log n) (`wait_any` scans its tickets on
+    /// every wake-up). Unknown tickets are left out.
+    pub fn watch_all(&self, reads: impl IntoIterator<Item = (Ticket, u32)>) {
+        let mut guard = self.shared.lock();
+        let st = &mut *guard;
+        st.watch_gen += 1;
+        st.watched_pending = 0;
+        st.watched_left = 0;
+        st.ready.clear();
+        let generation = st.watch_gen;
+        for (ticket, tag) in reads {
+            let Some(r) = st.requests.get_mut(&ticket.0) else {
+                continue;
+            };
+            if r.watch.0 == generation {
+                continue;
+            }
+            r.watch = (generation, tag);
+            st.watched_left += 1;
+            match r.state {
+                ReqState::Pending => st.watched_pending += 1,
+                ReqState::Done(_, at, _) => st.ready.push(Reverse((at, ticket.0, tag))),
+                ReqState::Issued => {}
+            }
+        }
+    }
+
+    /// Blocks until a read of the watch set is done and hands it over: its tag, its buffer and
+    /// (submitted with `hash`, and read) the XXH3 of its bytes. The one that completed first, on
+    /// a timed device the earliest completion time among those done. `None` once every watched
+    /// read was handed over (or redeemed otherwise).
+    pub fn wait_watched(&self) -> Option<(u32, io::Result<AlignedBuf>, Option<u64>)> {
+        let mut st = self.shared.lock();
+        let (id, tag) = loop {
+            if let Some(Reverse((_, id, tag))) = st.ready.pop() {
+                // Redeemed by `wait` or `poll` meanwhile: not there any more.
+                if st.requests.contains_key(&id) {
+                    break (id, tag);
+                }
+                continue;
+            }
+            if st.watched_left == 0 {
+                return None;
+            }
+            let mine_pending = st.watched_pending > 0;
+            st = self.shared.wait_step(st, mine_pending);
+        };
+        let Some(ReqState::Done(result, at, hash)) = st.take(id).map(|r| r.state) else {
+            unreachable!("only done reads are ready")
+        };
+        self.shared.wake_worker(&st, Instant::now());
+        drop(st);
+        clock::sleep_until(at);
+        Some((tag, result, hash))
     }
 
     /// Lets reads below priority `below` (guesses, such as speculative reads) hold at most
@@ -303,7 +405,7 @@ impl IoQueue {
         if !st.pending.remove(ticket.0) {
             return false;
         }
-        st.requests.remove(&ticket.0);
+        st.take(ticket.0);
         st.stats.cancelled += 1;
         true
     }
@@ -316,28 +418,29 @@ impl IoQueue {
     /// Blocks until the read is done and hands over its buffer. A failure names the device, the
     /// offset and the cause; an unknown, cancelled or already redeemed ticket is `InvalidInput`.
     pub fn wait(&self, ticket: Ticket) -> io::Result<AlignedBuf> {
+        self.wait_hashed(ticket).0
+    }
+
+    /// [`IoQueue::wait`], with the XXH3 of the bytes when the read was submitted with `hash`
+    /// (and succeeded).
+    pub fn wait_hashed(&self, ticket: Ticket) -> (io::Result<AlignedBuf>, Option<u64>) {
         let mut st = self.shared.lock();
         loop {
             match st.requests.get(&ticket.0).map(|r| &r.state) {
-                None => return Err(unknown(ticket)),
+                None => return (Err(unknown(ticket)), None),
                 Some(ReqState::Done(..)) => break,
-                Some(ReqState::Pending) if self.shared.timed => {
-                    // Rather than be woken by whoever issues it, the waiter issues reads itself
-                    // as slots free, in priority order.
-                    st = self.shared.step(st, Role::Waiter);
-                }
-                Some(_) => st = self.shared.block(st, Role::Waiter, None),
+                Some(ReqState::Pending) => st = self.shared.wait_step(st, true),
+                Some(_) => st = self.shared.wait_step(st, false),
             }
         }
-        let Some(ReqState::Done(result, at)) = st.requests.remove(&ticket.0).map(|r| r.state)
-        else {
+        let Some(ReqState::Done(result, at, hash)) = st.take(ticket.0).map(|r| r.state) else {
             unreachable!("checked above")
         };
         // This thread may have been timing the next free slot: hand that over to a worker.
         self.shared.wake_worker(&st, Instant::now());
         drop(st);
         clock::sleep_until(at);
-        result
+        (result, hash)
     }
 
     /// Blocks until one of `tickets` is done and hands over its buffer, with its index: the one
@@ -352,7 +455,7 @@ impl IoQueue {
             for (i, t) in tickets.iter().enumerate() {
                 match st.requests.get(&t.0).map(|r| &r.state) {
                     None => return (i, Err(unknown(*t))),
-                    Some(&ReqState::Done(_, at)) => {
+                    Some(&ReqState::Done(_, at, _)) => {
                         if first.is_none_or(|(_, best)| at < best) {
                             first = Some((i, at));
                         }
@@ -363,14 +466,10 @@ impl IoQueue {
             }
             match first {
                 Some((i, _)) => break i,
-                // As in `wait`: on a timed device the waiter issues reads itself.
-                None if pending && self.shared.timed => st = self.shared.step(st, Role::Waiter),
-                None => st = self.shared.block(st, Role::Waiter, None),
+                None => st = self.shared.wait_step(st, pending),
             }
         };
-        let Some(ReqState::Done(result, at)) =
-            st.requests.remove(&tickets[first].0).map(|r| r.state)
-        else {
+        let Some(ReqState::Done(result, at, _)) = st.take(tickets[first].0).map(|r| r.state) else {
             unreachable!("checked above")
         };
         self.shared.wake_worker(&st, Instant::now());
@@ -389,8 +488,8 @@ impl IoQueue {
         if !is_ready(&request.state, Instant::now()) {
             return None;
         }
-        match st.requests.remove(&ticket.0)?.state {
-            ReqState::Done(result, _) => Some(result),
+        match st.take(ticket.0)?.state {
+            ReqState::Done(result, _, _) => Some(result),
             _ => unreachable!("checked above"),
         }
     }
@@ -450,10 +549,22 @@ fn unknown(ticket: Ticket) -> io::Error {
 }
 
 fn is_ready(state: &ReqState, now: Instant) -> bool {
-    matches!(state, ReqState::Done(_, at) if *at <= now)
+    matches!(state, ReqState::Done(_, at, _) if *at <= now)
 }
 
 impl State {
+    /// Removes a request (redeemed or cancelled), keeping the watch set's counts.
+    fn take(&mut self, id: u64) -> Option<Request> {
+        let r = self.requests.remove(&id)?;
+        if r.watch.0 == self.watch_gen && r.watch.0 != 0 {
+            self.watched_left -= 1;
+            if matches!(r.state, ReqState::Pending) {
+                self.watched_pending -= 1;
+            }
+        }
+        Some(r)
+    }
+
     /// Registers a read submitted at `now`; a misaligned one is failed at once.
     fn insert(
         &mut self,
@@ -462,6 +573,7 @@ impl State {
         buf: Option<AlignedBuf>,
         priority: u32,
         now: Instant,
+        hash: bool,
     ) -> Ticket {
         let align = AlignedBuf::ALIGN;
         let id = self.next_id;
@@ -473,12 +585,18 @@ impl State {
         } else {
             self.stats.failed += 1;
             let msg = format!("read of {len} bytes at offset {offset} is not {align}-aligned");
-            ReqState::Done(Err(io::Error::new(io::ErrorKind::InvalidInput, msg)), now)
+            ReqState::Done(
+                Err(io::Error::new(io::ErrorKind::InvalidInput, msg)),
+                now,
+                None,
+            )
         };
         let request = Request {
             submitted: now,
             buf,
             state,
+            hash,
+            watch: (0, 0),
         };
         self.requests.insert(id, request);
         Ticket(id)
@@ -526,13 +644,18 @@ impl State {
         ends[allowed - 1].map(|at| (slot, at.max(free_at)))
     }
 
-    /// Whether pending work needs a worker woken: a slot is free now, or one frees later and no
-    /// worker is timing it yet (a thread finishing a read re-checks by itself).
+    /// Whether pending work needs a worker woken: bytes to move and no worker awake, or a read
+    /// pending and a slot free now, or one that frees later and no worker timing it yet (a thread
+    /// finishing a read re-checks by itself).
     fn worker_needed(&self, now: Instant) -> bool {
-        !self.pending.is_empty()
-            && self
-                .free_slot()
-                .is_some_and(|(_, at)| at <= now || self.timer.is_none_or(|t| t > at))
+        // Bytes to move: one worker awake is enough (it moves them one after another), so a
+        // submission does not pay a wake-up while one is.
+        let all_idle = self.idle_workers == self.slots.len();
+        (!self.booked.is_empty() && all_idle)
+            || !self.pending.is_empty()
+                && self
+                    .free_slot()
+                    .is_some_and(|(_, at)| at <= now || self.timer.is_none_or(|t| t > at))
     }
 }
 
@@ -541,13 +664,51 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Gets newly queued reads going: issued here while slots are free (timed devices), else by a
-    /// worker.
+    /// Gets newly queued reads going: on a timed device they are issued (booked) here while
+    /// slots are free, and a worker moves the bytes of those of [`HAND_OFF_MIN_BYTES`] or more,
+    /// so that the submitting thread — the one computing — goes on computing, as a phone's DMA
+    /// would leave it (smaller ones it moves itself: waking a worker would cost it more);
+    /// otherwise a worker issues and reads them.
     fn kick<'a>(&'a self, mut st: MutexGuard<'a, State>) {
         if self.timed {
-            st = self.issue_ready(st);
+            loop {
+                let now = Instant::now();
+                match st.free_slot() {
+                    Some((slot, free_at)) if free_at <= now && !st.pending.is_empty() => {
+                        let booked = self.book(&mut st, slot, free_at, now);
+                        if booked.run.len >= HAND_OFF_MIN_BYTES {
+                            st.booked.push_back(booked);
+                        } else {
+                            st = self.transfer(st, booked);
+                        }
+                    }
+                    _ => break,
+                }
+            }
         }
         self.wake_worker(&st, Instant::now());
+    }
+
+    /// One wait of a caller whose read is not done: when one of its reads is still pending on a
+    /// timed device (`mine_pending`), it issues reads itself as slots free, in priority order,
+    /// rather than be woken by whoever issues them (it has nothing else to do); otherwise it
+    /// blocks until a read finishes.
+    fn wait_step<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        mine_pending: bool,
+    ) -> MutexGuard<'a, State> {
+        if self.timed {
+            // Reads issued and not moved yet: the waiter moves them rather than wait for a
+            // worker to wake (its own is likely among them).
+            if let Some(booked) = st.booked.pop_front() {
+                return self.transfer(st, booked);
+            }
+            if mine_pending {
+                return self.step(st, Role::Waiter);
+            }
+        }
+        self.block(st, Role::Waiter, None)
     }
 
     fn wake_worker(&self, st: &State, now: Instant) {
@@ -564,9 +725,13 @@ impl Shared {
         }
     }
 
-    /// Serves one pending read if a slot is free now; otherwise blocks until a slot frees (or,
-    /// if nothing is pending or every slot is mid-read, until woken).
-    fn step<'a>(&'a self, st: MutexGuard<'a, State>, role: Role) -> MutexGuard<'a, State> {
+    /// Moves the bytes of a read issued and not moved yet, if there is one; else serves one
+    /// pending read if a slot is free now; otherwise blocks until a slot frees (or, if nothing
+    /// is pending or every slot is mid-read, until woken).
+    fn step<'a>(&'a self, mut st: MutexGuard<'a, State>, role: Role) -> MutexGuard<'a, State> {
+        if let Some(booked) = st.booked.pop_front() {
+            return self.transfer(st, booked);
+        }
         let now = Instant::now();
         match st.free_slot() {
             Some((slot, free_at)) if !st.pending.is_empty() => {
@@ -577,19 +742,6 @@ impl Shared {
                 }
             }
             _ => self.block(st, role, None),
-        }
-    }
-
-    /// Issues reads while a slot is free now (timed devices, from the submitting thread).
-    fn issue_ready<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
-        loop {
-            let now = Instant::now();
-            match st.free_slot() {
-                Some((slot, free_at)) if free_at <= now && !st.pending.is_empty() => {
-                    st = self.serve(st, slot, free_at, now);
-                }
-                _ => return st,
-            }
         }
     }
 
@@ -652,6 +804,14 @@ impl Shared {
         free_at: Instant,
         now: Instant,
     ) -> MutexGuard<'a, State> {
+        let booked = self.book(&mut st, slot, free_at, now);
+        self.transfer(st, booked)
+    }
+
+    /// Issues the most urgent pending read (merged with its neighbours) in `slot`, which freed at
+    /// `free_at`: its requests are marked issued, and a timed device books it, so that it holds
+    /// the slot until its modelled completion whoever moves its bytes and whenever.
+    fn book(&self, st: &mut State, slot: usize, free_at: Instant, now: Instant) -> Booked {
         let background = match (st.background, st.pending.top_priority()) {
             (Some((below, _)), Some(top)) => top < below,
             _ => false,
@@ -664,9 +824,12 @@ impl Shared {
         st.slots[slot].background = background;
         let mut arrival = free_at;
         let mut bufs = st.spare_bufs.pop().unwrap_or_default();
-        for (id, extent) in &run.parts {
+        let mut hash = [false; MAX_PARTS];
+        let generation = st.watch_gen;
+        for (i, (id, extent)) in run.parts.iter().enumerate() {
             let request = st.requests.get_mut(id).expect("pending reads are known");
             request.state = ReqState::Issued;
+            hash[i] = request.hash;
             arrival = arrival.max(request.submitted);
             // A read submitted without a buffer gets a new one (not in the token loop, whose
             // reads bring their own).
@@ -676,20 +839,54 @@ impl Shared {
                     .take()
                     .unwrap_or_else(|| AlignedBuf::new(extent.len)),
             );
+            if request.watch.0 == generation && generation != 0 {
+                st.watched_pending -= 1;
+            }
         }
         // A timed read is booked now, in the order reads reach the device, and frees its slot
-        // when the modelled device completes it, however late this thread gets to the copy.
+        // when the modelled device completes it, however late its bytes are moved.
         let scheduled = self.device.schedule(arrival, run.len);
         match scheduled {
             Some(at) => st.slots[slot].free_at = at,
             None => st.slots[slot].reading = true,
         }
         if !self.timed {
-            self.wake_worker(&st, now);
+            self.wake_worker(st, now);
         }
+        Booked {
+            slot,
+            run,
+            bufs,
+            hash,
+            scheduled,
+            arrival,
+            now,
+        }
+    }
+
+    /// Moves a booked read's bytes (hashing those asked for) with the lock released, and records
+    /// the outcome.
+    fn transfer<'a>(&'a self, st: MutexGuard<'a, State>, booked: Booked) -> MutexGuard<'a, State> {
+        let Booked {
+            slot,
+            run,
+            mut bufs,
+            hash,
+            scheduled,
+            arrival,
+            now,
+        } = booked;
         drop(st);
 
         let (result, retries) = read_with_retries(&*self.device, run.offset, &mut bufs);
+        let mut sums = [None; MAX_PARTS];
+        if result.is_ok() {
+            for ((sum, &want), buf) in sums.iter_mut().zip(&hash).zip(&bufs) {
+                if want {
+                    *sum = Some(leanstream_format::container::checksum(buf));
+                }
+            }
+        }
         let finished = Instant::now();
         // A timed read occupies the device from its arrival to its modelled completion.
         let (busy_from, completes) = match scheduled {
@@ -730,13 +927,18 @@ impl Shared {
                 background: false,
             };
         }
-        for ((id, _), buf) in run.parts.iter().zip(bufs.drain(..)) {
+        let generation = st.watch_gen;
+        for (((id, _), buf), sum) in run.parts.iter().zip(bufs.drain(..)).zip(sums) {
             let outcome = match &failure {
                 None => Ok(buf),
                 Some((kind, msg)) => Err(io::Error::new(*kind, msg.clone())),
             };
             if let Some(request) = st.requests.get_mut(id) {
-                request.state = ReqState::Done(outcome, completes);
+                request.state = ReqState::Done(outcome, completes, sum);
+                let (g, tag) = request.watch;
+                if g == generation && g != 0 {
+                    st.ready.push(Reverse((completes, *id, tag)));
+                }
             }
         }
         st.spare_parts.push(run.parts);

@@ -198,7 +198,7 @@ pub(super) struct Core {
     refilling: Vec<bool>,
     /// Scratch of [`Core::refine`]: the late reads.
     late: Vec<(ClusterKey, u32)>,
-    /// Scratch of [`Core::take_any`].
+    /// Scratch of [`Core::request_all`]: the tickets of its batch.
     tickets: Vec<Ticket>,
     /// Scratch of [`Core::request_all`]: the reads of its batch.
     reads: Vec<(AlignedBuf, u64, u32)>,
@@ -256,7 +256,9 @@ impl Core {
             return 0;
         }
         let mut tickets = std::mem::take(&mut self.tickets);
-        self.io.submit_batch_into(reads.drain(..), &mut tickets);
+        // Hashed by the thread that moves the bytes (see `check_read`).
+        self.io
+            .submit_batch_into(reads.drain(..), &mut tickets, true);
         self.reads = reads;
         let n = tickets.len();
         let mut tickets_in_order = tickets.iter();
@@ -331,43 +333,54 @@ impl Core {
         })
     }
 
+    /// [`Core::check_cluster`] for a read whose bytes the read queue hashed as it moved them
+    /// (`hash`, their XXH3 in the buffer handed over, which nothing writes afterwards): the same
+    /// check, every read, without hashing on the computing thread. Without a hash, or when it
+    /// differs, the bytes are checked here (and a mismatch named).
+    fn check_read(&self, l: usize, c: usize, bytes: &[u8], hash: Option<u64>) -> Result<()> {
+        if hash == Some(self.plans[l].clusters[c].checksum) {
+            return Ok(());
+        }
+        Ok(self.check_cluster(l, c, bytes)?)
+    }
+
     /// Takes a queued read's buffer, waiting for it, and checks it; the time counts as stalled.
     fn take(&mut self, key: ClusterKey) -> Result<AlignedBuf> {
         let start = Instant::now();
         let (ticket, size) = self.pending[self.slots.of(key)].take().expect("queued");
         self.in_flight -= size;
         let (l, c) = (key.0 as usize, key.1 as usize);
-        let buf = self
-            .io
-            .wait(ticket)
-            .with_context(|| format!("reading layer {l} cluster {c}"))?;
-        self.check_cluster(l, c, &buf)?;
+        let (buf, hash) = self.io.wait_hashed(ticket);
+        let buf = buf.with_context(|| format!("reading layer {l} cluster {c}"))?;
+        self.check_read(l, c, &buf, hash)?;
         self.metrics.stall_s += start.elapsed().as_secs_f64();
         Ok(buf)
     }
 
-    /// Takes the first of the queued reads of layer `l`'s clusters `cis` to complete, waiting
-    /// for it, and checks it; returns its index in `cis`. The time counts as stalled.
-    fn take_any(&mut self, l: usize, cis: &[usize]) -> Result<(usize, AlignedBuf)> {
-        let start = Instant::now();
-        let mut tickets = std::mem::take(&mut self.tickets);
-        tickets.clear();
-        tickets.extend(cis.iter().map(|&ci| {
-            self.pending[self.slots.of((l as u32, ci as u32))]
-                .expect("queued")
-                .0
+    /// Watches the queued reads of layer `l`'s clusters `cis`, for [`Core::take_watched`].
+    fn watch(&mut self, l: usize, cis: &[usize]) {
+        let (pending, slots) = (&self.pending, &self.slots);
+        self.io.watch_all(cis.iter().map(|&ci| {
+            let (ticket, _) = pending[slots.of((l as u32, ci as u32))].expect("queued");
+            (ticket, ci as u32)
         }));
-        let (i, result) = self.io.wait_any(&tickets);
-        self.tickets = tickets;
-        let ci = cis[i];
+    }
+
+    /// Takes the first of the watched reads of layer `l` ([`Core::watch`]) to complete, waiting
+    /// for it, and checks it; returns its cluster. O(log n) per read, however many are watched.
+    /// The time counts as stalled.
+    fn take_watched(&mut self, l: usize) -> Result<(usize, AlignedBuf)> {
+        let start = Instant::now();
+        let (ci, result, hash) = self.io.wait_watched().expect("a watched read is left");
+        let ci = ci as usize;
         let (_, size) = self.pending[self.slots.of((l as u32, ci as u32))]
             .take()
             .expect("queued");
         self.in_flight -= size;
         let buf = result.with_context(|| format!("reading layer {l} cluster {ci}"))?;
-        self.check_cluster(l, ci, &buf)?;
+        self.check_read(l, ci, &buf, hash)?;
         self.metrics.stall_s += start.elapsed().as_secs_f64();
-        Ok((i, buf))
+        Ok((ci, buf))
     }
 
     /// The bytes of a cluster that need no read: cached, or in the mapping.
@@ -639,17 +652,14 @@ impl StreamEngine {
             }
             (None, _) => false,
         };
-        let known = self.schedule.needs(&mut self.core, l, token)?;
-        let plan = &self.core.plans[l];
         let candidate = &mut sel.candidate;
         candidate.clear();
+        let known = self.schedule.needs(&mut self.core, l, token, candidate)?;
+        let plan = &self.core.plans[l];
         match (known, self.core.sparsity) {
-            (Some(neurons), _) => {
-                candidate.resize(n, false);
-                neurons.iter().for_each(|&p| candidate[p as usize] = true);
-            }
-            (None, Sparsity::Exact | Sparsity::Dense) => candidate.resize(n, true),
-            (None, Sparsity::Certified) => match &plan.certificate {
+            (true, _) => debug_assert_eq!(candidate.len(), n),
+            (false, Sparsity::Exact | Sparsity::Dense) => candidate.resize(n, true),
+            (false, Sparsity::Certified) => match &plan.certificate {
                 Some(c) => {
                     let cache = &self.core.cache;
                     let cached = |ci: usize| cache.contains((l as u32, ci as u32));
@@ -664,7 +674,7 @@ impl StreamEngine {
                 // Every uncached cluster is read; the exact scores in its bundles decide.
                 None => candidate.resize(n, true),
             },
-            (None, Sparsity::Predicted) => {
+            (false, Sparsity::Predicted) => {
                 assert!(sel.has_own, "computed in predicted mode");
                 candidate.extend_from_slice(&sel.own);
             }
@@ -895,11 +905,13 @@ impl StreamEngine {
                 None => missing.push(ci),
             }
         }
-        while !missing.is_empty() {
-            let (i, buf) = core.take_any(l, &missing)?;
-            self.schedule.taken(core);
-            let ci = missing.swap_remove(i);
-            landed(core, work, &mut next, ci, buf)?;
+        if !missing.is_empty() {
+            core.watch(l, &missing);
+            for _ in 0..missing.len() {
+                let (ci, buf) = core.take_watched(l)?;
+                self.schedule.taken(core);
+                landed(core, work, &mut next, ci, buf)?;
+            }
         }
         work.missing = missing;
         debug_assert!((0..GROUPS).all(|g| next[g] == bounds[g + 1]));

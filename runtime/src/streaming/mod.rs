@@ -283,6 +283,7 @@ impl StreamingModel {
             Policy::LlmInFlash => Box::new(llm_in_flash::LlmInFlash),
             Policy::Oracle => Box::new(oracle::Oracle::new(
                 tuning.oracle.clone().expect("checked above"),
+                tuning.oracle_exact_compute,
             )),
         };
         let slots = ClusterSlots::new(plans.iter().map(|p| p.clusters.len()));

@@ -1,10 +1,19 @@
 //! `oracle`, the limit: it knows the true active clusters of every token and layer to come (an
-//! [`ActiveTrace`] of the same token sequence), reads exactly those that are not cached, issues
-//! them as early as the I/O budget allows — across layers and tokens, earliest use first — and
-//! evicts with Belady's rule over the trace (the cached cluster used farthest in the future goes,
-//! and a cluster used later than everything cached is not kept). It computes exactly the active
-//! neurons, so its output is the `resident` policy's, bit for bit (the inactive ones add nothing
-//! there either).
+//! [`ActiveTrace`] of the same token sequence, recorded beforehand by a `resident` run whose time
+//! is not counted), reads exactly those that are not cached, issues them as early as the I/O
+//! budget allows — across layers and tokens, earliest use first, cluster by cluster, topped up
+//! whenever a quarter of the budget frees while a layer computes, as leanstream's certain reads
+//! are — and evicts with Belady's rule over the trace (the cached cluster used farthest in the
+//! future goes, and a cluster used later than everything cached is not kept).
+//!
+//! What it computes: by default (`oracle`) exactly the active neurons — their gate and up rows
+//! only, which no exact policy can match (the rule needs a neuron's gate to know it is inactive,
+//! so `resident` and every certified policy compute the gate of every neuron they hold). With
+//! `Tuning::oracle_exact_compute` (`oracle-exact` in `bench`) it computes as the exact engine
+//! does — every neuron's gate in each cluster it holds (cached, or read because it holds an
+//! active neuron) — while still reading only the active clusters: the bound of what perfect
+//! foresight of the reads alone gains. Either way its output is the `resident` policy's, bit for
+//! bit (the inactive neurons add nothing there either).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,12 +33,20 @@ pub(super) struct Oracle {
     trace: Arc<ActiveTrace>,
     /// Steps (token × layers + layer) at which each cluster is used, ascending.
     uses: HashMap<ClusterKey, Vec<u64>>,
-    /// The first step whose reads have not been issued yet.
+    /// The first step whose reads have not all been issued yet, and how many of its clusters
+    /// have been (the prefetch cursor).
     scan: u64,
+    cursor: usize,
+    /// The step being computed.
+    now: u64,
+    /// Compute every neuron of the clusters held, as the exact engine does (`oracle-exact`).
+    exact_compute: bool,
+    /// Scratch of [`Oracle::prefetch`]: one batch of reads (so that neighbours merge).
+    batch: Vec<(ClusterKey, u32)>,
 }
 
 impl Oracle {
-    pub fn new(trace: Arc<ActiveTrace>) -> Self {
+    pub fn new(trace: Arc<ActiveTrace>, exact_compute: bool) -> Self {
         let mut uses: HashMap<ClusterKey, Vec<u64>> = HashMap::new();
         for i in 0..trace.len() {
             for l in 0..trace.layers() {
@@ -43,6 +60,10 @@ impl Oracle {
             trace,
             uses,
             scan: 0,
+            cursor: 0,
+            now: 0,
+            exact_compute,
+            batch: Vec::new(),
         }
     }
 
@@ -61,32 +82,54 @@ impl Oracle {
         PREFETCH_TOP - step.min(PREFETCH_TOP as u64) as u32
     }
 
-    /// Issues the reads of the steps ahead, in order, while they fit the I/O budget; the reads of
-    /// steps up to `now` are issued whatever the budget.
-    fn prefetch(&mut self, core: &mut Core, now: u64) {
+    /// Whether the prefetch cursor has passed cluster `key`'s use at step `at`.
+    fn passed(&self, key: ClusterKey, at: u64) -> bool {
+        if at != self.scan {
+            return at < self.scan;
+        }
+        let layers = self.trace.layers();
+        let (i, l) = ((at as usize) / layers, (at as usize) % layers);
+        let clusters = self.trace.clusters(i, l);
+        clusters.partition_point(|&c| c < key.1) < self.cursor
+    }
+
+    /// Issues the reads of the steps ahead, in order, cluster by cluster while they fit the I/O
+    /// budget; the reads of steps up to `now` are issued whatever the budget. One batch per call.
+    /// While step `now` computes (`computing`), its clusters are cached, queued or held by the
+    /// computation (read, not yet offered to the cache): none is read again for a later use now
+    /// (`end_layer` reads those the cache does not keep).
+    fn prefetch(&mut self, core: &mut Core, now: u64, computing: bool) {
         let layers = self.trace.layers();
         let total = (self.trace.len() * layers) as u64;
-        while self.scan < total {
+        let (now_token, now_layer) = ((now as usize) / layers, (now as usize) % layers);
+        let held = match computing {
+            true => self.trace.clusters(now_token, now_layer),
+            false => &[],
+        };
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.clear();
+        let mut bytes = 0u64;
+        'steps: while self.scan < total {
             let (i, l) = ((self.scan as usize) / layers, (self.scan as usize) % layers);
-            let wanted: Vec<ClusterKey> = self
-                .trace
-                .clusters(i, l)
-                .iter()
-                .map(|&c| (l as u32, c))
-                .filter(|&k| !core.cache.contains(k) && !core.is_pending(k))
-                .collect();
-            let bytes: u64 = wanted
-                .iter()
-                .map(|k| core.plans[k.0 as usize].clusters[k.1 as usize].size)
-                .sum();
-            if self.scan > now && !core.has_room(bytes) {
-                return;
-            }
-            for key in wanted {
-                core.request(key, Self::priority(self.scan));
+            let clusters = self.trace.clusters(i, l);
+            while let Some(&c) = clusters.get(self.cursor) {
+                let key = (l as u32, c);
+                let is_held = l == now_layer && held.binary_search(&c).is_ok();
+                if !is_held && !core.cache.contains(key) && !core.is_pending(key) {
+                    let size = core.plans[l].clusters[c as usize].size;
+                    if self.scan > now && !core.has_room(bytes + size) {
+                        break 'steps;
+                    }
+                    bytes += size;
+                    batch.push((key, Self::priority(self.scan)));
+                }
+                self.cursor += 1;
             }
             self.scan += 1;
+            self.cursor = 0;
         }
+        core.request_all(&batch);
+        self.batch = batch;
     }
 }
 
@@ -116,18 +159,42 @@ impl Schedule for Oracle {
     }
 
     fn begin_layer(&mut self, core: &mut Core, l: usize, token: usize, _: &[f32]) -> Result<()> {
-        let now = self.step(token, l);
-        self.prefetch(core, now);
+        self.now = self.step(token, l);
+        self.prefetch(core, self.now, false);
         Ok(())
     }
 
-    fn needs(&mut self, core: &mut Core, l: usize, token: usize) -> Result<Option<Vec<u32>>> {
+    fn needs(
+        &mut self,
+        core: &mut Core,
+        l: usize,
+        token: usize,
+        candidate: &mut Vec<bool>,
+    ) -> Result<bool> {
         let now = self.step(token, l);
+        let plan = &core.plans[l];
+        candidate.resize(plan.cluster_of.len(), false);
+        if self.exact_compute {
+            // Every neuron of every cluster held, and of every active one (read if not held).
+            for (ci, cl) in plan.clusters.iter().enumerate() {
+                if core.cache.contains((l as u32, ci as u32)) {
+                    candidate[cl.first..cl.first + cl.count].fill(true);
+                }
+            }
+            for &c in self.trace.clusters(token, l) {
+                let cl = plan.clusters[c as usize];
+                candidate[cl.first..cl.first + cl.count].fill(true);
+            }
+        } else {
+            for &p in self.trace.neurons(token, l) {
+                candidate[p as usize] = true;
+            }
+        }
         for &c in self.trace.clusters(token, l) {
             let key = (l as u32, c);
             core.cache.set_next_use(key, self.next_use(key, Some(now)));
         }
-        Ok(Some(self.trace.neurons(token, l).to_vec()))
+        Ok(true)
     }
 
     fn refine(&self) -> Refine {
@@ -136,6 +203,13 @@ impl Schedule for Oracle {
             boost: true,
             cancel: false,
             reap: false,
+        }
+    }
+
+    /// A quarter of the I/O budget is free again while the layer computes: top the reads up.
+    fn taken(&mut self, core: &mut Core) {
+        if core.has_room(core.io_budget / 4) {
+            self.prefetch(core, self.now, true);
         }
     }
 
@@ -155,12 +229,12 @@ impl Schedule for Oracle {
         for &c in recorded {
             let key = (l as u32, c);
             if let Some(next) = self.next_use(key, Some(now)) {
-                if next < self.scan {
+                if self.passed(key, next) {
                     core.request(key, Self::priority(next));
                 }
             }
         }
-        self.prefetch(core, now + 1);
+        self.prefetch(core, now + 1, false);
         Ok(())
     }
 }

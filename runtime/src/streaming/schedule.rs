@@ -27,9 +27,16 @@ pub(super) trait Schedule {
     }
 
     /// The neurons (stored positions) layer `l` of `token` needs, when the policy knows them in
-    /// advance; `None` lets the sparsity mode decide.
-    fn needs(&mut self, _core: &mut Core, _l: usize, _token: usize) -> Result<Option<Vec<u32>>> {
-        Ok(None)
+    /// advance: marked in `candidate` (empty on entry, one flag per neuron on return), and true;
+    /// false (`candidate` left empty) lets the sparsity mode decide.
+    fn needs(
+        &mut self,
+        _core: &mut Core,
+        _l: usize,
+        _token: usize,
+        _candidate: &mut Vec<bool>,
+    ) -> Result<bool> {
+        Ok(false)
     }
 
     /// What may be done to the layer's queued reads once its needs are known.

@@ -28,6 +28,9 @@ pub struct Tuning {
     /// The true active sets of the tokens to come: the oracle's knowledge, and the truth the
     /// metrics of any policy use when given.
     pub oracle: Option<Arc<ActiveTrace>>,
+    /// oracle: compute every neuron of the clusters it holds, as the exact engine does, rather
+    /// than only the active ones (`bench`'s `oracle-exact`; see the oracle's module).
+    pub oracle_exact_compute: bool,
     /// A mixture's expert oracle (`bench`'s `expert-oracle`): each token's true experts.
     pub expert_oracle: Option<Arc<super::experts::ExpertTrace>>,
 }
@@ -43,6 +46,7 @@ impl Default for Tuning {
             hot_fraction: None,
             window: None,
             oracle: None,
+            oracle_exact_compute: false,
             expert_oracle: None,
         }
     }
