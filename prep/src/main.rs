@@ -14,6 +14,7 @@ mod pack;
 mod placement;
 mod profile;
 mod push;
+mod quant_choice;
 mod source;
 mod sparsity;
 mod synth;
@@ -26,7 +27,6 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use leanstream_format::quant::QuantType;
 
 use crate::certificate::CertificateChoice;
 
@@ -62,9 +62,11 @@ enum Command {
         /// Output file.
         #[arg(short, long)]
         output: PathBuf,
-        /// Weight encoding: f32, f16, bf16, q8 or q4.
-        #[arg(long, default_value = "q8")]
-        quant: QuantType,
+        /// Weight encoding: auto, f32, f16, bf16, q8, q4 or q4_1. auto: a GGUF file keeps its
+        /// FFN's width (4-bit types become q4_1, Q4_0 stays q4; 5- to 8-bit ones q8), float
+        /// weights become q8.
+        #[arg(long, default_value = "auto")]
+        quant: String,
         /// auto, relu, target:F (SwiGLU: skip by |silu(gate)·up|, a mean fraction F allocated
         /// across layers), target-uniform:F (the same fraction in every layer), or threshold:F
         /// (skip by |act(gate)|, fraction F per layer). auto: relu for ReLU models, else target:F at
@@ -153,6 +155,10 @@ fn run(command: Command) -> Result<()> {
             json,
         } => {
             let model_dir = hub::resolve_model(&model)?;
+            let (quant, why) = quant_choice::resolve(&quant, &model_dir)?;
+            if !json {
+                eprintln!("encoding {} ({why})", quant.name());
+            }
             let opts = convert::ConvertOptions {
                 model_dir,
                 source_name: model,

@@ -347,6 +347,25 @@ impl GgufFile {
         Ok((q, kv))
     }
 
+    /// The GGML type of the first stored FFN gate (`blk.L.ffn_gate.weight`, or a mixture's
+    /// `blk.L.ffn_gate_exps.weight` / `blk.L.ffn_gate.E.weight`) at the lowest layer `L`, if any:
+    /// the width the file's author chose for the FFN, which `leanstream-prep convert --quant auto`
+    /// keeps.
+    pub fn ffn_gate_type(&self) -> Option<GgmlDType> {
+        // The layer of an FFN gate tensor (not a router, `ffn_gate_inp`).
+        let gate_layer = |name: &str| -> Option<usize> {
+            let (layer, tensor) = name.strip_prefix("blk.")?.split_once('.')?;
+            let gate = tensor.starts_with("ffn_gate") && !tensor.starts_with("ffn_gate_inp");
+            gate.then(|| layer.parse().ok())?
+        };
+        self.content
+            .tensor_infos
+            .iter()
+            .filter_map(|(name, info)| Some((gate_layer(name)?, name, info.ggml_dtype)))
+            .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
+            .map(|(_, _, dtype)| dtype)
+    }
+
     fn info(&self, gguf_name: &str) -> Result<&candle_core::quantized::gguf_file::TensorInfo> {
         self.content
             .tensor_infos

@@ -114,6 +114,29 @@ fn q8_bundles_keep_the_models_perplexity() {
     );
 }
 
+/// `convert` without `--quant` keeps a GGUF file's width: Q4_0 tensors give a q4_0 file (not q8,
+/// twice the bytes), Q8_0 ones a q8_0 file; a Hugging Face folder of floats gives q8_0.
+#[test]
+fn converting_a_gguf_keeps_its_width_by_default() {
+    for (quant, stored) in [("q4", "q4_0"), ("q8", "q8_0")] {
+        let name = format!("export-width-{quant}");
+        let (dir, lsb) = converted(&name, &TinySpec::llama(), &["--quant", quant]);
+        if quant == "q8" {
+            let from_folder = scratch().join(format!("{name}-folder.lsb"));
+            convert(&dir, &from_folder, &[]);
+            assert_eq!(LsbFile::open(&from_folder).unwrap().meta.ffn_quant, "q8_0");
+        }
+        let gguf = exported(&lsb);
+        let again = scratch().join(format!("{name}-again.lsb"));
+        convert(&gguf, &again, &[]);
+        let meta = LsbFile::open(&again).unwrap().meta;
+        assert_eq!(
+            (meta.ffn_quant.as_str(), meta.dense_quant.as_str()),
+            (stored, stored)
+        );
+    }
+}
+
 #[test]
 fn a_relu_model_is_refused() {
     let spec = TinySpec {
