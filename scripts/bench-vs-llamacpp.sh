@@ -6,6 +6,10 @@
 # usage: scripts/bench-vs-llamacpp.sh [MODEL.gguf] [TOKENS=128] [ROUNDS=5] [THREADS="1 2"]
 # MODEL defaults to SmolLM2-135M-Instruct Q4_1 (scripts/fetch-smollm2.sh). llama.cpp comes from
 # PyPI's llama-cpp-python, whose install builds it (about 10 minutes here); installed if missing.
+# LEANSTREAM_MODEL=FILE.lsb runs leanstream on that converted file (everything resident: its
+# bundles, sparsity and all) instead of MODEL. LLAMACPP_DIR=DIR takes llama-cpp-python from DIR
+# (`pip install --target DIR` with other CMAKE_ARGS, e.g. an AVX2-only build to set beside
+# LEANSTREAM_KERNELS=avx2).
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -17,12 +21,17 @@ prompt="The capital of France is"
 
 # shellcheck source=lib/llamacpp.sh
 source "$root/scripts/lib/llamacpp.sh"
-install_llamacpp
+if [[ -n "${LLAMACPP_DIR:-}" ]]; then
+    export PYTHONPATH="$LLAMACPP_DIR${PYTHONPATH:+:$PYTHONPATH}"
+else
+    install_llamacpp
+fi
+ours_model="${LEANSTREAM_MODEL:-$model}"
 (cd "$root" && cargo build --release -q -p leanstream)
 leanstream="$root/target/release/leanstream"
 
 leanstream_rate() {
-    "$leanstream" run --model "$model" -p "$prompt" -n "$tokens" --temp 0 --threads "$1" \
+    "$leanstream" run --model "$ours_model" -p "$prompt" -n "$tokens" --temp 0 --threads "$1" \
         --ctx 512 --json 2>/dev/null |
         python3 -c 'import json, sys; print(json.load(sys.stdin)["tokens_per_s"])'
 }
@@ -38,7 +47,7 @@ for ((r = 1; r <= rounds; r++)); do
     done
 done
 
-echo "$(basename "$model"): $tokens tokens greedy, median of $rounds interleaved runs"
+echo "leanstream: $(basename "$ours_model") (kernels ${LEANSTREAM_KERNELS:-best}), llama.cpp: $(basename "$model"): $tokens tokens greedy, median of $rounds interleaved runs"
 printf '%-8s %16s %16s %8s\n' threads "leanstream tok/s" "llama.cpp tok/s" ratio
 for t in $threads; do
     ours="$(median < "$tmp/leanstream.$t")"
