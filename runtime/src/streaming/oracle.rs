@@ -15,7 +15,6 @@
 //! foresight of the reads alone gains. Either way its output is the `resident` policy's, bit for
 //! bit (the inactive neurons add nothing there either).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
@@ -31,8 +30,9 @@ const PREFETCH_TOP: u32 = u32::MAX - 1;
 
 pub(super) struct Oracle {
     trace: Arc<ActiveTrace>,
-    /// Steps (token × layers + layer) at which each cluster is used, ascending.
-    uses: HashMap<ClusterKey, Vec<u64>>,
+    /// Steps (token × layers + layer) at which each cluster is used, ascending, by layer and
+    /// cluster (looked up per active cluster and layer: an index, not a hash).
+    uses: Vec<Vec<Vec<u64>>>,
     /// The first step whose reads have not all been issued yet, and how many of its clusters
     /// have been (the prefetch cursor).
     scan: u64,
@@ -47,12 +47,15 @@ pub(super) struct Oracle {
 
 impl Oracle {
     pub fn new(trace: Arc<ActiveTrace>, exact_compute: bool) -> Self {
-        let mut uses: HashMap<ClusterKey, Vec<u64>> = HashMap::new();
+        let mut uses: Vec<Vec<Vec<u64>>> = vec![Vec::new(); trace.layers()];
         for i in 0..trace.len() {
-            for l in 0..trace.layers() {
+            for (l, layer) in uses.iter_mut().enumerate() {
                 let step = (i * trace.layers() + l) as u64;
                 for &c in trace.clusters(i, l) {
-                    uses.entry((l as u32, c)).or_default().push(step);
+                    if layer.len() <= c as usize {
+                        layer.resize(c as usize + 1, Vec::new());
+                    }
+                    layer[c as usize].push(step);
                 }
             }
         }
@@ -73,7 +76,7 @@ impl Oracle {
 
     /// The first use of `key` after step `after` (`None` for "before the first token").
     fn next_use(&self, key: ClusterKey, after: Option<u64>) -> Option<u64> {
-        let uses = self.uses.get(&key)?;
+        let uses = self.uses.get(key.0 as usize)?.get(key.1 as usize)?;
         let i = after.map_or(0, |a| uses.partition_point(|&s| s <= a));
         uses.get(i).copied()
     }
@@ -139,7 +142,13 @@ impl Schedule for Oracle {
         let mut order: Vec<(u64, ClusterKey)> = self
             .uses
             .iter()
-            .map(|(&key, uses)| (uses[0], key))
+            .enumerate()
+            .flat_map(|(l, layer)| {
+                layer
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(c, uses)| Some((*uses.first()?, (l as u32, c as u32))))
+            })
             .collect();
         order.sort_unstable();
         let capacity = core.cache.capacity();
