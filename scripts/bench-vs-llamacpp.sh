@@ -31,7 +31,7 @@ ours_model="${LEANSTREAM_MODEL:-$model}"
 leanstream="$root/target/release/leanstream"
 
 leanstream_rate() {
-    "$leanstream" run --model "$ours_model" -p "$prompt" -n "$tokens" --temp 0 --threads "$1" \
+    "$leanstream" run --model "$ours_model" -p "$prompt" -n "$tokens" --ignore-eos --temp 0 --threads "$1" \
         --ctx 512 --json 2>/dev/null |
         python3 -c 'import json, sys; print(json.load(sys.stdin)["tokens_per_s"])'
 }

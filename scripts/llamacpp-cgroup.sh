@@ -69,7 +69,7 @@ in_group() {
 }
 
 leanstream_rate() {
-    "$leanstream" run --model "$lsb" -p "$prompt" -n "$tokens" --temp 0 --threads "$threads" \
+    "$leanstream" run --model "$lsb" -p "$prompt" -n "$tokens" --ignore-eos --temp 0 --threads "$threads" \
         --ctx 512 --flash none --memory "$1" --json 2>"$tmp/leanstream.err" |
         python3 -c 'import json, sys; print("%.3g" % json.load(sys.stdin)["tokens_per_s"])'
 }

@@ -179,6 +179,10 @@ struct RunArgs {
     /// Send the prompt as one user message through the model's chat template.
     #[arg(long)]
     chat: bool,
+    /// Generate all `-n` tokens, past any end-of-sequence token (as llama.cpp's `--ignore-eos`):
+    /// timings then cover a fixed number of decode steps whatever the kernels' last bits choose.
+    #[arg(long)]
+    ignore_eos: bool,
     #[command(flatten)]
     sampling: leanstream::sampling_args::SamplingArgs,
 }
@@ -358,12 +362,15 @@ fn policy_choice(p: PolicyArg) -> PolicyChoice {
 fn run(args: RunArgs) -> Result<()> {
     let mut session = setup(&args.common, 2048)?;
     let ctx = session.ctx;
-    let (prompt, eos_token_ids) = if args.chat {
+    let (prompt, mut eos_token_ids) = if args.chat {
         leanstream::chat::single_turn(&session, &args.prompt)?
     } else {
         let prompt = session.tokenizer.encode(&args.prompt, true)?;
         (prompt, session.eos_token_ids.clone())
     };
+    if args.ignore_eos {
+        eos_token_ids.clear();
+    }
     let opts = GenerateOptions {
         max_tokens: args.n_tokens as usize,
         ctx,

@@ -18,7 +18,8 @@ install_llamacpp() {
     CMAKE_ARGS="$flags" pip install --quiet llama-cpp-python >&2
 }
 
-# Same measure as leanstream's tokens_per_s: decode steps after the first generated token.
+# Same measure as leanstream's tokens_per_s (with --ignore-eos): decode steps after the first
+# generated token, never stopping at an end-of-sequence token.
 # usage: llamacpp_rate MODEL.gguf PROMPT TOKENS THREADS
 llamacpp_rate() {
     python3 - "$@" <<'EOF'
