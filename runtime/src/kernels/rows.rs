@@ -6,7 +6,10 @@
 //! adds several rows at once (a cluster's active down columns): the same operations in the same
 //! order as `axpy` row after row, so the same bits, with each output block loaded and stored once
 //! for all the rows instead of once per row. An instruction set without its own `axpy_rows` runs
-//! its `axpy` row by row.
+//! its `axpy` row by row. `dots` takes up to [`DOT_ROWS`] rows against one input vector at once
+//! (a mat-vec's consecutive rows, a bundle's gate and up rows): each block of the input is loaded
+//! once for all of them and the rows' sums run side by side, each row with the operations, in the
+//! order, of its own `dot`, so the same bits.
 //!
 //! The environment variable `LEANSTREAM_KERNELS` forces one set by its name (`avx512`, `avx2`,
 //! `neon-dotprod`, `neon`, `portable`), so that every path can be run and compared on a CPU that
@@ -24,6 +27,8 @@ use super::portable;
 
 type FloatDot = fn(&[u8], &[f32]) -> f32;
 type BlockDot = fn(&[u8], &Q8Vec) -> f32;
+/// `out[j] = rows[j] · x` for 1 to [`DOT_ROWS`] rows (`out` as long as `rows`).
+type BlockDots = fn(&[&[u8]], &Q8Vec, &mut [f32]);
 type Axpy = fn(f32, &[u8], &mut [f32]);
 type AxpyRows = fn(&[f32], &[&[u8]], &mut [f32]);
 
@@ -37,6 +42,10 @@ pub struct RowKernels {
     pub(crate) dot_q8_0: BlockDot,
     pub(crate) dot_q4_0: BlockDot,
     pub(crate) dot_q4_1: BlockDot,
+    /// `dot` of up to [`DOT_ROWS`] rows at once, bitwise the `dot` of each.
+    pub(crate) dots_q8_0: BlockDots,
+    pub(crate) dots_q4_0: BlockDots,
+    pub(crate) dots_q4_1: BlockDots,
     pub(crate) axpy_f32: Axpy,
     pub(crate) axpy_f16: Axpy,
     pub(crate) axpy_bf16: Axpy,
@@ -48,6 +57,10 @@ pub struct RowKernels {
     pub(crate) axpy_rows_q4_0: Option<AxpyRows>,
     pub(crate) axpy_rows_q4_1: Option<AxpyRows>,
 }
+
+/// The most rows a kernel's `dots` takes at once; [`RowKernels::dots`] takes any number, this many
+/// at a time.
+pub const DOT_ROWS: usize = 4;
 
 /// The environment variable that forces a kernel set by name.
 pub const FORCE_ENV: &str = "LEANSTREAM_KERNELS";
@@ -79,6 +92,9 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     dot_q8_0: portable::dot_q8_0,
     dot_q4_0: portable::dot_q4_0,
     dot_q4_1: portable::dot_q4_1,
+    dots_q8_0: portable::dots_q8_0,
+    dots_q4_0: portable::dots_q4_0,
+    dots_q4_1: portable::dots_q4_1,
     axpy_f32: portable::axpy_f32,
     axpy_f16: portable::axpy_f16,
     axpy_bf16: portable::axpy_bf16,
@@ -155,6 +171,32 @@ impl RowKernels {
         }
     }
 
+    /// `out[j] = rows[j] · x` for rows of `x.x.len()` values encoded as `qtype`: bitwise
+    /// [`dot`](Self::dot) of each row, with the block types' input shared by [`DOT_ROWS`] rows
+    /// at a time.
+    #[inline]
+    pub fn dots(&self, qtype: QuantType, rows: &[&[u8]], x: &Operand, out: &mut [f32]) {
+        assert_eq!(rows.len(), out.len());
+        debug_assert!(rows
+            .iter()
+            .all(|r| Ok(r.len()) == row_bytes(qtype, x.x.len())));
+        let many = match qtype {
+            QuantType::Q8_0 => self.dots_q8_0,
+            QuantType::Q4_0 => self.dots_q4_0,
+            QuantType::Q4_1 => self.dots_q4_1,
+            _ => {
+                for (o, row) in out.iter_mut().zip(rows) {
+                    *o = self.dot(qtype, row, x);
+                }
+                return;
+            }
+        };
+        let q8 = x.q8();
+        for (rows, out) in rows.chunks(DOT_ROWS).zip(out.chunks_mut(DOT_ROWS)) {
+            many(rows, q8, out);
+        }
+    }
+
     /// `out += a · row` for a row of `out.len()` values encoded as `qtype`.
     #[inline]
     pub fn axpy(&self, qtype: QuantType, a: f32, row: &[u8], out: &mut [f32]) {
@@ -201,3 +243,36 @@ impl RowKernels {
         self.axpy(qtype, 1.0, row, out);
     }
 }
+
+/// Runs a kernel generic over its row count `R` (a `[&[u8]; R]` of rows in, `[f32; R]` out) on
+/// 1 to [`DOT_ROWS`] rows: `dots_by_count!(rows, out, |arr: R| kernel::<.., R>(arr, x))` binds
+/// `arr` to the rows as an array and `R` to their count, and writes the results to `out`.
+macro_rules! dots_by_count {
+    ($rows:expr, $out:expr, |$arr:ident : $r:ident| $call:expr) => {{
+        let (rows, out): (&[&[u8]], &mut [f32]) = ($rows, $out);
+        match rows.len().min(out.len()) {
+            0 => {}
+            1 => {
+                const $r: usize = 1;
+                let $arr: [&[u8]; $r] = [rows[0]];
+                out[..$r].copy_from_slice(&$call);
+            }
+            2 => {
+                const $r: usize = 2;
+                let $arr: [&[u8]; $r] = [rows[0], rows[1]];
+                out[..$r].copy_from_slice(&$call);
+            }
+            3 => {
+                const $r: usize = 3;
+                let $arr: [&[u8]; $r] = [rows[0], rows[1], rows[2]];
+                out[..$r].copy_from_slice(&$call);
+            }
+            _ => {
+                const $r: usize = 4;
+                let $arr: [&[u8]; $r] = [rows[0], rows[1], rows[2], rows[3]];
+                out[..$r].copy_from_slice(&$call);
+            }
+        }
+    }};
+}
+pub(super) use dots_by_count;
