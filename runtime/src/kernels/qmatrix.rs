@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::matrix::{gemm_inputs, gemm_t_blocked, Matrix};
 use super::operand::Operand;
-use super::rows::{RowKernels, DOT_ROWS};
+use super::rows::RowKernels;
 use crate::storage::AlignedBuf;
 
 /// Rows per rayon task in a mat-vec: enough work to amortize the task, few enough to balance.
@@ -68,15 +68,10 @@ impl std::fmt::Debug for Encoded {
 pub fn matvec_rows(k: &RowKernels, qtype: QuantType, data: &[u8], x: &Operand, out: &mut [f32]) {
     let row_bytes = data.len() / out.len().max(1);
     assert_eq!(data.len(), out.len() * row_bytes);
-    // `DOT_ROWS` consecutive rows at a time share the input's loads (bitwise each row's `dot`).
     let rows = |r0: usize, chunk: &mut [f32]| {
-        let mut views: [&[u8]; DOT_ROWS] = [&[]; DOT_ROWS];
-        for (c, o) in chunk.chunks_mut(DOT_ROWS).enumerate() {
-            let r = r0 + c * DOT_ROWS;
-            for (j, v) in views[..o.len()].iter_mut().enumerate() {
-                *v = &data[(r + j) * row_bytes..(r + j + 1) * row_bytes];
-            }
-            k.dots(qtype, &views[..o.len()], x, o);
+        for (i, o) in chunk.iter_mut().enumerate() {
+            let r = r0 + i;
+            *o = k.dot(qtype, &data[r * row_bytes..(r + 1) * row_bytes], x);
         }
     };
     if data.len() >= PARALLEL_MIN_BYTES && rayon::current_num_threads() > 1 {
