@@ -223,7 +223,7 @@ pub fn down_pass<'b>(
 /// pass skips every down column, the down pass every inactive neuron), and the hardware
 /// prefetcher, which follows sequential reads, misses the start of each.
 #[inline(always)]
-fn prefetch(bytes: &[u8]) {
+pub(super) fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     for offset in (0..bytes.len()).step_by(64) {
         // SAFETY: a prefetch is a hint that never faults; the address lies within `bytes`.
