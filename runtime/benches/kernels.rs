@@ -8,7 +8,7 @@
 //! - `matvec_hot/<isa>/<type>`: the same on a matrix that stays in L2 (the compute ceiling);
 //! - `dots/<isa>/<type>/<rows>x<cols>/{single,multi}`: a mat-vec that stays in L2 (SmolLM2's FFN
 //!   shape, 1536 × 576, and 256 × 4096) one row's `dot` at a time against
-//!   [`RowKernels::dots`], four rows sharing the input's loads (the same bits);
+//!   [`RowKernels::dots_by`] four rows sharing the input's loads (the same bits);
 //! - `bundles/<type>`: the sparse FFN over neuron bundles with 10 % of the neurons active;
 //! - `down/<type>/{per_neuron,blocked}`: the down projection of a tenth of the neurons (1100
 //!   columns of 4096), added one column at a time (`axpy`, the output read and written per
@@ -140,7 +140,7 @@ fn bench_dots(c: &mut Criterion) {
                 });
                 let single = out.clone();
                 g.bench_function(format!("{name}/multi"), |b| {
-                    b.iter(|| k.dots(qtype, &views, &operand, &mut out))
+                    b.iter(|| k.dots_by(qtype, &views, &operand, &mut out, 4))
                 });
                 let same = single
                     .iter()

@@ -11,7 +11,7 @@ use leanstream_format::quant::BLOCK_LEN;
 
 use super::operand::Q8Vec;
 use super::portable::{self, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
-use super::rows::{dots_by_count, RowKernels};
+use super::rows::{dots_by_count, RowKernels, DOT_ROWS};
 
 pub(super) fn detected() -> bool {
     is_x86_feature_detected!("avx2")
@@ -36,6 +36,7 @@ pub(super) unsafe fn kernels() -> RowKernels {
         dots_q8_0: |r, x, o| unsafe { dots_q8_0(r, x, o) },
         dots_q4_0: |r, x, o| unsafe { dots_q4::<false>(r, x, o) },
         dots_q4_1: |r, x, o| unsafe { dots_q4::<true>(r, x, o) },
+        dot_rows: DOT_ROWS,
         axpy_f32: |a, w, o| unsafe { axpy_float(a, w, o, Float::F32) },
         axpy_f16: |a, w, o| unsafe { axpy_float(a, w, o, Float::F16) },
         axpy_bf16: |a, w, o| unsafe { axpy_float(a, w, o, Float::Bf16) },
@@ -208,15 +209,11 @@ unsafe fn dots_q8_0_n<const R: usize>(rows: [&[u8]; R], x: &Q8Vec) -> [f32; R] {
         }
         b += 2;
     }
-    // A plain loop, not `array::from_fn`: its closure was not inlined (4 % of a profile).
-    let mut out = [0.0f32; R];
-    for (r, res) in out.iter_mut().enumerate() {
-        *res = hsum(_mm256_add_ps(acc[r][0], acc[r][1]))
-            + portable::block_dot(rows[r], x, b, Q8_0_BYTES, |blk, q, d, _| {
-                portable::block_q8_0(blk, q, d)
-            });
+    let mut heads = [0.0f32; R];
+    for (h, [a0, a1]) in heads.iter_mut().zip(acc) {
+        *h = hsum(_mm256_add_ps(a0, a1));
     }
-    out
+    portable::q8_0_tails(heads, rows, x, b)
 }
 
 /// A 4-bit block's 16 nibble bytes as 32 codes in element order.

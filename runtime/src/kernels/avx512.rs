@@ -39,6 +39,7 @@ pub(super) unsafe fn kernels() -> RowKernels {
         dots_q8_0: |r, x, o| unsafe { dots_q8_0(r, x, o) },
         dots_q4_0: |r, x, o| unsafe { dots_q4::<false>(r, x, o) },
         dots_q4_1: |r, x, o| unsafe { dots_q4::<true>(r, x, o) },
+        dot_rows: 1,
         axpy_f32: |a, w, o| unsafe { axpy_f32(a, w, o) },
         axpy_f16: |a, w, o| unsafe { axpy_f16(a, w, o) },
         axpy_bf16: |a, w, o| unsafe { axpy_bf16(a, w, o) },
@@ -258,8 +259,40 @@ unsafe fn q8_0_pair(blk: *const u8, xv: __m512i) -> __m512 {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+/// One row's `Q8_0` dot: the code of [`dots_q8_0_n`] for one row, kept as its own function
+/// (the 1-row instance of the generic one was slower in the token loop).
 unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
-    dots_q8_0_n::<1>([w], x)[0]
+    let nb = (w.len() / Q8_0_BYTES).min(x.scales.len());
+    let (wp, xq, xd) = (w.as_ptr(), x.quants.as_ptr(), x.scales.as_ptr());
+    let blk = |b: usize| wp.add(b * Q8_0_BYTES);
+    let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut b = 0;
+    // Groups of 4 blocks (136 bytes, of which the scales lie in the first 128).
+    while b + 4 <= nb {
+        let dw = gather_f16::<64>(blk(b), &Q8_0_D);
+        let s = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(0x0f, xd.add(b)));
+        let p0 = q8_0_pair(blk(b), x_at(xq, b));
+        let p1 = q8_0_pair(blk(b + 2), x_at(xq, b + 2));
+        acc0 = _mm512_fmadd_ps(p0, spread(s, 0), acc0);
+        acc1 = _mm512_fmadd_ps(p1, spread(s, 1), acc1);
+        b += 4;
+    }
+    if b + 2 <= nb {
+        let s = _mm_mul_ps(f16_pair(blk(b), Q8_0_BYTES), f32_pair(xd.add(b)));
+        let p0 = q8_0_pair(blk(b), x_at(xq, b));
+        acc0 = _mm512_fmadd_ps(p0, spread(_mm512_castps128_ps512(s), 0), acc0);
+        b += 2;
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
+        + portable::block_dot(w, x, b, Q8_0_BYTES, |blk, q, d, _| {
+            portable::block_q8_0(blk, q, d)
+        })
+}
+
+/// Block `b`'s and `b + 1`'s 64 activation quants.
+#[inline(always)]
+unsafe fn x_at(xq: *const i8, b: usize) -> __m512i {
+    _mm512_loadu_si512(xq.add(b * BLOCK_LEN) as *const _)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
@@ -306,15 +339,25 @@ unsafe fn dots_q8_0_n<const R: usize>(rows: [&[u8]; R], x: &Q8Vec) -> [f32; R] {
         }
         b += 2;
     }
-    // A plain loop, not `array::from_fn`: its closure was not inlined (4 % of a profile).
-    let mut out = [0.0f32; R];
-    for (r, res) in out.iter_mut().enumerate() {
-        *res = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]))
-            + portable::block_dot(rows[r], x, b, Q8_0_BYTES, |blk, q, d, _| {
-                portable::block_q8_0(blk, q, d)
-            });
+    let mut heads = [0.0f32; R];
+    for (h, (a0, a1)) in heads.iter_mut().zip(acc0.into_iter().zip(acc1)) {
+        *h = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
     }
-    out
+    portable::q8_0_tails(heads, rows, x, b)
+}
+
+/// The scales `d` (lanes 0..8) of the 8 blocks at `blk`, and what multiplies the activation sums:
+/// `d` again (`Q4_0`) or the minimums `m` (`Q4_1`, lanes 0..8).
+#[inline(always)]
+unsafe fn q4_group_scales<const WITH_MIN: bool>(blk: *const u8) -> (__m512, __m512) {
+    if WITH_MIN {
+        let dm = gather_f16::<{ 4 * Q4_1_BYTES }>(blk, &Q4_1_DM);
+        // m to lanes 0..8.
+        (dm, _mm512_shuffle_f32x4::<0b11_10_11_10>(dm, dm))
+    } else {
+        let d = gather_f16::<64>(blk, &Q4_0_D);
+        (d, d)
+    }
 }
 
 /// `Σ q_w·q_x` per lane of two 4-bit blocks (16 nibble bytes each at `n0`, `n1`) against 64
@@ -334,8 +377,62 @@ unsafe fn q4_pair(n0: *const u8, n1: *const u8, xv: __m512i) -> __m512 {
 /// `Q4_0` (`WITH_MIN` false: the offset −8 enters through the activation sums as `−8·d_w·d_x·Σ q_x`)
 /// or `Q4_1` (`m_w·d_x·Σ q_x`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+/// (One row: [`dots_q4_n`]'s operations for one row, kept as its own function: the 1-row
+/// instance of the generic one was slower in the token loop.)
 unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
-    dots_q4_n::<WITH_MIN, 1>([w], x)[0]
+    let (bytes, nib) = if WITH_MIN {
+        (Q4_1_BYTES, 4)
+    } else {
+        (Q4_0_BYTES, 2)
+    };
+    let nb = (w.len() / bytes).min(x.scales.len());
+    let (wp, xq, xd, xs) = (
+        w.as_ptr(),
+        x.quants.as_ptr(),
+        x.scales.as_ptr(),
+        x.sums.as_ptr(),
+    );
+    let blk = |b: usize| wp.add(b * bytes);
+    let pair = |b: usize| q4_pair(blk(b).add(nib), blk(b + 1).add(nib), x_at(xq, b));
+    let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    // Σ o·d_x·Σ q_x per block, o = d_w (Q4_0) or m_w (Q4_1).
+    let mut offsets = _mm512_setzero_ps();
+    let mut b = 0;
+    // Groups of 8 blocks.
+    const GROUP: usize = 8;
+    while b + GROUP <= nb {
+        // Exactly the group's lanes, zeros beyond.
+        let load = |p: *const f32| _mm512_maskz_loadu_ps(0xff, p);
+        let (dw, o) = q4_group_scales::<WITH_MIN>(blk(b));
+        let s = _mm512_mul_ps(dw, load(xd.add(b)));
+        offsets = _mm512_fmadd_ps(o, load(xs.add(b)), offsets);
+        acc0 = _mm512_fmadd_ps(pair(b), spread(s, 0), acc0);
+        acc1 = _mm512_fmadd_ps(pair(b + 2), spread(s, 1), acc1);
+        acc0 = _mm512_fmadd_ps(pair(b + 4), spread(s, 2), acc0);
+        acc1 = _mm512_fmadd_ps(pair(b + 6), spread(s, 3), acc1);
+        b += GROUP;
+    }
+    let mut offset = _mm512_reduce_add_ps(offsets);
+    while b + 2 <= nb {
+        let dw = f16_pair(blk(b), bytes);
+        let s = _mm_mul_ps(dw, f32_pair(xd.add(b)));
+        acc0 = _mm512_fmadd_ps(pair(b), spread(_mm512_castps128_ps512(s), 0), acc0);
+        let o = if WITH_MIN {
+            f16_pair(blk(b).add(2), bytes)
+        } else {
+            dw
+        };
+        let t = _mm_mul_ps(o, f32_pair(xs.add(b)));
+        offset += _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+        b += 2;
+    }
+    let head = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    let tail = if WITH_MIN {
+        portable::block_dot(w, x, b, bytes, portable::block_q4_1)
+    } else {
+        portable::block_dot(w, x, b, bytes, portable::block_q4_0)
+    };
+    head + if WITH_MIN { offset } else { -8.0 * offset } + tail
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
@@ -373,14 +470,7 @@ unsafe fn dots_q4_n<const WITH_MIN: bool, const R: usize>(rows: [&[u8]; R], x: &
         for r in 0..R {
             let blk = |b: usize| wp[r].add(b * bytes);
             let pair = |b: usize, xv: __m512i| q4_pair(blk(b).add(nib), blk(b + 1).add(nib), xv);
-            let (dw, o) = if WITH_MIN {
-                let dm = gather_f16::<{ 4 * Q4_1_BYTES }>(blk(b), &Q4_1_DM);
-                // m to lanes 0..8.
-                (dm, _mm512_shuffle_f32x4::<0b11_10_11_10>(dm, dm))
-            } else {
-                let d = gather_f16::<64>(blk(b), &Q4_0_D);
-                (d, d)
-            };
+            let (dw, o) = q4_group_scales::<WITH_MIN>(blk(b));
             let s = _mm512_mul_ps(dw, xdv);
             offsets[r] = _mm512_fmadd_ps(o, xsv, offsets[r]);
             acc0[r] = _mm512_fmadd_ps(pair(b, xvs[0]), spread(s, 0), acc0[r]);

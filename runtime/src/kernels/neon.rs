@@ -34,7 +34,7 @@ use leanstream_format::quant::BLOCK_LEN;
 
 use super::operand::Q8Vec;
 use super::portable::{self, f16_at, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
-use super::rows::{dots_by_count, RowKernels, PORTABLE};
+use super::rows::{dots_by_count, RowKernels, DOT_ROWS, PORTABLE};
 
 /// The plain NEON kernel table.
 pub(super) fn kernels() -> RowKernels {
@@ -47,6 +47,7 @@ pub(super) fn kernels() -> RowKernels {
         dots_q8_0: |r, x, o| unsafe { dots::<false>(Block::Q8_0, r, x, o) },
         dots_q4_0: |r, x, o| unsafe { dots::<false>(Block::Q4_0, r, x, o) },
         dots_q4_1: |r, x, o| unsafe { dots::<false>(Block::Q4_1, r, x, o) },
+        dot_rows: DOT_ROWS,
         ..PORTABLE
     }
 }

@@ -155,6 +155,22 @@ pub(super) fn block_dots<const R: usize>(
     sums
 }
 
+/// `heads[r]` (a SIMD kernel's sum of row `r`'s first `from` blocks) plus the row's `Q8_0` blocks
+/// from `from` on, as [`block_dot`] adds them. (Plain loops: `array::from_fn`'s closure was not
+/// inlined into the kernels, 4 % of a profile.)
+#[inline(always)]
+pub(super) fn q8_0_tails<const R: usize>(
+    mut heads: [f32; R],
+    rows: [&[u8]; R],
+    x: &Q8Vec,
+    from: usize,
+) -> [f32; R] {
+    for (h, w) in heads.iter_mut().zip(rows) {
+        *h += block_dot(w, x, from, Q8_0_BYTES, |blk, q, d, _| block_q8_0(blk, q, d));
+    }
+    heads
+}
+
 pub fn dots_q8_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
     dots_by_count!(rows, out, |r: R| block_dots::<R>(
         r,

@@ -49,6 +49,10 @@ pub struct RowKernels {
     pub(crate) dots_q8_0: BlockDots,
     pub(crate) dots_q4_0: BlockDots,
     pub(crate) dots_q4_1: BlockDots,
+    /// Rows [`RowKernels::dots`] gives these kernels at once: [`DOT_ROWS`], or 1 where sharing the
+    /// input was measured slower in the token loop (AVX-512: SmolLM2 q4 `resident` 8.7–8.9 against
+    /// 7.8–8.2 ms of CPU per token; AVX2 gained about 5 %).
+    pub(crate) dot_rows: usize,
     pub(crate) axpy_f32: Axpy,
     pub(crate) axpy_f16: Axpy,
     pub(crate) axpy_bf16: Axpy,
@@ -98,6 +102,7 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     dots_q8_0: portable::dots_q8_0,
     dots_q4_0: portable::dots_q4_0,
     dots_q4_1: portable::dots_q4_1,
+    dot_rows: DOT_ROWS,
     axpy_f32: portable::axpy_f32,
     axpy_f16: portable::axpy_f16,
     axpy_bf16: portable::axpy_bf16,
@@ -179,14 +184,29 @@ impl RowKernels {
     /// at a time.
     #[inline]
     pub fn dots(&self, qtype: QuantType, rows: &[&[u8]], x: &Operand, out: &mut [f32]) {
+        self.dots_by(qtype, rows, x, out, self.dot_rows)
+    }
+
+    /// [`dots`](Self::dots) with `at_once` rows (1 to [`DOT_ROWS`]) per call of the multi-row
+    /// kernel whatever this set's own choice (tests and benches compare them); 1 is each row's
+    /// `dot`.
+    #[inline]
+    pub fn dots_by(
+        &self,
+        qtype: QuantType,
+        rows: &[&[u8]],
+        x: &Operand,
+        out: &mut [f32],
+        at_once: usize,
+    ) {
         assert_eq!(rows.len(), out.len());
         debug_assert!(rows
             .iter()
             .all(|r| Ok(r.len()) == row_bytes(qtype, x.x.len())));
         let many = match qtype {
-            QuantType::Q8_0 => self.dots_q8_0,
-            QuantType::Q4_0 => self.dots_q4_0,
-            QuantType::Q4_1 => self.dots_q4_1,
+            QuantType::Q8_0 if at_once > 1 => self.dots_q8_0,
+            QuantType::Q4_0 if at_once > 1 => self.dots_q4_0,
+            QuantType::Q4_1 if at_once > 1 => self.dots_q4_1,
             _ => {
                 for (o, row) in out.iter_mut().zip(rows) {
                     *o = self.dot(qtype, row, x);
@@ -195,7 +215,8 @@ impl RowKernels {
             }
         };
         let q8 = x.q8();
-        for (rows, out) in rows.chunks(DOT_ROWS).zip(out.chunks_mut(DOT_ROWS)) {
+        let at_once = at_once.min(DOT_ROWS);
+        for (rows, out) in rows.chunks(at_once).zip(out.chunks_mut(at_once)) {
             many(rows, q8, out);
         }
     }

@@ -286,14 +286,22 @@ fn dots_are_dot_row_by_row_bit_for_bit() {
                     }
                     let x = Operand::new(&xs, qtype);
                     let want: Vec<f32> = views.iter().map(|r| k.dot(qtype, r, &x)).collect();
-                    let mut got = vec![f32::NAN; count];
-                    k.dots(qtype, &views, &x, &mut got);
-                    assert_eq!(
-                        bits(&got),
-                        bits(&want),
-                        "seed {seed}: {} {qtype} n={n} rows={count}: {got:?} vs {want:?}",
-                        k.isa
-                    );
+                    // The set's own choice of rows at once, and every other.
+                    for at_once in [0, 1, 2, 3, 4] {
+                        let mut got = vec![f32::NAN; count];
+                        if at_once == 0 {
+                            k.dots(qtype, &views, &x, &mut got);
+                        } else {
+                            k.dots_by(qtype, &views, &x, &mut got, at_once);
+                        }
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "seed {seed}: {} {qtype} n={n} rows={count} at once {at_once}: \
+                             {got:?} vs {want:?}",
+                            k.isa
+                        );
+                    }
                     let data: Vec<u8> = rows.concat();
                     let mut mv = vec![f32::NAN; count];
                     super::matvec_rows(&k, qtype, &data, &x, &mut mv);
