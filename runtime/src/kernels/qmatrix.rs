@@ -71,8 +71,16 @@ impl std::fmt::Debug for Encoded {
 pub fn matvec_rows(k: &RowKernels, qtype: QuantType, data: &[u8], x: &Operand, out: &mut [f32]) {
     let row_bytes = data.len() / out.len().max(1);
     assert_eq!(data.len(), out.len() * row_bytes);
-    // `DOT_ROWS` consecutive rows at a time share the input's loads (bitwise each row's `dot`).
+    // `DOT_ROWS` consecutive rows at a time share the input's loads (bitwise each row's `dot`);
+    // kernels that take one row at a time keep the plain loop (the prefetches cost them).
     let rows = |r0: usize, chunk: &mut [f32]| {
+        if k.dot_rows() == 1 {
+            for (i, o) in chunk.iter_mut().enumerate() {
+                let r = r0 + i;
+                *o = k.dot(qtype, &data[r * row_bytes..(r + 1) * row_bytes], x);
+            }
+            return;
+        }
         let mut views: [&[u8]; DOT_ROWS] = [&[]; DOT_ROWS];
         for (c, o) in chunk.chunks_mut(DOT_ROWS).enumerate() {
             let r = r0 + c * DOT_ROWS;

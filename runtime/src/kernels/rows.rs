@@ -221,6 +221,12 @@ impl RowKernels {
         }
     }
 
+    /// How many rows [`dots`](Self::dots) takes at once (1: one `dot` per row, and the callers keep
+    /// their one-row loops).
+    pub fn dot_rows(&self) -> usize {
+        self.dot_rows
+    }
+
     /// `out += a · row` for a row of `out.len()` values encoded as `qtype`.
     #[inline]
     pub fn axpy(&self, qtype: QuantType, a: f32, row: &[u8], out: &mut [f32]) {
