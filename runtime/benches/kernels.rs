@@ -6,6 +6,9 @@
 //! - `read`: summing a buffer as large as the working set — the bandwidth the others are held to;
 //! - `matvec/<isa>/<type>/t<threads>`: batch-1 mat-vec of every encoding and instruction set;
 //! - `matvec_hot/<isa>/<type>`: the same on a matrix that stays in L2 (the compute ceiling);
+//! - `dots/<isa>/<type>/<rows>x<cols>/{single,multi}`: a mat-vec that stays in L2 (SmolLM2's FFN
+//!   shape, 1536 × 576, and 256 × 4096) one row's `dot` at a time against
+//!   [`RowKernels::dots_by`] four rows sharing the input's loads (the same bits);
 //! - `bundles/<type>`: the sparse FFN over neuron bundles with 10 % of the neurons active;
 //! - `down/<type>/{per_neuron,blocked}`: the down projection of a tenth of the neurons (1100
 //!   columns of 4096), added one column at a time (`axpy`, the output read and written per
@@ -108,6 +111,43 @@ fn bench_matvec_hot(c: &mut Criterion, x: &[f32]) {
             g.bench_function(format!("{}/{qtype}", k.isa), |b| {
                 b.iter(|| pool.install(|| q.matvec_with(&k, &operand, &mut out)))
             });
+        }
+    }
+    g.finish();
+}
+
+/// One row's `dot` at a time against four rows' `dots`, on matrices that stay in L2.
+fn bench_dots(c: &mut Criterion) {
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut g = c.benchmark_group("dots");
+    for (rows, cols) in [(1536, 576), (256, 4096)] {
+        let m = Matrix::new(rows, cols, random(rows * cols, &mut rng));
+        let x = random(cols, &mut rng);
+        let mut out = vec![0.0f32; rows];
+        for qtype in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
+            let q = QMatrix::quantize(&m, qtype).expect("a whole number of blocks");
+            g.throughput(Throughput::BytesDecimal(q.bytes() as u64));
+            let operand = Operand::new(&x, qtype);
+            let views: Vec<&[u8]> = (0..rows).map(|r| q.row(r)).collect();
+            for k in RowKernels::available() {
+                let name = format!("{}/{qtype}/{rows}x{cols}", k.isa);
+                g.bench_function(format!("{name}/single"), |b| {
+                    b.iter(|| {
+                        for (o, row) in out.iter_mut().zip(&views) {
+                            *o = k.dot(qtype, row, &operand);
+                        }
+                    })
+                });
+                let single = out.clone();
+                g.bench_function(format!("{name}/multi"), |b| {
+                    b.iter(|| k.dots_by(qtype, &views, &operand, &mut out, 4))
+                });
+                let same = single
+                    .iter()
+                    .zip(&out)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{name}: dots differ from dot");
+            }
         }
     }
     g.finish();
@@ -376,6 +416,7 @@ fn main() {
     bench_read(&mut c);
     bench_matvec(&mut c, &m, &x);
     bench_matvec_hot(&mut c, &x);
+    bench_dots(&mut c);
     bench_bundles(&mut c, &m, &x);
     bench_down(&mut c, &m);
     bench_matmul(&mut c);

@@ -11,7 +11,7 @@ use leanstream_format::quant::BLOCK_LEN;
 
 use super::operand::Q8Vec;
 use super::portable::{self, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
-use super::rows::RowKernels;
+use super::rows::{dots_by_count, RowKernels, DOT_ROWS};
 
 pub(super) fn detected() -> bool {
     is_x86_feature_detected!("avx2")
@@ -33,6 +33,10 @@ pub(super) unsafe fn kernels() -> RowKernels {
         dot_q8_0: |w, x| unsafe { dot_q8_0(w, x) },
         dot_q4_0: |w, x| unsafe { dot_q4::<false>(w, x) },
         dot_q4_1: |w, x| unsafe { dot_q4::<true>(w, x) },
+        dots_q8_0: |r, x, o| unsafe { dots_q8_0(r, x, o) },
+        dots_q4_0: |r, x, o| unsafe { dots_q4::<false>(r, x, o) },
+        dots_q4_1: |r, x, o| unsafe { dots_q4::<true>(r, x, o) },
+        dot_rows: DOT_ROWS,
         axpy_f32: |a, w, o| unsafe { axpy_float(a, w, o, Float::F32) },
         axpy_f16: |a, w, o| unsafe { axpy_float(a, w, o, Float::F16) },
         axpy_bf16: |a, w, o| unsafe { axpy_float(a, w, o, Float::Bf16) },
@@ -153,11 +157,10 @@ unsafe fn widen(p16: __m256i) -> __m256 {
     _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
 }
 
-/// One `Q8_0` block against 32 activation quants: per-lane sums as f32.
+/// One `Q8_0` block against 32 activation quants `xv`: per-lane sums as f32.
 #[inline(always)]
-unsafe fn q8_0_block(blk: *const u8, xq: *const i8) -> __m256 {
+unsafe fn q8_0_block(blk: *const u8, xv: __m256i) -> __m256 {
     let wv = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-    let xv = _mm256_loadu_si256(xq as *const __m256i);
     // vpmaddubsw multiplies unsigned by signed bytes: |w| and x with w's sign.
     widen(_mm256_maddubs_epi16(
         _mm256_sign_epi8(wv, wv),
@@ -165,24 +168,52 @@ unsafe fn q8_0_block(blk: *const u8, xq: *const i8) -> __m256 {
     ))
 }
 
+/// Block `b`'s 32 activation quants.
+#[inline(always)]
+unsafe fn x_block(x: &Q8Vec, b: usize) -> __m256i {
+    _mm256_loadu_si256(x.quants.as_ptr().add(b * BLOCK_LEN) as *const __m256i)
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
-    let nb = (w.len() / Q8_0_BYTES).min(x.scales.len());
-    let (wp, xq) = (w.as_ptr(), x.quants.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 2];
+    dots_q8_0_n::<1>([w], x)[0]
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_q8_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| dots_q8_0_n::<R>(r, x))
+}
+
+/// `R` rows' [`dot_q8_0`], each with one row's operations in its order (the same bits), each
+/// activation block loaded once for all of them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // `k` picks the accumulator of each row
+unsafe fn dots_q8_0_n<const R: usize>(rows: [&[u8]; R], x: &Q8Vec) -> [f32; R] {
+    let nb = rows
+        .iter()
+        .fold(x.scales.len().min(x.quants.len() / BLOCK_LEN), |n, w| {
+            n.min(w.len() / Q8_0_BYTES)
+        });
+    let wp = rows.map(|w| w.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
     let mut b = 0;
     while b + 2 <= nb {
-        for (k, a) in acc.iter_mut().enumerate() {
-            let blk = wp.add((b + k) * Q8_0_BYTES);
-            let scale = _mm256_set1_ps(f16_load(blk) * x.scales[b + k]);
-            *a = _mm256_fmadd_ps(q8_0_block(blk, xq.add((b + k) * BLOCK_LEN)), scale, *a);
+        for k in 0..2 {
+            let (xv, xd) = (x_block(x, b + k), x.scales[b + k]);
+            for r in 0..R {
+                let blk = wp[r].add((b + k) * Q8_0_BYTES);
+                let scale = _mm256_set1_ps(f16_load(blk) * xd);
+                acc[r][k] = _mm256_fmadd_ps(q8_0_block(blk, xv), scale, acc[r][k]);
+            }
         }
         b += 2;
     }
-    hsum(_mm256_add_ps(acc[0], acc[1]))
-        + portable::block_dot(w, x, b, Q8_0_BYTES, |blk, q, d, _| {
-            portable::block_q8_0(blk, q, d)
-        })
+    let mut heads = [0.0f32; R];
+    for (h, [a0, a1]) in heads.iter_mut().zip(acc) {
+        *h = hsum(_mm256_add_ps(a0, a1));
+    }
+    portable::q8_0_tails(heads, rows, x, b)
 }
 
 /// A 4-bit block's 16 nibble bytes as 32 codes in element order.
@@ -201,49 +232,71 @@ unsafe fn unpack(nibbles: *const u8) -> __m256i {
 /// per block, in two scalar sums so that neither waits on the other).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
+    dots_q4_n::<WITH_MIN, 1>([w], x)[0]
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_q4<const WITH_MIN: bool>(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| dots_q4_n::<WITH_MIN, R>(r, x))
+}
+
+/// `R` rows' [`dot_q4`], each with one row's operations in its order (the same bits), each
+/// activation block (and `Q4_0`'s `8·Σ q_x` products) loaded and formed once for all of them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // `k` picks the accumulator of each row
+unsafe fn dots_q4_n<const WITH_MIN: bool, const R: usize>(rows: [&[u8]; R], x: &Q8Vec) -> [f32; R] {
     let (bytes, nib) = if WITH_MIN {
         (Q4_1_BYTES, 4)
     } else {
         (Q4_0_BYTES, 2)
     };
-    let nb = (w.len() / bytes)
-        .min(x.scales.len())
-        .min(x.sums.len())
-        .min(x.quants.len() / BLOCK_LEN);
-    let (wp, xq, xd, xs) = (
-        w.as_ptr(),
-        x.quants.as_ptr(),
-        x.scales.as_ptr(),
-        x.sums.as_ptr(),
+    let nb = rows.iter().fold(
+        x.scales
+            .len()
+            .min(x.sums.len())
+            .min(x.quants.len() / BLOCK_LEN),
+        |n, w| n.min(w.len() / bytes),
     );
+    let (xd, xs) = (x.scales.as_ptr(), x.sums.as_ptr());
+    let wp = rows.map(|w| w.as_ptr());
     let eights = _mm256_set1_epi8(8);
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let mut offsets = [0.0f32; 2];
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let mut offsets = [[0.0f32; 2]; R];
     let mut b = 0;
     while b + 2 <= nb {
-        for (k, (a, o)) in acc.iter_mut().zip(&mut offsets).enumerate() {
-            let blk = wp.add((b + k) * bytes);
-            let xv = _mm256_loadu_si256(xq.add((b + k) * BLOCK_LEN) as *const __m256i);
-            let mut p16 = _mm256_maddubs_epi16(unpack(blk.add(nib)), xv);
-            if !WITH_MIN {
-                // |Σ pairs| ≤ 2·15·128 and 2·8·128: the difference fits 16 bits.
-                p16 = _mm256_sub_epi16(p16, _mm256_maddubs_epi16(eights, xv));
-            }
-            let d = f16_load(blk) * *xd.add(b + k);
-            *a = _mm256_fmadd_ps(widen(p16), _mm256_set1_ps(d), *a);
-            if WITH_MIN {
-                *o += f16_load(blk.add(2)) * *xs.add(b + k);
+        for k in 0..2 {
+            let xv = x_block(x, b + k);
+            // |Σ pairs| ≤ 2·15·128 and 2·8·128: the difference fits 16 bits.
+            let x8 = _mm256_maddubs_epi16(eights, xv);
+            let (xd, xs) = (*xd.add(b + k), *xs.add(b + k));
+            for r in 0..R {
+                let blk = wp[r].add((b + k) * bytes);
+                let mut p16 = _mm256_maddubs_epi16(unpack(blk.add(nib)), xv);
+                if !WITH_MIN {
+                    p16 = _mm256_sub_epi16(p16, x8);
+                }
+                let d = f16_load(blk) * xd;
+                acc[r][k] = _mm256_fmadd_ps(widen(p16), _mm256_set1_ps(d), acc[r][k]);
+                if WITH_MIN {
+                    offsets[r][k] += f16_load(blk.add(2)) * xs;
+                }
             }
         }
         b += 2;
     }
-    let head = hsum(_mm256_add_ps(acc[0], acc[1]));
-    let tail = if WITH_MIN {
-        portable::block_dot(w, x, b, bytes, portable::block_q4_1)
-    } else {
-        portable::block_dot(w, x, b, bytes, portable::block_q4_0)
-    };
-    head + (offsets[0] + offsets[1]) + tail
+    // A plain loop, not `array::from_fn`: its closure was not inlined (4 % of a profile).
+    let mut out = [0.0f32; R];
+    for (r, res) in out.iter_mut().enumerate() {
+        let head = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+        let tail = if WITH_MIN {
+            portable::block_dot(rows[r], x, b, bytes, portable::block_q4_1)
+        } else {
+            portable::block_dot(rows[r], x, b, bytes, portable::block_q4_0)
+        };
+        *res = head + (offsets[r][0] + offsets[r][1]) + tail;
+    }
+    out
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -11,7 +11,7 @@ use leanstream_format::quant::BLOCK_LEN;
 
 use super::operand::Q8Vec;
 use super::portable::{self, f16_at, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
-use super::rows::RowKernels;
+use super::rows::{dots_by_count, RowKernels};
 
 pub(super) fn detected() -> bool {
     is_x86_feature_detected!("avx512f")
@@ -36,6 +36,10 @@ pub(super) unsafe fn kernels() -> RowKernels {
         dot_q8_0: |w, x| unsafe { dot_q8_0(w, x) },
         dot_q4_0: |w, x| unsafe { dot_q4::<false>(w, x) },
         dot_q4_1: |w, x| unsafe { dot_q4::<true>(w, x) },
+        dots_q8_0: |r, x, o| unsafe { dots_q8_0(r, x, o) },
+        dots_q4_0: |r, x, o| unsafe { dots_q4::<false>(r, x, o) },
+        dots_q4_1: |r, x, o| unsafe { dots_q4::<true>(r, x, o) },
+        dot_rows: 1,
         axpy_f32: |a, w, o| unsafe { axpy_f32(a, w, o) },
         axpy_f16: |a, w, o| unsafe { axpy_f16(a, w, o) },
         axpy_bf16: |a, w, o| unsafe { axpy_bf16(a, w, o) },
@@ -212,11 +216,12 @@ unsafe fn gather_f16<const HI: usize>(p: *const u8, words: &[i16; 32]) -> __m512
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn permute_words<const HI: usize>(p: *const u8, idx: __m512i) -> __m512i {
     let mut r = idx;
+    let _t: __m512i;
     std::arch::asm!(
         "vmovdqu64 {t}, zmmword ptr [{p}]",
         "vpermi2w {r}, {t}, zmmword ptr [{p} + {hi}]",
         r = inout(zmm_reg) r,
-        t = out(zmm_reg) _,
+        t = out(zmm_reg) _t,
         p = in(reg) p,
         hi = const HI,
         options(pure, readonly, nostack, preserves_flags),
@@ -241,13 +246,12 @@ const fn words(w: &[i16]) -> [i16; 32] {
     out
 }
 
-/// `Σ q_w·q_x` per lane of two `Q8_0` blocks at `blk` against 64 activation quants, as f32.
+/// `Σ q_w·q_x` per lane of two `Q8_0` blocks at `blk` against 64 activation quants `xv`, as f32.
 #[inline(always)]
-unsafe fn q8_0_pair(blk: *const u8, xq: *const i8) -> __m512 {
+unsafe fn q8_0_pair(blk: *const u8, xv: __m512i) -> __m512 {
     let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
     let w1 = _mm256_loadu_si256(blk.add(Q8_0_BYTES + 2) as *const __m256i);
     let wv = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1);
-    let xv = _mm512_loadu_si512(xq as *const _);
     // vpdpbusd multiplies unsigned by signed bytes: move w's sign onto x.
     let zero = _mm512_setzero_si512();
     let sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);
@@ -255,6 +259,8 @@ unsafe fn q8_0_pair(blk: *const u8, xq: *const i8) -> __m512 {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+/// One row's `Q8_0` dot: the code of [`dots_q8_0_n`] for one row, kept as its own function
+/// (the 1-row instance of the generic one was slower in the token loop).
 unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
     let nb = (w.len() / Q8_0_BYTES).min(x.scales.len());
     let (wp, xq, xd) = (w.as_ptr(), x.quants.as_ptr(), x.scales.as_ptr());
@@ -265,15 +271,15 @@ unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
     while b + 4 <= nb {
         let dw = gather_f16::<64>(blk(b), &Q8_0_D);
         let s = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(0x0f, xd.add(b)));
-        let p0 = q8_0_pair(blk(b), xq.add(b * BLOCK_LEN));
-        let p1 = q8_0_pair(blk(b + 2), xq.add((b + 2) * BLOCK_LEN));
+        let p0 = q8_0_pair(blk(b), x_at(xq, b));
+        let p1 = q8_0_pair(blk(b + 2), x_at(xq, b + 2));
         acc0 = _mm512_fmadd_ps(p0, spread(s, 0), acc0);
         acc1 = _mm512_fmadd_ps(p1, spread(s, 1), acc1);
         b += 4;
     }
     if b + 2 <= nb {
         let s = _mm_mul_ps(f16_pair(blk(b), Q8_0_BYTES), f32_pair(xd.add(b)));
-        let p0 = q8_0_pair(blk(b), xq.add(b * BLOCK_LEN));
+        let p0 = q8_0_pair(blk(b), x_at(xq, b));
         acc0 = _mm512_fmadd_ps(p0, spread(_mm512_castps128_ps512(s), 0), acc0);
         b += 2;
     }
@@ -283,10 +289,81 @@ unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
         })
 }
 
-/// `Σ q_w·q_x` per lane of two 4-bit blocks (16 nibble bytes each at `n0`, `n1`) against 64
-/// activation quants, as f32.
+/// Block `b`'s and `b + 1`'s 64 activation quants.
 #[inline(always)]
-unsafe fn q4_pair(n0: *const u8, n1: *const u8, xq: *const i8) -> __m512 {
+unsafe fn x_at(xq: *const i8, b: usize) -> __m512i {
+    _mm512_loadu_si512(xq.add(b * BLOCK_LEN) as *const _)
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn dots_q8_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| dots_q8_0_n::<R>(r, x))
+}
+
+/// `R` rows' `Q8_0` dots, each with [`dot_q8_0`]'s operations in its order (the same bits), the
+/// activation quants and scales loaded once for all of them.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn dots_q8_0_n<const R: usize>(rows: [&[u8]; R], x: &Q8Vec) -> [f32; R] {
+    let nb = rows
+        .iter()
+        .fold(x.scales.len(), |n, w| n.min(w.len() / Q8_0_BYTES));
+    let (xq, xd) = (x.quants.as_ptr(), x.scales.as_ptr());
+    let wp = rows.map(|w| w.as_ptr());
+    let (mut acc0, mut acc1) = ([_mm512_setzero_ps(); R], [_mm512_setzero_ps(); R]);
+    let mut b = 0;
+    // Groups of 4 blocks (136 bytes, of which the scales lie in the first 128).
+    while b + 4 <= nb {
+        let xdv = _mm512_maskz_loadu_ps(0x0f, xd.add(b));
+        let xv0 = _mm512_loadu_si512(xq.add(b * BLOCK_LEN) as *const _);
+        let xv1 = _mm512_loadu_si512(xq.add((b + 2) * BLOCK_LEN) as *const _);
+        for r in 0..R {
+            let blk = |b: usize| wp[r].add(b * Q8_0_BYTES);
+            let dw = gather_f16::<64>(blk(b), &Q8_0_D);
+            let s = _mm512_mul_ps(dw, xdv);
+            let p0 = q8_0_pair(blk(b), xv0);
+            let p1 = q8_0_pair(blk(b + 2), xv1);
+            acc0[r] = _mm512_fmadd_ps(p0, spread(s, 0), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(p1, spread(s, 1), acc1[r]);
+        }
+        b += 4;
+    }
+    if b + 2 <= nb {
+        let xdv = f32_pair(xd.add(b));
+        let xv0 = _mm512_loadu_si512(xq.add(b * BLOCK_LEN) as *const _);
+        for r in 0..R {
+            let blk = wp[r].add(b * Q8_0_BYTES);
+            let s = _mm_mul_ps(f16_pair(blk, Q8_0_BYTES), xdv);
+            let p0 = q8_0_pair(blk, xv0);
+            acc0[r] = _mm512_fmadd_ps(p0, spread(_mm512_castps128_ps512(s), 0), acc0[r]);
+        }
+        b += 2;
+    }
+    let mut heads = [0.0f32; R];
+    for (h, (a0, a1)) in heads.iter_mut().zip(acc0.into_iter().zip(acc1)) {
+        *h = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+    portable::q8_0_tails(heads, rows, x, b)
+}
+
+/// The scales `d` (lanes 0..8) of the 8 blocks at `blk`, and what multiplies the activation sums:
+/// `d` again (`Q4_0`) or the minimums `m` (`Q4_1`, lanes 0..8).
+#[inline(always)]
+unsafe fn q4_group_scales<const WITH_MIN: bool>(blk: *const u8) -> (__m512, __m512) {
+    if WITH_MIN {
+        let dm = gather_f16::<{ 4 * Q4_1_BYTES }>(blk, &Q4_1_DM);
+        // m to lanes 0..8.
+        (dm, _mm512_shuffle_f32x4::<0b11_10_11_10>(dm, dm))
+    } else {
+        let d = gather_f16::<64>(blk, &Q4_0_D);
+        (d, d)
+    }
+}
+
+/// `Σ q_w·q_x` per lane of two 4-bit blocks (16 nibble bytes each at `n0`, `n1`) against 64
+/// activation quants `xv`, as f32.
+#[inline(always)]
+unsafe fn q4_pair(n0: *const u8, n1: *const u8, xv: __m512i) -> __m512 {
     // Each block's 16 bytes twice; shifting the second copy right by 4 (64-bit lanes 2, 3, 6, 7)
     // and masking gives the codes in element order (low nibbles: 0..15, high: 16..31).
     let a = _mm256_broadcastsi128_si256(_mm_loadu_si128(n0 as *const __m128i));
@@ -294,13 +371,14 @@ unsafe fn q4_pair(n0: *const u8, n1: *const u8, xq: *const i8) -> __m512 {
     let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
     let shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
     let wv = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), _mm512_set1_epi8(0x0f));
-    let xv = _mm512_loadu_si512(xq as *const _);
     _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv))
 }
 
 /// `Q4_0` (`WITH_MIN` false: the offset −8 enters through the activation sums as `−8·d_w·d_x·Σ q_x`)
 /// or `Q4_1` (`m_w·d_x·Σ q_x`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+/// (One row: [`dots_q4_n`]'s operations for one row, kept as its own function: the 1-row
+/// instance of the generic one was slower in the token loop.)
 unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
     let (bytes, nib) = if WITH_MIN {
         (Q4_1_BYTES, 4)
@@ -315,7 +393,7 @@ unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
         x.sums.as_ptr(),
     );
     let blk = |b: usize| wp.add(b * bytes);
-    let pair = |b: usize| q4_pair(blk(b).add(nib), blk(b + 1).add(nib), xq.add(b * BLOCK_LEN));
+    let pair = |b: usize| q4_pair(blk(b).add(nib), blk(b + 1).add(nib), x_at(xq, b));
     let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     // Σ o·d_x·Σ q_x per block, o = d_w (Q4_0) or m_w (Q4_1).
     let mut offsets = _mm512_setzero_ps();
@@ -325,14 +403,7 @@ unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
     while b + GROUP <= nb {
         // Exactly the group's lanes, zeros beyond.
         let load = |p: *const f32| _mm512_maskz_loadu_ps(0xff, p);
-        let (dw, o) = if WITH_MIN {
-            let dm = gather_f16::<{ 4 * Q4_1_BYTES }>(blk(b), &Q4_1_DM);
-            // m to lanes 0..8.
-            (dm, _mm512_shuffle_f32x4::<0b11_10_11_10>(dm, dm))
-        } else {
-            let d = gather_f16::<64>(blk(b), &Q4_0_D);
-            (d, d)
-        };
+        let (dw, o) = q4_group_scales::<WITH_MIN>(blk(b));
         let s = _mm512_mul_ps(dw, load(xd.add(b)));
         offsets = _mm512_fmadd_ps(o, load(xs.add(b)), offsets);
         acc0 = _mm512_fmadd_ps(pair(b), spread(s, 0), acc0);
@@ -362,6 +433,92 @@ unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
         portable::block_dot(w, x, b, bytes, portable::block_q4_0)
     };
     head + if WITH_MIN { offset } else { -8.0 * offset } + tail
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn dots_q4<const WITH_MIN: bool>(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| dots_q4_n::<WITH_MIN, R>(r, x))
+}
+
+/// `R` rows' [`dot_q4`], each with the operations of one row's in its order (the same bits), the
+/// activation quants, scales and sums loaded once for all of them.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn dots_q4_n<const WITH_MIN: bool, const R: usize>(rows: [&[u8]; R], x: &Q8Vec) -> [f32; R] {
+    let (bytes, nib) = if WITH_MIN {
+        (Q4_1_BYTES, 4)
+    } else {
+        (Q4_0_BYTES, 2)
+    };
+    let nb = rows
+        .iter()
+        .fold(x.scales.len(), |n, w| n.min(w.len() / bytes));
+    let (xq, xd, xs) = (x.quants.as_ptr(), x.scales.as_ptr(), x.sums.as_ptr());
+    let wp = rows.map(|w| w.as_ptr());
+    let xv = |b: usize| _mm512_loadu_si512(xq.add(b * BLOCK_LEN) as *const _);
+    let (mut acc0, mut acc1) = ([_mm512_setzero_ps(); R], [_mm512_setzero_ps(); R]);
+    // Σ o·d_x·Σ q_x per block, o = d_w (Q4_0) or m_w (Q4_1).
+    let mut offsets = [_mm512_setzero_ps(); R];
+    let mut b = 0;
+    // Groups of 8 blocks.
+    const GROUP: usize = 8;
+    while b + GROUP <= nb {
+        // Exactly the group's lanes, zeros beyond.
+        let load = |p: *const f32| _mm512_maskz_loadu_ps(0xff, p);
+        let (xdv, xsv) = (load(xd.add(b)), load(xs.add(b)));
+        let xvs = [xv(b), xv(b + 2), xv(b + 4), xv(b + 6)];
+        for r in 0..R {
+            let blk = |b: usize| wp[r].add(b * bytes);
+            let pair = |b: usize, xv: __m512i| q4_pair(blk(b).add(nib), blk(b + 1).add(nib), xv);
+            let (dw, o) = q4_group_scales::<WITH_MIN>(blk(b));
+            let s = _mm512_mul_ps(dw, xdv);
+            offsets[r] = _mm512_fmadd_ps(o, xsv, offsets[r]);
+            acc0[r] = _mm512_fmadd_ps(pair(b, xvs[0]), spread(s, 0), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(pair(b + 2, xvs[1]), spread(s, 1), acc1[r]);
+            acc0[r] = _mm512_fmadd_ps(pair(b + 4, xvs[2]), spread(s, 2), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(pair(b + 6, xvs[3]), spread(s, 3), acc1[r]);
+        }
+        b += GROUP;
+    }
+    let mut offset = [0.0f32; R];
+    for (o, v) in offset.iter_mut().zip(offsets) {
+        *o = _mm512_reduce_add_ps(v);
+    }
+    while b + 2 <= nb {
+        let (xdv, xsv, xv) = (f32_pair(xd.add(b)), f32_pair(xs.add(b)), xv(b));
+        for r in 0..R {
+            let blk = wp[r].add(b * bytes);
+            let dw = f16_pair(blk, bytes);
+            let s = _mm_mul_ps(dw, xdv);
+            let p = q4_pair(blk.add(nib), blk.add(bytes + nib), xv);
+            acc0[r] = _mm512_fmadd_ps(p, spread(_mm512_castps128_ps512(s), 0), acc0[r]);
+            let o = if WITH_MIN {
+                f16_pair(blk.add(2), bytes)
+            } else {
+                dw
+            };
+            let t = _mm_mul_ps(o, xsv);
+            offset[r] += _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+        }
+        b += 2;
+    }
+    // A plain loop, not `array::from_fn`: its closure was not inlined (4 % of a profile).
+    let mut out = [0.0f32; R];
+    for (r, res) in out.iter_mut().enumerate() {
+        let head = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+        let tail = if WITH_MIN {
+            portable::block_dot(rows[r], x, b, bytes, portable::block_q4_1)
+        } else {
+            portable::block_dot(rows[r], x, b, bytes, portable::block_q4_0)
+        };
+        *res =
+            head + if WITH_MIN {
+                offset[r]
+            } else {
+                -8.0 * offset[r]
+            } + tail;
+    }
+    out
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]

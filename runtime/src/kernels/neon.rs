@@ -34,7 +34,7 @@ use leanstream_format::quant::BLOCK_LEN;
 
 use super::operand::Q8Vec;
 use super::portable::{self, f16_at, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
-use super::rows::{RowKernels, PORTABLE};
+use super::rows::{dots_by_count, RowKernels, DOT_ROWS, PORTABLE};
 
 /// The plain NEON kernel table.
 pub(super) fn kernels() -> RowKernels {
@@ -44,6 +44,10 @@ pub(super) fn kernels() -> RowKernels {
         dot_q8_0: |w, x| unsafe { block_dot::<false>(Block::Q8_0, w, x) },
         dot_q4_0: |w, x| unsafe { block_dot::<false>(Block::Q4_0, w, x) },
         dot_q4_1: |w, x| unsafe { block_dot::<false>(Block::Q4_1, w, x) },
+        dots_q8_0: |r, x, o| unsafe { dots::<false>(Block::Q8_0, r, x, o) },
+        dots_q4_0: |r, x, o| unsafe { dots::<false>(Block::Q4_0, r, x, o) },
+        dots_q4_1: |r, x, o| unsafe { dots::<false>(Block::Q4_1, r, x, o) },
+        dot_rows: DOT_ROWS,
         ..PORTABLE
     }
 }
@@ -63,6 +67,9 @@ pub(super) unsafe fn dotprod_kernels() -> RowKernels {
         dot_q8_0: |w, x| unsafe { dot_sdot(Block::Q8_0, w, x) },
         dot_q4_0: |w, x| unsafe { dot_sdot(Block::Q4_0, w, x) },
         dot_q4_1: |w, x| unsafe { dot_sdot(Block::Q4_1, w, x) },
+        dots_q8_0: |r, x, o| unsafe { dots_sdot(Block::Q8_0, r, x, o) },
+        dots_q4_0: |r, x, o| unsafe { dots_sdot(Block::Q4_0, r, x, o) },
+        dots_q4_1: |r, x, o| unsafe { dots_sdot(Block::Q4_1, r, x, o) },
         ..kernels()
     }
 }
@@ -152,11 +159,10 @@ impl Block {
     }
 }
 
-/// Block `blk`'s codes (32, as signed bytes) against 32 activation quants: the integer sum over
-/// four lanes.
+/// Block `blk`'s codes (32, as signed bytes) against 32 activation quants `x`: the integer sum
+/// over four lanes.
 #[inline(always)]
-unsafe fn block_isum<const DOT: bool>(kind: Block, blk: *const u8, q: *const i8) -> int32x4_t {
-    let x = [vld1q_s8(q), vld1q_s8(q.add(16))];
+unsafe fn block_isum<const DOT: bool>(kind: Block, blk: *const u8, x: [int8x16_t; 2]) -> int32x4_t {
     let w = match kind {
         Block::Q8_0 => [
             vld1q_s8(blk.add(2) as *const i8),
@@ -184,46 +190,81 @@ unsafe fn f16_lanes(w: &[u8], b: usize, bytes: usize, offset: usize) -> float32x
 /// `row · x` for a block-encoded row: bit for bit the portable `dot_q8_0`/`dot_q4_0`/`dot_q4_1`.
 #[inline(always)]
 unsafe fn block_dot<const DOT: bool>(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
+    block_dots::<DOT, 1>(kind, [w], x)[0]
+}
+
+/// [`block_dot`] of `R` rows, each with one row's operations in its order (the same bits), each
+/// activation block and its scale and sum loaded once for all of them.
+#[inline(always)]
+unsafe fn block_dots<const DOT: bool, const R: usize>(
+    kind: Block,
+    rows: [&[u8]; R],
+    x: &Q8Vec,
+) -> [f32; R] {
     let bytes = kind.bytes();
-    let nb = (w.len() / bytes).min(x.scales.len());
-    let (wp, xq) = (w.as_ptr(), x.quants.as_ptr());
+    let nb = rows
+        .iter()
+        .fold(x.scales.len(), |n, w| n.min(w.len() / bytes));
+    let xq = x.quants.as_ptr();
+    let xblock = |b: usize| {
+        let q = xq.add(b * BLOCK_LEN);
+        [vld1q_s8(q), vld1q_s8(q.add(16))]
+    };
     // The portable code's `Iterator::sum` starts from −0.0 (so a sum of −0.0 terms stays −0.0).
-    let mut sum = -0.0f32;
+    let mut sums = [-0.0f32; R];
     let mut b = 0;
     while b + 4 <= nb {
-        let isum = |i: usize| {
-            block_isum::<DOT>(kind, wp.add((b + i) * bytes), xq.add((b + i) * BLOCK_LEN))
-        };
-        // Pairwise adds of the lanes leave block b+i's integer sum in lane i.
-        let isum = vpaddq_s32(vpaddq_s32(isum(0), isum(1)), vpaddq_s32(isum(2), isum(3)));
-        let m = if kind == Block::Q4_1 {
-            f16_lanes(w, b, bytes, 2)
-        } else {
-            vdupq_n_f32(0.0)
-        };
-        let terms = kind.terms(
-            isum,
-            f16_lanes(w, b, bytes, 0),
-            m,
+        let xs = [xblock(b), xblock(b + 1), xblock(b + 2), xblock(b + 3)];
+        let (dx, sx) = (
             vld1q_f32(x.scales.as_ptr().add(b)),
             vld1q_f32(x.sums.as_ptr().add(b)),
         );
-        let mut t = [0.0f32; 4];
-        vst1q_f32(t.as_mut_ptr(), terms);
-        for v in t {
-            sum += v;
+        for (w, sum) in rows.iter().zip(&mut sums) {
+            let wp = w.as_ptr();
+            let isum = |i: usize| block_isum::<DOT>(kind, wp.add((b + i) * bytes), xs[i]);
+            // Pairwise adds of the lanes leave block b+i's integer sum in lane i.
+            let isum = vpaddq_s32(vpaddq_s32(isum(0), isum(1)), vpaddq_s32(isum(2), isum(3)));
+            let m = if kind == Block::Q4_1 {
+                f16_lanes(w, b, bytes, 2)
+            } else {
+                vdupq_n_f32(0.0)
+            };
+            let terms = kind.terms(isum, f16_lanes(w, b, bytes, 0), m, dx, sx);
+            let mut t = [0.0f32; 4];
+            vst1q_f32(t.as_mut_ptr(), terms);
+            for v in t {
+                *sum += v;
+            }
         }
         b += 4;
     }
-    for b in b..nb {
-        sum += kind.portable_term(
-            &w[b * bytes..(b + 1) * bytes],
-            &x.quants[b * BLOCK_LEN..],
-            x.scales[b],
-            x.sums[b],
-        );
+    for (w, sum) in rows.iter().zip(&mut sums) {
+        let nw = (w.len() / bytes).min(x.scales.len());
+        for b in b..nw {
+            *sum += kind.portable_term(
+                &w[b * bytes..(b + 1) * bytes],
+                &x.quants[b * BLOCK_LEN..],
+                x.scales[b],
+                x.sums[b],
+            );
+        }
     }
-    sum
+    sums
+}
+
+/// [`block_dots`] on 1 to `DOT_ROWS` rows.
+#[inline(always)]
+unsafe fn dots<const DOT: bool>(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| block_dots::<DOT, R>(kind, r, x))
+}
+
+/// [`dots`] through `sdot`.
+///
+/// # Safety
+/// The CPU must have FEAT_DotProd.
+#[target_feature(enable = "dotprod")]
+unsafe fn dots_sdot(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots::<true>(kind, rows, x, out)
 }
 
 /// [`block_dot`] through `sdot`.

@@ -6,6 +6,7 @@ use half::{bf16, f16};
 use leanstream_format::quant::BLOCK_LEN;
 
 use super::operand::Q8Vec;
+use super::rows::dots_by_count;
 
 const LANES: usize = 16;
 const HALF: usize = BLOCK_LEN / 2;
@@ -116,6 +117,79 @@ pub(super) fn block_dot(
             )
         })
         .sum()
+}
+
+/// [`block_dot`] of `R` rows from block 0, block by block with each row's sum beside the others':
+/// each row's terms added in the same order, from the same start (`Iterator::sum` of f32 starts
+/// at −0.0), so each result has the bits of [`block_dot`] of its row alone.
+#[inline(always)]
+pub(super) fn block_dots<const R: usize>(
+    rows: [&[u8]; R],
+    x: &Q8Vec,
+    bytes: usize,
+    block: impl Fn(&[u8], &[i8], f32, f32) -> f32,
+) -> [f32; R] {
+    let nb = rows
+        .iter()
+        .fold(x.scales.len(), |n, w| n.min(w.len() / bytes));
+    let mut sums = [-0.0f32; R];
+    for b in 0..nb {
+        let (q, d, s) = (&x.quants[b * BLOCK_LEN..], x.scales[b], x.sums[b]);
+        for (sum, w) in sums.iter_mut().zip(rows) {
+            *sum += block(&w[b * bytes..], q, d, s);
+        }
+    }
+    // Rows longer than the shortest (a caller's mistake: the dispatcher asserts equal lengths)
+    // finish alone.
+    for (sum, w) in sums.iter_mut().zip(rows) {
+        let nw = (w.len() / bytes).min(x.scales.len());
+        for b in nb..nw {
+            *sum += block(
+                &w[b * bytes..],
+                &x.quants[b * BLOCK_LEN..],
+                x.scales[b],
+                x.sums[b],
+            );
+        }
+    }
+    sums
+}
+
+/// `heads[r]` (a SIMD kernel's sum of row `r`'s first `from` blocks) plus the row's `Q8_0` blocks
+/// from `from` on, as [`block_dot`] adds them. (Plain loops: `array::from_fn`'s closure was not
+/// inlined into the kernels, 4 % of a profile.)
+#[inline(always)]
+pub(super) fn q8_0_tails<const R: usize>(
+    mut heads: [f32; R],
+    rows: [&[u8]; R],
+    x: &Q8Vec,
+    from: usize,
+) -> [f32; R] {
+    for (h, w) in heads.iter_mut().zip(rows) {
+        *h += block_dot(w, x, from, Q8_0_BYTES, |blk, q, d, _| block_q8_0(blk, q, d));
+    }
+    heads
+}
+
+pub fn dots_q8_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| block_dots::<R>(
+        r,
+        x,
+        Q8_0_BYTES,
+        |b, q, d, _| { block_q8_0(b, q, d) }
+    ))
+}
+
+pub fn dots_q4_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| block_dots::<R>(
+        r, x, Q4_0_BYTES, block_q4_0
+    ))
+}
+
+pub fn dots_q4_1(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| block_dots::<R>(
+        r, x, Q4_1_BYTES, block_q4_1
+    ))
 }
 
 pub fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {

@@ -6,7 +6,13 @@
 //! adds several rows at once (a cluster's active down columns): the same operations in the same
 //! order as `axpy` row after row, so the same bits, with each output block loaded and stored once
 //! for all the rows instead of once per row. An instruction set without its own `axpy_rows` runs
-//! its `axpy` row by row.
+//! its `axpy` row by row. `dots` takes up to [`DOT_ROWS`] rows against one input vector at once
+//! (a mat-vec's consecutive rows, a bundle's gate and up rows): each block of the input is loaded
+//! once for all of them and the rows' sums run side by side, each row with the operations, in the
+//! order, of its own `dot`, so the same bits. The dense mat-vec takes its rows four at a time
+//! ([`super::matvec_rows`], which asks for the rows ahead itself: four rows read side by side stop
+//! the hardware prefetcher); the bundle gate pass still takes one row at a time (two bundles' gate
+//! and up rows at once were no faster on SmolLM2).
 //!
 //! The environment variable `LEANSTREAM_KERNELS` forces one set by its name (`avx512`, `avx2`,
 //! `neon-dotprod`, `neon`, `portable`), so that every path can be run and compared on a CPU that
@@ -24,6 +30,8 @@ use super::portable;
 
 type FloatDot = fn(&[u8], &[f32]) -> f32;
 type BlockDot = fn(&[u8], &Q8Vec) -> f32;
+/// `out[j] = rows[j] · x` for 1 to [`DOT_ROWS`] rows (`out` as long as `rows`).
+type BlockDots = fn(&[&[u8]], &Q8Vec, &mut [f32]);
 type Axpy = fn(f32, &[u8], &mut [f32]);
 type AxpyRows = fn(&[f32], &[&[u8]], &mut [f32]);
 
@@ -37,6 +45,14 @@ pub struct RowKernels {
     pub(crate) dot_q8_0: BlockDot,
     pub(crate) dot_q4_0: BlockDot,
     pub(crate) dot_q4_1: BlockDot,
+    /// `dot` of up to [`DOT_ROWS`] rows at once, bitwise the `dot` of each.
+    pub(crate) dots_q8_0: BlockDots,
+    pub(crate) dots_q4_0: BlockDots,
+    pub(crate) dots_q4_1: BlockDots,
+    /// Rows [`RowKernels::dots`] gives these kernels at once: [`DOT_ROWS`], or 1 where sharing the
+    /// input was measured slower in the token loop (AVX-512: SmolLM2 q4 `resident` 8.7–8.9 against
+    /// 7.8–8.2 ms of CPU per token; AVX2 gained about 5 %).
+    pub(crate) dot_rows: usize,
     pub(crate) axpy_f32: Axpy,
     pub(crate) axpy_f16: Axpy,
     pub(crate) axpy_bf16: Axpy,
@@ -48,6 +64,10 @@ pub struct RowKernels {
     pub(crate) axpy_rows_q4_0: Option<AxpyRows>,
     pub(crate) axpy_rows_q4_1: Option<AxpyRows>,
 }
+
+/// The most rows a kernel's `dots` takes at once; [`RowKernels::dots`] takes any number, this many
+/// at a time.
+pub const DOT_ROWS: usize = 4;
 
 /// The environment variable that forces a kernel set by name.
 pub const FORCE_ENV: &str = "LEANSTREAM_KERNELS";
@@ -79,6 +99,10 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     dot_q8_0: portable::dot_q8_0,
     dot_q4_0: portable::dot_q4_0,
     dot_q4_1: portable::dot_q4_1,
+    dots_q8_0: portable::dots_q8_0,
+    dots_q4_0: portable::dots_q4_0,
+    dots_q4_1: portable::dots_q4_1,
+    dot_rows: DOT_ROWS,
     axpy_f32: portable::axpy_f32,
     axpy_f16: portable::axpy_f16,
     axpy_bf16: portable::axpy_bf16,
@@ -155,6 +179,54 @@ impl RowKernels {
         }
     }
 
+    /// `out[j] = rows[j] · x` for rows of `x.x.len()` values encoded as `qtype`: bitwise
+    /// [`dot`](Self::dot) of each row, with the block types' input shared by [`DOT_ROWS`] rows
+    /// at a time.
+    #[inline]
+    pub fn dots(&self, qtype: QuantType, rows: &[&[u8]], x: &Operand, out: &mut [f32]) {
+        self.dots_by(qtype, rows, x, out, self.dot_rows)
+    }
+
+    /// [`dots`](Self::dots) with `at_once` rows (1 to [`DOT_ROWS`]) per call of the multi-row
+    /// kernel whatever this set's own choice (tests and benches compare them); 1 is each row's
+    /// `dot`.
+    #[inline]
+    pub fn dots_by(
+        &self,
+        qtype: QuantType,
+        rows: &[&[u8]],
+        x: &Operand,
+        out: &mut [f32],
+        at_once: usize,
+    ) {
+        assert_eq!(rows.len(), out.len());
+        debug_assert!(rows
+            .iter()
+            .all(|r| Ok(r.len()) == row_bytes(qtype, x.x.len())));
+        let many = match qtype {
+            QuantType::Q8_0 if at_once > 1 => self.dots_q8_0,
+            QuantType::Q4_0 if at_once > 1 => self.dots_q4_0,
+            QuantType::Q4_1 if at_once > 1 => self.dots_q4_1,
+            _ => {
+                for (o, row) in out.iter_mut().zip(rows) {
+                    *o = self.dot(qtype, row, x);
+                }
+                return;
+            }
+        };
+        let q8 = x.q8();
+        let at_once = at_once.min(DOT_ROWS);
+        for (rows, out) in rows.chunks(at_once).zip(out.chunks_mut(at_once)) {
+            many(rows, q8, out);
+        }
+    }
+
+    /// How many rows [`dots`](Self::dots) takes at once (1: one `dot` per row, and the callers keep
+    /// their one-row loops).
+    pub fn dot_rows(&self) -> usize {
+        self.dot_rows
+    }
+
     /// `out += a · row` for a row of `out.len()` values encoded as `qtype`.
     #[inline]
     pub fn axpy(&self, qtype: QuantType, a: f32, row: &[u8], out: &mut [f32]) {
@@ -201,3 +273,36 @@ impl RowKernels {
         self.axpy(qtype, 1.0, row, out);
     }
 }
+
+/// Runs a kernel generic over its row count `R` (a `[&[u8]; R]` of rows in, `[f32; R]` out) on
+/// 1 to [`DOT_ROWS`] rows: `dots_by_count!(rows, out, |arr: R| kernel::<.., R>(arr, x))` binds
+/// `arr` to the rows as an array and `R` to their count, and writes the results to `out`.
+macro_rules! dots_by_count {
+    ($rows:expr, $out:expr, |$arr:ident : $r:ident| $call:expr) => {{
+        let (rows, out): (&[&[u8]], &mut [f32]) = ($rows, $out);
+        match rows.len().min(out.len()) {
+            0 => {}
+            1 => {
+                const $r: usize = 1;
+                let $arr: [&[u8]; $r] = [rows[0]];
+                out[..$r].copy_from_slice(&$call);
+            }
+            2 => {
+                const $r: usize = 2;
+                let $arr: [&[u8]; $r] = [rows[0], rows[1]];
+                out[..$r].copy_from_slice(&$call);
+            }
+            3 => {
+                const $r: usize = 3;
+                let $arr: [&[u8]; $r] = [rows[0], rows[1], rows[2]];
+                out[..$r].copy_from_slice(&$call);
+            }
+            _ => {
+                const $r: usize = 4;
+                let $arr: [&[u8]; $r] = [rows[0], rows[1], rows[2], rows[3]];
+                out[..$r].copy_from_slice(&$call);
+            }
+        }
+    }};
+}
+pub(super) use dots_by_count;

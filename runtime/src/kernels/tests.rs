@@ -255,6 +255,155 @@ fn axpy_rows_is_axpy_row_after_row_bit_for_bit() {
     }
 }
 
+/// Several rows' `dots` give the bits of each row's own `dot`, for every kernel set (the
+/// portable reference included), encoding and length, any row count (odd counts split into fours
+/// and a remainder), and zero inputs (the sign of a zero sum); and a mat-vec of an odd number of
+/// rows, which takes its rows four at a time, is each row's `dot`.
+#[test]
+fn dots_are_dot_row_by_row_bit_for_bit() {
+    let (seed, mut rng) = rng();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for k in RowKernels::available() {
+        for qtype in QuantType::ALL {
+            for n in lengths(qtype) {
+                for (count, zeros) in [
+                    (1, false),
+                    (2, false),
+                    (3, true),
+                    (4, false),
+                    (5, false),
+                    (7, false),
+                    (9, true),
+                    (13, false),
+                ] {
+                    let rows: Vec<Vec<u8>> = (0..count)
+                        .map(|_| encoded_row(qtype, n, &mut rng).0)
+                        .collect();
+                    let views: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
+                    let mut xs = random(n, 2.0, &mut rng);
+                    if zeros {
+                        xs.fill(0.0);
+                    }
+                    let x = Operand::new(&xs, qtype);
+                    let want: Vec<f32> = views.iter().map(|r| k.dot(qtype, r, &x)).collect();
+                    // The set's own choice of rows at once, and every other.
+                    for at_once in [0, 1, 2, 3, 4] {
+                        let mut got = vec![f32::NAN; count];
+                        if at_once == 0 {
+                            k.dots(qtype, &views, &x, &mut got);
+                        } else {
+                            k.dots_by(qtype, &views, &x, &mut got, at_once);
+                        }
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "seed {seed}: {} {qtype} n={n} rows={count} at once {at_once}: \
+                             {got:?} vs {want:?}",
+                            k.isa
+                        );
+                    }
+                    let data: Vec<u8> = rows.concat();
+                    let mut mv = vec![f32::NAN; count];
+                    super::matvec_rows(&k, qtype, &data, &x, &mut mv);
+                    assert_eq!(
+                        bits(&mv),
+                        bits(&want),
+                        "seed {seed}: {} {qtype} n={n} mat-vec of {count} rows",
+                        k.isa
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The gate pass, which takes its candidates' gate (and up) rows several at a time, gives the
+/// scores, active neurons and coefficients of one `dot` per row, neuron after neuron, under both
+/// rules, with candidates left out and odd counts.
+#[test]
+fn gate_pass_is_one_dot_per_row_bit_for_bit() {
+    use super::bundles::gate_pass;
+    let (seed, mut rng) = rng();
+    for k in RowKernels::available() {
+        for qtype in [
+            QuantType::Q8_0,
+            QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::F16,
+        ] {
+            let layout = BundleLayout::new(qtype, 96).unwrap();
+            for n in [1, 2, 3, 5, 8, 11, 37] {
+                let (buf, _) = random_bundles(&layout, n, &mut rng);
+                let bb = layout.bundle_bytes();
+                let rb = layout.row_bytes();
+                let bundle = |i: usize| &buf[i * bb..(i + 1) * bb];
+                let xs = random(96, 1.0, &mut rng);
+                let x = Operand::new(&xs, qtype);
+                let skipped = rng.random_range(0..3usize);
+                let candidate = |i: usize| skipped == 0 || i % 3 != skipped;
+                for (act, rule, threshold) in [
+                    (Activation::Silu, SkipRule::Gate, 0.2),
+                    (Activation::Relu, SkipRule::Gate, 0.0),
+                    (Activation::Silu, SkipRule::GateUp, 0.1),
+                ] {
+                    let skip = Skip {
+                        act,
+                        rule,
+                        threshold,
+                    };
+                    let mut scores = vec![-1.0f32; n];
+                    let (mut active, mut coef) = (vec![0u32; n], vec![0.0f32; n]);
+                    let m = gate_pass(
+                        &k,
+                        &layout,
+                        &x,
+                        bundle,
+                        candidate,
+                        skip,
+                        &mut scores,
+                        &mut active,
+                        &mut coef,
+                    );
+                    let mut want_scores = vec![-1.0f32; n];
+                    let (mut want_active, mut want_coef) = (Vec::new(), Vec::new());
+                    for (i, score) in want_scores.iter_mut().enumerate() {
+                        if !candidate(i) {
+                            continue;
+                        }
+                        let b = bundle(i);
+                        let a = act.apply(k.dot(qtype, &b[..rb], &x));
+                        let u = || a * k.dot(qtype, &b[rb..2 * rb], &x);
+                        let c = match rule {
+                            SkipRule::Gate => {
+                                *score = a.abs();
+                                (*score > threshold).then(u)
+                            }
+                            SkipRule::GateUp => {
+                                let c = u();
+                                *score = c.abs();
+                                (*score > threshold).then_some(c)
+                            }
+                        };
+                        if let Some(c) = c {
+                            want_active.push(i as u32);
+                            want_coef.push(c.to_bits());
+                        }
+                    }
+                    let what = format!("seed {seed}: {} {qtype} n={n} {act:?} {rule:?}", k.isa);
+                    assert_eq!(
+                        scores.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+                        want_scores.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+                        "{what}"
+                    );
+                    assert_eq!(&active[..m], &want_active[..], "{what}");
+                    let coef: Vec<u32> = coef[..m].iter().map(|c| c.to_bits()).collect();
+                    assert_eq!(coef, want_coef, "{what}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn matvec_and_matmul_match_f64() {
     let (seed, mut rng) = rng();
