@@ -48,6 +48,41 @@ fn greedy_answer_names_paris() {
     assert_eq!(v["prompt_tokens"], 5);
 }
 
+/// A chat answer ends with the template's end-of-turn token; `--ignore-eos` generates all `-n`
+/// tokens past it (what the llama.cpp comparison scripts time), the same tokens up to there.
+#[test]
+fn ignore_eos_generates_every_token() {
+    let model = smollm2();
+    let answer = |extra: &[&str]| {
+        let args = [
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--chat",
+            "-p",
+            "What is the capital of France? Answer in one word.",
+            "--temp",
+            "0",
+            "-n",
+            "40",
+            "--json",
+        ];
+        let v = json(&leanstream(&[&args[..], extra].concat()));
+        let tokens: Vec<u64> = v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect();
+        (v["generated_tokens"].as_u64().unwrap(), tokens)
+    };
+    let (stopped, first) = answer(&[]);
+    let (all, every) = answer(&["--ignore-eos"]);
+    assert!(stopped < 40, "the answer ends early ({stopped} tokens)");
+    assert_eq!(all, 40);
+    assert_eq!(first[..], every[..first.len()]);
+}
+
 /// Perplexity over the first windows of `data/heldout-head.txt` (what llama.cpp scored: see
 /// `tests/fixtures/smollm2-perplexity.json` and the script named there), with the KV cache in f32
 /// as llama.cpp's was; f16 and q8_0 caches stay within 0.5 % and 1 % of it.
