@@ -66,7 +66,7 @@ enum Command {
         /// FFN's width (4-bit types become q4_1, Q4_0 stays q4; 5- to 8-bit ones q8), float
         /// weights become q8.
         #[arg(long, default_value = "auto")]
-        quant: String,
+        quant: quant_choice::QuantArg,
         /// auto, relu, target:F (SwiGLU: skip by |silu(gate)·up|, a mean fraction F allocated
         /// across layers), target-uniform:F (the same fraction in every layer), or threshold:F
         /// (skip by |act(gate)|, fraction F per layer). auto: relu for ReLU models, else target:F at
@@ -155,7 +155,7 @@ fn run(command: Command) -> Result<()> {
             json,
         } => {
             let model_dir = hub::resolve_model(&model)?;
-            let (quant, why) = quant_choice::resolve(&quant, &model_dir)?;
+            let (quant, why) = quant_choice::resolve(quant, &model_dir)?;
             if !json {
                 eprintln!("encoding {} ({why})", quant.name());
             }

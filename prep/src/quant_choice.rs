@@ -4,19 +4,37 @@
 //! Hugging Face folder, an f16 GGUF) become q8.
 
 use std::path::Path;
+use std::str::FromStr;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use candle_core::quantized::GgmlDType;
 use leanstream::gguf::GgufFile;
 use leanstream_format::quant::QuantType;
 
-/// The encoding `--quant` names (`auto`, or one of f32, f16, bf16, q8, q4, q4_1) for the source
-/// `model` (a model folder or a GGUF file), and why, for the user.
-pub fn resolve(quant: &str, model: &Path) -> Result<(QuantType, String)> {
-    if quant != "auto" {
-        let q: QuantType = quant.parse().with_context(|| {
-            format!("--quant {quant}: expected auto, f32, f16, bf16, q8, q4 or q4_1")
-        })?;
+/// What `--quant` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantArg {
+    Auto,
+    Fixed(QuantType),
+}
+
+impl FromStr for QuantArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(Self::Auto);
+        }
+        s.parse()
+            .map(Self::Fixed)
+            .map_err(|_| format!("expected auto, f32, f16, bf16, q8, q4 or q4_1, not {s:?}"))
+    }
+}
+
+/// The encoding `quant` gives the source `model` (a model folder or a GGUF file), and why, for
+/// the user.
+pub fn resolve(quant: QuantArg, model: &Path) -> Result<(QuantType, String)> {
+    if let QuantArg::Fixed(q) = quant {
         return Ok((q, "--quant".into()));
     }
     if model.is_dir() || !model.is_file() || leanstream::source::is_converted(model)? {
@@ -61,9 +79,10 @@ mod tests {
     #[test]
     fn a_named_encoding_wins_and_a_wrong_one_is_named() {
         let dir = &Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/austen-relu");
-        assert_eq!(resolve("q4", dir).unwrap().0, QuantType::Q4_0);
-        assert_eq!(resolve("auto", dir).unwrap().0, QuantType::Q8_0);
-        let err = resolve("q5", dir).unwrap_err().to_string();
-        assert!(err.contains("--quant q5"), "{err}");
+        let q4: QuantArg = "q4".parse().unwrap();
+        assert_eq!(resolve(q4, dir).unwrap().0, QuantType::Q4_0);
+        assert_eq!(resolve(QuantArg::Auto, dir).unwrap().0, QuantType::Q8_0);
+        let err = "q5".parse::<QuantArg>().unwrap_err();
+        assert!(err.contains("q4_1") && err.contains("\"q5\""), "{err}");
     }
 }
