@@ -345,7 +345,7 @@ fn priority_order_is_honoured() {
 }
 
 #[test]
-fn wait_any_hands_over_reads_in_completion_order() {
+fn watched_reads_done_before_the_watch_come_in_completion_order() {
     let device = TestDevice::new(64);
     let (queue, blocker) = blocked_queue(&device);
     let late = queue.submit(page(10), PAGE, 1);
@@ -357,20 +357,23 @@ fn wait_any_hands_over_reads_in_completion_order() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(device.offsets(), [0, page(20), page(10)]);
-    let (i, buf) = queue.wait_any(&[late, early]);
-    assert_eq!(i, 1);
+    queue.watch_all([(late, 0), (early, 1)]);
+    let (tag, buf, _) = queue.wait_watched().unwrap();
+    assert_eq!(tag, 1);
     assert_eq!(&buf.unwrap()[..], &device.data[page(20) as usize..][..PAGE]);
-    let (i, buf) = queue.wait_any(&[late, blocker]);
-    assert_eq!(i, 1, "the blocker completed before both");
+    queue.watch_all([(late, 0), (blocker, 1)]);
+    let (tag, buf, _) = queue.wait_watched().unwrap();
+    assert_eq!(tag, 1, "the blocker completed before both");
     assert_eq!(&buf.unwrap()[..], &device.data[..PAGE]);
-    let (i, buf) = queue.wait_any(&[late]);
-    assert_eq!(i, 0);
+    let (tag, buf, _) = queue.wait_watched().unwrap();
+    assert_eq!(tag, 0);
     assert_eq!(&buf.unwrap()[..], &device.data[page(10) as usize..][..PAGE]);
-    // A redeemed ticket is an error naming it, as with `wait`.
-    let (i, err) = queue.wait_any(&[late]);
+    // A redeemed ticket is left out of a watch set, and `wait` names it as unknown.
+    queue.watch_all([(late, 0)]);
+    assert!(queue.wait_watched().is_none());
     assert_eq!(
-        (i, err.unwrap_err().kind()),
-        (0, io::ErrorKind::InvalidInput)
+        queue.wait(late).unwrap_err().kind(),
+        io::ErrorKind::InvalidInput
     );
 }
 

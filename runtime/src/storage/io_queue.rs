@@ -171,8 +171,7 @@ enum ReqState {
 }
 
 /// Hashes a request's id, a counter, by one multiplication: the map is looked up several times
-/// per read (and `wait_any` looks up every ticket it waits for on each wake-up), where SipHash
-/// showed in profiles. The golden-ratio factor spreads consecutive ids over the high bits, which
+/// per read, where SipHash showed in profiles. The golden-ratio factor spreads consecutive ids over the high bits, which
 /// the map's buckets and control bytes use.
 #[derive(Default)]
 struct IdHasher(u64);
@@ -334,8 +333,8 @@ impl IoQueue {
     }
 
     /// Makes `reads` (ticket, tag) the watch set, replacing the previous one: [`IoQueue::wait_watched`]
-    /// hands them over in completion order, each in O(log n) (`wait_any` scans its tickets on
-    /// every wake-up). Unknown tickets are left out.
+    /// hands them over in completion order, each in O(log n), not a scan of every ticket per
+    /// wake-up. Unknown tickets are left out.
     pub fn watch_all(&self, reads: impl IntoIterator<Item = (Ticket, u32)>) {
         let mut guard = self.shared.lock();
         let st = &mut *guard;
@@ -441,41 +440,6 @@ impl IoQueue {
         drop(st);
         clock::sleep_until(at);
         (result, hash)
-    }
-
-    /// Blocks until one of `tickets` is done and hands over its buffer, with its index: the one
-    /// that completed first (on a timed device, the earliest completion time among those done).
-    /// Errors as with `wait`, for the ticket whose index comes with them.
-    pub fn wait_any(&self, tickets: &[Ticket]) -> (usize, io::Result<AlignedBuf>) {
-        assert!(!tickets.is_empty(), "wait_any of no reads");
-        let mut st = self.shared.lock();
-        let first = loop {
-            let mut first: Option<(usize, Instant)> = None;
-            let mut pending = false;
-            for (i, t) in tickets.iter().enumerate() {
-                match st.requests.get(&t.0).map(|r| &r.state) {
-                    None => return (i, Err(unknown(*t))),
-                    Some(&ReqState::Done(_, at, _)) => {
-                        if first.is_none_or(|(_, best)| at < best) {
-                            first = Some((i, at));
-                        }
-                    }
-                    Some(ReqState::Pending) => pending = true,
-                    Some(ReqState::Issued) => {}
-                }
-            }
-            match first {
-                Some((i, _)) => break i,
-                None => st = self.shared.wait_step(st, pending),
-            }
-        };
-        let Some(ReqState::Done(result, at, _)) = st.take(tickets[first].0).map(|r| r.state) else {
-            unreachable!("checked above")
-        };
-        self.shared.wake_worker(&st, Instant::now());
-        drop(st);
-        clock::sleep_until(at);
-        (first, result)
     }
 
     /// The read's result if it is done, without blocking; `None` while it is in progress. An
