@@ -36,7 +36,7 @@ use super::mmap::Mapping;
 use super::plan::LayerPlan;
 use super::predict::{above_into, active_from_read, read_predictor};
 use super::refill::Refill;
-use super::schedule::Schedule;
+use super::schedule::{Schedule, TOP_UP_SHARE};
 use super::trace::ActiveTrace;
 
 /// How neurons are chosen for computation.
@@ -909,7 +909,9 @@ impl StreamEngine {
             core.watch(l, &missing);
             for _ in 0..missing.len() {
                 let (ci, buf) = core.take_watched(l)?;
-                self.schedule.taken(core);
+                if core.has_room(core.io_budget / TOP_UP_SHARE) {
+                    self.schedule.taken(core);
+                }
                 landed(core, work, &mut next, ci, buf)?;
             }
         }

@@ -253,13 +253,10 @@ impl Schedule for Leanstream {
         }
     }
 
-    /// Once a quarter of the I/O budget is free again, the certain reads after it are queued in
-    /// one batch (so that neighbours still merge into long reads).
+    /// The certain reads after the layer's are queued.
     fn taken(&mut self, core: &mut Core) {
-        if core.has_room(core.io_budget / 4) {
-            let (l, token) = self.current;
-            self.read_ahead(core, l, token);
-        }
+        let (l, token) = self.current;
+        self.read_ahead(core, l, token);
     }
 
     fn lookahead_set(&mut self, l: usize) -> Option<&[bool]> {

@@ -215,11 +215,9 @@ impl Schedule for Oracle {
         }
     }
 
-    /// A quarter of the I/O budget is free again while the layer computes: top the reads up.
+    /// The reads ahead are topped up while the layer computes.
     fn taken(&mut self, core: &mut Core) {
-        if core.has_room(core.io_budget / 4) {
-            self.prefetch(core, self.now, true);
-        }
+        self.prefetch(core, self.now, true);
     }
 
     fn end_layer(&mut self, core: &mut Core, l: usize, token: usize, used: &[usize]) -> Result<()> {

@@ -9,6 +9,10 @@ use crate::neuron_cache::ClusterKey;
 
 use super::engine::{Core, Refine};
 
+/// [`Schedule::taken`] is called once this share (1/n) of the I/O budget is free: topping up
+/// after every read would issue reads one by one, which do not merge.
+pub(super) const TOP_UP_SHARE: u64 = 4;
+
 pub(super) trait Schedule {
     /// Fills the cache before the first token (start-up reads are not counted).
     fn warm(&mut self, _core: &mut Core) -> Result<()> {
@@ -48,8 +52,9 @@ pub(super) trait Schedule {
         }
     }
 
-    /// A read of the layer being computed was taken, so the I/O budget has room again: the moment
-    /// to queue more reads rather than let the device idle until the layer ends.
+    /// A read of the layer being computed was taken and a quarter of the I/O budget is free
+    /// again ([`TOP_UP_SHARE`]): the moment to queue more reads, in one batch so that neighbours
+    /// still merge, rather than let the device idle until the layer ends.
     fn taken(&mut self, _core: &mut Core) {}
 
     /// Wait for all of a layer's reads before computing any of them (else compute as they land).
