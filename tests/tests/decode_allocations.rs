@@ -163,11 +163,9 @@ fn decoding_a_token_allocates_nothing_once_warm() {
     let f = leanstream_format::LsbFile::open(&file).unwrap();
     let min = minimum_memory(&file, CTX).unwrap();
     let ffn = f.ffn.bundle_bytes();
-    let ids = heldout_ids(
-        &open(&file, PolicyChoice::Resident, None).tokenizer,
-        WARM_UP + COUNTED,
-    );
-    let resident = decode(open(&file, PolicyChoice::Resident, None), &ids);
+    let session = open(&file, PolicyChoice::Resident, None);
+    let ids = heldout_ids(&session.tokenizer, WARM_UP + COUNTED);
+    let resident = decode(session, &ids);
     let streamed: Vec<_> = [min, min + ffn / 4]
         .into_iter()
         .map(|m| {

@@ -9,10 +9,11 @@
 //! its `axpy` row by row. `dots` takes up to [`DOT_ROWS`] rows against one input vector at once
 //! (a mat-vec's consecutive rows, a bundle's gate and up rows): each block of the input is loaded
 //! once for all of them and the rows' sums run side by side, each row with the operations, in the
-//! order, of its own `dot`, so the same bits. The dense mat-vec takes its rows four at a time
+//! order, of its own `dot`, so the same bits. Where a set takes several rows at once
+//! ([`RowKernels::dot_rows`]), the dense mat-vec takes its rows four at a time
 //! ([`super::matvec_rows`], which asks for the rows ahead itself: four rows read side by side stop
-//! the hardware prefetcher); the bundle gate pass still takes one row at a time (two bundles' gate
-//! and up rows at once were no faster on SmolLM2).
+//! the hardware prefetcher) and the bundle gate pass the gate and up rows of two bundles (the
+//! `gate_up` rule) or four gates (`gate`).
 //!
 //! The environment variable `LEANSTREAM_KERNELS` forces one set by its name (`avx512`, `avx2`,
 //! `neon-dotprod`, `neon`, `portable`), so that every path can be run and compared on a CPU that
