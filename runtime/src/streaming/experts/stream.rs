@@ -4,9 +4,9 @@
 //! applied to that residual (normalised with `l+1`'s FFN norm) guesses `l+1`'s experts, and their
 //! reads are queued at a low priority, most probable first, to overlap `l`'s FFN and `l+1`'s
 //! attention; when `l+1` routes, the guesses it did not choose are cancelled (or, if already
-//! issued, kept in the cache) and the reads it needs are raised to urgent. Experts are kept as stored and
-//! decoded to f32 one at a time when they run, with the same decode and the same routed steps as
-//! `--policy resident` ([`MoeScratch`]): the output is resident's, bit for bit.
+//! issued, kept in the cache) and the reads it needs are raised to urgent. Experts are kept as
+//! stored and decoded to f32 one at a time when they run, with the same decode and the same routed
+//! steps as `--policy resident` ([`MoeScratch`]): the output is resident's, bit for bit.
 
 use std::path::PathBuf;
 use std::sync::Arc;
