@@ -139,8 +139,8 @@ struct State {
     /// per read in progress): issuing a read allocates nothing.
     spare_parts: Vec<Vec<(u64, Extent)>>,
     spare_bufs: Vec<Vec<AlignedBuf>>,
-    /// The watch set ([`IoQueue::watch_all`]): its generation (a request watched under an older
-    /// one is not in it), how many of its reads are not issued yet, and its reads that are done,
+    /// The watch set ([`IoQueue::watch_all`]): its generation (from 1, so never that of an
+    /// unwatched request; a request watched under an older one is not in it), how many of its reads are not issued yet, and its reads that are done,
     /// earliest completion first, with their tags. Each completion costs O(log n), not a scan.
     watch_gen: u64,
     watched_pending: usize,
@@ -254,7 +254,7 @@ impl IoQueue {
                 background: None,
                 spare_parts: Vec::new(),
                 spare_bufs: Vec::new(),
-                watch_gen: 0,
+                watch_gen: 1,
                 watched_pending: 0,
                 watched_left: 0,
                 ready: BinaryHeap::new(),
@@ -520,7 +520,7 @@ impl State {
     /// Removes a request (redeemed or cancelled), keeping the watch set's counts.
     fn take(&mut self, id: u64) -> Option<Request> {
         let r = self.requests.remove(&id)?;
-        if r.watch.0 == self.watch_gen && r.watch.0 != 0 {
+        if r.watch.0 == self.watch_gen {
             self.watched_left -= 1;
             if matches!(r.state, ReqState::Pending) {
                 self.watched_pending -= 1;
@@ -803,7 +803,7 @@ impl Shared {
                     .take()
                     .unwrap_or_else(|| AlignedBuf::new(extent.len)),
             );
-            if request.watch.0 == generation && generation != 0 {
+            if request.watch.0 == generation {
                 st.watched_pending -= 1;
             }
         }
@@ -900,7 +900,7 @@ impl Shared {
             if let Some(request) = st.requests.get_mut(id) {
                 request.state = ReqState::Done(outcome, completes, sum);
                 let (g, tag) = request.watch;
-                if g == generation && g != 0 {
+                if g == generation {
                     st.ready.push(Reverse((completes, *id, tag)));
                 }
             }
