@@ -5,7 +5,7 @@
 //! runtime caches and evicts), or cluster by cluster. See FORMAT.md §6.5.
 
 use crate::codec::{Dec, Enc};
-use crate::ffn::FfnLayer;
+use crate::ffn::{ClusterLayout, FfnLayer};
 use crate::model_config::ModelConfig;
 use crate::FormatError;
 
@@ -40,6 +40,11 @@ impl ExpertIndex {
         }
     }
 
+    /// The lowest minor version its experts' [`ClusterLayout`] needs (1.6 for split clusters).
+    pub fn minor_version(&self) -> u16 {
+        crate::ffn::layouts_minor(self.layers.iter().flatten())
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         let mut e = Enc::default();
         e.u32(self.layers.len() as u32);
@@ -53,8 +58,9 @@ impl ExpertIndex {
     }
 
     /// Decodes the index and checks every expert as an FFN_INDEX layer (§6.2), with extents that
-    /// tile an EXPERT_DATA section of `data_len` bytes in (layer, expert, cluster) order.
-    pub fn decode(d: &mut Dec, data_len: u64) -> Result<Self, FormatError> {
+    /// tile an EXPERT_DATA section of `data_len` bytes in (layer, expert, cluster) order. `layout`
+    /// is the file's (from its minor version).
+    pub fn decode(d: &mut Dec, data_len: u64, layout: ClusterLayout) -> Result<Self, FormatError> {
         let n_layers = d.count(4)?;
         let mut layers = Vec::with_capacity(n_layers);
         let mut next = 0u64;
@@ -63,7 +69,7 @@ impl ExpertIndex {
             let mut experts = Vec::with_capacity(n_experts);
             for e in 0..n_experts {
                 let what = format!("layer {li} expert {e}");
-                experts.push(FfnLayer::decode(d, &what, &mut next)?);
+                experts.push(FfnLayer::decode(d, &what, &mut next, layout)?);
             }
             layers.push(experts);
         }
@@ -147,6 +153,7 @@ mod tests {
                 hidden: 64,
                 perm,
                 clusters,
+                layout: ClusterLayout::Split,
             }
         };
         let experts = vec![expert(vec![2, 0, 1]), expert(vec![1, 0])];
@@ -157,7 +164,7 @@ mod tests {
 
     fn decode(bytes: &[u8], data_len: u64) -> Result<ExpertIndex, FormatError> {
         let mut d = Dec::new(bytes, "EXPERT_INDEX");
-        let v = ExpertIndex::decode(&mut d, data_len)?;
+        let v = ExpertIndex::decode(&mut d, data_len, ClusterLayout::Split)?;
         d.finish()?;
         Ok(v)
     }

@@ -1,11 +1,94 @@
 //! FFN_INDEX: per layer, the neuron permutation and the clusters of neuron bundles stored in
 //! FFN_DATA. A bundle is one neuron's gate row, up row and down column, each `hidden` values of the
-//! layer's type, stored `[gate | up | down]`. See FORMAT.md §6.
+//! layer's type. A cluster's extent holds its bundles' rows in the file's [`ClusterLayout`]:
+//! since 1.6 `[gate rows | up rows | down columns]`, before it `[gate | up | down]` per neuron.
+//! See FORMAT.md §6.
 
 use crate::codec::{Dec, Enc};
 use crate::container::page_align;
 use crate::quant::{row_bytes, QuantType};
 use crate::FormatError;
+
+/// The first minor version whose cluster extents are [`ClusterLayout::Split`] (FORMAT.md §12).
+pub const SPLIT_SINCE_MINOR: u16 = 6;
+
+/// How a cluster extent orders its neurons' rows (FORMAT.md §6.3). A file has one layout, given
+/// by its minor version: every FFN layer and every expert of it uses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClusterLayout {
+    /// Up to 1.5: each neuron's bundle `[gate | up | down]`, the bundles back to back.
+    Interleaved,
+    /// Since 1.6: the gate rows of the cluster's neurons in stored order, then their up rows, then
+    /// their down columns, so that a pass over the gates reads one contiguous run.
+    Split,
+}
+
+/// One of a bundle's three rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    Gate = 0,
+    Up = 1,
+    Down = 2,
+}
+
+impl ClusterLayout {
+    /// The layout of a file of minor version `minor`.
+    pub fn of_minor(minor: u16) -> Self {
+        if minor >= SPLIT_SINCE_MINOR {
+            Self::Split
+        } else {
+            Self::Interleaved
+        }
+    }
+
+    /// The lowest minor version a file in this layout declares (its other features may raise
+    /// it, but never past 1.5 for [`Self::Interleaved`]).
+    pub fn minor_version(self) -> u16 {
+        match self {
+            Self::Interleaved => 1,
+            Self::Split => SPLIT_SINCE_MINOR,
+        }
+    }
+
+    /// `(part_stride, neuron_stride)` of a cluster of `count` neurons with rows of `row_bytes`:
+    /// row `part` of the cluster's neuron `k` starts at `part · part_stride + k · neuron_stride`
+    /// within the extent.
+    pub fn strides(self, count: usize, row_bytes: usize) -> (usize, usize) {
+        match self {
+            Self::Interleaved => (row_bytes, 3 * row_bytes),
+            Self::Split => (count * row_bytes, row_bytes),
+        }
+    }
+
+    /// Offset within the extent of row `part` of neuron `k` of a cluster of `count` neurons.
+    pub fn row_offset(self, part: Part, k: usize, count: usize, row_bytes: usize) -> usize {
+        let (p, n) = self.strides(count, row_bytes);
+        part as usize * p + k * n
+    }
+
+    /// The extent (without its padding) of a cluster whose bundles, `[gate | up | down]` each
+    /// `3 · row_bytes` long, are `bundles` back to back: the same bytes in this layout.
+    pub fn arrange(self, bundles: &[u8], row_bytes: usize) -> Vec<u8> {
+        let bb = 3 * row_bytes;
+        assert!(
+            row_bytes > 0 && bundles.len().is_multiple_of(bb),
+            "{} bytes are no whole number of {bb}-byte bundles",
+            bundles.len()
+        );
+        match self {
+            Self::Interleaved => bundles.to_vec(),
+            Self::Split => {
+                let mut out = Vec::with_capacity(bundles.len());
+                for part in 0..3 {
+                    for b in bundles.chunks_exact(bb) {
+                        out.extend_from_slice(&b[part * row_bytes..(part + 1) * row_bytes]);
+                    }
+                }
+                out
+            }
+        }
+    }
+}
 
 /// A run of consecutively stored neurons read with one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +111,9 @@ pub struct FfnLayer {
     /// `perm[p]` is the original index of the neuron stored at position `p`.
     pub perm: Vec<u32>,
     pub clusters: Vec<Cluster>,
+    /// How the clusters' extents order their rows: not encoded in the record, but the file's
+    /// (from its minor version).
+    pub layout: ClusterLayout,
 }
 
 impl FfnLayer {
@@ -42,6 +128,14 @@ impl FfnLayer {
 
     pub fn bundle_bytes(&self) -> usize {
         3 * self.row_bytes()
+    }
+
+    /// Row `part` of neuron `k` of cluster `ci`, within that cluster's `extent` (as read, padding
+    /// included or not).
+    pub fn row<'a>(&self, extent: &'a [u8], ci: usize, k: usize, part: Part) -> &'a [u8] {
+        let (count, rb) = (self.clusters[ci].count as usize, self.row_bytes());
+        let at = self.layout.row_offset(part, k, count, rb);
+        &extent[at..at + rb]
     }
 
     /// Stored position of every original neuron (the inverse of `perm`).
@@ -76,8 +170,14 @@ impl FfnLayer {
 
     /// Decodes one layer record and checks it: `perm` is a permutation and the clusters cover the
     /// stored positions in order with extents that start at `*next` within their data section
-    /// (advanced past them). `what` names the record in errors (`layer 3`, `layer 3 expert 5`).
-    pub(crate) fn decode(d: &mut Dec, what: &str, next: &mut u64) -> Result<Self, FormatError> {
+    /// (advanced past them). `what` names the record in errors (`layer 3`, `layer 3 expert 5`);
+    /// `layout` is the file's.
+    pub(crate) fn decode(
+        d: &mut Dec,
+        what: &str,
+        next: &mut u64,
+        layout: ClusterLayout,
+    ) -> Result<Self, FormatError> {
         let neurons = d.count(4)?;
         let qtype = QuantType::from_u32(d.u32()?)?;
         let hidden = d.u32()?;
@@ -124,6 +224,7 @@ impl FfnLayer {
             hidden,
             perm,
             clusters,
+            layout,
         })
     }
 }
@@ -151,14 +252,26 @@ impl FfnIndex {
         e.buf
     }
 
+    /// The lowest minor version its layers' [`ClusterLayout`] needs (1.6 for split clusters).
+    /// Panics if the layers disagree: a file has one layout.
+    pub fn minor_version(&self) -> u16 {
+        layouts_minor(self.layers.iter())
+    }
+
     /// Decodes the index and checks it: each `perm` is a permutation, clusters cover the stored
-    /// positions in order, and the extents tile an FFN_DATA section of `data_len` bytes.
-    pub fn decode(d: &mut Dec, data_len: u64) -> Result<Self, FormatError> {
+    /// positions in order, and the extents tile an FFN_DATA section of `data_len` bytes. `layout`
+    /// is the file's (from its minor version).
+    pub fn decode(d: &mut Dec, data_len: u64, layout: ClusterLayout) -> Result<Self, FormatError> {
         let n_layers = d.count(16)?;
         let mut layers = Vec::with_capacity(n_layers);
         let mut next = 0u64;
         for li in 0..n_layers {
-            layers.push(FfnLayer::decode(d, &format!("layer {li}"), &mut next)?);
+            layers.push(FfnLayer::decode(
+                d,
+                &format!("layer {li}"),
+                &mut next,
+                layout,
+            )?);
         }
         if next != data_len {
             return Err(FormatError::invalid(
@@ -166,5 +279,54 @@ impl FfnIndex {
             ));
         }
         Ok(Self { layers })
+    }
+}
+
+/// The minor version the layouts of `layers` need; they must all be one (a file has one layout).
+pub(crate) fn layouts_minor<'a>(mut layers: impl Iterator<Item = &'a FfnLayer>) -> u16 {
+    let Some(first) = layers.next() else {
+        return ClusterLayout::Interleaved.minor_version();
+    };
+    assert!(
+        layers.all(|l| l.layout == first.layout),
+        "a file's FFN layers and experts have one cluster layout"
+    );
+    first.layout.minor_version()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_place_each_row() {
+        // Three neurons, rows of 2 bytes: bundle k is [g_k g_k | u_k u_k | d_k d_k].
+        let bundles: Vec<u8> = (0..3u8)
+            .flat_map(|k| [10 + k, 10 + k, 20 + k, 20 + k, 30 + k, 30 + k])
+            .collect();
+        assert_eq!(ClusterLayout::Interleaved.arrange(&bundles, 2), bundles);
+        let split = ClusterLayout::Split.arrange(&bundles, 2);
+        assert_eq!(
+            split,
+            [10, 10, 11, 11, 12, 12, 20, 20, 21, 21, 22, 22, 30, 30, 31, 31, 32, 32]
+        );
+        for (layout, bytes) in [
+            (ClusterLayout::Interleaved, &bundles),
+            (ClusterLayout::Split, &split),
+        ] {
+            for k in 0..3 {
+                for (part, base) in [(Part::Gate, 10), (Part::Up, 20), (Part::Down, 30)] {
+                    let at = layout.row_offset(part, k, 3, 2);
+                    assert_eq!(
+                        bytes[at..at + 2],
+                        [base + k as u8; 2],
+                        "{layout:?} {part:?} {k}"
+                    );
+                }
+            }
+        }
+        assert_eq!(ClusterLayout::of_minor(5), ClusterLayout::Interleaved);
+        assert_eq!(ClusterLayout::of_minor(6), ClusterLayout::Split);
+        assert_eq!(ClusterLayout::Split.minor_version(), 6);
     }
 }

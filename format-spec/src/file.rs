@@ -12,7 +12,7 @@ use crate::codec::Dec;
 use crate::container::{checksum, read_at, Encoding, Header, SectionEntry, SectionKind, PAGE};
 use crate::dense::{DenseIndex, DenseTensor};
 use crate::expert::ExpertIndex;
-use crate::ffn::FfnIndex;
+use crate::ffn::{ClusterLayout, FfnIndex};
 use crate::meta::Meta;
 use crate::predictor::{PredictorInput, Predictors};
 use crate::refine::Refine;
@@ -72,6 +72,11 @@ impl LsbFile {
         .map_err(|e| naming(path, e))
     }
 
+    /// How the file's cluster extents order their rows (FORMAT.md §6.3): split since 1.6.
+    pub fn cluster_layout(&self) -> ClusterLayout {
+        ClusterLayout::of_minor(self.header.version_minor)
+    }
+
     /// Whether the file holds a mixture of experts (an EXPERT_INDEX section, format 1.5), from its
     /// header alone.
     pub fn has_experts(path: &Path) -> Result<bool, FormatError> {
@@ -97,8 +102,9 @@ impl LsbFile {
         let dense = read_section(&mut file, path, &header, SectionKind::DenseIndex, |d| {
             DenseIndex::decode(d, dense_data.length)
         })?;
+        let layout = ClusterLayout::of_minor(header.version_minor);
         let ffn = read_section(&mut file, path, &header, SectionKind::FfnIndex, |d| {
-            FfnIndex::decode(d, ffn_data.length)
+            FfnIndex::decode(d, ffn_data.length, layout)
         })?;
         let predictors = read_section(
             &mut file,
@@ -126,7 +132,7 @@ impl LsbFile {
             (None, None) => ExpertIndex::default(),
             (Some(_), Some(data)) => {
                 read_section(&mut file, path, &header, SectionKind::ExpertIndex, |d| {
-                    ExpertIndex::decode(d, data.length)
+                    ExpertIndex::decode(d, data.length, layout)
                 })?
             }
             _ => {
@@ -286,8 +292,9 @@ impl LsbFile {
         Ok(bytes)
     }
 
-    /// Reads cluster `cluster` of layer `layer` (checked against its checksum): its bundles, one
-    /// after the other, then the extent's padding.
+    /// Reads cluster `cluster` of layer `layer` (checked against its checksum): its neurons' rows
+    /// in the file's [`ClusterLayout`] (locate one with [`crate::ffn::FfnLayer::row`]), then the
+    /// extent's padding.
     pub fn read_cluster(
         &self,
         file: &mut File,

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use leanstream_format::container::{read_at, ContainerWriter, SectionKind};
 use leanstream_format::dense::DenseIndex;
 use leanstream_format::expert::ExpertIndex;
-use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
+use leanstream_format::ffn::{Cluster, ClusterLayout, FfnIndex, FfnLayer};
 use leanstream_format::file::check_extent;
 use leanstream_format::meta::{LayerMeta, Meta, Routing};
 use leanstream_format::model_config::ModelConfig;
@@ -85,6 +85,8 @@ fn write_ffn(w: &mut ContainerWriter, neurons: usize, seed0: usize) -> (FfnLayer
         hidden: H as u32,
         perm,
         clusters,
+        // The bundles back to back, as before 1.6: the file stays at the lowest minor it needs.
+        layout: ClusterLayout::Interleaved,
     };
     (layer, extents)
 }

@@ -13,7 +13,7 @@ use leanstream::skip_rule::{Skip, SkipRule};
 use leanstream::streaming::default_predictor_rank;
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::{DenseIndex, DenseTensor};
-use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
+use leanstream_format::ffn::{Cluster, ClusterLayout, FfnIndex, FfnLayer};
 use leanstream_format::meta::{LayerMeta, Meta};
 use leanstream_format::predictor::{Predictor, PredictorInput, Predictors};
 use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
@@ -40,6 +40,8 @@ use crate::train::{
 
 /// Partners per cluster kept in the refine statistics.
 const NEIGHBOURS: usize = 8;
+/// The layout of the cluster extents the converter writes (FORMAT.md §6.3): split, format 1.6.
+pub(crate) const LAYOUT: ClusterLayout = ClusterLayout::Split;
 /// Predicted-active budget, as a multiple of the true active fraction, at which recall is judged
 /// (and, under the `gate` rule, the own predictor's threshold).
 const BUDGET_FACTOR: f32 = 1.5;
@@ -354,6 +356,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
                 extent.extend(quantize_row(opts.quant, &up[i * h..(i + 1) * h])?);
                 extent.extend(quantize_row(opts.quant, &column)?);
             }
+            let extent = LAYOUT.arrange(&extent, bundle_bytes / 3);
             let (offset, extent_size, checksum) = writer.write_extent(&extent)?;
             let first = (ci * cluster_size) as u32;
             clusters.push(Cluster {
@@ -409,6 +412,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             hidden: h as u32,
             perm,
             clusters,
+            layout: LAYOUT,
         });
         phases.bundles += t.elapsed().as_secs_f64();
 
@@ -645,7 +649,11 @@ pub(crate) fn write_index_sections(
     ffn: &FfnIndex,
     (predictors, sketch, refine): &(Predictors, Sketch, Refine),
 ) -> Result<()> {
-    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
+    writer.require_minor(
+        meta.minor_version()
+            .max(sketch.minor_version())
+            .max(ffn.minor_version()),
+    );
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(meta)?, false)?;
     add_tokenizer(writer, tokenizer_json)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;

@@ -26,6 +26,7 @@ use crate::calib::{self, Calibration, WINDOW};
 use crate::certificate::CertificateChoice;
 use crate::convert::{
     bar, check_block_shapes, write_dense, write_index_sections, ConvertOptions, Phases, Summary,
+    LAYOUT,
 };
 use crate::source::Source;
 use crate::tensors::ffn_names;
@@ -83,6 +84,7 @@ pub(crate) fn convert(
                 hidden: h as u32,
                 perm: Vec::new(),
                 clusters: Vec::new(),
+                layout: LAYOUT,
             }
         } else {
             let [gate, up, down] = ffn_names(l);
@@ -314,7 +316,8 @@ pub(crate) fn write_bundles(
     write_extents(w, q, h, weights[0].len() / h, cluster, &extents)
 }
 
-/// The cluster extents (unpadded) of an FFN's bundles in original order, `cluster` neurons each.
+/// The cluster extents (unpadded, in the [`LAYOUT`] the converter writes) of an FFN's bundles in
+/// original order, `cluster` neurons each.
 pub(crate) fn encode_bundles(
     q: QuantType,
     [gate, up, down]: &[Vec<f32>; 3],
@@ -334,7 +337,7 @@ pub(crate) fn encode_bundles(
             extent.extend(quantize_row(q, &up[i * h..(i + 1) * h])?);
             extent.extend(quantize_row(q, &column)?);
         }
-        extents.push(extent);
+        extents.push(LAYOUT.arrange(&extent, row_bytes(q, h)?));
     }
     Ok(extents)
 }
@@ -364,6 +367,7 @@ pub(crate) fn write_extents(
         hidden: h as u32,
         perm: (0..n as u32).collect(),
         clusters,
+        layout: LAYOUT,
     })
 }
 
@@ -498,6 +502,7 @@ pub(crate) fn finish_mixture(
     experts: &ExpertIndex,
 ) -> Result<()> {
     write_index_sections(&mut writer, meta, tokenizer_json, dense, ffn, &side)?;
+    writer.require_minor(experts.minor_version());
     writer.add_section(SectionKind::ExpertIndex, &experts.encode(), false)?;
     writer.finish()?;
     Ok(())

@@ -30,7 +30,7 @@ use candle_core::quantized::gguf_file::Value;
 use leanstream::gguf::{gguf_name, permute_rope_rows};
 use leanstream::gguf_tokenizer::metadata_of;
 use leanstream_format::container::read_at;
-use leanstream_format::ffn::FfnLayer;
+use leanstream_format::ffn::{self, FfnLayer};
 use leanstream_format::file::check_extent;
 use leanstream_format::model_config::{Activation, Architecture};
 use leanstream_format::quant::{dequantize_row, quantize_row, row_bytes, QuantType};
@@ -462,7 +462,7 @@ fn ffn_matrices(
     mut cluster: impl FnMut(usize) -> Result<Vec<u8>>,
 ) -> Result<[Vec<u8>; 3]> {
     let (h, n, qtype) = (layer.hidden as usize, layer.neurons(), layer.qtype);
-    let (rb, bb) = (layer.row_bytes(), layer.bundle_bytes());
+    let rb = layer.row_bytes();
     let down_row_bytes = row_bytes(qtype, n).with_context(|| {
         format!(
             "{}: layer {l}'s {n} neurons are not a whole number of {} blocks, so its down \
@@ -478,10 +478,10 @@ fn ffn_matrices(
         let bytes = cluster(ci)?;
         for k in 0..c.count as usize {
             let i = layer.perm[c.first as usize + k] as usize;
-            let bundle = &bytes[k * bb..(k + 1) * bb];
-            gate[i * rb..(i + 1) * rb].copy_from_slice(&bundle[..rb]);
-            up[i * rb..(i + 1) * rb].copy_from_slice(&bundle[rb..2 * rb]);
-            dequantize_row(qtype, &bundle[2 * rb..], &mut column)?;
+            let row = |part: ffn::Part| layer.row(&bytes, ci, k, part);
+            gate[i * rb..(i + 1) * rb].copy_from_slice(row(ffn::Part::Gate));
+            up[i * rb..(i + 1) * rb].copy_from_slice(row(ffn::Part::Up));
+            dequantize_row(qtype, row(ffn::Part::Down), &mut column)?;
             for (j, v) in column.iter().enumerate() {
                 down[j * n + i] = *v;
             }

@@ -1,5 +1,6 @@
 //! `leanstream-prep inspect`: what a converted file holds, its sizes and predictor quality.
 
+use leanstream_format::ffn::ClusterLayout;
 use leanstream_format::meta::{LayerMeta, Meta};
 use leanstream_format::LsbFile;
 use serde_json::{json, Value};
@@ -159,6 +160,11 @@ pub fn describe(f: &LsbFile) -> Value {
     json!({
         "path": f.path,
         "format_version": format!("{}.{}", f.header.version_major, f.header.version_minor),
+        // How each cluster orders its rows (FORMAT.md §6.3): split since 1.6.
+        "cluster_layout": match f.cluster_layout() {
+            ClusterLayout::Split => "split",
+            ClusterLayout::Interleaved => "interleaved",
+        },
         "file_bytes": f.header.file_size,
         "architecture": m.model.architecture,
         "activation": m.model.activation,
@@ -191,8 +197,9 @@ pub fn describe(f: &LsbFile) -> Value {
 pub fn print(v: &Value) {
     println!("{}", v["path"].as_str().unwrap_or(""));
     println!(
-        "  format {}  {:?} ({})  {} layers, hidden {}, FFN {}",
+        "  format {} ({} clusters)  {:?} ({})  {} layers, hidden {}, FFN {}",
         v["format_version"].as_str().unwrap_or(""),
+        v["cluster_layout"].as_str().unwrap_or(""),
         v["architecture"].as_str().unwrap_or(""),
         v["activation"].as_str().unwrap_or(""),
         v["layers_count"],

@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 use leanstream::perplexity::perplexity;
 use leanstream::safetensors_dir::SafetensorsDir;
 use leanstream::source;
+use leanstream_format::ffn::Part;
 use leanstream_format::quant::{dequantize_row, max_abs_error, QuantType};
 use leanstream_format::LsbFile;
 use leanstream_tests::tiny::{random_ids, write_tiny_model, Act, TinySpec, WeightDtype};
@@ -161,7 +162,6 @@ fn dequantized_weights_equal_the_source_within_the_bound() {
             let down = src
                 .tensor_f32(&format!("{p}.down_proj.weight"), &[h, n])
                 .unwrap();
-            let rb = layer.row_bytes();
             for ci in 0..layer.clusters.len() {
                 let (off, size) = f.cluster_extent(l, ci);
                 let bytes =
@@ -169,10 +169,10 @@ fn dequantized_weights_equal_the_source_within_the_bound() {
                 let c = layer.clusters[ci];
                 for k in 0..c.count as usize {
                     let orig = layer.perm[c.first as usize + k] as usize;
-                    let b = &bytes[k * 3 * rb..];
+                    let row = |part| layer.row(&bytes, ci, k, part);
                     check(
                         layer.qtype,
-                        &b[..rb],
+                        row(Part::Gate),
                         &gate[orig * h..(orig + 1) * h],
                         "gate",
                     );
@@ -182,7 +182,7 @@ fn dequantized_weights_equal_the_source_within_the_bound() {
                     let norm = column.iter().map(|&v| (v as f64).powi(2)).sum::<f64>();
                     let norm = norm.sqrt() as f32;
                     column.iter_mut().for_each(|v| *v /= norm);
-                    check(layer.qtype, &b[2 * rb..3 * rb], &column, "down");
+                    check(layer.qtype, row(Part::Down), &column, "down");
                 }
             }
         }

@@ -9,7 +9,9 @@
 //! - `dots/<isa>/<type>/<rows>x<cols>/{single,multi}`: a mat-vec that stays in L2 (SmolLM2's FFN
 //!   shape, 1536 × 576, and 256 × 4096) one row's `dot` at a time against
 //!   [`RowKernels::dots_by`] four rows sharing the input's loads (the same bits);
-//! - `bundles/<type>`: the sparse FFN over neuron bundles with 10 % of the neurons active;
+//! - `bundles/<type>/{split,interleaved}`: the sparse FFN over neuron bundles with 10 % of the
+//!   neurons active, in clusters of the converter's default size (32 KiB) stored in format 1.6's
+//!   split layout `[gate rows | up rows | down columns]` or 1.5's `[gate | up | down]` per neuron;
 //! - `down/<type>/{per_neuron,blocked}`: the down projection of a tenth of the neurons (1100
 //!   columns of 4096), added one column at a time (`axpy`, the output read and written per
 //!   neuron) against [`RowKernels::axpy_rows`] eight at a time (the output once per eight), the
@@ -20,7 +22,7 @@
 //! A filter argument works as for any criterion bench (`cargo bench -p leanstream --bench kernels --
 //! matvec/avx512`). The filter `table` instead prints the GB/s table of the report: mat-vec of
 //! every encoding and the bundle FFN over the same rows (10 % of the neurons active, counted in the
-//! bytes it touches) against the read bandwidth, measured interleaved. `LEANSTREAM_KERNELS=avx2` runs
+//! bytes it touches; clusters in both layouts) against the read bandwidth, measured interleaved. `LEANSTREAM_KERNELS=avx2` runs
 //! the engine's kernels (`best`) as on an AVX2-only CPU.
 
 use std::hint::black_box;
@@ -28,9 +30,11 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
 use leanstream::config::Activation;
-use leanstream::kernels::bundles::{ffn_bundles, BundleLayout};
+use leanstream::kernels::bundles::{ffn_cluster, BundleLayout};
 use leanstream::kernels::{Matrix, Operand, QMatrix, RowKernels};
 use leanstream::skip_rule::{Skip, SkipRule};
+use leanstream_format::container::page_align;
+use leanstream_format::ffn::ClusterLayout;
 use leanstream_format::quant::QuantType;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -39,6 +43,10 @@ const ROWS: usize = 11008;
 const COLS: usize = 4096;
 /// Bytes cycled through per benchmark: far above any cache of this machine.
 const WORKING_SET: usize = 1 << 30;
+/// The converter's default cluster size (`--cluster-kib 32`).
+const CLUSTER_BYTES: usize = 32 << 10;
+/// Both cluster layouts: format 1.6's and 1.5's.
+const LAYOUTS: [ClusterLayout; 2] = [ClusterLayout::Split, ClusterLayout::Interleaved];
 
 fn random(n: usize, rng: &mut StdRng) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
@@ -159,31 +167,41 @@ fn bench_bundles(c: &mut Criterion, f32_matrix: &Matrix, x: &[f32]) {
     for qtype in QuantType::ALL {
         let m = QMatrix::quantize(f32_matrix, qtype).expect("a whole number of blocks");
         let bundles = Bundles::new(&m, qtype, x, &mut rng);
-        let (layout, views, skip) = (bundles.layout, bundles.views(), bundles.skip);
         let operand = Operand::new(x, qtype);
         let mut scores = vec![0.0f32; ROWS];
         let mut out = vec![0.0f32; COLS];
         g.throughput(Throughput::BytesDecimal(bundles.touched as u64));
         let pool = pool(1);
-        let mut i = 0;
-        g.bench_function(format!("{qtype}"), |b| {
-            b.iter(|| {
-                i = (i + 1) % views.len();
-                pool.install(|| {
-                    ffn_bundles(&layout, &operand, &views[i], skip, &mut out, &mut scores)
+        for (li, layout) in LAYOUTS.iter().enumerate() {
+            let mut i = 0;
+            g.bench_function(format!("{qtype}/{}", name(*layout)), |b| {
+                b.iter(|| {
+                    i = (i + 1) % bundles.bufs[li].len();
+                    pool.install(|| bundles.run(li, i, &operand, &mut out, &mut scores))
                 })
-            })
-        });
+            });
+        }
     }
     g.finish();
 }
 
-/// A 7B-shaped layer's neuron bundles `[gate | up | down]`, gate and up rows from a matrix and
-/// down columns random, copied to fill the working set; and the ReLU skip rule that leaves 10 %
-/// of the neurons active.
+fn name(layout: ClusterLayout) -> &'static str {
+    match layout {
+        ClusterLayout::Split => "split",
+        ClusterLayout::Interleaved => "interleaved",
+    }
+}
+
+/// A 7B-shaped layer's neuron bundles, gate and up rows from a matrix and down columns random,
+/// in page-aligned clusters of the converter's default size as a file stores them, in each of
+/// [`LAYOUTS`], copied to fill the working set; and the ReLU skip rule that leaves 10 % of the
+/// neurons active.
 struct Bundles {
     layout: BundleLayout,
-    bufs: Vec<Vec<u8>>,
+    /// Per layout, the copies of the layer.
+    bufs: [Vec<Vec<u8>>; 2],
+    /// Each cluster's offset in a copy and its neurons.
+    clusters: Vec<(usize, usize)>,
     skip: Skip,
     /// Bytes a pass touches: every gate row, and up and down of the active tenth.
     touched: usize,
@@ -191,46 +209,69 @@ struct Bundles {
 
 impl Bundles {
     fn new(m: &QMatrix, qtype: QuantType, x: &[f32], rng: &mut StdRng) -> Self {
-        let layout = BundleLayout::new(qtype, COLS).expect("a whole number of blocks");
+        let layout =
+            BundleLayout::new(qtype, COLS, ClusterLayout::Split).expect("a whole number of blocks");
         let down = QMatrix::quantize(&Matrix::new(1, COLS, random(COLS, rng)), qtype)
             .expect("a whole number of blocks");
-        let mut buf = Vec::with_capacity(ROWS * layout.bundle_bytes());
+        let (rb, bb) = (layout.row_bytes(), layout.bundle_bytes());
+        let per_cluster = (CLUSTER_BYTES / bb).clamp(1, ROWS);
+        let mut bundles = Vec::with_capacity(ROWS * bb);
         for r in 0..ROWS {
-            buf.extend_from_slice(m.row(r));
-            buf.extend_from_slice(m.row((r + 1) % ROWS));
-            buf.extend_from_slice(down.row(0));
+            bundles.extend_from_slice(m.row(r));
+            bundles.extend_from_slice(m.row((r + 1) % ROWS));
+            bundles.extend_from_slice(down.row(0));
         }
-        let bytes = buf.len();
-        let bufs = copies(buf, bytes);
-        let operand = Operand::new(x, qtype);
-        let mut scores = vec![0.0f32; ROWS];
-        let mut out = vec![0.0f32; COLS];
-        let views: Vec<&[u8]> = bufs[0].chunks_exact(layout.bundle_bytes()).collect();
+        let mut clusters = Vec::new();
+        let bufs = LAYOUTS.map(|cluster| {
+            let mut buf = Vec::new();
+            clusters.clear();
+            for (ci, chunk) in bundles.chunks(per_cluster * bb).enumerate() {
+                clusters.push((buf.len(), chunk.len() / bb));
+                buf.extend(cluster.arrange(chunk, rb));
+                buf.resize(page_align(buf.len() as u64) as usize, 0);
+                debug_assert_eq!(clusters[ci].1 * bb, chunk.len());
+            }
+            let bytes = buf.len();
+            copies(buf, bytes)
+        });
         let relu = Skip {
             act: Activation::Relu,
             rule: SkipRule::Gate,
             threshold: f32::INFINITY,
         };
-        // The scores are relu(gate): the tenth largest decides.
-        ffn_bundles(&layout, &operand, &views, relu, &mut out, &mut scores).expect("valid bundles");
-        scores.sort_by(|a, b| b.total_cmp(a));
-        let touched = ROWS * layout.row_bytes() + ROWS / 10 * 2 * layout.row_bytes();
-        Self {
+        let mut this = Self {
             layout,
-            skip: Skip {
-                threshold: scores[ROWS / 10],
-                ..relu
-            },
             bufs,
-            touched,
-        }
+            clusters,
+            skip: relu,
+            touched: ROWS * rb + ROWS / 10 * 2 * rb,
+        };
+        // The scores are relu(gate): the tenth largest decides.
+        let mut scores = vec![0.0f32; ROWS];
+        this.run(
+            0,
+            0,
+            &Operand::new(x, qtype),
+            &mut vec![0.0f32; COLS],
+            &mut scores,
+        );
+        scores.sort_by(|a, b| b.total_cmp(a));
+        this.skip.threshold = scores[ROWS / 10];
+        this
     }
 
-    fn views(&self) -> Vec<Vec<&[u8]>> {
-        self.bufs
-            .iter()
-            .map(|b| b.chunks_exact(self.layout.bundle_bytes()).collect())
-            .collect()
+    /// The FFN over copy `copy` of the layer in layout `LAYOUTS[which]`, cluster after cluster.
+    fn run(&self, which: usize, copy: usize, x: &Operand, out: &mut [f32], scores: &mut [f32]) {
+        let (layout, buf) = (
+            self.layout.with_cluster(LAYOUTS[which]),
+            &self.bufs[which][copy],
+        );
+        let mut first = 0;
+        for &(at, count) in &self.clusters {
+            let scores = &mut scores[first..first + count];
+            ffn_cluster(&layout, x, &buf[at..], self.skip, out, scores).expect("valid clusters");
+            first += count;
+        }
     }
 }
 
@@ -315,8 +356,14 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
         RowKernels::best().isa
     );
     println!(
-        "{:<6} {:>8} {:>10} {:>18} {:>18} {:>26}",
-        "type", "MB", "read GB/s", "1 thread GB/s", "2 threads GB/s", "bundles 1 thread GB/s"
+        "{:<6} {:>8} {:>10} {:>18} {:>18} {:>48} {:>22}",
+        "type",
+        "MB",
+        "read GB/s",
+        "1 thread GB/s",
+        "2 threads GB/s",
+        "bundles 1.6 split, 1 thread GB/s",
+        "bundles 1.5 GB/s"
     );
     let mut rng = StdRng::seed_from_u64(2);
     for qtype in QuantType::ALL {
@@ -325,11 +372,10 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
         let ms = copies(m, bytes);
         let operand = Operand::new(x, qtype);
         let bundles = Bundles::new(&ms[0], qtype, x, &mut rng);
-        let views = bundles.views();
         let (mut scores, mut ffn_out) = (vec![0.0f32; ROWS], vec![0.0f32; COLS]);
-        // Fastest seconds per call: read, 1 thread, 2 threads, bundles (a read of their touched
-        // bytes in slot 4).
-        let mut best = [f64::MAX; 5];
+        // Fastest seconds per call: read, 1 thread, 2 threads, bundles split (1.6), a read of
+        // their touched bytes, bundles interleaved (1.5).
+        let mut best = [f64::MAX; 6];
         let mut timed = |slot: usize, f: &mut dyn FnMut()| {
             let start = std::time::Instant::now();
             f();
@@ -346,20 +392,14 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
                     timed(1 + p, &mut || pool.install(|| m.matvec(&operand, &mut out)));
                 }
             }
-            for v in &views {
-                timed(3, &mut || {
-                    pools[0].install(|| {
-                        ffn_bundles(
-                            &bundles.layout,
-                            &operand,
-                            v,
-                            bundles.skip,
-                            &mut ffn_out,
-                            &mut scores,
-                        )
-                        .expect("valid bundles");
-                    })
-                });
+            for (which, slot) in [(0, 3), (1, 5)] {
+                for copy in 0..bundles.bufs[which].len() {
+                    timed(slot, &mut || {
+                        pools[0].install(|| {
+                            bundles.run(which, copy, &operand, &mut ffn_out, &mut scores)
+                        })
+                    });
+                }
             }
             for slice in buf.chunks_exact(bundles.touched / 4) {
                 timed(4, &mut || {
@@ -371,7 +411,7 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
         let read = gbs(best[0]);
         let touched = |s: f64| bundles.touched as f64 / s / 1e9;
         println!(
-            "{:<6} {:>8.1} {:>10.1} {:>11.1} ({:>3.0} %) {:>11.1} ({:>3.0} %) {:>8.1} ({:>3.0} % of mat-vec, {:>3.0} % of read)",
+            "{:<6} {:>8.1} {:>10.1} {:>11.1} ({:>3.0} %) {:>11.1} ({:>3.0} %) {:>8.1} ({:>3.0} % of mat-vec, {:>3.0} % of read) {:>8.1} ({:>3.0} % of mat-vec)",
             qtype.name(),
             bytes as f64 / 1e6,
             read,
@@ -382,6 +422,8 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
             touched(best[3]),
             100.0 * touched(best[3]) / gbs(best[1]),
             100.0 * touched(best[3]) / touched(best[4]),
+            touched(best[5]),
+            100.0 * touched(best[5]) / gbs(best[1]),
         );
     }
 }

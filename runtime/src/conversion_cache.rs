@@ -2,7 +2,9 @@
 //! `perplexity` and `demo` accept a GGUF file, a Hugging Face folder or a hub id wherever they
 //! stream a converted file. A converted file is cached in `$LEANSTREAM_CACHE` (else
 //! `~/.cache/leanstream`) under the xxh3 of the conversion flags and the model's files (a hub id:
-//! of its name) and the converter's version, so a changed model, flag or converter converts anew.
+//! of its name), the converter's version and the format version this build writes (FORMAT.md §12:
+//! a file cached by a build that wrote 1.5 has the old cluster layout), so a changed model, flag,
+//! converter or format converts anew.
 //! `leanstream-prep` writes under a temporary name and renames, so a cached file is always whole.
 
 use std::io::Read;
@@ -11,6 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use leanstream_format::container::{VERSION_MAJOR, VERSION_MINOR};
 
 use crate::model_arg::{classify, ModelArg};
 use crate::source;
@@ -55,7 +58,10 @@ pub fn converted_file(model: &ModelArg, flags: &[&str]) -> Result<(PathBuf, bool
         ModelArg::HubId(id) => id.clone(),
     };
     let prep = prep_binary(&shown)?;
-    let version = converter_version(&prep)?;
+    let version = format!(
+        "{}-format{VERSION_MAJOR}.{VERSION_MINOR}",
+        converter_version(&prep)?
+    );
     let (name, key) = match model {
         ModelArg::Path(p) => (
             p.file_stem()

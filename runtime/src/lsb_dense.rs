@@ -11,7 +11,7 @@ use std::fs::File;
 use anyhow::{bail, Context, Result};
 use leanstream_format::container::read_at;
 use leanstream_format::expert::router_name;
-use leanstream_format::ffn::FfnLayer;
+use leanstream_format::ffn::{FfnLayer, Part};
 use leanstream_format::file::check_extent;
 use leanstream_format::quant::dequantize_row;
 use leanstream_format::LsbFile;
@@ -170,17 +170,21 @@ pub fn decode_cluster(
     column: &mut [f32],
 ) -> Result<()> {
     let c = &layer.clusters[ci];
-    let (rb, h, n) = (layer.row_bytes(), column.len(), layer.neurons());
+    let (h, n) = (column.len(), layer.neurons());
     for k in 0..c.count as usize {
         let orig = layer.perm[c.first as usize + k] as usize;
-        let b = &bytes[k * 3 * rb..(k + 1) * 3 * rb];
-        dequantize_row(layer.qtype, &b[..rb], &mut gate[orig * h..(orig + 1) * h])?;
+        let row = |part| layer.row(bytes, ci, k, part);
         dequantize_row(
             layer.qtype,
-            &b[rb..2 * rb],
+            row(Part::Gate),
+            &mut gate[orig * h..(orig + 1) * h],
+        )?;
+        dequantize_row(
+            layer.qtype,
+            row(Part::Up),
             &mut up[orig * h..(orig + 1) * h],
         )?;
-        dequantize_row(layer.qtype, &b[2 * rb..], column)?;
+        dequantize_row(layer.qtype, row(Part::Down), column)?;
         for (r, v) in column.iter().enumerate() {
             down[r * n + orig] = *v;
         }

@@ -1,11 +1,11 @@
-//! Mixtures of experts converted to format 1.5 and run from the file. `convert` of the tiny
-//! Qwen3-MoE (a dense layer among its mixtures) and Mixtral (a sliding window) directories writes
-//! every expert as neuron bundles in clusters and the routing profile, which `inspect` shows;
-//! `--policy resident` and `dense` on an f32 file give logits bit-identical to the directory's
-//! (whose agreement with the f64 reference `engine_vs_reference` checks), `run` the same greedy
-//! tokens and `perplexity` the reference's within 2e-4; a q8 file stays near; its experts streamed
-//! (`--memory`, `--policy leanstream`) give the same greedy tokens (`moe_stream` checks the bits at
-//! three budgets); a policy experts do not have is refused, naming the mixture.
+//! Mixtures of experts (format 1.5's experts, in a 1.6 file) converted and run from the file.
+//! `convert` of the tiny Qwen3-MoE (a dense layer among its mixtures) and Mixtral (a sliding
+//! window) directories writes every expert as neuron bundles in clusters and the routing profile,
+//! which `inspect` shows; `--policy resident` and `dense` on an f32 file give logits bit-identical
+//! to the directory's (whose agreement with the f64 reference `engine_vs_reference` checks), `run`
+//! the same greedy tokens and `perplexity` the reference's within 2e-4; a q8 file stays near; its
+//! experts streamed (`--memory`, `--policy leanstream`) give the same greedy tokens (`moe_stream`
+//! checks the bits at three budgets); a policy experts do not have is refused, naming the mixture.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -82,7 +82,9 @@ fn routing_profile(file: &Path, spec: &TinySpec) -> Vec<(f64, f64)> {
         .unwrap();
     let v = json("inspect", &o);
     let moe = spec.moe.as_ref().unwrap();
-    assert_eq!(v["format_version"], "1.5");
+    // Experts need 1.5; the converter's split clusters make it 1.6.
+    assert_eq!(v["format_version"], "1.6");
+    assert_eq!(v["cluster_layout"], "split");
     assert_eq!(v["experts"]["num_experts"], moe.experts);
     assert_eq!(v["experts"]["experts_per_token"], moe.top_k);
     let mut profile = Vec::new();
@@ -131,7 +133,7 @@ fn routing_profile(file: &Path, spec: &TinySpec) -> Vec<(f64, f64)> {
 fn check(name: &str, spec: &TinySpec) {
     let (dir, file) = converted(name, spec, &["--quant", "f32"]);
     let f = LsbFile::open(&file).unwrap();
-    assert_eq!(f.header.version_minor, 5);
+    assert_eq!(f.header.version_minor, 6);
     let moe = spec.moe.as_ref().unwrap();
     for (l, experts) in f.experts.layers.iter().enumerate() {
         let want = if moe.is_moe_layer(spec.arch, l) {

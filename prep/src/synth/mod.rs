@@ -36,7 +36,7 @@ use crate::calib::{Calibration, DEFAULT_CALIB, WINDOW};
 use crate::certificate;
 use crate::certificate_study;
 use crate::convert::{
-    add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor, write_tensor,
+    add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor, write_tensor, LAYOUT,
     MIN_PREDICTOR_RANK,
 };
 use crate::sparsity::scores;
@@ -209,7 +209,8 @@ pub fn run(args: SynthArgs) -> Result<()> {
                     h,
                 )?;
             }
-            let (offset, extent_size, checksum) = writer.write_extent(&chunk.concat())?;
+            let extent = LAYOUT.arrange(&chunk.concat(), bundle_bytes / 3);
+            let (offset, extent_size, checksum) = writer.write_extent(&extent)?;
             clusters.push(Cluster {
                 first: (ci * cluster_size) as u32,
                 count: chunk.len() as u32,
@@ -276,6 +277,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
             hidden: h as u32,
             perm: layer::shuffled_order(n, args.seed ^ l as u64),
             clusters,
+            layout: LAYOUT,
         });
         layer_meta.push(LayerMeta {
             certificate_saves: Some(saves),
@@ -316,7 +318,11 @@ pub fn run(args: SynthArgs) -> Result<()> {
             source_layers: src.meta.layers.clone(),
         }),
     };
-    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
+    writer.require_minor(
+        meta.minor_version()
+            .max(sketch.minor_version())
+            .max(ffn.minor_version()),
+    );
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
     add_tokenizer(&mut writer, &src.tokenizer_json)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;

@@ -34,7 +34,7 @@ use super::dense::{rng_for, uniform, Layout};
 use super::plant::solve_increasing;
 use super::{kept_for_inputs, layer0_inputs, tensor_bytes, write_tensor, SynthArgs};
 use crate::calib::{Calibration, DEFAULT_CALIB};
-use crate::convert::{bar, check_block_shapes};
+use crate::convert::{bar, check_block_shapes, LAYOUT};
 use crate::convert_moe::{
     co_selection, empty_side_data, encode_bundles, finish_mixture, unmeasured, write_extents,
 };
@@ -187,6 +187,7 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
                 hidden: h as u32,
                 perm: Vec::new(),
                 clusters: Vec::new(),
+                layout: LAYOUT,
             })
             .collect(),
     };

@@ -1,7 +1,10 @@
 //! The streaming FFN's kernel over neuron bundles (issue [C]).
 //!
 //! A bundle is one FFN neuron's weights stored together so that one read fetches them: its gate
-//! row, its up row and its down column, each `hidden` values in one encoding, `[gate | up | down]`.
+//! row, its up row and its down column, each `hidden` values in one encoding. A cluster of them
+//! is stored in the file's [`ClusterLayout`]: since format 1.6 `[gate rows | up rows | down
+//! columns]`, so that the gate pass reads one contiguous run; before it `[gate | up | down]` per
+//! neuron. [`ClusterRows`] finds a neuron's rows in either ([`NeuronRows`]).
 //! The kernel reads bundles where they lie (the resident cache or a buffer just read from flash),
 //! without gathering them into matrices, and skips the work of every neuron the layer's skip rule
 //! ([`Skip`]) calls inactive: up and down under the `gate` rule, down under `gate_up`. It runs in two halves so that a caller can add the down columns later
@@ -10,6 +13,7 @@
 //! per batch rather than once per neuron and gives the bits of adding them one by one.
 
 use anyhow::{ensure, Result};
+use leanstream_format::ffn::{ClusterLayout, FfnLayer};
 use leanstream_format::quant::{row_bytes, QuantType};
 
 use super::operand::Operand;
@@ -22,21 +26,33 @@ use crate::skip_rule::{Skip, SkipRule};
 /// q4 layers (1.6 MB) are above it.
 pub const PARALLEL_MIN_BYTES: usize = 256 << 10;
 
-/// The shape of one layer's bundles.
+/// The shape of one layer's bundles, and how its clusters order their rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BundleLayout {
     pub qtype: QuantType,
     pub hidden: usize,
+    pub cluster: ClusterLayout,
     row_bytes: usize,
 }
 
 impl BundleLayout {
-    pub fn new(qtype: QuantType, hidden: usize) -> Result<Self> {
+    pub fn new(qtype: QuantType, hidden: usize, cluster: ClusterLayout) -> Result<Self> {
         Ok(Self {
             qtype,
             hidden,
+            cluster,
             row_bytes: row_bytes(qtype, hidden)?,
         })
+    }
+
+    /// The same bundles in clusters of layout `cluster`.
+    pub fn with_cluster(self, cluster: ClusterLayout) -> Self {
+        Self { cluster, ..self }
+    }
+
+    /// The layout of a file's FFN layer or expert.
+    pub fn of(layer: &FfnLayer) -> Result<Self> {
+        Self::new(layer.qtype, layer.hidden as usize, layer.layout)
     }
 
     /// Bytes of one of the three parts.
@@ -46,6 +62,112 @@ impl BundleLayout {
 
     pub fn bundle_bytes(&self) -> usize {
         3 * self.row_bytes
+    }
+}
+
+/// Where a set of neurons' rows lie: [`gate_pass`] and [`down_pass`] read them through it.
+pub trait NeuronRows<'b> {
+    /// Neuron `i`'s gate row.
+    fn gate(&self, i: usize) -> &'b [u8];
+    /// Neuron `i`'s up row.
+    fn up(&self, i: usize) -> &'b [u8];
+    /// Neuron `i`'s down column.
+    fn down(&self, i: usize) -> &'b [u8];
+}
+
+/// One cluster's neurons where its extent lies, in either [`ClusterLayout`]: row `part` of
+/// neuron `i` starts at `part · part_stride + i · neuron_stride`.
+#[derive(Debug, Clone, Copy)]
+pub struct ClusterRows<'b> {
+    bytes: &'b [u8],
+    part_stride: usize,
+    neuron_stride: usize,
+    row_bytes: usize,
+    count: usize,
+}
+
+impl<'b> ClusterRows<'b> {
+    /// The `count` neurons of a cluster whose extent (padding or not) is `bytes`; an error if it
+    /// is shorter than their bundles.
+    pub fn new(layout: &BundleLayout, bytes: &'b [u8], count: usize) -> Result<Self> {
+        let need = count * layout.bundle_bytes();
+        ensure!(
+            bytes.len() >= need,
+            "a cluster of {count} {} bundles of {} values needs {need} bytes, it has {}",
+            layout.qtype,
+            layout.hidden,
+            bytes.len()
+        );
+        let (part_stride, neuron_stride) = layout.cluster.strides(count, layout.row_bytes);
+        Ok(Self {
+            bytes,
+            part_stride,
+            neuron_stride,
+            row_bytes: layout.row_bytes,
+            count,
+        })
+    }
+
+    /// Neurons in the cluster.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The neurons from `start` on: neuron `i` of the result is neuron `start + i` of this.
+    pub fn from(self, start: usize) -> Self {
+        let start = start.min(self.count);
+        Self {
+            bytes: &self.bytes[start * self.neuron_stride..],
+            count: self.count - start,
+            ..self
+        }
+    }
+
+    #[inline(always)]
+    fn row(&self, part: usize, i: usize) -> &'b [u8] {
+        let at = part * self.part_stride + i * self.neuron_stride;
+        &self.bytes[at..at + self.row_bytes]
+    }
+}
+
+impl<'b> NeuronRows<'b> for ClusterRows<'b> {
+    #[inline(always)]
+    fn gate(&self, i: usize) -> &'b [u8] {
+        self.row(0, i)
+    }
+    #[inline(always)]
+    fn up(&self, i: usize) -> &'b [u8] {
+        self.row(1, i)
+    }
+    #[inline(always)]
+    fn down(&self, i: usize) -> &'b [u8] {
+        self.row(2, i)
+    }
+}
+
+/// Separate bundles, each `[gate | up | down]` (a one-neuron cluster, the same in either layout).
+#[derive(Debug, Clone, Copy)]
+struct Bundles<'a, 'b> {
+    bundles: &'a [&'b [u8]],
+    row_bytes: usize,
+}
+
+impl<'b> NeuronRows<'b> for Bundles<'_, 'b> {
+    #[inline(always)]
+    fn gate(&self, i: usize) -> &'b [u8] {
+        &self.bundles[i][..self.row_bytes]
+    }
+    #[inline(always)]
+    fn up(&self, i: usize) -> &'b [u8] {
+        &self.bundles[i][self.row_bytes..2 * self.row_bytes]
+    }
+    #[inline(always)]
+    fn down(&self, i: usize) -> &'b [u8] {
+        &self.bundles[i][2 * self.row_bytes..]
     }
 }
 
@@ -81,13 +203,6 @@ pub fn ffn_bundles(
     scores: &mut [f32],
 ) -> Result<usize> {
     ensure!(
-        x.x.len() == layout.hidden && out.len() == layout.hidden,
-        "FFN input and output must have {} values (got {} and {})",
-        layout.hidden,
-        x.x.len(),
-        out.len()
-    );
-    ensure!(
         scores.len() == bundles.len(),
         "{} score slots for {} bundles",
         scores.len(),
@@ -105,33 +220,74 @@ pub fn ffn_bundles(
             layout.bundle_bytes()
         );
     }
+    in_batches(layout, x, skip, out, scores, |start| Bundles {
+        bundles: &bundles[start..],
+        row_bytes: layout.row_bytes,
+    })
+}
+
+/// [`ffn_bundles`] over one cluster's neurons where its extent `bytes` lies (in
+/// `layout.cluster`): `scores` has a slot for each of its neurons, in stored order.
+pub fn ffn_cluster(
+    layout: &BundleLayout,
+    x: &Operand,
+    bytes: &[u8],
+    skip: Skip,
+    out: &mut [f32],
+    scores: &mut [f32],
+) -> Result<usize> {
+    let rows = ClusterRows::new(layout, bytes, scores.len())?;
+    in_batches(layout, x, skip, out, scores, |start| rows.from(start))
+}
+
+/// The FFN over `scores.len()` neurons, [`GATE_BATCH`] at a time: `rows(start)` gives the
+/// neurons from `start` on.
+fn in_batches<'b, R: NeuronRows<'b>>(
+    layout: &BundleLayout,
+    x: &Operand,
+    skip: Skip,
+    out: &mut [f32],
+    scores: &mut [f32],
+    rows: impl Fn(usize) -> R,
+) -> Result<usize> {
+    ensure!(
+        x.x.len() == layout.hidden && out.len() == layout.hidden,
+        "FFN input and output must have {} values (got {} and {})",
+        layout.hidden,
+        x.x.len(),
+        out.len()
+    );
     let k = RowKernels::best();
     let (mut active, mut coef) = ([0u32; GATE_BATCH], [0.0f32; GATE_BATCH]);
     let mut computed = 0;
-    for (bs, gs) in bundles
-        .chunks(GATE_BATCH)
-        .zip(scores.chunks_mut(GATE_BATCH))
-    {
-        let bundle = |i: usize| bs[i];
-        let m = gate_pass(
-            k,
-            layout,
-            x,
-            bundle,
-            |_| true,
-            skip,
-            gs,
-            &mut active,
-            &mut coef,
-        );
-        down_pass(k, layout, bundle, &active[..m], &coef[..m], out);
-        computed += m;
+    for (start, gs) in (0..).step_by(GATE_BATCH).zip(scores.chunks_mut(GATE_BATCH)) {
+        let rows = rows(start);
+        computed += gate_and_down(k, layout, x, &rows, skip, gs, &mut active, &mut coef, out);
     }
     Ok(computed)
 }
 
-/// The first half of the FFN over `scores.len()` bundles (`bundle(i)` gives bundle `i`, each of
-/// `layout.bundle_bytes()`): for each `i` that is a `candidate`, `g = gate·x`, `a = act(g)`, the
+/// [`gate_pass`] over every neuron of `rows` with a slot in `scores`, then [`down_pass`] of the
+/// active ones into `out`; returns how many were active.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn gate_and_down<'b>(
+    k: &RowKernels,
+    layout: &BundleLayout,
+    x: &Operand,
+    rows: &impl NeuronRows<'b>,
+    skip: Skip,
+    scores: &mut [f32],
+    active: &mut [u32],
+    coef: &mut [f32],
+    out: &mut [f32],
+) -> usize {
+    let m = gate_pass(k, layout, x, rows, |_| true, skip, scores, active, coef);
+    down_pass(k, layout, rows, &active[..m], &coef[..m], out);
+    m
+}
+
+/// The first half of the FFN over the first `scores.len()` neurons of `rows`: for each `i` that is a `candidate`, `g = gate·x`, `a = act(g)`, the
 /// rule's score goes to `scores[i]` (`|a|` under `gate`, `|a·(up·x)|` under `gate_up`), and if it
 /// exceeds the threshold (active), `i` to the next slot of `active` and `a · (up·x)` to the same
 /// slot of `coef`. Returns how many are active. Scores of non-candidates are left as they were.
@@ -142,14 +298,14 @@ pub fn gate_pass<'b>(
     k: &RowKernels,
     layout: &BundleLayout,
     x: &Operand,
-    bundle: impl Fn(usize) -> &'b [u8],
+    rows: &impl NeuronRows<'b>,
     candidate: impl Fn(usize) -> bool,
     skip: Skip,
     scores: &mut [f32],
     active: &mut [u32],
     coef: &mut [f32],
 ) -> usize {
-    let (q, rb) = (layout.qtype, layout.row_bytes);
+    let q = layout.qtype;
     let n = scores.len();
     assert!(active.len() >= n && coef.len() >= n);
     let up_always = matches!(skip.rule, SkipRule::GateUp);
@@ -161,24 +317,22 @@ pub fn gate_pass<'b>(
             if !candidate(i) {
                 continue;
             }
-            let b = bundle(i);
             if i + PREFETCH_AHEAD < n {
-                let rows = if up_always || m * UP_PREFETCH_SHARE >= seen {
-                    2
-                } else {
-                    1
-                };
-                prefetch(&bundle(i + PREFETCH_AHEAD)[..rows * rb]);
+                prefetch_ahead(
+                    rows,
+                    i + PREFETCH_AHEAD,
+                    up_always || m * UP_PREFETCH_SHARE >= seen,
+                );
             }
             seen += 1;
-            let a = skip.act.apply(k.dot(q, &b[..rb], x));
+            let a = skip.act.apply(k.dot(q, rows.gate(i), x));
             let c = match skip.gate_score(a) {
                 Some(s) => {
                     *score = s;
-                    skip.active(s).then(|| a * k.dot(q, &b[rb..2 * rb], x))
+                    skip.active(s).then(|| a * k.dot(q, rows.up(i), x))
                 }
                 None => {
-                    let c = a * k.dot(q, &b[rb..2 * rb], x);
+                    let c = a * k.dot(q, rows.up(i), x);
                     *score = c.abs();
                     skip.active(*score).then_some(c)
                 }
@@ -197,7 +351,7 @@ pub fn gate_pass<'b>(
     // of those of them that are active.
     let per_batch = if up_always { DOT_ROWS / 2 } else { DOT_ROWS };
     let mut flush = |batch: &[usize], mut m: usize| -> usize {
-        let mut rows: [&[u8]; DOT_ROWS] = [&[]; DOT_ROWS];
+        let mut batch_rows: [&[u8]; DOT_ROWS] = [&[]; DOT_ROWS];
         let mut dots = [0.0f32; DOT_ROWS];
         // The candidates whose up rows are computed: their activations, indices and up values.
         let (mut acts, mut which, mut ups) =
@@ -206,21 +360,20 @@ pub fn gate_pass<'b>(
         if up_always {
             // [gate, up] of each candidate.
             for (j, &c) in batch.iter().enumerate() {
-                let b = bundle(c);
-                rows[2 * j] = &b[..rb];
-                rows[2 * j + 1] = &b[rb..2 * rb];
+                batch_rows[2 * j] = rows.gate(c);
+                batch_rows[2 * j + 1] = rows.up(c);
             }
             let nr = 2 * batch.len();
-            k.dots(q, &rows[..nr], x, &mut dots[..nr]);
+            k.dots(q, &batch_rows[..nr], x, &mut dots[..nr]);
             for (j, &c) in batch.iter().enumerate() {
                 (acts[j], which[j], ups[j]) = (skip.act.apply(dots[2 * j]), c, dots[2 * j + 1]);
             }
             up = batch.len();
         } else {
-            for (r, &c) in rows.iter_mut().zip(batch) {
-                *r = &bundle(c)[..rb];
+            for (r, &c) in batch_rows.iter_mut().zip(batch) {
+                *r = rows.gate(c);
             }
-            k.dots(q, &rows[..batch.len()], x, &mut dots[..batch.len()]);
+            k.dots(q, &batch_rows[..batch.len()], x, &mut dots[..batch.len()]);
             // The up rows of those the gate alone does not rule out.
             for (j, &c) in batch.iter().enumerate() {
                 let a = skip.act.apply(dots[j]);
@@ -232,12 +385,12 @@ pub fn gate_pass<'b>(
                     None => true,
                 };
                 if wanted {
-                    rows[up] = &bundle(c)[rb..2 * rb];
+                    batch_rows[up] = rows.up(c);
                     (acts[up], which[up]) = (a, c);
                     up += 1;
                 }
             }
-            k.dots(q, &rows[..up], x, &mut ups[..up]);
+            k.dots(q, &batch_rows[..up], x, &mut ups[..up]);
         }
         for ((&a, &c), &u) in acts.iter().zip(&which).zip(&ups).take(up) {
             let v = a * u;
@@ -258,12 +411,11 @@ pub fn gate_pass<'b>(
             continue;
         }
         if c + PREFETCH_AHEAD < n {
-            let ahead = if up_always || m * UP_PREFETCH_SHARE >= seen {
-                2
-            } else {
-                1
-            };
-            prefetch(&bundle(c + PREFETCH_AHEAD)[..ahead * rb]);
+            prefetch_ahead(
+                rows,
+                c + PREFETCH_AHEAD,
+                up_always || m * UP_PREFETCH_SHARE >= seen,
+            );
         }
         seen += 1;
         batch[len] = c;
@@ -279,19 +431,19 @@ pub fn gate_pass<'b>(
     m
 }
 
-/// The second half: `out += coef[j] · down(active[j])` for each `j` in order, [`DOWN_BATCH`]
-/// neurons at a time.
+/// The second half: `out += coef[j] · rows.down(active[j])` for each `j` in order,
+/// [`DOWN_BATCH`] neurons at a time.
 #[inline]
 pub fn down_pass<'b>(
     k: &RowKernels,
     layout: &BundleLayout,
-    bundle: impl Fn(usize) -> &'b [u8],
+    rows: &impl NeuronRows<'b>,
     active: &[u32],
     coef: &[f32],
     out: &mut [f32],
 ) {
-    let (q, rb) = (layout.qtype, layout.row_bytes);
-    let mut rows: [&[u8]; DOWN_BATCH] = [&[]; DOWN_BATCH];
+    let q = layout.qtype;
+    let mut batch: [&[u8]; DOWN_BATCH] = [&[]; DOWN_BATCH];
     for (j, (idx, c)) in active
         .chunks(DOWN_BATCH)
         .zip(coef.chunks(DOWN_BATCH))
@@ -300,12 +452,21 @@ pub fn down_pass<'b>(
         // The next batch's down columns, while this one is added.
         let next = &active[((j + 1) * DOWN_BATCH).min(active.len())..];
         for &i in next.iter().take(DOWN_BATCH) {
-            prefetch(&bundle(i as usize)[2 * rb..]);
+            prefetch(rows.down(i as usize));
         }
-        for (r, &i) in rows.iter_mut().zip(idx) {
-            *r = &bundle(i as usize)[2 * rb..];
+        for (r, &i) in batch.iter_mut().zip(idx) {
+            *r = rows.down(i as usize);
         }
-        k.axpy_rows(q, c, &rows[..idx.len()], out);
+        k.axpy_rows(q, c, &batch[..idx.len()], out);
+    }
+}
+
+/// Asks for neuron `i`'s gate row, and its up row if `up`, ahead of [`gate_pass`] reading them.
+#[inline(always)]
+fn prefetch_ahead<'b>(rows: &impl NeuronRows<'b>, i: usize, up: bool) {
+    prefetch(rows.gate(i));
+    if up {
+        prefetch(rows.up(i));
     }
 }
 

@@ -1,11 +1,12 @@
 //! Every kernel of every instruction set this CPU runs, against scalar f64 references built from the
 //! format's scalar decoder, on fresh random inputs (the seed is in every failure message).
 
+use leanstream_format::ffn::ClusterLayout;
 use leanstream_format::quant::{dequantize_row, quantize_row, QuantType, BLOCK_LEN};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::bundles::{ffn_bundles, BundleLayout};
+use super::bundles::{ffn_bundles, ffn_cluster, BundleLayout};
 use super::qmatrix::GEMM_MIN_TOKENS;
 use super::rows::{pick, FORCE_ENV};
 use super::{Matrix, Operand, Q8Vec, QMatrix, RowKernels, RowStream, Weight};
@@ -322,7 +323,7 @@ fn dots_are_dot_row_by_row_bit_for_bit() {
 /// rules, with candidates left out and odd counts.
 #[test]
 fn gate_pass_is_one_dot_per_row_bit_for_bit() {
-    use super::bundles::gate_pass;
+    use super::bundles::{gate_pass, ClusterRows};
     let (seed, mut rng) = rng();
     for k in RowKernels::available() {
         for qtype in [
@@ -331,33 +332,38 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
             QuantType::Q4_1,
             QuantType::F16,
         ] {
-            let layout = BundleLayout::new(qtype, 96).unwrap();
+            let layout = BundleLayout::new(qtype, 96, ClusterLayout::Split).unwrap();
             for n in [1, 2, 3, 5, 8, 11, 37] {
                 let (buf, _) = random_bundles(&layout, n, &mut rng);
                 let bb = layout.bundle_bytes();
                 let rb = layout.row_bytes();
                 let bundle = |i: usize| &buf[i * bb..(i + 1) * bb];
+                // The cluster in either layout gives the same.
+                let cluster = if n % 2 == 0 {
+                    ClusterLayout::Split
+                } else {
+                    ClusterLayout::Interleaved
+                };
+                let layout = layout.with_cluster(cluster);
+                let stored = cluster.arrange(&buf, rb);
+                let rows = ClusterRows::new(&layout, &stored, n).unwrap();
                 let xs = random(96, 1.0, &mut rng);
                 let x = Operand::new(&xs, qtype);
                 let skipped = rng.random_range(0..3usize);
                 let candidate = |i: usize| skipped == 0 || i % 3 != skipped;
-                for (act, rule, threshold) in [
-                    (Activation::Silu, SkipRule::Gate, 0.2),
-                    (Activation::Relu, SkipRule::Gate, 0.0),
-                    (Activation::Silu, SkipRule::GateUp, 0.1),
-                ] {
-                    let skip = Skip {
+                for skip in three_rules() {
+                    let Skip {
                         act,
                         rule,
                         threshold,
-                    };
+                    } = skip;
                     let mut scores = vec![-1.0f32; n];
                     let (mut active, mut coef) = (vec![0u32; n], vec![0.0f32; n]);
                     let m = gate_pass(
                         &k,
                         &layout,
                         &x,
-                        bundle,
+                        &rows,
                         candidate,
                         skip,
                         &mut scores,
@@ -389,7 +395,10 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                             want_coef.push(c.to_bits());
                         }
                     }
-                    let what = format!("seed {seed}: {} {qtype} n={n} {act:?} {rule:?}", k.isa);
+                    let what = format!(
+                        "seed {seed}: {} {qtype} n={n} {cluster:?} {act:?} {rule:?}",
+                        k.isa
+                    );
                     assert_eq!(
                         scores.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
                         want_scores.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
@@ -522,7 +531,7 @@ fn bundle_ffn_matches_f64() {
         let hidden = if qtype.is_block() { 288 } else { 100 };
         // 1200 neurons of 288 cross the parallel threshold.
         let n = if qtype.is_block() { 1200 } else { 90 };
-        let layout = BundleLayout::new(qtype, hidden).unwrap();
+        let layout = BundleLayout::new(qtype, hidden, ClusterLayout::Split).unwrap();
         let (buf, parts) = random_bundles(&layout, n, &mut rng);
         // Every other bundle, read in place from the one buffer.
         let chosen: Vec<usize> = (0..n).step_by(2).collect();
@@ -604,7 +613,7 @@ fn bundle_ffn_matches_f64() {
 fn relu_skipping_is_exact() {
     // With ReLU and threshold 0 the sparse FFN equals the dense one over all neurons.
     let (seed, mut rng) = rng();
-    let layout = BundleLayout::new(QuantType::Q4_0, 64).unwrap();
+    let layout = BundleLayout::new(QuantType::Q4_0, 64, ClusterLayout::Split).unwrap();
     let (buf, _) = random_bundles(&layout, 40, &mut rng);
     let bundles: Vec<&[u8]> = buf.chunks_exact(layout.bundle_bytes()).collect();
     let xs = random(64, 1.0, &mut rng);
@@ -631,8 +640,8 @@ fn relu_skipping_is_exact() {
 
 #[test]
 fn bundle_errors_name_the_problem() {
-    let layout = BundleLayout::new(QuantType::Q8_0, 64).unwrap();
-    assert!(BundleLayout::new(QuantType::Q8_0, 65).is_err());
+    let layout = BundleLayout::new(QuantType::Q8_0, 64, ClusterLayout::Split).unwrap();
+    assert!(BundleLayout::new(QuantType::Q8_0, 65, ClusterLayout::Split).is_err());
     let xs = vec![0.0; 64];
     let x = Operand::new(&xs, QuantType::Q8_0);
     let short = vec![0u8; layout.bundle_bytes() - 1];
@@ -644,6 +653,59 @@ fn bundle_errors_name_the_problem() {
     };
     let err = ffn_bundles(&layout, &x, &[&short], relu, &mut out, &mut [0.0]).unwrap_err();
     assert!(err.to_string().contains("bundle 0"), "{err}");
+    let err = ffn_cluster(&layout, &x, &short, relu, &mut out, &mut [0.0]).unwrap_err();
+    assert!(
+        err.to_string().contains("needs 204 bytes, it has 203"),
+        "{err}"
+    );
+}
+
+/// SiLU under `gate` (0.2), ReLU exact (0), SiLU under `gate_up` (0.1).
+fn three_rules() -> [Skip; 3] {
+    [
+        (Activation::Silu, SkipRule::Gate, 0.2),
+        (Activation::Relu, SkipRule::Gate, 0.0),
+        (Activation::Silu, SkipRule::GateUp, 0.1),
+    ]
+    .map(|(act, rule, threshold)| Skip {
+        act,
+        rule,
+        threshold,
+    })
+}
+
+/// A cluster stored split (format 1.6) or interleaved (1.5) gives bitwise what its bundles give
+/// one by one, under every rule, with clusters longer than a gate batch.
+#[test]
+fn cluster_layouts_give_the_bits_of_the_bundles() {
+    let (seed, mut rng) = rng();
+    for qtype in [QuantType::Q8_0, QuantType::Q4_1, QuantType::F16] {
+        let layout = BundleLayout::new(qtype, 64, ClusterLayout::Split).unwrap();
+        for n in [1, 7, 130] {
+            let (buf, _) = random_bundles(&layout, n, &mut rng);
+            let bundles: Vec<&[u8]> = buf.chunks_exact(layout.bundle_bytes()).collect();
+            let xs = random(64, 1.0, &mut rng);
+            let x = Operand::new(&xs, qtype);
+            for skip in three_rules() {
+                let (act, rule) = (skip.act, skip.rule);
+                let (mut want, mut want_scores) = (vec![0.0f32; 64], vec![0.0f32; n]);
+                let m = ffn_bundles(&layout, &x, &bundles, skip, &mut want, &mut want_scores);
+                for cluster in [ClusterLayout::Split, ClusterLayout::Interleaved] {
+                    let layout = layout.with_cluster(cluster);
+                    // Padding after the rows, as an extent has.
+                    let mut stored = cluster.arrange(&buf, layout.row_bytes());
+                    stored.resize(stored.len() + 100, 0xAB);
+                    let (mut out, mut scores) = (vec![0.0f32; 64], vec![0.0f32; n]);
+                    let got = ffn_cluster(&layout, &x, &stored, skip, &mut out, &mut scores);
+                    let what = format!("seed {seed}: {qtype} n={n} {cluster:?} {act:?} {rule:?}");
+                    assert_eq!(got.unwrap(), *m.as_ref().unwrap(), "{what}");
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&out), bits(&want), "{what}");
+                    assert_eq!(bits(&scores), bits(&want_scores), "{what}");
+                }
+            }
+        }
+    }
 }
 
 /// A matrix streamed in row blocks (its tiles for `gemm` cut across blocks) gives exactly the

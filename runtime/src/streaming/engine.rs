@@ -18,12 +18,12 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use leanstream_format::file::check_extent;
 use leanstream_format::quant::QuantType;
 use leanstream_format::FormatError;
 
-use crate::kernels::bundles::{down_pass, gate_pass, PARALLEL_MIN_BYTES};
+use crate::kernels::bundles::{down_pass, gate_pass, ClusterRows, PARALLEL_MIN_BYTES};
 use crate::kernels::parallel;
 use crate::kernels::{Operand, RowKernels};
 use crate::model::FfnBackend;
@@ -1249,9 +1249,11 @@ struct ClusterOps<'a> {
 }
 
 impl<'a> ClusterOps<'a> {
-    fn bundle(&self, i: usize) -> &'a [u8] {
-        let bb = self.plan.layout.bundle_bytes();
-        &self.bytes[i * bb..(i + 1) * bb]
+    /// The cluster's neurons' rows where its bytes lie; an error if they are too few.
+    fn rows(&self) -> Result<ClusterRows<'a>> {
+        let count = self.plan.clusters[self.ci].count;
+        ClusterRows::new(&self.plan.layout, self.bytes, count)
+            .with_context(|| format!("cluster {}", self.ci))
     }
 
     /// Computes the exact scores of the cluster's candidate neurons into `scores` (the layer's)
@@ -1289,21 +1291,11 @@ impl<'a> ClusterOps<'a> {
         coef: &mut [f32],
     ) -> Result<usize> {
         let cl = self.plan.clusters[self.ci];
-        let bb = self.plan.layout.bundle_bytes();
-        if self.bytes.len() < cl.count * bb {
-            bail!(
-                "cluster {} holds {} bytes, its {} bundles need {}",
-                self.ci,
-                self.bytes.len(),
-                cl.count,
-                cl.count * bb
-            );
-        }
         Ok(gate_pass(
             self.k,
             &self.plan.layout,
             x,
-            |i| self.bundle(i),
+            &self.rows()?,
             |i| candidate[cl.first + i],
             self.skip,
             scores,
@@ -1320,14 +1312,9 @@ impl<'a> ClusterOps<'a> {
     }
 
     /// Adds `coef[j] · down(active[j])` for the cluster's neurons `active`, in order, to `acc`.
+    /// The cluster's gates were computed ([`Self::gate_into`] checked its size).
     fn add_from(&self, active: &[u32], coef: &[f32], acc: &mut [f32]) {
-        down_pass(
-            self.k,
-            &self.plan.layout,
-            |i| self.bundle(i),
-            active,
-            coef,
-            acc,
-        );
+        let rows = self.rows().expect("gate_into checked the cluster's size");
+        down_pass(self.k, &self.plan.layout, &rows, active, coef, acc);
     }
 }

@@ -112,7 +112,7 @@ impl LayerPlan {
             };
             let certificate_bytes = Certificate::resident_bytes(&file.sketch.layers[l], skip);
             plans.push(LayerPlan {
-                layout: BundleLayout::new(f.qtype, c.hidden_size)?,
+                layout: BundleLayout::of(f)?,
                 clusters,
                 cluster_of,
                 skip,

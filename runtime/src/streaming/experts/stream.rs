@@ -19,7 +19,7 @@ use super::cache::ExpertCache;
 use super::metrics::ExpertCounters;
 use super::oracle::Oracle;
 use crate::config::{Activation, MoeConfig};
-use crate::kernels::bundles::{down_pass, gate_pass, BundleLayout};
+use crate::kernels::bundles::{gate_and_down, BundleLayout, ClusterRows};
 use crate::kernels::{Matrix, Operand, RowKernels, Weight};
 use crate::model::{rms_norm, route, Choice, DenseFfn, FfnBackend, MoeScratch};
 use crate::skip_rule::{Skip, SkipRule};
@@ -435,14 +435,13 @@ impl ExpertStream {
             let expert = &m.experts[e];
             if expert.qtype.is_block() {
                 // Where it lies, in its stored encoding (q4/q8 bundles): every neuron computed.
-                let layout = BundleLayout::new(expert.qtype, expert.hidden as usize)?;
+                let layout = BundleLayout::of(expert)?;
                 let (kernels, act) = (RowKernels::best(), self.act);
                 let (scores, active, coef) = (&mut w.scores, &mut w.active, &mut w.coef);
                 w.moe.add_expert_with(e, x, t, out, |xr, y| {
                     run_bundles(
                         kernels, &layout, expert, bytes, act, xr, y, scores, active, coef,
-                    );
-                    Ok(())
+                    )
                 })?;
             } else {
                 decode_expert(expert, bytes, &mut w.decoded, &mut w.column)?;
@@ -482,7 +481,7 @@ impl ExpertStream {
 /// Neurons whose gates [`run_bundles`] computes before adding their down columns.
 const GATE_BATCH: usize = 64;
 
-/// An expert's output for one input `x` added to `y`: the bundle kernel over its bundles where
+/// An expert's output for one input `x` added to `y`: the bundle kernel over its clusters where
 /// they lie in `bytes` (its whole extent), every neuron computed (the rule's threshold is below
 /// any score), in stored order.
 #[allow(clippy::too_many_arguments)]
@@ -497,37 +496,26 @@ fn run_bundles(
     scores: &mut [f32],
     active: &mut [u32],
     coef: &mut [f32],
-) {
-    let bb = layout.bundle_bytes();
+) -> Result<()> {
     let first = expert.clusters.first().map_or(0, |c| c.offset);
-    let bundle = |p: usize| -> &[u8] {
-        let c = &expert.clusters[expert.cluster_of(p as u32)];
-        let at = (c.offset - first) as usize + (p - c.first as usize) * bb;
-        &bytes[at..at + bb]
-    };
     let op = Operand::new(x, layout.qtype);
     let every = Skip {
         act,
         rule: SkipRule::Gate,
         threshold: -1.0,
     };
-    let n = expert.neurons();
-    for start in (0..n).step_by(GATE_BATCH) {
-        let len = GATE_BATCH.min(n - start);
-        let at = |i: usize| bundle(start + i);
-        let m = gate_pass(
-            kernels,
-            layout,
-            &op,
-            at,
-            |_| true,
-            every,
-            &mut scores[..len],
-            active,
-            coef,
-        );
-        down_pass(kernels, layout, at, &active[..m], &coef[..m], y);
+    for (ci, c) in expert.clusters.iter().enumerate() {
+        let at = (c.offset - first) as usize;
+        let extent = bytes.get(at..).unwrap_or_default();
+        let rows = ClusterRows::new(layout, extent, c.count as usize)
+            .with_context(|| format!("expert cluster {ci}"))?;
+        for start in (0..rows.len()).step_by(GATE_BATCH) {
+            let len = GATE_BATCH.min(rows.len() - start);
+            let (scores, rows) = (&mut scores[..len], rows.from(start));
+            gate_and_down(kernels, layout, &op, &rows, every, scores, active, coef, y);
+        }
     }
+    Ok(())
 }
 
 /// Decodes an expert's stored clusters (`bytes`, its whole extent) into `into`'s f32 matrices.
