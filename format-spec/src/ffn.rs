@@ -66,6 +66,22 @@ impl ClusterLayout {
         part as usize * p + k * n
     }
 
+    /// A cluster extent of `count` neurons (padding or not) in this layout, rewritten in layout
+    /// `to`: the same rows, each where `to` puts it; the padding stays.
+    pub fn move_rows(self, to: Self, extent: &[u8], count: usize, row_bytes: usize) -> Vec<u8> {
+        let mut out = extent.to_vec();
+        for k in 0..count {
+            for part in [Part::Gate, Part::Up, Part::Down] {
+                let (a, b) = (
+                    self.row_offset(part, k, count, row_bytes),
+                    to.row_offset(part, k, count, row_bytes),
+                );
+                out[b..b + row_bytes].copy_from_slice(&extent[a..a + row_bytes]);
+            }
+        }
+        out
+    }
+
     /// The extent (without its padding) of a cluster whose bundles, `[gate | up | down]` each
     /// `3 · row_bytes` long, are `bundles` back to back: the same bytes in this layout.
     pub fn arrange(self, bundles: &[u8], row_bytes: usize) -> Vec<u8> {
@@ -325,6 +341,11 @@ mod tests {
                 }
             }
         }
+        let mut padded = split.clone();
+        padded.extend([0, 0]);
+        let back = ClusterLayout::Split.move_rows(ClusterLayout::Interleaved, &padded, 3, 2);
+        assert_eq!(back[..18], bundles[..]);
+        assert_eq!(back[18..], [0, 0]);
         assert_eq!(ClusterLayout::of_minor(5), ClusterLayout::Interleaved);
         assert_eq!(ClusterLayout::of_minor(6), ClusterLayout::Split);
         assert_eq!(ClusterLayout::Split.minor_version(), 6);

@@ -111,6 +111,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Rewrite a format 1.5 file's clusters in format 1.6's split layout (the same weights, no
+    /// conversion): `[gate rows | up rows | down columns]` per cluster, the layout the runtime's
+    /// gate pass reads fastest.
+    Upgrade {
+        /// A converted file of format 1.5 or before.
+        file: PathBuf,
+        /// Output file (may be FILE itself).
+        #[arg(short, long)]
+        output: PathBuf,
+    },
     /// Check every checksum of a converted file.
     Verify(leanstream::transfer::verify::VerifyArgs),
     /// Compress a converted file into one checksummed archive for transfer.
@@ -190,6 +200,7 @@ fn run(command: Command) -> Result<()> {
                 inspect::print(&v);
             }
         }
+        Command::Upgrade { file, output } => upgrade(&file, &output)?,
         Command::Verify(args) => leanstream::transfer::verify::run(args)?,
         Command::Pack(args) => pack::run(args)?,
         Command::Push(args) => push::run(args)?,
@@ -269,4 +280,22 @@ fn print_summary(s: &convert::Summary) {
         p.finish,
         mib(s.peak_rss_bytes.unwrap_or(0))
     );
+}
+
+/// `upgrade`: `file`'s clusters rewritten split, as format 1.6 (FORMAT.md §6.3, §12).
+fn upgrade(file: &std::path::Path, output: &std::path::Path) -> Result<()> {
+    use leanstream_format::ffn::ClusterLayout;
+    let f = leanstream_format::LsbFile::open(file)?;
+    if f.cluster_layout() == ClusterLayout::Split {
+        anyhow::bail!(
+            "{} is format {}.{} already: its clusters are split",
+            file.display(),
+            f.header.version_major,
+            f.header.version_minor
+        );
+    }
+    drop(f);
+    leanstream_format::relayout::relayout(file, output, ClusterLayout::Split)?;
+    eprintln!("wrote {} (format 1.6, split clusters)", output.display());
+    Ok(())
 }

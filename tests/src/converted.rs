@@ -167,79 +167,16 @@ pub fn session_options(
 
 /// Copies `src` (format 1.6, clusters split `[gate rows | up rows | down columns]`) to `dst` as a
 /// 1.5 file, what a converter before 1.6 wrote for the same weights: every cluster extent of
-/// FFN_DATA and EXPERT_DATA rearranged to `[gate | up | down]` per neuron, the checksums of the
-/// extents, the data sections and their (raw) indexes recomputed, and the header's minor version
-/// 5. Same sizes, so every other byte stays where it was.
+/// FFN_DATA and EXPERT_DATA rearranged to `[gate | up | down]` per neuron, the checksums that
+/// cover them recomputed, the header's minor version 5 ([`leanstream_format::relayout`]).
 pub fn to_interleaved(src: &Path, dst: &Path) {
-    use leanstream_format::container::{checksum, Header, SectionKind};
-    use leanstream_format::ffn::{ClusterLayout, FfnLayer, Part};
-    let mut f = leanstream_format::LsbFile::open(src).unwrap();
+    use leanstream_format::ffn::ClusterLayout;
+    let f = leanstream_format::LsbFile::open(src).unwrap();
     assert_eq!(
         f.cluster_layout(),
         ClusterLayout::Split,
         "{}",
         src.display()
     );
-    let mut bytes = std::fs::read(src).unwrap();
-    let mut header = Header::decode(&bytes[..4096], bytes.len() as u64).unwrap();
-    let relayout = |bytes: &mut [u8], base: u64, layer: &mut FfnLayer| {
-        for ci in 0..layer.clusters.len() {
-            let c = layer.clusters[ci];
-            let at = (base + c.offset) as usize;
-            let extent = &bytes[at..at + c.extent_size as usize];
-            let mut old = Vec::with_capacity(extent.len());
-            for k in 0..c.count as usize {
-                for part in [Part::Gate, Part::Up, Part::Down] {
-                    old.extend_from_slice(layer.row(extent, ci, k, part));
-                }
-            }
-            old.resize(extent.len(), 0);
-            bytes[at..at + old.len()].copy_from_slice(&old);
-            layer.clusters[ci].checksum = checksum(&old);
-        }
-        layer.layout = ClusterLayout::Interleaved;
-    };
-    let entry = |h: &Header, kind: SectionKind| {
-        h.sections
-            .iter()
-            .position(|s| s.kind == kind as u32)
-            .unwrap_or_else(|| panic!("{}: no {kind:?}", src.display()))
-    };
-    // Data, then index: each section's checksum over its stored bytes.
-    let mut sections = vec![(SectionKind::FfnData, SectionKind::FfnIndex)];
-    if !f.experts.layers.is_empty() {
-        sections.push((SectionKind::ExpertData, SectionKind::ExpertIndex));
-    }
-    for (data, index) in sections {
-        let d = entry(&header, data);
-        let base = header.sections[d].offset;
-        let encoded = if data == SectionKind::FfnData {
-            f.ffn
-                .layers
-                .iter_mut()
-                .for_each(|l| relayout(&mut bytes, base, l));
-            f.ffn.encode()
-        } else {
-            f.experts
-                .layers
-                .iter_mut()
-                .flatten()
-                .for_each(|l| relayout(&mut bytes, base, l));
-            f.experts.encode()
-        };
-        let i = entry(&header, index);
-        for (s, new) in [(d, None), (i, Some(encoded))] {
-            let e = &mut header.sections[s];
-            let start = e.offset as usize;
-            if let Some(new) = new {
-                assert_eq!(e.encoding, 0, "{index:?} is stored raw");
-                assert_eq!(new.len() as u64, e.length, "same records, same size");
-                bytes[start..start + new.len()].copy_from_slice(&new);
-            }
-            e.checksum = checksum(&bytes[start..start + e.stored_size as usize]);
-        }
-    }
-    header.version_minor = 5;
-    bytes[..4096].copy_from_slice(&header.encode());
-    std::fs::write(dst, bytes).unwrap();
+    leanstream_format::relayout::relayout(src, dst, ClusterLayout::Interleaved).unwrap();
 }

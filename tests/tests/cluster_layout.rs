@@ -3,16 +3,18 @@
 //! embedded model's and a tiny mixture's 1.6 conversions rewritten in the 1.5 layout (what a 1.5
 //! converter wrote for the same weights) give bitwise the same logits and greedy tokens under
 //! every policy that reads the bundles: resident, dense (as stored), streaming under a budget,
-//! and a mixture's experts streamed.
+//! and a mixture's experts streamed. `leanstream-prep upgrade` turns the 1.5 file back into its
+//! 1.6 conversion byte for byte.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use leanstream::kv_cache::KvType;
 use leanstream::session::{PolicyChoice, Session};
 use leanstream_format::ffn::ClusterLayout;
 use leanstream_format::{verify, LsbFile};
 use leanstream_tests::converted::{
-    argmax, convert, embedded, exact_options, heldout_ids, scratch, to_interleaved,
+    argmax, bin, convert, embedded, exact_options, heldout_ids, scratch, to_interleaved,
 };
 use leanstream_tests::fresh_dir;
 use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
@@ -50,7 +52,32 @@ fn old_of(new: &Path, name: &str) -> PathBuf {
         .iter()
         .all(|l| l.layout == ClusterLayout::Interleaved));
     assert_eq!(verify(&old, |_, _| {}).unwrap(), o.header.file_size);
+    let upgraded = scratch().join(format!("{name}.upgraded"));
+    let (ok, err) = upgrade(&old, &upgraded);
+    assert!(ok, "{err}");
+    assert!(
+        std::fs::read(&upgraded).unwrap() == std::fs::read(new).unwrap(),
+        "the upgraded 1.5 file is the 1.6 conversion"
+    );
+    // A file that is 1.6 already is refused, saying so.
+    let (ok, err) = upgrade(new, &upgraded);
+    assert!(!ok && err.contains("already"), "{err}");
     old
+}
+
+/// `leanstream-prep upgrade src -o dst`: whether it succeeded, and its stderr.
+fn upgrade(src: &Path, dst: &Path) -> (bool, String) {
+    let o = Command::new(bin("leanstream-prep"))
+        .arg("upgrade")
+        .arg(src)
+        .arg("-o")
+        .arg(dst)
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
 }
 
 fn same(new: &Path, old: &Path, policy: PolicyChoice, memory: Option<u64>, ids: &[u32]) {
