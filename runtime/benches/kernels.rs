@@ -22,7 +22,9 @@
 //! A filter argument works as for any criterion bench (`cargo bench -p leanstream --bench kernels --
 //! matvec/avx512`). The filter `table` instead prints the GB/s table of the report: mat-vec of
 //! every encoding and the bundle FFN over the same rows (10 % of the neurons active, counted in the
-//! bytes it touches; clusters in both layouts) against the read bandwidth, measured interleaved. `LEANSTREAM_KERNELS=avx2` runs
+//! bytes it touches; clusters in both layouts) against the read bandwidth, measured interleaved.
+//! `LEANSTREAM_BENCH_CLUSTER_KIB=N` makes the bundles' clusters N KiB (default 32, the
+//! converter's: 2 to 6 neurons of this width). `LEANSTREAM_KERNELS=avx2` runs
 //! the engine's kernels (`best`) as on an AVX2-only CPU.
 
 use std::hint::black_box;
@@ -43,8 +45,9 @@ const ROWS: usize = 11008;
 const COLS: usize = 4096;
 /// Bytes cycled through per benchmark: far above any cache of this machine.
 const WORKING_SET: usize = 1 << 30;
-/// The converter's default cluster size (`--cluster-kib 32`).
-const CLUSTER_BYTES: usize = 32 << 10;
+/// The converter's default cluster size (`--cluster-kib 32`), in KiB; `LEANSTREAM_BENCH_CLUSTER_KIB`
+/// sets another.
+const CLUSTER_KIB: usize = 32;
 /// Both cluster layouts: format 1.6's and 1.5's.
 const LAYOUTS: [ClusterLayout; 2] = [ClusterLayout::Split, ClusterLayout::Interleaved];
 
@@ -214,7 +217,11 @@ impl Bundles {
         let down = QMatrix::quantize(&Matrix::new(1, COLS, random(COLS, rng)), qtype)
             .expect("a whole number of blocks");
         let (rb, bb) = (layout.row_bytes(), layout.bundle_bytes());
-        let per_cluster = (CLUSTER_BYTES / bb).clamp(1, ROWS);
+        let kib = std::env::var("LEANSTREAM_BENCH_CLUSTER_KIB")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(CLUSTER_KIB);
+        let per_cluster = (kib * 1024 / bb).clamp(1, ROWS);
         let mut bundles = Vec::with_capacity(ROWS * bb);
         for r in 0..ROWS {
             bundles.extend_from_slice(m.row(r));

@@ -461,12 +461,16 @@ pub fn down_pass<'b>(
     }
 }
 
-/// Asks for neuron `i`'s gate row, and its up row if `up`, ahead of [`gate_pass`] reading them.
+/// Asks for neuron `i`'s gate row, and if `up` its up row and down column, ahead of
+/// [`gate_pass`] reading them (and [`down_pass`], if it is active): in a split cluster (format
+/// 1.6) the down columns lie in a region of their own, which the down pass, coming right after,
+/// otherwise entered cold ([`UP_PREFETCH_SHARE`] says when).
 #[inline(always)]
 fn prefetch_ahead<'b>(rows: &impl NeuronRows<'b>, i: usize, up: bool) {
     prefetch(rows.gate(i));
     if up {
         prefetch(rows.up(i));
+        prefetch(rows.down(i));
     }
 }
 
