@@ -23,7 +23,9 @@ use leanstream_format::file::check_extent;
 use leanstream_format::quant::QuantType;
 use leanstream_format::FormatError;
 
-use crate::kernels::bundles::{down_pass, gate_pass, ClusterRows, PARALLEL_MIN_BYTES};
+use crate::kernels::bundles::{
+    down_pass, gate_pass, prefetch_head, ClusterRows, PARALLEL_MIN_BYTES,
+};
 use crate::kernels::parallel;
 use crate::kernels::{Operand, RowKernels};
 use crate::model::FfnBackend;
@@ -1082,15 +1084,22 @@ fn resident_groups(
     let one = |g: usize, group: &mut GroupWork, next: &mut usize| -> Result<()> {
         let lo = needed.partition_point(|&c| c < bounds[g]);
         let hi = needed.partition_point(|&c| c < bounds[g + 1]);
-        for &ci in &needed[lo..hi] {
-            if let Some(bytes) = core.resident((l as u32, ci as u32)) {
-                let ops = ClusterOps {
-                    plan,
-                    k,
-                    skip,
-                    ci,
-                    bytes,
-                };
+        let resident = |ci: usize| {
+            let bytes = core.resident((l as u32, ci as u32))?;
+            Some(ClusterOps {
+                plan,
+                k,
+                skip,
+                ci,
+                bytes,
+            })
+        };
+        let mut ahead = needed[lo..hi].iter().map(|&ci| resident(ci)).peekable();
+        while let Some(ops) = ahead.next() {
+            if let Some(ops) = ops {
+                if let Some(Some(next)) = ahead.peek() {
+                    next.prefetch_head();
+                }
                 group.gates(&ops, candidate, operand)?;
             }
         }
@@ -1254,6 +1263,14 @@ impl<'a> ClusterOps<'a> {
         let count = self.plan.clusters[self.ci].count;
         ClusterRows::new(&self.plan.layout, self.bytes, count)
             .with_context(|| format!("cluster {}", self.ci))
+    }
+
+    /// Asks for the rows the cluster's gate pass reads first ([`prefetch_head`]), while the
+    /// cluster before it is computed.
+    fn prefetch_head(&self) {
+        if let Ok(rows) = self.rows() {
+            prefetch_head(&rows, self.plan.clusters[self.ci].count, self.skip);
+        }
     }
 
     /// Computes the exact scores of the cluster's candidate neurons into `scores` (the layer's)
