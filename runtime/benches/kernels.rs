@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
 use leanstream::config::Activation;
-use leanstream::kernels::bundles::{ffn_cluster, BundleLayout};
+use leanstream::kernels::bundles::{ffn_cluster, prefetch_head, BundleLayout, ClusterRows};
 use leanstream::kernels::{Matrix, Operand, QMatrix, RowKernels};
 use leanstream::skip_rule::{Skip, SkipRule};
 use leanstream_format::container::page_align;
@@ -274,7 +274,13 @@ impl Bundles {
             &self.bufs[which][copy],
         );
         let mut first = 0;
-        for &(at, count) in &self.clusters {
+        for (j, &(at, count)) in self.clusters.iter().enumerate() {
+            // As the engine does: the next cluster's first rows while this one is computed.
+            if let Some(&(at, count)) = self.clusters.get(j + 1) {
+                if let Ok(rows) = ClusterRows::new(&layout, &buf[at..], count) {
+                    prefetch_head(&rows, count, self.skip);
+                }
+            }
             let scores = &mut scores[first..first + count];
             ffn_cluster(&layout, x, &buf[at..], self.skip, out, scores).expect("valid clusters");
             first += count;
