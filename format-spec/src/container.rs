@@ -52,10 +52,16 @@ pub enum SectionKind {
     /// A mixture of experts' experts (since 1.5), present with [`SectionKind::ExpertData`].
     ExpertIndex = 11,
     ExpertData = 12,
+    /// FFN_DATA with its clusters split (since 1.6, FORMAT.md §6.3): a new kind, so that a
+    /// reader before 1.6, which knows only FFN_DATA's interleaved clusters, finds no FFN_DATA and
+    /// refuses the file instead of misreading it.
+    FfnDataSplit = 13,
+    /// EXPERT_DATA with its clusters split (since 1.6), for the same reason.
+    ExpertDataSplit = 14,
 }
 
 impl SectionKind {
-    pub const ALL: [SectionKind; 12] = [
+    pub const ALL: [SectionKind; 14] = [
         SectionKind::Meta,
         SectionKind::Tokenizer,
         SectionKind::DenseIndex,
@@ -68,6 +74,8 @@ impl SectionKind {
         SectionKind::BpeVocab,
         SectionKind::ExpertIndex,
         SectionKind::ExpertData,
+        SectionKind::FfnDataSplit,
+        SectionKind::ExpertDataSplit,
     ];
 
     pub fn from_u32(v: u32) -> Option<Self> {
@@ -88,6 +96,8 @@ impl SectionKind {
             SectionKind::BpeVocab => "BPE_VOCAB",
             SectionKind::ExpertIndex => "EXPERT_INDEX",
             SectionKind::ExpertData => "EXPERT_DATA",
+            SectionKind::FfnDataSplit => "FFN_DATA_SPLIT",
+            SectionKind::ExpertDataSplit => "EXPERT_DATA_SPLIT",
         }
     }
 
@@ -96,6 +106,7 @@ impl SectionKind {
         match self {
             SectionKind::BpeVocab => 2,
             SectionKind::ExpertIndex | SectionKind::ExpertData => 5,
+            SectionKind::FfnDataSplit | SectionKind::ExpertDataSplit => 6,
             _ => BASE_MINOR,
         }
     }

@@ -5,7 +5,7 @@
 //! See FORMAT.md §6.
 
 use crate::codec::{Dec, Enc};
-use crate::container::page_align;
+use crate::container::{page_align, SectionKind};
 use crate::quant::{row_bytes, QuantType};
 use crate::FormatError;
 
@@ -32,12 +32,28 @@ pub enum Part {
 }
 
 impl ClusterLayout {
-    /// The layout of a file of minor version `minor`.
-    pub fn of_minor(minor: u16) -> Self {
-        if minor >= SPLIT_SINCE_MINOR {
-            Self::Split
-        } else {
-            Self::Interleaved
+    /// The section kind of a file's FFN cluster extents in this layout: FFN_DATA, or since 1.6
+    /// FFN_DATA_SPLIT (a kind of its own, so that an older reader refuses a split file).
+    pub fn ffn_data(self) -> SectionKind {
+        match self {
+            Self::Interleaved => SectionKind::FfnData,
+            Self::Split => SectionKind::FfnDataSplit,
+        }
+    }
+
+    /// The section kind of a mixture's expert cluster extents in this layout.
+    pub fn expert_data(self) -> SectionKind {
+        match self {
+            Self::Interleaved => SectionKind::ExpertData,
+            Self::Split => SectionKind::ExpertDataSplit,
+        }
+    }
+
+    /// The other layout.
+    pub fn other(self) -> Self {
+        match self {
+            Self::Interleaved => Self::Split,
+            Self::Split => Self::Interleaved,
         }
     }
 
@@ -346,8 +362,8 @@ mod tests {
         let back = ClusterLayout::Split.move_rows(ClusterLayout::Interleaved, &padded, 3, 2);
         assert_eq!(back[..18], bundles[..]);
         assert_eq!(back[18..], [0, 0]);
-        assert_eq!(ClusterLayout::of_minor(5), ClusterLayout::Interleaved);
-        assert_eq!(ClusterLayout::of_minor(6), ClusterLayout::Split);
+        assert_eq!(ClusterLayout::Split.ffn_data().since_minor(), 6);
+        assert_eq!(ClusterLayout::Split.expert_data().since_minor(), 6);
         assert_eq!(ClusterLayout::Split.minor_version(), 6);
     }
 }

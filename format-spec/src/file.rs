@@ -72,9 +72,10 @@ impl LsbFile {
         .map_err(|e| naming(path, e))
     }
 
-    /// How the file's cluster extents order their rows (FORMAT.md §6.3): split since 1.6.
+    /// How the file's cluster extents order their rows (FORMAT.md §6.3): split in a file whose
+    /// clusters are in FFN_DATA_SPLIT (since 1.6).
     pub fn cluster_layout(&self) -> ClusterLayout {
-        ClusterLayout::of_minor(self.header.version_minor)
+        ffn_data(&self.header).map_or(ClusterLayout::Interleaved, |(_, layout)| layout)
     }
 
     /// Whether the file holds a mixture of experts (an EXPERT_INDEX section, format 1.5), from its
@@ -96,13 +97,10 @@ impl LsbFile {
         let dense_data = *header
             .section(SectionKind::DenseData)
             .ok_or_else(|| missing("DENSE_DATA"))?;
-        let ffn_data = *header
-            .section(SectionKind::FfnData)
-            .ok_or_else(|| missing("FFN_DATA"))?;
+        let (ffn_data, layout) = ffn_data(&header)?;
         let dense = read_section(&mut file, path, &header, SectionKind::DenseIndex, |d| {
             DenseIndex::decode(d, dense_data.length)
         })?;
-        let layout = ClusterLayout::of_minor(header.version_minor);
         let ffn = read_section(&mut file, path, &header, SectionKind::FfnIndex, |d| {
             FfnIndex::decode(d, ffn_data.length, layout)
         })?;
@@ -127,7 +125,14 @@ impl LsbFile {
             SectionKind::Refine,
             Refine::decode,
         )?;
-        let expert_data = header.section(SectionKind::ExpertData).copied();
+        if header.section(layout.other().expert_data()).is_some() {
+            return Err(FormatError::invalid(format!(
+                "{} beside {}: a file has one cluster layout",
+                layout.other().expert_data().name(),
+                layout.ffn_data().name()
+            )));
+        }
+        let expert_data = header.section(layout.expert_data()).copied();
         let experts = match (header.section(SectionKind::ExpertIndex), expert_data) {
             (None, None) => ExpertIndex::default(),
             (Some(_), Some(data)) => {
@@ -427,6 +432,20 @@ fn read_section<T>(
     decoded
 }
 
+/// The section of the FFN's cluster extents and the layout its kind declares (FORMAT.md §6.3):
+/// FFN_DATA interleaved, FFN_DATA_SPLIT split.
+fn ffn_data(header: &Header) -> Result<(SectionEntry, ClusterLayout), FormatError> {
+    let of = |layout: ClusterLayout| header.section(layout.ffn_data()).copied();
+    match (of(ClusterLayout::Interleaved), of(ClusterLayout::Split)) {
+        (Some(s), None) => Ok((s, ClusterLayout::Interleaved)),
+        (None, Some(s)) => Ok((s, ClusterLayout::Split)),
+        (None, None) => Err(missing("FFN_DATA (or FFN_DATA_SPLIT)")),
+        (Some(_), Some(_)) => Err(FormatError::invalid(
+            "both FFN_DATA and FFN_DATA_SPLIT: a file has one cluster layout",
+        )),
+    }
+}
+
 fn missing(name: &str) -> FormatError {
     FormatError::invalid(format!("the {name} section is missing"))
 }
@@ -472,14 +491,18 @@ pub fn verify(path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<u64, Fo
                 let check = (format!("tensor {}", t.name), t.checksum);
                 pieces.push((f.dense_extent(t), Some(check)));
             }
-        } else if s.kind == SectionKind::FfnData as u32 {
+        } else if s.kind == SectionKind::FfnData as u32
+            || s.kind == SectionKind::FfnDataSplit as u32
+        {
             for (l, layer) in f.ffn.layers.iter().enumerate() {
                 for (c, cluster) in layer.clusters.iter().enumerate() {
                     let check = (format!("layer {l} cluster {c}"), cluster.checksum);
                     pieces.push((f.cluster_extent(l, c), Some(check)));
                 }
             }
-        } else if s.kind == SectionKind::ExpertData as u32 {
+        } else if s.kind == SectionKind::ExpertData as u32
+            || s.kind == SectionKind::ExpertDataSplit as u32
+        {
             for (l, experts) in f.experts.layers.iter().enumerate() {
                 for (e, expert) in experts.iter().enumerate() {
                     for (c, cluster) in expert.clusters.iter().enumerate() {

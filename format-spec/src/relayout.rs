@@ -30,11 +30,17 @@ pub fn relayout(src: &Path, dst: &Path, to: ClusterLayout) -> Result<(), FormatE
     let io = |e| FormatError::io(&tmp, e);
     std::io::copy(&mut reader, out.file()).map_err(io)?;
     let mut header = f.header.clone();
-    let mut pairs = vec![(SectionKind::FfnData, SectionKind::FfnIndex)];
-    if header.section(SectionKind::ExpertData).is_some() {
-        pairs.push((SectionKind::ExpertData, SectionKind::ExpertIndex));
+    // (the data section's kind now, its kind in `to`, its index section), for the FFN and the
+    // experts: the kind names the layout (§3.2), so it changes with it.
+    let mut pairs = vec![(from.ffn_data(), to.ffn_data(), SectionKind::FfnIndex)];
+    if header.section(from.expert_data()).is_some() {
+        pairs.push((
+            from.expert_data(),
+            to.expert_data(),
+            SectionKind::ExpertIndex,
+        ));
     }
-    for (data, index) in pairs {
+    for (data, new_kind, index) in pairs {
         let slot = |kind: SectionKind| {
             header
                 .sections
@@ -48,7 +54,8 @@ pub fn relayout(src: &Path, dst: &Path, to: ClusterLayout) -> Result<(), FormatE
         let base = header.sections[d].offset;
         // The extents tile the data section in order (§6.2, §6.5): its checksum is theirs in turn.
         let mut section = Xxh3::new();
-        let layers: Vec<(String, &mut FfnLayer)> = if data == SectionKind::FfnData {
+        let ffn = index == SectionKind::FfnIndex;
+        let layers: Vec<(String, &mut FfnLayer)> = if ffn {
             let named = f.ffn.layers.iter_mut().enumerate();
             named.map(|(l, x)| (format!("layer {l}"), x)).collect()
         } else {
@@ -76,9 +83,11 @@ pub fn relayout(src: &Path, dst: &Path, to: ClusterLayout) -> Result<(), FormatE
             layer.layout = to;
         }
         header.sections[d].checksum = section.digest();
-        let encoded = match data {
-            SectionKind::FfnData => f.ffn.encode(),
-            _ => f.experts.encode(),
+        header.sections[d].kind = new_kind as u32;
+        let encoded = if ffn {
+            f.ffn.encode()
+        } else {
+            f.experts.encode()
         };
         let entry = &mut header.sections[i];
         if entry.encoding != Encoding::Raw as u32 || entry.length != encoded.len() as u64 {

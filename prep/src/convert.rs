@@ -217,7 +217,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let mut cluster_neurons = Vec::new();
     let (mut studies, mut certificates) = (Vec::new(), Vec::new());
     let mut prev_residual: Option<Vec<f32>> = None;
-    writer.begin_section(SectionKind::FfnData);
+    writer.begin_section(LAYOUT.ffn_data());
     let (h, n) = (config.hidden_size, config.intermediate_size);
     let act = config.activation;
     for (l, &fraction) in fractions.iter().enumerate() {

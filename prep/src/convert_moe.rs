@@ -76,7 +76,7 @@ pub(crate) fn convert(
     // The dense layers' FFNs (an empty FFN_INDEX layer for each mixture layer), then the experts
     // in the routing pass below, which loads them anyway.
     let mut ffn = FfnIndex::default();
-    writer.begin_section(SectionKind::FfnData);
+    writer.begin_section(LAYOUT.ffn_data());
     for l in 0..layers {
         ffn.layers.push(if config.is_moe_layer(l) {
             FfnLayer {
@@ -124,7 +124,7 @@ pub(crate) fn convert(
     // A mixture layer's look-ahead input (the runtime's): the residual after the previous layer's
     // attention, before its FFN; for the first layer, the residual entering it (the embedding).
     let mut lookahead_input = config.is_moe_layer(0).then(|| x.clone());
-    writer.begin_section(SectionKind::ExpertData);
+    writer.begin_section(LAYOUT.expert_data());
     for l in 0..layers {
         let moe = config.is_moe_layer(l);
         let t = Instant::now();

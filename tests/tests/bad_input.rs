@@ -158,7 +158,7 @@ fn damage_sites(f: &LsbFile) -> Vec<(String, u64)> {
     let mut sites = vec![("header".to_string(), 20)];
     for s in &f.header.sections {
         let kind = SectionKind::from_u32(s.kind).unwrap();
-        if kind != SectionKind::DenseData && kind != SectionKind::FfnData {
+        if kind != SectionKind::DenseData && kind != f.cluster_layout().ffn_data() {
             sites.push((kind.name().to_lowercase(), s.offset + s.length / 2));
         }
     }

@@ -11,6 +11,7 @@ use std::process::Command;
 
 use leanstream::kv_cache::KvType;
 use leanstream::session::{PolicyChoice, Session};
+use leanstream_format::container::SectionKind;
 use leanstream_format::ffn::ClusterLayout;
 use leanstream_format::{verify, LsbFile};
 use leanstream_tests::converted::{
@@ -46,6 +47,24 @@ fn old_of(new: &Path, name: &str) -> PathBuf {
     assert_eq!(n.cluster_layout(), ClusterLayout::Split);
     assert_eq!(o.header.version_minor, 5);
     assert_eq!(o.cluster_layout(), ClusterLayout::Interleaved);
+    // The split clusters are in a section kind of their own, so that a reader before 1.6, which
+    // needs FFN_DATA, refuses the file instead of reading split clusters as interleaved.
+    let kinds = |f: &LsbFile, a: SectionKind, b: SectionKind| {
+        (f.header.section(a).is_some(), f.header.section(b).is_some())
+    };
+    assert_eq!(
+        kinds(&n, SectionKind::FfnData, SectionKind::FfnDataSplit),
+        (false, true)
+    );
+    assert_eq!(
+        kinds(&o, SectionKind::FfnData, SectionKind::FfnDataSplit),
+        (true, false)
+    );
+    if n.header.section(SectionKind::ExpertIndex).is_some() {
+        let experts = (SectionKind::ExpertData, SectionKind::ExpertDataSplit);
+        assert_eq!(kinds(&n, experts.0, experts.1), (false, true));
+        assert_eq!(kinds(&o, experts.0, experts.1), (true, false));
+    }
     assert!(o
         .ffn
         .layers

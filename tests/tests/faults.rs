@@ -13,7 +13,6 @@ use leanstream::sampler::SamplerConfig;
 use leanstream::storage::{Device, DirectDevice, Fault, FaultKind, FaultyDevice, IoStats};
 use leanstream::streaming::{Policy, Sparsity, StreamOptions, StreamingModel, Tuning};
 use leanstream::tokenizer::Tokenizer;
-use leanstream_format::container::SectionKind;
 use leanstream_format::LsbFile;
 use leanstream_tests::cli::{embedded_model, quick_convert};
 
@@ -35,7 +34,7 @@ fn converted() -> &'static Path {
 /// The byte range of the file's FFN bundles.
 fn ffn_range() -> std::ops::Range<u64> {
     let f = LsbFile::open(converted()).unwrap();
-    let s = f.header.section(SectionKind::FfnData).unwrap();
+    let s = f.header.section(f.cluster_layout().ffn_data()).unwrap();
     s.offset..s.offset + s.stored_size
 }
 

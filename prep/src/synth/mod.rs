@@ -169,7 +169,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
     );
     let (mut layer_meta, mut knobs, mut source_layer) = (Vec::new(), Vec::new(), Vec::new());
     let mut studies = Vec::new();
-    writer.begin_section(SectionKind::FfnData);
+    writer.begin_section(LAYOUT.ffn_data());
     for l in 0..layers {
         bar.set_message(format!("layer {l}"));
         let sl = l * src.meta.layers.len() / layers;

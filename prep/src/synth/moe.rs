@@ -178,7 +178,7 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
     writer.end_section();
     bar.inc(1);
     // Every layer is a mixture: FFN_INDEX has an empty layer for each.
-    writer.begin_section(SectionKind::FfnData);
+    writer.begin_section(LAYOUT.ffn_data());
     writer.end_section();
     let ffn = FfnIndex {
         layers: (0..layers)
@@ -197,7 +197,7 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
     let mut experts = ExpertIndex {
         layers: Vec::with_capacity(layers),
     };
-    writer.begin_section(SectionKind::ExpertData);
+    writer.begin_section(LAYOUT.expert_data());
     for l in 0..layers {
         bar.set_message(format!("experts {l}"));
         // Two experts at a time per thread would hold 2 × 19 MB of f32: encode in parallel, write
