@@ -106,7 +106,9 @@ impl SectionKind {
         match self {
             SectionKind::BpeVocab => 2,
             SectionKind::ExpertIndex | SectionKind::ExpertData => 5,
-            SectionKind::FfnDataSplit | SectionKind::ExpertDataSplit => 6,
+            SectionKind::FfnDataSplit | SectionKind::ExpertDataSplit => {
+                crate::ffn::SPLIT_SINCE_MINOR
+            }
             _ => BASE_MINOR,
         }
     }

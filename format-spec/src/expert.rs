@@ -40,11 +40,6 @@ impl ExpertIndex {
         }
     }
 
-    /// The lowest minor version its experts' [`ClusterLayout`] needs (1.6 for split clusters).
-    pub fn minor_version(&self) -> u16 {
-        crate::ffn::layouts_minor(self.layers.iter().flatten())
-    }
-
     pub fn encode(&self) -> Vec<u8> {
         let mut e = Enc::default();
         e.u32(self.layers.len() as u32);
@@ -59,7 +54,7 @@ impl ExpertIndex {
 
     /// Decodes the index and checks every expert as an FFN_INDEX layer (§6.2), with extents that
     /// tile an EXPERT_DATA section of `data_len` bytes in (layer, expert, cluster) order. `layout`
-    /// is the file's (from its minor version).
+    /// is the file's (from the kind of its FFN data section).
     pub fn decode(d: &mut Dec, data_len: u64, layout: ClusterLayout) -> Result<Self, FormatError> {
         let n_layers = d.count(4)?;
         let mut layers = Vec::with_capacity(n_layers);

@@ -9,11 +9,12 @@ use crate::container::{page_align, SectionKind};
 use crate::quant::{row_bytes, QuantType};
 use crate::FormatError;
 
-/// The first minor version whose cluster extents are [`ClusterLayout::Split`] (FORMAT.md §12).
+/// The first minor version with [`ClusterLayout::Split`] clusters (FORMAT.md §12): that of their
+/// section kinds, FFN_DATA_SPLIT and EXPERT_DATA_SPLIT.
 pub const SPLIT_SINCE_MINOR: u16 = 6;
 
-/// How a cluster extent orders its neurons' rows (FORMAT.md §6.3). A file has one layout, given
-/// by its minor version: every FFN layer and every expert of it uses it.
+/// How a cluster extent orders its neurons' rows (FORMAT.md §6.3). A file has one layout, named
+/// by the kind of its FFN data section: every FFN layer and every expert of it uses it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClusterLayout {
     /// Up to 1.5: each neuron's bundle `[gate | up | down]`, the bundles back to back.
@@ -49,20 +50,19 @@ impl ClusterLayout {
         }
     }
 
+    /// The layout's name: `split` or `interleaved`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Interleaved => "interleaved",
+            Self::Split => "split",
+        }
+    }
+
     /// The other layout.
     pub fn other(self) -> Self {
         match self {
             Self::Interleaved => Self::Split,
             Self::Split => Self::Interleaved,
-        }
-    }
-
-    /// The lowest minor version a file in this layout declares (its other features may raise
-    /// it, but never past 1.5 for [`Self::Interleaved`]).
-    pub fn minor_version(self) -> u16 {
-        match self {
-            Self::Interleaved => 1,
-            Self::Split => SPLIT_SINCE_MINOR,
         }
     }
 
@@ -144,7 +144,7 @@ pub struct FfnLayer {
     pub perm: Vec<u32>,
     pub clusters: Vec<Cluster>,
     /// How the clusters' extents order their rows: not encoded in the record, but the file's
-    /// (from its minor version).
+    /// (from the kind of its data section).
     pub layout: ClusterLayout,
 }
 
@@ -203,7 +203,7 @@ impl FfnLayer {
     /// Decodes one layer record and checks it: `perm` is a permutation and the clusters cover the
     /// stored positions in order with extents that start at `*next` within their data section
     /// (advanced past them). `what` names the record in errors (`layer 3`, `layer 3 expert 5`);
-    /// `layout` is the file's.
+    /// `layout` is the file's (§6.3).
     pub(crate) fn decode(
         d: &mut Dec,
         what: &str,
@@ -284,15 +284,9 @@ impl FfnIndex {
         e.buf
     }
 
-    /// The lowest minor version its layers' [`ClusterLayout`] needs (1.6 for split clusters).
-    /// Panics if the layers disagree: a file has one layout.
-    pub fn minor_version(&self) -> u16 {
-        layouts_minor(self.layers.iter())
-    }
-
     /// Decodes the index and checks it: each `perm` is a permutation, clusters cover the stored
     /// positions in order, and the extents tile an FFN_DATA section of `data_len` bytes. `layout`
-    /// is the file's (from its minor version).
+    /// is the file's (from the kind of that section).
     pub fn decode(d: &mut Dec, data_len: u64, layout: ClusterLayout) -> Result<Self, FormatError> {
         let n_layers = d.count(16)?;
         let mut layers = Vec::with_capacity(n_layers);
@@ -312,18 +306,6 @@ impl FfnIndex {
         }
         Ok(Self { layers })
     }
-}
-
-/// The minor version the layouts of `layers` need; they must all be one (a file has one layout).
-pub(crate) fn layouts_minor<'a>(mut layers: impl Iterator<Item = &'a FfnLayer>) -> u16 {
-    let Some(first) = layers.next() else {
-        return ClusterLayout::Interleaved.minor_version();
-    };
-    assert!(
-        layers.all(|l| l.layout == first.layout),
-        "a file's FFN layers and experts have one cluster layout"
-    );
-    first.layout.minor_version()
 }
 
 #[cfg(test)]
@@ -364,6 +346,6 @@ mod tests {
         assert_eq!(back[18..], [0, 0]);
         assert_eq!(ClusterLayout::Split.ffn_data().since_minor(), 6);
         assert_eq!(ClusterLayout::Split.expert_data().since_minor(), 6);
-        assert_eq!(ClusterLayout::Split.minor_version(), 6);
+        assert_eq!(ClusterLayout::Interleaved.ffn_data().since_minor(), 1);
     }
 }

@@ -1,8 +1,8 @@
 //! A file's cluster extents rewritten in another [`ClusterLayout`] (FORMAT.md §6.3, §12): a 1.5
 //! file upgraded to 1.6 without converting the model again (`leanstream-prep upgrade`), or a 1.6
 //! file written as 1.5 (the tests of older files). Only the extents' byte order changes, with the
-//! checksums that cover it (each extent's in its index record, the data and index sections') and
-//! the header's minor version: the weights, their encodings, permutations and sizes stay as they
+//! checksums that cover it (each extent's in its index record, the data and index sections'), the
+//! data sections' kinds, which name the layout (§3.2), and the header's minor version: the weights, their encodings, permutations and sizes stay as they
 //! are, so every section keeps its place.
 
 use std::fs::File;
@@ -20,10 +20,20 @@ use crate::{FormatError, LsbFile};
 /// Writes `src` to `dst` with every FFN and expert cluster in layout `to` (§6.3) and the minor
 /// version that layout takes: at least 1.6 for [`ClusterLayout::Split`], at most 1.5 for
 /// [`ClusterLayout::Interleaved`]. Every extent is checked against its checksum as it is read.
-/// `dst` appears whole or not at all; an existing `dst` is replaced.
+/// `dst` appears whole or not at all; an existing `dst` is replaced. An error if `src`'s clusters
+/// are in layout `to` already.
 pub fn relayout(src: &Path, dst: &Path, to: ClusterLayout) -> Result<(), FormatError> {
     let mut f = LsbFile::open(src)?;
     let from = f.cluster_layout();
+    if from == to {
+        return Err(FormatError::invalid(format!(
+            "{} is format {}.{}: its clusters are {} already",
+            src.display(),
+            f.header.version_major,
+            f.header.version_minor,
+            to.name()
+        )));
+    }
     let mut reader = File::open(src).map_err(|e| FormatError::io(src, e))?;
     let mut out = AtomicFile::create(dst)?;
     let tmp = out.tmp_path().to_path_buf();

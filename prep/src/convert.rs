@@ -649,11 +649,7 @@ pub(crate) fn write_index_sections(
     ffn: &FfnIndex,
     (predictors, sketch, refine): &(Predictors, Sketch, Refine),
 ) -> Result<()> {
-    writer.require_minor(
-        meta.minor_version()
-            .max(sketch.minor_version())
-            .max(ffn.minor_version()),
-    );
+    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(meta)?, false)?;
     add_tokenizer(writer, tokenizer_json)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;

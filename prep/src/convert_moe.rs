@@ -502,7 +502,6 @@ pub(crate) fn finish_mixture(
     experts: &ExpertIndex,
 ) -> Result<()> {
     write_index_sections(&mut writer, meta, tokenizer_json, dense, ffn, &side)?;
-    writer.require_minor(experts.minor_version());
     writer.add_section(SectionKind::ExpertIndex, &experts.encode(), false)?;
     writer.finish()?;
     Ok(())

@@ -1,6 +1,5 @@
 //! `leanstream-prep inspect`: what a converted file holds, its sizes and predictor quality.
 
-use leanstream_format::ffn::ClusterLayout;
 use leanstream_format::meta::{LayerMeta, Meta};
 use leanstream_format::LsbFile;
 use serde_json::{json, Value};
@@ -161,10 +160,7 @@ pub fn describe(f: &LsbFile) -> Value {
         "path": f.path,
         "format_version": format!("{}.{}", f.header.version_major, f.header.version_minor),
         // How each cluster orders its rows (FORMAT.md §6.3): split since 1.6.
-        "cluster_layout": match f.cluster_layout() {
-            ClusterLayout::Split => "split",
-            ClusterLayout::Interleaved => "interleaved",
-        },
+        "cluster_layout": f.cluster_layout().name(),
         "file_bytes": f.header.file_size,
         "architecture": m.model.architecture,
         "activation": m.model.activation,

@@ -285,16 +285,6 @@ fn print_summary(s: &convert::Summary) {
 /// `upgrade`: `file`'s clusters rewritten split, as format 1.6 (FORMAT.md §6.3, §12).
 fn upgrade(file: &std::path::Path, output: &std::path::Path) -> Result<()> {
     use leanstream_format::ffn::ClusterLayout;
-    let f = leanstream_format::LsbFile::open(file)?;
-    if f.cluster_layout() == ClusterLayout::Split {
-        anyhow::bail!(
-            "{} is format {}.{} already: its clusters are split",
-            file.display(),
-            f.header.version_major,
-            f.header.version_minor
-        );
-    }
-    drop(f);
     leanstream_format::relayout::relayout(file, output, ClusterLayout::Split)?;
     eprintln!("wrote {} (format 1.6, split clusters)", output.display());
     Ok(())

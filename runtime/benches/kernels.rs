@@ -278,7 +278,7 @@ impl Bundles {
             // As the engine does: the next cluster's first rows while this one is computed.
             if let Some(&(at, count)) = self.clusters.get(j + 1) {
                 if let Ok(rows) = ClusterRows::new(&layout, &buf[at..], count) {
-                    prefetch_head(&rows, count, self.skip);
+                    prefetch_head(&rows, self.skip);
                 }
             }
             let scores = &mut scores[first..first + count];

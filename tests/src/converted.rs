@@ -168,15 +168,10 @@ pub fn session_options(
 /// Copies `src` (format 1.6, clusters split `[gate rows | up rows | down columns]`) to `dst` as a
 /// 1.5 file, what a converter before 1.6 wrote for the same weights: every cluster extent of
 /// FFN_DATA and EXPERT_DATA rearranged to `[gate | up | down]` per neuron, the checksums that
-/// cover them recomputed, the header's minor version 5 ([`leanstream_format::relayout`]).
+/// cover them recomputed, the header's minor version 5 ([`leanstream_format::relayout`], which
+/// refuses a file that is interleaved already).
 pub fn to_interleaved(src: &Path, dst: &Path) {
     use leanstream_format::ffn::ClusterLayout;
-    let f = leanstream_format::LsbFile::open(src).unwrap();
-    assert_eq!(
-        f.cluster_layout(),
-        ClusterLayout::Split,
-        "{}",
-        src.display()
-    );
-    leanstream_format::relayout::relayout(src, dst, ClusterLayout::Interleaved).unwrap();
+    let interleaved = leanstream_format::relayout::relayout(src, dst, ClusterLayout::Interleaved);
+    interleaved.unwrap_or_else(|e| panic!("{e}"));
 }

@@ -318,11 +318,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
             source_layers: src.meta.layers.clone(),
         }),
     };
-    writer.require_minor(
-        meta.minor_version()
-            .max(sketch.minor_version())
-            .max(ffn.minor_version()),
-    );
+    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
     add_tokenizer(&mut writer, &src.tokenizer_json)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;

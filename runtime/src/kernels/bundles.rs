@@ -461,16 +461,16 @@ pub fn down_pass<'b>(
     }
 }
 
-/// Asks for the rows [`gate_pass`] reads first in a cluster of `n` neurons, one cluster ahead:
+/// Asks for the rows [`gate_pass`] reads first in a cluster, one cluster ahead:
 /// the pass's own requests start [`PREFETCH_AHEAD`] neurons in, so a caller that knows which
 /// cluster comes next calls this while it computes the one before. Without it the first rows of
 /// every cluster are read cold: most of a cluster on a wide model, where 32 KiB hold 4 neurons of
 /// a 7B layer. The up rows (with the down columns) only under the `gate_up` rule, which reads
 /// every candidate's.
 #[inline]
-pub fn prefetch_head<'b>(rows: &impl NeuronRows<'b>, n: usize, skip: Skip) {
+pub fn prefetch_head(rows: &ClusterRows, skip: Skip) {
     let up = matches!(skip.rule, SkipRule::GateUp);
-    for i in 0..n.min(PREFETCH_AHEAD) {
+    for i in 0..rows.len().min(PREFETCH_AHEAD) {
         prefetch_ahead(rows, i, up);
     }
 }

@@ -1269,7 +1269,7 @@ impl<'a> ClusterOps<'a> {
     /// cluster before it is computed.
     fn prefetch_head(&self) {
         if let Ok(rows) = self.rows() {
-            prefetch_head(&rows, self.plan.clusters[self.ci].count, self.skip);
+            prefetch_head(&rows, self.skip);
         }
     }
 
