@@ -93,8 +93,10 @@ struct CommonArgs {
     /// llm-in-flash; oracle (needs a recorded trace: `bench`).
     #[arg(long, value_enum)]
     policy: Option<PolicyArg>,
-    /// Hard cap on peak memory (RSS): 512MiB, 1.5GiB, 300MB or bytes; or `auto`: the memory
-    /// cgroup's limit, followed while the model runs. Default: everything fits.
+    /// Hard cap on peak memory (RSS): 512MiB, 1.5GiB, 300MB or bytes; `ffn:P%`: the minimum with
+    /// every dense weight resident plus P% of the FFN bundles (a converted file's; as `bench`);
+    /// or `auto`: the memory cgroup's limit, followed while the model runs. Default: everything
+    /// fits.
     #[arg(long, value_parser = parse_memory)]
     memory: Option<MemoryArg>,
     /// A file holding the budget (one size such as 300MiB): re-read when it changes and on
@@ -251,12 +253,22 @@ fn main() -> ExitCode {
 #[derive(Clone, Copy)]
 enum MemoryArg {
     Size(u64),
+    /// `ffn:P%`, as a share (0–1): resolved once the converted file is known.
+    FfnShare(f64),
     Auto,
 }
 
 fn parse_memory(s: &str) -> std::result::Result<MemoryArg, String> {
     if s == "auto" {
         return Ok(MemoryArg::Auto);
+    }
+    if let Some(pct) = s.strip_prefix("ffn:") {
+        return pct
+            .strip_suffix('%')
+            .and_then(|p| p.parse::<f64>().ok())
+            .filter(|p| (0.0..=100.0).contains(p))
+            .map(|p| MemoryArg::FfnShare(p / 100.0))
+            .ok_or_else(|| format!("write ffn:P% with P between 0 and 100, not {s}"));
     }
     leanstream::memory_size::parse_budget(s).map(MemoryArg::Size)
 }
@@ -289,9 +301,28 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
     let model = model_to_open(&common.model, streaming, common.no_convert)?;
     let watch = budget_source(common)?.map(BudgetWatch::start).transpose()?;
     let options = session_options(common, default_ctx)?;
+    let memory = match common.memory {
+        // Planned in this process, whose start-up is the run's: the cache gets P% of the FFN.
+        Some(MemoryArg::FfnShare(share)) => Some(
+            leanstream::streaming::memory_split_with(
+                &model,
+                options.ctx.unwrap_or(default_ctx),
+                options.kv,
+            )
+            .with_context(|| {
+                format!(
+                    "--memory ffn:{}%: {} has no FFN bundles to share out; give a size",
+                    share * 100.0,
+                    model.display()
+                )
+            })?
+            .budget_for_ffn_share(share),
+        ),
+        _ => options.memory,
+    };
     let mut session = Session::open(&SessionOptions {
         model,
-        memory: watch.as_ref().map(|(_, first)| *first).or(options.memory),
+        memory: watch.as_ref().map(|(_, first)| *first).or(memory),
         ..options
     })?;
     if let Some((watch, _)) = watch {
@@ -314,8 +345,8 @@ fn session_options(common: &CommonArgs, default_ctx: usize) -> Result<SessionOpt
         policy: common.policy.map(policy_choice),
         memory: match common.memory {
             Some(MemoryArg::Size(bytes)) => Some(bytes),
-            // Followed: set from the watch's first reading.
-            Some(MemoryArg::Auto) | None => None,
+            // Followed: set from the watch's first reading; a share is resolved in `setup`.
+            Some(MemoryArg::Auto | MemoryArg::FfnShare(_)) | None => None,
         },
         flash: FlashProfile::from_flash_arg(&common.flash)?,
         sparsity: match common.sparsity {

@@ -483,6 +483,15 @@ fn a_budget_below_the_minimum_says_the_minimum() {
     assert!(err.contains("below the minimum of"), "{err}");
     let o = run(&file, &["--memory", "0"]);
     assert_eq!(o.status.code(), Some(2), "a zero budget is a usage error");
+    for bad in ["ffn:150%", "ffn:50", "ffn:half"] {
+        let o = run(&file, &["--memory", bad]);
+        assert_eq!(o.status.code(), Some(2), "{bad}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("write ffn:P% with P between 0 and 100"),
+            "{err}"
+        );
+    }
 }
 
 /// A prompt of several chunks under budgets whose cache holds part of the FFN, speculating on

@@ -681,8 +681,11 @@ pub fn minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
 pub fn streaming_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
     Ok(planner::minimum(&open_plan_input(
         path,
-        ctx,
-        planner::MIN_PROMPT_CHUNK,
+        Shape {
+            ctx,
+            kv: KvType::default(),
+            chunk: planner::MIN_PROMPT_CHUNK,
+        },
         false,
     )?))
 }
@@ -694,8 +697,11 @@ pub fn streaming_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
 pub fn running_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
     Ok(planner::minimum(&open_plan_input(
         path,
-        ctx,
-        crate::generate::PROMPT_CHUNK,
+        Shape {
+            ctx,
+            kv: KvType::default(),
+            chunk: crate::generate::PROMPT_CHUNK,
+        },
         true,
     )?))
 }
@@ -703,21 +709,27 @@ pub fn running_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
 /// The planner's split for `file` at `ctx` without a budget: the fixed part with every dense
 /// weight resident and the size of the FFN bundles, from which budgets are chosen.
 pub fn memory_split(path: &Path, ctx: usize) -> Result<MemorySplit> {
+    memory_split_with(path, ctx, KvType::default())
+}
+
+/// [`memory_split`] with the KV cache stored as `kv`. Its `overhead` is this process's start-up
+/// RSS (measured once, [`crate::memory::startup_rss_bytes`]): a budget meant for another process
+/// (a test's for a `leanstream` it starts) is only as exact as their start-ups agree, so such
+/// callers pass `--memory ffn:P%` and let that process plan it.
+pub fn memory_split_with(path: &Path, ctx: usize, kv: KvType) -> Result<MemorySplit> {
     planner::plan(open_plan_input(
         path,
-        ctx,
-        crate::generate::PROMPT_CHUNK,
+        Shape {
+            ctx,
+            kv,
+            chunk: crate::generate::PROMPT_CHUNK,
+        },
         true,
     )?)
 }
 
 /// `certificates`: keep those that earn their bytes with nothing cached (else none).
-fn open_plan_input(
-    path: &Path,
-    ctx: usize,
-    chunk: usize,
-    certificates: bool,
-) -> Result<planner::PlanInput> {
+fn open_plan_input(path: &Path, shape: Shape, certificates: bool) -> Result<planner::PlanInput> {
     let mut file = LsbFile::open(path)?;
     // The default run: certified sparsity, speculating with the look-ahead predictors.
     let uses = plan::PredictorUse {
@@ -735,11 +747,7 @@ fn open_plan_input(
         crate::tokenizer::resident_bytes(&file)?,
         &plans,
         sizes,
-        Shape {
-            ctx,
-            kv: KvType::default(),
-            chunk,
-        },
+        shape,
         None,
         Policy::Leanstream,
     )
