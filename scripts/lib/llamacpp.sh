@@ -15,7 +15,8 @@ install_llamacpp() {
         fi
     done
     echo "installing llama-cpp-python (builds llama.cpp: $flags) ..." >&2
-    CMAKE_ARGS="$flags" pip install --quiet llama-cpp-python >&2
+    # --no-cache-dir: a wheel pip cached from a build with other CMAKE_ARGS would be reused as is.
+    CMAKE_ARGS="$flags" pip install --quiet --no-cache-dir llama-cpp-python >&2
 }
 
 # Same measure as leanstream's tokens_per_s (with --ignore-eos): decode steps after the first
