@@ -7,6 +7,7 @@
 #
 # usage: scripts/cpu-per-token.sh MODEL.lsb [POLICIES="resident dense"] [LONG=160] [SHORT=16] [ROUNDS=3]
 # The kernels are the best this CPU has unless LEANSTREAM_KERNELS says (avx512, avx2, portable).
+# LEANSTREAM_BIN=FILE times that binary instead of this checkout's (an A/B of two builds).
 # Needs `perf` (Debian: apt-get install linux-perf).
 set -euo pipefail
 
@@ -19,8 +20,12 @@ rounds="${5:-3}"
 [[ -f "$model" ]] || { echo "no such file: $model" >&2; exit 2; }
 ((long > short)) || { echo "LONG ($long) must exceed SHORT ($short)" >&2; exit 2; }
 command -v perf > /dev/null || { echo "perf is missing: apt-get install linux-perf" >&2; exit 2; }
-(cd "$root" && cargo build --release -q -p leanstream)
-leanstream="$root/target/release/leanstream"
+if [[ -n "${LEANSTREAM_BIN:-}" ]]; then
+    leanstream="$LEANSTREAM_BIN"
+else
+    (cd "$root" && cargo build --release -q -p leanstream)
+    leanstream="$root/target/release/leanstream"
+fi
 
 # Milliseconds of task-clock for one greedy run of $2 tokens with policy $1.
 task_ms() {

@@ -364,6 +364,7 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                         &layout,
                         &x,
                         &rows,
+                        None,
                         candidate,
                         skip,
                         &mut scores,

@@ -23,9 +23,7 @@ use leanstream_format::file::check_extent;
 use leanstream_format::quant::QuantType;
 use leanstream_format::FormatError;
 
-use crate::kernels::bundles::{
-    down_pass, gate_pass, prefetch_head, ClusterRows, PARALLEL_MIN_BYTES,
-};
+use crate::kernels::bundles::{down_pass, gate_pass, ClusterRows, PARALLEL_MIN_BYTES};
 use crate::kernels::parallel;
 use crate::kernels::{Operand, RowKernels};
 use crate::model::FfnBackend;
@@ -1097,10 +1095,12 @@ fn resident_groups(
         let mut ahead = needed[lo..hi].iter().map(|&ci| resident(ci)).peekable();
         while let Some(ops) = ahead.next() {
             if let Some(ops) = ops {
-                if let Some(Some(next)) = ahead.peek() {
-                    next.prefetch_head();
-                }
-                group.gates(&ops, candidate, operand)?;
+                // The gate pass asks for the next cluster's first rows as it nears its end.
+                let then = match ahead.peek() {
+                    Some(Some(next)) => next.rows().ok(),
+                    _ => None,
+                };
+                group.gates(&ops, then.as_ref(), candidate, operand)?;
             }
         }
         group.advance(core, l, k, skip, next);
@@ -1199,10 +1199,17 @@ impl Work {
 impl GroupWork<'_> {
     /// Computes the gates of cluster `ops.ci` (one of this group's) and records its active
     /// neurons.
-    fn gates(&mut self, ops: &ClusterOps, candidate: &[bool], x: &Operand) -> Result<()> {
+    fn gates(
+        &mut self,
+        ops: &ClusterOps,
+        then: Option<&ClusterRows>,
+        candidate: &[bool],
+        x: &Operand,
+    ) -> Result<()> {
         let cl = ops.plan.clusters[ops.ci];
         let r = cl.first - self.n0..cl.first - self.n0 + cl.count;
         let m = ops.gate_into(
+            then,
             candidate,
             x,
             &mut self.scores[r.clone()],
@@ -1265,14 +1272,6 @@ impl<'a> ClusterOps<'a> {
             .with_context(|| format!("cluster {}", self.ci))
     }
 
-    /// Asks for the rows the cluster's gate pass reads first ([`prefetch_head`]), while the
-    /// cluster before it is computed.
-    fn prefetch_head(&self) {
-        if let Ok(rows) = self.rows() {
-            prefetch_head(&rows, self.skip);
-        }
-    }
-
     /// Computes the exact scores of the cluster's candidate neurons into `scores` (the layer's)
     /// and records its active neurons.
     fn gates(
@@ -1285,6 +1284,7 @@ impl<'a> ClusterOps<'a> {
         let cl = self.plan.clusters[self.ci];
         let r = cl.first..cl.first + cl.count;
         let m = self.gate_into(
+            None,
             candidate,
             x,
             &mut scores[r.clone()],
@@ -1301,6 +1301,7 @@ impl<'a> ClusterOps<'a> {
     /// (each as long as the cluster); returns how many are active.
     fn gate_into(
         &self,
+        then: Option<&ClusterRows>,
         candidate: &[bool],
         x: &Operand,
         scores: &mut [f32],
@@ -1313,6 +1314,7 @@ impl<'a> ClusterOps<'a> {
             &self.plan.layout,
             x,
             &self.rows()?,
+            then,
             |i| candidate[cl.first + i],
             self.skip,
             scores,
