@@ -8,6 +8,7 @@ pub mod certify;
 pub mod cgroup;
 pub mod chat;
 pub mod chat_template;
+pub mod closed_pipe;
 pub mod config;
 pub mod conversion_cache;
 pub mod demo;

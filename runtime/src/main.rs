@@ -225,6 +225,7 @@ enum ReferenceArg {
 }
 
 fn main() -> ExitCode {
+    leanstream::closed_pipe::end_quietly_when_stdout_closes();
     leanstream::memory::startup_rss_bytes();
     let cli = Cli::parse();
     let result = leanstream::kernels::RowKernels::check_forced().and_then(|_| match cli.command {

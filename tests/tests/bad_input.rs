@@ -414,3 +414,27 @@ fn outputs_into_missing_or_read_only_folders_fail_cleanly() {
     assert_clean_failure("read-only folder", &o, 1, &["read-only"]);
     assert!(!out.exists());
 }
+
+/// `leanstream-prep inspect F | head`, `leanstream run … | head`: a reader that closes the pipe
+/// before the tool prints ends the tool quietly, by SIGPIPE as `cat` would, not with a panic.
+#[test]
+fn a_reader_that_leaves_early_ends_the_tools_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let file = converted();
+    let mut runs = [
+        Command::new(bin("leanstream-prep")),
+        Command::new(bin("leanstream")),
+    ];
+    runs[0].arg("inspect").arg(file);
+    runs[1].arg("run").arg("--model").arg(file);
+    runs[1].args(["-p", "It was a fine morning", "-n", "3", "--temp", "0"]);
+    for cmd in &mut runs {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let o = cmd.stdout(writer).output().unwrap();
+        let what = format!("{cmd:?}");
+        assert!(!stderr(&o).contains("panicked"), "{what}: {}", stderr(&o));
+        let signal = o.status.signal();
+        assert_eq!(signal, Some(libc::SIGPIPE), "{what}: {:?}", o.status);
+    }
+}
