@@ -13,8 +13,14 @@ mod support;
 use support::{fixture, smollm2};
 
 fn leanstream(args: &[&str]) -> Output {
+    leanstream_with(args, &[])
+}
+
+/// [`leanstream`] with the environment variables `vars` set.
+fn leanstream_with(args: &[&str], vars: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_leanstream"))
         .args(args)
+        .envs(vars.iter().copied())
         .output()
         .expect("the leanstream binary runs")
 }
@@ -70,12 +76,8 @@ fn ignore_eos_generates_every_token() {
             "40",
             "--json",
         ];
-        let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
-            .args([&args[..], extra].concat())
-            .env("LEANSTREAM_KERNELS", "portable")
-            .output()
-            .expect("the leanstream binary runs");
-        let v = json(&o);
+        let portable = [("LEANSTREAM_KERNELS", "portable")];
+        let v = json(&leanstream_with(&[&args[..], extra].concat(), &portable));
         let tokens: Vec<u64> = v["tokens"]
             .as_array()
             .unwrap()
