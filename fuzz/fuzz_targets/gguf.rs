@@ -2,7 +2,7 @@
 //! never a panic or an allocation the file's size cannot justify.
 #![no_main]
 
-use leanstream::gguf::GgufFile;
+use leanstream::source::gguf::GgufFile;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -2,7 +2,7 @@
 //! never a panic.
 #![no_main]
 
-use leanstream::gguf::GgufFile;
+use leanstream::source::gguf::GgufFile;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(file) = GgufFile::open(&path) else {
         return;
     };
-    if let Ok(t) = leanstream::gguf_tokenizer::from_gguf(&file) {
+    if let Ok(t) = leanstream::tokenizer::gguf::from_gguf(&file) {
         if let Ok(ids) = t.tokenizer.encode("Hello <|im_start|> wörld 12 !", true) {
             let _ = t.tokenizer.decode(&ids);
         }

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use leanstream::config::Activation;
+use leanstream::source::config::Activation;
 use leanstream::tokenizer::Tokenizer;
 
 /// The calibration text shipped with the repository (public-domain English prose): the default

@@ -9,8 +9,8 @@
 //! with nothing cached it saves fewer bytes per token than it holds.
 
 use anyhow::{bail, Result};
-use leanstream::certify::SkipSet;
-use leanstream::skip_rule::{Skip, SkipRule};
+use leanstream::streaming::certify::SkipSet;
+use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream_format::quant::{dequantize_row, quantize_row, QuantType};
 use leanstream_format::sketch::SketchLayer;
 
@@ -194,7 +194,7 @@ pub fn saves(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use leanstream::config::Activation;
+    use leanstream::source::config::Activation;
 
     #[test]
     fn choices_follow_the_rule() {

@@ -27,8 +27,8 @@
 //! The study measures; it does not change the file.
 
 use anyhow::Result;
-use leanstream::certify::SkipSet;
-use leanstream::skip_rule::{Skip, SkipRule};
+use leanstream::streaming::certify::SkipSet;
+use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream_format::quant::{dequantize_row, quantize_row, row_bytes, QuantType};
 use ndarray::Array2;
 use serde::Serialize;
@@ -482,7 +482,7 @@ pub fn print(study: &Study) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use leanstream::config::Activation;
+    use leanstream::source::config::Activation;
 
     /// ReLU, two clusters of two neurons, x = ones: cluster 0's gates point away from x (silent),
     /// cluster 1's along it. Every design that is tight enough proves cluster 0 silent and never

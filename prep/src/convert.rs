@@ -6,11 +6,11 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use leanstream::config::{Activation, ModelConfig};
 use leanstream::kernels::{Matrix, Weight};
 use leanstream::model::{DenseFfn, Model};
-use leanstream::skip_rule::{Skip, SkipRule};
+use leanstream::source::config::{Activation, ModelConfig};
 use leanstream::streaming::default_predictor_rank;
+use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::{DenseIndex, DenseTensor};
 use leanstream_format::ffn::{Cluster, ClusterLayout, FfnIndex, FfnLayer};
@@ -88,9 +88,9 @@ pub struct Summary {
     pub layers: Vec<LayerMeta>,
     /// The sparse model (`perplexity`) against the dense one (`reference_perplexity`) on the
     /// held-out calibration windows; none for a mixture of experts (nothing is made sparse).
-    pub quality: Option<leanstream::perplexity::Comparison>,
+    pub quality: Option<leanstream::text::perplexity::Comparison>,
     /// The same in predicted mode (only the neurons the own predictors name, of those active).
-    pub predicted_quality: Option<leanstream::perplexity::Comparison>,
+    pub predicted_quality: Option<leanstream::text::perplexity::Comparison>,
     /// Each layer's own predictor at the file's threshold, on the held-out rows (none for a
     /// mixture).
     pub predicted: Vec<PredictedLayer>,
@@ -492,7 +492,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             .certificate_study
             .then(|| certificate_study::summarise(&studies, opts.quant)),
         seconds: phases,
-        peak_rss_bytes: leanstream::memory::peak_rss_bytes(),
+        peak_rss_bytes: leanstream::platform::memory::peak_rss_bytes(),
     })
 }
 

@@ -8,11 +8,11 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use leanstream::config::{Activation, ModelConfig, MoeConfig};
 use leanstream::kernels::{Matrix, Weight};
 use leanstream::model::{
     expert_tensor_names, rms_norm, route, Choice, DenseFfn, FfnProbe, Model, MoeFfn,
 };
+use leanstream::source::config::{Activation, ModelConfig, MoeConfig};
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::expert::ExpertIndex;
 use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
@@ -285,7 +285,7 @@ pub(crate) fn convert(
         certificates: Vec::new(),
         certificate_study: None,
         seconds: phases,
-        peak_rss_bytes: leanstream::memory::peak_rss_bytes(),
+        peak_rss_bytes: leanstream::platform::memory::peak_rss_bytes(),
     })
 }
 

@@ -27,8 +27,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file::Value;
-use leanstream::gguf::{gguf_name, permute_rope_rows};
-use leanstream::gguf_tokenizer::metadata_of;
+use leanstream::source::gguf::{gguf_name, permute_rope_rows};
+use leanstream::tokenizer::gguf::metadata_of;
 use leanstream_format::container::read_at;
 use leanstream_format::ffn::{self, FfnLayer};
 use leanstream_format::file::check_extent;

@@ -1,5 +1,5 @@
 //! What `convert MODEL` reads: a local path as it is (never sent to the hub; see
-//! `leanstream::model_arg`), or a Hugging Face hub id resolved to a snapshot directory of the
+//! `leanstream::source::model_arg`), or a Hugging Face hub id resolved to a snapshot directory of the
 //! standard cache (`HF_HOME`), downloading what is missing unless `HF_HUB_OFFLINE=1`. A hub id that
 //! cannot be had is one line saying why and how to fill the cache on a connected machine.
 
@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, Context, Result};
 use hf_hub::api::sync::{ApiBuilder, ApiError};
 use hf_hub::Cache;
-use leanstream::model_arg::{classify, ModelArg};
+use leanstream::source::model_arg::{classify, ModelArg};
 
 /// Files a model needs besides its weights.
 const REQUIRED: [&str; 2] = ["config.json", "tokenizer.json"];

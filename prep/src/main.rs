@@ -136,10 +136,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    leanstream::closed_pipe::end_quietly_when_stdout_closes();
+    leanstream::platform::closed_pipe::end_quietly_when_stdout_closes();
     // `inspect` states the runtime's minimum budget, whose overhead term is the process's size at
     // start-up: take it now, before any model is loaded (as the runtime does).
-    leanstream::memory::startup_rss_bytes();
+    leanstream::platform::memory::startup_rss_bytes();
     match run(Cli::parse().command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use leanstream::memory::peak_rss_bytes;
+use leanstream::platform::memory::peak_rss_bytes;
 use leanstream::transfer::progress::{bytes_bar, mb_per_s};
 use leanstream_format::archive::{pack, PackOptions, MAX_LEVEL};
 use serde::Serialize;

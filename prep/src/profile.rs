@@ -2,10 +2,10 @@
 //! time, so memory holds the dense weights, the hidden states of the calibration tokens and one
 //! layer's FFN activations — never every layer's at once.
 
-use leanstream::kv_cache::KvCache;
+use leanstream::model::kv_cache::KvCache;
 use leanstream::model::{FfnProbe, Model};
-use leanstream::perplexity::{Comparison, ComparisonAccum};
-use leanstream::skip_rule::Skip;
+use leanstream::streaming::skip_rule::Skip;
+use leanstream::text::perplexity::{Comparison, ComparisonAccum};
 
 use crate::calib::Calibration;
 use crate::train::{normalise_rows, Trained};

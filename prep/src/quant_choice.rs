@@ -8,7 +8,7 @@ use std::str::FromStr;
 
 use anyhow::Result;
 use candle_core::quantized::GgmlDType;
-use leanstream::gguf::GgufFile;
+use leanstream::source::gguf::GgufFile;
 use leanstream_format::quant::QuantType;
 
 /// What `--quant` names.

@@ -4,9 +4,9 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use leanstream::config::ModelConfig;
-use leanstream::gguf::GgufFile;
-use leanstream::safetensors_dir::SafetensorsDir;
+use leanstream::source::config::ModelConfig;
+use leanstream::source::gguf::GgufFile;
+use leanstream::source::safetensors_dir::SafetensorsDir;
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::meta::ChatTemplate;
 
@@ -36,11 +36,11 @@ impl Source {
                 )
             })?;
             return Ok(Self {
-                config: leanstream::config::from_hf_dir(path)?,
+                config: leanstream::source::config::from_hf_dir(path)?,
                 tokenizer: Tokenizer::from_bytes(&tokenizer_json)
                     .with_context(|| format!("invalid tokenizer {}", tokenizer_path.display()))?,
                 tokenizer_json,
-                chat_template: leanstream::chat_template::from_hf_dir(path)?,
+                chat_template: leanstream::tokenizer::chat_template::from_hf_dir(path)?,
                 tensors: Tensors::Dir(SafetensorsDir::open(path)?),
             });
         }
@@ -59,7 +59,7 @@ impl Source {
         }
         let gguf = GgufFile::open(path)?;
         let mut config = gguf.config()?;
-        let tok = leanstream::gguf_tokenizer::from_gguf(&gguf)?;
+        let tok = leanstream::tokenizer::gguf::from_gguf(&gguf)?;
         // Generation stops where llama.cpp stops for this file.
         config.eos_token_ids = tok.eos_token_ids;
         Ok(Self {

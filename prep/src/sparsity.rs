@@ -12,8 +12,8 @@
 //! - `auto` (SwiGLU): `target:F` at the largest F whose held-out perplexity cost against the dense
 //!   model is at most [`AUTO_MAX_COST`] ([`auto_search`]).
 
-use leanstream::config::Activation;
-use leanstream::skip_rule::SkipRule;
+use leanstream::source::config::Activation;
+use leanstream::streaming::skip_rule::SkipRule;
 
 /// `auto` for SiLU models: the largest target whose perplexity on the held-out calibration windows
 /// is at most this much above the dense model's (with the thresholds the file gets, i.e. what

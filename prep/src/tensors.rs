@@ -1,7 +1,7 @@
 //! The tensors a converted file stores, by Hugging Face name, and their quantization.
 
 use anyhow::{Context, Result};
-use leanstream::config::ModelConfig;
+use leanstream::source::config::ModelConfig;
 use leanstream_format::quant::{quantize_row, QuantType};
 
 /// A dense (non-FFN) tensor: name and shape `[rows, cols]` or `[len]`.

@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use leanstream::perplexity::perplexity;
-use leanstream::safetensors_dir::SafetensorsDir;
 use leanstream::source;
+use leanstream::source::safetensors_dir::SafetensorsDir;
+use leanstream::text::perplexity::perplexity;
 use leanstream_format::ffn::Part;
 use leanstream_format::quant::{dequantize_row, max_abs_error, QuantType};
 use leanstream_format::LsbFile;

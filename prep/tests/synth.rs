@@ -5,10 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use leanstream::perplexity::perplexity;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::Sparsity;
+use leanstream::text::perplexity::perplexity;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use serde_json::Value;
 
 fn prep(args: &[&str]) -> Output {

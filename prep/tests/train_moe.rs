@@ -5,9 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use leanstream::kv_cache::KvType;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::model::kv_cache::KvType;
 use leanstream::streaming::Sparsity;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")

@@ -31,10 +31,10 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
-use leanstream::config::Activation;
 use leanstream::kernels::bundles::{ffn_cluster, prefetch_head, BundleLayout, ClusterRows};
 use leanstream::kernels::{Matrix, Operand, QMatrix, RowKernels};
-use leanstream::skip_rule::{Skip, SkipRule};
+use leanstream::source::config::Activation;
+use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream_format::container::page_align;
 use leanstream_format::ffn::ClusterLayout;
 use leanstream_format::quant::QuantType;

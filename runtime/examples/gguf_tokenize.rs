@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use leanstream::gguf::GgufFile;
-use leanstream::gguf_tokenizer;
+use leanstream::source::gguf::GgufFile;
+use leanstream::tokenizer::gguf as gguf_tokenizer;
 
 fn main() -> Result<()> {
     let path: PathBuf = std::env::args_os()

@@ -11,12 +11,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use leanstream::generate::{generate, GenerateOptions};
-use leanstream::neuron_cache::Retention;
-use leanstream::sampler::SamplerConfig;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
+use leanstream::streaming::neuron_cache::Retention;
 use leanstream::streaming::{minimum_memory, ActiveTrace, Sparsity, Tuning};
+use leanstream::text::generate::{generate, GenerateOptions};
+use leanstream::text::sampler::SamplerConfig;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 
 const CTX: usize = 256;
 

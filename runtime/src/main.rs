@@ -7,16 +7,16 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use leanstream::conversion_cache::model_to_open;
-use leanstream::elastic::{BudgetSource, BudgetWatch};
-use leanstream::generate::{generate, GenerateOptions, StopReason};
-use leanstream::kv_cache::KvType;
-use leanstream::memory::peak_rss_bytes;
-use leanstream::neuron_cache::Retention;
-use leanstream::perplexity::{compare, perplexity};
-use leanstream::session::{policy_name, PolicyChoice, Session, SessionOptions};
+use leanstream::model::kv_cache::KvType;
+use leanstream::platform::elastic::{BudgetSource, BudgetWatch};
+use leanstream::platform::memory::peak_rss_bytes;
+use leanstream::source::conversion_cache::model_to_open;
 use leanstream::storage::FlashProfile;
+use leanstream::streaming::neuron_cache::Retention;
 use leanstream::streaming::{Sparsity, Tuning};
+use leanstream::text::generate::{generate, GenerateOptions, StopReason};
+use leanstream::text::perplexity::{compare, perplexity};
+use leanstream::text::session::{policy_name, PolicyChoice, Session, SessionOptions};
 
 #[derive(Parser)]
 #[command(
@@ -48,7 +48,7 @@ enum Command {
     /// Perplexity of a text file under the model.
     Perplexity(PerplexityArgs),
     /// Measure a flash device with direct I/O and write a profile for --flash.
-    ProbeFlash(leanstream::probe::ProbeArgs),
+    ProbeFlash(leanstream::storage::probe::ProbeArgs),
     /// Compare policies across memory budgets on one token sequence: table, ratios, JSON, plot.
     Bench(leanstream::bench::BenchArgs),
     /// One bench run in its own process (used by `bench`).
@@ -61,7 +61,7 @@ enum Command {
     /// Chat with an instruction-tuned model (one message per line on stdin), streaming replies.
     Chat(ChatArgs),
     /// Convert the embedded model (once), stream it under a tight budget and compare with dense.
-    Demo(leanstream::demo::DemoArgs),
+    Demo(leanstream::cli::demo::DemoArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (chat and completions, streamed or not).
     Serve(ServeArgs),
 }
@@ -186,7 +186,7 @@ struct RunArgs {
     #[arg(long)]
     ignore_eos: bool,
     #[command(flatten)]
-    sampling: leanstream::sampling_args::SamplingArgs,
+    sampling: leanstream::cli::sampling_args::SamplingArgs,
 }
 
 #[derive(Args)]
@@ -194,7 +194,7 @@ struct ChatArgs {
     #[command(flatten)]
     common: CommonArgs,
     #[command(flatten)]
-    chat: leanstream::chat::ChatArgs,
+    chat: leanstream::cli::chat::ChatArgs,
 }
 
 #[derive(Args)]
@@ -225,20 +225,20 @@ enum ReferenceArg {
 }
 
 fn main() -> ExitCode {
-    leanstream::closed_pipe::end_quietly_when_stdout_closes();
-    leanstream::memory::startup_rss_bytes();
+    leanstream::platform::closed_pipe::end_quietly_when_stdout_closes();
+    leanstream::platform::memory::startup_rss_bytes();
     let cli = Cli::parse();
     let result = leanstream::kernels::RowKernels::check_forced().and_then(|_| match cli.command {
         Command::Run(args) => run(args),
         Command::Perplexity(args) => run_perplexity(args),
-        Command::ProbeFlash(args) => leanstream::probe::run(args),
+        Command::ProbeFlash(args) => leanstream::storage::probe::run(args),
         Command::Bench(args) => leanstream::bench::run(args),
         Command::BenchWorker { job } => leanstream::bench::run_worker(&job),
         Command::Unpack(args) => leanstream::transfer::unpack::run(args),
         Command::Verify(args) => leanstream::transfer::verify::run(args),
         Command::Chat(args) => setup(&args.common, 2048)
-            .and_then(|session| leanstream::chat::run(session, &args.chat, args.common.json)),
-        Command::Demo(args) => leanstream::demo::run(args),
+            .and_then(|session| leanstream::cli::chat::run(session, &args.chat, args.common.json)),
+        Command::Demo(args) => leanstream::cli::demo::run(args),
         Command::Serve(args) => setup(&args.common, 2048)
             .and_then(|session| leanstream::serve::run(session, &args.serve)),
     });
@@ -271,7 +271,7 @@ fn parse_memory(s: &str) -> std::result::Result<MemoryArg, String> {
             .map(|p| MemoryArg::FfnShare(p / 100.0))
             .ok_or_else(|| format!("write ffn:P% with P between 0 and 100, not {s}"));
     }
-    leanstream::memory_size::parse_budget(s).map(MemoryArg::Size)
+    leanstream::platform::memory_size::parse_budget(s).map(MemoryArg::Size)
 }
 
 /// Where a changing budget comes from, if the flags ask for one.
@@ -279,7 +279,7 @@ fn budget_source(common: &CommonArgs) -> Result<Option<BudgetSource>> {
     Ok(match (common.memory, &common.memory_file) {
         (_, Some(path)) => Some(BudgetSource::File(path.clone())),
         (Some(MemoryArg::Auto), None) => Some(BudgetSource::Cgroup(
-            leanstream::elastic::Groups::of_this_process()
+            leanstream::platform::elastic::Groups::of_this_process()
                 .context("--memory auto follows the memory cgroup")?,
         )),
         _ => None,
@@ -395,7 +395,7 @@ fn run(args: RunArgs) -> Result<()> {
     let mut session = setup(&args.common, 2048)?;
     let ctx = session.ctx;
     let (prompt, mut eos_token_ids) = if args.chat {
-        leanstream::chat::single_turn(&session, &args.prompt)?
+        leanstream::cli::chat::single_turn(&session, &args.prompt)?
     } else {
         let prompt = session.tokenizer.encode(&args.prompt, true)?;
         (prompt, session.eos_token_ids.clone())

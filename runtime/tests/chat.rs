@@ -8,9 +8,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use leanstream::chat_template::{from_hf_dir, ChatTemplate, Message};
-use leanstream::gguf::GgufFile;
-use leanstream::gguf_tokenizer;
+use leanstream::source::gguf::GgufFile;
+use leanstream::tokenizer::chat_template::{from_hf_dir, ChatTemplate, Message};
+use leanstream::tokenizer::gguf as gguf_tokenizer;
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::meta::ChatTemplate as TemplateSource;
 

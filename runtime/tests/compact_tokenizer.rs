@@ -7,8 +7,8 @@ mod support;
 
 use std::path::PathBuf;
 
-use leanstream::gguf::GgufFile;
-use leanstream::gguf_tokenizer;
+use leanstream::source::gguf::GgufFile;
+use leanstream::tokenizer::gguf as gguf_tokenizer;
 use leanstream::tokenizer::{bpe_vocab, Tokenizer};
 use leanstream_format::bpe_vocab::BpeVocab;
 

@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
-use leanstream::config::{Activation, Architecture, ModelConfig};
-use leanstream::gguf::{gguf_name, GgufFile};
 use leanstream::model::Model;
+use leanstream::source::config::{Activation, Architecture, ModelConfig};
+use leanstream::source::gguf::{gguf_name, GgufFile};
 use rand::{Rng, SeedableRng};
 
 fn config(architecture: Architecture) -> ModelConfig {

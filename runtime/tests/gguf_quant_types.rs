@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use candle_core::quantized::gguf_file::Content;
 use candle_core::Device;
-use leanstream::gguf::{gguf_name, GgufFile};
+use leanstream::source::gguf::{gguf_name, GgufFile};
 
 #[test]
 fn every_type_dequantizes_like_llama_cpp() {

@@ -4,9 +4,9 @@
 
 use std::path::PathBuf;
 
-use leanstream::kv_cache::KvType;
-use leanstream::perplexity::perplexity;
+use leanstream::model::kv_cache::KvType;
 use leanstream::source;
+use leanstream::text::perplexity::perplexity;
 
 fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")

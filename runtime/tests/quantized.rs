@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
-use leanstream::perplexity::perplexity;
 use leanstream::source;
+use leanstream::text::perplexity::perplexity;
 use leanstream_format::quant::QuantType;
 
 fn workspace() -> PathBuf {
@@ -50,8 +50,8 @@ fn quantized_perplexity_is_close_to_f32() {
 /// llama.cpp's `gguf` package; its values checked against that package by `gguf_quant_types.rs`).
 #[test]
 fn gguf_blocks_decode_like_llama_cpp() {
-    use leanstream::gguf::GgufFile;
     use leanstream::kernels::{Operand, Weight};
+    use leanstream::source::gguf::GgufFile;
 
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant-types.gguf");
     let file = GgufFile::open(&path).unwrap();

@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use leanstream::gguf::GgufFile;
-use leanstream::gguf_tokenizer;
+use leanstream::source::gguf::GgufFile;
+use leanstream::tokenizer::gguf as gguf_tokenizer;
 
 mod support;
 
@@ -277,7 +277,8 @@ fn converted_smollm2_streams_under_a_budget() {
         .and_then(|r| r.split(" for").next())
         .expect(&err);
     // The stated minimum is rounded to 0.01 MiB.
-    let min = leanstream::memory_size::parse_size(&min.replace(' ', "")).unwrap() + (16 << 10);
+    let min =
+        leanstream::platform::memory_size::parse_size(&min.replace(' ', "")).unwrap() + (16 << 10);
     // At the minimum every dense weight streams as well as every bundle; the process's peak,
     // opening the file included, stays within it.
     let (ok, v, err) = run(&["--memory", &min.to_string(), "--flash", "ufs4"]);

@@ -28,7 +28,7 @@ pub fn stated_size(text: &str, prefix: &str) -> u64 {
         .nth(1)
         .and_then(|r| r.split(" for").next())
         .unwrap_or_else(|| panic!("no {prefix:?} in {text}"));
-    leanstream::memory_size::parse_size(&size.replace(' ', "")).unwrap()
+    leanstream::platform::memory_size::parse_size(&size.replace(' ', "")).unwrap()
 }
 
 /// Asserts that a command failed cleanly: exit code `code`, no panic, and a message on stderr

@@ -125,11 +125,11 @@ pub fn negate_certificate_rows(src: &Path, dst: &Path) {
 /// under `memory` at context `ctx`.
 pub fn exact_options(
     file: &Path,
-    policy: leanstream::session::PolicyChoice,
+    policy: leanstream::text::session::PolicyChoice,
     memory: Option<u64>,
     ctx: usize,
-) -> leanstream::session::SessionOptions {
-    leanstream::session::SessionOptions {
+) -> leanstream::text::session::SessionOptions {
+    leanstream::text::session::SessionOptions {
         model: file.to_path_buf(),
         policy: Some(policy),
         memory,
@@ -137,7 +137,7 @@ pub fn exact_options(
         sparsity: leanstream::streaming::Sparsity::Exact,
         ctx: Some(ctx),
         default_ctx: ctx,
-        kv: leanstream::kv_cache::KvType::F32,
+        kv: leanstream::model::kv_cache::KvType::F32,
         tuning: Default::default(),
     }
 }
@@ -153,11 +153,11 @@ pub fn argmax(row: &[f32]) -> u32 {
 /// sparsity on the emulated `ufs4` flash, the default KV cache and tuning.
 pub fn session_options(
     model: &Path,
-    policy: leanstream::session::PolicyChoice,
+    policy: leanstream::text::session::PolicyChoice,
     memory: Option<u64>,
     ctx: usize,
-) -> leanstream::session::SessionOptions {
-    leanstream::session::SessionOptions {
+) -> leanstream::text::session::SessionOptions {
+    leanstream::text::session::SessionOptions {
         flash: leanstream::storage::FlashProfile::from_flash_arg("ufs4").unwrap(),
         sparsity: leanstream::streaming::Sparsity::Certified,
         kv: Default::default(),

@@ -9,8 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use leanstream::kv_cache::KvType;
-use leanstream::session::{PolicyChoice, Session};
+use leanstream::model::kv_cache::KvType;
+use leanstream::text::session::{PolicyChoice, Session};
 use leanstream_format::container::SectionKind;
 use leanstream_format::ffn::ClusterLayout;
 use leanstream_format::{verify, LsbFile};

@@ -28,7 +28,7 @@ fn minimum(file: &Path, ctx: &str) -> u64 {
         .and_then(|r| r.split(" for").next())
         .unwrap_or_else(|| panic!("no minimum in {err}"));
     // Stated to 0.01 MiB.
-    leanstream::memory_size::parse_size(&size.replace(' ', "")).unwrap() + (16 << 10)
+    leanstream::platform::memory_size::parse_size(&size.replace(' ', "")).unwrap() + (16 << 10)
 }
 
 #[test]

@@ -14,10 +14,10 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::path::Path;
 
-use leanstream::kv_cache::KvType;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::model::kv_cache::KvType;
 use leanstream::storage::{AlignedBuf, FlashProfile};
 use leanstream::streaming::{experts, minimum_memory, Sparsity, Tuning};
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::tokenizer::Tokenizer;
 use leanstream_tests::converted::{convert, embedded, exact_options, heldout_ids, workspace};
 use leanstream_tests::scratch_dir;

@@ -6,15 +6,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::{Arc, OnceLock};
 
-use leanstream::generate::{generate, GenerateOptions};
-use leanstream::perplexity::perplexity;
-use leanstream::sampler::SamplerConfig;
-use leanstream::session::{PolicyChoice, Session};
 use leanstream::storage::{Device, DirectDevice, Fault, FaultyDevice};
 use leanstream::streaming::{
     minimum_memory, streaming_minimum_memory, Policy, Sparsity, StreamOptions, StreamingModel,
     Tuning,
 };
+use leanstream::text::generate::{generate, GenerateOptions};
+use leanstream::text::perplexity::perplexity;
+use leanstream::text::sampler::SamplerConfig;
+use leanstream::text::session::{PolicyChoice, Session};
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::LsbFile;
 use leanstream_tests::cli::stated_size;

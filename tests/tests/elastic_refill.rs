@@ -8,9 +8,9 @@
 
 use std::path::Path;
 
-use leanstream::kv_cache::KvCache;
-use leanstream::sampler::argmax;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::model::kv_cache::KvCache;
+use leanstream::text::sampler::argmax;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_tests::cli::{embedded_model, quick_convert};
 use leanstream_tests::converted::session_options;
 

@@ -81,7 +81,8 @@ fn check_engine(name: &str, spec: &TinySpec) {
     // 4. Windowed perplexity.
     let ppl_ids = random_ids(spec.seed + 900, PPL_LEN, spec.vocab);
     let (ref_ppl, ref_n) = reference.perplexity(&ppl_ids, PPL_WINDOW).unwrap();
-    let eng = leanstream::perplexity::perplexity(&model, &ppl_ids, PPL_WINDOW, false).unwrap();
+    let eng =
+        leanstream::text::perplexity::perplexity(&model, &ppl_ids, PPL_WINDOW, false).unwrap();
     let rel_ppl = (eng.perplexity - ref_ppl).abs() / ref_ppl;
 
     eprintln!(

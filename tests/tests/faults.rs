@@ -8,10 +8,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Result;
-use leanstream::generate::{generate, GenerateOptions};
-use leanstream::sampler::SamplerConfig;
 use leanstream::storage::{Device, DirectDevice, Fault, FaultKind, FaultyDevice, IoStats};
 use leanstream::streaming::{Policy, Sparsity, StreamOptions, StreamingModel, Tuning};
+use leanstream::text::generate::{generate, GenerateOptions};
+use leanstream::text::sampler::SamplerConfig;
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::LsbFile;
 use leanstream_tests::cli::{embedded_model, quick_convert};

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use leanstream::gguf::GgufFile;
+use leanstream::source::gguf::GgufFile;
 use leanstream_format::LsbFile;
 use leanstream_tests::cli::assert_clean_failure;
 use leanstream_tests::converted::{bin, convert, scratch, workspace};

@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Device, Tensor};
-use leanstream::config::ModelConfig;
-use leanstream::gguf::{gguf_name, GgufFile};
 use leanstream::model::Model;
+use leanstream::source::config::ModelConfig;
+use leanstream::source::gguf::{gguf_name, GgufFile};
 use leanstream_format::LsbFile;
 use leanstream_tests::converted::convert;
 use leanstream_tests::fresh_dir;
@@ -185,7 +185,7 @@ fn check(name: &str, spec: &TinySpec, arch: &str, layout: Layout) {
         .unwrap()
         .perplexity(&ids, 24)
         .unwrap();
-    let ppl = leanstream::perplexity::perplexity(&from_gguf, &ids, 24, false)
+    let ppl = leanstream::text::perplexity::perplexity(&from_gguf, &ids, 24, false)
         .unwrap()
         .perplexity;
     let rel = (ppl - ref_ppl).abs() / ref_ppl;

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use leanstream::cgroup::MemoryGroup;
+use leanstream::platform::cgroup::MemoryGroup;
 use leanstream::storage::page_cache;
 use leanstream_tests::cli::{bin, embedded_model, quick_convert, stated_size, stderr};
 
@@ -191,7 +191,7 @@ fn memory_auto_follows_a_cgroup_limit_lowered_while_it_runs() {
 /// 64 MiB file must reclaim its page cache, which the kernel reports at least at the `low` level.
 #[test]
 fn v1_pressure_events_are_received() {
-    use leanstream::elastic::{Pressure, PressureSignals};
+    use leanstream::platform::elastic::{Pressure, PressureSignals};
     let dir = leanstream_tests::fresh_dir(
         Path::new(env!("CARGO_TARGET_TMPDIR")),
         &format!("cgroup-pressure-{}", std::process::id()),

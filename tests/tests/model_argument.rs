@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
-use leanstream::gguf::gguf_name;
+use leanstream::source::gguf::gguf_name;
 use leanstream::streaming::memory_split;
 use leanstream_tests::cli::{bin, embedded_model, stderr};
 use leanstream_tests::converted::{scratch, workspace};

@@ -10,10 +10,10 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use leanstream::kv_cache::KvType;
+use leanstream::model::kv_cache::KvType;
 use leanstream::model::Model;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::streaming::Sparsity;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_format::quant::QuantType;
 use leanstream_format::LsbFile;
 use leanstream_tests::cli::{assert_clean_failure, bin, stderr};

@@ -7,10 +7,10 @@
 
 use std::path::{Path, PathBuf};
 
-use leanstream::kv_cache::KvType;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::model::kv_cache::KvType;
 use leanstream::streaming::experts::minimum_memory;
 use leanstream::streaming::Sparsity;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_tests::converted::convert;
 use leanstream_tests::fresh_dir;
 use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
@@ -96,7 +96,7 @@ fn streamed_experts_give_residents_bits_at_three_budgets() {
     let minimum = minimum_memory(&file, CTX, KvType::F32).unwrap();
     let below = Session::open(&options(&file, PolicyChoice::Leanstream, Some(minimum - 1)));
     let msg = format!("{:#}", below.err().expect("below the minimum is refused"));
-    let named = leanstream::memory_size::format_size(minimum);
+    let named = leanstream::platform::memory_size::format_size(minimum);
     assert!(
         msg.contains("mixture of experts") && msg.contains(&format!("use --memory {named}")),
         "{msg}"

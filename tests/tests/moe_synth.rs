@@ -8,11 +8,11 @@
 use std::path::Path;
 use std::process::Command;
 
-use leanstream::gguf::GgufFile;
-use leanstream::kv_cache::KvType;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::model::kv_cache::KvType;
+use leanstream::source::gguf::GgufFile;
 use leanstream::streaming::experts::minimum_memory;
 use leanstream::streaming::Sparsity;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_format::LsbFile;
 use leanstream_tests::converted::{bin, convert};
 use leanstream_tests::fresh_dir;
@@ -84,7 +84,7 @@ fn a_synthetic_mixture_plants_its_routing_and_exports_to_qwen3moe_gguf() {
     let mut expected = c.clone();
     expected.eos_token_ids.truncate(1);
     assert_eq!(g.config().unwrap(), expected);
-    let want = leanstream::lsb_dense::tensors(&file, true).unwrap();
+    let want = leanstream::source::lsb_dense::tensors(&file, true).unwrap();
     let (h, m) = (c.hidden_size, moe.expert_intermediate_size);
     for (l, e) in [(0, 0), (1, 7), (c.num_layers - 1, 15)] {
         for (part, shape) in [

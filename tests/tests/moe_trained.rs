@@ -8,9 +8,9 @@
 
 use std::path::{Path, PathBuf};
 
-use leanstream::kv_cache::KvType;
-use leanstream::session::{PolicyChoice, Session};
+use leanstream::model::kv_cache::KvType;
 use leanstream::streaming::experts::minimum_memory;
+use leanstream::text::session::{PolicyChoice, Session};
 use leanstream::tokenizer::Tokenizer;
 use leanstream_tests::converted::{argmax, convert, exact_options, heldout_ids, workspace};
 use leanstream_tests::fresh_dir;

@@ -6,11 +6,11 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
-use leanstream::generate::{generate, GenerateOptions};
-use leanstream::sampler::SamplerConfig;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{minimum_memory, ActiveTrace, Sparsity, Tuning};
+use leanstream::text::generate::{generate, GenerateOptions};
+use leanstream::text::sampler::SamplerConfig;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_tests::converted::{bin, embedded, heldout_ids};
 use serde_json::Value;
 
@@ -314,7 +314,7 @@ fn nothing_beats_the_oracle() {
         (
             PolicyChoice::Leanstream,
             Tuning {
-                retention: leanstream::neuron_cache::Retention::Lru,
+                retention: leanstream::streaming::neuron_cache::Retention::Lru,
                 ..Tuning::default()
             },
         ),

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use leanstream::perplexity::{compare, perplexity};
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::streaming::Sparsity;
+use leanstream::text::perplexity::{compare, perplexity};
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_tests::converted::{bin, convert, workspace};
 
 const WINDOW: usize = 64;

@@ -68,7 +68,7 @@ fn austen_relu_perplexity_matches_reference() {
         .perplexity(ids, WINDOW)
         .unwrap();
     let model = Model::load(&model_dir()).unwrap();
-    let eng = leanstream::perplexity::perplexity(&model, ids, WINDOW, false).unwrap();
+    let eng = leanstream::text::perplexity::perplexity(&model, ids, WINDOW, false).unwrap();
     let rel = (eng.perplexity - ref_ppl).abs() / ref_ppl;
     eprintln!(
         "austen-relu first {} tokens: perplexity engine {:.4} reference {ref_ppl:.4} (rel {rel:.3e})",
@@ -83,7 +83,7 @@ fn austen_relu_perplexity_matches_reference() {
 fn austen_relu_heldout_head_perplexity_matches_hf() {
     let ids = heldout_head_ids();
     let model = Model::load(&model_dir()).unwrap();
-    let eng = leanstream::perplexity::perplexity(&model, &ids, WINDOW, false).unwrap();
+    let eng = leanstream::text::perplexity::perplexity(&model, &ids, WINDOW, false).unwrap();
     let rel = (eng.perplexity - HF_PPL_HEAD).abs() / HF_PPL_HEAD;
     eprintln!(
         "austen-relu heldout-head: engine perplexity {:.4} over {} tokens; HF {HF_PPL_HEAD} over {HF_TOKENS_HEAD} (rel {rel:.3e})",

@@ -4,10 +4,10 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use leanstream::perplexity::perplexity;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
+use leanstream::text::perplexity::perplexity;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_format::quant::QuantType;
 use leanstream_tests::converted::{bin, convert, embedded, heldout_ids, scratch};
 use leanstream_tests::tiny::{write_tiny_model, TinySpec};
@@ -94,7 +94,7 @@ fn a_prompt_chunk_reads_each_cluster_once_and_computes_what_decoding_does() {
     let (steps, step_bytes) = prefill(&file, Some(min), &ids, false);
     let (resident, _) = prefill(&file, None, &ids, true);
     let vocab = chunk.len() / ids.len();
-    let argmax = |row: &[f32]| leanstream::sampler::argmax(row);
+    let argmax = |row: &[f32]| leanstream::text::sampler::argmax(row);
     let mut agree = 0;
     for (i, ((c, d), r)) in chunk
         .chunks(vocab)
@@ -383,7 +383,7 @@ fn stated_minimum(stderr: &[u8]) -> u64 {
         .nth(1)
         .and_then(|r| r.split(" for").next())
         .unwrap_or_else(|| panic!("no minimum stated: {err}"));
-    leanstream::memory_size::parse_size(&min.replace(' ', "")).unwrap()
+    leanstream::platform::memory_size::parse_size(&min.replace(' ', "")).unwrap()
 }
 
 fn run(file: &Path, extra: &[&str]) -> Output {

@@ -7,9 +7,9 @@
 use std::path::Path;
 
 use leanstream::kernels::bundles::PARALLEL_MIN_BYTES;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_tests::converted::{convert_tiny, embedded, heldout_ids};
 use leanstream_tests::tiny::{random_ids, TinySpec};
 

@@ -10,7 +10,7 @@
 use std::ops::Range;
 
 use anyhow::{bail, Result};
-use leanstream::config::ModelConfig;
+use leanstream::source::config::ModelConfig;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

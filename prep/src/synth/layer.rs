@@ -4,8 +4,8 @@
 //! predictors constructed (not trained) from the same directions; everything measured on the
 //! held-out rows afterwards.
 
-use leanstream::config::Activation;
 use leanstream::kernels::QMatrix;
+use leanstream::source::config::Activation;
 use leanstream_format::meta::{Activity, LayerMeta};
 use leanstream_format::quant::{dequantize_row, quantize_row, row_bytes, QuantType};
 use ndarray::{s, Array1, Array2, ArrayView2, Axis};

@@ -16,11 +16,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use leanstream::config::ModelConfig;
 use leanstream::kernels::{Matrix, QMatrix, Weight};
 use leanstream::model::{rms_norm, DenseFfn, Model};
-use leanstream::skip_rule::{Skip, SkipRule};
+use leanstream::source::config::ModelConfig;
 use leanstream::streaming::default_predictor_rank;
+use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::DenseIndex;
@@ -343,7 +343,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         "dense_bytes": dense.data_bytes(),
         "ffn_bytes": ffn.bundle_bytes(),
         "seconds": started.elapsed().as_secs_f64(),
-        "peak_rss_bytes": leanstream::memory::peak_rss_bytes(),
+        "peak_rss_bytes": leanstream::platform::memory::peak_rss_bytes(),
         "comparison": crate::inspect::comparison(&meta),
         "certificate_study": study,
     });

@@ -293,7 +293,7 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
     };
     // The planner's minimum at ctx 512 (default f16 KV) for this file, and for the shape at full
     // depth: the same planner with the file's layers repeated (they are alike), no file written.
-    let kv = leanstream::kv_cache::KvType::default();
+    let kv = leanstream::model::kv_cache::KvType::default();
     let full_depth = args.shape.config(None, Vec::new()).num_layers;
     let minimum = leanstream::streaming::experts::minimum_memory(&args.output, MINIMUM_CTX, kv)?;
     let minimum_full = leanstream::streaming::experts::minimum_memory_at_depth(
@@ -326,7 +326,7 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
         "lookahead_recall": mean(&|r| r.lookahead_recall),
         "expert_freq_max": routing.iter().flat_map(|r| r.expert_freq.iter().copied()).fold(0.0f32, f32::max),
         "seconds": started.elapsed().as_secs_f64(),
-        "peak_rss_bytes": leanstream::memory::peak_rss_bytes(),
+        "peak_rss_bytes": leanstream::platform::memory::peak_rss_bytes(),
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -346,8 +346,8 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
         println!(
             "planner minimum at ctx {MINIMUM_CTX} (f16 KV): {} for this file, {} at the shape's \
              full depth ({full_depth} layers)",
-            leanstream::memory_size::format_size(minimum),
-            leanstream::memory_size::format_size(minimum_full),
+            leanstream::platform::memory_size::format_size(minimum),
+            leanstream::platform::memory_size::format_size(minimum_full),
         );
         if let Some(done) = &gguf {
             crate::gguf_export::print(done);

@@ -1,6 +1,6 @@
 //! The published shapes a synthetic file copies (from each model's Hugging Face `config.json`).
 
-use leanstream::config::{Activation, Architecture, ModelConfig, MoeConfig};
+use leanstream::source::config::{Activation, Architecture, ModelConfig, MoeConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Shape {

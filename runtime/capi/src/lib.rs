@@ -11,12 +11,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use leanstream::elastic::{BudgetHandle, BudgetWatch};
-use leanstream::generate::{generate_after, GenerateOptions, StopReason};
-use leanstream::sampler::SamplerConfig;
-use leanstream::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::platform::elastic::{BudgetHandle, BudgetWatch};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
+use leanstream::text::generate::{generate_after, GenerateOptions, StopReason};
+use leanstream::text::sampler::SamplerConfig;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 
 /// What a call did.
 #[repr(C)]
@@ -252,7 +252,7 @@ pub unsafe extern "C" fn ls_open(
                 )));
             }
         }
-        leanstream::memory::startup_rss_bytes();
+        leanstream::platform::memory::startup_rss_bytes();
         let options = SessionOptions {
             model: PathBuf::from(path),
             policy,
@@ -336,7 +336,7 @@ fn generate(
         invalid("ls_generate: the model is already generating (called from its own callback?)")
     })?;
     let (ids, eos_token_ids) = if o.chat {
-        leanstream::chat::single_turn(&session, prompt).map_err(failed)?
+        leanstream::cli::chat::single_turn(&session, prompt).map_err(failed)?
     } else {
         let ids = session.tokenizer.encode(prompt, true).map_err(failed)?;
         (ids, session.eos_token_ids.clone())
@@ -402,7 +402,7 @@ fn metrics_of(session: Option<&Session>) -> LsMetrics {
         bytes_read_per_token: number("bytes_read_per_token"),
         cache_hit_rate: number("cache_hit_rate"),
         memory_budget_bytes: number("memory_budget_bytes") as u64,
-        peak_rss_bytes: leanstream::memory::peak_rss_bytes().unwrap_or(0),
+        peak_rss_bytes: leanstream::platform::memory::peak_rss_bytes().unwrap_or(0),
     }
 }
 
@@ -489,7 +489,7 @@ pub unsafe extern "C" fn ls_metrics(model: *const LsModel, out: *mut LsMetrics) 
             return Err(invalid("ls_metrics: out is NULL"));
         }
         let m = LsMetrics {
-            peak_rss_bytes: leanstream::memory::peak_rss_bytes().unwrap_or(0),
+            peak_rss_bytes: leanstream::platform::memory::peak_rss_bytes().unwrap_or(0),
             ..model.last.get()
         };
         // SAFETY: `out` is valid for a write (the header's contract) and not NULL.

@@ -13,11 +13,11 @@ use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
 use super::plot::{nice_ceiling, svg_start, trim, write_svg, COLOURS};
-use crate::kv_cache::KvCache;
-use crate::memory::current_rss_bytes;
-use crate::memory_size::format_size;
-use crate::sampler::argmax;
-use crate::session::Session;
+use crate::model::kv_cache::KvCache;
+use crate::platform::memory::current_rss_bytes;
+use crate::platform::memory_size::format_size;
+use crate::text::sampler::argmax;
+use crate::text::session::Session;
 
 /// One decoded token.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]

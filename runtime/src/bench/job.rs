@@ -10,13 +10,13 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::memory::peak_rss_bytes;
-use crate::neuron_cache::Retention;
-use crate::perplexity::log_softmax;
-use crate::sampler::argmax;
-use crate::session::{PolicyChoice, Session, SessionOptions};
+use crate::platform::memory::peak_rss_bytes;
 use crate::storage::FlashProfile;
+use crate::streaming::neuron_cache::Retention;
 use crate::streaming::{ActiveTrace, Sparsity, Tuning};
+use crate::text::perplexity::log_softmax;
+use crate::text::sampler::argmax;
+use crate::text::session::{PolicyChoice, Session, SessionOptions};
 
 /// Everything a worker needs; written by the orchestrator as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -64,8 +64,8 @@ pub struct Variant {
 impl Variant {
     pub fn new(policy: PolicyChoice) -> Self {
         Self {
-            label: crate::session::policy_name(policy).to_string(),
-            policy: crate::session::policy_name(policy).to_string(),
+            label: crate::text::session::policy_name(policy).to_string(),
+            policy: crate::text::session::policy_name(policy).to_string(),
             predicted: matches!(policy, PolicyChoice::PowerInfer2 | PolicyChoice::LlmInFlash),
             lookahead: true,
             always_lookahead: false,
@@ -324,7 +324,7 @@ fn execute(job: &Job) -> Result<Outcome> {
 fn warm_up(
     job: &Job,
     session: &mut Session,
-    cache: &mut crate::kv_cache::KvCache,
+    cache: &mut crate::model::kv_cache::KvCache,
     logits: &mut Vec<f32>,
     sequence: &[u32],
     warmup: usize,

@@ -19,9 +19,9 @@ use std::process::{Command, Stdio};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::cgroup::MemoryGroup;
-use crate::memory_size::{format_size, parse_size};
-use crate::session::PolicyChoice;
+use crate::platform::cgroup::MemoryGroup;
+use crate::platform::memory_size::{format_size, parse_size};
+use crate::text::session::PolicyChoice;
 use crate::tokenizer::Tokenizer;
 
 pub use job::run_worker;
@@ -339,7 +339,7 @@ fn ffn_percent(spec: &str, pct: &str) -> Result<f64> {
 fn expand_policies(names: &[String], flash: &str) -> Result<Vec<Variant>> {
     let all: Vec<String> = PolicyChoice::ALL
         .iter()
-        .map(|&p| crate::session::policy_name(p).to_string())
+        .map(|&p| crate::text::session::policy_name(p).to_string())
         .chain(ABLATIONS.iter().map(|s| s.to_string()))
         .collect();
     let names: Vec<String> = if names.iter().any(|n| n == "all") {

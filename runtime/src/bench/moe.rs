@@ -11,9 +11,9 @@ use indicatif::ProgressBar;
 
 use super::job::{Task, Variant};
 use super::{tempdir, BenchArgs, Run, Runner};
-use crate::memory_size::{format_size, parse_size};
-use crate::session::PolicyChoice;
+use crate::platform::memory_size::{format_size, parse_size};
 use crate::streaming::experts::{split_at_depth, ExpertTrace};
+use crate::text::session::PolicyChoice;
 
 /// The policies a mixture runs in the bench, in table order.
 const POLICIES: [&str; 3] = ["leanstream", "leanstream-no-lookahead", "expert-oracle"];

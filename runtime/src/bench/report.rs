@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 use super::job::{Outcome, Variant};
-use crate::memory_size::format_size;
+use crate::platform::memory_size::format_size;
 
 /// Policies that reproduce published prior systems.
 const PRIOR: [&str; 3] = ["mmap", "powerinfer2", "llm-in-flash"];

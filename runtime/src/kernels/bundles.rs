@@ -18,7 +18,7 @@ use leanstream_format::quant::{row_bytes, QuantType};
 
 use super::operand::Operand;
 use super::rows::{RowKernels, DOT_ROWS};
-use crate::skip_rule::{Skip, SkipRule};
+use crate::streaming::skip_rule::{Skip, SkipRule};
 
 /// Bundle bytes of a layer's needed clusters from which its FFN is split across threads (when
 /// there is more than one): below, waking a second thread costs more than it saves (a layer of

@@ -10,8 +10,8 @@ use super::bundles::{ffn_bundles, ffn_cluster, BundleLayout};
 use super::qmatrix::GEMM_MIN_TOKENS;
 use super::rows::{pick, FORCE_ENV};
 use super::{Matrix, Operand, Q8Vec, QMatrix, RowKernels, RowStream, Weight};
-use crate::config::Activation;
-use crate::skip_rule::{Skip, SkipRule};
+use crate::source::config::Activation;
+use crate::streaming::skip_rule::{Skip, SkipRule};
 
 fn rng() -> (u64, StdRng) {
     let seed = rand::random();

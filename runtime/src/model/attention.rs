@@ -7,8 +7,8 @@ use rayon::prelude::*;
 use super::norm::{rms_norm, rms_norm_in_place};
 use super::{Layer, Model, Scratch};
 use crate::kernels::Weight;
-use crate::kv_cache::KvCache;
-use crate::rope::Rope;
+use crate::model::kv_cache::KvCache;
+use crate::model::rope::Rope;
 
 /// A block's attention projections: q `[heads·d, h]`, k and v `[kv_heads·d, h]`, o `[h, heads·d]`.
 pub struct Attention {

@@ -6,8 +6,8 @@ use anyhow::{bail, Result};
 
 use super::norm::rms_norm;
 use super::{FfnWeights, Layer, Model, Scratch};
-use crate::config::Activation;
 use crate::kernels::Weight;
+use crate::source::config::Activation;
 
 /// A resident FFN: gate `[n, h]`, up `[n, h]`, down `[h, n]`. A mixture's experts are these too.
 pub struct DenseFfn {

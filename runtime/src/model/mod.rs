@@ -4,6 +4,9 @@
 //! and the mixture of experts that may replace it ([`moe`]); this file loads the weights and runs
 //! the layer loop.
 
+pub mod kv_cache;
+pub mod rope;
+
 mod attention;
 mod dense_ffn;
 mod moe;
@@ -16,11 +19,11 @@ use std::sync::Mutex;
 use anyhow::{bail, Context, Result};
 use leanstream_format::quant::QuantType;
 
-use crate::config::ModelConfig;
 use crate::kernels::{Matrix, Weight};
-use crate::kv_cache::{KvCache, KvType};
-use crate::rope::Rope;
-use crate::safetensors_dir::SafetensorsDir;
+use crate::model::kv_cache::{KvCache, KvType};
+use crate::model::rope::Rope;
+use crate::source::config::ModelConfig;
+use crate::source::safetensors_dir::SafetensorsDir;
 
 pub use attention::Attention;
 use dense_ffn::Ffn;
@@ -90,7 +93,7 @@ pub trait LanguageModel {
     /// The most prompt tokens one forward call should take (a streaming model plans its scratch
     /// for this many; a longer slice is split).
     fn prompt_chunk(&self) -> usize {
-        crate::generate::PROMPT_CHUNK
+        crate::text::generate::PROMPT_CHUNK
     }
 }
 
@@ -223,7 +226,7 @@ impl Scratch {
 impl Model {
     /// Loads a Hugging Face model directory (`config.json` + safetensors).
     pub fn load(dir: &Path) -> Result<Self> {
-        let config = crate::config::from_hf_dir(dir)?;
+        let config = crate::source::config::from_hf_dir(dir)?;
         let tensors = SafetensorsDir::open(dir)?;
         Self::from_hf_tensors(config, |name, shape| tensors.tensor_f32(name, shape))
     }

@@ -6,8 +6,8 @@
 use anyhow::Result;
 
 use super::dense_ffn::DenseFfn;
-use crate::config::{Activation, Architecture, ModelConfig, MoeConfig};
 use crate::kernels::Weight;
+use crate::source::config::{Activation, Architecture, ModelConfig, MoeConfig};
 
 /// A resident mixture of experts: the router `[experts, hidden]` and every expert's FFN.
 pub struct MoeFfn {

@@ -4,8 +4,8 @@
 use anyhow::Result;
 
 use super::Attention;
-use crate::config::ModelConfig;
 use crate::kernels::Weight;
+use crate::source::config::ModelConfig;
 
 /// The large dense weights held in DRAM: the embedding, every block's attention projections and
 /// the output head (`None` when tied to the embedding).

@@ -22,10 +22,10 @@ use std::sync::Arc;
 use anyhow::{anyhow, Result};
 use clap::Args;
 
-use crate::chat::ChatFormat;
-use crate::elastic::BudgetWatch;
-use crate::sampling_args::SamplingArgs;
-use crate::session::Session;
+use crate::cli::chat::ChatFormat;
+use crate::cli::sampling_args::SamplingArgs;
+use crate::platform::elastic::BudgetWatch;
+use crate::text::session::Session;
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -39,7 +39,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 16)]
     pub queue: usize,
     /// Largest request body accepted (413 beyond): 1MiB, 64KiB or bytes.
-    #[arg(long, default_value = "1MiB", value_parser = crate::memory_size::parse_budget)]
+    #[arg(long, default_value = "1MiB", value_parser = crate::platform::memory_size::parse_budget)]
     pub max_body: u64,
     /// The model's name in the API (default: the model file's name without its extension).
     #[arg(long)]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::request::Endpoint;
-use crate::sampler::SamplerConfig;
+use crate::text::sampler::SamplerConfig;
 
 /// A request waiting for the model: its connection and what it asks.
 pub struct Job {

@@ -4,7 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
-use crate::chat_template::Message;
+use crate::tokenizer::chat_template::Message;
 
 /// Which endpoint a request came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -14,10 +14,10 @@ use super::error::ApiError;
 use super::metrics::ServerMetrics;
 use super::queue::{Job, Queue, Work};
 use super::request::{self, CompletionRequest, Endpoint, Prompt};
-use crate::chat::ChatFormat;
-use crate::elastic::BudgetHandle;
-use crate::memory_size::{format_size, parse_budget};
-use crate::sampler::SamplerConfig;
+use crate::cli::chat::ChatFormat;
+use crate::platform::elastic::BudgetHandle;
+use crate::platform::memory_size::{format_size, parse_budget};
+use crate::text::sampler::SamplerConfig;
 use crate::tokenizer::Tokenizer;
 
 /// What the HTTP thread needs to validate and queue requests.

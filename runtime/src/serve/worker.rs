@@ -13,10 +13,10 @@ use super::queue::{Job, Jobs, Next};
 use super::reply::{Reply, Usage};
 use super::sse::EventStream;
 use super::stop::StopMatcher;
-use crate::generate::{generate_after, GenerateOptions, StopReason};
-use crate::kv_cache::KvCache;
-use crate::memory::peak_rss_bytes;
-use crate::session::Session;
+use crate::model::kv_cache::KvCache;
+use crate::platform::memory::peak_rss_bytes;
+use crate::text::generate::{generate_after, GenerateOptions, StopReason};
+use crate::text::session::Session;
 use crate::tokenizer::Tokenizer;
 
 /// How often an idle worker looks for a new budget.
@@ -217,7 +217,7 @@ impl Worker {
     fn refresh_metrics(&self) {
         let mut report = self.session.report();
         report["peak_rss_bytes"] = peak_rss_bytes().into();
-        report["rss_bytes"] = crate::memory::current_rss_bytes().into();
+        report["rss_bytes"] = crate::platform::memory::current_rss_bytes().into();
         report["ctx"] = self.session.ctx.into();
         report["kv_cache_tokens"] = self.cache.len().into();
         report["requests_served"] = self.served.into();

@@ -34,9 +34,9 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use super::engine::{SPECULATIVE_MAX, URGENT};
 use super::planner::{DenseSizes, DenseStreamed};
-use crate::config::ModelConfig;
 use crate::kernels::{QMatrix, RowKernels, RowStream, Weight};
 use crate::model::{Attention, DenseWeights};
+use crate::source::config::ModelConfig;
 use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
 
 /// The device page: the unit of direct reads and of the page hashes.

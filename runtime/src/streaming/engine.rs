@@ -27,9 +27,9 @@ use crate::kernels::bundles::{down_pass, gate_pass, ClusterRows, PARALLEL_MIN_BY
 use crate::kernels::parallel;
 use crate::kernels::{Operand, RowKernels};
 use crate::model::FfnBackend;
-use crate::neuron_cache::{ClusterKey, ClusterSlots, NeuronCache};
-use crate::skip_rule::Skip;
 use crate::storage::{AlignedBuf, IoQueue, SpareBuffers, Ticket};
+use crate::streaming::neuron_cache::{ClusterKey, ClusterSlots, NeuronCache};
+use crate::streaming::skip_rule::Skip;
 
 use super::metrics::Metrics;
 use super::mmap::Mapping;

@@ -2,6 +2,11 @@
 //! flash by the speculate-and-refine engine, the dense weights resident or, under a budget too
 //! small for them, streamed too ([`DenseStream`]).
 
+pub mod certify;
+pub mod neuron_cache;
+pub mod skip_rule;
+pub mod slot_heap;
+
 mod dense_stream;
 mod engine;
 pub mod experts;
@@ -27,12 +32,12 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use leanstream_format::LsbFile;
 
-use crate::config::ModelConfig;
-use crate::elastic::BudgetWatch;
-use crate::kv_cache::{KvCache, KvType};
+use crate::model::kv_cache::{KvCache, KvType};
 use crate::model::Model;
-use crate::neuron_cache::{ClusterSlots, NeuronCache, Retention};
+use crate::platform::elastic::BudgetWatch;
+use crate::source::config::ModelConfig;
 use crate::storage::{open_device, Device, FlashProfile, IoQueue};
+use crate::streaming::neuron_cache::{ClusterSlots, NeuronCache, Retention};
 
 pub use dense_stream::DenseStream;
 use dense_stream::DenseTensors;
@@ -148,7 +153,7 @@ impl StreamingModel {
         let mut plans = plan::LayerPlan::all(&mut file, uses)?;
         // Decoding the file's indexes and plans freed more than the plans keep: give it back
         // to the OS, or the allocator keeps it resident beside the budgeted parts.
-        crate::memory::release_freed_memory();
+        crate::platform::memory::release_freed_memory();
         let tensors = DenseTensors::open(&file)?;
         let sizes = tensors.sizes(&config)?;
         let tokenizer = match opts.tokenizer_bytes {
@@ -167,7 +172,7 @@ impl StreamingModel {
             let asked = Shape {
                 ctx: opts.ctx,
                 kv: opts.kv,
-                chunk: crate::generate::PROMPT_CHUNK,
+                chunk: crate::text::generate::PROMPT_CHUNK,
             };
             let io_budget = input(asked).1;
             let shortest = Shape {
@@ -354,7 +359,7 @@ impl StreamingModel {
                 .context("cannot move the dense weights for the new budget")?;
         }
         self.engine.set_cache_capacity(split.neuron_cache);
-        crate::memory::release_freed_memory();
+        crate::platform::memory::release_freed_memory();
         self.split = split;
         self.budget = Some(budget);
         self.budget_changes.push(BudgetChange {
@@ -362,7 +367,7 @@ impl StreamingModel {
             from,
             to: budget,
             micros: started.elapsed().as_micros() as u64,
-            rss_after: crate::memory::current_rss_bytes(),
+            rss_after: crate::platform::memory::current_rss_bytes(),
             dense_streamed: self.split.dense_streamed,
         });
         Ok(())
@@ -700,7 +705,7 @@ pub fn running_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
         Shape {
             ctx,
             kv: KvType::default(),
-            chunk: crate::generate::PROMPT_CHUNK,
+            chunk: crate::text::generate::PROMPT_CHUNK,
         },
         true,
     )?))
@@ -713,7 +718,7 @@ pub fn memory_split(path: &Path, ctx: usize) -> Result<MemorySplit> {
 }
 
 /// [`memory_split`] with the KV cache stored as `kv`. Its `overhead` is this process's start-up
-/// RSS (measured once, [`crate::memory::startup_rss_bytes`]): a budget meant for another process
+/// RSS (measured once, [`crate::platform::memory::startup_rss_bytes`]): a budget meant for another process
 /// (a test's for a `leanstream` it starts) is only as exact as their start-ups agree, so such
 /// callers pass `--memory ffn:P%` and let that process plan it.
 pub fn memory_split_with(path: &Path, ctx: usize, kv: KvType) -> Result<MemorySplit> {
@@ -722,7 +727,7 @@ pub fn memory_split_with(path: &Path, ctx: usize, kv: KvType) -> Result<MemorySp
         Shape {
             ctx,
             kv,
-            chunk: crate::generate::PROMPT_CHUNK,
+            chunk: crate::text::generate::PROMPT_CHUNK,
         },
         true,
     )?)

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 
-use crate::neuron_cache::ClusterKey;
+use crate::streaming::neuron_cache::ClusterKey;
 
 use super::engine::{Core, Refine};
 use super::schedule::Schedule;

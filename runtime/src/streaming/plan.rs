@@ -8,9 +8,9 @@ use leanstream_format::quant::QuantType;
 use leanstream_format::refine::RefineLayer;
 use leanstream_format::LsbFile;
 
-use crate::certify::Certificate;
 use crate::kernels::bundles::BundleLayout;
-use crate::skip_rule::{Skip, SkipRule};
+use crate::streaming::certify::Certificate;
+use crate::streaming::skip_rule::{Skip, SkipRule};
 
 use super::predict::QuantPredictor;
 

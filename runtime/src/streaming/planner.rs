@@ -10,9 +10,9 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::config::ModelConfig;
-use crate::kv_cache::KvType;
-use crate::memory_size::format_size;
+use crate::model::kv_cache::KvType;
+use crate::platform::memory_size::format_size;
+use crate::source::config::ModelConfig;
 
 #[derive(Clone)]
 pub struct PlanInput {
@@ -274,7 +274,7 @@ pub fn replan(p: PlanInput, current: &MemorySplit) -> Result<MemorySplit> {
 /// Prompt chunk lengths a plan may use, longest first. A shorter chunk needs less scratch (the
 /// activations and attention scores of each of its tokens) and costs only prefill speed: each
 /// cluster a chunk needs is read and its weights decoded once per chunk.
-pub const PROMPT_CHUNKS: [usize; 5] = [crate::generate::PROMPT_CHUNK, 128, 64, 32, 16];
+pub const PROMPT_CHUNKS: [usize; 5] = [crate::text::generate::PROMPT_CHUNK, 128, 64, 32, 16];
 /// The shortest prompt chunk a plan uses.
 pub const MIN_PROMPT_CHUNK: usize = PROMPT_CHUNKS[PROMPT_CHUNKS.len() - 1];
 
@@ -371,7 +371,7 @@ pub fn baseline_overhead(tokenizer_bytes: u64) -> u64 {
     // two policies get from one budget — from moving with that noise.
     const MIB: u64 = 1 << 20;
     const STARTUP_FLOOR: u64 = 6 * MIB;
-    let startup = crate::memory::startup_rss_bytes().max(STARTUP_FLOOR);
+    let startup = crate::platform::memory::startup_rss_bytes().max(STARTUP_FLOOR);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = THREAD_BYTES * (cores as u64).saturating_sub(1);
     (startup + tokenizer_bytes + threads + 4 * MIB).div_ceil(MIB) * MIB

@@ -6,7 +6,7 @@
 //! for the token. The output does not depend on what is cached, only the reads do.
 
 use super::engine::Core;
-use crate::neuron_cache::ClusterKey;
+use crate::streaming::neuron_cache::ClusterKey;
 
 /// The priority of refill reads: behind everything a token needs or guesses.
 const PRIORITY: u32 = 0;

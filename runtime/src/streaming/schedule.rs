@@ -5,7 +5,7 @@
 
 use anyhow::{bail, Result};
 
-use crate::neuron_cache::ClusterKey;
+use crate::streaming::neuron_cache::ClusterKey;
 
 use super::engine::{Core, Refine};
 

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::neuron_cache::Retention;
+use crate::streaming::neuron_cache::Retention;
 
 use super::trace::ActiveTrace;
 

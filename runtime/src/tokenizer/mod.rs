@@ -2,6 +2,9 @@
 //! (BPE_VOCAB, [`byte_bpe`]) when it has them; otherwise `tokenizer.json`, or one rebuilt from GGUF
 //! metadata, through the `tokenizers` crate (about ten times the JSON's size in memory).
 
+pub mod chat_template;
+pub mod gguf;
+
 mod byte_bpe;
 mod from_json;
 mod pre_split;

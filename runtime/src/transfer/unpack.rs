@@ -10,7 +10,7 @@ use clap::Args;
 use leanstream_format::archive::{unpack, Stage};
 
 use super::progress::{bytes_bar, mb_per_s};
-use crate::memory::peak_rss_bytes;
+use crate::platform::memory::peak_rss_bytes;
 
 /// Arguments of `leanstream unpack`.
 #[derive(Args, Debug)]

@@ -11,7 +11,7 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::memory_size::format_size;
+use crate::platform::memory_size::format_size;
 use crate::streaming::planner::{DenseSizes, DenseStreamed};
 
 /// What the split is made from (bytes).

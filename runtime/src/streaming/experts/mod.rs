@@ -22,11 +22,11 @@ use anyhow::{bail, Context, Result};
 use leanstream_format::quant::QuantType;
 use leanstream_format::LsbFile;
 
-use crate::config::ModelConfig;
 use crate::kernels::{Matrix, QMatrix, Weight};
-use crate::kv_cache::{KvCache, KvType};
-use crate::lsb_dense;
+use crate::model::kv_cache::{KvCache, KvType};
 use crate::model::{router_tensor_name, DenseFfn, DenseWeights, LanguageModel, Model};
+use crate::source::config::ModelConfig;
+use crate::source::lsb_dense;
 use crate::storage::{open_device, FlashProfile, IoQueue};
 use crate::streaming::dense_stream::{DenseStream, DenseTensors};
 use crate::streaming::planner::{DenseSizes, DenseStreamed};
@@ -67,7 +67,7 @@ pub struct ExpertModel {
 }
 
 /// The most prompt tokens one forward call computes (the scratch is sized for it).
-const CHUNK: usize = crate::generate::PROMPT_CHUNK;
+const CHUNK: usize = crate::text::generate::PROMPT_CHUNK;
 
 /// The planner's input for `file` at `depth` layers: the file's own when `depth` is its layer
 /// count; deeper, layer `d` a copy of the file's layer `d mod layers` (for a uniform shape such as
@@ -335,7 +335,7 @@ impl ExpertModel {
         .with_kv(o.kv);
         drop(tensors);
         drop(encoded);
-        crate::memory::release_freed_memory();
+        crate::platform::memory::release_freed_memory();
         let device = open_device(path, o.flash.clone())
             .with_context(|| format!("cannot open {} for streaming", path.display()))?;
         let io = Arc::new(IoQueue::new(device));

@@ -26,7 +26,7 @@ impl ExpertTrace {
         path: &Path,
         tokens: &[u32],
         ctx: usize,
-        kv: crate::kv_cache::KvType,
+        kv: crate::model::kv_cache::KvType,
     ) -> Result<Self> {
         if tokens.len() > ctx {
             bail!(

@@ -18,12 +18,12 @@ use leanstream_format::file::check_extent;
 use super::cache::ExpertCache;
 use super::metrics::ExpertCounters;
 use super::oracle::Oracle;
-use crate::config::{Activation, MoeConfig};
 use crate::kernels::bundles::{gate_and_down, BundleLayout, ClusterRows};
 use crate::kernels::{Matrix, Operand, RowKernels, Weight};
 use crate::model::{rms_norm, route, Choice, DenseFfn, FfnBackend, MoeScratch};
-use crate::skip_rule::{Skip, SkipRule};
+use crate::source::config::{Activation, MoeConfig};
 use crate::storage::{AlignedBuf, IoQueue, Ticket};
+use crate::streaming::skip_rule::{Skip, SkipRule};
 
 /// Reads a layer waits for (the engine's urgent priority: ahead of the dense stream's reads of the
 /// next layer's attention).
@@ -110,7 +110,7 @@ impl ExpertStream {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         layers: Vec<LayerFfn>,
-        config: &crate::config::ModelConfig,
+        config: &crate::source::config::ModelConfig,
         path: PathBuf,
         io: Arc<IoQueue>,
         slots: usize,
@@ -531,7 +531,7 @@ fn decode_expert(
     let [g, u, d] = mats;
     for (ci, c) in expert.clusters.iter().enumerate() {
         let at = (c.offset - first) as usize;
-        crate::lsb_dense::decode_cluster(
+        crate::source::lsb_dense::decode_cluster(
             expert,
             ci,
             &bytes[at..at + c.extent_size as usize],

@@ -2,7 +2,7 @@
 
 use clap::Args;
 
-use crate::sampler::SamplerConfig;
+use crate::text::sampler::SamplerConfig;
 
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {

@@ -15,8 +15,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use leanstream_format::container::{VERSION_MAJOR, VERSION_MINOR};
 
-use crate::model_arg::{classify, ModelArg};
 use crate::source;
+use crate::source::model_arg::{classify, ModelArg};
 
 /// What `run`, `chat` and `perplexity` open for `--model ARG`: a converted file as given; a GGUF
 /// file or model folder as given when nothing asks for streaming (the dense engine reads them);

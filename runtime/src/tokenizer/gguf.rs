@@ -21,7 +21,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
 
-use crate::gguf::GgufFile;
+use crate::source::gguf::GgufFile;
 use crate::tokenizer::Tokenizer;
 use leanstream_format::meta::ChatTemplate;
 

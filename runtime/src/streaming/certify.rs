@@ -13,10 +13,10 @@
 use anyhow::Result;
 use leanstream_format::sketch::{SketchEntry, SketchLayer};
 
-use crate::config::Activation;
 use crate::kernels::{Operand, QMatrix, RowKernels};
-use crate::skip_rule::{Skip, SkipRule};
+use crate::source::config::Activation;
 use crate::streaming::plan::ClusterRef;
+use crate::streaming::skip_rule::{Skip, SkipRule};
 
 /// One layer's resident certificate: the gate sketch rows (stored order), their error bounds and
 /// their own norms, and the gate values the rule skips.

@@ -14,15 +14,15 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::conversion_cache::converted_file;
-use crate::generate::{generate, GenerateOptions, Generation};
-use crate::memory::peak_rss_bytes;
-use crate::memory_size::{format_size, parse_budget};
-use crate::model_arg::{classify, ModelArg};
-use crate::sampler::SamplerConfig;
-use crate::session::{PolicyChoice, Session, SessionOptions};
+use crate::platform::memory::peak_rss_bytes;
+use crate::platform::memory_size::{format_size, parse_budget};
+use crate::source::conversion_cache::converted_file;
+use crate::source::model_arg::{classify, ModelArg};
 use crate::storage::FlashProfile;
 use crate::streaming::{memory_split, Sparsity, Tuning};
+use crate::text::generate::{generate, GenerateOptions, Generation};
+use crate::text::sampler::SamplerConfig;
+use crate::text::session::{PolicyChoice, Session, SessionOptions};
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
@@ -254,7 +254,7 @@ fn run_cli(file: &Path, args: &DemoArgs, policy: &str) -> Result<Value> {
 }
 
 #[cfg(target_os = "linux")]
-type Group = crate::cgroup::MemoryGroup;
+type Group = crate::platform::cgroup::MemoryGroup;
 #[cfg(not(target_os = "linux"))]
 type Group = ();
 
@@ -299,7 +299,7 @@ fn spawn_run(
 /// charge, or `failed` saying how it died), or why it could not be run.
 #[cfg(target_os = "linux")]
 fn mmap_in_budget(file: &Path, args: &DemoArgs, budget: u64) -> Result<Value, String> {
-    let group = crate::cgroup::MemoryGroup::create(budget).map_err(|e| {
+    let group = crate::platform::cgroup::MemoryGroup::create(budget).map_err(|e| {
         if e.kind() == std::io::ErrorKind::PermissionDenied {
             format!("making a memory cgroup needs root: {e}")
         } else {

@@ -11,11 +11,11 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
 
-use crate::chat_template::{ChatTemplate, Message};
-use crate::generate::{generate_after, GenerateOptions, StopReason};
-use crate::kv_cache::KvCache;
-use crate::sampling_args::SamplingArgs;
-use crate::session::Session;
+use crate::cli::sampling_args::SamplingArgs;
+use crate::model::kv_cache::KvCache;
+use crate::text::generate::{generate_after, GenerateOptions, StopReason};
+use crate::text::session::Session;
+use crate::tokenizer::chat_template::{ChatTemplate, Message};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Args, Debug, Clone)]

@@ -48,7 +48,7 @@ impl MemoryGroup {
     /// dodged by swapping). Fails with a message saying what is missing when no memory group can
     /// be made (no v1 memory controller, and no v2 group that can delegate one).
     pub fn create(limit: u64) -> io::Result<Self> {
-        let groups = crate::elastic::Groups::of_this_process()?;
+        let groups = crate::platform::elastic::Groups::of_this_process()?;
         let (parent, version) = match (groups.v1(), groups.v2()) {
             (Some(v1), _) => (v1.to_path_buf(), Version::V1),
             (None, Some(v2)) => (v2_parent(v2)?, Version::V2),

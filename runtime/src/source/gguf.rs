@@ -20,9 +20,9 @@ use candle_core::Device;
 use leanstream_format::quant::QuantType;
 use memmap2::Mmap;
 
-use crate::config::{Activation, Architecture, ModelConfig, MoeConfig};
 use crate::kernels::{Matrix, QMatrix, Weight};
 use crate::model::Model;
+use crate::source::config::{Activation, Architecture, ModelConfig, MoeConfig};
 
 /// A GGUF file, memory-mapped, with its parsed header.
 pub struct GgufFile {
@@ -674,7 +674,7 @@ mod tests {
         )));
         // The key inside a string value, not as a key: ignored.
         assert!(!has_zero_alignment(&entry(&[b'x'; 8], 4, &[0; 4])));
-        let fixture = include_bytes!("../tests/fixtures/quant-types.gguf");
+        let fixture = include_bytes!("../../tests/fixtures/quant-types.gguf");
         assert!(!has_zero_alignment(fixture));
     }
 

@@ -7,9 +7,9 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::kv_cache::KvCache;
+use crate::model::kv_cache::KvCache;
 use crate::model::LanguageModel;
-use crate::sampler::{Sampler, SamplerConfig};
+use crate::text::sampler::{Sampler, SamplerConfig};
 use crate::tokenizer::{TextStream, Tokenizer};
 
 /// Prompt tokens per forward call: large enough for mat-mat speed (256 scored perplexity 1.2-1.3x

@@ -11,7 +11,7 @@
 
 use std::ops::Deref;
 
-use crate::slot_heap::SlotHeap;
+use crate::streaming::slot_heap::SlotHeap;
 
 /// A cluster: `(layer, cluster index)`.
 pub type ClusterKey = (u32, u32);

@@ -1,14 +1,21 @@
 //! Opens what `--model PATH` names: a Hugging Face model directory or a GGUF file.
 
+pub mod config;
+pub mod conversion_cache;
+pub mod gguf;
+pub mod lsb_dense;
+pub mod model_arg;
+pub mod safetensors_dir;
+
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::meta::ChatTemplate;
 
-use crate::chat_template;
-use crate::gguf::GgufFile;
-use crate::gguf_tokenizer;
 use crate::model::Model;
+use crate::source::gguf::GgufFile;
+use crate::tokenizer::chat_template;
+use crate::tokenizer::gguf as gguf_tokenizer;
 use crate::tokenizer::Tokenizer;
 
 /// A model ready to generate: weights, tokenizer, the tokens that end a generation and the chat
@@ -71,7 +78,7 @@ fn open_converted(path: &Path) -> Result<LoadedModel> {
     Ok(LoadedModel {
         eos_token_ids: file.meta.model.eos_token_ids.clone(),
         chat_template: file.meta.chat_template.clone(),
-        model: crate::lsb_dense::load(&file)?,
+        model: crate::source::lsb_dense::load(&file)?,
         tokenizer,
     })
 }

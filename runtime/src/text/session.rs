@@ -8,7 +8,7 @@ use leanstream_format::meta::ChatTemplate;
 use leanstream_format::LsbFile;
 use serde_json::{json, Value};
 
-use crate::kv_cache::KvType;
+use crate::model::kv_cache::KvType;
 use crate::model::{LanguageModel, Model};
 use crate::source;
 use crate::storage::FlashProfile;
@@ -140,7 +140,7 @@ impl Session {
         // is parsed) returned to the OS before the file's indexes are decoded: the two peaks
         // would otherwise stack above the budget.
         let tokenizer = Tokenizer::from_lsb(&o.model)?;
-        crate::memory::release_freed_memory();
+        crate::platform::memory::release_freed_memory();
         let file = LsbFile::open(&o.model)?;
         let ctx = cap_ctx(o, file.meta.model.max_position_embeddings)?;
         check_kv(o, file.meta.model.head_dim)?;
@@ -172,7 +172,7 @@ impl Session {
         let context_note = (model.ctx < ctx).then(|| {
             format!(
                 "note: --memory {} holds a context of {} tokens, not the default {ctx}: using --ctx {} (pass --ctx to choose another)",
-                crate::memory_size::format_size(o.memory.unwrap_or_default()),
+                crate::platform::memory_size::format_size(o.memory.unwrap_or_default()),
                 model.ctx,
                 model.ctx
             )
@@ -306,7 +306,7 @@ impl Session {
     }
 
     /// Follows the budget `watch` publishes (`--memory-file`, `--memory auto`) from the next token.
-    pub fn follow_budget(&mut self, watch: crate::elastic::BudgetWatch) -> Result<()> {
+    pub fn follow_budget(&mut self, watch: crate::platform::elastic::BudgetWatch) -> Result<()> {
         match &mut self.engine {
             Engine::Dense(_) => bail!("--policy dense has no memory budget to follow"),
             Engine::Experts(_) => bail!(EXPERT_BUDGET_FIXED),
@@ -352,7 +352,7 @@ impl Session {
             s.expert_lookahead_recall,
             s.expert_lookahead_precision,
             s.experts_read_per_token,
-            crate::memory_size::format_size(s.bytes_read_per_token as u64)
+            crate::platform::memory_size::format_size(s.bytes_read_per_token as u64)
         ))
     }
 

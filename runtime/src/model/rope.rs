@@ -1,7 +1,7 @@
 //! Rotary position embedding in Hugging Face's "rotate half" layout: dimension `i` of a head is
 //! rotated together with dimension `i + head_dim/2`.
 
-use crate::config::{Llama3RopeScaling, ModelConfig};
+use crate::source::config::{Llama3RopeScaling, ModelConfig};
 
 /// Inverse frequencies of one head, with Llama-3 scaling applied when configured.
 #[derive(Debug, Clone)]

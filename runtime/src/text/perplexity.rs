@@ -7,10 +7,10 @@ use anyhow::{bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::generate::PROMPT_CHUNK;
-use crate::kv_cache::KvCache;
+use crate::model::kv_cache::KvCache;
 use crate::model::LanguageModel;
-use crate::sampler::argmax;
+use crate::text::generate::PROMPT_CHUNK;
+use crate::text::sampler::argmax;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Perplexity {

@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 
 use super::cgroup_limit::{GroupMemory, Groups};
 use super::pressure::PressureSignals;
-use crate::memory_size::{format_size, parse_budget};
+use crate::platform::memory_size::{format_size, parse_budget};
 
 /// Where the budget comes from.
 #[derive(Debug, Clone)]
@@ -57,7 +57,7 @@ pub fn read_budget(source: &BudgetSource) -> Result<u64> {
         }
         BudgetSource::Cgroup(groups) => {
             let m = groups.read().context("cannot read the memory cgroup")?;
-            let own = crate::memory::current_rss_bytes().unwrap_or(0);
+            let own = crate::platform::memory::current_rss_bytes().unwrap_or(0);
             match (m.limit, auto_budget(m, own)) {
                 (Some(_), Some(b)) if b > 0 => Ok(b),
                 (Some(limit), _) => bail!(

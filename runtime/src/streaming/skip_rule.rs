@@ -10,7 +10,7 @@
 //! Every path that computes a sparse FFN — the bundle kernel, the certificate, the converter's
 //! calibration — applies the rule through [`Skip`], so they agree bit for bit.
 
-use crate::config::Activation;
+use crate::source::config::Activation;
 
 /// What a neuron's skip test measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,8 +12,8 @@ use half::f16;
 use leanstream_format::quant::{row_bytes, QuantType, BLOCK_LEN};
 use serde::Serialize;
 
-use crate::config::ModelConfig;
 use crate::kernels::{dot, RowKernels};
+use crate::source::config::ModelConfig;
 use crate::storage::AlignedBuf;
 
 /// How the cache stores keys and values.
@@ -268,9 +268,10 @@ fn encode(kv: KvType, x: &[f32], out: &mut [u8]) {
 mod tests {
     use super::*;
     fn config(head_dim: usize) -> ModelConfig {
-        let mut c =
-            crate::config::from_hf_json(include_str!("../../models/austen-relu/config.json"))
-                .unwrap();
+        let mut c = crate::source::config::from_hf_json(include_str!(
+            "../../../models/austen-relu/config.json"
+        ))
+        .unwrap();
         c.head_dim = head_dim;
         c
     }
@@ -393,7 +394,7 @@ mod tests {
             // A large cache commits memory only where positions were written.
             let mut big = config(64);
             big.num_layers = 32;
-            let before = crate::memory::current_rss_bytes().unwrap();
+            let before = crate::platform::memory::current_rss_bytes().unwrap();
             let mut cache = KvCache::new(&big, 32 * 1024, KvType::F32);
             let reserved = KvCache::bytes_for(&big, 32 * 1024, KvType::F32) as u64;
             let (k, v) = (noise(128, 1, 1.0), noise(128, 2, 1.0));
@@ -402,7 +403,7 @@ mod tests {
                     cache.store(l, pos, &k, &v);
                 }
             }
-            let grown = crate::memory::current_rss_bytes()
+            let grown = crate::platform::memory::current_rss_bytes()
                 .unwrap()
                 .saturating_sub(before);
             // 64 positions of 256 B per head: 4 pages per head and layer, 1 MiB in all.
