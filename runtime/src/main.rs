@@ -84,7 +84,8 @@ struct CommonArgs {
     /// q8_0 (about a quarter of f32's).
     #[arg(long, value_enum, default_value_t = KvArg::F16)]
     kv: KvArg,
-    /// Compute threads (default: all available cores).
+    /// Compute threads (default: the fast cores — on a big.LITTLE CPU the big ones; all cores where
+    /// they are alike).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
     /// leanstream (stream FFN bundles under --memory; default for converted files), resident
@@ -288,12 +289,13 @@ fn budget_source(common: &CommonArgs) -> Result<Option<BudgetSource>> {
 
 /// Sets up threads and opens the model as the flags ask.
 fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
-    if let Some(threads) = common.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads as usize)
-            .build_global()
-            .context("cannot start the thread pool")?;
-    }
+    let threads = common
+        .threads
+        .map_or_else(leanstream::platform::cores::default_threads, usize::from);
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .context("cannot start the thread pool")?;
     let streaming = match common.policy {
         Some(PolicyArg::Dense) => false,
         Some(_) => true,
