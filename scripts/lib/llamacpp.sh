@@ -54,3 +54,31 @@ for _ in range(n - 1):
 print(f"{(n - 1) / (time.perf_counter() - start):.3g}")
 EOF
 }
+
+# Prefill and decode rates of one run: the prompt text evaluated in batches of 512 tokens, then
+# TOKENS greedy decode steps. Prints "PROMPT_TOKENS PREFILL_TOK_S DECODE_TOK_S".
+# usage: llamacpp_prefill_decode MODEL.gguf PROMPT TOKENS THREADS
+llamacpp_prefill_decode() {
+    python3 - "$@" <<'EOF'
+import sys, time
+import numpy as np
+from llama_cpp import Llama
+
+path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads,
+            verbose=False)
+vocab = llm.n_vocab()
+ids = llm.tokenize(prompt.encode(), add_bos=True)
+def next_token():
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
+start = time.perf_counter()
+llm.eval(ids)
+tok = next_token()
+prefill = time.perf_counter() - start
+start = time.perf_counter()
+for _ in range(n - 1):
+    llm.eval([tok])
+    tok = next_token()
+print(f"{len(ids)} {len(ids) / prefill:.4g} {(n - 1) / (time.perf_counter() - start):.4g}")
+EOF
+}
