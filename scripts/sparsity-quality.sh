@@ -104,7 +104,7 @@ for c in $(configs); do
         --calib-tokens "$CALIB_TOKENS" $EXTRA_CONVERT --json >"$OUT/convert-$name.json"
     echo "$((SECONDS - start))" >"$OUT/convert-$name.seconds"
     budget=$("$BIN/leanstream-prep" inspect "$lsb" --json |
-        python3 -c 'import json,sys; v=json.load(sys.stdin); print(v["min_memory_bytes"] + v["ffn_bytes"] // 4)')
+        python3 -c 'import json,sys; v=json.load(sys.stdin); print(v["min_memory_dense_resident_bytes"] + v["ffn_bytes"] // 4)')
     for key in heldout other; do
         for mode in certified predicted; do
             "$BIN/leanstream" perplexity --model "$lsb" --file "$OUT/text-$key.txt" \

@@ -24,7 +24,7 @@ const VARIED_BLOCK: usize = 1024;
 /// The text a model is calibrated on when no `--calib` is given. SwiGLU models get the varied
 /// text ([`varied_text`]): their per-layer thresholds and predictors are fitted to the text, and
 /// predictors fitted to prose alone miss far more on other text (SmolLM2 `target:0.5` predicted on
-/// the GPL-3 licence: +120 % prose-only, +8 % varied; README "Varied calibration text").
+/// the GPL-3 licence: +120 % prose-only, +8 % varied; docs/results.md, "Varied calibration text").
 pub fn default_text(activation: Activation) -> Cow<'static, str> {
     match activation {
         Activation::Relu => Cow::Borrowed(DEFAULT_CALIB),

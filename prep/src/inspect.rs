@@ -177,10 +177,11 @@ pub fn describe(f: &LsbFile) -> Value {
         "sketch_bytes": f.sketch.bytes(),
         "predictor_bytes": predictor_bytes,
         "cluster_bytes": extents.iter().sum::<u64>() / extents.len().max(1) as u64,
-        // At ctx 512: every dense weight resident, and the smallest budget, dense weights streamed.
-        // A mixture does not stream yet: no budget applies.
-        "min_memory_bytes": (!mixture).then(|| leanstream::streaming::minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok()).flatten(),
-        "min_memory_dense_streamed_bytes": (!mixture).then(|| leanstream::streaming::streaming_minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok()).flatten(),
+        // At ctx 512: the least `--memory` a run accepts (the dense weights the planner may stream
+        // streaming), and the least with every dense weight resident (the neuron cache empty).
+        // Mixtures are planned by the expert stream (`synth` states their minimum): none here.
+        "min_memory_bytes": (!mixture).then(|| leanstream::streaming::streaming_minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok()).flatten(),
+        "min_memory_dense_resident_bytes": (!mixture).then(|| leanstream::streaming::minimum_memory(&f.path, 512.min(m.model.max_position_embeddings)).ok()).flatten(),
         "experts": experts,
         "sections": f.section_sizes().into_iter().map(|(n, s)| json!({"name": n, "bytes": s})).collect::<Vec<_>>(),
         "provenance": m.provenance,

@@ -208,7 +208,7 @@ pub fn run(args: PushArgs) -> Result<()> {
         });
     if missing {
         let advice = format!(
-            "`{}` is not installed on {}: build `leanstream` for the device (README: Building for \
+            "`{}` is not installed on {}: build `leanstream` for the device (docs/arm.md: building for \
              devices), copy it there (e.g. `adb push target/aarch64-linux-android/release/\
              leanstream /data/local/tmp/`), and pass --remote-leanstream PATH if it is not on the \
              device's PATH",

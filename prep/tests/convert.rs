@@ -229,6 +229,38 @@ fn embedded_model_profile_is_realistic_and_predictors_beat_frequency() {
     ] {
         assert!(!v[key].is_null(), "{key} missing");
     }
+    // The two floors at ctx 512: `min_memory_bytes` is the least `--memory` a run accepts (dense
+    // weights streamed), `min_memory_dense_resident_bytes` the least with every one resident.
+    let ctx = 512;
+    let least = v["min_memory_bytes"].as_u64().unwrap();
+    let resident = v["min_memory_dense_resident_bytes"].as_u64().unwrap();
+    assert_eq!(
+        least,
+        leanstream::streaming::streaming_minimum_memory(embedded(), ctx).unwrap()
+    );
+    assert_eq!(
+        resident,
+        leanstream::streaming::minimum_memory(embedded(), ctx).unwrap()
+    );
+    assert!(least < resident, "{least} !< {resident}");
+    let open = |memory: u64| {
+        use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
+        Session::open(&SessionOptions {
+            model: embedded().clone(),
+            policy: Some(PolicyChoice::Leanstream),
+            memory: Some(memory),
+            flash: leanstream::storage::FlashProfile::from_flash_arg("none").unwrap(),
+            sparsity: leanstream::streaming::Sparsity::Certified,
+            ctx: Some(ctx),
+            default_ctx: ctx,
+            kv: Default::default(),
+            tuning: Default::default(),
+        })
+        .map(|_| ())
+    };
+    open(least).unwrap();
+    let refused = open(least - (1 << 20)).unwrap_err().to_string();
+    assert!(refused.contains("below the minimum of"), "{refused}");
     // The model card's sparsity per layer: 0.704, 0.926, 0.896, 0.817 (on other text).
     let want = [0.704, 0.926, 0.896, 0.817];
     let layers = v["layers"].as_array().unwrap();

@@ -266,6 +266,55 @@ fn a_device_without_the_converter_is_told_how_to_convert_and_push() {
 }
 
 #[test]
+fn leanstream_prep_names_the_converter_before_the_one_beside_or_on_path() {
+    // The runtime alone in a folder, nothing on PATH: only LEANSTREAM_PREP can name a converter.
+    // A stand-in converter that states a version and fails to convert proves which one ran: the
+    // refusal names the command that failed.
+    let dir = scratch().join("runtime-with-explicit-prep");
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("leanstream");
+    std::fs::copy(bin("leanstream"), &exe).unwrap();
+    let fake = dir.join("stand-in-prep");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'leanstream-prep 0.0.1'; exit 0; fi\n\
+         echo 'stand-in converter ran' >&2\nexit 3\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let twin = gguf_twin().to_str().unwrap();
+    let mut env = HashMap::from([
+        ("PATH", String::new()),
+        ("LEANSTREAM_CACHE", dir.join("cache").display().to_string()),
+        ("LEANSTREAM_PREP", fake.display().to_string()),
+    ]);
+    let args = ["run", "--model", twin, "--memory", BUDGET, "-p", "Hi"];
+    let (o, _) = timed(&exe, &args, &env);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("stand-in converter ran"), "{err}");
+    assert!(
+        err.contains(&format!("`{} convert {twin} -o model.lsb`", fake.display())),
+        "{err}"
+    );
+
+    // A LEANSTREAM_PREP that names no file is refused, naming it, not passed over silently.
+    let missing = dir.join("no-such-prep");
+    env.insert("LEANSTREAM_PREP", missing.display().to_string());
+    let (o, _) = timed(&exe, &args, &env);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        first_line(&o).contains(&format!(
+            "LEANSTREAM_PREP={} is not a file",
+            missing.display()
+        )),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
 fn missing_paths_are_reported_at_once_by_both_tools_without_the_network() {
     let empty_cache = scratch().join("empty-hf-home");
     std::fs::create_dir_all(&empty_cache).unwrap();

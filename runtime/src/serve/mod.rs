@@ -5,7 +5,7 @@
 //! One HTTP thread validates requests and answers the cheap routes; one worker (this thread) owns
 //! the model and serves queued requests one at a time in arrival order, reusing the KV cache of
 //! the previous conversation's common prefix. The server is `tiny_http`: synchronous, four small
-//! dependencies, no async runtime (README: its size and build-time cost).
+//! dependencies, no async runtime (docs/serve.md: its size and build-time cost).
 
 mod error;
 mod metrics;

@@ -109,9 +109,24 @@ pub fn converted_file(model: &ModelArg, flags: &[&str]) -> Result<(PathBuf, bool
     Ok((out, true))
 }
 
-/// `leanstream-prep` beside this executable, else on `PATH`; if neither, an error saying how to
-/// build it here or convert `model` on a workstation and push the result.
+/// The converter: the file `LEANSTREAM_PREP` names when it is set (an error naming it when it is
+/// not a file), else `leanstream-prep` beside this executable, else on `PATH`; if none, an error
+/// saying how to build it here or convert `model` on a workstation and push the result.
 fn prep_binary(model: &str) -> Result<PathBuf> {
+    if let Some(explicit) = std::env::var_os("LEANSTREAM_PREP").filter(|v| !v.is_empty()) {
+        let explicit = PathBuf::from(explicit);
+        if !explicit.is_file() {
+            bail!(
+                "LEANSTREAM_PREP={} is not a file: point it at a leanstream-prep binary, or unset \
+                 it to use the one beside {} or on PATH",
+                explicit.display(),
+                std::env::current_exe()
+                    .map(|e| e.display().to_string())
+                    .unwrap_or_else(|_| "leanstream".into())
+            );
+        }
+        return Ok(explicit);
+    }
     let name = format!("leanstream-prep{}", std::env::consts::EXE_SUFFIX);
     let exe = std::env::current_exe().context("cannot locate the leanstream executable")?;
     let beside = exe.parent().map(|d| d.join(&name));

@@ -674,14 +674,16 @@ fn plan_input(
     (input, io_budget)
 }
 
-/// The smallest `--memory` at which the `leanstream` policy keeps every dense weight resident
-/// (the neuron cache empty: every bundle streams), with the default KV cache storage. Below it dense weights stream too, down to
-/// [`streaming_minimum_memory`].
+/// The dense-resident minimum (`min_memory_dense_resident_bytes` in `inspect --json`): the
+/// smallest `--memory` at which the `leanstream` policy keeps every dense weight resident (the
+/// neuron cache empty: every bundle streams), with the default KV cache storage. Below it dense
+/// weights stream too, down to [`streaming_minimum_memory`]. Not the least budget a run accepts.
 pub fn minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
     Ok(memory_split(path, ctx)?.fixed())
 }
 
-/// The smallest `--memory` the `leanstream` policy accepts for `file` at `ctx`: every bundle and
+/// The minimum (`min_memory_bytes` in `inspect --json`, the figure a refused `--memory` states):
+/// the smallest `--memory` the `leanstream` policy accepts for `file` at `ctx`: every bundle and
 /// the dense weights the planner may stream stream, and no certificate is kept (they are optional).
 pub fn streaming_minimum_memory(path: &Path, ctx: usize) -> Result<u64> {
     Ok(planner::minimum(&open_plan_input(

@@ -4,8 +4,11 @@
 //! rest. When the fixed needs with every dense weight resident exceed the budget, dense weights
 //! stream too: the attention projections first (the least used per byte: each is read once per
 //! token, as the output head is, but the head is computed as it lands), then the output head, then
-//! the embedding (one row per token); norms always stay. A budget below the fixed needs with all
-//! of them streaming is refused with that minimum.
+//! the embedding (one row per token); norms always stay. Two floors follow, named as `inspect
+//! --json` names them: the *minimum* (`min_memory_bytes`), the fixed needs with every dense weight
+//! the planner may stream streaming — the least budget a run accepts; a budget below it is refused,
+//! stating it — and the *dense-resident minimum* (`min_memory_dense_resident_bytes`), the fixed
+//! needs with every dense weight resident, below which dense weights start to stream.
 
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -227,7 +230,8 @@ fn candidates(p: &PlanInput) -> Vec<MemorySplit> {
     choices.into_iter().map(|s| fixed_split(p, s)).collect()
 }
 
-/// The smallest budget `p` runs in.
+/// The minimum (`min_memory_bytes`): the smallest budget `p` runs in, with every dense weight the
+/// planner may stream streaming.
 pub fn minimum(p: &PlanInput) -> u64 {
     let ffn = if p.needs_all_ffn { p.ffn } else { 0 };
     candidates(p)

@@ -545,7 +545,8 @@ fn decode_expert(
 impl FfnBackend for ExpertStream {
     /// Nothing: the look-ahead waits for `l`'s attention, which carries the context (from the
     /// residual entering `l` it finds fewer of `l+1`'s experts, and a first guess here refined
-    /// after the attention reads more at the same recall: the README's MoE section).
+    /// after the attention reads more at the same recall: docs/cli.md, "Mixtures of experts under
+    /// a budget").
     fn begin_layer(&mut self, _: usize, _: &[f32]) -> Result<()> {
         Ok(())
     }
