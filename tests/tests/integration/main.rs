@@ -19,6 +19,7 @@ mod elastic_budget;
 mod elastic_refill;
 mod engine_vs_reference;
 mod faults;
+mod fuzz_corpus;
 mod gguf_export;
 mod gguf_moe;
 mod memory_cgroup;
