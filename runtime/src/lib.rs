@@ -2,7 +2,7 @@
 //! memory budget. This crate holds the engine (model, kernels, KV cache, sampler) and the
 //! `leanstream` command-line tool.
 //!
-//! Cargo features (both default): `cli`, the command line's own modules ([`cli`], [`bench`],
+//! Cargo features (both default): `cli`, the command line's own modules ([`cli`], [`bench`](mod@bench),
 //! [`transfer`], the flash probe) with clap, progress bars and Ctrl-C handling; `serve`, the
 //! OpenAI-compatible HTTP server ([`serve`]). An embedder (the C API) turns them off and gets the
 //! engine alone.

@@ -197,42 +197,6 @@ fn log_softmax_at(row: &[f32], target: usize) -> f64 {
     row[target] as f64 - log_sum_exp(row)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn log_softmax_is_normalised() {
-        let row = [1000.0f32, 999.0, -5.0];
-        let total: f64 = (0..3).map(|i| log_softmax_at(&row, i).exp()).sum();
-        assert!((total - 1.0).abs() < 1e-12);
-        assert!(
-            (log_softmax_at(&row, 0) - -(1.0 + (-1f64).exp() + (-1005f64).exp()).ln()).abs()
-                < 1e-12
-        );
-        assert_eq!(log_softmax(&row)[1], log_softmax_at(&row, 1));
-    }
-
-    #[test]
-    fn comparison_of_known_distributions() {
-        let mut acc = ComparisonAccum::default();
-        // Reference (ln 3, 0) → p = (3/4, 1/4); model (0, 0) → q = (1/2, 1/2).
-        let reference = [3f32.ln(), 0.0];
-        acc.add(&[0.0, 0.0], &reference, 0);
-        let kl = 0.75 * (0.75f64 / 0.5).ln() + 0.25 * (0.25f64 / 0.5).ln();
-        let c = acc.finish();
-        assert!((c.kl - kl).abs() < 1e-7, "{} vs {kl}", c.kl);
-        assert!((c.perplexity - 2.0).abs() < 1e-12);
-        assert!((c.reference_perplexity - 4.0 / 3.0).abs() < 1e-6);
-        // argmax of a tie is the first token: both pick token 0.
-        assert_eq!(c.top1_agreement, 1.0);
-        acc.add(&[0.0, 1.0], &reference, 1);
-        let c = acc.finish();
-        assert_eq!(c.tokens, 2);
-        assert_eq!(c.top1_agreement, 0.5);
-    }
-}
-
 /// The windows' progress bar on stderr (with the `cli` feature; without it, nothing is drawn).
 struct Progress {
     #[cfg(feature = "cli")]
@@ -275,5 +239,41 @@ impl Progress {
     fn finish_and_clear(&self) {
         #[cfg(feature = "cli")]
         self.bar.finish_and_clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_softmax_is_normalised() {
+        let row = [1000.0f32, 999.0, -5.0];
+        let total: f64 = (0..3).map(|i| log_softmax_at(&row, i).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-12);
+        assert!(
+            (log_softmax_at(&row, 0) - -(1.0 + (-1f64).exp() + (-1005f64).exp()).ln()).abs()
+                < 1e-12
+        );
+        assert_eq!(log_softmax(&row)[1], log_softmax_at(&row, 1));
+    }
+
+    #[test]
+    fn comparison_of_known_distributions() {
+        let mut acc = ComparisonAccum::default();
+        // Reference (ln 3, 0) → p = (3/4, 1/4); model (0, 0) → q = (1/2, 1/2).
+        let reference = [3f32.ln(), 0.0];
+        acc.add(&[0.0, 0.0], &reference, 0);
+        let kl = 0.75 * (0.75f64 / 0.5).ln() + 0.25 * (0.25f64 / 0.5).ln();
+        let c = acc.finish();
+        assert!((c.kl - kl).abs() < 1e-7, "{} vs {kl}", c.kl);
+        assert!((c.perplexity - 2.0).abs() < 1e-12);
+        assert!((c.reference_perplexity - 4.0 / 3.0).abs() < 1e-6);
+        // argmax of a tie is the first token: both pick token 0.
+        assert_eq!(c.top1_agreement, 1.0);
+        acc.add(&[0.0, 1.0], &reference, 1);
+        let c = acc.finish();
+        assert_eq!(c.tokens, 2);
+        assert_eq!(c.top1_agreement, 0.5);
     }
 }
