@@ -34,7 +34,7 @@ const JOB_SIZE: u32 = 2 << 20;
 /// Largest zstd window accepted when unpacking (8 MiB: what levels ≤ 19 use), so a damaged or
 /// hostile frame cannot make the decoder allocate more.
 const MAX_WINDOW_LOG: u32 = 23;
-/// Highest compression level `pack` accepts (levels 20–22 need windows beyond [`MAX_WINDOW_LOG`]).
+/// Highest compression level `pack` accepts (levels 20–22 need windows beyond `MAX_WINDOW_LOG`).
 pub const MAX_LEVEL: i32 = 19;
 
 /// What the archive says about the file it holds.

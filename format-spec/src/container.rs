@@ -1,7 +1,6 @@
 //! The container: a 4 KiB header page with the section table, then page-aligned sections, each
 //! covered by an XXH3-64 checksum. See FORMAT.md §2–3.
 
-use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
@@ -422,8 +421,8 @@ impl ContainerWriter {
 }
 
 /// Reads `len` bytes at `offset`.
-pub fn read_at(
-    file: &mut File,
+pub fn read_at<R: Read + Seek>(
+    file: &mut R,
     path: &Path,
     offset: u64,
     len: u64,

@@ -42,7 +42,16 @@ pub struct LsbFile {
 impl LsbFile {
     /// Opens and validates `path`. Every error names the file and what is wrong with it.
     pub fn open(path: &Path) -> Result<Self, FormatError> {
-        Self::open_inner(path).map_err(|e| naming(path, e))
+        let mut file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+        Self::read(&mut file, path)
+    }
+
+    /// Reads and validates a file from `reader` (a `File`, or bytes in memory through
+    /// `std::io::Cursor`): the same checks as [`LsbFile::open`], with `name` naming it in every
+    /// error and kept as [`LsbFile::path`]. The extent readers that reopen the file by path
+    /// ([`LsbFile::read_sketch_layer`], [`LsbFile::read_sketch`]) need `name` to be its path.
+    pub fn read<R: Read + Seek>(reader: &mut R, name: &Path) -> Result<Self, FormatError> {
+        Self::read_inner(reader, name).map_err(|e| naming(name, e))
     }
 
     /// Reads only the embedded `tokenizer.json` (checked). The runtime parses the tokenizer before
@@ -85,27 +94,27 @@ impl LsbFile {
         Ok(header.section(SectionKind::ExpertIndex).is_some())
     }
 
-    fn open_inner(path: &Path) -> Result<Self, FormatError> {
-        let (mut file, header) = open_header(path)?;
-        let meta = read_section(&mut file, path, &header, SectionKind::Meta, |d| {
+    fn read_inner<R: Read + Seek>(file: &mut R, path: &Path) -> Result<Self, FormatError> {
+        let header = read_header(file, path)?;
+        let meta = read_section(file, path, &header, SectionKind::Meta, |d| {
             serde_json::from_slice::<Meta>(&d.bytes(d.remaining())?)
                 .map_err(|e| FormatError::invalid(format!("META section: {e}")))
         })?;
-        let tokenizer_json = read_section(&mut file, path, &header, SectionKind::Tokenizer, |d| {
+        let tokenizer_json = read_section(file, path, &header, SectionKind::Tokenizer, |d| {
             d.bytes(d.remaining())
         })?;
         let dense_data = *header
             .section(SectionKind::DenseData)
             .ok_or_else(|| missing("DENSE_DATA"))?;
         let (ffn_data, layout) = ffn_data(&header)?;
-        let dense = read_section(&mut file, path, &header, SectionKind::DenseIndex, |d| {
+        let dense = read_section(file, path, &header, SectionKind::DenseIndex, |d| {
             DenseIndex::decode(d, dense_data.length)
         })?;
-        let ffn = read_section(&mut file, path, &header, SectionKind::FfnIndex, |d| {
+        let ffn = read_section(file, path, &header, SectionKind::FfnIndex, |d| {
             FfnIndex::decode(d, ffn_data.length, layout)
         })?;
         let predictors = read_section(
-            &mut file,
+            file,
             path,
             &header,
             SectionKind::Predictors,
@@ -115,16 +124,10 @@ impl LsbFile {
             .section(SectionKind::Sketch)
             .filter(|s| s.encoding == Encoding::Raw as u32)
             .map(|s| s.offset);
-        let sketch = read_section(&mut file, path, &header, SectionKind::Sketch, |d| {
+        let sketch = read_section(file, path, &header, SectionKind::Sketch, |d| {
             SketchIndex::decode(d, sketch_base)
         })?;
-        let refine = read_section(
-            &mut file,
-            path,
-            &header,
-            SectionKind::Refine,
-            Refine::decode,
-        )?;
+        let refine = read_section(file, path, &header, SectionKind::Refine, Refine::decode)?;
         if header.section(layout.other().expert_data()).is_some() {
             return Err(FormatError::invalid(format!(
                 "{} beside {}: a file has one cluster layout",
@@ -136,7 +139,7 @@ impl LsbFile {
         let experts = match (header.section(SectionKind::ExpertIndex), expert_data) {
             (None, None) => ExpertIndex::default(),
             (Some(_), Some(data)) => {
-                read_section(&mut file, path, &header, SectionKind::ExpertIndex, |d| {
+                read_section(file, path, &header, SectionKind::ExpertIndex, |d| {
                     ExpertIndex::decode(d, data.length, layout)
                 })?
             }
@@ -373,17 +376,24 @@ fn naming(path: &Path, e: FormatError) -> FormatError {
 /// Opens `path` and decodes its header page.
 fn open_header(path: &Path) -> Result<(File, Header), FormatError> {
     let mut file = File::open(path).map_err(|e| FormatError::io(path, e))?;
-    let len = file.metadata().map_err(|e| FormatError::io(path, e))?.len();
-    let page = read_at(&mut file, path, 0, len.min(PAGE))?;
-    let header = Header::decode(&page, len)?;
+    let header = read_header(&mut file, path)?;
     Ok((file, header))
+}
+
+/// Decodes the header page of what `reader` holds (its length is where it ends).
+fn read_header<R: Read + Seek>(reader: &mut R, path: &Path) -> Result<Header, FormatError> {
+    let len = reader
+        .seek(SeekFrom::End(0))
+        .map_err(|e| FormatError::io(path, e))?;
+    let page = read_at(reader, path, 0, len.min(PAGE))?;
+    Header::decode(&page, len)
 }
 
 /// Reads, checks and decodes one section. A raw section streams through `decode` and is never
 /// held whole (see [`Dec`]); a zstd one is decompressed first. Every byte must be decoded, and
 /// damage is reported as a checksum mismatch even where it also breaks decoding.
-fn read_section<T>(
-    file: &mut File,
+fn read_section<T, R: Read + Seek>(
+    file: &mut R,
     path: &Path,
     header: &Header,
     kind: SectionKind,
@@ -469,13 +479,24 @@ const VERIFY_CHUNK: usize = 1 << 20;
 /// Checks every checksum of the file: the header, each section, each tensor and each cluster
 /// extent (FORMAT.md §11.2). Returns the number of bytes checked; the error names the file and the
 /// first bad extent. `progress(done, total)` is called as bytes are checked.
-pub fn verify(path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<u64, FormatError> {
+pub fn verify(path: &Path, progress: impl FnMut(u64, u64)) -> Result<u64, FormatError> {
+    let mut file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+    verify_reader(&mut file, path, progress)
+}
+
+/// [`verify`] of what `reader` holds (a `File`, or bytes in memory through `std::io::Cursor`),
+/// `path` naming it in every error.
+pub fn verify_reader<R: Read + Seek>(
+    reader: &mut R,
+    path: &Path,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<u64, FormatError> {
     /// `(file offset, size)`, and what an extent is called with its own checksum.
     type Extent = (u64, u64);
     type NamedChecksum = (String, u64);
-    let f = LsbFile::open(path)?;
+    let f = LsbFile::read(reader, path)?;
     let mut reader = ChunkReader {
-        file: File::open(path).map_err(|e| FormatError::io(path, e))?,
+        file: reader,
         path,
         buf: vec![0u8; VERIFY_CHUNK],
     };
@@ -538,13 +559,13 @@ pub fn verify(path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<u64, Fo
 }
 
 /// Reads ranges of a file through one bounded buffer.
-struct ChunkReader<'a> {
-    file: File,
+struct ChunkReader<'a, R> {
+    file: &'a mut R,
     path: &'a Path,
     buf: Vec<u8>,
 }
 
-impl ChunkReader<'_> {
+impl<R: Read + Seek> ChunkReader<'_, R> {
     /// Hashes `size` bytes at `offset`, feeding them to `also` as well; returns their own XXH3.
     fn hash(&mut self, offset: u64, size: u64, also: &mut Xxh3) -> Result<u64, FormatError> {
         let io = |e| FormatError::io(self.path, e);

@@ -20,4 +20,4 @@ pub mod relayout;
 pub mod sketch;
 
 pub use error::FormatError;
-pub use file::{verify, LsbFile};
+pub use file::{verify, verify_reader, LsbFile};

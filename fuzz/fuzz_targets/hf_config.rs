@@ -1,10 +1,12 @@
 //! A Hugging Face `config.json`: parsed and validated, or refused with an error — never a panic.
+//!
+//! The body lives in `fuzz/bodies/hf_config.rs`, which the normal test suite also runs over the seed
+//! corpus (tests/tests/integration/fuzz_corpus.rs).
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
+#[path = "../bodies/hf_config.rs"]
+mod body;
 
-fuzz_target!(|data: &[u8]| {
-    if let Ok(text) = std::str::from_utf8(data) {
-        let _ = leanstream::source::config::from_hf_json(text);
-    }
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    body::run(data);
 });

@@ -4,46 +4,14 @@
 //! The first input byte chooses whether the header's checksums are recomputed over the rest before
 //! it is read: random bytes rarely match a checksum, so this is how the fuzzer reaches the section
 //! decoders behind them.
+//!
+//! The body lives in `fuzz/bodies/lsb_file.rs`, which the normal test suite also runs over the seed
+//! corpus (tests/tests/integration/fuzz_corpus.rs).
 #![no_main]
 
-use leanstream_format::container::{checksum, MAX_SECTIONS, PAGE};
-use libfuzzer_sys::fuzz_target;
+#[path = "../bodies/lsb_file.rs"]
+mod body;
 
-fuzz_target!(|data: &[u8]| {
-    let Some((&mode, rest)) = data.split_first() else {
-        return;
-    };
-    let mut bytes = rest.to_vec();
-    if mode & 1 == 1 {
-        repair_checksums(&mut bytes);
-    }
-    let path = std::env::temp_dir().join(format!("leanstream-fuzz-lsb-{}", std::process::id()));
-    std::fs::write(&path, &bytes).expect("the temporary directory is writable");
-    if let Ok(file) = leanstream_format::LsbFile::open(&path) {
-        let _ = leanstream::tokenizer::Tokenizer::from_bytes(&file.tokenizer_json);
-        let _ = leanstream_format::verify(&path, |_, _| {});
-    }
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    body::run(data);
 });
-
-/// Makes the header's file size, section checksums and header checksum match `b`.
-fn repair_checksums(b: &mut [u8]) {
-    let page = PAGE as usize;
-    if b.len() < page {
-        return;
-    }
-    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
-    let len = b.len() as u64;
-    b[16..24].copy_from_slice(&len.to_le_bytes());
-    let count = (u32::from_le_bytes(b[24..28].try_into().unwrap()) as usize).min(MAX_SECTIONS);
-    for i in 0..count {
-        let o = 32 + i * 48;
-        let (offset, size) = (u64_at(b, o + 8), u64_at(b, o + 16));
-        let Some(end) = offset.checked_add(size).filter(|&e| e <= len) else {
-            continue;
-        };
-        let sum = checksum(&b[offset as usize..end as usize]);
-        b[o + 32..o + 40].copy_from_slice(&sum.to_le_bytes());
-    }
-    let sum = checksum(&b[..page - 8]);
-    b[page - 8..page].copy_from_slice(&sum.to_le_bytes());
-}

@@ -41,7 +41,7 @@ impl StreamRule<'_> {
 }
 
 pub struct Profiler<'a> {
-    /// Every weight but the FFNs, which [`Profiler::set_ffn`] installs one layer at a time.
+    /// Every weight but the FFNs, which `Profiler::set_ffn` installs one layer at a time.
     pub model: Model,
     calib: &'a Calibration,
     /// Hidden states of every window, dense model.

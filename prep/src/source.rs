@@ -35,8 +35,12 @@ impl Source {
                     tokenizer_path.display()
                 )
             })?;
+            let mut config = leanstream::source::config::from_hf_dir(path)?;
+            // Generation stops where a run of the same folder stops.
+            config.eos_token_ids =
+                leanstream::source::hf_eos_token_ids(path, &config.eos_token_ids)?;
             return Ok(Self {
-                config: leanstream::source::config::from_hf_dir(path)?,
+                config,
                 tokenizer: Tokenizer::from_bytes(&tokenizer_json)
                     .with_context(|| format!("invalid tokenizer {}", tokenizer_path.display()))?,
                 tokenizer_json,

@@ -13,7 +13,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::neuron_cache::Retention;
-use leanstream::streaming::{minimum_memory, ActiveTrace, Sparsity, Tuning};
+use leanstream::streaming::{minimum_memory, ActiveTrace, Tuning};
 use leanstream::text::generate::{generate, GenerateOptions};
 use leanstream::text::sampler::SamplerConfig;
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
@@ -37,22 +37,19 @@ fn main() -> Result<()> {
         window: flag("window").map(|v| v.parse()).transpose()?,
         ..Tuning::default()
     };
-    let open = |policy, memory, tuning: Tuning| {
-        Session::open(&SessionOptions {
-            model: file.clone(),
-            policy: Some(policy),
-            memory,
-            flash: if memory.is_some() {
-                FlashProfile::from_flash_arg("ufs4")?
-            } else {
-                None
-            },
-            sparsity: Sparsity::Certified,
-            ctx: Some(CTX),
-            default_ctx: CTX,
-            kv: Default::default(),
-            tuning,
-        })
+    let open = |policy, memory: Option<u64>, tuning: Tuning| {
+        let flash = if memory.is_some() {
+            FlashProfile::from_flash_arg("ufs4")?
+        } else {
+            None
+        };
+        Session::open(
+            &SessionOptions::new(&file, Some(policy))
+                .memory(memory)
+                .flash(flash)
+                .ctx(CTX)
+                .tuning(tuning),
+        )
     };
     let mut resident = open(PolicyChoice::Resident, None, Tuning::default())?;
     let prompt = resident

@@ -63,6 +63,7 @@ enum Command {
     /// Convert the embedded model (once), stream it under a tight budget and compare with dense.
     Demo(leanstream::cli::demo::DemoArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (chat and completions, streamed or not).
+    #[cfg(feature = "serve")]
     Serve(ServeArgs),
 }
 
@@ -199,6 +200,7 @@ struct ChatArgs {
 }
 
 #[derive(Args)]
+#[cfg(feature = "serve")]
 struct ServeArgs {
     #[command(flatten)]
     common: CommonArgs,
@@ -240,6 +242,7 @@ fn main() -> ExitCode {
         Command::Chat(args) => setup(&args.common, 2048)
             .and_then(|session| leanstream::cli::chat::run(session, &args.chat, args.common.json)),
         Command::Demo(args) => leanstream::cli::demo::run(args),
+        #[cfg(feature = "serve")]
         Command::Serve(args) => setup(&args.common, 2048)
             .and_then(|session| leanstream::serve::run(session, &args.serve)),
     });

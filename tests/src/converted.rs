@@ -74,6 +74,19 @@ pub fn embedded(quant: &str) -> PathBuf {
     .clone()
 }
 
+/// The embedded ReLU model converted as [`convert`] does with no further flags (leanstream-prep's
+/// default encoding), once per test process. Tests only read it; one that evicts it from the page
+/// cache or charges its pages to a memory group converts its own copy.
+pub fn embedded_default() -> PathBuf {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let out = scratch().join("austen-default.lsb");
+        convert(&workspace().join("models/austen-relu"), &out, &[]);
+        out
+    })
+    .clone()
+}
+
 /// Token ids of the held-out text, the first `n`.
 pub fn heldout_ids(tokenizer: &leanstream::tokenizer::Tokenizer, n: usize) -> Vec<u32> {
     let text = std::fs::read_to_string(workspace().join("data/heldout-head.txt")).unwrap();
@@ -129,17 +142,11 @@ pub fn exact_options(
     memory: Option<u64>,
     ctx: usize,
 ) -> leanstream::text::session::SessionOptions {
-    leanstream::text::session::SessionOptions {
-        model: file.to_path_buf(),
-        policy: Some(policy),
-        memory,
-        flash: None,
-        sparsity: leanstream::streaming::Sparsity::Exact,
-        ctx: Some(ctx),
-        default_ctx: ctx,
-        kv: leanstream::model::kv_cache::KvType::F32,
-        tuning: Default::default(),
-    }
+    leanstream::text::session::SessionOptions::new(file, Some(policy))
+        .memory(memory)
+        .sparsity(leanstream::streaming::Sparsity::Exact)
+        .ctx(ctx)
+        .kv(leanstream::model::kv_cache::KvType::F32)
 }
 
 /// The index of `row`'s largest value (ties: the lowest index), as a token id.
@@ -157,12 +164,15 @@ pub fn session_options(
     memory: Option<u64>,
     ctx: usize,
 ) -> leanstream::text::session::SessionOptions {
-    leanstream::text::session::SessionOptions {
-        flash: leanstream::storage::FlashProfile::from_flash_arg("ufs4").unwrap(),
-        sparsity: leanstream::streaming::Sparsity::Certified,
-        kv: Default::default(),
-        ..exact_options(model, policy, memory, ctx)
-    }
+    leanstream::text::session::SessionOptions::new(model, Some(policy))
+        .memory(memory)
+        .flash(ufs4())
+        .ctx(ctx)
+}
+
+/// The emulated UFS 4.0 phone flash (`--flash ufs4`).
+pub fn ufs4() -> Option<leanstream::storage::FlashProfile> {
+    leanstream::storage::FlashProfile::from_flash_arg("ufs4").unwrap()
 }
 
 /// Copies `src` (format 1.6, clusters split `[gate rows | up rows | down columns]`) to `dst` as a

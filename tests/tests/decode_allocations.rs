@@ -15,11 +15,11 @@ use std::cell::Cell;
 use std::path::Path;
 
 use leanstream::model::kv_cache::KvType;
-use leanstream::storage::{AlignedBuf, FlashProfile};
-use leanstream::streaming::{experts, minimum_memory, Sparsity, Tuning};
+use leanstream::storage::AlignedBuf;
+use leanstream::streaming::{experts, minimum_memory};
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream::tokenizer::Tokenizer;
-use leanstream_tests::converted::{convert, embedded, exact_options, heldout_ids, workspace};
+use leanstream_tests::converted::{convert, embedded, exact_options, heldout_ids, ufs4, workspace};
 use leanstream_tests::scratch_dir;
 
 thread_local! {
@@ -83,21 +83,12 @@ struct Counts {
 }
 
 fn open(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
-    Session::open(&SessionOptions {
-        model: file.to_path_buf(),
-        policy: Some(policy),
-        memory,
-        flash: if memory.is_some() {
-            FlashProfile::from_flash_arg("ufs4").unwrap()
-        } else {
-            None
-        },
-        sparsity: Sparsity::Certified,
-        ctx: Some(CTX),
-        default_ctx: CTX,
-        kv: Default::default(),
-        tuning: Tuning::default(),
-    })
+    Session::open(
+        &SessionOptions::new(file, Some(policy))
+            .memory(memory)
+            .flash(memory.and(ufs4()))
+            .ctx(CTX),
+    )
     .unwrap()
 }
 

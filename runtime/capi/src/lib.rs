@@ -336,7 +336,7 @@ fn generate(
         invalid("ls_generate: the model is already generating (called from its own callback?)")
     })?;
     let (ids, eos_token_ids) = if o.chat {
-        leanstream::cli::chat::single_turn(&session, prompt).map_err(failed)?
+        leanstream::text::chat::single_turn(&session, prompt).map_err(failed)?
     } else {
         let ids = session.tokenizer.encode(prompt, true).map_err(failed)?;
         (ids, session.eos_token_ids.clone())

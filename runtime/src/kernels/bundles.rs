@@ -1,4 +1,4 @@
-//! The streaming FFN's kernel over neuron bundles (issue [C]).
+//! The streaming FFN's kernel over neuron bundles (issue \[C\]).
 //!
 //! A bundle is one FFN neuron's weights stored together so that one read fetches them: its gate
 //! row, its up row and its down column, each `hidden` values in one encoding. A cluster of them

@@ -47,10 +47,7 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
     }
     let model = Model::load(path)?;
     let tokenizer = Tokenizer::from_dir(path)?;
-    let mut eos_token_ids = model.config().eos_token_ids.clone();
-    eos_token_ids.extend(generation_config_eos(path)?);
-    eos_token_ids.sort_unstable();
-    eos_token_ids.dedup();
+    let eos_token_ids = hf_eos_token_ids(path, &model.config().eos_token_ids)?;
     Ok(LoadedModel {
         model,
         tokenizer,
@@ -93,6 +90,18 @@ fn open_gguf(path: &Path) -> Result<LoadedModel> {
         eos_token_ids: tokenizer.eos_token_ids,
         chat_template: tokenizer.chat_template,
     })
+}
+
+/// The tokens that end a generation of the Hugging Face model in `dir`: `config_ids` (its
+/// `config.json`'s `eos_token_id`) and the `eos_token_id` of its `generation_config.json`, sorted,
+/// without repeats. The one rule for a model folder, whether it runs as it is or is converted
+/// first, so that both stop at the same tokens.
+pub fn hf_eos_token_ids(dir: &Path, config_ids: &[u32]) -> Result<Vec<u32>> {
+    let mut ids = config_ids.to_vec();
+    ids.extend(generation_config_eos(dir)?);
+    ids.sort_unstable();
+    ids.dedup();
+    Ok(ids)
 }
 
 /// `eos_token_id` of `generation_config.json` (chat models list their end-of-turn token there).

@@ -156,7 +156,7 @@ struct Request {
     /// The caller's buffer to read into (`submit_into`), until the read is issued.
     buf: Option<AlignedBuf>,
     state: ReqState,
-    /// Hash the bytes once read, on the thread that moved them ([`Done::hash`]).
+    /// Hash the bytes once read, on the thread that moved them (`Done::hash`).
     hash: bool,
     /// The watch generation and tag it is watched under (generation 0: not watched).
     watch: (u64, u32),

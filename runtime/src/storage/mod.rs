@@ -3,6 +3,7 @@
 //! ([`FlashModel`] driven by a [`FlashProfile`]) — and the priority read queue the scheduler uses
 //! on top of either ([`IoQueue`]). [`FaultyDevice`] wraps either to inject faults in tests.
 
+#[cfg(feature = "cli")]
 pub mod probe;
 
 mod aligned;

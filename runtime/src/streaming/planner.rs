@@ -397,7 +397,7 @@ pub fn scratch_bytes(c: &ModelConfig, chunk: usize) -> u64 {
         + 4 * t * c.max_position_embeddings.min(2048) as u64
 }
 
-/// One layer's certificate ([K]): its resident bytes, the layer's FFN bytes, and the fraction of
+/// One layer's certificate (\[K\]): its resident bytes, the layer's FFN bytes, and the fraction of
 /// the layer's cluster reads it saves with nothing cached (META `certificate_saves`; unknown in
 /// files before 1.3).
 pub struct CertificateTerm {

@@ -4,7 +4,6 @@
 //! reports for sparse policies and the converter for its threshold.
 
 use anyhow::{bail, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::model::kv_cache::KvCache;
@@ -137,17 +136,7 @@ fn for_each_position(
     if windows.is_empty() {
         bail!("the text has fewer than 2 tokens: nothing to score");
     }
-    let bar = if progress {
-        ProgressBar::new(windows.len() as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "perplexity {bar:40} {pos}/{len} windows  {elapsed} (eta {eta})  ppl {msg}",
-        )
-        .expect("valid template"),
-    );
+    let bar = Progress::new(progress, windows.len() as u64);
     let vocab = models[0].config().vocab_size;
     let mut caches: Vec<KvCache> = models.iter().map(|m| m.new_cache(window)).collect();
     // A streaming model reads each cluster once per prompt chunk; scored one token at a time, it
@@ -206,6 +195,51 @@ pub fn log_softmax(row: &[f32]) -> Vec<f64> {
 /// `log softmax(row)[target]`, in f64.
 fn log_softmax_at(row: &[f32], target: usize) -> f64 {
     row[target] as f64 - log_sum_exp(row)
+}
+
+/// The windows' progress bar on stderr (with the `cli` feature; without it, nothing is drawn).
+struct Progress {
+    #[cfg(feature = "cli")]
+    bar: indicatif::ProgressBar,
+}
+
+impl Progress {
+    #[cfg(feature = "cli")]
+    fn new(shown: bool, windows: u64) -> Self {
+        use indicatif::{ProgressBar, ProgressStyle};
+        let bar = if shown {
+            ProgressBar::new(windows)
+        } else {
+            ProgressBar::hidden()
+        };
+        bar.set_style(
+            ProgressStyle::with_template(
+                "perplexity {bar:40} {pos}/{len} windows  {elapsed} (eta {eta})  ppl {msg}",
+            )
+            .expect("valid template"),
+        );
+        Self { bar }
+    }
+
+    #[cfg(not(feature = "cli"))]
+    fn new(_shown: bool, _windows: u64) -> Self {
+        Self {}
+    }
+
+    fn set_message(&self, _message: String) {
+        #[cfg(feature = "cli")]
+        self.bar.set_message(_message);
+    }
+
+    fn inc(&self, _windows: u64) {
+        #[cfg(feature = "cli")]
+        self.bar.inc(_windows);
+    }
+
+    fn finish_and_clear(&self) {
+        #[cfg(feature = "cli")]
+        self.bar.finish_and_clear();
+    }
 }
 
 #[cfg(test)]

@@ -68,6 +68,64 @@ pub struct SessionOptions {
     pub tuning: Tuning,
 }
 
+impl SessionOptions {
+    /// The context length when neither [`SessionOptions::ctx`] nor the caller's default says
+    /// otherwise (what `leanstream run` uses).
+    pub const DEFAULT_CTX: usize = 2048;
+
+    /// Options for `model` with `policy` (`None`: chosen by the file, see [`SessionOptions::policy`]):
+    /// no memory budget, no emulated flash, certified sparsity, the default KV cache and tuning,
+    /// context [`SessionOptions::DEFAULT_CTX`]. Change the rest with the setters below or with
+    /// `..SessionOptions::new(model, policy)`.
+    pub fn new(model: impl Into<PathBuf>, policy: Option<PolicyChoice>) -> Self {
+        Self {
+            model: model.into(),
+            policy,
+            memory: None,
+            flash: None,
+            sparsity: Sparsity::Certified,
+            ctx: None,
+            default_ctx: Self::DEFAULT_CTX,
+            kv: KvType::default(),
+            tuning: Tuning::default(),
+        }
+    }
+
+    /// A memory budget in bytes (`None`: unbounded).
+    pub fn memory(mut self, memory: Option<u64>) -> Self {
+        self.memory = memory;
+        self
+    }
+
+    /// An emulated flash device (`None`: the file's own disk).
+    pub fn flash(mut self, flash: Option<FlashProfile>) -> Self {
+        self.flash = flash;
+        self
+    }
+
+    pub fn sparsity(mut self, sparsity: Sparsity) -> Self {
+        self.sparsity = sparsity;
+        self
+    }
+
+    /// Exactly `ctx` positions: the requested context and the default both.
+    pub fn ctx(mut self, ctx: usize) -> Self {
+        self.ctx = Some(ctx);
+        self.default_ctx = ctx;
+        self
+    }
+
+    pub fn kv(mut self, kv: KvType) -> Self {
+        self.kv = kv;
+        self
+    }
+
+    pub fn tuning(mut self, tuning: Tuning) -> Self {
+        self.tuning = tuning;
+        self
+    }
+}
+
 enum Engine {
     Dense(Box<Model>),
     Streaming(Box<StreamingModel>),

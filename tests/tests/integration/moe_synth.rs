@@ -11,27 +11,16 @@ use std::process::Command;
 use leanstream::model::kv_cache::KvType;
 use leanstream::source::gguf::GgufFile;
 use leanstream::streaming::experts::minimum_memory;
-use leanstream::streaming::Sparsity;
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_format::LsbFile;
-use leanstream_tests::converted::{bin, convert};
+use leanstream_tests::converted::{bin, convert, exact_options};
 use leanstream_tests::fresh_dir;
 use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
 
 const REUSE: f64 = 0.5;
 
 fn options(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> SessionOptions {
-    SessionOptions {
-        model: file.to_path_buf(),
-        policy: Some(policy),
-        memory,
-        flash: None,
-        sparsity: Sparsity::Exact,
-        ctx: Some(64),
-        default_ctx: 64,
-        kv: KvType::F32,
-        tuning: Default::default(),
-    }
+    exact_options(file, policy, memory, 64)
 }
 
 #[test]

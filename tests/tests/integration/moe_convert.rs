@@ -10,14 +10,12 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use leanstream::model::kv_cache::KvType;
 use leanstream::model::Model;
-use leanstream::streaming::Sparsity;
-use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::text::session::{PolicyChoice, Session};
 use leanstream_format::quant::QuantType;
 use leanstream_format::LsbFile;
 use leanstream_tests::cli::{assert_clean_failure, bin, stderr};
-use leanstream_tests::converted::convert;
+use leanstream_tests::converted::{convert, exact_options};
 use leanstream_tests::fresh_dir;
 use leanstream_tests::reference::ReferenceModel;
 use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
@@ -55,18 +53,7 @@ fn json(what: &str, o: &Output) -> serde_json::Value {
 
 /// Every position's logits of `ids`, from the file opened with `policy`.
 fn file_logits(file: &Path, policy: PolicyChoice, ids: &[u32]) -> Vec<f32> {
-    let mut s = Session::open(&SessionOptions {
-        model: file.to_path_buf(),
-        policy: Some(policy),
-        memory: None,
-        flash: None,
-        sparsity: Sparsity::Exact,
-        ctx: Some(64),
-        default_ctx: 64,
-        kv: KvType::F32,
-        tuning: Default::default(),
-    })
-    .unwrap();
+    let mut s = Session::open(&exact_options(file, policy, None, 64)).unwrap();
     let m = s.model();
     let mut cache = m.new_cache(ids.len());
     m.forward(ids, &mut cache, true).unwrap()

@@ -79,17 +79,12 @@ fn a_tiny_run_writes_a_mixture_the_runtime_runs() {
     let recall = eval["lookahead_recall"].as_array().unwrap();
     assert!(recall[0].is_null() && (0.0..=1.0).contains(&recall[1].as_f64().unwrap()));
 
-    let mut s = Session::open(&SessionOptions {
-        model: out.clone(),
-        policy: Some(PolicyChoice::Dense),
-        memory: None,
-        flash: None,
-        sparsity: Sparsity::Exact,
-        ctx: Some(32),
-        default_ctx: 32,
-        kv: KvType::F32,
-        tuning: Default::default(),
-    })
+    let mut s = Session::open(
+        &SessionOptions::new(&out, Some(PolicyChoice::Dense))
+            .sparsity(Sparsity::Exact)
+            .ctx(32)
+            .kv(KvType::F32),
+    )
     .unwrap();
     let m = s.model();
     let mut cache = m.new_cache(32);

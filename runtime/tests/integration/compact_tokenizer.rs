@@ -3,7 +3,7 @@
 //! long varied text: prose, code, digits, whitespace runs, special tokens, many scripts, and
 //! characters only byte tokens cover.
 
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 

@@ -9,9 +9,8 @@ use std::path::{Path, PathBuf};
 
 use leanstream::model::kv_cache::KvType;
 use leanstream::streaming::experts::minimum_memory;
-use leanstream::streaming::Sparsity;
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
-use leanstream_tests::converted::convert;
+use leanstream_tests::converted::{convert, exact_options};
 use leanstream_tests::fresh_dir;
 use leanstream_tests::tiny::{random_ids, write_tiny_model, TinySpec};
 
@@ -19,17 +18,7 @@ const CTX: usize = 64;
 const GREEDY: usize = 16;
 
 fn options(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> SessionOptions {
-    SessionOptions {
-        model: file.to_path_buf(),
-        policy: Some(policy),
-        memory,
-        flash: None,
-        sparsity: Sparsity::Exact,
-        ctx: Some(CTX),
-        default_ctx: CTX,
-        kv: KvType::F32,
-        tuning: Default::default(),
-    }
+    exact_options(file, policy, memory, CTX)
 }
 
 fn argmax(row: &[f32]) -> u32 {

@@ -29,17 +29,11 @@ fn converted() -> &'static Path {
 }
 
 fn session(policy: PolicyChoice, sparsity: Sparsity) -> Session {
-    Session::open(&SessionOptions {
-        model: converted().to_path_buf(),
-        policy: Some(policy),
-        memory: None,
-        flash: None,
-        sparsity,
-        ctx: Some(WINDOW),
-        default_ctx: WINDOW,
-        kv: Default::default(),
-        tuning: Default::default(),
-    })
+    Session::open(
+        &SessionOptions::new(converted(), Some(policy))
+            .sparsity(sparsity)
+            .ctx(WINDOW),
+    )
     .unwrap()
 }
 

@@ -6,12 +6,11 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
-use leanstream::storage::FlashProfile;
-use leanstream::streaming::{minimum_memory, ActiveTrace, Sparsity, Tuning};
+use leanstream::streaming::{minimum_memory, ActiveTrace, Tuning};
 use leanstream::text::generate::{generate, GenerateOptions};
 use leanstream::text::sampler::SamplerConfig;
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
-use leanstream_tests::converted::{bin, embedded, heldout_ids};
+use leanstream_tests::converted::{bin, embedded, heldout_ids, ufs4};
 use serde_json::Value;
 
 const CTX: usize = 64;
@@ -28,21 +27,13 @@ fn try_open(
     tuning: Tuning,
 ) -> anyhow::Result<Session> {
     let emulated = memory.is_some() && policy != PolicyChoice::Mmap;
-    Session::open(&SessionOptions {
-        model: file.to_path_buf(),
-        policy: Some(policy),
-        memory,
-        flash: if emulated {
-            FlashProfile::from_flash_arg("ufs4").unwrap()
-        } else {
-            None
-        },
-        sparsity: Sparsity::Certified,
-        ctx: Some(CTX),
-        default_ctx: CTX,
-        kv: Default::default(),
-        tuning,
-    })
+    Session::open(
+        &SessionOptions::new(file, Some(policy))
+            .memory(memory)
+            .flash(if emulated { ufs4() } else { None })
+            .ctx(CTX)
+            .tuning(tuning),
+    )
 }
 
 fn traced(trace: &Arc<ActiveTrace>) -> Tuning {

@@ -4,30 +4,19 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use leanstream::storage::FlashProfile;
-use leanstream::streaming::{Sparsity, Tuning};
 use leanstream::text::perplexity::perplexity;
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_format::quant::QuantType;
-use leanstream_tests::converted::{bin, convert, embedded, heldout_ids, scratch};
+use leanstream_tests::converted::{bin, convert, embedded, heldout_ids, scratch, ufs4};
 use leanstream_tests::tiny::{write_tiny_model, TinySpec};
 
 fn session(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
-    Session::open(&SessionOptions {
-        model: file.to_path_buf(),
-        policy: Some(policy),
-        memory,
-        flash: if memory.is_some() {
-            FlashProfile::from_flash_arg("ufs4").unwrap()
-        } else {
-            None
-        },
-        sparsity: Sparsity::Certified,
-        ctx: Some(128),
-        default_ctx: 128,
-        kv: Default::default(),
-        tuning: Tuning::default(),
-    })
+    Session::open(
+        &SessionOptions::new(file, Some(policy))
+            .memory(memory)
+            .flash(memory.and(ufs4()))
+            .ctx(128),
+    )
     .unwrap()
 }
 

@@ -7,10 +7,8 @@
 use std::path::Path;
 
 use leanstream::kernels::bundles::PARALLEL_MIN_BYTES;
-use leanstream::storage::FlashProfile;
-use leanstream::streaming::{Sparsity, Tuning};
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
-use leanstream_tests::converted::{convert_tiny, embedded, heldout_ids};
+use leanstream_tests::converted::{convert_tiny, embedded, heldout_ids, ufs4};
 use leanstream_tests::tiny::{random_ids, TinySpec};
 
 const CTX: usize = 128;
@@ -24,19 +22,12 @@ fn pool(threads: usize) -> rayon::ThreadPool {
 
 /// A session of `file` (everything resident unless `memory` is given: then on emulated UFS 4.0).
 fn open(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
-    let flash = memory.map(|_| FlashProfile::from_flash_arg("ufs4").unwrap().unwrap());
-    let (ctx, default_ctx) = (Some(CTX), CTX);
-    Session::open(&SessionOptions {
-        model: file.to_path_buf(),
-        policy: Some(policy),
-        memory,
-        flash,
-        sparsity: Sparsity::Certified,
-        ctx,
-        default_ctx,
-        kv: Default::default(),
-        tuning: Tuning::default(),
-    })
+    Session::open(
+        &SessionOptions::new(file, Some(policy))
+            .memory(memory)
+            .flash(memory.and(ufs4()))
+            .ctx(CTX),
+    )
     .unwrap()
 }
 

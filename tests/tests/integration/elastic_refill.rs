@@ -10,9 +10,8 @@ use std::path::Path;
 
 use leanstream::model::kv_cache::KvCache;
 use leanstream::text::sampler::argmax;
-use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
-use leanstream_tests::cli::{embedded_model, quick_convert};
-use leanstream_tests::converted::session_options;
+use leanstream::text::session::{PolicyChoice, Session};
+use leanstream_tests::converted::{embedded_default, session_options};
 
 const CTX: usize = 512;
 /// Tokens under the low budget, then tokens for the refill to land, then tokens checked.
@@ -22,11 +21,7 @@ const CHECKED: usize = 160;
 
 fn session(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
     // Reads straight from the file (no emulated flash): the refill lands in fewer tokens.
-    Session::open(&SessionOptions {
-        flash: None,
-        ..session_options(file, policy, memory, CTX)
-    })
-    .unwrap()
+    Session::open(&session_options(file, policy, memory, CTX).flash(None)).unwrap()
 }
 
 /// Feeds `tokens` one at a time (as decoding does); the most likely next token after each.
@@ -45,9 +40,7 @@ fn feed(s: &mut Session, cache: &mut KvCache, tokens: &[u32]) -> Vec<u32> {
 
 #[test]
 fn after_the_budget_grows_the_hottest_clusters_are_read_in_before_tokens_miss_them() {
-    let dir = leanstream_tests::scratch_dir("elastic-refill");
-    let file = dir.join("austen.lsb");
-    quick_convert(&embedded_model(), &file, &[]);
+    let file = embedded_default();
     let split = leanstream::streaming::memory_split(&file, CTX).unwrap();
     // Low: the dense weights resident and a cache of about 1 MiB (of the FFN's 3.2 MiB); high:
     // room for the whole FFN besides.
@@ -110,5 +103,4 @@ fn after_the_budget_grows_the_hottest_clusters_are_read_in_before_tokens_miss_th
     let from = prompt.len() - 1;
     assert_eq!(out[from..], seq[from + 1..=at]);
     assert_eq!(v["budget_changes"].as_array().unwrap().len(), 1, "{v}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }

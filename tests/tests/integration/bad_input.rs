@@ -10,21 +10,17 @@ use std::sync::OnceLock;
 
 use leanstream_format::container::{checksum, SectionKind, PAGE};
 use leanstream_format::LsbFile;
-use leanstream_tests::cli::{assert_clean_failure, bin, embedded_model, quick_convert, stderr};
+use leanstream_tests::cli::{assert_clean_failure, bin, embedded_model, stderr};
 use rand::{RngCore, SeedableRng};
 
 fn scratch() -> PathBuf {
     leanstream_tests::scratch_dir("leanstream-bad-input")
 }
 
-/// The embedded model, converted once.
+/// The embedded model, converted once (shared with the other tests, which only read it too).
 fn converted() -> &'static Path {
     static FILE: OnceLock<PathBuf> = OnceLock::new();
-    FILE.get_or_init(|| {
-        let out = scratch().join("austen.lsb");
-        quick_convert(&embedded_model(), &out, &[]);
-        out
-    })
+    FILE.get_or_init(leanstream_tests::converted::embedded_default)
 }
 
 /// `leanstream run` on `model`: three greedy tokens.

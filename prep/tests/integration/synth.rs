@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use leanstream::storage::FlashProfile;
-use leanstream::streaming::Sparsity;
 use leanstream::text::perplexity::perplexity;
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use serde_json::Value;
@@ -84,17 +83,12 @@ fn synthetic_file_carries_the_sources_statistics_and_streams() {
     let min = leanstream::streaming::minimum_memory(&syn, 256).unwrap();
     let f = leanstream_format::LsbFile::open(&syn).unwrap();
     let budget = min + f.ffn.bundle_bytes() / 4;
-    let mut session = Session::open(&SessionOptions {
-        model: syn.clone(),
-        policy: Some(PolicyChoice::Leanstream),
-        memory: Some(budget),
-        flash: FlashProfile::from_flash_arg("ufs4").unwrap(),
-        sparsity: Sparsity::Certified,
-        ctx: Some(256),
-        default_ctx: 256,
-        kv: Default::default(),
-        tuning: Default::default(),
-    })
+    let mut session = Session::open(
+        &SessionOptions::new(&syn, Some(PolicyChoice::Leanstream))
+            .memory(Some(budget))
+            .flash(FlashProfile::from_flash_arg("ufs4").unwrap())
+            .ctx(256),
+    )
     .unwrap();
     let text = std::fs::read_to_string(workspace().join("data/heldout-head.txt")).unwrap();
     let mut ids = session.tokenizer.encode(&text, false).unwrap();

@@ -14,21 +14,13 @@ use leanstream::text::generate::{generate, GenerateOptions};
 use leanstream::text::sampler::SamplerConfig;
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::LsbFile;
-use leanstream_tests::cli::{embedded_model, quick_convert};
+use leanstream_tests::converted::embedded_default;
 
 const CTX: usize = 64;
 
 fn converted() -> &'static Path {
     static FILE: OnceLock<PathBuf> = OnceLock::new();
-    FILE.get_or_init(|| {
-        let dir = leanstream_tests::fresh_dir(
-            Path::new(env!("CARGO_TARGET_TMPDIR")),
-            &format!("faults-{}", std::process::id()),
-        );
-        let out = dir.join("austen.lsb");
-        quick_convert(&embedded_model(), &out, &[]);
-        out
-    })
+    FILE.get_or_init(embedded_default)
 }
 
 /// The byte range of the file's FFN bundles.

@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 use leanstream::source::gguf::GgufFile;
 use leanstream::tokenizer::gguf as gguf_tokenizer;
 
-mod support;
+use crate::support;
 
 use support::{fixture, smollm2};
 

@@ -533,3 +533,43 @@ fn auto_sparsity_picks_the_largest_fraction_within_two_percent() {
         assert!(text.contains(&row), "layer {i} ({row}) missing:\n{text}");
     }
 }
+
+#[test]
+fn a_converted_folder_stops_at_the_same_tokens_as_a_run_of_the_folder() {
+    // config.json ends generations at 0; generation_config.json adds 7 (as chat models list their
+    // end-of-turn token there), once more 0 and a repeat.
+    let spec = TinySpec {
+        act: Act::Relu,
+        ..TinySpec::llama()
+    };
+    let (dir, _) = converted("eos-plain", &spec, "f32");
+    let plain = LsbFile::open(&scratch().join("eos-plain-f32.lsb")).unwrap();
+    assert_eq!(plain.meta.model.eos_token_ids, vec![0]);
+    assert_eq!(source::open(&dir).unwrap().eos_token_ids, vec![0]);
+
+    let dir = leanstream_tests::fresh_dir(&scratch(), "eos-generation-config");
+    write_tiny_model(&dir, &spec).unwrap();
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"bos_token_id": 1, "eos_token_id": [7, 0, 7]}"#,
+    )
+    .unwrap();
+    let out = scratch().join("eos-generation-config.lsb");
+    let o = prep(&[
+        "convert",
+        dir.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--quant",
+        "f32",
+        "--calib-tokens",
+        "2048",
+        "--epochs",
+        "2",
+    ]);
+    assert!(o.status.success(), "convert: {}", stderr(&o));
+    let dense = source::open(&dir).unwrap().eos_token_ids;
+    assert_eq!(dense, vec![0, 7]);
+    assert_eq!(LsbFile::open(&out).unwrap().meta.model.eos_token_ids, dense);
+    assert_eq!(source::open(&out).unwrap().eos_token_ids, dense);
+}

@@ -5,7 +5,8 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use leanstream_tests::cli::{bin, embedded_model, quick_convert, stderr};
+use leanstream_tests::cli::{bin, stderr};
+use leanstream_tests::converted::embedded_default;
 
 fn run(file: &Path, extra: &[&str]) -> Output {
     Command::new(bin("leanstream"))
@@ -37,8 +38,7 @@ fn a_budget_too_small_for_the_default_context_shrinks_it() {
         Path::new(env!("CARGO_TARGET_TMPDIR")),
         &format!("context-fit-{}", std::process::id()),
     );
-    let file = dir.join("austen.lsb");
-    quick_convert(&embedded_model(), &file, &[]);
+    let file = embedded_default();
     // `run` defaults to 2048 tokens; the embedded model holds 1024.
     let (full, floor) = (minimum(&file, "1024"), minimum(&file, "256"));
     assert!(full > floor + (1 << 20), "{full} vs {floor}");

@@ -1,0 +1,39 @@
+//! The end-to-end tests, in one test binary: each file beside this one is a module, and the
+//! shared helpers (tiny model generator, f64 reference, converted files, the workspace's binaries)
+//! are the crate's library (`leanstream_tests`). One binary links the runtime once instead of once
+//! per file, and files converted once per process ([`leanstream_tests::converted::embedded`]) are
+//! shared by every test that reads them.
+//!
+//! Tests that need the process to themselves stay separate binaries: `decode_allocations` installs
+//! a counting global allocator and asserts that no read buffer is mapped process-wide while it
+//! decodes.
+
+mod atomic_output;
+mod bad_input;
+mod bench;
+mod breakage;
+mod cluster_layout;
+mod context_fit;
+mod dense_stream;
+mod elastic_budget;
+mod elastic_refill;
+mod engine_vs_reference;
+mod faults;
+mod fuzz_corpus;
+mod gguf_export;
+mod gguf_moe;
+mod memory_cgroup;
+mod model_argument;
+mod moe_cli;
+mod moe_convert;
+mod moe_stream;
+mod moe_synth;
+mod moe_trained;
+mod page_cache;
+mod policies;
+mod quality;
+mod real_model;
+mod reference_vs_candle;
+mod streaming;
+mod threads;
+mod tiny_generator;
