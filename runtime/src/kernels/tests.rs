@@ -23,9 +23,15 @@ fn random(n: usize, scale: f32, rng: &mut StdRng) -> Vec<f32> {
 }
 
 /// Lengths that are not multiples of any SIMD width, for the float types; whole blocks (odd and
-/// even counts, below and above the unrolled steps) for the block types.
+/// even counts, below and above the unrolled steps) for the block types (fewer of the K-quants'
+/// 256-value blocks).
 fn lengths(qtype: QuantType) -> Vec<usize> {
-    if qtype.is_block() {
+    if qtype.is_k_quant() {
+        [1, 2, 3, 5, 9, 17]
+            .iter()
+            .map(|b| b * qtype.block_len())
+            .collect()
+    } else if qtype.is_block() {
         [1, 2, 3, 4, 5, 7, 8, 9, 33, 129]
             .iter()
             .map(|b| b * BLOCK_LEN)
@@ -420,9 +426,18 @@ fn matvec_and_matmul_match_f64() {
     let mut max_err = std::collections::BTreeMap::<(&str, &str, String), f64>::new();
     // Rows, columns, tokens: the first crosses the parallel threshold for every type (≥ 1 MiB);
     // the last is long enough for the decode-to-f32 + gemm path.
-    for (rows, cols, t) in [(8192, 256, 2), (5, 64, 3), (300, 288, GEMM_MIN_TOKENS + 3)] {
+    // The K-quants' rows are whole 256-value blocks: they take the first and the last two shapes.
+    for (rows, cols, t) in [
+        (8192, 256, 2),
+        (5, 64, 3),
+        (300, 288, GEMM_MIN_TOKENS + 3),
+        (7, 512, GEMM_MIN_TOKENS + 1),
+    ] {
         let m = Matrix::new(rows, cols, random(rows * cols, 1.0, &mut rng));
         for qtype in QuantType::ALL {
+            if !cols.is_multiple_of(qtype.block_len()) {
+                continue;
+            }
             let q = QMatrix::quantize(&m, qtype).unwrap();
             let w: Vec<Vec<f64>> = (0..rows)
                 .map(|r| {
@@ -529,9 +544,21 @@ fn random_bundles(
 fn bundle_ffn_matches_f64() {
     let (seed, mut rng) = rng();
     for qtype in QuantType::ALL {
-        let hidden = if qtype.is_block() { 288 } else { 100 };
-        // 1200 neurons of 288 cross the parallel threshold.
-        let n = if qtype.is_block() { 1200 } else { 90 };
+        let hidden = if qtype.is_k_quant() {
+            512
+        } else if qtype.is_block() {
+            288
+        } else {
+            100
+        };
+        // 1200 neurons of 288 (and 700 of 512) cross the parallel threshold.
+        let n = if qtype.is_k_quant() {
+            700
+        } else if qtype.is_block() {
+            1200
+        } else {
+            90
+        };
         let layout = BundleLayout::new(qtype, hidden, ClusterLayout::Split).unwrap();
         let (buf, parts) = random_bundles(&layout, n, &mut rng);
         // Every other bundle, read in place from the one buffer.
