@@ -302,6 +302,12 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 #[inline(always)]
 pub(super) fn block_q5_0(blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
     let isum = isum_q5(u32_at(blk, 2), &blk[6..Q5_0_BYTES], qx);
+    finish_q5_0(blk, isum, dx, sx)
+}
+
+/// The float part of [`block_q5_0`] from its integer sum.
+#[inline(always)]
+pub(super) fn finish_q5_0(blk: &[u8], isum: i32, dx: f32, sx: f32) -> f32 {
     f16_at(blk, 0) * (dx * isum as f32 - 16.0 * sx)
 }
 
@@ -309,6 +315,12 @@ pub(super) fn block_q5_0(blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
 #[inline(always)]
 pub(super) fn block_q5_1(blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
     let isum = isum_q5(u32_at(blk, 4), &blk[8..Q5_1_BYTES], qx);
+    finish_q5_1(blk, isum, dx, sx)
+}
+
+/// The float part of [`block_q5_1`] from its integer sum.
+#[inline(always)]
+pub(super) fn finish_q5_1(blk: &[u8], isum: i32, dx: f32, sx: f32) -> f32 {
     f16_at(blk, 0) * dx * isum as f32 + f16_at(blk, 2) * sx
 }
 

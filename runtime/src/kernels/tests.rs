@@ -846,3 +846,51 @@ fn an_operand_in_a_reused_q8_buffer_equals_a_fresh_quantization() {
     drop(Operand::new(&long, QuantType::Q4_0));
     same(Operand::new(&short, QuantType::Q8_0).q8());
 }
+
+/// The 5-bit types and the K-quants give the portable kernels' bits in every kernel set (their
+/// integer sums are exact and their float terms run in the portable order), for every length,
+/// random and zero inputs, `dot`, `dots` and `axpy`.
+#[test]
+fn new_block_types_are_portable_bit_for_bit() {
+    let (seed, mut rng) = rng();
+    let portable = *RowKernels::available().last().unwrap();
+    assert_eq!(portable.isa, "portable");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for k in RowKernels::available() {
+        for qtype in QuantType::ALL.into_iter().filter(|t| t.since_minor() > 1) {
+            for n in lengths(qtype) {
+                for zeros in [false, true] {
+                    let rows: Vec<Vec<u8>> =
+                        (0..5).map(|_| encoded_row(qtype, n, &mut rng).0).collect();
+                    let views: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
+                    let mut xs = random(n, 2.0, &mut rng);
+                    if zeros {
+                        xs.fill(0.0);
+                    }
+                    let x = Operand::new(&xs, qtype);
+                    let mut got = vec![f32::NAN; 5];
+                    let mut want = vec![f32::NAN; 5];
+                    k.dots(qtype, &views, &x, &mut got);
+                    portable.dots(qtype, &views, &x, &mut want);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "seed {seed}: {} {qtype} n={n} zeros={zeros}",
+                        k.isa
+                    );
+                    assert_eq!(
+                        k.dot(qtype, views[0], &x).to_bits(),
+                        want[0].to_bits(),
+                        "seed {seed}: {} {qtype} n={n} zeros={zeros}",
+                        k.isa
+                    );
+                    let a = rng.random_range(-2.0f32..2.0);
+                    let (mut got, mut want) = (xs.clone(), xs.clone());
+                    k.axpy(qtype, a, views[1], &mut got);
+                    portable.axpy(qtype, a, views[1], &mut want);
+                    assert_eq!(bits(&got), bits(&want), "seed {seed}: {} {qtype}", k.isa);
+                }
+            }
+        }
+    }
+}
