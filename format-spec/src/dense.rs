@@ -55,6 +55,15 @@ impl DenseIndex {
         self.tensors.iter().find(|t| t.name == name)
     }
 
+    /// The format minor version its tensors' encodings need (FORMAT.md §12): a writer declares it
+    /// with `ContainerWriter::require_minor`.
+    pub fn minor_version(&self) -> u16 {
+        self.tensors
+            .iter()
+            .map(|t| t.qtype.since_minor())
+            .fold(1, u16::max)
+    }
+
     /// Bytes to hold every tensor's encoded data (no padding).
     pub fn data_bytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.size).sum()

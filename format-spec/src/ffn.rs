@@ -267,6 +267,15 @@ pub struct FfnIndex {
 }
 
 impl FfnIndex {
+    /// The format minor version its layers' encodings need (FORMAT.md §12), for
+    /// `ContainerWriter::require_minor`.
+    pub fn minor_version(&self) -> u16 {
+        self.layers
+            .iter()
+            .map(|l| l.qtype.since_minor())
+            .fold(1, u16::max)
+    }
+
     /// Bytes of all bundles, without padding.
     pub fn bundle_bytes(&self) -> u64 {
         self.layers

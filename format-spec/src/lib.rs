@@ -15,6 +15,7 @@ pub mod meta;
 pub mod model_config;
 pub mod predictor;
 pub mod quant;
+pub mod quant_k;
 pub mod refine;
 pub mod relayout;
 pub mod sketch;

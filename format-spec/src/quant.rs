@@ -24,11 +24,14 @@ use std::str::FromStr;
 
 use half::{bf16, f16};
 
+use crate::quant_k;
+
 /// Values per block of the block types.
 pub const BLOCK_LEN: usize = 32;
 
 /// How a tensor's values are encoded. The discriminants are the on-disk values.
 #[repr(u32)]
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum QuantType {
     F32 = 0,
@@ -37,7 +40,19 @@ pub enum QuantType {
     Q8_0 = 3,
     Q4_0 = 4,
     Q4_1 = 5,
+    Q5_0 = 6,
+    Q5_1 = 7,
+    Q4_K = 8,
+    Q5_K = 9,
+    Q6_K = 10,
 }
+
+/// Values per super-block of the K-quant types (`Q4_K`, `Q5_K`, `Q6_K`), ggml's `QK_K`.
+pub const K_BLOCK_LEN: usize = 256;
+
+/// The first format minor version whose files may hold the encodings `Q5_0` and after (FORMAT.md
+/// §12); a file that uses none of them keeps its older minor version.
+pub const K_QUANT_SINCE_MINOR: u16 = 7;
 
 /// Why a row cannot be encoded or decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,11 +83,13 @@ impl fmt::Display for QuantError {
             QuantError::UnknownType(v) => write!(f, "unknown quantization type value {v}"),
             QuantError::UnknownName(s) => write!(
                 f,
-                "unknown quantization {s:?}: expected f32, f16, bf16, q8 (q8_0), q4 (q4_0) or q4_1"
+                "unknown quantization {s:?}: expected f32, f16, bf16, q8 (q8_0), q4 (q4_0), q4_1, q5_0, \
+                 q5_1, q4_k, q5_k or q6_k"
             ),
             QuantError::Length { qtype, n } => write!(
                 f,
-                "{qtype} needs rows of a multiple of {BLOCK_LEN} values, got {n}"
+                "{qtype} needs rows of a multiple of {} values, got {n}",
+                qtype.block_len()
             ),
             QuantError::TooLong { qtype, n } => {
                 write!(f, "a row of {n} values of {qtype} is impossibly large")
@@ -94,14 +111,33 @@ impl fmt::Display for QuantError {
 impl std::error::Error for QuantError {}
 
 impl QuantType {
-    pub const ALL: [QuantType; 6] = [
+    pub const ALL: [QuantType; 11] = [
         QuantType::F32,
         QuantType::F16,
         QuantType::BF16,
         QuantType::Q8_0,
         QuantType::Q4_0,
         QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::Q4_K,
+        QuantType::Q5_K,
+        QuantType::Q6_K,
     ];
+
+    /// The format minor version a file needs to hold this encoding.
+    pub fn since_minor(self) -> u16 {
+        if (self as u32) >= QuantType::Q5_0 as u32 {
+            K_QUANT_SINCE_MINOR
+        } else {
+            1
+        }
+    }
+
+    /// The K-quant types, whose blocks are [`K_BLOCK_LEN`] values.
+    pub fn is_k_quant(self) -> bool {
+        matches!(self, QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K)
+    }
 
     /// The type stored on disk as `value`.
     pub fn from_u32(value: u32) -> Result<Self, QuantError> {
@@ -119,12 +155,20 @@ impl QuantType {
             QuantType::Q8_0 => "q8_0",
             QuantType::Q4_0 => "q4_0",
             QuantType::Q4_1 => "q4_1",
+            QuantType::Q5_0 => "q5_0",
+            QuantType::Q5_1 => "q5_1",
+            QuantType::Q4_K => "q4_k",
+            QuantType::Q5_K => "q5_k",
+            QuantType::Q6_K => "q6_k",
         }
     }
 
-    /// Values per unit: 1 for the float types, [`BLOCK_LEN`] for the block types.
+    /// Values per unit: 1 for the float types, [`BLOCK_LEN`] for the block types, [`K_BLOCK_LEN`]
+    /// for the K-quants.
     pub fn block_len(self) -> usize {
-        if self.is_block() {
+        if self.is_k_quant() {
+            K_BLOCK_LEN
+        } else if self.is_block() {
             BLOCK_LEN
         } else {
             1
@@ -139,11 +183,18 @@ impl QuantType {
             QuantType::Q8_0 => 2 + BLOCK_LEN,
             QuantType::Q4_0 => 2 + BLOCK_LEN / 2,
             QuantType::Q4_1 => 4 + BLOCK_LEN / 2,
+            QuantType::Q5_0 => 2 + 4 + BLOCK_LEN / 2,
+            QuantType::Q5_1 => 4 + 4 + BLOCK_LEN / 2,
+            QuantType::Q4_K => 4 + 12 + K_BLOCK_LEN / 2,
+            QuantType::Q5_K => 4 + 12 + K_BLOCK_LEN / 8 + K_BLOCK_LEN / 2,
+            QuantType::Q6_K => K_BLOCK_LEN / 2 + K_BLOCK_LEN / 4 + K_BLOCK_LEN / 16 + 2,
         }
     }
 
+    /// Every type but the float ones: blocks of values with shared scales, whose dot products the
+    /// kernels take against the input quantized to q8.
     pub fn is_block(self) -> bool {
-        matches!(self, QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1)
+        !matches!(self, QuantType::F32 | QuantType::F16 | QuantType::BF16)
     }
 
     /// The `ggml_type` value GGUF files use for this encoding.
@@ -154,6 +205,11 @@ impl QuantType {
             QuantType::Q4_0 => 2,
             QuantType::Q4_1 => 3,
             QuantType::Q8_0 => 8,
+            QuantType::Q5_0 => 6,
+            QuantType::Q5_1 => 7,
+            QuantType::Q4_K => 12,
+            QuantType::Q5_K => 13,
+            QuantType::Q6_K => 14,
             QuantType::BF16 => 30,
         }
     }
@@ -231,6 +287,15 @@ pub fn quantize_row(qtype: QuantType, x: &[f32]) -> Result<Vec<u8>, QuantError> 
                 })?);
             }
         }
+        _ => {
+            let len = qtype.block_len();
+            for (b, block) in x.chunks_exact(len).enumerate() {
+                out.extend(
+                    quant_k::quantize_block(qtype, block)
+                        .ok_or(QuantError::OutOfRange { index: b * len })?,
+                );
+            }
+        }
     }
     Ok(out)
 }
@@ -273,6 +338,11 @@ pub fn dequantize_row(qtype: QuantType, bytes: &[u8], out: &mut [f32]) -> Result
                 }
             }
         }
+        _ => {
+            for (u, o) in units.zip(out.chunks_exact_mut(qtype.block_len())) {
+                quant_k::dequantize_block(qtype, u, o);
+            }
+        }
     }
     Ok(())
 }
@@ -303,6 +373,7 @@ pub fn max_abs_error(qtype: QuantType, bytes: &[u8], bounds: &mut [f32]) -> Resu
         }),
         QuantType::Q8_0 | QuantType::Q4_1 => units.for_each(|(u, b)| *b = f16_at(u, 0).abs() / 2.0),
         QuantType::Q4_0 => units.for_each(|(u, b)| *b = f16_at(u, 0).abs()),
+        _ => units.for_each(|(u, b)| *b = quant_k::block_bound(qtype, u)),
     }
     Ok(())
 }
@@ -318,12 +389,12 @@ fn check_bytes(qtype: QuantType, bytes: &[u8], n: usize) -> Result<(), QuantErro
     Ok(())
 }
 
-fn f16_at(unit: &[u8], offset: usize) -> f32 {
+pub(crate) fn f16_at(unit: &[u8], offset: usize) -> f32 {
     f16::from_le_bytes([unit[offset], unit[offset + 1]]).to_f32()
 }
 
 /// The f16 nearest to `v` on the side `up` (≥ v) or down (≤ v); `None` if that overflows.
-fn f16_rounded(v: f64, up: bool) -> Option<f16> {
+pub(crate) fn f16_rounded(v: f64, up: bool) -> Option<f16> {
     let mut h = f16::from_f64(v);
     let wrong_side = |h: f16| if up { h.to_f64() < v } else { h.to_f64() > v };
     if wrong_side(h) {
@@ -341,7 +412,7 @@ fn f16_rounded(v: f64, up: bool) -> Option<f16> {
     (!h.is_infinite()).then_some(h)
 }
 
-fn max_by_magnitude(block: &[f32]) -> f32 {
+pub(crate) fn max_by_magnitude(block: &[f32]) -> f32 {
     block
         .iter()
         .copied()
@@ -465,7 +536,7 @@ mod tests {
     /// Rows that exercise the corners: random at several scales, constant, zero, one outlier,
     /// subnormal-scale blocks, all positive and all negative.
     fn test_rows(rng: &mut Rng) -> Vec<Vec<f32>> {
-        let n = 4 * BLOCK_LEN;
+        let n = 2 * K_BLOCK_LEN;
         let mut rows = Vec::new();
         for scale in [1.0f32, 1e-3, 1e-6, 300.0] {
             rows.push((0..n).map(|_| rng.next_f32() * scale).collect());
@@ -518,17 +589,24 @@ mod tests {
         let seed = seed();
         let mut rng = Rng(seed);
         let row: Vec<f32> = (0..64 * BLOCK_LEN).map(|_| rng.next_f32()).collect();
-        for qtype in [QuantType::Q8_0, QuantType::Q4_1] {
+        for qtype in [
+            QuantType::Q8_0,
+            QuantType::Q4_1,
+            QuantType::Q5_1,
+            QuantType::Q4_K,
+            QuantType::Q5_K,
+            QuantType::Q6_K,
+        ] {
             let bytes = quantize_row(qtype, &row).unwrap();
             let mut back = vec![0.0; row.len()];
             dequantize_row(qtype, &bytes, &mut back).unwrap();
-            let mut bounds = vec![0.0; row.len() / BLOCK_LEN];
+            let mut bounds = vec![0.0; row.len() / qtype.block_len()];
             max_abs_error(qtype, &bytes, &mut bounds).unwrap();
             let worst = row
                 .iter()
                 .zip(&back)
                 .enumerate()
-                .map(|(i, (x, y))| (x - y).abs() / bounds[i / BLOCK_LEN])
+                .map(|(i, (x, y))| (x - y).abs() / bounds[i / qtype.block_len()])
                 .fold(0.0f32, f32::max);
             assert!(
                 worst > 0.9,
@@ -615,10 +693,80 @@ mod tests {
         assert!(quantize_row(QuantType::Q8_0, &[1e8; 32]).is_err());
         let mut out = [0.0; 32];
         assert!(dequantize_row(QuantType::Q8_0, &[0; 33], &mut out).is_err());
-        assert_eq!(QuantType::from_u32(9), Err(QuantError::UnknownType(9)));
+        assert_eq!(QuantType::from_u32(11), Err(QuantError::UnknownType(11)));
         assert!(QuantError::UnknownName("q3".into())
             .to_string()
             .contains("q8"));
+    }
+
+    #[test]
+    fn new_encodings_need_minor_7_and_old_ones_do_not() {
+        for t in QuantType::ALL {
+            let new = t as u32 >= 6;
+            assert_eq!(t.since_minor(), if new { 7 } else { 1 }, "{t}");
+        }
+        let k = QuantType::Q4_K;
+        assert_eq!((k.block_len(), k.block_bytes()), (256, 144));
+        assert_eq!(row_bytes(QuantType::Q5_K, 512), Ok(352));
+        assert_eq!(row_bytes(QuantType::Q6_K, 256), Ok(210));
+        assert_eq!(row_bytes(QuantType::Q5_0, 64), Ok(44));
+        assert_eq!(row_bytes(QuantType::Q5_1, 32), Ok(24));
+        assert!(row_bytes(QuantType::Q4_K, 288).is_err());
+    }
+
+    /// Each code of a K-quant or 5-bit block lands where ggml reads it: a block whose codes are
+    /// set one at a time decodes to exactly that element.
+    #[test]
+    fn k_quant_codes_are_where_ggml_reads_them() {
+        for qtype in [
+            QuantType::Q5_0,
+            QuantType::Q5_1,
+            QuantType::Q4_K,
+            QuantType::Q5_K,
+            QuantType::Q6_K,
+        ] {
+            let n = qtype.block_len();
+            for e in [0, 1, 15, 16, 17, 31, n / 2 + 3, n - 1] {
+                // A block with one large element: all others decode to (near) zero, and that one
+                // to its value; a misplaced code would move it.
+                let mut x = vec![0.0f32; n];
+                x[e] = 5.0;
+                let bytes = quantize_row(qtype, &x).unwrap();
+                let mut back = vec![0.0; n];
+                dequantize_row(qtype, &bytes, &mut back).unwrap();
+                let mut bound = [0.0];
+                max_abs_error(qtype, &bytes, &mut bound).unwrap();
+                for (i, y) in back.iter().enumerate() {
+                    let want = if i == e { 5.0 } else { 0.0 };
+                    assert!(
+                        (y - want).abs() <= bound[0] + 1e-6,
+                        "{qtype}: element {i} of a block with {e} set decodes to {y}"
+                    );
+                }
+                assert!(back[e] > 4.0, "{qtype}: element {e} decodes to {}", back[e]);
+            }
+        }
+    }
+
+    /// A hand-built `Q4_K` block (ggml's layout): d = 1, dmin = 0.5, sub-block 5 with sc = 37
+    /// (split between the high bits of s[1] and the low nibble of s[9]) and m = 21.
+    #[test]
+    fn q4_k_known_bytes() {
+        let mut u = vec![0u8; 144];
+        u[0..2].copy_from_slice(&f16::from_f32(1.0).to_le_bytes());
+        u[2..4].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        // sc_5 = (s[9] & 15) | (s[1] >> 6) << 4 = 5 | 2 << 4 = 37;
+        // m_5 = (s[9] >> 4) | (s[5] >> 6) << 4 = 5 | 1 << 4 = 21.
+        u[4 + 1] = 2 << 6;
+        u[4 + 5] = 1 << 6;
+        u[4 + 9] = 0x55;
+        // Sub-block 5: high nibbles of b[64..96]; element 3 of it has code 7.
+        u[16 + 64 + 3] = 7 << 4;
+        let mut out = vec![0.0; 256];
+        dequantize_row(QuantType::Q4_K, &u, &mut out).unwrap();
+        assert_eq!(out[5 * 32 + 3], 37.0 * 7.0 - 0.5 * 21.0);
+        assert_eq!(out[5 * 32 + 4], -10.5);
+        assert_eq!(out[0], 0.0);
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! - `matvec/<isa>/<type>/t<threads>`: batch-1 mat-vec of every encoding and instruction set;
 //! - `matvec_hot/<isa>/<type>`: the same on a matrix that stays in L2 (the compute ceiling);
 //! - `dots/<isa>/<type>/<rows>x<cols>/{single,multi}`: a mat-vec that stays in L2 (SmolLM2's FFN
-//!   shape, 1536 × 576, and 256 × 4096) one row's `dot` at a time against
+//!   shape, 1536 × 576, and 256 × 4096; the K-quants only the second) one row's `dot` at a time
+//!   against
 //!   [`RowKernels::dots_by`] four rows sharing the input's loads (the same bits);
 //! - `bundles/<type>/{split,interleaved}`: the sparse FFN over neuron bundles with 10 % of the
 //!   neurons active, in clusters of the converter's default size (32 KiB) stored in format 1.6's
@@ -135,7 +136,12 @@ fn bench_dots(c: &mut Criterion) {
         let m = Matrix::new(rows, cols, random(rows * cols, &mut rng));
         let x = random(cols, &mut rng);
         let mut out = vec![0.0f32; rows];
-        for qtype in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
+        for qtype in QuantType::ALL.into_iter().filter(|t| t.is_block()) {
+            // The K-quants' 256-value blocks do not fill SmolLM2's 576-wide rows (a GGUF stores
+            // those as Q5_0 or Q8_0).
+            if !cols.is_multiple_of(qtype.block_len()) {
+                continue;
+            }
             let q = QMatrix::quantize(&m, qtype).expect("a whole number of blocks");
             g.throughput(Throughput::BytesDecimal(q.bytes() as u64));
             let operand = Operand::new(&x, qtype);

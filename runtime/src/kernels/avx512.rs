@@ -49,6 +49,7 @@ pub(super) unsafe fn kernels() -> RowKernels {
         axpy_rows_q8_0: Some(|a, r, o| unsafe { axpy_rows_q8_0(a, r, o) }),
         axpy_rows_q4_0: Some(|a, r, o| unsafe { axpy_rows_q4::<false>(a, r, o) }),
         axpy_rows_q4_1: Some(|a, r, o| unsafe { axpy_rows_q4::<true>(a, r, o) }),
+        more: super::kquant_avx2::table(),
     }
 }
 

@@ -14,6 +14,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod bundles;
+#[cfg(target_arch = "x86_64")]
+mod kquant_avx2;
 mod matrix;
 #[cfg(target_arch = "aarch64")]
 mod neon;

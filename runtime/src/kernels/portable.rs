@@ -263,3 +263,344 @@ pub fn axpy_q4_1(a: f32, w: &[u8], out: &mut [f32]) {
         axpy_nibbles(a * f16_at(blk, 0), a * f16_at(blk, 2), &blk[4..], o);
     }
 }
+
+// The 5-bit types and the K-quants against the same q8 input (blocks of 32, f32 scales). A K-quant
+// super-block of 256 values is eight q8 blocks; its integer sums are exact and its float terms are
+// added in a fixed order (sub-block by sub-block, the same in every instruction set):
+// - `Q4_K`/`Q5_K`, per q8 block `j`: `(d·sc_j)·(d_x·Σ q·q_x) − (dmin·m_j)·sx_j`;
+// - `Q6_K`, per q8 block `j` (two 16-value sub-blocks): `d·(d_x·Σ_k sc_k·Σ (q − 32)·q_x)`;
+// each super-block's terms summed from 0 in order, the super-blocks' sums added as the 32-value
+// types' blocks are.
+
+pub(super) const Q5_0_BYTES: usize = 6 + HALF;
+pub(super) const Q5_1_BYTES: usize = 8 + HALF;
+pub(super) const Q4_K_BYTES: usize = 144;
+pub(super) const Q5_K_BYTES: usize = 176;
+pub(super) const Q6_K_BYTES: usize = 210;
+/// q8 blocks per K-quant super-block.
+pub(super) const K_SUB: usize = 8;
+
+/// `Σ q_w·q_x` of a 5-bit block (codes 0..31, no offset): nibbles and `qh` as in ggml's `Q5_0`.
+#[inline(always)]
+fn isum_q5(qh: u32, nibbles: &[u8], qx: &[i8]) -> i32 {
+    let (lo, hi) = qx.split_at(HALF);
+    let mut sum = 0i32;
+    for (j, (b, (l, h))) in nibbles.iter().zip(lo.iter().zip(hi)).enumerate() {
+        let q0 = (b & 0x0f) as i32 | (((qh >> j) & 1) << 4) as i32;
+        let q1 = (b >> 4) as i32 | (((qh >> (j + 16)) & 1) << 4) as i32;
+        sum += q0 * *l as i32 + q1 * *h as i32;
+    }
+    sum
+}
+
+#[inline(always)]
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// One `Q5_0` block: `d_w·(d_x·Σ q_w·q_x − 16·sx)`.
+#[inline(always)]
+pub(super) fn block_q5_0(blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
+    let isum = isum_q5(u32_at(blk, 2), &blk[6..Q5_0_BYTES], qx);
+    finish_q5_0(blk, isum, dx, sx)
+}
+
+/// The float part of [`block_q5_0`] from its integer sum.
+#[inline(always)]
+pub(super) fn finish_q5_0(blk: &[u8], isum: i32, dx: f32, sx: f32) -> f32 {
+    f16_at(blk, 0) * (dx * isum as f32 - 16.0 * sx)
+}
+
+/// One `Q5_1` block: `d_w·d_x·Σ q_w·q_x + m_w·sx`.
+#[inline(always)]
+pub(super) fn block_q5_1(blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
+    let isum = isum_q5(u32_at(blk, 4), &blk[8..Q5_1_BYTES], qx);
+    finish_q5_1(blk, isum, dx, sx)
+}
+
+/// The float part of [`block_q5_1`] from its integer sum.
+#[inline(always)]
+pub(super) fn finish_q5_1(blk: &[u8], isum: i32, dx: f32, sx: f32) -> f32 {
+    f16_at(blk, 0) * dx * isum as f32 + f16_at(blk, 2) * sx
+}
+
+/// The integer sums `Σ q·q_x` of the eight 32-value sub-blocks of a `Q4_K` (`qh` `None`) or
+/// `Q5_K` super-block against its 256 activation quants.
+#[inline(always)]
+pub(super) fn isums_q45_k(qs: &[u8], qh: Option<&[u8]>, qx: &[i8]) -> [i32; K_SUB] {
+    let mut sums = [0i32; K_SUB];
+    for (j, s) in sums.iter_mut().enumerate() {
+        let group = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+        let x = &qx[32 * j..32 * j + 32];
+        let shift = 4 * (j % 2);
+        *s = match qh {
+            None => group
+                .iter()
+                .zip(x)
+                .map(|(b, x)| ((b >> shift) & 0x0f) as i32 * *x as i32)
+                .sum(),
+            Some(qh) => group
+                .iter()
+                .zip(&qh[..32])
+                .zip(x)
+                .map(|((b, h), x)| {
+                    (((b >> shift) & 0x0f) | (((h >> j) & 1) << 4)) as i32 * *x as i32
+                })
+                .sum(),
+        };
+    }
+    sums
+}
+
+/// The float part of a `Q4_K`/`Q5_K` super-block's dot from its integer sums (the fixed order
+/// every instruction set uses).
+#[inline(always)]
+pub(super) fn finish_q45_k(blk: &[u8], isums: &[i32; K_SUB], dx: &[f32], sx: &[f32]) -> f32 {
+    let d = f16_at(blk, 0);
+    let dmin = f16_at(blk, 2);
+    let s = &blk[4..16];
+    let mut sum = 0.0f32;
+    for j in 0..K_SUB {
+        let (sc, m) = leanstream_format::quant_k::scale_min_k4(j, s);
+        sum += (d * sc as f32) * (dx[j] * isums[j] as f32) - (dmin * m as f32) * sx[j];
+    }
+    sum
+}
+
+/// The integer sums `Σ_k sc_k·Σ (q − 32)·q_x` of a `Q6_K` super-block per 32-value q8 block.
+#[inline(always)]
+pub(super) fn isums_q6_k(blk: &[u8], qx: &[i8]) -> [i32; K_SUB] {
+    let mut sums = [0i32; K_SUB];
+    for (j, s) in sums.iter_mut().enumerate() {
+        let (h, k) = (j / 4, j % 4);
+        let ql = &blk[64 * h + 32 * (k & 1)..][..32];
+        let qh = &blk[128 + 32 * h..][..32];
+        let x = &qx[32 * j..32 * j + 32];
+        let shift = if k < 2 { 0 } else { 4 };
+        let mut part = [0i32; 2];
+        for (half, p) in part.iter_mut().enumerate() {
+            *p = (16 * half..16 * half + 16)
+                .map(|l| {
+                    let q = ((ql[l] >> shift) & 0x0f) | (((qh[l] >> (2 * k)) & 3) << 4);
+                    (q as i32 - 32) * x[l] as i32
+                })
+                .sum();
+        }
+        *s = blk[192 + 2 * j] as i8 as i32 * part[0] + blk[193 + 2 * j] as i8 as i32 * part[1];
+    }
+    sums
+}
+
+/// The float part of a `Q6_K` super-block's dot.
+#[inline(always)]
+pub(super) fn finish_q6_k(blk: &[u8], isums: &[i32; K_SUB], dx: &[f32]) -> f32 {
+    let d = f16_at(blk, 208);
+    let mut sum = 0.0f32;
+    for j in 0..K_SUB {
+        sum += d * (dx[j] * isums[j] as f32);
+    }
+    sum
+}
+
+#[inline(always)]
+pub(super) fn block_q4_k(blk: &[u8], x: &Q8Vec, b: usize) -> f32 {
+    let r = K_SUB * b..K_SUB * (b + 1);
+    let isums = isums_q45_k(&blk[16..144], None, &x.quants[BLOCK_LEN * r.start..]);
+    finish_q45_k(blk, &isums, &x.scales[r.clone()], &x.sums[r])
+}
+
+#[inline(always)]
+pub(super) fn block_q5_k(blk: &[u8], x: &Q8Vec, b: usize) -> f32 {
+    let r = K_SUB * b..K_SUB * (b + 1);
+    let isums = isums_q45_k(
+        &blk[48..176],
+        Some(&blk[16..48]),
+        &x.quants[BLOCK_LEN * r.start..],
+    );
+    finish_q45_k(blk, &isums, &x.scales[r.clone()], &x.sums[r])
+}
+
+#[inline(always)]
+pub(super) fn block_q6_k(blk: &[u8], x: &Q8Vec, b: usize) -> f32 {
+    let r = K_SUB * b..K_SUB * (b + 1);
+    let isums = isums_q6_k(blk, &x.quants[BLOCK_LEN * r.start..]);
+    finish_q6_k(blk, &isums, &x.scales[r])
+}
+
+/// Super-blocks `from..` of a K-quant row against `x`, summed as [`block_dot`] sums blocks.
+#[inline(always)]
+pub(super) fn kblock_dot(
+    w: &[u8],
+    x: &Q8Vec,
+    from: usize,
+    bytes: usize,
+    block: impl Fn(&[u8], &Q8Vec, usize) -> f32,
+) -> f32 {
+    let nb = (w.len() / bytes).min(x.scales.len() / K_SUB);
+    (from..nb).map(|b| block(&w[b * bytes..], x, b)).sum()
+}
+
+/// [`kblock_dot`] of `R` rows side by side, each with the bits of its own.
+#[inline(always)]
+pub(super) fn kblock_dots<const R: usize>(
+    rows: [&[u8]; R],
+    x: &Q8Vec,
+    bytes: usize,
+    block: impl Fn(&[u8], &Q8Vec, usize) -> f32,
+) -> [f32; R] {
+    let mut sums = [-0.0f32; R];
+    for (sum, w) in sums.iter_mut().zip(rows) {
+        let nb = (w.len() / bytes).min(x.scales.len() / K_SUB);
+        for b in 0..nb {
+            *sum += block(&w[b * bytes..], x, b);
+        }
+    }
+    sums
+}
+
+pub fn dot_q5_0(w: &[u8], x: &Q8Vec) -> f32 {
+    block_dot(w, x, 0, Q5_0_BYTES, block_q5_0)
+}
+
+pub fn dot_q5_1(w: &[u8], x: &Q8Vec) -> f32 {
+    block_dot(w, x, 0, Q5_1_BYTES, block_q5_1)
+}
+
+pub fn dot_q4_k(w: &[u8], x: &Q8Vec) -> f32 {
+    kblock_dot(w, x, 0, Q4_K_BYTES, block_q4_k)
+}
+
+pub fn dot_q5_k(w: &[u8], x: &Q8Vec) -> f32 {
+    kblock_dot(w, x, 0, Q5_K_BYTES, block_q5_k)
+}
+
+pub fn dot_q6_k(w: &[u8], x: &Q8Vec) -> f32 {
+    kblock_dot(w, x, 0, Q6_K_BYTES, block_q6_k)
+}
+
+pub fn dots_q5_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| block_dots::<R>(
+        r, x, Q5_0_BYTES, block_q5_0
+    ))
+}
+
+pub fn dots_q5_1(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| block_dots::<R>(
+        r, x, Q5_1_BYTES, block_q5_1
+    ))
+}
+
+pub fn dots_q4_k(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| kblock_dots::<R>(
+        r, x, Q4_K_BYTES, block_q4_k
+    ))
+}
+
+pub fn dots_q5_k(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| kblock_dots::<R>(
+        r, x, Q5_K_BYTES, block_q5_k
+    ))
+}
+
+pub fn dots_q6_k(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| kblock_dots::<R>(
+        r, x, Q6_K_BYTES, block_q6_k
+    ))
+}
+
+/// `out += s·(q − 16)` (`Q5_0`) or `out += s·q + c` (`Q5_1`) over a 5-bit block.
+#[inline(always)]
+fn axpy_q5(s: f32, c: Option<f32>, qh: u32, nibbles: &[u8], out: &mut [f32]) {
+    let (lo, hi) = out.split_at_mut(HALF);
+    for (j, (b, (l, h))) in nibbles.iter().zip(lo.iter_mut().zip(hi)).enumerate() {
+        let q0 = (b & 0x0f) as i32 | (((qh >> j) & 1) << 4) as i32;
+        let q1 = (b >> 4) as i32 | (((qh >> (j + 16)) & 1) << 4) as i32;
+        match c {
+            None => {
+                *l += s * (q0 - 16) as f32;
+                *h += s * (q1 - 16) as f32;
+            }
+            Some(c) => {
+                *l += s * q0 as f32 + c;
+                *h += s * q1 as f32 + c;
+            }
+        }
+    }
+}
+
+pub fn axpy_q5_0(a: f32, w: &[u8], out: &mut [f32]) {
+    for (blk, o) in w
+        .chunks_exact(Q5_0_BYTES)
+        .zip(out.chunks_exact_mut(BLOCK_LEN))
+    {
+        axpy_q5(a * f16_at(blk, 0), None, u32_at(blk, 2), &blk[6..], o);
+    }
+}
+
+pub fn axpy_q5_1(a: f32, w: &[u8], out: &mut [f32]) {
+    for (blk, o) in w
+        .chunks_exact(Q5_1_BYTES)
+        .zip(out.chunks_exact_mut(BLOCK_LEN))
+    {
+        let c = Some(a * f16_at(blk, 2));
+        axpy_q5(a * f16_at(blk, 0), c, u32_at(blk, 4), &blk[8..], o);
+    }
+}
+
+/// `out += (a·d·sc_j)·q + (−a·dmin·m_j)` per sub-block of a `Q4_K`/`Q5_K` row: with `a = 1` the
+/// reference decoding's `(d·sc_j)·q − dmin·m_j`, bit for bit.
+fn axpy_q45_k(a: f32, w: &[u8], out: &mut [f32], bytes: usize) {
+    let five = bytes == Q5_K_BYTES;
+    for (blk, o) in w.chunks_exact(bytes).zip(out.chunks_exact_mut(256)) {
+        let d = f16_at(blk, 0);
+        let dmin = f16_at(blk, 2);
+        let (qh, qs) = if five {
+            (&blk[16..48], &blk[48..176])
+        } else {
+            (&blk[..0], &blk[16..144])
+        };
+        for (j, o) in o.chunks_exact_mut(32).enumerate() {
+            let (sc, m) = leanstream_format::quant_k::scale_min_k4(j, &blk[4..16]);
+            let s = a * (d * sc as f32);
+            let c = -(a * (dmin * m as f32));
+            let group = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+            let shift = 4 * (j % 2);
+            for (l, (o, b)) in o.iter_mut().zip(group).enumerate() {
+                let mut q = (b >> shift) & 0x0f;
+                if five {
+                    q |= ((qh[l] >> j) & 1) << 4;
+                }
+                *o += s * q as f32 + c;
+            }
+        }
+    }
+}
+
+pub fn axpy_q4_k(a: f32, w: &[u8], out: &mut [f32]) {
+    axpy_q45_k(a, w, out, Q4_K_BYTES)
+}
+
+pub fn axpy_q5_k(a: f32, w: &[u8], out: &mut [f32]) {
+    axpy_q45_k(a, w, out, Q5_K_BYTES)
+}
+
+/// `out += (a·d·sc_k)·(q − 32)` per 16-value sub-block of a `Q6_K` row.
+pub fn axpy_q6_k(a: f32, w: &[u8], out: &mut [f32]) {
+    for (blk, o) in w.chunks_exact(Q6_K_BYTES).zip(out.chunks_exact_mut(256)) {
+        let d = f16_at(blk, 208);
+        for h in 0..2 {
+            let ql = &blk[64 * h..64 * h + 64];
+            let qh = &blk[128 + 32 * h..128 + 32 * h + 32];
+            for k in 0..4 {
+                let shift = if k < 2 { 0 } else { 4 };
+                for l in 0..32 {
+                    let e = 128 * h + 32 * k + l;
+                    let s = a * (d * blk[192 + e / 16] as i8 as f32);
+                    let q =
+                        ((ql[l + 32 * (k & 1)] >> shift) & 0x0f) | (((qh[l] >> (2 * k)) & 3) << 4);
+                    o[e] += s * (q as i32 - 32) as f32;
+                }
+            }
+        }
+    }
+}

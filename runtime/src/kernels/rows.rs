@@ -64,7 +64,51 @@ pub struct RowKernels {
     pub(crate) axpy_rows_q8_0: Option<AxpyRows>,
     pub(crate) axpy_rows_q4_0: Option<AxpyRows>,
     pub(crate) axpy_rows_q4_1: Option<AxpyRows>,
+    /// The 5-bit types and the K-quants (`Q5_0` … `Q6_K`).
+    pub(crate) more: MoreKernels,
 }
+
+/// The kernels of `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K` and `Q6_K`, indexed in that order (the
+/// [`QuantType`] value minus 6): an instruction set without its own takes the portable ones.
+#[derive(Clone, Copy)]
+pub(crate) struct MoreKernels {
+    pub(crate) dot: [BlockDot; MORE],
+    pub(crate) dots: [BlockDots; MORE],
+    pub(crate) axpy: [Axpy; MORE],
+}
+
+/// How many types [`MoreKernels`] holds.
+pub(crate) const MORE: usize = 5;
+
+/// The index of `qtype` in [`MoreKernels`] (a type of value 6 or more).
+#[inline(always)]
+fn more_index(qtype: QuantType) -> usize {
+    qtype as usize - QuantType::Q5_0 as usize
+}
+
+pub(crate) const PORTABLE_MORE: MoreKernels = MoreKernels {
+    dot: [
+        portable::dot_q5_0,
+        portable::dot_q5_1,
+        portable::dot_q4_k,
+        portable::dot_q5_k,
+        portable::dot_q6_k,
+    ],
+    dots: [
+        portable::dots_q5_0,
+        portable::dots_q5_1,
+        portable::dots_q4_k,
+        portable::dots_q5_k,
+        portable::dots_q6_k,
+    ],
+    axpy: [
+        portable::axpy_q5_0,
+        portable::axpy_q5_1,
+        portable::axpy_q4_k,
+        portable::axpy_q5_k,
+        portable::axpy_q6_k,
+    ],
+};
 
 /// The most rows a kernel's `dots` takes at once; [`RowKernels::dots`] takes any number, this many
 /// at a time.
@@ -113,6 +157,7 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     axpy_rows_q8_0: None,
     axpy_rows_q4_0: None,
     axpy_rows_q4_1: None,
+    more: PORTABLE_MORE,
 };
 
 impl RowKernels {
@@ -177,6 +222,7 @@ impl RowKernels {
             QuantType::Q8_0 => (self.dot_q8_0)(row, x.q8()),
             QuantType::Q4_0 => (self.dot_q4_0)(row, x.q8()),
             QuantType::Q4_1 => (self.dot_q4_1)(row, x.q8()),
+            _ => (self.more.dot[more_index(qtype)])(row, x.q8()),
         }
     }
 
@@ -208,6 +254,18 @@ impl RowKernels {
             QuantType::Q8_0 if at_once > 1 => self.dots_q8_0,
             QuantType::Q4_0 if at_once > 1 => self.dots_q4_0,
             QuantType::Q4_1 if at_once > 1 => self.dots_q4_1,
+            QuantType::F32
+            | QuantType::F16
+            | QuantType::BF16
+            | QuantType::Q8_0
+            | QuantType::Q4_0
+            | QuantType::Q4_1 => {
+                for (o, row) in out.iter_mut().zip(rows) {
+                    *o = self.dot(qtype, row, x);
+                }
+                return;
+            }
+            _ if at_once > 1 => self.more.dots[more_index(qtype)],
             _ => {
                 for (o, row) in out.iter_mut().zip(rows) {
                     *o = self.dot(qtype, row, x);
@@ -239,6 +297,7 @@ impl RowKernels {
             QuantType::Q8_0 => self.axpy_q8_0,
             QuantType::Q4_0 => self.axpy_q4_0,
             QuantType::Q4_1 => self.axpy_q4_1,
+            _ => self.more.axpy[more_index(qtype)],
         };
         f(a, row, out)
     }

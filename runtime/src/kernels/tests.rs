@@ -23,9 +23,15 @@ fn random(n: usize, scale: f32, rng: &mut StdRng) -> Vec<f32> {
 }
 
 /// Lengths that are not multiples of any SIMD width, for the float types; whole blocks (odd and
-/// even counts, below and above the unrolled steps) for the block types.
+/// even counts, below and above the unrolled steps) for the block types (fewer of the K-quants'
+/// 256-value blocks).
 fn lengths(qtype: QuantType) -> Vec<usize> {
-    if qtype.is_block() {
+    if qtype.is_k_quant() {
+        [1, 2, 3, 5, 9, 17]
+            .iter()
+            .map(|b| b * qtype.block_len())
+            .collect()
+    } else if qtype.is_block() {
         [1, 2, 3, 4, 5, 7, 8, 9, 33, 129]
             .iter()
             .map(|b| b * BLOCK_LEN)
@@ -420,9 +426,18 @@ fn matvec_and_matmul_match_f64() {
     let mut max_err = std::collections::BTreeMap::<(&str, &str, String), f64>::new();
     // Rows, columns, tokens: the first crosses the parallel threshold for every type (≥ 1 MiB);
     // the last is long enough for the decode-to-f32 + gemm path.
-    for (rows, cols, t) in [(8192, 256, 2), (5, 64, 3), (300, 288, GEMM_MIN_TOKENS + 3)] {
+    // The K-quants' rows are whole 256-value blocks: they take the first and the last two shapes.
+    for (rows, cols, t) in [
+        (8192, 256, 2),
+        (5, 64, 3),
+        (300, 288, GEMM_MIN_TOKENS + 3),
+        (7, 512, GEMM_MIN_TOKENS + 1),
+    ] {
         let m = Matrix::new(rows, cols, random(rows * cols, 1.0, &mut rng));
         for qtype in QuantType::ALL {
+            if !cols.is_multiple_of(qtype.block_len()) {
+                continue;
+            }
             let q = QMatrix::quantize(&m, qtype).unwrap();
             let w: Vec<Vec<f64>> = (0..rows)
                 .map(|r| {
@@ -529,9 +544,21 @@ fn random_bundles(
 fn bundle_ffn_matches_f64() {
     let (seed, mut rng) = rng();
     for qtype in QuantType::ALL {
-        let hidden = if qtype.is_block() { 288 } else { 100 };
-        // 1200 neurons of 288 cross the parallel threshold.
-        let n = if qtype.is_block() { 1200 } else { 90 };
+        let hidden = if qtype.is_k_quant() {
+            512
+        } else if qtype.is_block() {
+            288
+        } else {
+            100
+        };
+        // 1200 neurons of 288 (and 700 of 512) cross the parallel threshold.
+        let n = if qtype.is_k_quant() {
+            700
+        } else if qtype.is_block() {
+            1200
+        } else {
+            90
+        };
         let layout = BundleLayout::new(qtype, hidden, ClusterLayout::Split).unwrap();
         let (buf, parts) = random_bundles(&layout, n, &mut rng);
         // Every other bundle, read in place from the one buffer.
@@ -818,4 +845,52 @@ fn an_operand_in_a_reused_q8_buffer_equals_a_fresh_quantization() {
     // The thread's spare buffers: a longer operand dropped, then a shorter one made in its buffer.
     drop(Operand::new(&long, QuantType::Q4_0));
     same(Operand::new(&short, QuantType::Q8_0).q8());
+}
+
+/// The 5-bit types and the K-quants give the portable kernels' bits in every kernel set (their
+/// integer sums are exact and their float terms run in the portable order), for every length,
+/// random and zero inputs, `dot`, `dots` and `axpy`.
+#[test]
+fn new_block_types_are_portable_bit_for_bit() {
+    let (seed, mut rng) = rng();
+    let portable = *RowKernels::available().last().unwrap();
+    assert_eq!(portable.isa, "portable");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for k in RowKernels::available() {
+        for qtype in QuantType::ALL.into_iter().filter(|t| t.since_minor() > 1) {
+            for n in lengths(qtype) {
+                for zeros in [false, true] {
+                    let rows: Vec<Vec<u8>> =
+                        (0..5).map(|_| encoded_row(qtype, n, &mut rng).0).collect();
+                    let views: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
+                    let mut xs = random(n, 2.0, &mut rng);
+                    if zeros {
+                        xs.fill(0.0);
+                    }
+                    let x = Operand::new(&xs, qtype);
+                    let mut got = vec![f32::NAN; 5];
+                    let mut want = vec![f32::NAN; 5];
+                    k.dots(qtype, &views, &x, &mut got);
+                    portable.dots(qtype, &views, &x, &mut want);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "seed {seed}: {} {qtype} n={n} zeros={zeros}",
+                        k.isa
+                    );
+                    assert_eq!(
+                        k.dot(qtype, views[0], &x).to_bits(),
+                        want[0].to_bits(),
+                        "seed {seed}: {} {qtype} n={n} zeros={zeros}",
+                        k.isa
+                    );
+                    let a = rng.random_range(-2.0f32..2.0);
+                    let (mut got, mut want) = (xs.clone(), xs.clone());
+                    k.axpy(qtype, a, views[1], &mut got);
+                    portable.axpy(qtype, a, views[1], &mut want);
+                    assert_eq!(bits(&got), bits(&want), "seed {seed}: {} {qtype}", k.isa);
+                }
+            }
+        }
+    }
 }

@@ -4,9 +4,10 @@
 //! experts (`qwen3moe`, or `llama` with `ffn_*_exps` tensors as llama.cpp writes Mixtral) stacks
 //! each layer's experts in one 3-D tensor; expert `e` of Hugging Face's names is its slice `e`.
 //!
-//! Weight matrices stored as F16, BF16, Q8_0, Q4_0 or Q4_1 stay in that encoding (rows put in
-//! Hugging Face order by [`GgufFile::raw_tensor`]): the kernels compute on it directly. Other types
-//! are dequantized to f32 at load.
+//! Weight matrices stored as F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K stay in
+//! that encoding (rows put in Hugging Face order by [`GgufFile::raw_tensor`]): the kernels compute
+//! on it directly, and an embedding's rows are decoded on lookup. Other types are dequantized to
+//! f32 at load.
 
 use std::borrow::Cow;
 use std::fs::File;
@@ -106,6 +107,11 @@ impl GgufFile {
             GgmlDType::Q8_0 => QuantType::Q8_0,
             GgmlDType::Q4_0 => QuantType::Q4_0,
             GgmlDType::Q4_1 => QuantType::Q4_1,
+            GgmlDType::Q5_0 => QuantType::Q5_0,
+            GgmlDType::Q5_1 => QuantType::Q5_1,
+            GgmlDType::Q4K => QuantType::Q4_K,
+            GgmlDType::Q5K => QuantType::Q5_K,
+            GgmlDType::Q6K => QuantType::Q6_K,
             _ => {
                 let values = self.tensor_f32(name, &[rows, cols])?;
                 return Ok(Weight::F32(Matrix::new(rows, cols, values)));
@@ -610,6 +616,50 @@ fn move_rope_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The format's decoder of the 5-bit types and K-quants gives candle's (ggml's) bits for
+    /// random blocks (random codes and scales, finite f16 scales of both signs), so a GGUF tensor
+    /// kept encoded decodes exactly as the f32 expansion at load did.
+    #[test]
+    fn k_quants_decode_as_candle_does() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for (qtype, dtype, scales) in [
+            (QuantType::Q5_0, GgmlDType::Q5_0, &[0][..]),
+            (QuantType::Q5_1, GgmlDType::Q5_1, &[0, 2][..]),
+            (QuantType::Q4_K, GgmlDType::Q4K, &[0, 2][..]),
+            (QuantType::Q5_K, GgmlDType::Q5K, &[0, 2][..]),
+            (QuantType::Q6_K, GgmlDType::Q6K, &[208][..]),
+        ] {
+            let blocks = 12;
+            let n = blocks * qtype.block_len();
+            let mut bytes: Vec<u8> = (0..blocks * qtype.block_bytes())
+                .map(|_| rng.random())
+                .collect();
+            for block in bytes.chunks_exact_mut(qtype.block_bytes()) {
+                for &at in scales {
+                    let v = half::f16::from_f32(rng.random_range(-2.0f32..2.0));
+                    block[at..at + 2].copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            let want = QStorage::from_data(Cow::Borrowed(&bytes[..]), &Device::Cpu, dtype)
+                .and_then(|s| QTensor::new(s, vec![n]))
+                .and_then(|q| q.dequantize(&Device::Cpu))
+                .and_then(|t| t.to_vec1::<f32>())
+                .unwrap();
+            let mut got = vec![0.0f32; n];
+            leanstream_format::quant::dequantize_row(qtype, &bytes, &mut got).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "seed {seed}: {qtype}");
+            // The kernels' decoding (axpy into zeros) is the same.
+            let mut fast = vec![f32::NAN; n];
+            for k in crate::kernels::RowKernels::available() {
+                k.dequantize(qtype, &bytes, &mut fast);
+                assert_eq!(fast, want, "seed {seed}: {} {qtype}", k.isa);
+            }
+        }
+    }
 
     #[test]
     fn names_map_to_llama_cpp() {

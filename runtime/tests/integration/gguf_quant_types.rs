@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use candle_core::quantized::gguf_file::Content;
 use candle_core::Device;
+use leanstream::kernels::Weight;
 use leanstream::source::gguf::{gguf_name, GgufFile};
 
 #[test]
@@ -49,6 +50,19 @@ fn every_type_dequantizes_like_llama_cpp() {
                 (a - b).abs() <= 1e-6 * b.abs().max(1.0),
                 "{name} ({dtype}) value {i}: {a} vs {b}"
             );
+        }
+        // Every matrix type but F32 stays encoded; its rows decode to the same values.
+        let w = file.weight(name, rows, 256).unwrap();
+        assert_eq!(matches!(w, Weight::Encoded(_)), dtype != "F32", "{name}");
+        let mut row = vec![0.0; 256];
+        for r in 0..rows {
+            w.row_f32(r, &mut row);
+            for (i, (a, b)) in row.iter().zip(&expected[r * 256..]).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                    "{name} ({dtype}) kept encoded, row {r} value {i}: {a} vs {b}"
+                );
+            }
         }
     }
 }
