@@ -5,13 +5,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::FormatError;
 
-/// Model families the engine implements. They share the Llama block; Qwen3 adds per-head q/k norms
-/// and Mistral a sliding attention window.
+/// Model families the engine implements. They share the Llama block; Qwen3 adds per-head q/k norms,
+/// Mistral a sliding attention window and Qwen2 biases on the query, key and value projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
     Llama,
     Qwen3,
     Mistral,
+    Qwen2,
 }
 
 /// FFN activation applied to the gate projection.
@@ -56,11 +57,18 @@ pub struct ModelConfig {
     pub rms_norm_eps: f32,
     pub rope_theta: f32,
     pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Per-frequency divisors of the rotary inverse frequencies (`head_dim/2` of them), as GGUF
+    /// files of Llama 3.1 and later carry them in `rope_freqs.weight`; `None` = all 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_freq_factors: Option<Vec<f32>>,
     /// Attend only to this many most recent positions (Mistral); `None` = full causal attention.
     pub sliding_window: Option<usize>,
     pub tie_word_embeddings: bool,
     /// Per-head RMSNorm on queries and keys before rope (Qwen3).
     pub qk_norm: bool,
+    /// Biases added to the query, key and value projections (Qwen2, `attention_bias`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qkv_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     /// A mixture of experts in place of the dense FFN (in the layers it names); `None` = dense.
@@ -111,6 +119,16 @@ impl ModelConfig {
         ] {
             if v == 0 {
                 return Err(FormatError::config(format!("the {name} must be positive")));
+            }
+        }
+        if let Some(f) = &self.rope_freq_factors {
+            if f.len() != self.head_dim / 2 || f.iter().any(|&x| !(x.is_finite() && x > 0.0)) {
+                return Err(FormatError::config(format!(
+                    "{} rope frequency factors for head_dim {}: there must be head_dim/2 of them, \
+                     each finite and positive",
+                    f.len(),
+                    self.head_dim
+                )));
             }
         }
         if let Some(m) = &self.moe {

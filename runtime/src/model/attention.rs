@@ -40,6 +40,15 @@ impl Model {
         attn.wq.matmul_t(&s.xn, t, &mut s.q);
         attn.wk.matmul_t(&s.xn, t, &mut s.k);
         attn.wv.matmul_t(&s.xn, t, &mut s.v);
+        if let Some(b) = &layer.qkv_bias {
+            let (bq, bkv) = b.split_at(qd);
+            let (bk, bv) = bkv.split_at(kvd);
+            for (m, bias) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
+                for row in m[..t * bias.len()].chunks_exact_mut(bias.len()) {
+                    row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
+                }
+            }
+        }
         let rows = s.q.chunks_exact_mut(qd).zip(s.k.chunks_exact_mut(kvd));
         for (i, ((q, k), table)) in rows.zip(s.rope.chunks_exact(hd)).enumerate() {
             let (cos, sin) = table.split_at(hd / 2);

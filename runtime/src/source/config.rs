@@ -104,7 +104,11 @@ fn moe_config(hf: &HfConfig, mixtral: bool) -> Result<MoeConfig> {
     }
     let mlp_only = hf.mlp_only_layers.clone().unwrap_or_default();
     Ok(MoeConfig {
-        num_experts: hf.num_experts.ok_or_else(|| missing("num_experts"))?,
+        // transformers 5 writes Qwen3-MoE's expert count as `num_local_experts`, as Mixtral's.
+        num_experts: hf
+            .num_experts
+            .or(hf.num_local_experts)
+            .ok_or_else(|| missing("num_experts (or num_local_experts)"))?,
         experts_per_token,
         expert_intermediate_size: hf
             .moe_intermediate_size
@@ -142,11 +146,13 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         "LlamaForCausalLM" | "llama" => (Architecture::Llama, None),
         "Qwen3ForCausalLM" | "qwen3" => (Architecture::Qwen3, None),
         "MistralForCausalLM" | "mistral" => (Architecture::Mistral, None),
+        "Qwen2ForCausalLM" | "qwen2" => (Architecture::Qwen2, None),
         "Qwen3MoeForCausalLM" | "qwen3_moe" => (Architecture::Qwen3, Some(moe_config(&hf, false)?)),
         "MixtralForCausalLM" | "mixtral" => (Architecture::Mistral, Some(moe_config(&hf, true)?)),
         other => bail!(
-            "unsupported architecture {other:?}: LeanStream supports LlamaForCausalLM, \
-                 Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM"
+            "unsupported architecture {other:?}: LeanStream supports LlamaForCausalLM (Llama 2 \
+             and 3.x, SmolLM2), Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, \
+             MistralForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM"
         ),
     };
     let activation = match hf.hidden_act.as_deref().unwrap_or("silu") {
@@ -154,8 +160,14 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         "relu" => Activation::Relu,
         other => bail!("unsupported hidden_act {other:?}: supported are \"silu\" and \"relu\""),
     };
-    if hf.attention_bias == Some(true) || hf.mlp_bias == Some(true) {
-        bail!("attention_bias / mlp_bias = true is not supported");
+    // Qwen2's q/k/v projections always carry biases (its config has no attention_bias key); its
+    // output projection never does.
+    let qkv_bias = architecture == Architecture::Qwen2;
+    if (!qkv_bias && hf.attention_bias == Some(true)) || hf.mlp_bias == Some(true) {
+        bail!(
+            "attention_bias / mlp_bias = true is not supported for {arch_name} (only Qwen2's q/k/v \
+             biases are)"
+        );
     }
     let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
     let head_dim = hf
@@ -189,7 +201,7 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         Some(other) => bail!("unsupported rope scaling type {other:?} (supported: llama3)"),
     };
     let sliding_window = match architecture {
-        Architecture::Qwen3 if hf.use_sliding_window != Some(true) => None,
+        Architecture::Qwen3 | Architecture::Qwen2 if hf.use_sliding_window != Some(true) => None,
         _ => hf.sliding_window,
     };
     let config = ModelConfig {
@@ -206,9 +218,11 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
         rope_theta,
         rope_scaling,
+        rope_freq_factors: None,
         sliding_window,
         tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
         qk_norm: architecture == Architecture::Qwen3,
+        qkv_bias,
         bos_token_id: hf.bos_token_id.and_then(|b| b.into_vec().first().copied()),
         eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
         moe,
@@ -291,6 +305,52 @@ mod tests {
         v["num_experts_per_tok"] = serde_json::json!(5);
         let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
         assert!(err.contains("5 per token"), "{err}");
+    }
+
+    #[test]
+    fn parses_transformers5_qwen3_moe_names() {
+        // transformers 5.x: `num_local_experts` and the rope base only in `rope_parameters`.
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Qwen3MoeForCausalLM"]);
+        v["num_local_experts"] = serde_json::json!(8);
+        v["num_experts_per_tok"] = serde_json::json!(2);
+        v["moe_intermediate_size"] = serde_json::json!(64);
+        v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e6});
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen3);
+        assert_eq!(c.rope_theta, 1e6);
+        assert!(c.rope_scaling.is_none());
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.num_experts, m.experts_per_token), (8, 2));
+        v.as_object_mut().unwrap().remove("num_local_experts");
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("num_local_experts"), "{err}");
+    }
+
+    #[test]
+    fn parses_qwen2_with_qkv_bias() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+        v["sliding_window"] = serde_json::json!(32);
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen2);
+        assert!(c.qkv_bias && !c.qk_norm);
+        assert_eq!(c.sliding_window, None);
+        let mut v = base();
+        v["attention_bias"] = serde_json::json!(true);
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("attention_bias"), "{err}");
+    }
+
+    #[test]
+    fn refused_architectures_name_the_supported_ones() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Gemma2ForCausalLM"]);
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(
+            err.contains("Gemma2ForCausalLM") && err.contains("Qwen2ForCausalLM"),
+            "{err}"
+        );
     }
 
     #[test]
