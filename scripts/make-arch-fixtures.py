@@ -68,6 +68,12 @@ MODELS = {
         ),
         "llama-bpe",
     ),
+    # SmolLM3: every fourth layer without rope (NoPE), as llama.cpp's smollm3 graph assumes.
+    "smollm3": (
+        "SmolLM3Config",
+        dict(rope_theta=5000000.0, num_hidden_layers=4, no_rope_layer_interval=4),
+        "llama-bpe",
+    ),
     # Qwen2 / Qwen2.5: biases on q, k and v.
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, use_sliding_window=False), "qwen2"),
     # Qwen3-MoE as transformers 5 saves it (num_local_experts / num_experts, rope_parameters).

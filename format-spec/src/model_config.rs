@@ -61,6 +61,9 @@ pub struct ModelConfig {
     /// files of Llama 3.1 and later carry them in `rope_freqs.weight`; `None` = all 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_freq_factors: Option<Vec<f32>>,
+    /// Layers whose attention uses no rotary embedding (SmolLM3's NoPE layers), ascending.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub no_rope_layers: Vec<usize>,
     /// Attend only to this many most recent positions (Mistral); `None` = full causal attention.
     pub sliding_window: Option<usize>,
     pub tie_word_embeddings: bool,
@@ -131,6 +134,14 @@ impl ModelConfig {
                 )));
             }
         }
+        if self.no_rope_layers.iter().any(|&l| l >= self.num_layers)
+            || !self.no_rope_layers.is_sorted_by(|a, b| a < b)
+        {
+            return Err(FormatError::config(format!(
+                "layers without rope {:?} must be ascending layer indices below {}",
+                self.no_rope_layers, self.num_layers
+            )));
+        }
         if let Some(m) = &self.moe {
             if m.num_experts == 0
                 || m.experts_per_token == 0
@@ -160,6 +171,11 @@ impl ModelConfig {
         self.moe
             .as_ref()
             .is_some_and(|m| m.dense_layers.binary_search(&l).is_err())
+    }
+
+    /// Whether layer `l` rotates its queries and keys (all but SmolLM3's NoPE layers).
+    pub fn uses_rope(&self, l: usize) -> bool {
+        self.no_rope_layers.binary_search(&l).is_err()
     }
 
     /// Query heads that share one key/value head.

@@ -102,7 +102,11 @@ pub fn export(src: &Path, out: &Path, progress: bool) -> Result<Exported> {
     if c.qkv_bias {
         bail!("{name}: q/k/v biases (Qwen2) are not written to GGUF yet");
     }
-    if c.rope_scaling.is_some() || c.rope_freq_factors.is_some() || c.sliding_window.is_some() {
+    if c.rope_scaling.is_some()
+        || c.rope_freq_factors.is_some()
+        || !c.no_rope_layers.is_empty()
+        || c.sliding_window.is_some()
+    {
         bail!(
             "{name}: rope scaling and sliding-window attention are not written to GGUF (the \
              runtime's GGUF reader does not take them back either)"

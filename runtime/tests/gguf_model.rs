@@ -31,6 +31,7 @@ fn config(architecture: Architecture) -> ModelConfig {
         rope_theta: 10000.0,
         rope_scaling: None,
         rope_freq_factors: None,
+        no_rope_layers: Vec::new(),
         sliding_window: None,
         tie_word_embeddings: qwen3,
         qk_norm: qwen3,

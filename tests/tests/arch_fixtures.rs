@@ -178,3 +178,30 @@ fn llama3_converted() {
 fn qwen2_converted() {
     converted_matches("qwen2");
 }
+
+#[test]
+fn smollm3_nope_layers_from_hf_and_gguf() {
+    hf_and_gguf("smollm3");
+    let dir = fixtures().join("smollm3");
+    let mut c = leanstream::source::config::from_hf_dir(&dir).unwrap();
+    assert_eq!(c.no_rope_layers, vec![3]);
+    // With rope in every layer the same weights score differently: the test sees the NoPE layer.
+    c.no_rope_layers.clear();
+    let tensors = leanstream::source::safetensors_dir::SafetensorsDir::open(&dir).unwrap();
+    let m = Model::from_hf_tensors(c, |n, s| tensors.tensor_f32(n, s)).unwrap();
+    let r = reference("smollm3");
+    let worst = log_probs(&m, &r.ids)
+        .iter()
+        .zip(&r.log_probs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        worst > 10.0 * LOGP_TOL,
+        "rope everywhere is as close: {worst:.2e}"
+    );
+}
+
+#[test]
+fn smollm3_converted() {
+    converted_matches("smollm3");
+}

@@ -55,6 +55,7 @@ impl Shape {
             rope_theta: 10_000.0,
             rope_scaling: None,
             rope_freq_factors: None,
+            no_rope_layers: Vec::new(),
             sliding_window: None,
             tie_word_embeddings: false,
             qk_norm: false,

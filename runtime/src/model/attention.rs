@@ -58,8 +58,10 @@ impl Model {
                 k.chunks_exact_mut(hd)
                     .for_each(|head| rms_norm_in_place(head, kn, c.rms_norm_eps));
             }
-            Rope::apply(q, hd, cos, sin);
-            Rope::apply(k, hd, cos, sin);
+            if c.uses_rope(l) {
+                Rope::apply(q, hd, cos, sin);
+                Rope::apply(k, hd, cos, sin);
+            }
             cache.store(l, start + i, k, &s.v[i * kvd..(i + 1) * kvd]);
         }
         self.attend(l, start, t, &s.q, cache, &mut s.scores, &mut s.att);

@@ -74,6 +74,9 @@ struct HfConfig {
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
     shared_expert_intermediate_size: Option<usize>,
+    // SmolLM3's NoPE layers.
+    no_rope_layers: Option<Vec<u8>>,
+    no_rope_layer_interval: Option<usize>,
 }
 
 /// The mixture-of-experts part of a config: Qwen3-MoE's (`num_experts`, `moe_intermediate_size`,
@@ -147,11 +150,13 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         "Qwen3ForCausalLM" | "qwen3" => (Architecture::Qwen3, None),
         "MistralForCausalLM" | "mistral" => (Architecture::Mistral, None),
         "Qwen2ForCausalLM" | "qwen2" => (Architecture::Qwen2, None),
+        // SmolLM3 is Llama's block with some layers' rope left out (NoPE).
+        "SmolLM3ForCausalLM" | "smollm3" => (Architecture::Llama, None),
         "Qwen3MoeForCausalLM" | "qwen3_moe" => (Architecture::Qwen3, Some(moe_config(&hf, false)?)),
         "MixtralForCausalLM" | "mixtral" => (Architecture::Mistral, Some(moe_config(&hf, true)?)),
         other => bail!(
             "unsupported architecture {other:?}: LeanStream supports LlamaForCausalLM (Llama 2 \
-             and 3.x, SmolLM2), Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, \
+             and 3.x, SmolLM2), SmolLM3ForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, \
              MistralForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM"
         ),
     };
@@ -200,9 +205,34 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         }
         Some(other) => bail!("unsupported rope scaling type {other:?} (supported: llama3)"),
     };
+    let smollm3 = matches!(arch_name.as_str(), "SmolLM3ForCausalLM" | "smollm3");
     let sliding_window = match architecture {
         Architecture::Qwen3 | Architecture::Qwen2 if hf.use_sliding_window != Some(true) => None,
+        _ if smollm3 && hf.use_sliding_window != Some(true) => None,
         _ => hf.sliding_window,
+    };
+    // SmolLM3: `no_rope_layers[l]` is 1 where layer l uses rope, else every
+    // `no_rope_layer_interval`-th layer (4 by default) goes without.
+    let no_rope_layers = if smollm3 {
+        match &hf.no_rope_layers {
+            Some(flags) if flags.len() != hf.num_hidden_layers => bail!(
+                "no_rope_layers has {} entries for {} layers",
+                flags.len(),
+                hf.num_hidden_layers
+            ),
+            Some(flags) => (0..flags.len()).filter(|&l| flags[l] == 0).collect(),
+            None => {
+                let every = hf.no_rope_layer_interval.unwrap_or(4);
+                if every == 0 {
+                    bail!("no_rope_layer_interval must be at least 1");
+                }
+                (0..hf.num_hidden_layers)
+                    .filter(|l| (l + 1).is_multiple_of(every))
+                    .collect()
+            }
+        }
+    } else {
+        Vec::new()
     };
     let config = ModelConfig {
         architecture,
@@ -219,6 +249,7 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         rope_theta,
         rope_scaling,
         rope_freq_factors: None,
+        no_rope_layers,
         sliding_window,
         tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
         qk_norm: architecture == Architecture::Qwen3,
@@ -351,6 +382,24 @@ mod tests {
             err.contains("Gemma2ForCausalLM") && err.contains("Qwen2ForCausalLM"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn parses_smollm3_nope_layers() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["SmolLM3ForCausalLM"]);
+        v["sliding_window"] = serde_json::json!(16);
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.no_rope_layers, vec![3]);
+        assert_eq!(c.sliding_window, None);
+        assert!(c.uses_rope(2) && !c.uses_rope(3));
+        v["no_rope_layers"] = serde_json::json!([0, 1, 0, 1]);
+        assert_eq!(
+            from_hf_json(&v.to_string()).unwrap().no_rope_layers,
+            vec![0, 2]
+        );
+        v["no_rope_layers"] = serde_json::json!([1, 1]);
+        assert!(from_hf_json(&v.to_string()).is_err());
     }
 
     #[test]

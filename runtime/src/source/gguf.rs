@@ -75,9 +75,10 @@ impl GgufFile {
             "llama" => Ok(Architecture::Llama),
             "qwen3" | "qwen3moe" => Ok(Architecture::Qwen3),
             "qwen2" => Ok(Architecture::Qwen2),
+            "smollm3" => Ok(Architecture::Llama),
             other => bail!(
                 "{}: architecture {other:?} is not supported (GGUF files of architecture llama \
-                 (Llama 2 and 3.x, SmolLM2, Mixtral), qwen2 (Qwen2, Qwen2.5), qwen3 and qwen3moe \
+                 (Llama 2 and 3.x, SmolLM2, Mixtral), smollm3, qwen2 (Qwen2, Qwen2.5), qwen3 and qwen3moe \
                  are)",
                 self.path.display()
             ),
@@ -159,6 +160,7 @@ impl GgufFile {
             true => Some(self.tensor_f32("rope_freqs.weight", &[head_dim / 2])?),
             false => None,
         };
+        let num_layers = self.required_usize(&key("block_count"))?;
         let embd = self.info("token_embd.weight")?;
         let vocab_size = embd.shape.dims().first().copied().unwrap_or(0);
         let config = ModelConfig {
@@ -172,7 +174,7 @@ impl GgufFile {
                     .usize(&key("expert_feed_forward_length"))?
                     .with_context(|| self.missing(&key("feed_forward_length")))?,
             },
-            num_layers: self.required_usize(&key("block_count"))?,
+            num_layers,
             num_heads,
             num_kv_heads: self
                 .usize(&key("attention.head_count_kv"))?
@@ -186,6 +188,11 @@ impl GgufFile {
             rope_theta: self.f32(&key("rope.freq_base"))?.unwrap_or(10000.0),
             rope_scaling: None,
             rope_freq_factors,
+            // llama.cpp's smollm3 graph leaves every fourth layer without rope; GGUF has no key.
+            no_rope_layers: match arch {
+                "smollm3" => (3..num_layers).step_by(4).collect(),
+                _ => Vec::new(),
+            },
             sliding_window: None,
             tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             qk_norm: architecture == Architecture::Qwen3,
