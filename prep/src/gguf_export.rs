@@ -115,6 +115,9 @@ pub fn export(src: &Path, out: &Path, progress: bool) -> Result<Exported> {
     let arch = match (c.architecture, &c.moe) {
         (Architecture::Llama | Architecture::Mistral, None) => "llama",
         (Architecture::Qwen3, None) => "qwen3",
+        (Architecture::Qwen2, None) => {
+            bail!("{name}: Qwen2 files (q/k/v biases) are not written to GGUF yet")
+        }
         (Architecture::Qwen3, Some(m)) => {
             if !m.norm_topk_prob {
                 bail!(

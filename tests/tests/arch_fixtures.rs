@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use leanstream::model::kv_cache::KvType;
 use leanstream::model::{LanguageModel, Model};
 use leanstream::source::gguf::GgufFile;
 use leanstream::streaming::{Sparsity, Tuning};
@@ -134,7 +135,7 @@ fn qwen3_moe_transformers5_config_from_hf_and_gguf() {
     hf_and_gguf("qwen3moe");
 }
 
-/// Converted to f32: loaded whole, and run by the streaming engine (`--policy dense`: every
+/// Converted to f32 (f32 KV cache): loaded whole, and run by the streaming engine (`--policy dense`: every
 /// neuron computed from the stored bundles; `leanstream` with sparsity off under the emulated
 /// flash), each against transformers.
 fn converted_matches(name: &str) {
@@ -155,7 +156,7 @@ fn converted_matches(name: &str) {
             sparsity: Sparsity::Dense,
             ctx: Some(r.ids.len()),
             default_ctx: r.ids.len(),
-            kv: Default::default(),
+            kv: KvType::F32,
             tuning: Tuning::default(),
         })
         .unwrap_or_else(|e| panic!("{name} {policy:?}: {e:#}"));
