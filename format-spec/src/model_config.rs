@@ -5,13 +5,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::FormatError;
 
-/// Model families the engine implements. They share the Llama block; Qwen3 adds per-head q/k norms
-/// and Mistral a sliding attention window.
+/// Model families the engine implements. They share the Llama block; Qwen3 adds per-head q/k norms,
+/// Mistral a sliding attention window and Qwen2 biases on the query, key and value projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
     Llama,
     Qwen3,
     Mistral,
+    Qwen2,
 }
 
 /// FFN activation applied to the gate projection.
@@ -56,11 +57,21 @@ pub struct ModelConfig {
     pub rms_norm_eps: f32,
     pub rope_theta: f32,
     pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Per-frequency divisors of the rotary inverse frequencies (`head_dim/2` of them), as GGUF
+    /// files of Llama 3.1 and later carry them in `rope_freqs.weight`; `None` = all 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_freq_factors: Option<Vec<f32>>,
+    /// Layers whose attention uses no rotary embedding (SmolLM3's NoPE layers), ascending.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub no_rope_layers: Vec<usize>,
     /// Attend only to this many most recent positions (Mistral); `None` = full causal attention.
     pub sliding_window: Option<usize>,
     pub tie_word_embeddings: bool,
     /// Per-head RMSNorm on queries and keys before rope (Qwen3).
     pub qk_norm: bool,
+    /// Biases added to the query, key and value projections (Qwen2, `attention_bias`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qkv_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     /// A mixture of experts in place of the dense FFN (in the layers it names); `None` = dense.
@@ -113,6 +124,24 @@ impl ModelConfig {
                 return Err(FormatError::config(format!("the {name} must be positive")));
             }
         }
+        if let Some(f) = &self.rope_freq_factors {
+            if f.len() != self.head_dim / 2 || f.iter().any(|&x| !(x.is_finite() && x > 0.0)) {
+                return Err(FormatError::config(format!(
+                    "{} rope frequency factors for head_dim {}: there must be head_dim/2 of them, \
+                     each finite and positive",
+                    f.len(),
+                    self.head_dim
+                )));
+            }
+        }
+        if self.no_rope_layers.iter().any(|&l| l >= self.num_layers)
+            || !self.no_rope_layers.is_sorted_by(|a, b| a < b)
+        {
+            return Err(FormatError::config(format!(
+                "layers without rope {:?} must be ascending layer indices below {}",
+                self.no_rope_layers, self.num_layers
+            )));
+        }
         if let Some(m) = &self.moe {
             if m.num_experts == 0
                 || m.experts_per_token == 0
@@ -142,6 +171,11 @@ impl ModelConfig {
         self.moe
             .as_ref()
             .is_some_and(|m| m.dense_layers.binary_search(&l).is_err())
+    }
+
+    /// Whether layer `l` rotates its queries and keys (all but SmolLM3's NoPE layers).
+    pub fn uses_rope(&self, l: usize) -> bool {
+        self.no_rope_layers.binary_search(&l).is_err()
     }
 
     /// Query heads that share one key/value head.

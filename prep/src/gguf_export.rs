@@ -99,7 +99,14 @@ pub fn export(src: &Path, out: &Path, progress: bool) -> Result<Exported> {
             c.activation
         );
     }
-    if c.rope_scaling.is_some() || c.sliding_window.is_some() {
+    if c.qkv_bias {
+        bail!("{name}: q/k/v biases (Qwen2) are not written to GGUF yet");
+    }
+    if c.rope_scaling.is_some()
+        || c.rope_freq_factors.is_some()
+        || !c.no_rope_layers.is_empty()
+        || c.sliding_window.is_some()
+    {
         bail!(
             "{name}: rope scaling and sliding-window attention are not written to GGUF (the \
              runtime's GGUF reader does not take them back either)"
@@ -108,6 +115,9 @@ pub fn export(src: &Path, out: &Path, progress: bool) -> Result<Exported> {
     let arch = match (c.architecture, &c.moe) {
         (Architecture::Llama | Architecture::Mistral, None) => "llama",
         (Architecture::Qwen3, None) => "qwen3",
+        (Architecture::Qwen2, None) => {
+            bail!("{name}: Qwen2 files (q/k/v biases) are not written to GGUF yet")
+        }
         (Architecture::Qwen3, Some(m)) => {
             if !m.norm_topk_prob {
                 bail!(

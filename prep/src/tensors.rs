@@ -73,6 +73,18 @@ pub fn dense_specs(c: &ModelConfig) -> Vec<DenseSpec> {
                 &[hd],
             ));
         }
+        if c.qkv_bias {
+            for (proj, rows) in [
+                ("q", c.num_heads * hd),
+                ("k", c.num_kv_heads * hd),
+                ("v", c.num_kv_heads * hd),
+            ] {
+                v.push(DenseSpec::new(
+                    format!("{p}.self_attn.{proj}_proj.bias"),
+                    &[rows],
+                ));
+            }
+        }
         v.push(DenseSpec::new(
             format!("{p}.post_attention_layernorm.weight"),
             &[h],

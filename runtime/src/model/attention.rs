@@ -40,6 +40,15 @@ impl Model {
         attn.wq.matmul_t(&s.xn, t, &mut s.q);
         attn.wk.matmul_t(&s.xn, t, &mut s.k);
         attn.wv.matmul_t(&s.xn, t, &mut s.v);
+        if let Some(b) = &layer.qkv_bias {
+            let (bq, bkv) = b.split_at(qd);
+            let (bk, bv) = bkv.split_at(kvd);
+            for (m, bias) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
+                for row in m[..t * bias.len()].chunks_exact_mut(bias.len()) {
+                    row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
+                }
+            }
+        }
         let rows = s.q.chunks_exact_mut(qd).zip(s.k.chunks_exact_mut(kvd));
         for (i, ((q, k), table)) in rows.zip(s.rope.chunks_exact(hd)).enumerate() {
             let (cos, sin) = table.split_at(hd / 2);
@@ -49,8 +58,10 @@ impl Model {
                 k.chunks_exact_mut(hd)
                     .for_each(|head| rms_norm_in_place(head, kn, c.rms_norm_eps));
             }
-            Rope::apply(q, hd, cos, sin);
-            Rope::apply(k, hd, cos, sin);
+            if c.uses_rope(l) {
+                Rope::apply(q, hd, cos, sin);
+                Rope::apply(k, hd, cos, sin);
+            }
             cache.store(l, start + i, k, &s.v[i * kvd..(i + 1) * kvd]);
         }
         self.attend(l, start, t, &s.q, cache, &mut s.scores, &mut s.att);

@@ -37,6 +37,8 @@ pub struct Layer {
     pub attn_norm: Vec<f32>,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// Query, key and value biases, concatenated (`heads·d + 2·kv_heads·d`; Qwen2).
+    pub qkv_bias: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     /// `None` when the FFN streams from flash through an [`FfnBackend`].
     pub ffn: Option<FfnWeights>,
@@ -318,10 +320,20 @@ impl Model {
                     })),
                     None => None,
                 };
+                let qkv_bias = if c.qkv_bias {
+                    let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+                    let mut b = get(&format!("{p}.self_attn.q_proj.bias"), &[qd])?;
+                    b.extend(get(&format!("{p}.self_attn.k_proj.bias"), &[kvd])?);
+                    b.extend(get(&format!("{p}.self_attn.v_proj.bias"), &[kvd])?);
+                    Some(b)
+                } else {
+                    None
+                };
                 Ok(Layer {
                     attn_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
                     q_norm: norm_opt("q_norm")?,
                     k_norm: norm_opt("k_norm")?,
+                    qkv_bias,
                     ffn_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                     ffn,
                 })
@@ -412,7 +424,8 @@ impl Model {
                 l.ffn.as_ref().map_or(0, FfnWeights::bytes)
                     + 4 * (l.attn_norm.len() + l.ffn_norm.len())
                     + 4 * (l.q_norm.as_ref().map_or(0, Vec::len)
-                        + l.k_norm.as_ref().map_or(0, Vec::len))
+                        + l.k_norm.as_ref().map_or(0, Vec::len)
+                        + l.qkv_bias.as_ref().map_or(0, Vec::len))
             })
             .sum();
         self.projections.as_ref().map_or(0, Projections::bytes) + layer_bytes + 4 * self.norm.len()

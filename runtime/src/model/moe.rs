@@ -200,7 +200,7 @@ impl MoeScratch {
 /// (`block_sparse_moe`, `w1` = gate, `w3` = up, `w2` = down).
 fn hf_block(arch: Architecture) -> (&'static str, [&'static str; 3]) {
     match arch {
-        Architecture::Qwen3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        Architecture::Qwen3 | Architecture::Qwen2 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
         Architecture::Llama | Architecture::Mistral => ("block_sparse_moe", ["w1", "w3", "w2"]),
     }
 }

@@ -19,6 +19,12 @@ impl Rope {
         if let Some(s) = &config.rope_scaling {
             scale_llama3(&mut inv_freq, s);
         }
+        // GGUF's per-frequency divisors (llama.cpp: theta = pos * base^(-2i/d) / factor[i]).
+        if let Some(factors) = &config.rope_freq_factors {
+            for (f, &d) in inv_freq.iter_mut().zip(factors) {
+                *f /= d as f64;
+            }
+        }
         Self {
             inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(),
         }

@@ -74,6 +74,9 @@ struct HfConfig {
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
     shared_expert_intermediate_size: Option<usize>,
+    // SmolLM3's NoPE layers.
+    no_rope_layers: Option<Vec<u8>>,
+    no_rope_layer_interval: Option<usize>,
 }
 
 /// The mixture-of-experts part of a config: Qwen3-MoE's (`num_experts`, `moe_intermediate_size`,
@@ -104,7 +107,11 @@ fn moe_config(hf: &HfConfig, mixtral: bool) -> Result<MoeConfig> {
     }
     let mlp_only = hf.mlp_only_layers.clone().unwrap_or_default();
     Ok(MoeConfig {
-        num_experts: hf.num_experts.ok_or_else(|| missing("num_experts"))?,
+        // transformers 5 writes Qwen3-MoE's expert count as `num_local_experts`, as Mixtral's.
+        num_experts: hf
+            .num_experts
+            .or(hf.num_local_experts)
+            .ok_or_else(|| missing("num_experts (or num_local_experts)"))?,
         experts_per_token,
         expert_intermediate_size: hf
             .moe_intermediate_size
@@ -142,11 +149,15 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         "LlamaForCausalLM" | "llama" => (Architecture::Llama, None),
         "Qwen3ForCausalLM" | "qwen3" => (Architecture::Qwen3, None),
         "MistralForCausalLM" | "mistral" => (Architecture::Mistral, None),
+        "Qwen2ForCausalLM" | "qwen2" => (Architecture::Qwen2, None),
+        // SmolLM3 is Llama's block with some layers' rope left out (NoPE).
+        "SmolLM3ForCausalLM" | "smollm3" => (Architecture::Llama, None),
         "Qwen3MoeForCausalLM" | "qwen3_moe" => (Architecture::Qwen3, Some(moe_config(&hf, false)?)),
         "MixtralForCausalLM" | "mixtral" => (Architecture::Mistral, Some(moe_config(&hf, true)?)),
         other => bail!(
-            "unsupported architecture {other:?}: LeanStream supports LlamaForCausalLM, \
-                 Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM"
+            "unsupported architecture {other:?}: LeanStream supports LlamaForCausalLM (Llama 2 \
+             and 3.x, SmolLM2), SmolLM3ForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, \
+             MistralForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM"
         ),
     };
     let activation = match hf.hidden_act.as_deref().unwrap_or("silu") {
@@ -154,8 +165,14 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         "relu" => Activation::Relu,
         other => bail!("unsupported hidden_act {other:?}: supported are \"silu\" and \"relu\""),
     };
-    if hf.attention_bias == Some(true) || hf.mlp_bias == Some(true) {
-        bail!("attention_bias / mlp_bias = true is not supported");
+    // Qwen2's q/k/v projections always carry biases (its config has no attention_bias key); its
+    // output projection never does.
+    let qkv_bias = architecture == Architecture::Qwen2;
+    if (!qkv_bias && hf.attention_bias == Some(true)) || hf.mlp_bias == Some(true) {
+        bail!(
+            "attention_bias / mlp_bias = true is not supported for {arch_name} (only Qwen2's q/k/v \
+             biases are)"
+        );
     }
     let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
     let head_dim = hf
@@ -188,9 +205,34 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         }
         Some(other) => bail!("unsupported rope scaling type {other:?} (supported: llama3)"),
     };
+    let smollm3 = matches!(arch_name.as_str(), "SmolLM3ForCausalLM" | "smollm3");
     let sliding_window = match architecture {
-        Architecture::Qwen3 if hf.use_sliding_window != Some(true) => None,
+        Architecture::Qwen3 | Architecture::Qwen2 if hf.use_sliding_window != Some(true) => None,
+        _ if smollm3 && hf.use_sliding_window != Some(true) => None,
         _ => hf.sliding_window,
+    };
+    // SmolLM3: `no_rope_layers[l]` is 1 where layer l uses rope, else every
+    // `no_rope_layer_interval`-th layer (4 by default) goes without.
+    let no_rope_layers = if smollm3 {
+        match &hf.no_rope_layers {
+            Some(flags) if flags.len() != hf.num_hidden_layers => bail!(
+                "no_rope_layers has {} entries for {} layers",
+                flags.len(),
+                hf.num_hidden_layers
+            ),
+            Some(flags) => (0..flags.len()).filter(|&l| flags[l] == 0).collect(),
+            None => {
+                let every = hf.no_rope_layer_interval.unwrap_or(4);
+                if every == 0 {
+                    bail!("no_rope_layer_interval must be at least 1");
+                }
+                (0..hf.num_hidden_layers)
+                    .filter(|l| (l + 1).is_multiple_of(every))
+                    .collect()
+            }
+        }
+    } else {
+        Vec::new()
     };
     let config = ModelConfig {
         architecture,
@@ -206,9 +248,12 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
         rope_theta,
         rope_scaling,
+        rope_freq_factors: None,
+        no_rope_layers,
         sliding_window,
         tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
         qk_norm: architecture == Architecture::Qwen3,
+        qkv_bias,
         bos_token_id: hf.bos_token_id.and_then(|b| b.into_vec().first().copied()),
         eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
         moe,
@@ -291,6 +336,70 @@ mod tests {
         v["num_experts_per_tok"] = serde_json::json!(5);
         let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
         assert!(err.contains("5 per token"), "{err}");
+    }
+
+    #[test]
+    fn parses_transformers5_qwen3_moe_names() {
+        // transformers 5.x: `num_local_experts` and the rope base only in `rope_parameters`.
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Qwen3MoeForCausalLM"]);
+        v["num_local_experts"] = serde_json::json!(8);
+        v["num_experts_per_tok"] = serde_json::json!(2);
+        v["moe_intermediate_size"] = serde_json::json!(64);
+        v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e6});
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen3);
+        assert_eq!(c.rope_theta, 1e6);
+        assert!(c.rope_scaling.is_none());
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.num_experts, m.experts_per_token), (8, 2));
+        v.as_object_mut().unwrap().remove("num_local_experts");
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("num_local_experts"), "{err}");
+    }
+
+    #[test]
+    fn parses_qwen2_with_qkv_bias() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+        v["sliding_window"] = serde_json::json!(32);
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen2);
+        assert!(c.qkv_bias && !c.qk_norm);
+        assert_eq!(c.sliding_window, None);
+        let mut v = base();
+        v["attention_bias"] = serde_json::json!(true);
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("attention_bias"), "{err}");
+    }
+
+    #[test]
+    fn refused_architectures_name_the_supported_ones() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Gemma2ForCausalLM"]);
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(
+            err.contains("Gemma2ForCausalLM") && err.contains("Qwen2ForCausalLM"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn parses_smollm3_nope_layers() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["SmolLM3ForCausalLM"]);
+        v["sliding_window"] = serde_json::json!(16);
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.no_rope_layers, vec![3]);
+        assert_eq!(c.sliding_window, None);
+        assert!(c.uses_rope(2) && !c.uses_rope(3));
+        v["no_rope_layers"] = serde_json::json!([0, 1, 0, 1]);
+        assert_eq!(
+            from_hf_json(&v.to_string()).unwrap().no_rope_layers,
+            vec![0, 2]
+        );
+        v["no_rope_layers"] = serde_json::json!([1, 1]);
+        assert!(from_hf_json(&v.to_string()).is_err());
     }
 
     #[test]

@@ -75,9 +75,12 @@ impl GgufFile {
             // llama.cpp's converter also writes Mistral checkpoints as `llama`.
             "llama" => Ok(Architecture::Llama),
             "qwen3" | "qwen3moe" => Ok(Architecture::Qwen3),
+            "qwen2" => Ok(Architecture::Qwen2),
+            "smollm3" => Ok(Architecture::Llama),
             other => bail!(
-                "{}: architecture {other:?} is not supported (GGUF files of architecture llama, \
-                 qwen3 and qwen3moe are)",
+                "{}: architecture {other:?} is not supported (GGUF files of architecture llama \
+                 (Llama 2 and 3.x, SmolLM2, Mixtral), smollm3, qwen2 (Qwen2, Qwen2.5), qwen3 and qwen3moe \
+                 are)",
                 self.path.display()
             ),
         }
@@ -157,13 +160,13 @@ impl GgufFile {
                 );
             }
         }
-        if self.content.tensor_infos.contains_key("rope_freqs.weight") {
-            bail!(
-                "{}: per-frequency rope factors (rope_freqs.weight, Llama 3.1 style) are not \
-                 supported yet",
-                self.path.display()
-            );
-        }
+        // Llama 3.1 and later: llama.cpp's converter writes the llama3 rope scaling as one divisor
+        // per frequency.
+        let rope_freq_factors = match self.content.tensor_infos.contains_key("rope_freqs.weight") {
+            true => Some(self.tensor_f32("rope_freqs.weight", &[head_dim / 2])?),
+            false => None,
+        };
+        let num_layers = self.required_usize(&key("block_count"))?;
         let embd = self.info("token_embd.weight")?;
         let vocab_size = embd.shape.dims().first().copied().unwrap_or(0);
         let config = ModelConfig {
@@ -177,7 +180,7 @@ impl GgufFile {
                     .usize(&key("expert_feed_forward_length"))?
                     .with_context(|| self.missing(&key("feed_forward_length")))?,
             },
-            num_layers: self.required_usize(&key("block_count"))?,
+            num_layers,
             num_heads,
             num_kv_heads: self
                 .usize(&key("attention.head_count_kv"))?
@@ -190,9 +193,16 @@ impl GgufFile {
                 .with_context(|| self.missing(&key("attention.layer_norm_rms_epsilon")))?,
             rope_theta: self.f32(&key("rope.freq_base"))?.unwrap_or(10000.0),
             rope_scaling: None,
+            rope_freq_factors,
+            // llama.cpp's smollm3 graph leaves every fourth layer without rope; GGUF has no key.
+            no_rope_layers: match arch {
+                "smollm3" => (3..num_layers).step_by(4).collect(),
+                _ => Vec::new(),
+            },
             sliding_window: None,
             tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             qk_norm: architecture == Architecture::Qwen3,
+            qkv_bias: architecture == Architecture::Qwen2,
             bos_token_id: self.u32("tokenizer.ggml.bos_token_id")?,
             eos_token_ids: self
                 .u32("tokenizer.ggml.eos_token_id")?
@@ -553,12 +563,25 @@ fn dense_gguf_name(hf_name: &str) -> Option<String> {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
         "lm_head.weight" => Some("output.weight"),
+        // No Hugging Face tensor: Llama 3.1's rope scaling as llama.cpp writes it.
+        "rope_freqs.weight" => Some("rope_freqs.weight"),
         _ => None,
     };
     if let Some(name) = fixed {
         return Some(name.to_string());
     }
     let (layer, part) = hf_name.strip_prefix("model.layers.")?.split_once('.')?;
+    // Qwen2's q/k/v biases sit beside their weights.
+    if let Some(proj) = part.strip_suffix(".bias") {
+        let part = match proj {
+            "self_attn.q_proj" => "attn_q",
+            "self_attn.k_proj" => "attn_k",
+            "self_attn.v_proj" => "attn_v",
+            _ => return None,
+        };
+        let layer: usize = layer.parse().ok()?;
+        return Some(format!("blk.{layer}.{part}.bias"));
+    }
     let part = match part.strip_suffix(".weight")? {
         "input_layernorm" => "attn_norm",
         "self_attn.q_proj" => "attn_q",

@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""Writes tiny random models of the architectures LeanStream reads, with transformers' own
+per-token log-probabilities as the reference, into tests/fixtures/arch/.
+
+Needs transformers (5.x) and torch (CPU is enough) in a virtual environment outside the repository,
+e.g. `python3 -m venv ~/.cache/leanstream/venv && ~/.cache/leanstream/venv/bin/pip install torch
+transformers safetensors gguf`. GGUF versions come from llama.cpp's own convert_hf_to_gguf.py: pass
+the llama.cpp source folder with --llama-cpp (the PyPI sdist of llama-cpp-python vendors it under
+vendor/llama.cpp: `pip download --no-binary :all: --no-deps llama-cpp-python`).
+
+Every model uses the 4096-token byte-level BPE tokenizer of models/austen-relu so that the GGUF
+converter has a vocabulary to write; the reference scores a fixed sequence of token ids (stored in
+the JSON), so the comparison does not depend on any tokenizer.
+
+Usage: make-arch-fixtures.py [--llama-cpp DIR] [--only NAME,...]
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "fixtures" / "arch"
+TOKENIZER = ROOT / "models" / "austen-relu" / "tokenizer.json"
+VOCAB = 4096
+SEQ_LEN = 48
+SEED = 20261204
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=0,
+    pad_token_id=None,
+)
+
+# name -> (config class, extra config, GGUF pre-tokenizer name or None for no GGUF)
+MODELS = {
+    # Llama 3.1/3.2: llama3 rope scaling, which llama.cpp writes as rope_freqs.weight. A small
+    # original context puts the head's frequencies on all three sides of the llama3 band.
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+        "llama-bpe",
+    ),
+    # SmolLM3: every fourth layer without rope (NoPE), as llama.cpp's smollm3 graph assumes.
+    "smollm3": (
+        "SmolLM3Config",
+        dict(rope_theta=5000000.0, num_hidden_layers=4, no_rope_layer_interval=4),
+        "llama-bpe",
+    ),
+    # Qwen2 / Qwen2.5: biases on q, k and v.
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, use_sliding_window=False), "qwen2"),
+    # Qwen3-MoE as transformers 5 saves it (num_local_experts / num_experts, rope_parameters).
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        dict(
+            rope_theta=1000000.0,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        "qwen2",
+    ),
+}
+
+
+def tokens():
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randint(1, VOCAB, (SEQ_LEN,), generator=g).tolist()
+
+
+def make(name, cls, extra, out):
+    torch.manual_seed(SEED)
+    cfg = getattr(transformers, cls)(**{**COMMON, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Random init at std 0.02 makes near-uniform logits; larger weights make the test sharper.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif n.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.uniform_(0.5, 1.5)
+    model.eval()
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(out, safe_serialization=True)
+    shutil.copy(TOKENIZER, out / "tokenizer.json")
+    ids = tokens()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    per_token = [logp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    nll = -sum(per_token) / len(per_token)
+    ref = {
+        "architecture": name,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "token_ids": ids,
+        "log_probs": per_token,
+        "perplexity": math.exp(nll),
+    }
+    (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+    print(f"{name}: perplexity {ref['perplexity']:.6f} over {len(per_token)} tokens")
+
+
+WRAPPER = """
+import sys
+sys.argv = [sys.argv[0]] + sys.argv[2:]
+pre = sys.argv.pop()
+sys.path.insert(0, {src!r})
+sys.path.insert(1, {src!r} + '/gguf-py')
+import conversion.base as base
+# The fixtures' tokenizer is not one of llama.cpp's known ones; name the pre-tokenizer its model has.
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+import convert_hf_to_gguf
+convert_hf_to_gguf.main()
+"""
+
+
+def gguf(src, folder, pre, out):
+    code = WRAPPER.format(src=str(src))
+    subprocess.run(
+        [sys.executable, "-c", code, "x", str(folder), "--outtype", "f32", "--outfile", str(out), pre],
+        check=True,
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-cpp", type=Path)
+    ap.add_argument("--only")
+    args = ap.parse_args()
+    only = set(args.only.split(",")) if args.only else None
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, (cls, extra, pre) in MODELS.items():
+        if only and name not in only:
+            continue
+        folder = OUT / name
+        make(name, cls, extra, folder)
+        if args.llama_cpp and pre:
+            gguf(args.llama_cpp, folder, pre, OUT / f"{name}.f32.gguf")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+//! The architecture fixtures (tests/fixtures/arch, made by scripts/make-arch-fixtures.py): tiny
+//! random models saved by transformers, their GGUF versions from llama.cpp's converter, and
+//! transformers' per-token log-probabilities of a fixed token sequence. The engine must score the
+//! same sequence to the same perplexity from the Hugging Face folder, from the GGUF file and, for
+//! the dense models, converted and streaming.
+
+use std::path::{Path, PathBuf};
+
+use leanstream::model::kv_cache::KvType;
+use leanstream::model::{LanguageModel, Model};
+use leanstream::source::gguf::GgufFile;
+use leanstream::streaming::{Sparsity, Tuning};
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
+use leanstream_tests::converted::{convert, scratch};
+use serde_json::Value;
+
+/// Relative perplexity difference allowed against transformers (f32 weights, f32 KV cache).
+const PPL_TOL: f64 = 2e-4;
+/// Largest difference of one token's log-probability (nats).
+const LOGP_TOL: f64 = 2e-3;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/arch")
+}
+
+struct Reference {
+    ids: Vec<u32>,
+    log_probs: Vec<f64>,
+    perplexity: f64,
+}
+
+fn reference(name: &str) -> Reference {
+    let path = fixtures().join(name).join("reference.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let ids = v["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let log_probs = v["log_probs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    Reference {
+        ids,
+        log_probs,
+        perplexity: v["perplexity"].as_f64().unwrap(),
+    }
+}
+
+/// Each next token's log-probability under `model`, the whole sequence in one forward pass.
+fn log_probs(mut model: impl LanguageModel, ids: &[u32]) -> Vec<f64> {
+    let mut cache = model.new_cache(ids.len());
+    let logits = model.forward(ids, &mut cache, true).unwrap();
+    let vocab = model.config().vocab_size;
+    logits
+        .chunks_exact(vocab)
+        .zip(&ids[1..])
+        .map(|(row, &next)| leanstream::text::perplexity::log_softmax(row)[next as usize])
+        .collect()
+}
+
+/// Checks `got` against transformers' reference for fixture `name`; returns the perplexity.
+fn check(name: &str, what: &str, got: &[f64], r: &Reference) -> f64 {
+    assert_eq!(got.len(), r.log_probs.len());
+    let worst = got
+        .iter()
+        .zip(&r.log_probs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    let ppl = (-got.iter().sum::<f64>() / got.len() as f64).exp();
+    let rel = (ppl - r.perplexity).abs() / r.perplexity;
+    eprintln!(
+        "{name} {what}: perplexity {ppl:.6} vs transformers {:.6} (rel {rel:.2e}), worst token \
+         log-prob diff {worst:.2e}",
+        r.perplexity
+    );
+    assert!(rel < PPL_TOL, "{name} {what}: perplexity off by {rel:.2e}");
+    assert!(
+        worst < LOGP_TOL,
+        "{name} {what}: a log-prob off by {worst:.2e}"
+    );
+    ppl
+}
+
+fn hf_and_gguf(name: &str) {
+    let r = reference(name);
+    let dir = fixtures().join(name);
+    let hf = Model::load(&dir).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    check(name, "HF folder", &log_probs(&hf, &r.ids), &r);
+    let gguf = GgufFile::open(&fixtures().join(format!("{name}.f32.gguf")))
+        .and_then(|g| g.load_model())
+        .unwrap_or_else(|e| panic!("{name} GGUF: {e:#}"));
+    assert_eq!(gguf.config().architecture, hf.config().architecture);
+    check(name, "GGUF f32", &log_probs(&gguf, &r.ids), &r);
+}
+
+#[test]
+fn llama3_rope_scaling_from_hf_and_gguf_rope_freqs() {
+    hf_and_gguf("llama3");
+    let g = GgufFile::open(&fixtures().join("llama3.f32.gguf")).unwrap();
+    let factors = g.config().unwrap().rope_freq_factors.unwrap();
+    // The fixture's frequencies fall on all three sides of the llama3 band.
+    assert_eq!(factors.first(), Some(&1.0));
+    assert_eq!(factors.last(), Some(&8.0));
+    assert!(factors.iter().any(|&f| f > 1.0 && f < 8.0), "{factors:?}");
+    // Without the factors the same weights score measurably differently: the test sees them.
+    let mut plain = g.config().unwrap();
+    plain.rope_freq_factors = None;
+    let m = Model::from_hf_tensors(plain, |n, s| g.tensor_f32(n, s)).unwrap();
+    let r = reference("llama3");
+    let got = log_probs(&m, &r.ids);
+    let worst = got
+        .iter()
+        .zip(&r.log_probs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        worst > 10.0 * LOGP_TOL,
+        "unscaled rope is as close: {worst:.2e}"
+    );
+}
+
+#[test]
+fn qwen2_qkv_bias_from_hf_and_gguf() {
+    hf_and_gguf("qwen2");
+}
+
+#[test]
+fn qwen3_moe_transformers5_config_from_hf_and_gguf() {
+    hf_and_gguf("qwen3moe");
+}
+
+/// Converted to f32 (f32 KV cache): loaded whole, and run by the streaming engine (`--policy dense`: every
+/// neuron computed from the stored bundles; `leanstream` with sparsity off under the emulated
+/// flash), each against transformers.
+fn converted_matches(name: &str) {
+    let r = reference(name);
+    let lsb = scratch().join(format!("arch-{name}.lsb"));
+    convert(&fixtures().join(name), &lsb, &["--quant", "f32"]);
+    let file = leanstream_format::LsbFile::open(&lsb).unwrap();
+    let model = leanstream::source::lsb_dense::load(&file)
+        .unwrap_or_else(|e| panic!("{name} converted: {e:#}"));
+    check(name, "converted f32", &log_probs(&model, &r.ids), &r);
+    let mut per_policy = Vec::new();
+    for policy in [PolicyChoice::Dense, PolicyChoice::Leanstream] {
+        let mut s = Session::open(&SessionOptions {
+            model: lsb.clone(),
+            policy: Some(policy),
+            memory: None,
+            flash: None,
+            sparsity: Sparsity::Dense,
+            ctx: Some(r.ids.len()),
+            default_ctx: r.ids.len(),
+            kv: KvType::F32,
+            tuning: Tuning::default(),
+        })
+        .unwrap_or_else(|e| panic!("{name} {policy:?}: {e:#}"));
+        let got = log_probs(s.model(), &r.ids);
+        check(name, &format!("streaming {policy:?}"), &got, &r);
+        per_policy.push(got);
+    }
+    assert_eq!(
+        per_policy[0], per_policy[1],
+        "{name}: streaming differs from dense"
+    );
+}
+
+#[test]
+fn llama3_converted() {
+    converted_matches("llama3");
+}
+
+#[test]
+fn qwen2_converted() {
+    converted_matches("qwen2");
+}
+
+#[test]
+fn smollm3_nope_layers_from_hf_and_gguf() {
+    hf_and_gguf("smollm3");
+    let dir = fixtures().join("smollm3");
+    let mut c = leanstream::source::config::from_hf_dir(&dir).unwrap();
+    assert_eq!(c.no_rope_layers, vec![3]);
+    // With rope in every layer the same weights score differently: the test sees the NoPE layer.
+    c.no_rope_layers.clear();
+    let tensors = leanstream::source::safetensors_dir::SafetensorsDir::open(&dir).unwrap();
+    let m = Model::from_hf_tensors(c, |n, s| tensors.tensor_f32(n, s)).unwrap();
+    let r = reference("smollm3");
+    let worst = log_probs(&m, &r.ids)
+        .iter()
+        .zip(&r.log_probs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        worst > 10.0 * LOGP_TOL,
+        "rope everywhere is as close: {worst:.2e}"
+    );
+}
+
+#[test]
+fn smollm3_converted() {
+    converted_matches("smollm3");
+}
