@@ -7,7 +7,9 @@
 //! the previous conversation's common prefix. The server is `tiny_http`: synchronous, four small
 //! dependencies, no async runtime (README: its size and build-time cost).
 
+mod decode;
 mod error;
+mod json_grammar;
 mod metrics;
 mod queue;
 mod reply;
@@ -15,6 +17,7 @@ mod request;
 mod routes;
 mod sse;
 mod stop;
+mod tools;
 mod worker;
 
 use std::sync::Arc;

@@ -198,7 +198,7 @@ impl Frontend {
                     .map_err(|why| ApiError::field("messages", why.clone()))?;
                 let ids = format
                     .template
-                    .encode(&self.tokenizer, messages)
+                    .encode_with_tools(&self.tokenizer, messages, r.tools.as_ref())
                     .map_err(|e| ApiError::field("messages", format!("{e:#}")))?;
                 (ids, format.eos_token_ids.clone(), "messages")
             }
@@ -231,6 +231,16 @@ impl Frontend {
         if let Some(s) = r.seed {
             sampler.seed = s;
         }
+        if let Some(p) = r.min_p {
+            sampler.min_p = p;
+        }
+        if let Some(k) = r.top_k {
+            sampler.top_k = k;
+        }
+        let grammar = match &r.response_format {
+            Some(format) => Some(Arc::new(format.grammar()?)),
+            None => None,
+        };
         Ok(Work {
             endpoint,
             prompt,
@@ -240,6 +250,10 @@ impl Frontend {
             stop: r.stop,
             stream: r.stream,
             received,
+            n: r.n,
+            logprobs: r.logprobs,
+            grammar,
+            tool_names: r.tool_names,
         })
     }
 
