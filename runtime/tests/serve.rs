@@ -694,3 +694,186 @@ fn chat_takes_tools_tool_results_and_json_object() {
     let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
     assert!(v.is_object(), "{v}");
 }
+
+/// A request's body as lines of JSON (Ollama's streams), with the content type.
+fn ndjson(server: &Server, path: &str, body: &Value) -> (String, Vec<Value>) {
+    let mut r = agent()
+        .post(&server.url(path))
+        .header("Content-Type", "application/json")
+        .send(body.to_string())
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let content_type = r
+        .headers()
+        .get("content-type")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let text = r.body_mut().read_to_string().unwrap();
+    let lines = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    (content_type, lines)
+}
+
+#[test]
+fn ollama_and_llama_cpp_endpoints_answer_like_their_servers() {
+    let expected = run_text(PROMPT, 10);
+    let server = Server::start(&embedded_model(), &[]);
+
+    // Ollama /api/generate, streamed by default: NDJSON lines, the last one `done` with counts.
+    let request = json!({ "model": "austen-relu:latest", "prompt": PROMPT,
+        "options": { "temperature": 0, "num_predict": 10 } });
+    let (content_type, lines) = ndjson(&server, "/api/generate", &request);
+    assert_eq!(content_type, "application/x-ndjson");
+    let text: String = lines
+        .iter()
+        .filter_map(|l| l["response"].as_str())
+        .collect();
+    assert_eq!(text, expected);
+    let last = lines.last().unwrap();
+    assert_eq!(last["done"], true, "{last}");
+    assert_eq!(last["done_reason"], "length");
+    assert_eq!(last["eval_count"], 10);
+    assert_eq!(last["model"], "austen-relu");
+    assert!(last["prompt_eval_count"].as_u64().unwrap() > 3, "{last}");
+    assert!(last["eval_duration"].as_u64().unwrap() > 1000, "{last}");
+    assert!(last["total_duration"].as_u64() >= last["eval_duration"].as_u64());
+    assert!(last["created_at"].as_str().unwrap().ends_with('Z'));
+    assert!(lines[..lines.len() - 1].iter().all(|l| l["done"] == false));
+    // "stream": false: one object.
+    let mut whole = request.clone();
+    whole["stream"] = false.into();
+    let (status, body) = server.post("/api/generate", &whole);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["response"], expected.as_str());
+    assert_eq!(
+        (body["done"].clone(), body["eval_count"].clone()),
+        (json!(true), json!(10))
+    );
+    // Errors are Ollama's {"error": "..."}.
+    let (status, body) = server.post(
+        "/api/generate",
+        &json!({ "model": "llama3", "prompt": "x" }),
+    );
+    assert_eq!(status, 404);
+    assert!(body["error"].as_str().unwrap().contains("llama3"), "{body}");
+    let (status, body) = server.post(
+        "/api/generate",
+        &json!({ "model": "austen-relu", "prompt": "x", "options": { "top_p": 5 } }),
+    );
+    assert_eq!(status, 400);
+    assert!(
+        body["error"].as_str().unwrap().contains("options.top_p"),
+        "{body}"
+    );
+
+    // /api/tags, /api/show, /api/version.
+    let (status, tags) = server.get("/api/tags");
+    assert_eq!(status, 200);
+    let tags: Value = serde_json::from_str(&tags).unwrap();
+    assert_eq!(tags["models"][0]["name"], "austen-relu:latest");
+    let (status, show) = server.post("/api/show", &json!({ "model": "austen-relu" }));
+    assert_eq!(status, 200, "{show}");
+    assert_eq!(show["model_info"]["general.context_length"], 1024);
+    let (status, version) = server.get("/api/version");
+    assert_eq!(status, 200);
+    assert!(version.contains("\"version\""), "{version}");
+
+    // llama.cpp /completion, whole and streamed (events without [DONE]).
+    let (status, body) = server.post(
+        "/completion",
+        &json!({ "prompt": PROMPT, "n_predict": 10, "temperature": 0 }),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["content"], expected.as_str());
+    assert_eq!(body["stop"], true);
+    assert_eq!(body["tokens_predicted"], 10);
+    assert_eq!(body["stop_type"], "limit");
+    let mut r = agent()
+        .post(&server.url("/completion"))
+        .send(
+            json!({ "prompt": PROMPT, "n_predict": 10, "temperature": 0, "stream": true })
+                .to_string(),
+        )
+        .unwrap();
+    let text = r.body_mut().read_to_string().unwrap();
+    assert!(!text.contains("[DONE]"));
+    let events: Vec<Value> = text
+        .split("\n\n")
+        .filter(|b| !b.is_empty())
+        .map(|b| serde_json::from_str(b.strip_prefix("data: ").unwrap()).unwrap())
+        .collect();
+    let streamed: String = events
+        .iter()
+        .filter_map(|e| e["content"].as_str())
+        .collect();
+    assert_eq!(streamed, expected);
+    assert_eq!(events.last().unwrap()["stop"], true);
+    let (status, body) = server.post("/completion", &json!({ "prompt": PROMPT, "n_predict": 0 }));
+    assert_eq!(
+        (status, body["error"]["param"].clone()),
+        (400, json!("n_predict"))
+    );
+
+    // /tokenize and /detokenize round-trip.
+    let (status, tokens) = server.post("/tokenize", &json!({ "content": PROMPT }));
+    assert_eq!(status, 200, "{tokens}");
+    let ids = tokens["tokens"].as_array().unwrap();
+    assert!(ids.len() > 3 && ids.len() < PROMPT.len(), "{tokens}");
+    let (status, text) = server.post("/detokenize", &json!({ "tokens": ids }));
+    assert_eq!(status, 200);
+    assert_eq!(text["content"], PROMPT);
+    let (status, body) = server.post("/detokenize", &json!({ "tokens": ["a"] }));
+    assert_eq!(
+        (status, body["error"]["param"].clone()),
+        (400, json!("tokens"))
+    );
+}
+
+#[test]
+fn ollama_chat_streams_the_template_reply() {
+    let model = smollm2();
+    const QUESTION: &str = "What is the capital of France?";
+    let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .arg("run")
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "--chat", "-p", QUESTION, "--temp", "0", "-n", "12", "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let run: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let server = Server::start(&model, &[]);
+    let request = json!({ "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{ "role": "user", "content": QUESTION }],
+        "options": { "temperature": 0, "num_predict": 12 } });
+    let (_, lines) = ndjson(&server, "/api/chat", &request);
+    let text: String = lines
+        .iter()
+        .filter_map(|l| l["message"]["content"].as_str())
+        .collect();
+    assert_eq!(text, run["text"].as_str().unwrap());
+    let last = lines.last().unwrap();
+    assert_eq!(last["done"], true);
+    assert_eq!(last["message"]["role"], "assistant");
+    assert_eq!(last["eval_count"], run["generated_tokens"], "{last} {run}");
+    // Not streamed: one object (its prompt mostly from the KV cache).
+    let mut whole = request.clone();
+    whole["stream"] = false.into();
+    let (status, body) = server.post("/api/chat", &whole);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["done"], true);
+    assert!(
+        !body["message"]["content"].as_str().unwrap().is_empty(),
+        "{body}"
+    );
+    assert_eq!(
+        body["prompt_eval_count"], 1,
+        "all but the last prompt token reused: {body}"
+    );
+}

@@ -37,6 +37,9 @@ pub struct Outcome {
     pub tokens: Vec<u32>,
     pub stop_reason: StopReason,
     pub tokens_per_s: f64,
+    /// Prompt processing, and the time from then to the last token, in nanoseconds.
+    pub prompt_ns: u64,
+    pub decode_ns: u64,
 }
 
 /// Buffers kept between requests, so the decode loop allocates nothing for them per token.
@@ -78,9 +81,12 @@ pub fn generate(
         seen,
         matcher: trial,
     } = scratch;
+    let start = Instant::now();
     for chunk in prompt.chunks(model.prompt_chunk()) {
         model.forward_into(chunk, cache, false, logits)?;
     }
+    let prompt_ns = start.elapsed().as_nanos() as u64;
+    let decode_start = Instant::now();
     let mut sampler = Sampler::new(o.sampler.clone());
     let mut history = [history, prompt].concat();
     let mut matcher = o.grammar.map(|(g, _)| g.start());
@@ -144,6 +150,8 @@ pub fn generate(
         tokens,
         stop_reason,
         tokens_per_s,
+        prompt_ns,
+        decode_ns: decode_start.elapsed().as_nanos() as u64,
     })
 }
 

@@ -1,12 +1,14 @@
 //! `leanstream serve`: the model behind an OpenAI-compatible HTTP API (`/v1/chat/completions`,
 //! `/v1/completions`, streamed as server-sent events or whole; `/v1/models`, `/health`,
-//! `/metrics`), the way local runtimes are used by apps and tools written for OpenAI's API.
+//! `/metrics`), the way local runtimes are used by apps and tools written for OpenAI's API; also
+//! Ollama's `/api/*` and llama.cpp's `/completion`, `/tokenize` and `/detokenize` (compat.rs).
 //!
 //! One HTTP thread validates requests and answers the cheap routes; one worker (this thread) owns
 //! the model and serves queued requests one at a time in arrival order, reusing the KV cache of
 //! the previous conversation's common prefix. The server is `tiny_http`: synchronous, four small
 //! dependencies, no async runtime (README: its size and build-time cost).
 
+mod compat;
 mod decode;
 mod error;
 mod json_grammar;

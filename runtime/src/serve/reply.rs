@@ -4,6 +4,7 @@
 
 use serde_json::{json, Value};
 
+use super::compat;
 use super::decode::TokenLogprob;
 use super::json_grammar::TokenTexts;
 use super::request::Endpoint;
@@ -26,6 +27,10 @@ pub struct Usage {
     /// Of `prompt`, the tokens the KV cache already held from the previous request.
     pub cached: usize,
     pub completion: usize,
+    /// Prompt processing, generation and the whole request, in nanoseconds (Ollama's fields).
+    pub prompt_ns: u64,
+    pub eval_ns: u64,
+    pub total_ns: u64,
 }
 
 impl Usage {
@@ -53,8 +58,8 @@ impl Reply {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let prefix = match endpoint {
-            Endpoint::Chat => "chatcmpl",
-            Endpoint::Completions => "cmpl",
+            Endpoint::Chat | Endpoint::OllamaChat => "chatcmpl",
+            _ => "cmpl",
         };
         Self {
             endpoint,
@@ -66,6 +71,9 @@ impl Reply {
 
     /// The whole reply of a request without `stream`.
     pub fn whole(&self, choices: &[Choice], usage: Usage) -> Value {
+        if self.is_compat() {
+            return compat::whole(self.endpoint, &self.model, self.created, &choices[0], usage);
+        }
         let choices: Vec<Value> = choices
             .iter()
             .enumerate()
@@ -85,7 +93,7 @@ impl Reply {
                         "finish_reason": c.finish_reason,
                     })
                 }
-                Endpoint::Completions => json!({
+                _ => json!({
                     "index": index,
                     "text": c.text,
                     "logprobs": c.logprobs,
@@ -117,19 +125,40 @@ impl Reply {
         match self.endpoint {
             Endpoint::Chat => self.chunk_with(index, json!({ "content": text }), logprobs, None),
             Endpoint::Completions => self.chunk_with(index, json!(text), logprobs, None),
+            _ => compat::body(self.endpoint, &self.model, self.created, text, None, None),
         }
     }
 
     /// A chat chunk with a choice's tool calls.
     pub fn tool_calls(&self, index: usize, calls: Value) -> Value {
+        if self.is_compat() {
+            return compat::body(
+                self.endpoint,
+                &self.model,
+                self.created,
+                "",
+                Some(&calls),
+                None,
+            );
+        }
         self.chunk_with(index, json!({ "tool_calls": calls }), None, None)
+    }
+
+    /// Whether this is an Ollama or llama.cpp reply.
+    pub fn is_compat(&self) -> bool {
+        !matches!(self.endpoint, Endpoint::Chat | Endpoint::Completions)
     }
 
     /// A choice's last chunk: why it ended; the stream's last one carries the usage.
     pub fn closing(&self, index: usize, finish_reason: &str, usage: Option<Usage>) -> Value {
+        if self.is_compat() {
+            let usage = usage.expect("one choice: its closing chunk is the last");
+            let end = Some((finish_reason, usage));
+            return compat::body(self.endpoint, &self.model, self.created, "", None, end);
+        }
         let empty = match self.endpoint {
             Endpoint::Chat => json!({}),
-            Endpoint::Completions => json!(""),
+            _ => json!(""),
         };
         let mut v = self.chunk_with(index, empty, None, Some(finish_reason));
         if let Some(usage) = usage {
@@ -142,7 +171,7 @@ impl Reply {
         let object = match (self.endpoint, chunk) {
             (Endpoint::Chat, false) => "chat.completion",
             (Endpoint::Chat, true) => "chat.completion.chunk",
-            (Endpoint::Completions, _) => "text_completion",
+            _ => "text_completion",
         };
         json!({ "id": self.id, "object": object, "created": self.created, "model": self.model })
     }
@@ -162,7 +191,7 @@ impl Reply {
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }),
-            Endpoint::Completions => json!({
+            _ => json!({
                 "index": index,
                 "text": content,
                 "logprobs": logprobs,
@@ -192,7 +221,7 @@ impl Reply {
                     .collect();
                 json!({ "content": content, "refusal": null })
             }
-            Endpoint::Completions => {
+            _ => {
                 let mut at = offset;
                 let offsets: Vec<usize> = tokens
                     .iter()

@@ -14,12 +14,24 @@ pub enum Endpoint {
     Completions,
     /// `POST /v1/chat/completions`: messages through the model's chat template.
     Chat,
+    /// Ollama's `POST /api/generate`.
+    OllamaGenerate,
+    /// Ollama's `POST /api/chat`.
+    OllamaChat,
+    /// llama.cpp's `POST /completion`.
+    Llama,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
     Text(String),
     Messages(Vec<Message>),
+    /// Ollama's `/api/generate`: `messages` through the chat template, or `text` as it is for a
+    /// model without one.
+    Generate {
+        messages: Vec<Message>,
+        text: String,
+    },
 }
 
 /// A validated request; `None` fields take the server's defaults.
@@ -105,7 +117,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<CompletionR
     }
     let prompt = match endpoint {
         Endpoint::Chat => Prompt::Messages(messages(&obj)?),
-        Endpoint::Completions => Prompt::Text(prompt_text(&obj)?),
+        _ => Prompt::Text(prompt_text(&obj)?),
     };
     let n = match obj.get("n") {
         None | Some(Value::Null) => 1,
@@ -140,7 +152,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<CompletionR
                 (false, None) => None,
             }
         }
-        Endpoint::Completions => match integer(&obj, "logprobs", 0)? {
+        _ => match integer(&obj, "logprobs", 0)? {
             Some(k) if k > MAX_TOP_LOGPROBS => {
                 return Err(ApiError::field(
                     "logprobs",
@@ -159,7 +171,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<CompletionR
         Endpoint::Chat => {
             integer(&obj, "max_completion_tokens", 1)?.or(integer(&obj, "max_tokens", 1)?)
         }
-        Endpoint::Completions => integer(&obj, "max_tokens", 1)?,
+        _ => integer(&obj, "max_tokens", 1)?,
     };
     Ok(CompletionRequest {
         prompt,

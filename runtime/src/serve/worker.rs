@@ -13,7 +13,8 @@ use super::json_grammar::TokenTexts;
 use super::metrics::ServerMetrics;
 use super::queue::{Job, Jobs, Next, Work};
 use super::reply::{Choice, Reply, Usage};
-use super::sse::EventStream;
+use super::request::Endpoint;
+use super::sse::{EventStream, Framing};
 use super::stop::StopMatcher;
 use super::tools::ToolGate;
 use crate::model::kv_cache::KvCache;
@@ -51,6 +52,8 @@ struct ChoiceOutcome {
     choice: Choice,
     tokens: usize,
     tokens_per_s: f64,
+    prompt_ns: u64,
+    decode_ns: u64,
     ending: Ending,
 }
 
@@ -117,7 +120,12 @@ impl Worker {
         self.served += 1;
         let reply = Reply::new(job.endpoint, self.served, &self.model_id);
         let mut out = if job.stream {
-            Out::Stream(EventStream::start(request))
+            let framing = match job.endpoint {
+                Endpoint::OllamaGenerate | Endpoint::OllamaChat => Framing::Ndjson,
+                Endpoint::Llama => Framing::SseWithoutDone,
+                Endpoint::Chat | Endpoint::Completions => Framing::Sse,
+            };
+            Out::Stream(EventStream::start(request, framing))
         } else {
             Out::Whole(Some(request))
         };
@@ -132,6 +140,9 @@ impl Worker {
             prompt: job.prompt.len(),
             cached: 0,
             completion: 0,
+            prompt_ns: 0,
+            eval_ns: 0,
+            total_ns: 0,
         };
         let mut choices = Vec::with_capacity(job.n);
         let mut ending = Ending::Finished("stop");
@@ -148,6 +159,9 @@ impl Worker {
                 Err(e) => return self.fail(out, &e),
             };
             usage.completion += choice.tokens;
+            usage.prompt_ns += choice.prompt_ns;
+            usage.eval_ns += choice.decode_ns;
+            usage.total_ns = job.received.elapsed().as_nanos() as u64;
             rate = choice.tokens_per_s;
             ending = choice.ending;
             if let Out::Stream(s) = &mut out {
@@ -350,6 +364,8 @@ impl Worker {
             },
             tokens: outcome.tokens.len(),
             tokens_per_s: outcome.tokens_per_s,
+            prompt_ns: outcome.prompt_ns,
+            decode_ns: outcome.decode_ns,
             ending: if client_gone {
                 Ending::ClientGone
             } else {
