@@ -11,12 +11,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use leanstream::model::kv_cache::KvCache;
 use leanstream::platform::elastic::{BudgetHandle, BudgetWatch};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
 use leanstream::text::generate::{generate_after, GenerateOptions, StopReason};
-use leanstream::text::sampler::SamplerConfig;
+use leanstream::text::sampler::{Sampler, SamplerConfig};
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::tokenizer::chat_template::Message;
 
 /// What a call did.
 #[repr(C)]
@@ -121,6 +123,26 @@ pub struct LsModel {
     budget: Option<BudgetHandle>,
     cancel: AtomicBool,
     last: Cell<LsMetrics>,
+    /// The token-level calls' sequence: `ls_eval`'s tokens, their KV cache and the last logits.
+    sequence: RefCell<Sequence>,
+}
+
+#[derive(Default)]
+struct Sequence {
+    cache: Option<KvCache>,
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+/// The ABI this header describes: a library whose `ls_abi_version()` differs is not compatible.
+pub const LEANSTREAM_ABI_VERSION: u32 = 2;
+
+/// One message of a conversation: `role` is `system`, `user`, `assistant` or `tool`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct LsMessage {
+    pub role: *const c_char,
+    pub content: *const c_char,
 }
 
 thread_local! {
@@ -283,6 +305,7 @@ pub unsafe extern "C" fn ls_open(
             budget,
             cancel: AtomicBool::new(false),
             last: Cell::new(metrics_of(None)),
+            sequence: RefCell::new(Sequence::default()),
         };
         // SAFETY: as above; ownership passes to the caller until `ls_close`.
         unsafe { *out = Box::into_raw(Box::new(model)) };
@@ -320,26 +343,101 @@ pub unsafe extern "C" fn ls_generate(
             unsafe { *options }
         };
         model.cancel.store(false, Ordering::SeqCst);
+        let messages = [Message::new("user", prompt)];
+        let prompt = if o.chat {
+            Prompt::Chat(&messages)
+        } else {
+            Prompt::Text(prompt)
+        };
         generate(model, prompt, &o, callback, user_data)
     })
 }
 
+/// A multi-turn chat: `messages` (`n_messages` of them, in order) through the model's chat
+/// template, the reply generated as `ls_generate` does (`options.chat` is ignored). The caller
+/// keeps the conversation: append the reply as an `assistant` message for the next turn.
+///
+/// # Safety
+/// `model` comes from `ls_open` and is not closed; `messages` points to `n_messages` messages
+/// whose strings are NUL-terminated; `options` is NULL or valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_chat(
+    model: *mut LsModel,
+    messages: *const LsMessage,
+    n_messages: usize,
+    options: *const LsGenerateOptions,
+    callback: LsTokenCallback,
+    user_data: *mut c_void,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: `model` comes from `ls_open` and is open (the header's contract).
+        let model = unsafe { model.as_ref() }.ok_or_else(|| invalid("ls_chat: model is NULL"))?;
+        if messages.is_null() || n_messages == 0 {
+            return Err(invalid("ls_chat: give at least one message"));
+        }
+        // SAFETY: `messages` points to `n_messages` messages (the header's contract).
+        let list = unsafe { std::slice::from_raw_parts(messages, n_messages) };
+        let messages = list
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                // SAFETY: each message's strings are NUL-terminated or NULL.
+                let role = unsafe { text(m.role, "a message's role") }?
+                    .ok_or_else(|| invalid(format!("ls_chat: messages[{i}].role is NULL")))?;
+                if !matches!(role, "system" | "user" | "assistant" | "tool") {
+                    return Err(invalid(format!(
+                        "ls_chat: messages[{i}].role is `{role}`: expected system, user, \
+                         assistant or tool"
+                    )));
+                }
+                // SAFETY: as above.
+                let content = unsafe { text(m.content, "a message's content") }?
+                    .ok_or_else(|| invalid(format!("ls_chat: messages[{i}].content is NULL")))?;
+                Ok(Message::new(role, content))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let o = if options.is_null() {
+            ls_generate_options_default()
+        } else {
+            // SAFETY: `options` points to a valid LsGenerateOptions (the header's contract).
+            unsafe { *options }
+        };
+        model.cancel.store(false, Ordering::SeqCst);
+        generate(model, Prompt::Chat(&messages), &o, callback, user_data)
+    })
+}
+
+/// What a generation starts from.
+enum Prompt<'a> {
+    Text(&'a str),
+    Chat(&'a [Message]),
+}
+
 fn generate(
     model: &LsModel,
-    prompt: &str,
+    prompt: Prompt,
     o: &LsGenerateOptions,
     callback: LsTokenCallback,
     user_data: *mut c_void,
 ) -> Result<(), (LsStatus, String)> {
     let failed = |e: anyhow::Error| (LsStatus::Generate, format!("{e:#}"));
-    let mut session = model.session.try_borrow_mut().map_err(|_| {
-        invalid("ls_generate: the model is already generating (called from its own callback?)")
-    })?;
-    let (ids, eos_token_ids) = if o.chat {
-        leanstream::cli::chat::single_turn(&session, prompt).map_err(failed)?
-    } else {
-        let ids = session.tokenizer.encode(prompt, true).map_err(failed)?;
-        (ids, session.eos_token_ids.clone())
+    let mut session = model
+        .session
+        .try_borrow_mut()
+        .map_err(|_| invalid("the model is already generating (called from its own callback?)"))?;
+    let (ids, eos_token_ids) = match prompt {
+        Prompt::Chat(messages) => {
+            let format = leanstream::cli::chat::ChatFormat::new(&session).map_err(failed)?;
+            let ids = format
+                .template
+                .encode(&session.tokenizer, messages)
+                .map_err(failed)?;
+            (ids, format.eos_token_ids)
+        }
+        Prompt::Text(prompt) => {
+            let ids = session.tokenizer.encode(prompt, true).map_err(failed)?;
+            (ids, session.eos_token_ids.clone())
+        }
     };
     let opts = GenerateOptions {
         max_tokens: o.max_tokens.max(1) as usize,
@@ -387,6 +485,294 @@ fn generate(
     };
     model.last.set(m);
     Ok(())
+}
+
+/// The library's version, e.g. `0.2.0` (a static string).
+#[no_mangle]
+pub extern "C" fn ls_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// The library's ABI version: equal to the header's `LEANSTREAM_ABI_VERSION` when they match.
+#[no_mangle]
+pub extern "C" fn ls_abi_version() -> u32 {
+    LEANSTREAM_ABI_VERSION
+}
+
+/// The model from a caller's pointer.
+///
+/// # Safety
+/// `model` is NULL or comes from `ls_open` and is not closed.
+unsafe fn model_ref<'a>(
+    model: *const LsModel,
+    call: &str,
+) -> Result<&'a LsModel, (LsStatus, String)> {
+    // SAFETY: the caller's contract.
+    unsafe { model.as_ref() }.ok_or_else(|| invalid(format!("{call}: model is NULL")))
+}
+
+/// The token ids of `text` into `tokens` (room for `capacity`); `*n_tokens` is set to how many
+/// there are, also when they do not fit (then `LS_STATUS_INVALID_ARGUMENT`: call again with
+/// room for `*n_tokens`). With `add_special`, the tokenizer adds its special tokens (BOS where
+/// the model has one).
+///
+/// # Safety
+/// `model` comes from `ls_open`; `text` is NUL-terminated; `tokens` has room for `capacity`
+/// ids (or is NULL with `capacity` 0); `n_tokens` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_tokenize(
+    model: *const LsModel,
+    text_in: *const c_char,
+    add_special: bool,
+    tokens: *mut u32,
+    capacity: usize,
+    n_tokens: *mut usize,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract, for each pointer.
+        let model = unsafe { model_ref(model, "ls_tokenize") }?;
+        let t = unsafe { text(text_in, "the text") }?
+            .ok_or_else(|| invalid("ls_tokenize: text is NULL"))?;
+        let n_tokens =
+            unsafe { n_tokens.as_mut() }.ok_or_else(|| invalid("ls_tokenize: n_tokens is NULL"))?;
+        let session = model
+            .session
+            .try_borrow()
+            .map_err(|_| invalid("ls_tokenize: the model is generating"))?;
+        let ids = session
+            .tokenizer
+            .encode(t, add_special)
+            .map_err(|e| invalid(format!("ls_tokenize: {e:#}")))?;
+        *n_tokens = ids.len();
+        if ids.len() > capacity || (tokens.is_null() && !ids.is_empty()) {
+            return Err(invalid(format!(
+                "ls_tokenize: the text has {} tokens, more than the room for {capacity}",
+                ids.len()
+            )));
+        }
+        // SAFETY: `tokens` has room for `capacity` >= ids.len() ids.
+        unsafe { std::ptr::copy_nonoverlapping(ids.as_ptr(), tokens, ids.len()) };
+        Ok(())
+    })
+}
+
+/// The text of `tokens` (special tokens left out) into `buf` (room for `capacity` bytes, NUL
+/// included); `*len` is set to the text's length in bytes without the NUL, also when it does not
+/// fit (then `LS_STATUS_INVALID_ARGUMENT`).
+///
+/// # Safety
+/// `model` comes from `ls_open`; `tokens` points to `n_tokens` ids; `buf` has room for
+/// `capacity` bytes; `len` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_detokenize(
+    model: *const LsModel,
+    tokens: *const u32,
+    n_tokens: usize,
+    buf: *mut c_char,
+    capacity: usize,
+    len: *mut usize,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract, for each pointer.
+        let model = unsafe { model_ref(model, "ls_detokenize") }?;
+        let len = unsafe { len.as_mut() }.ok_or_else(|| invalid("ls_detokenize: len is NULL"))?;
+        if tokens.is_null() && n_tokens > 0 {
+            return Err(invalid("ls_detokenize: tokens is NULL"));
+        }
+        let ids = if n_tokens == 0 {
+            &[][..]
+        } else {
+            // SAFETY: `tokens` points to `n_tokens` ids.
+            unsafe { std::slice::from_raw_parts(tokens, n_tokens) }
+        };
+        let mut session = model
+            .session
+            .try_borrow_mut()
+            .map_err(|_| invalid("ls_detokenize: the model is generating"))?;
+        let vocab = session.model().config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(invalid(format!(
+                "ls_detokenize: token {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let text = session
+            .tokenizer
+            .decode(ids)
+            .map_err(|e| invalid(format!("ls_detokenize: {e:#}")))?;
+        *len = text.len();
+        if text.len() + 1 > capacity || buf.is_null() {
+            return Err(invalid(format!(
+                "ls_detokenize: the text has {} bytes (and a NUL), more than the room for {capacity}",
+                text.len()
+            )));
+        }
+        // SAFETY: `buf` has room for `capacity` > text.len() bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
+            *buf.add(text.len()) = 0;
+        }
+        Ok(())
+    })
+}
+
+/// Appends `tokens` to the model's token-level sequence (computing them into its KV cache) and
+/// keeps the logits of the last one for `ls_logits` and `ls_sample`. The sequence is separate
+/// from `ls_generate`'s and `ls_chat`'s; `ls_reset` empties it.
+///
+/// # Safety
+/// `model` comes from `ls_open`; `tokens` points to `n_tokens` ids.
+#[no_mangle]
+pub unsafe extern "C" fn ls_eval(
+    model: *mut LsModel,
+    tokens: *const u32,
+    n_tokens: usize,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract.
+        let model = unsafe { model_ref(model, "ls_eval") }?;
+        if tokens.is_null() || n_tokens == 0 {
+            return Err(invalid("ls_eval: give at least one token"));
+        }
+        // SAFETY: `tokens` points to `n_tokens` ids.
+        let ids = unsafe { std::slice::from_raw_parts(tokens, n_tokens) };
+        let mut session = model
+            .session
+            .try_borrow_mut()
+            .map_err(|_| invalid("ls_eval: the model is generating"))?;
+        let mut seq = model.sequence.borrow_mut();
+        let ctx = session.ctx;
+        let vocab = session.model().config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(invalid(format!(
+                "ls_eval: token {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if seq.tokens.len() + ids.len() > ctx {
+            return Err(invalid(format!(
+                "ls_eval: {} tokens after the sequence's {} are over the context of {ctx} (ls_reset starts again)",
+                ids.len(),
+                seq.tokens.len()
+            )));
+        }
+        let Sequence {
+            cache,
+            tokens: seq_tokens,
+            logits,
+        } = &mut *seq;
+        let m = session.model();
+        let cache = cache.get_or_insert_with(|| m.new_cache(ctx));
+        let chunk = m.prompt_chunk();
+        for part in ids.chunks(chunk) {
+            m.forward_into(part, cache, false, logits)
+                .map_err(|e| (LsStatus::Generate, format!("ls_eval: {e:#}")))?;
+        }
+        seq_tokens.extend_from_slice(ids);
+        Ok(())
+    })
+}
+
+/// The logits of the last token `ls_eval` computed (`*n_vocab` of them), valid until the next
+/// `ls_eval`, `ls_reset` or `ls_close`; NULL (and `*n_vocab` 0) before any.
+///
+/// # Safety
+/// `model` comes from `ls_open`; `n_vocab` is NULL or valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_logits(model: *const LsModel, n_vocab: *mut usize) -> *const f32 {
+    // SAFETY: the header's contract.
+    let Some(model) = (unsafe { model.as_ref() }) else {
+        return std::ptr::null();
+    };
+    let Ok(seq) = model.sequence.try_borrow() else {
+        return std::ptr::null();
+    };
+    // SAFETY: the header's contract.
+    if let Some(n) = unsafe { n_vocab.as_mut() } {
+        *n = seq.logits.len();
+    }
+    if seq.logits.is_empty() {
+        std::ptr::null()
+    } else {
+        seq.logits.as_ptr()
+    }
+}
+
+/// Picks the next token from the last logits with `options`' sampling (temperature, top-k,
+/// top-p, repetition penalty over the sequence; the seed mixed with the sequence length, so a
+/// run repeats). Does not append it: pass it to `ls_eval`.
+///
+/// # Safety
+/// `model` comes from `ls_open`; `options` is NULL or valid; `token` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_sample(
+    model: *const LsModel,
+    options: *const LsGenerateOptions,
+    token: *mut u32,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract, for each pointer.
+        let model = unsafe { model_ref(model, "ls_sample") }?;
+        let token = unsafe { token.as_mut() }.ok_or_else(|| invalid("ls_sample: token is NULL"))?;
+        let o = if options.is_null() {
+            ls_generate_options_default()
+        } else {
+            // SAFETY: `options` points to a valid LsGenerateOptions.
+            unsafe { *options }
+        };
+        let seq = model.sequence.borrow();
+        if seq.logits.is_empty() {
+            return Err(invalid("ls_sample: no logits yet: ls_eval a token first"));
+        }
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature: o.temperature,
+            top_k: o.top_k as usize,
+            top_p: o.top_p,
+            repeat_penalty: o.repeat_penalty,
+            seed: o.seed ^ (seq.tokens.len() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            ..Default::default()
+        });
+        let mut logits = seq.logits.clone();
+        *token = sampler.sample(&mut logits, &seq.tokens);
+        Ok(())
+    })
+}
+
+/// Whether `token` ends the model's text (one of its end-of-sequence tokens); false for a NULL
+/// model.
+///
+/// # Safety
+/// `model` is NULL or comes from `ls_open` and is not closed.
+#[no_mangle]
+pub unsafe extern "C" fn ls_is_end_token(model: *const LsModel, token: u32) -> bool {
+    // SAFETY: the header's contract.
+    let Some(model) = (unsafe { model.as_ref() }) else {
+        return false;
+    };
+    model
+        .session
+        .try_borrow()
+        .is_ok_and(|s| s.eos_token_ids.contains(&token))
+}
+
+/// Empties the token-level sequence (`ls_eval`'s tokens and cache).
+///
+/// # Safety
+/// `model` comes from `ls_open` and is not closed.
+#[no_mangle]
+pub unsafe extern "C" fn ls_reset(model: *mut LsModel) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract.
+        let model = unsafe { model_ref(model, "ls_reset") }?;
+        let mut seq = model
+            .sequence
+            .try_borrow_mut()
+            .map_err(|_| invalid("ls_reset: the sequence is in use"))?;
+        if let Some(cache) = seq.cache.as_mut() {
+            cache.clear();
+        }
+        seq.tokens.clear();
+        seq.logits.clear();
+        Ok(())
+    })
 }
 
 /// The runtime's running figures (no generation figures yet).
