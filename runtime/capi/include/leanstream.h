@@ -301,6 +301,28 @@ enum LsStatus ls_sample(const struct LsModel *model,
                         uint32_t *token);
 
 /**
+ * Saves the token-level sequence (its tokens, KV cache and last logits) into `buf` (room for
+ * `capacity` bytes); `*size` is set to the bytes it takes, also when they do not fit (then
+ * `LS_STATUS_INVALID_ARGUMENT`: call again with room for `*size`, or with `buf` NULL to ask).
+ * `ls_state_load` puts it back, on this model or another open of the same file.
+ *
+ * # Safety
+ * `model` comes from `ls_open`; `buf` has room for `capacity` bytes or is NULL; `size` is valid.
+ */
+enum LsStatus ls_state_save(const struct LsModel *model,
+                            uint8_t *buf,
+                            size_t capacity,
+                            size_t *size);
+
+/**
+ * Replaces the token-level sequence with one `ls_state_save` wrote (`size` bytes at `buf`).
+ *
+ * # Safety
+ * `model` comes from `ls_open`; `buf` points to `size` bytes.
+ */
+enum LsStatus ls_state_load(struct LsModel *model, const uint8_t *buf, size_t size);
+
+/**
  * Whether `token` ends the model's text (one of its end-of-sequence tokens); false for a NULL
  * model.
  *

@@ -736,6 +736,122 @@ pub unsafe extern "C" fn ls_sample(
     })
 }
 
+/// Saves the token-level sequence (its tokens, KV cache and last logits) into `buf` (room for
+/// `capacity` bytes); `*size` is set to the bytes it takes, also when they do not fit (then
+/// `LS_STATUS_INVALID_ARGUMENT`: call again with room for `*size`, or with `buf` NULL to ask).
+/// `ls_state_load` puts it back, on this model or another open of the same file.
+///
+/// # Safety
+/// `model` comes from `ls_open`; `buf` has room for `capacity` bytes or is NULL; `size` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_state_save(
+    model: *const LsModel,
+    buf: *mut u8,
+    capacity: usize,
+    size: *mut usize,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract, for each pointer.
+        let model = unsafe { model_ref(model, "ls_state_save") }?;
+        let size =
+            unsafe { size.as_mut() }.ok_or_else(|| invalid("ls_state_save: size is NULL"))?;
+        let seq = model
+            .sequence
+            .try_borrow()
+            .map_err(|_| invalid("ls_state_save: the sequence is in use"))?;
+        let mut state = Vec::new();
+        state.extend_from_slice(&(seq.tokens.len() as u64).to_le_bytes());
+        for t in &seq.tokens {
+            state.extend_from_slice(&t.to_le_bytes());
+        }
+        state.extend_from_slice(&(seq.logits.len() as u64).to_le_bytes());
+        for l in &seq.logits {
+            state.extend_from_slice(&l.to_le_bytes());
+        }
+        if let Some(cache) = &seq.cache {
+            state.extend_from_slice(&cache.save());
+        }
+        *size = state.len();
+        if buf.is_null() || capacity < state.len() {
+            return Err(invalid(format!(
+                "ls_state_save: the state takes {} bytes, more than the room for {capacity}",
+                state.len()
+            )));
+        }
+        // SAFETY: `buf` has room for `capacity` >= state.len() bytes.
+        unsafe { std::ptr::copy_nonoverlapping(state.as_ptr(), buf, state.len()) };
+        Ok(())
+    })
+}
+
+/// Replaces the token-level sequence with one `ls_state_save` wrote (`size` bytes at `buf`).
+///
+/// # Safety
+/// `model` comes from `ls_open`; `buf` points to `size` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn ls_state_load(
+    model: *mut LsModel,
+    buf: *const u8,
+    size: usize,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract.
+        let model = unsafe { model_ref(model, "ls_state_load") }?;
+        if buf.is_null() {
+            return Err(invalid("ls_state_load: buf is NULL"));
+        }
+        // SAFETY: `buf` points to `size` bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(buf, size) };
+        let bad = |why: &str| invalid(format!("ls_state_load: {why}"));
+        let mut at = 0;
+        let mut take = |n: usize| -> Result<&[u8], (LsStatus, String)> {
+            let part = bytes
+                .get(at..at + n)
+                .ok_or_else(|| bad("the state is cut short"))?;
+            at += n;
+            Ok(part)
+        };
+        let count = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize;
+        let n_tokens = count(take(8)?);
+        let tokens: Vec<u32> = take(4 * n_tokens)?
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let n_logits = count(take(8)?);
+        let logits: Vec<f32> = take(4 * n_logits)?
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let kv = &bytes[at..];
+        let mut session = model
+            .session
+            .try_borrow_mut()
+            .map_err(|_| invalid("ls_state_load: the model is generating"))?;
+        let ctx = session.ctx;
+        let mut seq = model
+            .sequence
+            .try_borrow_mut()
+            .map_err(|_| invalid("ls_state_load: the sequence is in use"))?;
+        let m = session.model();
+        if !logits.is_empty() && logits.len() != m.config().vocab_size {
+            return Err(bad("the state is of a model with another vocabulary"));
+        }
+        let cache = seq.cache.get_or_insert_with(|| m.new_cache(ctx));
+        if kv.is_empty() {
+            cache.clear();
+        } else {
+            cache.restore(kv).map_err(|e| bad(&e))?;
+        }
+        if cache.len() != tokens.len() {
+            cache.clear();
+            return Err(bad("its KV cache and its tokens disagree"));
+        }
+        seq.tokens = tokens;
+        seq.logits = logits;
+        Ok(())
+    })
+}
+
 /// Whether `token` ends the model's text (one of its end-of-sequence tokens); false for a NULL
 /// model.
 ///
@@ -992,6 +1108,66 @@ mod tests {
                 "{}",
                 last_error()
             );
+            ls_close(model);
+        }
+    }
+
+    #[test]
+    fn a_saved_state_gives_the_same_logits_again() {
+        let path = CString::new(
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/austen-relu").to_string(),
+        )
+        .unwrap();
+        let mut model = std::ptr::null_mut();
+        let options = ls_open_options_default();
+        // SAFETY: valid pointers throughout; the model is closed at the end.
+        unsafe {
+            assert_eq!(ls_open(path.as_ptr(), &options, &mut model), LsStatus::Ok);
+            let prompt = CString::new("It is a truth universally").unwrap();
+            let mut tokens = [0u32; 64];
+            let mut n = 0;
+            let status = ls_tokenize(
+                model,
+                prompt.as_ptr(),
+                true,
+                tokens.as_mut_ptr(),
+                64,
+                &mut n,
+            );
+            assert_eq!(status, LsStatus::Ok);
+            assert_eq!(ls_eval(model, tokens.as_ptr(), n), LsStatus::Ok);
+            let mut size = 0;
+            assert_eq!(
+                ls_state_save(model, std::ptr::null_mut(), 0, &mut size),
+                LsStatus::InvalidArgument
+            );
+            let mut state = vec![0u8; size];
+            assert_eq!(
+                ls_state_save(model, state.as_mut_ptr(), size, &mut size),
+                LsStatus::Ok
+            );
+            let logits = |model| {
+                let mut v = 0;
+                let p = ls_logits(model, &mut v);
+                std::slice::from_raw_parts(p, v).to_vec()
+            };
+            let before = logits(model);
+            let next = [tokens[1]];
+            assert_eq!(ls_eval(model, next.as_ptr(), 1), LsStatus::Ok);
+            let after_next = logits(model);
+            assert_ne!(after_next, before);
+            // Back to the saved state, on a model with other tokens in between.
+            assert_eq!(ls_eval(model, next.as_ptr(), 1), LsStatus::Ok);
+            assert_eq!(ls_state_load(model, state.as_ptr(), size), LsStatus::Ok);
+            assert_eq!(logits(model), before);
+            assert_eq!(ls_eval(model, next.as_ptr(), 1), LsStatus::Ok);
+            assert_eq!(logits(model), after_next, "bit-identical after a restore");
+            // A damaged state is refused with a message.
+            assert_eq!(
+                ls_state_load(model, state.as_ptr(), size - 1),
+                LsStatus::InvalidArgument
+            );
+            assert!(last_error().contains("ls_state_load"), "{}", last_error());
             ls_close(model);
         }
     }
