@@ -58,8 +58,9 @@ typedef enum LsStopReason {
 } LsStopReason;
 
 /**
- * An open model. Use it from the thread that opened it (its engine is not `Send`), except
- * `ls_cancel`, which any thread may call.
+ * An open model. Any thread may use it, one at a time (the caller orders the calls: the model
+ * moves between threads but is not shared by them), except `ls_cancel` and
+ * `ls_set_memory_budget`, which any thread may call at any time.
  */
 typedef struct LsModel LsModel;
 
@@ -348,13 +349,13 @@ enum LsStatus ls_reset(struct LsModel *model);
 enum LsStatus ls_cancel(const struct LsModel *model);
 
 /**
- * Sets the memory budget of a model opened with one (`memory_bytes` > 0). Called on the thread
- * that opened the model while no generation runs, it takes the budget now: the neuron cache
- * shrinks and the memory is returned to the OS before this returns, and a budget below what the
- * model needs fails with `LS_STATUS_INVALID_ARGUMENT` (the old budget stays). Called from another
- * thread, or from the token callback, it returns at once and the budget is taken before the next
- * token (a refused one is reported on stderr and leaves the old budget); `ls_metrics`'
- * `memory_budget_bytes` says when it was taken.
+ * Sets the memory budget of a model opened with one (`memory_bytes` > 0). Called while no other
+ * call runs on the model (from any thread), it takes the budget now: the neuron cache shrinks
+ * and the memory is returned to the OS before this returns, and a budget below what the model
+ * needs fails with `LS_STATUS_INVALID_ARGUMENT` (the old budget stays). Called while a
+ * generation runs (from another thread, or from the token callback), it returns at once and the
+ * budget is taken before the next token (a refused one is reported on stderr and leaves the old
+ * budget); `ls_metrics`' `memory_budget_bytes` says when it was taken.
  *
  * # Safety
  * `model` comes from `ls_open` and is not closed.

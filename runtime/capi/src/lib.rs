@@ -10,6 +10,7 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 use leanstream::model::kv_cache::KvCache;
 use leanstream::platform::elastic::{BudgetHandle, BudgetWatch};
@@ -113,12 +114,13 @@ pub struct LsMetrics {
 pub type LsTokenCallback =
     Option<extern "C" fn(piece: *const c_char, len: usize, user_data: *mut c_void) -> bool>;
 
-/// An open model. Use it from the thread that opened it (its engine is not `Send`), except
-/// `ls_cancel`, which any thread may call.
+/// An open model. Any thread may use it, one at a time (the caller orders the calls: the model
+/// moves between threads but is not shared by them), except `ls_cancel` and
+/// `ls_set_memory_budget`, which any thread may call at any time.
 pub struct LsModel {
-    session: RefCell<Session>,
-    /// The thread that opened the model (the only one that may use the session).
-    owner: std::thread::ThreadId,
+    /// Locked by each call that uses it, so `ls_set_memory_budget` from another thread can tell
+    /// whether it is in use.
+    session: Mutex<Session>,
     /// The budget a streaming model follows (`None`: opened without one, or dense).
     budget: Option<BudgetHandle>,
     cancel: AtomicBool,
@@ -126,6 +128,12 @@ pub struct LsModel {
     /// The token-level calls' sequence: `ls_eval`'s tokens, their KV cache and the last logits.
     sequence: RefCell<Sequence>,
 }
+
+// A model may move between threads (used by one at a time): checked at compile time.
+const _: () = {
+    const fn is_send<T: Send>() {}
+    is_send::<LsModel>();
+};
 
 #[derive(Default)]
 struct Sequence {
@@ -300,8 +308,7 @@ pub unsafe extern "C" fn ls_open(
             None => None,
         };
         let model = LsModel {
-            session: RefCell::new(session),
-            owner: std::thread::current().id(),
+            session: Mutex::new(session),
             budget,
             cancel: AtomicBool::new(false),
             last: Cell::new(metrics_of(None)),
@@ -423,7 +430,7 @@ fn generate(
     let failed = |e: anyhow::Error| (LsStatus::Generate, format!("{e:#}"));
     let mut session = model
         .session
-        .try_borrow_mut()
+        .try_lock()
         .map_err(|_| invalid("the model is already generating (called from its own callback?)"))?;
     let (ids, eos_token_ids) = match prompt {
         Prompt::Chat(messages) => {
@@ -537,7 +544,7 @@ pub unsafe extern "C" fn ls_tokenize(
             unsafe { n_tokens.as_mut() }.ok_or_else(|| invalid("ls_tokenize: n_tokens is NULL"))?;
         let session = model
             .session
-            .try_borrow()
+            .try_lock()
             .map_err(|_| invalid("ls_tokenize: the model is generating"))?;
         let ids = session
             .tokenizer
@@ -587,7 +594,7 @@ pub unsafe extern "C" fn ls_detokenize(
         };
         let mut session = model
             .session
-            .try_borrow_mut()
+            .try_lock()
             .map_err(|_| invalid("ls_detokenize: the model is generating"))?;
         let vocab = session.model().config().vocab_size;
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
@@ -637,7 +644,7 @@ pub unsafe extern "C" fn ls_eval(
         let ids = unsafe { std::slice::from_raw_parts(tokens, n_tokens) };
         let mut session = model
             .session
-            .try_borrow_mut()
+            .try_lock()
             .map_err(|_| invalid("ls_eval: the model is generating"))?;
         let mut seq = model.sequence.borrow_mut();
         let ctx = session.ctx;
@@ -825,7 +832,7 @@ pub unsafe extern "C" fn ls_state_load(
         let kv = &bytes[at..];
         let mut session = model
             .session
-            .try_borrow_mut()
+            .try_lock()
             .map_err(|_| invalid("ls_state_load: the model is generating"))?;
         let ctx = session.ctx;
         let mut seq = model
@@ -865,7 +872,7 @@ pub unsafe extern "C" fn ls_is_end_token(model: *const LsModel, token: u32) -> b
     };
     model
         .session
-        .try_borrow()
+        .try_lock()
         .is_ok_and(|s| s.eos_token_ids.contains(&token))
 }
 
@@ -927,13 +934,13 @@ pub unsafe extern "C" fn ls_cancel(model: *const LsModel) -> LsStatus {
     })
 }
 
-/// Sets the memory budget of a model opened with one (`memory_bytes` > 0). Called on the thread
-/// that opened the model while no generation runs, it takes the budget now: the neuron cache
-/// shrinks and the memory is returned to the OS before this returns, and a budget below what the
-/// model needs fails with `LS_STATUS_INVALID_ARGUMENT` (the old budget stays). Called from another
-/// thread, or from the token callback, it returns at once and the budget is taken before the next
-/// token (a refused one is reported on stderr and leaves the old budget); `ls_metrics`'
-/// `memory_budget_bytes` says when it was taken.
+/// Sets the memory budget of a model opened with one (`memory_bytes` > 0). Called while no other
+/// call runs on the model (from any thread), it takes the budget now: the neuron cache shrinks
+/// and the memory is returned to the OS before this returns, and a budget below what the model
+/// needs fails with `LS_STATUS_INVALID_ARGUMENT` (the old budget stays). Called while a
+/// generation runs (from another thread, or from the token callback), it returns at once and the
+/// budget is taken before the next token (a refused one is reported on stderr and leaves the old
+/// budget); `ls_metrics`' `memory_budget_bytes` says when it was taken.
 ///
 /// # Safety
 /// `model` comes from `ls_open` and is not closed.
@@ -947,11 +954,11 @@ pub unsafe extern "C" fn ls_set_memory_budget(model: *const LsModel, bytes: u64)
             return Err(invalid("ls_set_memory_budget: the budget must be positive"));
         }
         // SAFETY: `model` comes from `ls_open` and is open (the header's contract). From any
-        // thread only the owner id and the budget handle (an atomic) are referenced, never the
-        // session, which the generating thread may hold.
-        let (owner, handle) = unsafe {
+        // thread only the session's lock and the budget handle (an atomic) are referenced, never
+        // the model as a whole, whose other parts the thread using it may be changing.
+        let (session, handle) = unsafe {
             (
-                &*std::ptr::addr_of!((*model).owner),
+                &*std::ptr::addr_of!((*model).session),
                 &*std::ptr::addr_of!((*model).budget),
             )
         };
@@ -960,15 +967,11 @@ pub unsafe extern "C" fn ls_set_memory_budget(model: *const LsModel, bytes: u64)
                 "ls_set_memory_budget: the model was opened without a budget (options.memory_bytes 0) or with the dense policy",
             ));
         };
-        if *owner == std::thread::current().id() {
-            // SAFETY: on the owning thread the model is not used elsewhere (the header's
-            // contract), so the whole model may be referenced.
-            let model = unsafe { &*model };
-            if let Ok(mut session) = model.session.try_borrow_mut() {
-                session
-                    .set_memory_budget(bytes)
-                    .map_err(|e| invalid(format!("{e:#}")))?;
-            }
+        // Not in use (no call runs on it): take the budget now.
+        if let Ok(mut session) = session.try_lock() {
+            session
+                .set_memory_budget(bytes)
+                .map_err(|e| invalid(format!("{e:#}")))?;
         }
         // Idle: already taken, and taking it again changes nothing. Generating: taken before
         // the next token.
@@ -1168,7 +1171,19 @@ mod tests {
                 LsStatus::InvalidArgument
             );
             assert!(last_error().contains("ls_state_load"), "{}", last_error());
-            ls_close(model);
+            // The model moves to another thread, which uses it and closes it.
+            let address = model as usize;
+            let on_other = std::thread::spawn(move || {
+                let model = address as *mut LsModel;
+                let status = ls_state_load(model, state.as_ptr(), size);
+                let status2 = ls_eval(model, next.as_ptr(), 1);
+                let logits = logits(model);
+                ls_close(model);
+                (status, status2, logits)
+            });
+            let (status, status2, moved) = on_other.join().unwrap();
+            assert_eq!((status, status2), (LsStatus::Ok, LsStatus::Ok));
+            assert_eq!(moved, after_next, "the same logits on another thread");
         }
     }
 }
