@@ -10,6 +10,11 @@
 #include <stdlib.h>
 
 /**
+ * The ABI this header describes: a library whose `ls_abi_version()` differs is not compatible.
+ */
+#define LEANSTREAM_ABI_VERSION 2
+
+/**
  * What a call did.
  */
 typedef enum LsStatus {
@@ -53,8 +58,9 @@ typedef enum LsStopReason {
 } LsStopReason;
 
 /**
- * An open model. Use it from the thread that opened it (its engine is not `Send`), except
- * `ls_cancel`, which any thread may call.
+ * An open model. Any thread may use it, one at a time (the caller orders the calls: the model
+ * moves between threads but is not shared by them), except `ls_cancel` and
+ * `ls_set_memory_budget`, which any thread may call at any time.
  */
 typedef struct LsModel LsModel;
 
@@ -123,6 +129,14 @@ typedef struct LsGenerateOptions {
  * and the `user_data` given to `ls_generate`. Return false to stop the generation.
  */
 typedef bool (*LsTokenCallback)(const char *piece, size_t len, void *user_data);
+
+/**
+ * One message of a conversation: `role` is `system`, `user`, `assistant` or `tool`.
+ */
+typedef struct LsMessage {
+  const char *role;
+  const char *content;
+} LsMessage;
 
 /**
  * The last generation's figures and the model's running totals.
@@ -198,6 +212,135 @@ enum LsStatus ls_generate(struct LsModel *model,
                           void *user_data);
 
 /**
+ * A multi-turn chat: `messages` (`n_messages` of them, in order) through the model's chat
+ * template, the reply generated as `ls_generate` does (`options.chat` is ignored). The caller
+ * keeps the conversation: append the reply as an `assistant` message for the next turn.
+ *
+ * # Safety
+ * `model` comes from `ls_open` and is not closed; `messages` points to `n_messages` messages
+ * whose strings are NUL-terminated; `options` is NULL or valid.
+ */
+enum LsStatus ls_chat(struct LsModel *model,
+                      const struct LsMessage *messages,
+                      size_t n_messages,
+                      const struct LsGenerateOptions *options,
+                      LsTokenCallback callback,
+                      void *user_data);
+
+/**
+ * The library's version, e.g. `0.2.0` (a static string).
+ */
+const char *ls_version(void);
+
+/**
+ * The library's ABI version: equal to the header's `LEANSTREAM_ABI_VERSION` when they match.
+ */
+uint32_t ls_abi_version(void);
+
+/**
+ * The token ids of `text` into `tokens` (room for `capacity`); `*n_tokens` is set to how many
+ * there are, also when they do not fit (then `LS_STATUS_INVALID_ARGUMENT`: call again with
+ * room for `*n_tokens`). With `add_special`, the tokenizer adds its special tokens (BOS where
+ * the model has one).
+ *
+ * # Safety
+ * `model` comes from `ls_open`; `text` is NUL-terminated; `tokens` has room for `capacity`
+ * ids (or is NULL with `capacity` 0); `n_tokens` is valid.
+ */
+enum LsStatus ls_tokenize(const struct LsModel *model,
+                          const char *text_in,
+                          bool add_special,
+                          uint32_t *tokens,
+                          size_t capacity,
+                          size_t *n_tokens);
+
+/**
+ * The text of `tokens` (special tokens left out) into `buf` (room for `capacity` bytes, NUL
+ * included); `*len` is set to the text's length in bytes without the NUL, also when it does not
+ * fit (then `LS_STATUS_INVALID_ARGUMENT`).
+ *
+ * # Safety
+ * `model` comes from `ls_open`; `tokens` points to `n_tokens` ids; `buf` has room for
+ * `capacity` bytes; `len` is valid.
+ */
+enum LsStatus ls_detokenize(const struct LsModel *model,
+                            const uint32_t *tokens,
+                            size_t n_tokens,
+                            char *buf,
+                            size_t capacity,
+                            size_t *len);
+
+/**
+ * Appends `tokens` to the model's token-level sequence (computing them into its KV cache) and
+ * keeps the logits of the last one for `ls_logits` and `ls_sample`. The sequence is separate
+ * from `ls_generate`'s and `ls_chat`'s; `ls_reset` empties it.
+ *
+ * # Safety
+ * `model` comes from `ls_open`; `tokens` points to `n_tokens` ids.
+ */
+enum LsStatus ls_eval(struct LsModel *model, const uint32_t *tokens, size_t n_tokens);
+
+/**
+ * The logits of the last token `ls_eval` computed (`*n_vocab` of them), valid until the next
+ * `ls_eval`, `ls_reset` or `ls_close`; NULL (and `*n_vocab` 0) before any.
+ *
+ * # Safety
+ * `model` comes from `ls_open`; `n_vocab` is NULL or valid.
+ */
+const float *ls_logits(const struct LsModel *model, size_t *n_vocab);
+
+/**
+ * Picks the next token from the last logits with `options`' sampling (temperature, top-k,
+ * top-p, repetition penalty over the sequence; the seed mixed with the sequence length, so a
+ * run repeats). Does not append it: pass it to `ls_eval`.
+ *
+ * # Safety
+ * `model` comes from `ls_open`; `options` is NULL or valid; `token` is valid.
+ */
+enum LsStatus ls_sample(const struct LsModel *model,
+                        const struct LsGenerateOptions *options,
+                        uint32_t *token);
+
+/**
+ * Saves the token-level sequence (its tokens, KV cache and last logits) into `buf` (room for
+ * `capacity` bytes); `*size` is set to the bytes it takes, also when they do not fit (then
+ * `LS_STATUS_INVALID_ARGUMENT`: call again with room for `*size`, or with `buf` NULL to ask).
+ * `ls_state_load` puts it back, on this model or another open of the same file.
+ *
+ * # Safety
+ * `model` comes from `ls_open`; `buf` has room for `capacity` bytes or is NULL; `size` is valid.
+ */
+enum LsStatus ls_state_save(const struct LsModel *model,
+                            uint8_t *buf,
+                            size_t capacity,
+                            size_t *size);
+
+/**
+ * Replaces the token-level sequence with one `ls_state_save` wrote (`size` bytes at `buf`).
+ *
+ * # Safety
+ * `model` comes from `ls_open`; `buf` points to `size` bytes.
+ */
+enum LsStatus ls_state_load(struct LsModel *model, const uint8_t *buf, size_t size);
+
+/**
+ * Whether `token` ends the model's text (one of its end-of-sequence tokens); false for a NULL
+ * model.
+ *
+ * # Safety
+ * `model` is NULL or comes from `ls_open` and is not closed.
+ */
+bool ls_is_end_token(const struct LsModel *model, uint32_t token);
+
+/**
+ * Empties the token-level sequence (`ls_eval`'s tokens and cache).
+ *
+ * # Safety
+ * `model` comes from `ls_open` and is not closed.
+ */
+enum LsStatus ls_reset(struct LsModel *model);
+
+/**
  * Asks the generation running on `model` to stop after its current token; safe from any thread.
  *
  * # Safety
@@ -206,13 +349,13 @@ enum LsStatus ls_generate(struct LsModel *model,
 enum LsStatus ls_cancel(const struct LsModel *model);
 
 /**
- * Sets the memory budget of a model opened with one (`memory_bytes` > 0). Called on the thread
- * that opened the model while no generation runs, it takes the budget now: the neuron cache
- * shrinks and the memory is returned to the OS before this returns, and a budget below what the
- * model needs fails with `LS_STATUS_INVALID_ARGUMENT` (the old budget stays). Called from another
- * thread, or from the token callback, it returns at once and the budget is taken before the next
- * token (a refused one is reported on stderr and leaves the old budget); `ls_metrics`'
- * `memory_budget_bytes` says when it was taken.
+ * Sets the memory budget of a model opened with one (`memory_bytes` > 0). Called while no other
+ * call runs on the model (from any thread), it takes the budget now: the neuron cache shrinks
+ * and the memory is returned to the OS before this returns, and a budget below what the model
+ * needs fails with `LS_STATUS_INVALID_ARGUMENT` (the old budget stays). Called while a
+ * generation runs (from another thread, or from the token callback), it returns at once and the
+ * budget is taken before the next token (a refused one is reported on stderr and leaves the old
+ * budget); `ls_metrics`' `memory_budget_bytes` says when it was taken.
  *
  * # Safety
  * `model` comes from `ls_open` and is not closed.

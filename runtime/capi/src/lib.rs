@@ -10,13 +10,16 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
+use leanstream::model::kv_cache::KvCache;
 use leanstream::platform::elastic::{BudgetHandle, BudgetWatch};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
 use leanstream::text::generate::{generate_after, GenerateOptions, StopReason};
-use leanstream::text::sampler::SamplerConfig;
+use leanstream::text::sampler::{Sampler, SamplerConfig};
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::tokenizer::chat_template::Message;
 
 /// What a call did.
 #[repr(C)]
@@ -111,16 +114,43 @@ pub struct LsMetrics {
 pub type LsTokenCallback =
     Option<extern "C" fn(piece: *const c_char, len: usize, user_data: *mut c_void) -> bool>;
 
-/// An open model. Use it from the thread that opened it (its engine is not `Send`), except
-/// `ls_cancel`, which any thread may call.
+/// An open model. Any thread may use it, one at a time (the caller orders the calls: the model
+/// moves between threads but is not shared by them), except `ls_cancel` and
+/// `ls_set_memory_budget`, which any thread may call at any time.
 pub struct LsModel {
-    session: RefCell<Session>,
-    /// The thread that opened the model (the only one that may use the session).
-    owner: std::thread::ThreadId,
+    /// Locked by each call that uses it, so `ls_set_memory_budget` from another thread can tell
+    /// whether it is in use.
+    session: Mutex<Session>,
     /// The budget a streaming model follows (`None`: opened without one, or dense).
     budget: Option<BudgetHandle>,
     cancel: AtomicBool,
     last: Cell<LsMetrics>,
+    /// The token-level calls' sequence: `ls_eval`'s tokens, their KV cache and the last logits.
+    sequence: RefCell<Sequence>,
+}
+
+// A model may move between threads (used by one at a time): checked at compile time.
+const _: () = {
+    const fn is_send<T: Send>() {}
+    is_send::<LsModel>();
+};
+
+#[derive(Default)]
+struct Sequence {
+    cache: Option<KvCache>,
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+/// The ABI this header describes: a library whose `ls_abi_version()` differs is not compatible.
+pub const LEANSTREAM_ABI_VERSION: u32 = 2;
+
+/// One message of a conversation: `role` is `system`, `user`, `assistant` or `tool`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct LsMessage {
+    pub role: *const c_char,
+    pub content: *const c_char,
 }
 
 thread_local! {
@@ -278,11 +308,11 @@ pub unsafe extern "C" fn ls_open(
             None => None,
         };
         let model = LsModel {
-            session: RefCell::new(session),
-            owner: std::thread::current().id(),
+            session: Mutex::new(session),
             budget,
             cancel: AtomicBool::new(false),
             last: Cell::new(metrics_of(None)),
+            sequence: RefCell::new(Sequence::default()),
         };
         // SAFETY: as above; ownership passes to the caller until `ls_close`.
         unsafe { *out = Box::into_raw(Box::new(model)) };
@@ -320,26 +350,101 @@ pub unsafe extern "C" fn ls_generate(
             unsafe { *options }
         };
         model.cancel.store(false, Ordering::SeqCst);
+        let messages = [Message::new("user", prompt)];
+        let prompt = if o.chat {
+            Prompt::Chat(&messages)
+        } else {
+            Prompt::Text(prompt)
+        };
         generate(model, prompt, &o, callback, user_data)
     })
 }
 
+/// A multi-turn chat: `messages` (`n_messages` of them, in order) through the model's chat
+/// template, the reply generated as `ls_generate` does (`options.chat` is ignored). The caller
+/// keeps the conversation: append the reply as an `assistant` message for the next turn.
+///
+/// # Safety
+/// `model` comes from `ls_open` and is not closed; `messages` points to `n_messages` messages
+/// whose strings are NUL-terminated; `options` is NULL or valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_chat(
+    model: *mut LsModel,
+    messages: *const LsMessage,
+    n_messages: usize,
+    options: *const LsGenerateOptions,
+    callback: LsTokenCallback,
+    user_data: *mut c_void,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: `model` comes from `ls_open` and is open (the header's contract).
+        let model = unsafe { model.as_ref() }.ok_or_else(|| invalid("ls_chat: model is NULL"))?;
+        if messages.is_null() || n_messages == 0 {
+            return Err(invalid("ls_chat: give at least one message"));
+        }
+        // SAFETY: `messages` points to `n_messages` messages (the header's contract).
+        let list = unsafe { std::slice::from_raw_parts(messages, n_messages) };
+        let messages = list
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                // SAFETY: each message's strings are NUL-terminated or NULL.
+                let role = unsafe { text(m.role, "a message's role") }?
+                    .ok_or_else(|| invalid(format!("ls_chat: messages[{i}].role is NULL")))?;
+                if !matches!(role, "system" | "user" | "assistant" | "tool") {
+                    return Err(invalid(format!(
+                        "ls_chat: messages[{i}].role is `{role}`: expected system, user, \
+                         assistant or tool"
+                    )));
+                }
+                // SAFETY: as above.
+                let content = unsafe { text(m.content, "a message's content") }?
+                    .ok_or_else(|| invalid(format!("ls_chat: messages[{i}].content is NULL")))?;
+                Ok(Message::new(role, content))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let o = if options.is_null() {
+            ls_generate_options_default()
+        } else {
+            // SAFETY: `options` points to a valid LsGenerateOptions (the header's contract).
+            unsafe { *options }
+        };
+        model.cancel.store(false, Ordering::SeqCst);
+        generate(model, Prompt::Chat(&messages), &o, callback, user_data)
+    })
+}
+
+/// What a generation starts from.
+enum Prompt<'a> {
+    Text(&'a str),
+    Chat(&'a [Message]),
+}
+
 fn generate(
     model: &LsModel,
-    prompt: &str,
+    prompt: Prompt,
     o: &LsGenerateOptions,
     callback: LsTokenCallback,
     user_data: *mut c_void,
 ) -> Result<(), (LsStatus, String)> {
     let failed = |e: anyhow::Error| (LsStatus::Generate, format!("{e:#}"));
-    let mut session = model.session.try_borrow_mut().map_err(|_| {
-        invalid("ls_generate: the model is already generating (called from its own callback?)")
-    })?;
-    let (ids, eos_token_ids) = if o.chat {
-        leanstream::text::chat::single_turn(&session, prompt).map_err(failed)?
-    } else {
-        let ids = session.tokenizer.encode(prompt, true).map_err(failed)?;
-        (ids, session.eos_token_ids.clone())
+    let mut session = model
+        .session
+        .try_lock()
+        .map_err(|_| invalid("the model is already generating (called from its own callback?)"))?;
+    let (ids, eos_token_ids) = match prompt {
+        Prompt::Chat(messages) => {
+            let format = leanstream::text::chat::ChatFormat::new(&session).map_err(failed)?;
+            let ids = format
+                .template
+                .encode(&session.tokenizer, messages)
+                .map_err(failed)?;
+            (ids, format.eos_token_ids)
+        }
+        Prompt::Text(prompt) => {
+            let ids = session.tokenizer.encode(prompt, true).map_err(failed)?;
+            (ids, session.eos_token_ids.clone())
+        }
     };
     let opts = GenerateOptions {
         max_tokens: o.max_tokens.max(1) as usize,
@@ -389,6 +494,410 @@ fn generate(
     Ok(())
 }
 
+/// The library's version, e.g. `0.2.0` (a static string).
+#[no_mangle]
+pub extern "C" fn ls_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// The library's ABI version: equal to the header's `LEANSTREAM_ABI_VERSION` when they match.
+#[no_mangle]
+pub extern "C" fn ls_abi_version() -> u32 {
+    LEANSTREAM_ABI_VERSION
+}
+
+/// The model from a caller's pointer.
+///
+/// # Safety
+/// `model` is NULL or comes from `ls_open` and is not closed.
+unsafe fn model_ref<'a>(
+    model: *const LsModel,
+    call: &str,
+) -> Result<&'a LsModel, (LsStatus, String)> {
+    // SAFETY: the caller's contract.
+    unsafe { model.as_ref() }.ok_or_else(|| invalid(format!("{call}: model is NULL")))
+}
+
+/// The token ids of `text` into `tokens` (room for `capacity`); `*n_tokens` is set to how many
+/// there are, also when they do not fit (then `LS_STATUS_INVALID_ARGUMENT`: call again with
+/// room for `*n_tokens`). With `add_special`, the tokenizer adds its special tokens (BOS where
+/// the model has one).
+///
+/// # Safety
+/// `model` comes from `ls_open`; `text` is NUL-terminated; `tokens` has room for `capacity`
+/// ids (or is NULL with `capacity` 0); `n_tokens` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_tokenize(
+    model: *const LsModel,
+    text_in: *const c_char,
+    add_special: bool,
+    tokens: *mut u32,
+    capacity: usize,
+    n_tokens: *mut usize,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract, for each pointer.
+        let model = unsafe { model_ref(model, "ls_tokenize") }?;
+        let t = unsafe { text(text_in, "the text") }?
+            .ok_or_else(|| invalid("ls_tokenize: text is NULL"))?;
+        let n_tokens =
+            unsafe { n_tokens.as_mut() }.ok_or_else(|| invalid("ls_tokenize: n_tokens is NULL"))?;
+        let session = model
+            .session
+            .try_lock()
+            .map_err(|_| invalid("ls_tokenize: the model is generating"))?;
+        let ids = session
+            .tokenizer
+            .encode(t, add_special)
+            .map_err(|e| invalid(format!("ls_tokenize: {e:#}")))?;
+        *n_tokens = ids.len();
+        if ids.len() > capacity || (tokens.is_null() && !ids.is_empty()) {
+            return Err(invalid(format!(
+                "ls_tokenize: the text has {} tokens, more than the room for {capacity}",
+                ids.len()
+            )));
+        }
+        // SAFETY: `tokens` has room for `capacity` >= ids.len() ids.
+        unsafe { std::ptr::copy_nonoverlapping(ids.as_ptr(), tokens, ids.len()) };
+        Ok(())
+    })
+}
+
+/// The text of `tokens` (special tokens left out) into `buf` (room for `capacity` bytes, NUL
+/// included); `*len` is set to the text's length in bytes without the NUL, also when it does not
+/// fit (then `LS_STATUS_INVALID_ARGUMENT`).
+///
+/// # Safety
+/// `model` comes from `ls_open`; `tokens` points to `n_tokens` ids; `buf` has room for
+/// `capacity` bytes; `len` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_detokenize(
+    model: *const LsModel,
+    tokens: *const u32,
+    n_tokens: usize,
+    buf: *mut c_char,
+    capacity: usize,
+    len: *mut usize,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract, for each pointer.
+        let model = unsafe { model_ref(model, "ls_detokenize") }?;
+        let len = unsafe { len.as_mut() }.ok_or_else(|| invalid("ls_detokenize: len is NULL"))?;
+        if tokens.is_null() && n_tokens > 0 {
+            return Err(invalid("ls_detokenize: tokens is NULL"));
+        }
+        let ids = if n_tokens == 0 {
+            &[][..]
+        } else {
+            // SAFETY: `tokens` points to `n_tokens` ids.
+            unsafe { std::slice::from_raw_parts(tokens, n_tokens) }
+        };
+        let mut session = model
+            .session
+            .try_lock()
+            .map_err(|_| invalid("ls_detokenize: the model is generating"))?;
+        let vocab = session.model().config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(invalid(format!(
+                "ls_detokenize: token {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let text = session
+            .tokenizer
+            .decode(ids)
+            .map_err(|e| invalid(format!("ls_detokenize: {e:#}")))?;
+        *len = text.len();
+        if text.len() + 1 > capacity || buf.is_null() {
+            return Err(invalid(format!(
+                "ls_detokenize: the text has {} bytes (and a NUL), more than the room for {capacity}",
+                text.len()
+            )));
+        }
+        // SAFETY: `buf` has room for `capacity` > text.len() bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
+            *buf.add(text.len()) = 0;
+        }
+        Ok(())
+    })
+}
+
+/// Appends `tokens` to the model's token-level sequence (computing them into its KV cache) and
+/// keeps the logits of the last one for `ls_logits` and `ls_sample`. The sequence is separate
+/// from `ls_generate`'s and `ls_chat`'s; `ls_reset` empties it.
+///
+/// # Safety
+/// `model` comes from `ls_open`; `tokens` points to `n_tokens` ids.
+#[no_mangle]
+pub unsafe extern "C" fn ls_eval(
+    model: *mut LsModel,
+    tokens: *const u32,
+    n_tokens: usize,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract.
+        let model = unsafe { model_ref(model, "ls_eval") }?;
+        if tokens.is_null() || n_tokens == 0 {
+            return Err(invalid("ls_eval: give at least one token"));
+        }
+        // SAFETY: `tokens` points to `n_tokens` ids.
+        let ids = unsafe { std::slice::from_raw_parts(tokens, n_tokens) };
+        let mut session = model
+            .session
+            .try_lock()
+            .map_err(|_| invalid("ls_eval: the model is generating"))?;
+        let mut seq = model.sequence.borrow_mut();
+        let ctx = session.ctx;
+        let vocab = session.model().config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(invalid(format!(
+                "ls_eval: token {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if seq.tokens.len() + ids.len() > ctx {
+            return Err(invalid(format!(
+                "ls_eval: {} tokens after the sequence's {} are over the context of {ctx} (ls_reset starts again)",
+                ids.len(),
+                seq.tokens.len()
+            )));
+        }
+        let Sequence {
+            cache,
+            tokens: seq_tokens,
+            logits,
+        } = &mut *seq;
+        let m = session.model();
+        let cache = cache.get_or_insert_with(|| m.new_cache(ctx));
+        let chunk = m.prompt_chunk();
+        for part in ids.chunks(chunk) {
+            m.forward_into(part, cache, false, logits)
+                .map_err(|e| (LsStatus::Generate, format!("ls_eval: {e:#}")))?;
+        }
+        seq_tokens.extend_from_slice(ids);
+        Ok(())
+    })
+}
+
+/// The logits of the last token `ls_eval` computed (`*n_vocab` of them), valid until the next
+/// `ls_eval`, `ls_reset` or `ls_close`; NULL (and `*n_vocab` 0) before any.
+///
+/// # Safety
+/// `model` comes from `ls_open`; `n_vocab` is NULL or valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_logits(model: *const LsModel, n_vocab: *mut usize) -> *const f32 {
+    // SAFETY: the header's contract.
+    let Some(model) = (unsafe { model.as_ref() }) else {
+        return std::ptr::null();
+    };
+    let Ok(seq) = model.sequence.try_borrow() else {
+        return std::ptr::null();
+    };
+    // SAFETY: the header's contract.
+    if let Some(n) = unsafe { n_vocab.as_mut() } {
+        *n = seq.logits.len();
+    }
+    if seq.logits.is_empty() {
+        std::ptr::null()
+    } else {
+        seq.logits.as_ptr()
+    }
+}
+
+/// Picks the next token from the last logits with `options`' sampling (temperature, top-k,
+/// top-p, repetition penalty over the sequence; the seed mixed with the sequence length, so a
+/// run repeats). Does not append it: pass it to `ls_eval`.
+///
+/// # Safety
+/// `model` comes from `ls_open`; `options` is NULL or valid; `token` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_sample(
+    model: *const LsModel,
+    options: *const LsGenerateOptions,
+    token: *mut u32,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract, for each pointer.
+        let model = unsafe { model_ref(model, "ls_sample") }?;
+        let token = unsafe { token.as_mut() }.ok_or_else(|| invalid("ls_sample: token is NULL"))?;
+        let o = if options.is_null() {
+            ls_generate_options_default()
+        } else {
+            // SAFETY: `options` points to a valid LsGenerateOptions.
+            unsafe { *options }
+        };
+        let seq = model.sequence.borrow();
+        if seq.logits.is_empty() {
+            return Err(invalid("ls_sample: no logits yet: ls_eval a token first"));
+        }
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature: o.temperature,
+            top_k: o.top_k as usize,
+            top_p: o.top_p,
+            repeat_penalty: o.repeat_penalty,
+            seed: o.seed ^ (seq.tokens.len() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            ..Default::default()
+        });
+        let mut logits = seq.logits.clone();
+        *token = sampler.sample(&mut logits, &seq.tokens);
+        Ok(())
+    })
+}
+
+/// Saves the token-level sequence (its tokens, KV cache and last logits) into `buf` (room for
+/// `capacity` bytes); `*size` is set to the bytes it takes, also when they do not fit (then
+/// `LS_STATUS_INVALID_ARGUMENT`: call again with room for `*size`, or with `buf` NULL to ask).
+/// `ls_state_load` puts it back, on this model or another open of the same file.
+///
+/// # Safety
+/// `model` comes from `ls_open`; `buf` has room for `capacity` bytes or is NULL; `size` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn ls_state_save(
+    model: *const LsModel,
+    buf: *mut u8,
+    capacity: usize,
+    size: *mut usize,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract, for each pointer.
+        let model = unsafe { model_ref(model, "ls_state_save") }?;
+        let size =
+            unsafe { size.as_mut() }.ok_or_else(|| invalid("ls_state_save: size is NULL"))?;
+        let seq = model
+            .sequence
+            .try_borrow()
+            .map_err(|_| invalid("ls_state_save: the sequence is in use"))?;
+        let mut state = Vec::new();
+        state.extend_from_slice(&(seq.tokens.len() as u64).to_le_bytes());
+        for t in &seq.tokens {
+            state.extend_from_slice(&t.to_le_bytes());
+        }
+        state.extend_from_slice(&(seq.logits.len() as u64).to_le_bytes());
+        for l in &seq.logits {
+            state.extend_from_slice(&l.to_le_bytes());
+        }
+        if let Some(cache) = &seq.cache {
+            state.extend_from_slice(&cache.save());
+        }
+        *size = state.len();
+        if buf.is_null() || capacity < state.len() {
+            return Err(invalid(format!(
+                "ls_state_save: the state takes {} bytes, more than the room for {capacity}",
+                state.len()
+            )));
+        }
+        // SAFETY: `buf` has room for `capacity` >= state.len() bytes.
+        unsafe { std::ptr::copy_nonoverlapping(state.as_ptr(), buf, state.len()) };
+        Ok(())
+    })
+}
+
+/// Replaces the token-level sequence with one `ls_state_save` wrote (`size` bytes at `buf`).
+///
+/// # Safety
+/// `model` comes from `ls_open`; `buf` points to `size` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn ls_state_load(
+    model: *mut LsModel,
+    buf: *const u8,
+    size: usize,
+) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract.
+        let model = unsafe { model_ref(model, "ls_state_load") }?;
+        if buf.is_null() {
+            return Err(invalid("ls_state_load: buf is NULL"));
+        }
+        // SAFETY: `buf` points to `size` bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(buf, size) };
+        let bad = |why: &str| invalid(format!("ls_state_load: {why}"));
+        let mut at = 0;
+        let mut take = |n: usize| -> Result<&[u8], (LsStatus, String)> {
+            let part = bytes
+                .get(at..at + n)
+                .ok_or_else(|| bad("the state is cut short"))?;
+            at += n;
+            Ok(part)
+        };
+        let count = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize;
+        let n_tokens = count(take(8)?);
+        let tokens: Vec<u32> = take(4 * n_tokens)?
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let n_logits = count(take(8)?);
+        let logits: Vec<f32> = take(4 * n_logits)?
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let kv = &bytes[at..];
+        let mut session = model
+            .session
+            .try_lock()
+            .map_err(|_| invalid("ls_state_load: the model is generating"))?;
+        let ctx = session.ctx;
+        let mut seq = model
+            .sequence
+            .try_borrow_mut()
+            .map_err(|_| invalid("ls_state_load: the sequence is in use"))?;
+        let m = session.model();
+        if !logits.is_empty() && logits.len() != m.config().vocab_size {
+            return Err(bad("the state is of a model with another vocabulary"));
+        }
+        let cache = seq.cache.get_or_insert_with(|| m.new_cache(ctx));
+        if kv.is_empty() {
+            cache.clear();
+        } else {
+            cache.restore(kv).map_err(|e| bad(&e))?;
+        }
+        if cache.len() != tokens.len() {
+            cache.clear();
+            return Err(bad("its KV cache and its tokens disagree"));
+        }
+        seq.tokens = tokens;
+        seq.logits = logits;
+        Ok(())
+    })
+}
+
+/// Whether `token` ends the model's text (one of its end-of-sequence tokens); false for a NULL
+/// model.
+///
+/// # Safety
+/// `model` is NULL or comes from `ls_open` and is not closed.
+#[no_mangle]
+pub unsafe extern "C" fn ls_is_end_token(model: *const LsModel, token: u32) -> bool {
+    // SAFETY: the header's contract.
+    let Some(model) = (unsafe { model.as_ref() }) else {
+        return false;
+    };
+    model
+        .session
+        .try_lock()
+        .is_ok_and(|s| s.eos_token_ids.contains(&token))
+}
+
+/// Empties the token-level sequence (`ls_eval`'s tokens and cache).
+///
+/// # Safety
+/// `model` comes from `ls_open` and is not closed.
+#[no_mangle]
+pub unsafe extern "C" fn ls_reset(model: *mut LsModel) -> LsStatus {
+    guard(|| {
+        // SAFETY: the header's contract.
+        let model = unsafe { model_ref(model, "ls_reset") }?;
+        let mut seq = model
+            .sequence
+            .try_borrow_mut()
+            .map_err(|_| invalid("ls_reset: the sequence is in use"))?;
+        if let Some(cache) = seq.cache.as_mut() {
+            cache.clear();
+        }
+        seq.tokens.clear();
+        seq.logits.clear();
+        Ok(())
+    })
+}
+
 /// The runtime's running figures (no generation figures yet).
 fn metrics_of(session: Option<&Session>) -> LsMetrics {
     let report = session.map(Session::report).unwrap_or_default();
@@ -425,13 +934,13 @@ pub unsafe extern "C" fn ls_cancel(model: *const LsModel) -> LsStatus {
     })
 }
 
-/// Sets the memory budget of a model opened with one (`memory_bytes` > 0). Called on the thread
-/// that opened the model while no generation runs, it takes the budget now: the neuron cache
-/// shrinks and the memory is returned to the OS before this returns, and a budget below what the
-/// model needs fails with `LS_STATUS_INVALID_ARGUMENT` (the old budget stays). Called from another
-/// thread, or from the token callback, it returns at once and the budget is taken before the next
-/// token (a refused one is reported on stderr and leaves the old budget); `ls_metrics`'
-/// `memory_budget_bytes` says when it was taken.
+/// Sets the memory budget of a model opened with one (`memory_bytes` > 0). Called while no other
+/// call runs on the model (from any thread), it takes the budget now: the neuron cache shrinks
+/// and the memory is returned to the OS before this returns, and a budget below what the model
+/// needs fails with `LS_STATUS_INVALID_ARGUMENT` (the old budget stays). Called while a
+/// generation runs (from another thread, or from the token callback), it returns at once and the
+/// budget is taken before the next token (a refused one is reported on stderr and leaves the old
+/// budget); `ls_metrics`' `memory_budget_bytes` says when it was taken.
 ///
 /// # Safety
 /// `model` comes from `ls_open` and is not closed.
@@ -445,11 +954,11 @@ pub unsafe extern "C" fn ls_set_memory_budget(model: *const LsModel, bytes: u64)
             return Err(invalid("ls_set_memory_budget: the budget must be positive"));
         }
         // SAFETY: `model` comes from `ls_open` and is open (the header's contract). From any
-        // thread only the owner id and the budget handle (an atomic) are referenced, never the
-        // session, which the generating thread may hold.
-        let (owner, handle) = unsafe {
+        // thread only the session's lock and the budget handle (an atomic) are referenced, never
+        // the model as a whole, whose other parts the thread using it may be changing.
+        let (session, handle) = unsafe {
             (
-                &*std::ptr::addr_of!((*model).owner),
+                &*std::ptr::addr_of!((*model).session),
                 &*std::ptr::addr_of!((*model).budget),
             )
         };
@@ -458,15 +967,11 @@ pub unsafe extern "C" fn ls_set_memory_budget(model: *const LsModel, bytes: u64)
                 "ls_set_memory_budget: the model was opened without a budget (options.memory_bytes 0) or with the dense policy",
             ));
         };
-        if *owner == std::thread::current().id() {
-            // SAFETY: on the owning thread the model is not used elsewhere (the header's
-            // contract), so the whole model may be referenced.
-            let model = unsafe { &*model };
-            if let Ok(mut session) = model.session.try_borrow_mut() {
-                session
-                    .set_memory_budget(bytes)
-                    .map_err(|e| invalid(format!("{e:#}")))?;
-            }
+        // Not in use (no call runs on it): take the budget now.
+        if let Ok(mut session) = session.try_lock() {
+            session
+                .set_memory_budget(bytes)
+                .map_err(|e| invalid(format!("{e:#}")))?;
         }
         // Idle: already taken, and taking it again changes nothing. Generating: taken before
         // the next token.
@@ -607,6 +1112,78 @@ mod tests {
                 last_error()
             );
             ls_close(model);
+        }
+    }
+
+    #[test]
+    fn a_saved_state_gives_the_same_logits_again() {
+        let path = CString::new(
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/austen-relu").to_string(),
+        )
+        .unwrap();
+        let mut model = std::ptr::null_mut();
+        let options = ls_open_options_default();
+        // SAFETY: valid pointers throughout; the model is closed at the end.
+        unsafe {
+            assert_eq!(ls_open(path.as_ptr(), &options, &mut model), LsStatus::Ok);
+            let prompt = CString::new("It is a truth universally").unwrap();
+            let mut tokens = [0u32; 64];
+            let mut n = 0;
+            let status = ls_tokenize(
+                model,
+                prompt.as_ptr(),
+                true,
+                tokens.as_mut_ptr(),
+                64,
+                &mut n,
+            );
+            assert_eq!(status, LsStatus::Ok);
+            assert_eq!(ls_eval(model, tokens.as_ptr(), n), LsStatus::Ok);
+            let mut size = 0;
+            assert_eq!(
+                ls_state_save(model, std::ptr::null_mut(), 0, &mut size),
+                LsStatus::InvalidArgument
+            );
+            let mut state = vec![0u8; size];
+            assert_eq!(
+                ls_state_save(model, state.as_mut_ptr(), size, &mut size),
+                LsStatus::Ok
+            );
+            let logits = |model| {
+                let mut v = 0;
+                let p = ls_logits(model, &mut v);
+                std::slice::from_raw_parts(p, v).to_vec()
+            };
+            let before = logits(model);
+            let next = [tokens[1]];
+            assert_eq!(ls_eval(model, next.as_ptr(), 1), LsStatus::Ok);
+            let after_next = logits(model);
+            assert_ne!(after_next, before);
+            // Back to the saved state, on a model with other tokens in between.
+            assert_eq!(ls_eval(model, next.as_ptr(), 1), LsStatus::Ok);
+            assert_eq!(ls_state_load(model, state.as_ptr(), size), LsStatus::Ok);
+            assert_eq!(logits(model), before);
+            assert_eq!(ls_eval(model, next.as_ptr(), 1), LsStatus::Ok);
+            assert_eq!(logits(model), after_next, "bit-identical after a restore");
+            // A damaged state is refused with a message.
+            assert_eq!(
+                ls_state_load(model, state.as_ptr(), size - 1),
+                LsStatus::InvalidArgument
+            );
+            assert!(last_error().contains("ls_state_load"), "{}", last_error());
+            // The model moves to another thread, which uses it and closes it.
+            let address = model as usize;
+            let on_other = std::thread::spawn(move || {
+                let model = address as *mut LsModel;
+                let status = ls_state_load(model, state.as_ptr(), size);
+                let status2 = ls_eval(model, next.as_ptr(), 1);
+                let logits = logits(model);
+                ls_close(model);
+                (status, status2, logits)
+            });
+            let (status, status2, moved) = on_other.join().unwrap();
+            assert_eq!((status, status2), (LsStatus::Ok, LsStatus::Ok));
+            assert_eq!(moved, after_next, "the same logits on another thread");
         }
     }
 }

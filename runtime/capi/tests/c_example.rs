@@ -107,10 +107,49 @@ fn the_c_example_writes_runs_text_and_reports_a_bad_path() {
             .args([PROMPT, "24"])
             .output()
             .unwrap();
-        assert_eq!(text(&o), expected, "{}", exe.display());
+        // ls_generate's text, then the token-level loop's: both `run`'s.
+        assert_eq!(
+            text(&o),
+            format!("{expected}{expected}"),
+            "{}",
+            exe.display()
+        );
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains("24 generated"), "{err}");
     }
+
+    // A two-turn chat (SmolLM2 has a chat template): the first reply is `run --chat`'s.
+    let smollm2 = std::env::var_os("LEANSTREAM_SMOLLM2")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/leanstream/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        smollm2.is_file(),
+        "SmolLM2 is not at {}: run scripts/fetch-smollm2.sh",
+        smollm2.display()
+    );
+    const QUESTION: &str = "What is the capital of France?";
+    let run = Command::new(built("leanstream"))
+        .arg("run")
+        .arg("--model")
+        .arg(&smollm2)
+        .args(["--chat", "-p", QUESTION, "--temp", "0", "-n", "12"])
+        .output()
+        .unwrap();
+    let first = text(&run);
+    let o = Command::new(&shared)
+        .arg("--chat")
+        .arg(&smollm2)
+        .args([QUESTION, "And of Italy?", "12"])
+        .output()
+        .unwrap();
+    let replies = text(&o);
+    let lines: Vec<&str> = replies.lines().collect();
+    assert_eq!(lines.len(), 2, "{replies:?}");
+    assert_eq!(format!("{}\n", lines[0]), first);
+    assert!(!lines[1].trim().is_empty(), "{replies:?}");
 
     let missing = dir.join("no-such-model.lsb");
     let o = Command::new(&shared)
@@ -161,7 +200,7 @@ fn the_header_declares_every_exported_function() {
     let src = std::fs::read_to_string(crate_dir().join("src/lib.rs")).unwrap();
     let header = std::fs::read_to_string(crate_dir().join("include/leanstream.h")).unwrap();
     let names = exported(&src);
-    assert_eq!(names.len(), 9, "{names:?}");
+    assert_eq!(names.len(), 21, "{names:?}");
     let mut declared = called(&header);
     declared.dedup();
     assert_eq!(

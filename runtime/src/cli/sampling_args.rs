@@ -15,6 +15,9 @@ pub struct SamplingArgs {
     /// Sample only among the most likely tokens whose probability reaches P (1 = off).
     #[arg(long, default_value_t = 0.95)]
     pub top_p: f32,
+    /// Sample only among tokens at least P times as likely as the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
     /// Penalty on recently generated tokens (1 = off).
     #[arg(long, default_value_t = 1.1)]
     pub repeat_penalty: f32,
@@ -29,6 +32,7 @@ impl SamplingArgs {
             temperature: self.temp,
             top_k: self.top_k,
             top_p: self.top_p,
+            min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
             seed: self.seed,
             ..Default::default()

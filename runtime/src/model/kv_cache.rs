@@ -60,6 +60,9 @@ impl KvType {
     }
 }
 
+/// The first bytes of a saved cache ([`KvCache::save`]), with the layout's version.
+const STATE_MAGIC: &[u8; 8] = b"LSKVST01";
+
 pub struct KvCache {
     kv: KvType,
     capacity: usize,
@@ -139,6 +142,97 @@ impl KvCache {
     /// Forgets every position (the memory stays committed).
     pub fn clear(&mut self) {
         self.len = 0;
+    }
+
+    /// The stored positions as bytes (a sequence's state to save): a header (format, storage
+    /// type, shape, length), then each layer's keys and values for positions `0..len`, head by
+    /// head.
+    pub fn save(&self) -> Vec<u8> {
+        let mut out =
+            Vec::with_capacity(64 + 2 * self.keys.len() * self.kv_heads * self.len * self.row);
+        out.extend_from_slice(STATE_MAGIC);
+        let name = self.kv.name().as_bytes();
+        for n in [
+            name.len(),
+            self.keys.len(),
+            self.kv_heads,
+            self.head_dim,
+            self.len,
+        ] {
+            out.extend_from_slice(&(n as u32).to_le_bytes());
+        }
+        out.extend_from_slice(name);
+        for layer in 0..self.keys.len() {
+            for buf in [&self.keys[layer], &self.values[layer]] {
+                for h in 0..self.kv_heads {
+                    out.extend_from_slice(&buf[self.rows(h, 0, self.len)]);
+                }
+            }
+        }
+        out
+    }
+
+    /// Replaces the stored positions with a state [`save`](Self::save) wrote for a cache of the
+    /// same model and storage type; the error says what differs.
+    pub fn restore(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let rest = bytes
+            .strip_prefix(STATE_MAGIC)
+            .ok_or("not a saved KV cache (its magic is wrong)")?;
+        let word = |i: usize| -> Result<usize, String> {
+            rest.get(4 * i..4 * i + 4)
+                .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
+                .ok_or_else(|| "the saved KV cache is cut short".to_string())
+        };
+        let (name_len, layers, heads, head_dim, len) =
+            (word(0)?, word(1)?, word(2)?, word(3)?, word(4)?);
+        let name = rest
+            .get(20..20 + name_len)
+            .ok_or("the saved KV cache is cut short")?;
+        if name != self.kv.name().as_bytes() {
+            return Err(format!(
+                "the saved KV cache stores {} rows, this one {}",
+                String::from_utf8_lossy(name),
+                self.kv.name()
+            ));
+        }
+        if (layers, heads, head_dim) != (self.keys.len(), self.kv_heads, self.head_dim) {
+            return Err(format!(
+                "the saved KV cache is of another model: {layers} layers, {heads} KV heads of \
+                 {head_dim}, not {}, {} of {}",
+                self.keys.len(),
+                self.kv_heads,
+                self.head_dim
+            ));
+        }
+        if len > self.capacity {
+            return Err(format!(
+                "the saved KV cache holds {len} positions, more than this context of {}",
+                self.capacity
+            ));
+        }
+        let data = &rest[20 + name_len..];
+        let span = len * self.row;
+        if data.len() != 2 * layers * heads * span {
+            return Err("the saved KV cache has the wrong size".into());
+        }
+        let mut chunks = data.chunks_exact(span.max(1));
+        for layer in 0..layers {
+            for keys in [true, false] {
+                for h in 0..heads {
+                    let at = self.rows(h, 0, len);
+                    let buf = if keys {
+                        &mut self.keys[layer]
+                    } else {
+                        &mut self.values[layer]
+                    };
+                    if span > 0 {
+                        buf[at].copy_from_slice(chunks.next().expect("the size was checked"));
+                    }
+                }
+            }
+        }
+        self.len = len;
+        Ok(())
     }
 
     /// Byte range of `kv_head`'s rows for positions `start..end` within a layer's buffer.

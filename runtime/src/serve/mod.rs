@@ -1,13 +1,17 @@
 //! `leanstream serve`: the model behind an OpenAI-compatible HTTP API (`/v1/chat/completions`,
 //! `/v1/completions`, streamed as server-sent events or whole; `/v1/models`, `/health`,
-//! `/metrics`), the way local runtimes are used by apps and tools written for OpenAI's API.
+//! `/metrics`), the way local runtimes are used by apps and tools written for OpenAI's API; also
+//! Ollama's `/api/*` and llama.cpp's `/completion`, `/tokenize` and `/detokenize` (compat.rs).
 //!
 //! One HTTP thread validates requests and answers the cheap routes; one worker (this thread) owns
 //! the model and serves queued requests one at a time in arrival order, reusing the KV cache of
 //! the previous conversation's common prefix. The server is `tiny_http`: synchronous, four small
 //! dependencies, no async runtime (docs/serve.md: its size and build-time cost).
 
+mod compat;
+mod decode;
 mod error;
+mod json_grammar;
 mod metrics;
 mod queue;
 mod reply;
@@ -15,6 +19,7 @@ mod request;
 mod routes;
 mod sse;
 mod stop;
+mod tools;
 mod worker;
 
 use std::sync::Arc;
@@ -22,7 +27,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, Result};
 use clap::Args;
 
-use crate::cli::chat::ChatFormat;
+use crate::text::chat::ChatFormat;
 use crate::cli::sampling_args::SamplingArgs;
 use crate::platform::elastic::BudgetWatch;
 use crate::text::session::Session;

@@ -7,6 +7,7 @@ use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryS
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::json_grammar::Grammar;
 use super::request::Endpoint;
 use crate::text::sampler::SamplerConfig;
 
@@ -26,6 +27,14 @@ pub struct Work {
     pub stop: Vec<String>,
     pub stream: bool,
     pub received: Instant,
+    /// Choices to generate, one after another (choice `i` samples with seed + `i`).
+    pub n: usize,
+    /// `Some(k)`: each token's log-probability and the `k` most likely tokens.
+    pub logprobs: Option<usize>,
+    /// The JSON grammar the reply must follow.
+    pub grammar: Option<Arc<Grammar>>,
+    /// Tools the reply may call (their names); empty: no tool calls are parsed.
+    pub tool_names: Vec<String>,
 }
 
 /// The sending side, held by the HTTP thread.

@@ -4,6 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
+use super::json_grammar::Grammar;
 use crate::tokenizer::chat_template::Message;
 
 /// Which endpoint a request came to.
@@ -13,12 +14,24 @@ pub enum Endpoint {
     Completions,
     /// `POST /v1/chat/completions`: messages through the model's chat template.
     Chat,
+    /// Ollama's `POST /api/generate`.
+    OllamaGenerate,
+    /// Ollama's `POST /api/chat`.
+    OllamaChat,
+    /// llama.cpp's `POST /completion`.
+    Llama,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
     Text(String),
     Messages(Vec<Message>),
+    /// Ollama's `/api/generate`: `messages` through the chat template, or `text` as it is for a
+    /// model without one.
+    Generate {
+        messages: Vec<Message>,
+        text: String,
+    },
 }
 
 /// A validated request; `None` fields take the server's defaults.
@@ -32,10 +45,47 @@ pub struct CompletionRequest {
     pub seed: Option<u64>,
     /// Text that ends the reply where it first appears (not included in the reply).
     pub stop: Vec<String>,
+    /// Choices to generate (one after another).
+    pub n: usize,
+    /// Log-probabilities wanted: `Some(k)` gives the chosen token's and the `k` most likely.
+    pub logprobs: Option<usize>,
+    pub min_p: Option<f32>,
+    pub top_k: Option<usize>,
+    /// OpenAI's `tools` list, for the chat template; `None` with `tool_choice: "none"`.
+    pub tools: Option<Value>,
+    /// The names of `tools`' functions: the calls taken from the reply.
+    pub tool_names: Vec<String>,
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// A reply constrained to JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResponseFormat {
+    JsonObject,
+    /// The schema (`json_schema.schema`).
+    JsonSchema(Value),
+}
+
+impl ResponseFormat {
+    pub fn grammar(&self) -> Result<Grammar, ApiError> {
+        match self {
+            ResponseFormat::JsonObject => Ok(Grammar::json_object()),
+            ResponseFormat::JsonSchema(schema) => Grammar::from_schema(schema).map_err(|e| {
+                ApiError::field(
+                    "response_format",
+                    format!("response_format.json_schema: {e}"),
+                )
+            }),
+        }
+    }
 }
 
 /// At most this many stop strings, as OpenAI allows.
 const MAX_STOPS: usize = 4;
+/// At most this many choices per request.
+const MAX_N: u64 = 16;
+/// At most this many alternatives per token in `top_logprobs`, as OpenAI allows.
+const MAX_TOP_LOGPROBS: u64 = 20;
 
 /// Parses and checks `body`; `model` is the served model's id (a request naming another gets 404).
 pub fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<CompletionRequest, ApiError> {
@@ -67,18 +117,61 @@ pub fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<CompletionR
     }
     let prompt = match endpoint {
         Endpoint::Chat => Prompt::Messages(messages(&obj)?),
-        Endpoint::Completions => Prompt::Text(prompt_text(&obj)?),
+        _ => Prompt::Text(prompt_text(&obj)?),
     };
-    if let Some(n) = obj.get("n") {
-        if n.as_u64() != Some(1) {
-            return Err(ApiError::field("n", "n must be 1: one choice per request"));
+    let n = match obj.get("n") {
+        None | Some(Value::Null) => 1,
+        Some(v) => match v.as_u64() {
+            Some(n @ 1..=MAX_N) => n as usize,
+            _ => {
+                return Err(ApiError::field(
+                    "n",
+                    format!("n must be an integer from 1 to {MAX_N}, not {v}"),
+                ))
+            }
+        },
+    };
+    let logprobs = match endpoint {
+        Endpoint::Chat => {
+            let wanted = boolean(&obj, "logprobs")?.unwrap_or(false);
+            let top = integer(&obj, "top_logprobs", 0)?;
+            match (wanted, top) {
+                (_, Some(k)) if k > MAX_TOP_LOGPROBS => {
+                    return Err(ApiError::field(
+                        "top_logprobs",
+                        format!("top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, not {k}"),
+                    ))
+                }
+                (false, Some(_)) => {
+                    return Err(ApiError::field(
+                        "top_logprobs",
+                        "top_logprobs needs \"logprobs\": true",
+                    ))
+                }
+                (true, k) => Some(k.unwrap_or(0) as usize),
+                (false, None) => None,
+            }
         }
+        _ => match integer(&obj, "logprobs", 0)? {
+            Some(k) if k > MAX_TOP_LOGPROBS => {
+                return Err(ApiError::field(
+                    "logprobs",
+                    format!("logprobs must be from 0 to {MAX_TOP_LOGPROBS}, not {k}"),
+                ))
+            }
+            k => k.map(|k| k as usize),
+        },
+    };
+    let (tools, tool_names) = tools(&obj, endpoint)?;
+    let response_format = response_format(&obj)?;
+    if let Some(format) = &response_format {
+        format.grammar()?;
     }
     let max_tokens = match endpoint {
         Endpoint::Chat => {
             integer(&obj, "max_completion_tokens", 1)?.or(integer(&obj, "max_tokens", 1)?)
         }
-        Endpoint::Completions => integer(&obj, "max_tokens", 1)?,
+        _ => integer(&obj, "max_tokens", 1)?,
     };
     Ok(CompletionRequest {
         prompt,
@@ -88,7 +181,96 @@ pub fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<CompletionR
         top_p: number(&obj, "top_p", f32::MIN_POSITIVE, 1.0)?,
         seed: seed(&obj)?,
         stop: stop(&obj)?,
+        n,
+        logprobs,
+        min_p: number(&obj, "min_p", 0.0, 1.0)?,
+        top_k: integer(&obj, "top_k", 0)?.map(|k| k as usize),
+        tools,
+        tool_names,
+        response_format,
     })
+}
+
+/// `tools` and `tool_choice`: the tools to render (none with `tool_choice: "none"`) and their
+/// names. Forcing a call (`"required"` or a named function) is refused: the reply is not
+/// constrained to a call.
+fn tools(
+    obj: &Map<String, Value>,
+    endpoint: Endpoint,
+) -> Result<(Option<Value>, Vec<String>), ApiError> {
+    let list = match obj.get("tools") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(list)) if endpoint == Endpoint::Chat => Some(list),
+        Some(Value::Array(_)) => {
+            return Err(ApiError::field(
+                "tools",
+                "tools are for /v1/chat/completions: a completion has no chat template",
+            ))
+        }
+        Some(_) => return Err(ApiError::field("tools", "tools must be an array")),
+    };
+    let choice = match obj.get("tool_choice") {
+        None | Some(Value::Null) => "auto",
+        Some(Value::String(s)) if s == "auto" || s == "none" => s.as_str(),
+        Some(v) => {
+            return Err(ApiError::field(
+                "tool_choice",
+                format!(
+                    "tool_choice {v} is not supported: give \"auto\" or \"none\" (a reply is \
+                     not forced to call a tool)"
+                ),
+            ))
+        }
+    };
+    let Some(list) = list.filter(|l| !l.is_empty() && choice == "auto") else {
+        return Ok((None, Vec::new()));
+    };
+    let names = list
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let function = t
+                .get("function")
+                .filter(|_| t.get("type").and_then(Value::as_str) == Some("function"));
+            function
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .ok_or_else(|| {
+                    ApiError::field(
+                        "tools",
+                        format!(
+                            "tools[{i}] must be {{\"type\": \"function\", \"function\": \
+                             {{\"name\": ..., \"parameters\": {{...}}}}}}"
+                        ),
+                    )
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((Some(Value::Array(list.clone())), names))
+}
+
+fn response_format(obj: &Map<String, Value>) -> Result<Option<ResponseFormat>, ApiError> {
+    let Some(format) = obj.get("response_format").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let wrong = |why: &str| ApiError::field("response_format", format!("response_format: {why}"));
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(ResponseFormat::JsonObject)),
+        Some("json_schema") => {
+            let schema = format
+                .get("json_schema")
+                .and_then(|s| s.get("schema"))
+                .ok_or_else(|| {
+                    wrong("json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+                })?;
+            Ok(Some(ResponseFormat::JsonSchema(schema.clone())))
+        }
+        _ => Err(wrong(
+            "type must be \"text\", \"json_object\" or \"json_schema\"",
+        )),
+    }
 }
 
 fn messages(obj: &Map<String, Value>) -> Result<Vec<Message>, ApiError> {
@@ -106,13 +288,39 @@ fn messages(obj: &Map<String, Value>) -> Result<Vec<Message>, ApiError> {
             let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
                 ApiError::field("messages", format!("messages[{i}].role must be a string"))
             })?;
-            if !matches!(role, "system" | "user" | "assistant") {
+            if !matches!(role, "system" | "user" | "assistant" | "tool") {
                 return Err(ApiError::field(
                     "messages",
-                    format!("messages[{i}].role is `{role}`: expected system, user or assistant"),
+                    format!(
+                        "messages[{i}].role is `{role}`: expected system, user, assistant or tool"
+                    ),
                 ));
             }
-            let content = message_content(m.get("content")).ok_or_else(|| {
+            let tool_calls = match m.get("tool_calls") {
+                None | Some(Value::Null) => None,
+                Some(calls @ Value::Array(list))
+                    if role == "assistant"
+                        && list.iter().all(|c| {
+                            c.pointer("/function/name").is_some_and(Value::is_string)
+                        }) =>
+                {
+                    Some(calls.clone())
+                }
+                Some(_) => {
+                    return Err(ApiError::field(
+                        "messages",
+                        format!(
+                            "messages[{i}].tool_calls must be an assistant's list of \
+                             {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"
+                        ),
+                    ))
+                }
+            };
+            let content = match m.get("content") {
+                None | Some(Value::Null) if tool_calls.is_some() => Some(String::new()),
+                c => message_content(c),
+            };
+            let content = content.ok_or_else(|| {
                 ApiError::field(
                     "messages",
                     format!(
@@ -121,7 +329,14 @@ fn messages(obj: &Map<String, Value>) -> Result<Vec<Message>, ApiError> {
                     ),
                 )
             })?;
-            Ok(Message::new(role, &content))
+            let text = |key: &str| m.get(key).and_then(Value::as_str).map(str::to_string);
+            let mut message = Message::new(role, &content);
+            message.tool_calls = tool_calls;
+            if role == "tool" {
+                message.tool_call_id = text("tool_call_id");
+                message.name = text("name");
+            }
+            Ok(message)
         })
         .collect()
 }
@@ -260,7 +475,8 @@ mod tests {
             r#"{"model": "m", "messages": [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}],
                 "stream": true, "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": -1,
-                "stop": ["a", "b"], "n": 1, "user": "ignored"}"#,
+                "stop": ["a", "b"], "n": 2, "user": "ignored", "logprobs": true, "top_logprobs": 3,
+                "min_p": 0.05, "response_format": {"type": "json_object"}}"#,
         )
         .unwrap();
         assert_eq!(
@@ -276,8 +492,20 @@ mod tests {
                 top_p: Some(0.5),
                 seed: Some(u64::MAX),
                 stop: vec!["a".into(), "b".into()],
+                n: 2,
+                logprobs: Some(3),
+                min_p: Some(0.05),
+                top_k: None,
+                tools: None,
+                tool_names: vec![],
+                response_format: Some(ResponseFormat::JsonObject),
             }
         );
+        let r = completion(r#"{"prompt": "x", "logprobs": 2}"#).unwrap();
+        assert_eq!(r.logprobs, Some(2));
+        let r =
+            chat(r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true}"#).unwrap();
+        assert_eq!(r.logprobs, Some(0));
         let r = completion(r#"{"prompt": ["Once"], "stop": "\n"}"#).unwrap();
         assert_eq!(r.prompt, Prompt::Text("Once".into()));
         assert_eq!(r.stop, vec!["\n".to_string()]);
@@ -334,8 +562,53 @@ mod tests {
                 "seed",
             ),
             (
-                r#"{"messages": [{"role": "user", "content": "x"}], "n": 2}"#,
+                r#"{"messages": [{"role": "user", "content": "x"}], "n": 0}"#,
                 "n",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "n": 17}"#,
+                "n",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}"#,
+                "top_logprobs",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}"#,
+                "top_logprobs",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": 3}"#,
+                "logprobs",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "min_p": 1.5}"#,
+                "min_p",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "tools": {}}"#,
+                "tools",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}"#,
+                "tools",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}"#,
+                "tool_choice",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}"#,
+                "response_format",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+                    "json_schema": {"schema": {"type": "object", "properties": {"a": {"oneOf": []}}}}}}"#,
+                "response_format",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": 3, "tool_calls": "x"}]}"#,
+                "messages",
             ),
             (
                 r#"{"messages": [{"role": "user", "content": "x"}], "model": 5}"#,
@@ -350,6 +623,37 @@ mod tests {
         assert_eq!(e.param, Some("prompt"));
         let e = completion(r#"{}"#).unwrap_err();
         assert_eq!(e.param, Some("prompt"));
+    }
+
+    #[test]
+    fn tools_tool_messages_and_formats_are_read() {
+        let r = chat(
+            r#"{"messages": [{"role": "user", "content": "1+1?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+                    "function": {"name": "add", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "2"}],
+                "tools": [{"type": "function", "function": {"name": "add", "parameters": {}}}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.tool_names, ["add"]);
+        let Prompt::Messages(m) = &r.prompt else {
+            panic!()
+        };
+        assert_eq!(m[1].content, "");
+        assert!(m[1].tool_calls.is_some());
+        assert_eq!(m[2].tool_call_id.as_deref(), Some("c"));
+        assert!(matches!(
+            r.response_format,
+            Some(ResponseFormat::JsonSchema(_))
+        ));
+        let none = chat(
+            r#"{"messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
+                "tools": [{"type": "function", "function": {"name": "add"}}]}"#,
+        )
+        .unwrap();
+        assert_eq!((none.tools, none.tool_names.len()), (None, 0));
     }
 
     #[test]

@@ -10,11 +10,12 @@ use std::time::Instant;
 use serde_json::{json, Value};
 use tiny_http::{Header, Method, Request, Response};
 
+use super::compat;
 use super::error::ApiError;
 use super::metrics::ServerMetrics;
 use super::queue::{Job, Queue, Work};
 use super::request::{self, CompletionRequest, Endpoint, Prompt};
-use crate::cli::chat::ChatFormat;
+use crate::text::chat::ChatFormat;
 use crate::platform::elastic::BudgetHandle;
 use crate::platform::memory_size::{format_size, parse_budget};
 use crate::text::sampler::SamplerConfig;
@@ -49,13 +50,21 @@ pub struct Budget {
 const COMPLETIONS: &str = "/v1/completions";
 const CHAT: &str = "/v1/chat/completions";
 const BUDGET: &str = "/v1/budget";
-const PATHS: [&str; 6] = [
+const PATHS: [&str; 14] = [
     "/health",
     "/metrics",
     "/v1/models",
     COMPLETIONS,
     CHAT,
     BUDGET,
+    "/api/generate",
+    "/api/chat",
+    "/api/tags",
+    "/api/show",
+    "/api/version",
+    "/completion",
+    "/tokenize",
+    "/detokenize",
 ];
 
 impl Frontend {
@@ -88,6 +97,28 @@ impl Frontend {
                     Response::from_string(text)
                         .with_header(header("Content-Type", "text/plain; version=0.0.4")),
                 );
+            }
+            (Method::Get | Method::Head, "/api/version") => respond_json(
+                request,
+                200,
+                &json!({ "version": env!("CARGO_PKG_VERSION") }),
+            ),
+            (Method::Get | Method::Head, "/api/tags") => {
+                let model = self.ollama_model();
+                respond_json(request, 200, &json!({ "models": [model] }))
+            }
+            (Method::Post, "/api/show") => match self.show(&mut request) {
+                Ok(v) => respond_json(request, 200, &v),
+                Err(e) => self.refuse_ollama(request, e),
+            },
+            (Method::Post, "/api/generate") => self.enqueue(request, Endpoint::OllamaGenerate),
+            (Method::Post, "/api/chat") => self.enqueue(request, Endpoint::OllamaChat),
+            (Method::Post, "/completion") => self.enqueue(request, Endpoint::Llama),
+            (Method::Post, "/tokenize" | "/detokenize") => {
+                match self.tokenize(&mut request, path == "/tokenize") {
+                    Ok(v) => respond_json(request, 200, &v),
+                    Err(e) => self.refuse(request, e),
+                }
             }
             (Method::Post, COMPLETIONS) => self.enqueue(request, Endpoint::Completions),
             (Method::Post, CHAT) => self.enqueue(request, Endpoint::Chat),
@@ -158,9 +189,95 @@ impl Frontend {
         Ok(bytes)
     }
 
+    /// The model as Ollama's `/api/tags` lists it.
+    fn ollama_model(&self) -> Value {
+        json!({
+            "name": format!("{}:latest", self.model_id),
+            "model": format!("{}:latest", self.model_id),
+            "modified_at": compat::rfc3339(0),
+            "size": 0,
+            "digest": "",
+            "details": { "format": "leanstream", "family": "", "parameter_size": "",
+                "quantization_level": "" },
+        })
+    }
+
+    /// Ollama's `/api/show`: the model's details and chat template.
+    fn show(&self, request: &mut Request) -> Result<Value, ApiError> {
+        let body = self.body(request)?;
+        let obj: serde_json::Map<String, Value> = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::new(
+                400,
+                "invalid_json",
+                format!("the body is not a JSON object: {e}"),
+            )
+        })?;
+        let name = obj
+            .get("model")
+            .or(obj.get("name"))
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::field("model", "model is required"))?;
+        if name.split(':').next() != Some(self.model_id.as_str()) {
+            return Err(ApiError {
+                status: 404,
+                message: format!(
+                    "model `{name}` not found: this server has `{}`",
+                    self.model_id
+                ),
+                param: Some("model"),
+                code: Some("model_not_found"),
+            });
+        }
+        let model = self.ollama_model();
+        Ok(json!({
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": model["details"],
+            "model_info": { "general.context_length": self.ctx },
+            "capabilities": if self.chat.is_ok() { json!(["completion", "tools"]) } else { json!(["completion"]) },
+        }))
+    }
+
+    /// llama.cpp's `/tokenize` (`content`, optional `add_special`) and `/detokenize` (`tokens`).
+    fn tokenize(&self, request: &mut Request, encode: bool) -> Result<Value, ApiError> {
+        let body = self.body(request)?;
+        let v: Value = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::new(400, "invalid_json", format!("the body is not JSON: {e}"))
+        })?;
+        if encode {
+            let text = v["content"]
+                .as_str()
+                .ok_or_else(|| ApiError::field("content", "content must be a string"))?;
+            let special = v["add_special"].as_bool().unwrap_or(false);
+            let ids = self
+                .tokenizer
+                .encode(text, special)
+                .map_err(|e| ApiError::field("content", format!("{e:#}")))?;
+            Ok(json!({ "tokens": ids }))
+        } else {
+            let ids = v["tokens"]
+                .as_array()
+                .and_then(|list| {
+                    list.iter()
+                        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                        .collect::<Option<Vec<u32>>>()
+                })
+                .ok_or_else(|| ApiError::field("tokens", "tokens must be a list of token ids"))?;
+            let text = self
+                .tokenizer
+                .decode(&ids)
+                .map_err(|e| ApiError::field("tokens", format!("{e:#}")))?;
+            Ok(json!({ "content": text }))
+        }
+    }
+
     fn enqueue(&self, mut request: Request, endpoint: Endpoint) {
         let work = match self.validate(&mut request, endpoint) {
             Ok(work) => work,
+            Err(e) if matches!(endpoint, Endpoint::OllamaGenerate | Endpoint::OllamaChat) => {
+                return self.refuse_ollama(request, e)
+            }
             Err(e) => return self.refuse(request, e),
         };
         let job = Job { request, work };
@@ -182,15 +299,32 @@ impl Frontend {
     fn validate(&self, request: &mut Request, endpoint: Endpoint) -> Result<Work, ApiError> {
         let received = Instant::now();
         let body = self.body(request)?;
-        let r: CompletionRequest = request::parse(endpoint, &body, &self.model_id)?;
-        let (prompt, eos_token_ids, field) = match &r.prompt {
-            Prompt::Text(text) => {
-                let ids = self
-                    .tokenizer
-                    .encode(text, true)
-                    .map_err(|e| ApiError::field("prompt", format!("{e:#}")))?;
-                (ids, self.eos_token_ids.clone(), "prompt")
+        let r: CompletionRequest = match endpoint {
+            Endpoint::Chat | Endpoint::Completions => {
+                request::parse(endpoint, &body, &self.model_id)?
             }
+            Endpoint::OllamaGenerate | Endpoint::OllamaChat => {
+                compat::parse_ollama(endpoint, &body, &self.model_id)?
+            }
+            Endpoint::Llama => compat::parse_llama(&body)?,
+        };
+        let text_prompt = |text: &str| {
+            self.tokenizer
+                .encode(text, true)
+                .map_err(|e| ApiError::field("prompt", format!("{e:#}")))
+        };
+        let (prompt, eos_token_ids, field) = match &r.prompt {
+            Prompt::Text(text) => (text_prompt(text)?, self.eos_token_ids.clone(), "prompt"),
+            Prompt::Generate { messages, text } => match &self.chat {
+                Ok(format) => {
+                    let ids = format
+                        .template
+                        .encode(&self.tokenizer, messages)
+                        .map_err(|e| ApiError::field("prompt", format!("{e:#}")))?;
+                    (ids, format.eos_token_ids.clone(), "prompt")
+                }
+                Err(_) => (text_prompt(text)?, self.eos_token_ids.clone(), "prompt"),
+            },
             Prompt::Messages(messages) => {
                 let format = self
                     .chat
@@ -198,7 +332,7 @@ impl Frontend {
                     .map_err(|why| ApiError::field("messages", why.clone()))?;
                 let ids = format
                     .template
-                    .encode(&self.tokenizer, messages)
+                    .encode_with_tools(&self.tokenizer, messages, r.tools.as_ref())
                     .map_err(|e| ApiError::field("messages", format!("{e:#}")))?;
                 (ids, format.eos_token_ids.clone(), "messages")
             }
@@ -231,6 +365,16 @@ impl Frontend {
         if let Some(s) = r.seed {
             sampler.seed = s;
         }
+        if let Some(p) = r.min_p {
+            sampler.min_p = p;
+        }
+        if let Some(k) = r.top_k {
+            sampler.top_k = k;
+        }
+        let grammar = match &r.response_format {
+            Some(format) => Some(Arc::new(format.grammar()?)),
+            None => None,
+        };
         Ok(Work {
             endpoint,
             prompt,
@@ -240,6 +384,10 @@ impl Frontend {
             stop: r.stop,
             stream: r.stream,
             received,
+            n: r.n,
+            logprobs: r.logprobs,
+            grammar,
+            tool_names: r.tool_names,
         })
     }
 
@@ -268,6 +416,16 @@ impl Frontend {
             return Err(too_large());
         }
         Ok(body)
+    }
+
+    /// An error as Ollama returns it: `{"error": "..."}`.
+    fn refuse_ollama(&self, request: Request, e: ApiError) {
+        ServerMetrics::add(&self.metrics.bad_requests, 1);
+        let message = match e.param {
+            Some(p) if !e.message.contains(p) => format!("{p}: {}", e.message),
+            _ => e.message,
+        };
+        respond_json(request, e.status, &json!({ "error": message }));
     }
 
     fn refuse(&self, request: Request, e: ApiError) {

@@ -7,15 +7,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::decode::{generate, DecodeOptions, Scratch, TokenLogprob};
 use super::error::ApiError;
+use super::json_grammar::TokenTexts;
 use super::metrics::ServerMetrics;
-use super::queue::{Job, Jobs, Next};
-use super::reply::{Reply, Usage};
-use super::sse::EventStream;
+use super::queue::{Job, Jobs, Next, Work};
+use super::reply::{Choice, Reply, Usage};
+use super::request::Endpoint;
+use super::sse::{EventStream, Framing};
 use super::stop::StopMatcher;
+use super::tools::ToolGate;
 use crate::model::kv_cache::KvCache;
 use crate::platform::memory::peak_rss_bytes;
-use crate::text::generate::{generate_after, GenerateOptions, StopReason};
+use crate::text::generate::StopReason;
+use crate::text::sampler::SamplerConfig;
 use crate::text::session::Session;
 use crate::tokenizer::Tokenizer;
 
@@ -31,6 +36,25 @@ pub struct Worker {
     model_id: String,
     metrics: Arc<ServerMetrics>,
     served: u64,
+    /// Every token's text, made on the first request that needs it (a grammar or logprobs).
+    token_texts: Option<TokenTexts>,
+    scratch: Scratch,
+}
+
+/// Where a reply goes: a stream, or one body at the end.
+enum Out {
+    Stream(EventStream),
+    Whole(Option<tiny_http::Request>),
+}
+
+/// A generated choice, and how its generation went.
+struct ChoiceOutcome {
+    choice: Choice,
+    tokens: usize,
+    tokens_per_s: f64,
+    prompt_ns: u64,
+    decode_ns: u64,
+    ending: Ending,
 }
 
 /// How a request ended, for the log.
@@ -54,6 +78,8 @@ impl Worker {
             model_id,
             metrics,
             served: 0,
+            token_texts: None,
+            scratch: Scratch::default(),
         };
         worker.refresh_metrics();
         worker
@@ -93,34 +119,170 @@ impl Worker {
         let Job { request, work: job } = job;
         self.served += 1;
         let reply = Reply::new(job.endpoint, self.served, &self.model_id);
-        let reused = self.reuse_prefix(&job.prompt);
-        let opts = GenerateOptions {
-            max_tokens: job.max_tokens,
-            ctx: self.session.ctx,
-            sampler: job.sampler.clone(),
-            eos_token_ids: job.eos_token_ids.clone(),
-        };
-        let (mut stream, request) = if job.stream {
-            (Some(EventStream::start(request)), None)
+        let mut out = if job.stream {
+            let framing = match job.endpoint {
+                Endpoint::OllamaGenerate | Endpoint::OllamaChat => Framing::Ndjson,
+                Endpoint::Llama => Framing::SseWithoutDone,
+                Endpoint::Chat | Endpoint::Completions => Framing::Sse,
+            };
+            Out::Stream(EventStream::start(request, framing))
         } else {
-            (None, Some(request))
+            Out::Whole(Some(request))
         };
-        if let (Some(s), Some(opening)) = (stream.as_mut(), reply.opening()) {
-            s.send(&opening);
+        if (job.grammar.is_some() || job.logprobs.is_some()) && self.token_texts.is_none() {
+            let vocab = self.session.model().config().vocab_size;
+            match TokenTexts::new(&self.tokenizer, vocab) {
+                Ok(t) => self.token_texts = Some(t),
+                Err(e) => return self.fail(out, &e),
+            }
         }
-        let interrupt = AtomicBool::new(false);
-        let mut stops = StopMatcher::new(job.stop.clone());
-        let mut stopped = false;
-        let mut text = String::new();
-        let emit = |piece: &str, text: &mut String, stream: &mut Option<EventStream>| {
-            text.push_str(piece);
-            if let Some(s) = stream.as_mut() {
-                if !piece.is_empty() && !s.send(&reply.piece(piece)) {
-                    interrupt.store(true, Ordering::Relaxed);
+        let mut usage = Usage {
+            prompt: job.prompt.len(),
+            cached: 0,
+            completion: 0,
+            prompt_ns: 0,
+            eval_ns: 0,
+            total_ns: 0,
+        };
+        let mut choices = Vec::with_capacity(job.n);
+        let mut ending = Ending::Finished("stop");
+        let mut rate = 0.0;
+        for index in 0..job.n {
+            let reused = self.reuse_prefix(&job.prompt);
+            if index == 0 {
+                usage.cached = reused;
+            }
+            let mut sampler = job.sampler.clone();
+            sampler.seed = sampler.seed.wrapping_add(index as u64);
+            let choice = match self.choice(&job, &reply, index, reused, sampler, &mut out) {
+                Ok(c) => c,
+                Err(e) => return self.fail(out, &e),
+            };
+            usage.completion += choice.tokens;
+            usage.prompt_ns += choice.prompt_ns;
+            usage.eval_ns += choice.decode_ns;
+            usage.total_ns = job.received.elapsed().as_nanos() as u64;
+            rate = choice.tokens_per_s;
+            ending = choice.ending;
+            if let Out::Stream(s) = &mut out {
+                if ending != Ending::ClientGone {
+                    let last = (index + 1 == job.n).then_some(usage);
+                    let reason = choice.choice.finish_reason;
+                    s.send(&reply.closing(index, reason, last));
                 }
             }
+            choices.push(choice.choice);
+            if ending == Ending::ClientGone {
+                break;
+            }
+        }
+        let m = &self.metrics;
+        ServerMetrics::add(&m.prompt_tokens, usage.prompt as u64);
+        ServerMetrics::add(&m.reused_prompt_tokens, usage.cached as u64);
+        ServerMetrics::add(&m.completion_tokens, usage.completion as u64);
+        match (ending, out) {
+            (Ending::ClientGone, _) => ServerMetrics::add(&m.client_disconnects, 1),
+            (_, Out::Stream(s)) => s.done(),
+            (_, Out::Whole(r)) => {
+                let body = reply.whole(&choices, usage);
+                super::routes::respond_json(r.expect("answered once"), 200, &body);
+            }
+        }
+        self.refresh_metrics();
+        eprintln!(
+            "request {}: {} prompt tokens ({} reused), {} generated{} at {:.1} tok/s, {}, {:.0} ms in all",
+            self.served,
+            usage.prompt,
+            usage.cached,
+            usage.completion,
+            if job.n > 1 {
+                format!(" in {} choices", choices.len())
+            } else {
+                String::new()
+            },
+            rate,
+            match ending {
+                Ending::Finished(reason) => reason,
+                Ending::ClientGone => "client disconnected",
+            },
+            job.received.elapsed().as_secs_f64() * 1e3
+        );
+    }
+
+    /// Answers a request whose generation failed with a 500; the cache may hold part of it, so
+    /// the next request starts afresh.
+    fn fail(&mut self, out: Out, e: &anyhow::Error) {
+        self.cache.clear();
+        self.cached.clear();
+        let error = ApiError::new(500, "generation_failed", format!("{e:#}"));
+        eprintln!("request {}: error: {e:#}", self.served);
+        match out {
+            Out::Stream(mut s) => {
+                s.send(&error.to_json());
+                s.done();
+            }
+            Out::Whole(r) => super::routes::respond_json(
+                r.expect("answered once"),
+                error.status,
+                &error.to_json(),
+            ),
+        }
+    }
+
+    /// Generates choice `index` after the `reused` prompt tokens the cache holds, streaming it
+    /// to `out` if that is a stream.
+    fn choice(
+        &mut self,
+        job: &Work,
+        reply: &Reply,
+        index: usize,
+        reused: usize,
+        sampler: SamplerConfig,
+        out: &mut Out,
+    ) -> anyhow::Result<ChoiceOutcome> {
+        let opts = DecodeOptions {
+            max_tokens: job.max_tokens,
+            ctx: self.session.ctx,
+            sampler,
+            eos: &job.eos_token_ids,
+            top_logprobs: job.logprobs,
+            grammar: job.grammar.as_deref().zip(self.token_texts.as_ref()),
         };
-        let generation = generate_after(
+        if let (Out::Stream(s), Some(opening)) = (&mut *out, reply.opening(index)) {
+            s.send(&opening);
+        }
+        let texts = self.token_texts.as_ref();
+        let interrupt = AtomicBool::new(false);
+        let mut stops = StopMatcher::new(job.stop.clone());
+        let mut gate = (!job.tool_names.is_empty()).then(ToolGate::default);
+        let mut stopped = false;
+        let mut text = String::new();
+        let mut all_logprobs: Vec<TokenLogprob> = Vec::new();
+        // Tokens whose log-probabilities the stream has not sent yet.
+        let mut unsent = 0;
+        let mut send =
+            |piece: &str, text: &mut String, all: &[TokenLogprob], unsent: &mut usize| {
+                let piece = match gate.as_mut() {
+                    Some(g) => g.push(piece),
+                    None => piece.to_string(),
+                };
+                let offset = text.len();
+                text.push_str(&piece);
+                if let Out::Stream(s) = out {
+                    let fresh = &all[all.len() - *unsent..];
+                    if piece.is_empty() && fresh.is_empty() {
+                        return;
+                    }
+                    let logprobs = texts
+                        .filter(|_| job.logprobs.is_some())
+                        .map(|t| reply.logprobs(fresh, t, offset));
+                    *unsent = 0;
+                    if !s.send(&reply.piece(index, &piece, logprobs)) {
+                        interrupt.store(true, Ordering::Relaxed);
+                    }
+                }
+            };
+        let outcome = generate(
             self.session.model(),
             &self.tokenizer,
             &mut self.cache,
@@ -128,89 +290,88 @@ impl Worker {
             &job.prompt[reused..],
             &opts,
             &interrupt,
-            |piece| {
+            &mut self.scratch,
+            |logprob, piece| {
+                if stopped {
+                    return;
+                }
+                if let Some(lp) = logprob {
+                    all_logprobs.push(lp);
+                    unsent += 1;
+                }
+                let Some(piece) = piece else { return };
                 let released = stops.push(piece);
-                emit(&released.text, &mut text, &mut stream);
                 if released.stopped {
                     stopped = true;
                     interrupt.store(true, Ordering::Relaxed);
                 }
-            },
-        );
-        let generation = match generation {
-            Ok(g) => g,
-            Err(e) => {
-                // The cache may hold part of this request: start the next one afresh.
-                self.cache.clear();
-                self.cached.clear();
-                let error = ApiError::new(500, "generation_failed", format!("{e:#}"));
-                eprintln!("request {}: error: {e:#}", self.served);
-                match (stream, request) {
-                    (Some(mut s), _) => {
-                        s.send(&error.to_json());
-                        s.done();
-                    }
-                    (None, Some(r)) => {
-                        super::routes::respond_json(r, error.status, &error.to_json())
-                    }
-                    (None, None) => unreachable!("a request is either streamed or whole"),
+                if !released.text.is_empty() || (released.stopped && unsent > 0) {
+                    send(&released.text, &mut text, &all_logprobs, &mut unsent);
                 }
-                return;
-            }
-        };
+            },
+        )?;
         if !stopped {
-            emit(&stops.finish(), &mut text, &mut stream);
-        }
-        let client_gone = stream.as_ref().is_some_and(|s| !s.is_open());
-        let ending = match generation.stats.stop_reason {
-            _ if client_gone => Ending::ClientGone,
-            _ if stopped => Ending::Finished("stop"),
-            StopReason::Eos => Ending::Finished("stop"),
-            StopReason::MaxTokens | StopReason::ContextFull => Ending::Finished("length"),
-            StopReason::Interrupted => {
-                unreachable!("only a stop string or a lost client interrupt")
+            let rest = stops.finish();
+            if !rest.is_empty() || unsent > 0 {
+                send(&rest, &mut text, &all_logprobs, &mut unsent);
             }
-        };
-        self.cached.extend_from_slice(&job.prompt[reused..]);
-        self.cached.extend_from_slice(&generation.tokens);
-        self.cached.truncate(self.cache.len());
-        let usage = Usage {
-            prompt: job.prompt.len(),
-            cached: reused,
-            completion: generation.tokens.len(),
-        };
-        let m = &self.metrics;
-        ServerMetrics::add(&m.prompt_tokens, usage.prompt as u64);
-        ServerMetrics::add(&m.reused_prompt_tokens, usage.cached as u64);
-        ServerMetrics::add(&m.completion_tokens, usage.completion as u64);
-        match ending {
-            Ending::ClientGone => ServerMetrics::add(&m.client_disconnects, 1),
-            Ending::Finished(finish_reason) => match (stream, request) {
-                (Some(mut s), _) => {
-                    s.send(&reply.closing(finish_reason, usage));
-                    s.done();
-                }
-                (None, Some(r)) => {
-                    let body = reply.whole(&text, finish_reason, usage);
-                    super::routes::respond_json(r, 200, &body);
-                }
-                (None, None) => unreachable!("a request is either streamed or whole"),
-            },
         }
-        self.refresh_metrics();
-        eprintln!(
-            "request {}: {} prompt tokens ({} reused), {} generated at {:.1} tok/s, {}, {:.0} ms in all",
-            self.served,
-            usage.prompt,
-            usage.cached,
-            usage.completion,
-            generation.stats.tokens_per_s,
-            match ending {
-                Ending::Finished(reason) => reason,
-                Ending::ClientGone => "client disconnected",
+        let client_gone = matches!(out, Out::Stream(s) if !s.is_open());
+        let mut finish_reason = match outcome.stop_reason {
+            _ if stopped => "stop",
+            StopReason::Eos => "stop",
+            StopReason::MaxTokens | StopReason::ContextFull => "length",
+            StopReason::Interrupted => "stop",
+        };
+        let mut tool_calls = None;
+        if let Some(g) = gate {
+            let held = g.finish();
+            let whole = format!("{text}{held}");
+            let serial = format!("{:x}{index}", self.served);
+            match super::tools::parse(&whole, &job.tool_names) {
+                Some((content, calls)) => {
+                    if let Out::Stream(s) = out {
+                        s.send(
+                            &reply.tool_calls(index, super::tools::to_json(&calls, &serial, true)),
+                        );
+                    }
+                    tool_calls = Some(super::tools::to_json(&calls, &serial, false));
+                    finish_reason = "tool_calls";
+                    text = content;
+                }
+                None => {
+                    if let Out::Stream(s) = out {
+                        if !held.is_empty() {
+                            s.send(&reply.piece(index, &held, None));
+                        }
+                    }
+                    text = whole;
+                }
+            }
+        }
+        self.cached.extend_from_slice(&job.prompt[reused..]);
+        self.cached.extend_from_slice(&outcome.tokens);
+        self.cached.truncate(self.cache.len());
+        let logprobs = texts
+            .filter(|_| job.logprobs.is_some() && matches!(out, Out::Whole(_)))
+            .map(|t| reply.logprobs(&all_logprobs, t, 0));
+        Ok(ChoiceOutcome {
+            choice: Choice {
+                text,
+                finish_reason,
+                logprobs,
+                tool_calls,
             },
-            job.received.elapsed().as_secs_f64() * 1e3
-        );
+            tokens: outcome.tokens.len(),
+            tokens_per_s: outcome.tokens_per_s,
+            prompt_ns: outcome.prompt_ns,
+            decode_ns: outcome.decode_ns,
+            ending: if client_gone {
+                Ending::ClientGone
+            } else {
+                Ending::Finished(finish_reason)
+            },
+        })
     }
 
     /// Copies the runtime's figures for `GET /metrics`.

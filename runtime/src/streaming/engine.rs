@@ -488,7 +488,7 @@ struct Marks {
 
 pub struct StreamEngine {
     core: Core,
-    schedule: Box<dyn Schedule>,
+    schedule: Box<dyn Schedule + Send>,
     /// Index of the first token of the current forward call, counted since the engine started.
     call_token: usize,
     /// The true active sets of the tokens to come, when known (the bench records them): the
@@ -513,7 +513,7 @@ impl StreamEngine {
         cache: NeuronCache<Bytes>,
         mapping: Option<Mapping>,
         io_budget: u64,
-        schedule: Box<dyn Schedule>,
+        schedule: Box<dyn Schedule + Send>,
         truth: Option<Arc<ActiveTrace>>,
     ) -> Self {
         let slots = cache.slots().clone();

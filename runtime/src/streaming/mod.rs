@@ -276,7 +276,7 @@ impl StreamingModel {
         } else {
             None
         };
-        let schedule: Box<dyn schedule::Schedule> = match policy {
+        let schedule: Box<dyn schedule::Schedule + Send> = match policy {
             Policy::Leanstream => Box::new(leanstream::Leanstream::new(tuning, config.num_layers)),
             Policy::Resident | Policy::Dense => Box::new(schedule::Resident),
             Policy::Mmap => Box::new(schedule::Mapped),

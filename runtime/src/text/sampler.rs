@@ -1,5 +1,5 @@
-//! Next-token choice: greedy, or temperature sampling with top-k / top-p, after a repetition
-//! penalty; seeded so a run can be repeated.
+//! Next-token choice: greedy, or temperature sampling with top-k / min-p / top-p, after a
+//! repetition penalty; seeded so a run can be repeated.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -12,6 +12,8 @@ pub struct SamplerConfig {
     pub top_k: usize,
     /// Keep the smallest set of most likely tokens whose probability reaches `p` (1 = off).
     pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one (0 = off).
+    pub min_p: f32,
     /// CTRL-style penalty on tokens seen in the last `repeat_last_n` tokens (1 = off).
     pub repeat_penalty: f32,
     pub repeat_last_n: usize,
@@ -24,6 +26,7 @@ impl Default for SamplerConfig {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
             seed: 0,
@@ -79,6 +82,12 @@ impl Sampler {
         for (_, l) in cand.iter_mut() {
             *l = (((*l - max) / c.temperature) as f64).exp() as f32;
             total += *l as f64;
+        }
+        if c.min_p > 0.0 {
+            // The most likely candidate has weight 1: keep weights of at least `min_p`.
+            let keep = cand.partition_point(|&(_, p)| p >= c.min_p).max(1);
+            cand.truncate(keep);
+            total = cand.iter().map(|(_, p)| *p as f64).sum();
         }
         if c.top_p < 1.0 {
             let mut cum = 0.0f64;
@@ -182,6 +191,36 @@ mod tests {
             let tok = s.sample(&mut logits(), &[]);
             assert!(tok == 1 || tok == 2, "{tok}");
         }
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_a_share_of_the_best() {
+        // Probabilities ∝ e^[1, 3, 2.5, -1, 0]: relative to token 1, token 2 has e^-0.5 ≈ 0.61,
+        // token 0 e^-2 ≈ 0.14, tokens 4 and 3 less. min_p = 0.5 keeps 1 and 2; 0.1 adds 0.
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            min_p: 0.5,
+            seed: 3,
+            ..Default::default()
+        });
+        let mut seen = [0usize; 5];
+        for _ in 0..2000 {
+            seen[s.sample(&mut logits(), &[]) as usize] += 1;
+        }
+        assert_eq!((seen[0], seen[3], seen[4]), (0, 0, 0), "{seen:?}");
+        assert!(seen[1] > seen[2] && seen[2] > 400, "{seen:?}");
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            min_p: 0.1,
+            seed: 3,
+            ..Default::default()
+        });
+        let mut seen = [0usize; 5];
+        for _ in 0..4000 {
+            seen[s.sample(&mut logits(), &[]) as usize] += 1;
+        }
+        assert_eq!((seen[3], seen[4]), (0, 0), "{seen:?}");
+        assert!(seen[0] > 100, "{seen:?}");
     }
 
     #[test]

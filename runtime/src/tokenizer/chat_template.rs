@@ -16,9 +16,16 @@ use crate::tokenizer::Tokenizer;
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     pub content: String,
+    /// An assistant's calls: OpenAI's `tool_calls` list, each `function.arguments` an object
+    /// (as templates expect; a JSON text is parsed into one).
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool result's call id.
+    pub tool_call_id: Option<String>,
+    /// A tool result's tool name.
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -26,7 +33,46 @@ impl Message {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
+    }
+
+    fn to_value(&self) -> Value {
+        let mut m = serde_json::json!({ "role": self.role, "content": self.content });
+        if let Some(calls) = &self.tool_calls {
+            let mut calls = calls.clone();
+            for call in calls.as_array_mut().into_iter().flatten() {
+                // Templates read `tool_call.function.name` or `tool_call.name` (a flattened
+                // call), and `arguments` as an object.
+                if let Some(f) = call.get("function").cloned() {
+                    if let Some(obj) = call.as_object_mut() {
+                        for (k, v) in f.as_object().into_iter().flatten() {
+                            obj.entry(k.clone()).or_insert_with(|| v.clone());
+                        }
+                    }
+                }
+                for path in ["/arguments", "/function/arguments"] {
+                    if let Some(args) = call.pointer_mut(path) {
+                        if let Some(parsed) = args
+                            .as_str()
+                            .and_then(|s| serde_json::from_str::<serde_json::Value>(s).ok())
+                        {
+                            *args = parsed;
+                        }
+                    }
+                }
+            }
+            m["tool_calls"] = calls;
+        }
+        if let Some(id) = &self.tool_call_id {
+            m["tool_call_id"] = id.as_str().into();
+        }
+        if let Some(name) = &self.name {
+            m["name"] = name.as_str().into();
+        }
+        to_jinja(&m)
     }
 }
 
@@ -56,6 +102,7 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, message))
             },
         );
+        env.add_filter("tojson", tojson);
         env.add_template_owned(NAME, source.template.clone())
             .with_context(|| format!("{}: the chat template does not parse", model.display()))?;
         Ok(Self {
@@ -81,21 +128,28 @@ impl ChatTemplate {
     /// The prompt text for `messages`; `add_generation_prompt` appends the opening of the
     /// assistant's reply.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        let messages: Vec<Value> = messages
-            .iter()
-            .map(|m| {
-                Value::from(BTreeMap::from([
-                    ("role", Value::from(m.role.as_str())),
-                    ("content", Value::from(m.content.as_str())),
-                ]))
-            })
-            .collect();
-        let ctx = Value::from(BTreeMap::from([
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`render`](Self::render) with `tools` (OpenAI's list of `{"type": "function",
+    /// "function": {...}}`), given to the template as `tools` the way `transformers` does.
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let messages: Vec<Value> = messages.iter().map(Message::to_value).collect();
+        let mut ctx = BTreeMap::from([
             ("messages", Value::from(messages)),
             ("add_generation_prompt", Value::from(add_generation_prompt)),
             ("bos_token", Value::from(self.bos_token.as_str())),
             ("eos_token", Value::from(self.eos_token.as_str())),
-        ]));
+        ]);
+        if let Some(tools) = tools {
+            ctx.insert("tools", to_jinja(tools));
+        }
+        let ctx = Value::from(ctx);
         let template = self.env.get_template(NAME).expect("added in new");
         template
             .render(ctx)
@@ -105,7 +159,17 @@ impl ChatTemplate {
     /// Token ids of `messages` rendered with the generation prompt. The template writes the
     /// special tokens it wants (BOS included), so the tokenizer adds none, as `transformers` does.
     pub fn encode(&self, tokenizer: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
-        tokenizer.encode(&self.render(messages, true)?, false)
+        self.encode_with_tools(tokenizer, messages, None)
+    }
+
+    /// [`encode`](Self::encode) with `tools` (see [`render_with_tools`](Self::render_with_tools)).
+    pub fn encode_with_tools(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<Vec<u32>> {
+        tokenizer.encode(&self.render_with_tools(messages, tools, true)?, false)
     }
 
     /// The special token the template closes an assistant turn with (`<|im_end|>`, `</s>`,
@@ -125,6 +189,116 @@ impl ChatTemplate {
             Some(&id) if tokenizer.decode(&[id])?.is_empty() => Some(id),
             _ => None,
         })
+    }
+}
+
+/// `tojson` as `transformers` defines it for templates: Python's `json.dumps` (`", "` and
+/// `": "` between items, or `indent`, non-ASCII kept).
+fn tojson(value: Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json = from_jinja(&value)?;
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let f = serde_json::ser::PrettyFormatter::with_indent(&pad);
+            serde::Serialize::serialize(
+                &json,
+                &mut serde_json::Serializer::with_formatter(&mut out, f),
+            )
+        }
+        None => serde::Serialize::serialize(
+            &json,
+            &mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter),
+        ),
+    };
+    written.map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(Value::from_safe_string(
+        String::from_utf8(out).expect("serde_json writes UTF-8"),
+    ))
+}
+
+/// A JSON value as a template value.
+fn to_jinja(v: &serde_json::Value) -> Value {
+    use serde_json::Value as J;
+    match v {
+        J::Null => Value::from(()),
+        J::Bool(b) => Value::from(*b),
+        J::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => Value::from(i),
+            (None, Some(u)) => Value::from(u),
+            _ => Value::from(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        J::String(s) => Value::from(s.as_str()),
+        J::Array(list) => Value::from(list.iter().map(to_jinja).collect::<Vec<_>>()),
+        J::Object(map) => Value::from(
+            map.iter()
+                .map(|(k, v)| (k.clone(), to_jinja(v)))
+                .collect::<BTreeMap<_, _>>(),
+        ),
+    }
+}
+
+/// A template value as JSON (for `tojson`).
+fn from_jinja(v: &Value) -> Result<serde_json::Value, Error> {
+    use minijinja::value::ValueKind;
+    use serde_json::Value as J;
+    Ok(match v.kind() {
+        ValueKind::Undefined | ValueKind::None => J::Null,
+        ValueKind::Bool => J::Bool(v.is_true()),
+        ValueKind::Number => match i64::try_from(v.clone()) {
+            Ok(i) => J::from(i),
+            Err(_) => J::from(f64::try_from(v.clone())?),
+        },
+        ValueKind::String => J::from(v.as_str().unwrap_or_default()),
+        ValueKind::Seq | ValueKind::Iterable => J::Array(
+            v.try_iter()?
+                .map(|x| from_jinja(&x))
+                .collect::<Result<_, _>>()?,
+        ),
+        ValueKind::Map => {
+            let mut map = serde_json::Map::new();
+            for key in v.try_iter()? {
+                let value = v.get_item(&key)?;
+                map.insert(key.to_string(), from_jinja(&value)?);
+            }
+            J::Object(map)
+        }
+        _ => J::from(v.to_string()),
+    })
+}
+
+/// `json.dumps`'s default separators.
+struct PythonFormatter;
+
+impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
     }
 }
 
@@ -209,6 +383,60 @@ mod tests {
             .render(&[Message::new("assistant", "x")], false)
             .unwrap_err();
         assert!(format!("{err:#}").contains("user first"), "{err:#}");
+    }
+
+    /// The tool parts of Qwen2.5's template, as it ships.
+    const QWEN_TOOLS: &str = r##"{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{{- "# Tools\n\n<tools>" }}
+{%- for tool in tools %}
+{{- "\n" }}{{- tool | tojson }}
+{%- endfor %}
+{{- "\n</tools><|im_end|>\n" }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == "user" %}
+{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == "assistant" %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '\n<tool_call>\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == "tool" %}
+{{- '<|im_start|>user\n<tool_response>\n' }}{{- message.content }}{{- '\n</tool_response><|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"##;
+
+    #[test]
+    fn tools_tool_calls_and_tool_results_reach_the_template() {
+        let t = template(QWEN_TOOLS);
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "add",
+            "parameters": {"type": "object"}}}]);
+        let mut call = Message::new("assistant", "");
+        call.tool_calls = Some(serde_json::json!([{"id": "c1", "type": "function",
+            "function": {"name": "add", "arguments": "{\"a\": 1}"}}]));
+        let mut result = Message::new("tool", "2");
+        result.tool_call_id = Some("c1".into());
+        let text = t
+            .render_with_tools(
+                &[Message::new("user", "1+1?"), call, result],
+                Some(&tools),
+                true,
+            )
+            .unwrap();
+        assert_eq!(
+            text,
+            "<|im_start|>system\n# Tools\n\n<tools>\n{\"function\": {\"name\": \"add\", \
+             \"parameters\": {\"type\": \"object\"}}, \"type\": \"function\"}\n</tools><|im_end|>\n\
+             <|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n\
+             {\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call><|im_end|>\n\
+             <|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
     }
 
     #[test]

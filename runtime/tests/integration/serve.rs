@@ -443,3 +443,437 @@ fn chat_completions_render_the_template_like_run_chat_and_reuse_the_conversation
     );
     assert!(cached < usage["prompt_tokens"].as_u64().unwrap());
 }
+
+/// The log-softmax of the logits after `prompt`, computed here with the library (the reference
+/// for the server's `logprobs`).
+fn reference_logprobs(prompt: &str) -> Vec<f64> {
+    use leanstream::streaming::{Sparsity, Tuning};
+    use leanstream::text::session::{Session, SessionOptions};
+    let mut session = Session::open(&SessionOptions {
+        model: embedded_model(),
+        policy: None,
+        memory: None,
+        flash: None,
+        sparsity: Sparsity::Certified,
+        ctx: None,
+        default_ctx: 1024,
+        kv: Default::default(),
+        tuning: Tuning::default(),
+    })
+    .unwrap();
+    let ids = session.tokenizer.encode(prompt, true).unwrap();
+    let ctx = session.ctx;
+    let model = session.model();
+    let mut cache = model.new_cache(ctx);
+    let logits = model.forward(&ids, &mut cache, false).unwrap();
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z = max
+        + logits
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    logits.iter().map(|&l| l as f64 - z).collect()
+}
+
+#[test]
+fn logprobs_match_the_models_logits_and_n_seed_min_p_are_honoured() {
+    let reference = reference_logprobs(PROMPT);
+    let mut best: Vec<(usize, f64)> = reference.iter().copied().enumerate().collect();
+    best.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let expected = run_text(PROMPT, 8);
+    let server = Server::start(&embedded_model(), &[]);
+
+    // Completions: `logprobs: 5`.
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({ "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 5 }),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], expected.as_str());
+    let lp = &body["choices"][0]["logprobs"];
+    let tokens = lp["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 8, "{lp}");
+    assert_eq!(
+        tokens
+            .iter()
+            .map(|t| t.as_str().unwrap())
+            .collect::<String>(),
+        expected,
+        "the tokens spell the text"
+    );
+    let top0 = lp["top_logprobs"][0].as_object().unwrap();
+    assert_eq!(top0.len(), 5);
+    let sum: f64 = top0.values().map(|v| v.as_f64().unwrap().exp()).sum();
+    assert!(sum <= 1.0 + 1e-6 && sum > 0.0, "{sum}");
+    let mut served: Vec<f64> = top0.values().map(|v| v.as_f64().unwrap()).collect();
+    served.sort_by(|a, b| b.total_cmp(a));
+    for (got, (_, want)) in served.iter().zip(&best) {
+        assert!((got - want).abs() < 1e-4, "{got} vs {want}");
+    }
+    let first = lp["token_logprobs"][0].as_f64().unwrap();
+    assert!(
+        (first - best[0].1).abs() < 1e-4,
+        "greedy takes the best: {first}"
+    );
+    assert_eq!(lp["text_offset"][0], 0);
+
+    // Chat-shaped logprobs in a stream: every token's entry, its top 3 best first.
+    let (events, done) = server.stream(
+        "/v1/completions",
+        &json!({ "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 3, "stream": true }),
+    );
+    assert!(done);
+    assert_eq!(streamed_text(&events), expected);
+    let streamed: Vec<f64> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["token_logprobs"].as_array())
+        .flatten()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let whole: Vec<f64> = lp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    // The stream's prompt comes from the KV cache, computed in other chunks: equal to rounding.
+    assert_eq!(streamed.len(), whole.len());
+    for (s, w) in streamed.iter().zip(&whole) {
+        assert!((s - w).abs() < 1e-4, "{streamed:?} vs {whole:?}");
+    }
+
+    // n = 3 sampled choices with a seed: three choices, repeatable, not all the same.
+    let sampled = json!({ "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "n": 3,
+        "seed": 5, "top_p": 1.0 });
+    let (status, a) = server.post("/v1/completions", &sampled);
+    assert_eq!(status, 200, "{a}");
+    let texts = |b: &Value| -> Vec<String> {
+        b["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                assert_eq!(c["index"], i);
+                c["text"].as_str().unwrap().to_string()
+            })
+            .collect()
+    };
+    let ta = texts(&a);
+    assert_eq!(ta.len(), 3);
+    assert!(ta[0] != ta[1] || ta[1] != ta[2], "{ta:?}");
+    assert_eq!(a["usage"]["completion_tokens"], 36, "{a}");
+    let (_, b) = server.post("/v1/completions", &sampled);
+    assert_eq!(texts(&b), ta, "the same seed gives the same choices");
+    let mut other = sampled.clone();
+    other["seed"] = 6.into();
+    let (_, c) = server.post("/v1/completions", &other);
+    assert_ne!(texts(&c), ta);
+    // min_p = 1 keeps only the most likely token: sampling turns greedy (the server's repeat
+    // penalty applies to both).
+    let (_, greedy) = server.post(
+        "/v1/completions",
+        &json!({ "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "min_p": 1.0 }),
+    );
+    assert_eq!(greedy["choices"][0]["text"], expected.as_str());
+}
+
+#[test]
+fn response_format_constrains_the_reply_to_json() {
+    let server = Server::start(&embedded_model(), &[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "married": { "type": "boolean" },
+            "sisters": { "type": "integer" },
+            "mood": { "enum": ["happy", "proud", "prejudiced"] },
+            "name": { "type": "string" }
+        },
+        "required": ["married", "sisters", "mood"]
+    });
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({ "prompt": "Elizabeth Bennet, as a record:", "max_tokens": 100, "temperature": 0,
+            "response_format": { "type": "json_schema",
+                "json_schema": { "name": "record", "schema": schema } } }),
+    );
+    assert_eq!(status, 200, "{body}");
+    let text = body["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(body["choices"][0]["finish_reason"], "stop", "{text}");
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert!(v["married"].is_boolean(), "{v}");
+    assert!(v["sisters"].is_i64(), "{v}");
+    assert!(
+        ["happy", "proud", "prejudiced"].contains(&v["mood"].as_str().unwrap()),
+        "{v}"
+    );
+    assert_eq!(v.as_object().unwrap().len(), 3, "{v}");
+
+    // json_object, sampled: any object, streamed.
+    let (events, done) = server.stream(
+        "/v1/completions",
+        &json!({ "prompt": "{", "max_tokens": 200, "temperature": 0.7, "seed": 1,
+            "stream": true, "response_format": { "type": "json_object" } }),
+    );
+    assert!(done);
+    let text = streamed_text(&events);
+    let last = &events.last().unwrap()["choices"][0]["finish_reason"];
+    if last == "stop" {
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(v.is_object(), "{v}");
+    } else {
+        // Cut by max_tokens: still a valid prefix, starting an object.
+        assert!(text.trim_start().starts_with('{'), "{text}");
+    }
+
+    // Unsupported schemas are refused, naming the field and the keyword.
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({ "prompt": "x", "response_format": { "type": "json_schema", "json_schema": {
+            "name": "r", "schema": { "type": "object",
+                "properties": { "a": { "type": "string", "pattern": "^a" } } } } } }),
+    );
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["param"], "response_format");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("pattern"),
+        "{body}"
+    );
+}
+
+#[test]
+fn chat_takes_tools_tool_results_and_json_object() {
+    let server = Server::start(&smollm2(), &[]);
+    let tools = json!([{ "type": "function", "function": { "name": "get_weather",
+        "description": "The weather in a city", "parameters": { "type": "object",
+        "properties": { "city": { "type": "string" } }, "required": ["city"] } } }]);
+    let (status, body) = server.post(
+        "/v1/chat/completions",
+        &json!({
+            "messages": [
+                { "role": "user", "content": "What is the weather in Paris?" },
+                { "role": "assistant", "content": null, "tool_calls": [{ "id": "call_1",
+                    "type": "function", "function": { "name": "get_weather",
+                    "arguments": "{\"city\": \"Paris\"}" } }] },
+                { "role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C" }
+            ],
+            "tools": tools, "max_tokens": 16, "temperature": 0, "logprobs": true,
+            "top_logprobs": 2
+        }),
+    );
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    let entries = choice["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        entries.len() as u64,
+        body["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    for e in entries {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64());
+        assert!(e["logprob"].as_f64().unwrap() <= 0.0);
+    }
+
+    let (status, body) = server.post(
+        "/v1/chat/completions",
+        &json!({
+            "messages": [{ "role": "user",
+                "content": "Give the capital of France as JSON with a key \"capital\"." }],
+            "max_tokens": 120, "temperature": 0, "response_format": { "type": "json_object" }
+        }),
+    );
+    assert_eq!(status, 200, "{body}");
+    let text = body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(body["choices"][0]["finish_reason"], "stop", "{text}");
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert!(v.is_object(), "{v}");
+}
+
+/// A request's body as lines of JSON (Ollama's streams), with the content type.
+fn ndjson(server: &Server, path: &str, body: &Value) -> (String, Vec<Value>) {
+    let mut r = agent()
+        .post(&server.url(path))
+        .header("Content-Type", "application/json")
+        .send(body.to_string())
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let content_type = r
+        .headers()
+        .get("content-type")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let text = r.body_mut().read_to_string().unwrap();
+    let lines = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    (content_type, lines)
+}
+
+#[test]
+fn ollama_and_llama_cpp_endpoints_answer_like_their_servers() {
+    let expected = run_text(PROMPT, 10);
+    let server = Server::start(&embedded_model(), &[]);
+
+    // Ollama /api/generate, streamed by default: NDJSON lines, the last one `done` with counts.
+    let request = json!({ "model": "austen-relu:latest", "prompt": PROMPT,
+        "options": { "temperature": 0, "num_predict": 10 } });
+    let (content_type, lines) = ndjson(&server, "/api/generate", &request);
+    assert_eq!(content_type, "application/x-ndjson");
+    let text: String = lines
+        .iter()
+        .filter_map(|l| l["response"].as_str())
+        .collect();
+    assert_eq!(text, expected);
+    let last = lines.last().unwrap();
+    assert_eq!(last["done"], true, "{last}");
+    assert_eq!(last["done_reason"], "length");
+    assert_eq!(last["eval_count"], 10);
+    assert_eq!(last["model"], "austen-relu");
+    assert!(last["prompt_eval_count"].as_u64().unwrap() > 3, "{last}");
+    assert!(last["eval_duration"].as_u64().unwrap() > 1000, "{last}");
+    assert!(last["total_duration"].as_u64() >= last["eval_duration"].as_u64());
+    assert!(last["created_at"].as_str().unwrap().ends_with('Z'));
+    assert!(lines[..lines.len() - 1].iter().all(|l| l["done"] == false));
+    // "stream": false: one object.
+    let mut whole = request.clone();
+    whole["stream"] = false.into();
+    let (status, body) = server.post("/api/generate", &whole);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["response"], expected.as_str());
+    assert_eq!(
+        (body["done"].clone(), body["eval_count"].clone()),
+        (json!(true), json!(10))
+    );
+    // Errors are Ollama's {"error": "..."}.
+    let (status, body) = server.post(
+        "/api/generate",
+        &json!({ "model": "llama3", "prompt": "x" }),
+    );
+    assert_eq!(status, 404);
+    assert!(body["error"].as_str().unwrap().contains("llama3"), "{body}");
+    let (status, body) = server.post(
+        "/api/generate",
+        &json!({ "model": "austen-relu", "prompt": "x", "options": { "top_p": 5 } }),
+    );
+    assert_eq!(status, 400);
+    assert!(
+        body["error"].as_str().unwrap().contains("options.top_p"),
+        "{body}"
+    );
+
+    // /api/tags, /api/show, /api/version.
+    let (status, tags) = server.get("/api/tags");
+    assert_eq!(status, 200);
+    let tags: Value = serde_json::from_str(&tags).unwrap();
+    assert_eq!(tags["models"][0]["name"], "austen-relu:latest");
+    let (status, show) = server.post("/api/show", &json!({ "model": "austen-relu" }));
+    assert_eq!(status, 200, "{show}");
+    assert_eq!(show["model_info"]["general.context_length"], 1024);
+    let (status, version) = server.get("/api/version");
+    assert_eq!(status, 200);
+    assert!(version.contains("\"version\""), "{version}");
+
+    // llama.cpp /completion, whole and streamed (events without [DONE]).
+    let (status, body) = server.post(
+        "/completion",
+        &json!({ "prompt": PROMPT, "n_predict": 10, "temperature": 0 }),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["content"], expected.as_str());
+    assert_eq!(body["stop"], true);
+    assert_eq!(body["tokens_predicted"], 10);
+    assert_eq!(body["stop_type"], "limit");
+    let mut r = agent()
+        .post(&server.url("/completion"))
+        .send(
+            json!({ "prompt": PROMPT, "n_predict": 10, "temperature": 0, "stream": true })
+                .to_string(),
+        )
+        .unwrap();
+    let text = r.body_mut().read_to_string().unwrap();
+    assert!(!text.contains("[DONE]"));
+    let events: Vec<Value> = text
+        .split("\n\n")
+        .filter(|b| !b.is_empty())
+        .map(|b| serde_json::from_str(b.strip_prefix("data: ").unwrap()).unwrap())
+        .collect();
+    let streamed: String = events
+        .iter()
+        .filter_map(|e| e["content"].as_str())
+        .collect();
+    assert_eq!(streamed, expected);
+    assert_eq!(events.last().unwrap()["stop"], true);
+    let (status, body) = server.post("/completion", &json!({ "prompt": PROMPT, "n_predict": 0 }));
+    assert_eq!(
+        (status, body["error"]["param"].clone()),
+        (400, json!("n_predict"))
+    );
+
+    // /tokenize and /detokenize round-trip.
+    let (status, tokens) = server.post("/tokenize", &json!({ "content": PROMPT }));
+    assert_eq!(status, 200, "{tokens}");
+    let ids = tokens["tokens"].as_array().unwrap();
+    assert!(ids.len() > 3 && ids.len() < PROMPT.len(), "{tokens}");
+    let (status, text) = server.post("/detokenize", &json!({ "tokens": ids }));
+    assert_eq!(status, 200);
+    assert_eq!(text["content"], PROMPT);
+    let (status, body) = server.post("/detokenize", &json!({ "tokens": ["a"] }));
+    assert_eq!(
+        (status, body["error"]["param"].clone()),
+        (400, json!("tokens"))
+    );
+}
+
+#[test]
+fn ollama_chat_streams_the_template_reply() {
+    let model = smollm2();
+    const QUESTION: &str = "What is the capital of France?";
+    let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .arg("run")
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "--chat", "-p", QUESTION, "--temp", "0", "-n", "12", "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let run: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let server = Server::start(&model, &[]);
+    let request = json!({ "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{ "role": "user", "content": QUESTION }],
+        "options": { "temperature": 0, "num_predict": 12 } });
+    let (_, lines) = ndjson(&server, "/api/chat", &request);
+    let text: String = lines
+        .iter()
+        .filter_map(|l| l["message"]["content"].as_str())
+        .collect();
+    assert_eq!(text, run["text"].as_str().unwrap());
+    let last = lines.last().unwrap();
+    assert_eq!(last["done"], true);
+    assert_eq!(last["message"]["role"], "assistant");
+    assert_eq!(last["eval_count"], run["generated_tokens"], "{last} {run}");
+    // Not streamed: one object (its prompt mostly from the KV cache).
+    let mut whole = request.clone();
+    whole["stream"] = false.into();
+    let (status, body) = server.post("/api/chat", &whole);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["done"], true);
+    assert!(
+        !body["message"]["content"].as_str().unwrap().is_empty(),
+        "{body}"
+    );
+    assert_eq!(
+        body["prompt_eval_count"], 1,
+        "all but the last prompt token reused: {body}"
+    );
+}
