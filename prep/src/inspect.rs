@@ -238,6 +238,15 @@ pub fn print(v: &Value) {
     ] {
         println!("  {key:<16} {:>14}", v[key]);
     }
+    if let (Some(least), Some(resident)) = (
+        v["min_memory_bytes"].as_u64(),
+        v["min_memory_dense_resident_bytes"].as_u64(),
+    ) {
+        println!(
+            "  min_memory_bytes {least:>14}  (the least --memory a run accepts at ctx 512; \
+             {resident} with every dense weight resident)"
+        );
+    }
     if !v["experts"].is_null() {
         println!(
             "  {:<16} {:>14}",

@@ -230,19 +230,39 @@ fn embedded_model_profile_is_realistic_and_predictors_beat_frequency() {
         assert!(!v[key].is_null(), "{key} missing");
     }
     // The two floors at ctx 512: `min_memory_bytes` is the least `--memory` a run accepts (dense
-    // weights streamed), `min_memory_dense_resident_bytes` the least with every one resident.
+    // weights streamed), `min_memory_dense_resident_bytes` the least with every one resident. Both
+    // count the start-up RSS of the process that states them (inspect's, not this test's), which
+    // can differ by a MiB of rounding: their difference is the same in both processes.
     let ctx = 512;
     let least = v["min_memory_bytes"].as_u64().unwrap();
     let resident = v["min_memory_dense_resident_bytes"].as_u64().unwrap();
-    assert_eq!(
-        least,
-        leanstream::streaming::streaming_minimum_memory(embedded(), ctx).unwrap()
-    );
-    assert_eq!(
-        resident,
-        leanstream::streaming::minimum_memory(embedded(), ctx).unwrap()
-    );
+    let own_least = leanstream::streaming::streaming_minimum_memory(embedded(), ctx).unwrap();
+    let own_resident = leanstream::streaming::minimum_memory(embedded(), ctx).unwrap();
     assert!(least < resident, "{least} !< {resident}");
+    assert_eq!(resident - least, own_resident - own_least);
+    assert!(
+        least.abs_diff(own_least) <= 2 << 20,
+        "{least} vs {own_least}"
+    );
+    // The text rendering states both, from a process of its own: the same difference.
+    let text = prep(&["inspect", embedded().to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("  min_memory_bytes "))
+        .unwrap_or_else(|| panic!("no min_memory_bytes line in\n{text}"));
+    let numbers: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .filter(|&n| n > 1 << 20)
+        .collect();
+    assert_eq!(numbers.len(), 2, "{line}");
+    assert_eq!(numbers[1] - numbers[0], resident - least, "{line}");
+    assert!(
+        line.contains("(the least --memory a run accepts at ctx 512; ")
+            && line.ends_with(" with every dense weight resident)"),
+        "{line}"
+    );
     let open = |memory: u64| {
         use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
         Session::open(&SessionOptions {
@@ -258,8 +278,8 @@ fn embedded_model_profile_is_realistic_and_predictors_beat_frequency() {
         })
         .map(|_| ())
     };
-    open(least).unwrap();
-    let refused = open(least - (1 << 20)).unwrap_err().to_string();
+    open(own_least).unwrap();
+    let refused = open(own_least - (1 << 20)).unwrap_err().to_string();
     assert!(refused.contains("below the minimum of"), "{refused}");
     // The model card's sparsity per layer: 0.704, 0.926, 0.896, 0.817 (on other text).
     let want = [0.704, 0.926, 0.896, 0.817];
