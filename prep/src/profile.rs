@@ -41,7 +41,8 @@ impl StreamRule<'_> {
 }
 
 pub struct Profiler<'a> {
-    /// Every weight but the FFNs, which [`Profiler::set_ffn`] installs one layer at a time.
+    /// The embedding, head and norms; each block's attention and FFN are installed while the
+    /// calibration runs it (`convert::install`).
     pub model: Model,
     calib: &'a Calibration,
     /// Hidden states of every window, dense model.
