@@ -25,6 +25,7 @@ use crate::activity;
 use crate::calib::{self, Calibration};
 use crate::certificate::{self, CertificateChoice};
 use crate::certificate_study;
+use crate::memory_plan;
 use crate::placement::{cluster_fill, place};
 use crate::profile::{LayerProfile, Profiler, StreamRule};
 use crate::source::Source;
@@ -64,7 +65,8 @@ pub struct ConvertOptions {
     /// ([`crate::certificate_study`]); the file does not change.
     pub certificate_study: bool,
     pub calib: Option<PathBuf>,
-    pub calib_tokens: usize,
+    /// Calibration tokens (default: [`memory_plan::default_calib_tokens`]).
+    pub calib_tokens: Option<usize>,
     pub predictor_rank: Option<usize>,
     pub epochs: usize,
     pub cluster_kib: u32,
@@ -101,6 +103,9 @@ pub struct Summary {
     /// `--certificate-study`: every candidate design's bytes and reads.
     pub certificate_study: Option<certificate_study::Study>,
     pub seconds: Phases,
+    /// The peak memory stated before any work (none for a mixture of experts).
+    pub memory_estimate: Option<memory_plan::Estimate>,
+    /// The peak resident size the OS measured.
     pub peak_rss_bytes: Option<u64>,
 }
 
@@ -156,8 +161,22 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         tokenizer,
         opts.calib.as_deref(),
         &calib::default_text(config.activation),
-        opts.calib_tokens,
+        opts.calib_tokens
+            .unwrap_or_else(|| memory_plan::default_calib_tokens(&config)),
     )?;
+    let estimate =
+        memory_plan::estimate(&config, calib.tokens(), source.file_bytes(&opts.model_dir));
+    if opts.progress {
+        eprintln!(
+            "{} calibration tokens; peak memory about {} MiB (estimate: embedding and head {} \
+             MiB, one block {} MiB, calibration state {} MiB)",
+            calib.tokens(),
+            estimate.total >> 20,
+            estimate.model >> 20,
+            estimate.block >> 20,
+            estimate.calibration >> 20
+        );
+    }
     phases.load = t.elapsed().as_secs_f64();
 
     let mut writer = ContainerWriter::create(&opts.output)
@@ -450,7 +469,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         });
         cluster_neurons.push(cluster_size);
         prev_residual = Some(residual);
-        uninstall(&mut profiler.model, l);
+        uninstall(&mut profiler, l);
         bar.inc(1);
     }
     writer.end_section();
@@ -508,6 +527,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             .certificate_study
             .then(|| certificate_study::summarise(&studies, opts.quant)),
         seconds: phases,
+        memory_estimate: Some(estimate),
         peak_rss_bytes: leanstream::platform::memory::peak_rss_bytes(),
     })
 }
@@ -562,8 +582,11 @@ pub(crate) fn install(
     Ok(())
 }
 
-/// Drops block `l`'s attention and FFN weights from `model` (see [`install`]).
-pub(crate) fn uninstall(model: &mut Model, l: usize) {
+/// Drops block `l`'s attention and FFN weights from the profiler's model (see [`install`]) and
+/// its keys and values.
+pub(crate) fn uninstall(profiler: &mut Profiler, l: usize) {
+    profiler.release_layer(l);
+    let model = &mut profiler.model;
     model.set_ffn(l, None);
     let empty = Attention {
         wq: placeholder(),
@@ -649,7 +672,7 @@ fn layer_fractions(
             &t,
         ));
         thresholds.push(t);
-        uninstall(&mut profiler.model, l);
+        uninstall(profiler, l);
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -710,7 +733,7 @@ fn heldout_costs(
             })
             .collect();
         profiler.sparse_layer(l, &skips);
-        uninstall(&mut profiler.model, l);
+        uninstall(profiler, l);
         bar.inc(1);
     }
     bar.finish_and_clear();

@@ -91,6 +91,11 @@ impl<'a> Profiler<'a> {
         Ok(())
     }
 
+    /// Gives back the memory layer `l`'s keys and values took (the calibration is done with it).
+    pub fn release_layer(&mut self, l: usize) {
+        self.cache.release_layer(l);
+    }
+
     /// Runs layer `l` of the dense model on every window and returns what its FFN saw.
     pub fn layer(&mut self, l: usize) -> LayerProfile {
         let c = self.model.config();

@@ -9,7 +9,7 @@ mod dense;
 mod layer;
 mod moe;
 mod plant;
-mod shape;
+pub(crate) mod shape;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
