@@ -68,7 +68,8 @@ pub struct ConvertOptions {
     /// Calibration tokens (default: [`memory_plan::default_calib_tokens`]).
     pub calib_tokens: Option<usize>,
     pub predictor_rank: Option<usize>,
-    pub epochs: usize,
+    /// Predictor training epochs (default: [`memory_plan::default_epochs`]).
+    pub epochs: Option<usize>,
     pub cluster_kib: u32,
     pub progress: bool,
 }
@@ -177,6 +178,9 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             estimate.calibration >> 20
         );
     }
+    let epochs = opts
+        .epochs
+        .unwrap_or_else(|| memory_plan::default_epochs(calib.tokens()));
     phases.load = t.elapsed().as_secs_f64();
 
     let mut writer = ContainerWriter::create(&opts.output)
@@ -283,7 +287,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         let k = ((BUDGET_FACTOR * active_frac * n as f32).ceil() as usize).clamp(1, n);
         let cfg = TrainConfig {
             rank,
-            epochs: opts.epochs,
+            epochs,
             batch: 128,
             lr: 3e-3,
             pos_weight: 3.0,
@@ -493,7 +497,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             "calib_text": calib::text_name(opts.calib.as_deref(), config.activation),
             "heldout_tokens": eval_rows.len(),
             "predictor_rank": rank,
-            "epochs": opts.epochs,
+            "epochs": epochs,
             "sparsity_quality": quality,
             "predicted_quality": predicted_quality,
             "sparsity_auto": auto,

@@ -97,9 +97,9 @@ enum Command {
         /// as int8, take at most 3 % of its FFN bundle bytes; at least 4).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         predictor_rank: Option<u64>,
-        /// Training epochs of the predictors.
-        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
-        epochs: u64,
+        /// Training epochs of the predictors (default: 8 × 16384 / calibration tokens, 8 to 24).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        epochs: Option<u64>,
         /// Target size of a neuron cluster (one read), in KiB.
         #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(4..=4096))]
         cluster_kib: u32,
@@ -184,7 +184,7 @@ fn run(command: Command) -> Result<()> {
                 calib,
                 calib_tokens: calib_tokens.map(|t| t as usize),
                 predictor_rank: predictor_rank.map(|r| r as usize),
-                epochs: epochs as usize,
+                epochs: epochs.map(|e| e as usize),
                 cluster_kib,
                 progress: !json,
             };
