@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use leanstream::kernels::{Matrix, Weight};
-use leanstream::model::{DenseFfn, Model};
+use leanstream::model::{Attention, DenseFfn, Model};
 use leanstream::source::config::{Activation, ModelConfig};
 use leanstream::streaming::default_predictor_rank;
 use leanstream::streaming::skip_rule::{Skip, SkipRule};
@@ -25,8 +25,9 @@ use crate::activity;
 use crate::calib::{self, Calibration};
 use crate::certificate::{self, CertificateChoice};
 use crate::certificate_study;
+use crate::memory_plan;
 use crate::placement::{cluster_fill, place};
-use crate::profile::{Profiler, StreamRule};
+use crate::profile::{LayerProfile, Profiler, StreamRule};
 use crate::source::Source;
 use crate::sparsity::{
     allocate, auto_search, cost_curve, down_norms, level, level_thresholds, masks, quantile,
@@ -64,9 +65,11 @@ pub struct ConvertOptions {
     /// ([`crate::certificate_study`]); the file does not change.
     pub certificate_study: bool,
     pub calib: Option<PathBuf>,
-    pub calib_tokens: usize,
+    /// Calibration tokens (default: [`memory_plan::default_calib_tokens`]).
+    pub calib_tokens: Option<usize>,
     pub predictor_rank: Option<usize>,
-    pub epochs: usize,
+    /// Predictor training epochs (default: [`memory_plan::default_epochs`]).
+    pub epochs: Option<usize>,
     pub cluster_kib: u32,
     pub progress: bool,
 }
@@ -101,6 +104,9 @@ pub struct Summary {
     /// `--certificate-study`: every candidate design's bytes and reads.
     pub certificate_study: Option<certificate_study::Study>,
     pub seconds: Phases,
+    /// The peak memory stated before any work (none for a mixture of experts).
+    pub memory_estimate: Option<memory_plan::Estimate>,
+    /// The peak resident size the OS measured.
     pub peak_rss_bytes: Option<u64>,
 }
 
@@ -138,15 +144,10 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         return crate::convert_moe::convert(opts, source, phases);
     }
     let get = |name: &str, shape: &[usize]| source.tensor(name, shape);
-    // Dense weights only: the FFNs are loaded one layer at a time below, so peak memory is the
-    // dense part plus one layer plus the profiling buffers.
-    let model = Model::without_ffn(config.clone(), get, |name, rows, cols| {
-        Ok(Weight::F32(Matrix::new(
-            rows,
-            cols,
-            get(name, &[rows, cols])?,
-        )))
-    })?;
+    // The embedding, the head and the norms only: each block's attention and FFN are loaded
+    // when the calibration reaches it and dropped after ([`install`]), so peak memory is the
+    // embedding plus one block plus the profiling buffers, whatever the depth.
+    let model = profiling_model(&config, &get)?;
     let (tokenizer, tokenizer_json) = (&source.tokenizer, &source.tokenizer_json);
     let mut mode = SparsityMode::parse(&opts.sparsity, config.activation)?;
     let rule = mode.rule();
@@ -161,8 +162,25 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         tokenizer,
         opts.calib.as_deref(),
         &calib::default_text(config.activation),
-        opts.calib_tokens,
+        opts.calib_tokens
+            .unwrap_or_else(|| memory_plan::default_calib_tokens(&config)),
     )?;
+    let estimate =
+        memory_plan::estimate(&config, calib.tokens(), source.file_bytes(&opts.model_dir));
+    if opts.progress {
+        eprintln!(
+            "{} calibration tokens; peak memory about {} MiB (estimate: embedding and head {} \
+             MiB, one block {} MiB, calibration state {} MiB)",
+            calib.tokens(),
+            estimate.total >> 20,
+            estimate.model >> 20,
+            estimate.block >> 20,
+            estimate.calibration >> 20
+        );
+    }
+    let epochs = opts
+        .epochs
+        .unwrap_or_else(|| memory_plan::default_epochs(calib.tokens()));
     phases.load = t.elapsed().as_secs_f64();
 
     let mut writer = ContainerWriter::create(&opts.output)
@@ -224,11 +242,22 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         bar.set_message(format!("layer {l}: profile"));
         let t = Instant::now();
         let (gate, up, down) = ffn_weights(&get, l, h, n, rule)?;
-        profiler
-            .model
-            .set_ffn(l, Some(dense_ffn(&gate, &up, &down, h, n)));
-        let prof = profiler.layer(l);
-        let score = scores(rule, act, &prof.gate, &prof.coef);
+        install(
+            &mut profiler.model,
+            &get,
+            l,
+            dense_ffn(&gate, &up, &down, h, n),
+        )?;
+        // What the layer's FFN saw; the gate pre-activations only give the scores, so they go
+        // at once (each `rows × n` array of f32 is the bulk of the converter's memory).
+        let LayerProfile {
+            residual,
+            ffn_input,
+            gate: pre,
+            coef,
+        } = profiler.layer(l);
+        let score = scores(rule, act, &pre, &coef);
+        drop(pre);
         let thr = match mode {
             SparsityMode::Relu => 0.0,
             _ => quantile(&score, n, &train_rows, fraction),
@@ -258,36 +287,44 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         let k = ((BUDGET_FACTOR * active_frac * n as f32).ceil() as usize).clamp(1, n);
         let cfg = TrainConfig {
             rank,
-            epochs: opts.epochs,
+            epochs,
             batch: 128,
             lr: 3e-3,
             pos_weight: 3.0,
             seed: l as u64,
         };
         let source_layer = l.saturating_sub(1);
-        let lookahead_input = prev_residual.as_deref().unwrap_or(&prof.residual);
+        let lookahead_input = prev_residual.as_deref().unwrap_or(&residual);
+        // Fits a predictor of the layer's activity from `x`; the scores it gives the training
+        // and held-out rows are kept only where wanted (`rows × n` each).
         let fit = |x: &[f32]| {
             let xt = normalise_rows(x, h, &train_rows);
             let trained = train(&xt, &y_train, &cfg);
-            let (train_scores, eval_scores) = (
-                trained.scores(xt.view()),
-                trained.scores(normalise_rows(x, h, &eval_rows).view()),
-            );
-            let quality = top_k_quality(&eval_scores, &y_eval, k);
+            let train_scores = trained.scores(xt.view());
+            drop(xt);
+            let eval_scores = trained.scores(normalise_rows(x, h, &eval_rows).view());
+            let quality = top_k_quality(eval_scores.view(), &y_eval, k);
             let thr = score_threshold(&train_scores, k as f32 / n as f32);
             (trained, quality, thr, train_scores, eval_scores)
         };
-        let (mut own, own_q, budget_thr, mut own_train, mut own_eval) = fit(&prof.ffn_input);
-        let (look, look_q, look_thr, _, _) = fit(lookahead_input);
+        // The two predictors are independent: one per core where there are two.
+        let ((mut own, own_q, budget_thr, mut own_train, mut own_eval), (look, look_q, look_thr)) =
+            rayon::join(
+                || fit(&ffn_input),
+                || {
+                    let (t, q, thr, _, _) = fit(lookahead_input);
+                    (t, q, thr)
+                },
+            );
         // Predicted mode drops a missed active neuron however large, so for SwiGLU (the
         // `gate_up` rule, and the `gate` rule on |silu(g)|, whose misses cost as much) the own
         // predictor always names the neurons with massive contributions and its threshold is set
         // by what its misses carry rather than by a budget. ReLU keeps the budget: `relu(g) = 0`
         // is exact, and its misses are the rule's own small gates.
-        let e_train = energies(&prof.coef, &mask, n, &train_rows);
-        let e_eval = energies(&prof.coef, &mask, n, &eval_rows);
+        let e_eval = energies(&coef, &mask, n, &eval_rows);
         let by_contribution = rule == SkipRule::GateUp || act != Activation::Relu;
         let (own_thr, always) = if by_contribution {
+            let e_train = energies(&coef, &mask, n, &train_rows);
             let always = massive(&e_train);
             for &j in &always {
                 own.w2.row_mut(j).fill(0.0);
@@ -299,13 +336,14 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
                 .iter()
                 .flat_map(|&r| r * n..(r + 1) * n)
                 .filter(|&i| !mask[i])
-                .map(|i| (prof.coef[i] as f64).powi(2))
+                .map(|i| (coef[i] as f64).powi(2))
                 .sum();
             let thr = miss_threshold(&own_train, &e_train, MISS_SHARE * skipped);
             (thr, always.len())
         } else {
             (budget_thr, 0)
         };
+        drop((own_train, coef));
         predicted.push(PredictedLayer {
             quality: at_threshold(&own_eval, &y_eval, &e_eval, own_thr),
             always,
@@ -321,8 +359,9 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             ],
         );
         let freq = y_train.mean_axis(ndarray::Axis(0)).expect("rows");
-        let static_scores = ndarray::Array2::from_shape_fn(y_eval.dim(), |(_, j)| freq[j]);
-        let static_q = top_k_quality(&static_scores, &y_eval, k);
+        // Every row scored by the neuron's training frequency: a view, not a `rows × n` copy.
+        let static_scores = freq.broadcast(y_eval.dim()).expect("n columns");
+        let static_q = top_k_quality(static_scores, &y_eval, k);
         predictors.own.push(to_predictor(
             own,
             &perm,
@@ -373,7 +412,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             h,
             &encodings,
             skip,
-            &prof.ffn_input,
+            &ffn_input,
             &eval_rows,
             cluster_size,
             (n * bundle_bytes) as u64,
@@ -384,7 +423,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
                 bundle: opts.quant,
                 hidden: h,
                 skip,
-                x: &prof.ffn_input,
+                x: &ffn_input,
                 rows: &eval_rows,
                 mask: &mask,
                 perm: &perm,
@@ -433,8 +472,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             routing: None,
         });
         cluster_neurons.push(cluster_size);
-        prev_residual = Some(prof.residual);
-        profiler.model.set_ffn(l, None);
+        prev_residual = Some(residual);
+        uninstall(&mut profiler, l);
         bar.inc(1);
     }
     writer.end_section();
@@ -458,7 +497,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             "calib_text": calib::text_name(opts.calib.as_deref(), config.activation),
             "heldout_tokens": eval_rows.len(),
             "predictor_rank": rank,
-            "epochs": opts.epochs,
+            "epochs": epochs,
             "sparsity_quality": quality,
             "predicted_quality": predicted_quality,
             "sparsity_auto": auto,
@@ -492,8 +531,74 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             .certificate_study
             .then(|| certificate_study::summarise(&studies, opts.quant)),
         seconds: phases,
+        memory_estimate: Some(estimate),
         peak_rss_bytes: leanstream::platform::memory::peak_rss_bytes(),
     })
+}
+
+/// An empty matrix: a block's attention projections while the calibration is elsewhere.
+fn placeholder() -> Weight {
+    Weight::F32(Matrix::new(0, 0, Vec::new()))
+}
+
+/// The model the calibration runs: embedding, head and norms in f32, every block's attention a
+/// [`placeholder`] and no FFN until [`install`]ed.
+pub(crate) fn profiling_model(
+    config: &ModelConfig,
+    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+) -> Result<Model> {
+    Model::without_ffn(config.clone(), get, |name, rows, cols| {
+        Ok(if name.contains(".self_attn.") {
+            placeholder()
+        } else {
+            Weight::F32(Matrix::new(rows, cols, get(name, &[rows, cols])?))
+        })
+    })
+}
+
+/// Loads block `l`'s attention projections as f32 into `model` and installs `ffn`.
+pub(crate) fn install(
+    model: &mut Model,
+    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+    l: usize,
+    ffn: DenseFfn,
+) -> Result<()> {
+    let c = model.config();
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let (q, kv) = (c.num_heads * hd, c.num_kv_heads * hd);
+    let p = format!("model.layers.{l}.self_attn");
+    let mat = |name: &str, rows: usize, cols: usize| -> Result<Weight> {
+        let name = format!("{p}.{name}.weight");
+        Ok(Weight::F32(Matrix::new(
+            rows,
+            cols,
+            get(&name, &[rows, cols])?,
+        )))
+    };
+    let attention = Attention {
+        wq: mat("q_proj", q, h)?,
+        wk: mat("k_proj", kv, h)?,
+        wv: mat("v_proj", kv, h)?,
+        wo: mat("o_proj", h, q)?,
+    };
+    model.set_attention(l, attention);
+    model.set_ffn(l, Some(ffn));
+    Ok(())
+}
+
+/// Drops block `l`'s attention and FFN weights from the profiler's model (see [`install`]) and
+/// its keys and values.
+pub(crate) fn uninstall(profiler: &mut Profiler, l: usize) {
+    profiler.release_layer(l);
+    let model = &mut profiler.model;
+    model.set_ffn(l, None);
+    let empty = Attention {
+        wq: placeholder(),
+        wk: placeholder(),
+        wv: placeholder(),
+        wo: placeholder(),
+    };
+    model.set_attention(l, empty);
 }
 
 /// Layer `l`'s gate, up and down weights as f32 (`n × h`, `n × h`, `h × n`); under the `gate_up`
@@ -552,9 +657,12 @@ fn layer_fractions(
     let (mut curves, mut thresholds) = (Vec::with_capacity(layers), Vec::with_capacity(layers));
     for l in 0..layers {
         let (gate, up, down) = ffn_weights(get, l, h, n, mode.rule())?;
-        profiler
-            .model
-            .set_ffn(l, Some(dense_ffn(&gate, &up, &down, h, n)));
+        install(
+            &mut profiler.model,
+            get,
+            l,
+            dense_ffn(&gate, &up, &down, h, n),
+        )?;
         let prof = profiler.layer(l);
         let score = scores(mode.rule(), c.activation, &prof.gate, &prof.coef);
         let t = level_thresholds(&score, n, train_rows);
@@ -568,7 +676,7 @@ fn layer_fractions(
             &t,
         ));
         thresholds.push(t);
-        profiler.model.set_ffn(l, None);
+        uninstall(profiler, l);
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -612,9 +720,12 @@ fn heldout_costs(
     let bar = bar(progress, c.num_layers as u64, "layers (auto)");
     for (l, t) in thresholds.iter().enumerate() {
         let (gate, up, down) = ffn_weights(get, l, h, n, rule)?;
-        profiler
-            .model
-            .set_ffn(l, Some(dense_ffn(&gate, &up, &down, h, n)));
+        install(
+            &mut profiler.model,
+            get,
+            l,
+            dense_ffn(&gate, &up, &down, h, n),
+        )?;
         let skips: Vec<StreamRule> = allocations
             .iter()
             .map(|a| {
@@ -626,7 +737,7 @@ fn heldout_costs(
             })
             .collect();
         profiler.sparse_layer(l, &skips);
-        profiler.model.set_ffn(l, None);
+        uninstall(profiler, l);
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -637,10 +748,9 @@ fn heldout_costs(
         .collect())
 }
 
-/// Block types need rows of whole blocks; say so before any work is done.
-/// Writes TOKENIZER, and BPE_VOCAB when the compact tokenizer reproduces `tokenizer.json` (else
 /// Writes the sections that follow a file's data — META, tokenizer, the dense and FFN indexes
-/// and the per-neuron side data — raising the file's minor version to what they use.
+/// and the per-neuron side data — raising the file's minor version to what they use. The one
+/// writer of these sections for `convert`, its mixture-of-experts path and `synth`.
 pub(crate) fn write_index_sections(
     writer: &mut ContainerWriter,
     meta: &Meta,
@@ -660,8 +770,9 @@ pub(crate) fn write_index_sections(
     Ok(())
 }
 
+/// Writes TOKENIZER, and BPE_VOCAB when the compact tokenizer reproduces `tokenizer.json` (else
 /// says why on stderr: the runtime then parses `tokenizer.json`, about ten times its size).
-pub(crate) fn add_tokenizer(writer: &mut ContainerWriter, json: &[u8]) -> Result<()> {
+fn add_tokenizer(writer: &mut ContainerWriter, json: &[u8]) -> Result<()> {
     writer.add_section(SectionKind::Tokenizer, json, true)?;
     match leanstream::tokenizer::bpe_vocab(json) {
         Ok(vocab) => writer.add_section(SectionKind::BpeVocab, &vocab.encode(), false)?,
@@ -672,6 +783,7 @@ pub(crate) fn add_tokenizer(writer: &mut ContainerWriter, json: &[u8]) -> Result
     Ok(())
 }
 
+/// Block types need rows of whole blocks; say so before any work is done.
 pub(crate) fn check_block_shapes(c: &ModelConfig, q: QuantType) -> Result<()> {
     for (what, n) in [
         ("hidden_size", c.hidden_size),

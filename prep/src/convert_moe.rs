@@ -53,7 +53,8 @@ pub(crate) fn convert(
         &source.tokenizer,
         opts.calib.as_deref(),
         &calib::default_text(config.activation),
-        opts.calib_tokens,
+        opts.calib_tokens
+            .unwrap_or(crate::memory_plan::MAX_CALIB_TOKENS),
     )?;
     let (_, eval_rows) = calib.split_rows();
     let eval_prev = calib.previous(&eval_rows);
@@ -285,6 +286,7 @@ pub(crate) fn convert(
         certificates: Vec::new(),
         certificate_study: None,
         seconds: phases,
+        memory_estimate: None,
         peak_rss_bytes: leanstream::platform::memory::peak_rss_bytes(),
     })
 }

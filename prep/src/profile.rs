@@ -41,7 +41,8 @@ impl StreamRule<'_> {
 }
 
 pub struct Profiler<'a> {
-    /// Every weight but the FFNs, which `Profiler::set_ffn` installs one layer at a time.
+    /// The embedding, head and norms; each block's attention and FFN are installed while the
+    /// calibration runs it (`convert::install`).
     pub model: Model,
     calib: &'a Calibration,
     /// Hidden states of every window, dense model.
@@ -88,6 +89,11 @@ impl<'a> Profiler<'a> {
         }
         self.sparse = vec![held; streams];
         Ok(())
+    }
+
+    /// Gives back the memory layer `l`'s keys and values took (the calibration is done with it).
+    pub fn release_layer(&mut self, l: usize) {
+        self.cache.release_layer(l);
     }
 
     /// Runs layer `l` of the dense model on every window and returns what its FFN saw.

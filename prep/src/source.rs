@@ -75,11 +75,38 @@ impl Source {
         })
     }
 
-    /// Tensor `name` (Hugging Face naming) as f32, checked against `shape`.
+    /// Tensor `name` (Hugging Face naming) as f32, checked against `shape`. The source's pages
+    /// are dropped from memory after each read: the converter reads each tensor once or a few
+    /// times, and a mapped file's pages would otherwise stay resident (the whole source at the end).
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         match &self.tensors {
-            Tensors::Dir(d) => d.tensor_f32(name, shape),
-            Tensors::Gguf(g) => g.tensor_f32(name, shape),
+            Tensors::Dir(d) => {
+                let t = d.tensor_f32(name, shape);
+                d.release_pages();
+                t
+            }
+            Tensors::Gguf(g) => {
+                let t = g.tensor_f32(name, shape);
+                g.release_pages();
+                t
+            }
+        }
+    }
+
+    /// Bytes of the source's tensor files.
+    pub fn file_bytes(&self, path: &Path) -> u64 {
+        let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+        if path.is_dir() {
+            std::fs::read_dir(path)
+                .map(|d| {
+                    d.flatten()
+                        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+                        .map(|e| size(&e.path()))
+                        .sum()
+                })
+                .unwrap_or(0)
+        } else {
+            size(path)
         }
     }
 }

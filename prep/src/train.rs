@@ -192,7 +192,7 @@ impl Adam {
 }
 
 /// Recall and precision of choosing the `k` highest-scoring neurons of each row.
-pub fn top_k_quality(scores: &Array2<f32>, y: &Array2<f32>, k: usize) -> Quality {
+pub fn top_k_quality(scores: ArrayView2<f32>, y: &Array2<f32>, k: usize) -> Quality {
     let (mut hit, mut active) = (0usize, 0usize);
     let n = scores.ncols();
     let k = k.clamp(1, n);
@@ -305,13 +305,13 @@ mod tests {
             seed: 2,
         };
         let t = train(&x, &y, &cfg);
-        let q = top_k_quality(&t.scores(x.view()), &y, 8);
+        let q = top_k_quality(t.scores(x.view()).view(), &y, 8);
         // 0, 4, 8, 12 or 16 neurons fire (binomially); a perfect ranker's recall at k = 8 is
         // E[min(A, 8)] / E[A] = 6.5 / 8 = 0.8125.
         assert!(q.recall > 0.78, "recall {}", q.recall);
         // Every neuron fires half the time: a static set of 8 recalls about half.
         let static_scores = Array2::from_shape_fn((rows, n), |(_, j)| -(j as f32));
-        assert!(top_k_quality(&static_scores, &y, 8).recall < 0.6);
+        assert!(top_k_quality(static_scores.view(), &y, 8).recall < 0.6);
     }
 
     #[test]

@@ -278,7 +278,7 @@ pub fn build(p: &Params, lay: &Layout, inp: &Inputs, t: &Target) -> anyhow::Resu
     let own_train = own.scores(xa.select(Axis(0), &inp.train).view());
     let own_threshold = score_threshold(&own_train, k_frac as f32);
     let own_q = top_k_quality(
-        &own.scores(xa.select(Axis(0), &inp.eval).view()),
+        own.scores(xa.select(Axis(0), &inp.eval).view()).view(),
         &y_eval,
         k,
     );
@@ -318,7 +318,7 @@ pub fn build(p: &Params, lay: &Layout, inp: &Inputs, t: &Target) -> anyhow::Resu
     let la_recall = |nu: f64| {
         let (b, gain) = blurred(nu);
         let t = build_predictor(la.view(), &b, gain, scale[0]);
-        top_k_quality(&t.scores(la_sample.view()), &y_sample, k).recall as f64
+        top_k_quality(t.scores(la_sample.view()).view(), &y_sample, k).recall as f64
     };
     let lookahead_noise = 1.0
         - plant::solve_increasing(
@@ -333,15 +333,16 @@ pub fn build(p: &Params, lay: &Layout, inp: &Inputs, t: &Target) -> anyhow::Resu
     let la_train = lookahead.scores(la.select(Axis(0), &inp.train).view());
     let lookahead_threshold = score_threshold(&la_train, k_frac as f32);
     let la_q = top_k_quality(
-        &lookahead.scores(la.select(Axis(0), &inp.eval).view()),
+        lookahead
+            .scores(la.select(Axis(0), &inp.eval).view())
+            .view(),
         &y_eval,
         k,
     );
 
     // Measurements on the held-out rows.
     let freq = y_train.mean_axis(Axis(0)).expect("rows");
-    let static_scores = Array2::from_shape_fn(y_eval.dim(), |(_, j)| freq[j]);
-    let static_q = top_k_quality(&static_scores, &y_eval, k);
+    let static_q = top_k_quality(freq.broadcast(y_eval.dim()).expect("n columns"), &y_eval, k);
     let identity: Vec<u32> = (0..n as u32).collect();
     let shuffled = shuffled_order(n, p.seed ^ tag(7));
     let meta = LayerMeta {

@@ -9,7 +9,7 @@ mod dense;
 mod layer;
 mod moe;
 mod plant;
-mod shape;
+pub(crate) mod shape;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -36,8 +36,8 @@ use crate::calib::{Calibration, DEFAULT_CALIB, WINDOW};
 use crate::certificate;
 use crate::certificate_study;
 use crate::convert::{
-    add_tokenizer, bar, check_block_shapes, refine_stats, to_predictor, write_tensor, LAYOUT,
-    MIN_PREDICTOR_RANK,
+    bar, check_block_shapes, refine_stats, to_predictor, write_index_sections, write_tensor,
+    LAYOUT, MIN_PREDICTOR_RANK,
 };
 use crate::sparsity::scores;
 use crate::tensors::dense_specs;
@@ -318,14 +318,8 @@ pub fn run(args: SynthArgs) -> Result<()> {
             source_layers: src.meta.layers.clone(),
         }),
     };
-    writer.require_minor(meta.minor_version().max(sketch.minor_version()));
-    writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(&meta)?, false)?;
-    add_tokenizer(&mut writer, &src.tokenizer_json)?;
-    writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
-    writer.add_section(SectionKind::FfnIndex, &ffn.encode(), false)?;
-    writer.add_section(SectionKind::Predictors, &predictors.encode(), false)?;
-    writer.add_section(SectionKind::Sketch, &sketch.encode(), false)?;
-    writer.add_section(SectionKind::Refine, &refine.encode(), false)?;
+    let side = (predictors, sketch, refine);
+    write_index_sections(&mut writer, &meta, &src.tokenizer_json, &dense, &ffn, &side)?;
     writer.finish()?;
 
     let gguf = match &args.gguf {

@@ -104,6 +104,16 @@ impl KvCache {
         }
     }
 
+    /// Gives layer `l`'s pages back to the OS (fresh, uncommitted buffers take their place): the
+    /// converter runs one layer at a time over many windows and is done with a layer's cache
+    /// when it moves to the next. The cache's other layers and its length are unchanged.
+    pub fn release_layer(&mut self, l: usize) {
+        let bytes =
+            (self.kv_heads * self.capacity.max(1) * self.row).next_multiple_of(AlignedBuf::ALIGN);
+        self.keys[l] = AlignedBuf::new(bytes);
+        self.values[l] = AlignedBuf::new(bytes);
+    }
+
     /// One layer's keys (or values), in whole pages.
     fn layer_bytes(config: &ModelConfig, capacity: usize, row: usize) -> usize {
         (config.num_kv_heads * capacity.max(1) * row).next_multiple_of(AlignedBuf::ALIGN)

@@ -364,6 +364,17 @@ impl Model {
         &self.config
     }
 
+    /// Replaces block `l`'s attention projections and returns the ones it had: the converter
+    /// holds one block's in f32 at a time and empty placeholders for the others (a model built
+    /// with projections; panics otherwise).
+    pub fn set_attention(&mut self, l: usize, attention: Attention) -> Attention {
+        let projections = self
+            .projections
+            .as_mut()
+            .expect("set_attention() needs a model built with its projections");
+        std::mem::replace(&mut projections.attention[l], attention)
+    }
+
     /// Installs or drops layer `l`'s resident FFN (prep holds one layer's FFN at a time).
     pub fn set_ffn(&mut self, l: usize, ffn: Option<DenseFfn>) {
         self.layers[l].ffn = ffn.map(FfnWeights::Dense);

@@ -247,6 +247,18 @@ impl GgufFile {
     }
 
     /// Hugging Face tensor `name` as f32, after checking it has `shape`.
+    /// Drops the file's pages from this process's memory (a private read-only map: a later read
+    /// faults them in again from the file). `leanstream-prep` calls it after each tensor it
+    /// reads, so its resident size holds no more than one tensor of the source.
+    pub fn release_pages(&self) {
+        // SAFETY: the map is read-only and file-backed; DONTNEED only discards clean pages, which
+        // later reads fault in again with the same contents.
+        let _ = unsafe {
+            self.mmap
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+        };
+    }
+
     pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let raw = self.raw_tensor(name, shape)?;
         let gguf_name = gguf_name(name).unwrap_or_default();

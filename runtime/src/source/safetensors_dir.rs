@@ -81,6 +81,21 @@ impl SafetensorsDir {
     }
 
     /// Loads tensor `name`, checks it has `shape`, and converts it to f32.
+    /// Drops every shard's pages from this process's memory (private read-only maps: a later
+    /// read faults them in again from the files). `leanstream-prep` calls it after each tensor it
+    /// reads, so its resident size holds no more than one tensor of the source.
+    pub fn release_pages(&self) {
+        for shard in &self.shards {
+            // SAFETY: the map is read-only and file-backed; DONTNEED only discards clean pages,
+            // which later reads fault in again with the same contents.
+            let _ = unsafe {
+                shard
+                    .mmap
+                    .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+            };
+        }
+    }
+
     pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let &shard_idx = self.index.get(name).with_context(|| {
             let files: Vec<String> = self
