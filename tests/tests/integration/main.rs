@@ -8,13 +8,16 @@
 //! a counting global allocator and asserts that no read buffer is mapped process-wide while it
 //! decodes.
 
+mod arch_fixtures;
 mod atomic_output;
 mod bad_input;
 mod bench;
 mod breakage;
 mod cluster_layout;
 mod context_fit;
+mod convert_memory;
 mod dense_stream;
+mod docs;
 mod elastic_budget;
 mod elastic_refill;
 mod engine_vs_reference;
