@@ -8,8 +8,8 @@ use std::arch::x86_64::*;
 
 use super::operand::Q8Vec;
 use super::portable::{
-    self, finish_q45_k, finish_q5_0, finish_q5_1, finish_q6_k, K_SUB, Q4_K_BYTES, Q5_0_BYTES,
-    Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES,
+    self, finish_q45_k, finish_q6_k, K_SUB, Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES,
+    Q6_K_BYTES,
 };
 use super::rows::{MoreKernels, PORTABLE_MORE};
 
@@ -52,6 +52,15 @@ unsafe fn reduce4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m128i {
     _mm_add_epi32(
         _mm256_castsi256_si128(abcd),
         _mm256_extracti128_si256::<1>(abcd),
+    )
+}
+
+/// The eight lane sums of eight vectors of 32-bit integers, in one vector.
+#[inline(always)]
+unsafe fn reduce8v(v: [__m256i; 8]) -> __m256i {
+    _mm256_set_m128i(
+        reduce4(v[4], v[5], v[6], v[7]),
+        reduce4(v[0], v[1], v[2], v[3]),
     )
 }
 
@@ -137,15 +146,52 @@ unsafe fn dot_q5<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
                 load(xp.add((b + k) * 32)),
             );
         }
-        let isums = reduce8(v);
-        for (k, isum) in isums.iter().enumerate() {
-            let blk = &w[(b + k) * bytes..];
-            let (dx, sx) = (x.scales[b + k], x.sums[b + k]);
-            sum += if WITH_MIN {
-                finish_q5_1(blk, *isum, dx, sx)
-            } else {
-                finish_q5_0(blk, *isum, dx, sx)
-            };
+        // The float terms of the eight blocks side by side, each with the scalar code's
+        // operations (no fused multiply-add), then added to the sum in block order.
+        let isum = _mm256_cvtepi32_ps(reduce8v(v));
+        let at_b = |k: usize| (wp.add((b + k) * bytes) as *const u16).read_unaligned() as i16;
+        let d = _mm256_cvtph_ps(_mm_set_epi16(
+            at_b(7),
+            at_b(6),
+            at_b(5),
+            at_b(4),
+            at_b(3),
+            at_b(2),
+            at_b(1),
+            at_b(0),
+        ));
+        let dx = _mm256_loadu_ps(x.scales.as_ptr().add(b));
+        let sx = _mm256_loadu_ps(x.sums.as_ptr().add(b));
+        let terms = if WITH_MIN {
+            let at_m =
+                |k: usize| (wp.add((b + k) * bytes + 2) as *const u16).read_unaligned() as i16;
+            let m = _mm256_cvtph_ps(_mm_set_epi16(
+                at_m(7),
+                at_m(6),
+                at_m(5),
+                at_m(4),
+                at_m(3),
+                at_m(2),
+                at_m(1),
+                at_m(0),
+            ));
+            _mm256_add_ps(
+                _mm256_mul_ps(_mm256_mul_ps(d, dx), isum),
+                _mm256_mul_ps(m, sx),
+            )
+        } else {
+            _mm256_mul_ps(
+                d,
+                _mm256_sub_ps(
+                    _mm256_mul_ps(dx, isum),
+                    _mm256_mul_ps(_mm256_set1_ps(16.0), sx),
+                ),
+            )
+        };
+        let mut t = [0.0f32; 8];
+        _mm256_storeu_ps(t.as_mut_ptr(), terms);
+        for t in t {
+            sum += t;
         }
         b += 8;
     }
