@@ -27,9 +27,9 @@ use std::sync::Arc;
 use anyhow::{anyhow, Result};
 use clap::Args;
 
-use crate::text::chat::ChatFormat;
 use crate::cli::sampling_args::SamplingArgs;
 use crate::platform::elastic::BudgetWatch;
+use crate::text::chat::ChatFormat;
 use crate::text::session::Session;
 
 #[derive(Args, Debug, Clone)]

@@ -15,9 +15,9 @@ use super::error::ApiError;
 use super::metrics::ServerMetrics;
 use super::queue::{Job, Queue, Work};
 use super::request::{self, CompletionRequest, Endpoint, Prompt};
-use crate::text::chat::ChatFormat;
 use crate::platform::elastic::BudgetHandle;
 use crate::platform::memory_size::{format_size, parse_budget};
+use crate::text::chat::ChatFormat;
 use crate::text::sampler::SamplerConfig;
 use crate::tokenizer::Tokenizer;
 
