@@ -240,10 +240,9 @@ fn embedded_model_profile_is_realistic_and_predictors_beat_frequency() {
     let own_resident = leanstream::streaming::minimum_memory(embedded(), ctx).unwrap();
     assert!(least < resident, "{least} !< {resident}");
     assert_eq!(resident - least, own_resident - own_least);
-    assert!(
-        least.abs_diff(own_least) <= 2 << 20,
-        "{least} vs {own_least}"
-    );
+    // inspect starts fresh; this process's start-up is counted when its first test asks, by then
+    // with the other tests of this binary running beside it: inspect's floor is not above ours.
+    assert!(least <= own_least + (2 << 20), "{least} vs {own_least}");
     // The text rendering states both, from a process of its own: the same difference.
     let text = prep(&["inspect", embedded().to_str().unwrap()]);
     let text = String::from_utf8_lossy(&text.stdout);

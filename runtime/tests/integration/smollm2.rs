@@ -56,13 +56,14 @@ fn greedy_answer_names_paris() {
 
 /// A chat answer ends with the template's end-of-turn token; `--ignore-eos` generates all `-n`
 /// tokens past it (what the llama.cpp comparison scripts time), the same tokens up to there.
-/// The greedy answer's length hangs on the last bits of the logits: with the `portable` kernels
-/// (the same bits on every host) it ends after 33 tokens, with AVX-512 after a few, with AVX2 not
-/// within 64 (an AVX2-only AMD EPYC failed this test while it took the host's best kernels).
+/// Where the greedy answer ends hangs on the last bits of the logits (between a few and 70 tokens
+/// with the kernels of the hosts seen so far), so the test finds the end first and then asks for
+/// a few tokens past it, with the `portable` kernels.
 #[test]
 fn ignore_eos_generates_every_token() {
     let model = smollm2();
-    let answer = |extra: &[&str]| {
+    let answer = |n: u64, extra: &[&str]| {
+        let n = n.to_string();
         let args = [
             "run",
             "--model",
@@ -73,7 +74,7 @@ fn ignore_eos_generates_every_token() {
             "--temp",
             "0",
             "-n",
-            "40",
+            &n,
             "--json",
         ];
         let portable = [("LEANSTREAM_KERNELS", "portable")];
@@ -86,10 +87,14 @@ fn ignore_eos_generates_every_token() {
             .collect();
         (v["generated_tokens"].as_u64().unwrap(), tokens)
     };
-    let (stopped, first) = answer(&[]);
-    let (all, every) = answer(&["--ignore-eos"]);
-    assert!(stopped < 40, "the answer ends early ({stopped} tokens)");
-    assert_eq!(all, 40);
+    let limit = 160;
+    let (stopped, first) = answer(limit, &[]);
+    assert!(
+        stopped < limit,
+        "the answer did not end within {limit} tokens"
+    );
+    let (all, every) = answer(stopped + 8, &["--ignore-eos"]);
+    assert_eq!(all, stopped + 8);
     assert_eq!(first[..], every[..first.len()]);
 }
 
