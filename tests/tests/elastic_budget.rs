@@ -10,8 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use leanstream_tests::cli::{bin, stated_size, stderr};
-use leanstream_tests::converted::embedded_default;
+use leanstream_tests::cli::{bin, embedded_model, quick_convert, stated_size, stderr};
 
 const CTX: usize = 1024;
 
@@ -33,7 +32,8 @@ fn converted(name: &str) -> (PathBuf, PathBuf, u64, u64) {
         Path::new(env!("CARGO_TARGET_TMPDIR")),
         &format!("{name}-{}", std::process::id()),
     );
-    let file = embedded_default();
+    let file = dir.join("austen.lsb");
+    quick_convert(&embedded_model(), &file, &[]);
     let split = leanstream::streaming::memory_split(&file, CTX).unwrap();
     (dir, file, split.fixed() + (1 << 20), split.ffn_total)
 }
