@@ -162,7 +162,7 @@ fn memory_auto_follows_a_cgroup_limit_lowered_while_it_runs() {
     let child = {
         let mut child = child;
         while child.try_wait().unwrap().is_none() {
-            std::thread::sleep(std::time::Duration::from_millis(150));
+            std::thread::sleep(std::time::Duration::from_millis(40));
             let usage = group.usage_bytes().unwrap();
             let next = (usage + (6 << 20)).max(floor);
             if next < limit_for(low + ffn) && group.set_limit(next).is_ok() {
