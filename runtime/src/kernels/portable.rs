@@ -157,7 +157,8 @@ pub(super) fn block_dots<const R: usize>(
 
 /// `heads[r]` (a SIMD kernel's sum of row `r`'s first `from` blocks) plus the row's `Q8_0` blocks
 /// from `from` on, as [`block_dot`] adds them. (Plain loops: `array::from_fn`'s closure was not
-/// inlined into the kernels, 4 % of a profile.)
+/// inlined into the kernels, 4 % of a profile.) Only the x86 kernels use it.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) fn q8_0_tails<const R: usize>(
     mut heads: [f32; R],
