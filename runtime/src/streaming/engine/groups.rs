@@ -1,0 +1,386 @@
+//! A layer's working state and its reduction groups ([`GROUPS`]): the gates and down columns of
+//! resident clusters shared out among threads, each group's partial sum adding its clusters in
+//! order, so that the bits depend neither on the thread count nor on when reads land.
+
+use super::*;
+
+/// Where a cluster of the layer being computed stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stage {
+    /// Not needed by this token.
+    Skipped,
+    /// Needed; its bytes are not here yet.
+    Waiting,
+    /// Gates computed, active neurons known; down columns not added yet.
+    Gated,
+    /// Added to its group's sum.
+    Added,
+}
+
+/// One layer's working state, grown to the largest layer once and reused by every token and
+/// layer, so that the token loop does not allocate it.
+#[derive(Default)]
+pub(super) struct Work {
+    /// Exact skip scores of the layer's neurons (NaN: not computed).
+    pub(super) scores: Vec<f32>,
+    pub(super) lists: Lists,
+    /// Reads that landed, held until their down columns are added, then offered to the cache.
+    pub(super) held: Vec<Option<AlignedBuf>>,
+    /// The groups' partial sums, `GROUPS × hidden`.
+    pub(super) acc: Vec<f32>,
+    /// Scratch of `compute`: the needed clusters whose bytes have not come yet.
+    pub(super) missing: Vec<usize>,
+    /// Scratch of a prompt chunk: each row's scores (`rows × neurons`) and group sum
+    /// (`rows × hidden`).
+    pub(super) chunk_scores: Vec<f32>,
+    pub(super) chunk_acc: Vec<f32>,
+}
+
+/// What the gates of a layer's clusters decided.
+#[derive(Default)]
+pub(super) struct Lists {
+    /// The active neurons of cluster `c` (offsets within it) and their coefficients
+    /// `act(g)·(up·x)`, in the slots of its own neurons: `first .. first + n_active[c]`.
+    pub(super) active: Vec<u32>,
+    pub(super) coef: Vec<f32>,
+    pub(super) n_active: Vec<u32>,
+    pub(super) stage: Vec<Stage>,
+}
+
+impl Work {
+    /// Sized for a layer of `neurons` in `clusters` and `hidden` outputs; scores NaN, sums zero,
+    /// every cluster skipped.
+    pub(super) fn reset(&mut self, neurons: usize, clusters: usize, hidden: usize) {
+        let lists = &mut self.lists;
+        if lists.active.len() < neurons {
+            lists.active.resize(neurons, 0);
+            lists.coef.resize(neurons, 0.0);
+        }
+        if lists.stage.len() < clusters {
+            lists.n_active.resize(clusters, 0);
+            lists.stage.resize(clusters, Stage::Skipped);
+            self.held.resize_with(clusters, || None);
+        }
+        self.scores.clear();
+        self.scores.resize(neurons, f32::NAN);
+        self.acc.clear();
+        self.acc.resize(GROUPS * hidden, 0.0);
+        lists.stage[..clusters].fill(Stage::Skipped);
+        self.held[..clusters].iter_mut().for_each(|h| *h = None);
+    }
+}
+
+/// The first cluster of each group of a layer of `clusters`, and the end.
+pub(super) fn group_bounds(clusters: usize) -> [usize; GROUPS + 1] {
+    std::array::from_fn(|g| g * clusters / GROUPS)
+}
+
+pub(super) fn group_of(bounds: &[usize; GROUPS + 1], ci: usize) -> usize {
+    bounds.partition_point(|&b| b <= ci) - 1
+}
+
+/// Adds, in cluster order, the down columns of group `g`'s clusters whose gates are computed, from
+/// `next` up to the first whose bytes have not come yet.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn advance(
+    core: &Core,
+    work: &mut Work,
+    l: usize,
+    k: &RowKernels,
+    skip: Skip,
+    g: usize,
+    bounds: &[usize; GROUPS + 1],
+    next: &mut usize,
+) {
+    let plan = &core.plans[l];
+    let [mut group] = work.groups(plan, bounds, g..g + 1);
+    group.advance(core, l, k, skip, next);
+}
+
+/// The resident clusters of layer `l` among the `needed`: their gates, then each group's down
+/// columns in cluster order as far as the first cluster still waiting for its bytes (`next`).
+/// The groups are independent (each its own clusters, neurons and partial sum), so with more than
+/// one thread (`--threads`, the size of rayon's pool) and [`PARALLEL_MIN_BYTES`] of bundles or
+/// more they are shared out among this thread and parked helpers ([`parallel::for_each`], which
+/// allocates nothing): the same operations on the same values in the same order as on one
+/// thread, so the same bits.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn resident_groups(
+    core: &Core,
+    work: &mut Work,
+    l: usize,
+    k: &RowKernels,
+    skip: Skip,
+    needed: &[usize],
+    candidate: &[bool],
+    operand: &Operand,
+    bounds: &[usize; GROUPS + 1],
+    next: &mut [usize; GROUPS],
+) -> Result<()> {
+    let plan = &core.plans[l];
+    let start = *next;
+    let one = |g: usize, group: &mut GroupWork, next: &mut usize| -> Result<()> {
+        let lo = needed.partition_point(|&c| c < bounds[g]);
+        let hi = needed.partition_point(|&c| c < bounds[g + 1]);
+        let resident = |ci: usize| {
+            let bytes = core.resident((l as u32, ci as u32))?;
+            Some(ClusterOps {
+                plan,
+                k,
+                skip,
+                ci,
+                bytes,
+            })
+        };
+        let mut ahead = needed[lo..hi].iter().map(|&ci| resident(ci)).peekable();
+        while let Some(ops) = ahead.next() {
+            if let Some(ops) = ops {
+                // The gate pass asks for the next cluster's first rows as it nears its end.
+                let then = match ahead.peek() {
+                    Some(Some(next)) => next.rows().ok(),
+                    _ => None,
+                };
+                group.gates(&ops, then.as_ref(), candidate, operand)?;
+            }
+        }
+        group.advance(core, l, k, skip, next);
+        Ok(())
+    };
+    let groups: [GroupWork; GROUPS] = work.groups(plan, bounds, 0..GROUPS);
+    let bytes = needed.len() * plan.cluster_of.len() / plan.clusters.len().max(1)
+        * plan.layout.bundle_bytes();
+    let threads = if bytes >= PARALLEL_MIN_BYTES {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    // Each group behind its own (uncontended) lock: whichever thread takes it has it alone.
+    let cells = groups.map(|group| Mutex::new((group, 0, anyhow::Ok(()))));
+    parallel::for_each(threads, GROUPS, &|g| {
+        let mut cell = cells[g].lock().unwrap_or_else(|e| e.into_inner());
+        let (group, next, result) = &mut *cell;
+        *next = start[g];
+        *result = one(g, group, next);
+    });
+    for (cell, next) in cells.into_iter().zip(next) {
+        let (_, n, result) = cell.into_inner().unwrap_or_else(|e| e.into_inner());
+        *next = n;
+        result?;
+    }
+    Ok(())
+}
+
+/// One reduction group's share of a layer's working state ([`Work::groups`]): its clusters'
+/// lists, stages and held reads, its neurons' scores and active lists, and its partial sum.
+pub(super) struct GroupWork<'w> {
+    /// The group's first cluster and first neuron (indexes of the slices below start there).
+    pub(super) c0: usize,
+    pub(super) n0: usize,
+    pub(super) end: usize,
+    pub(super) scores: &'w mut [f32],
+    pub(super) active: &'w mut [u32],
+    pub(super) coef: &'w mut [f32],
+    pub(super) n_active: &'w mut [u32],
+    pub(super) stage: &'w mut [Stage],
+    pub(super) held: &'w mut [Option<AlignedBuf>],
+    pub(super) acc: &'w mut [f32],
+}
+
+impl Work {
+    /// The shares of groups `gs` (`N` of them, consecutive) of layer `plan`, cut from this
+    /// state without copying it.
+    pub(super) fn groups<const N: usize>(
+        &mut self,
+        plan: &LayerPlan,
+        bounds: &[usize; GROUPS + 1],
+        gs: std::ops::Range<usize>,
+    ) -> [GroupWork<'_>; N] {
+        assert_eq!(gs.len(), N);
+        let h = plan.layout.hidden;
+        let neuron = |c: usize| {
+            plan.clusters
+                .get(c)
+                .map_or(plan.cluster_of.len(), |cl| cl.first)
+        };
+        let (c_start, n_start) = (bounds[gs.start], neuron(bounds[gs.start]));
+        let lists = &mut self.lists;
+        let mut scores = &mut self.scores[n_start..];
+        let mut active = &mut lists.active[n_start..];
+        let mut coef = &mut lists.coef[n_start..];
+        let mut n_active = &mut lists.n_active[c_start..];
+        let mut stage = &mut lists.stage[c_start..];
+        let mut held = &mut self.held[c_start..];
+        let mut acc = &mut self.acc[gs.start * h..];
+        pub(super) fn cut<'a, T>(rest: &mut &'a mut [T], n: usize) -> &'a mut [T] {
+            let (head, tail) = std::mem::take(rest).split_at_mut(n);
+            *rest = tail;
+            head
+        }
+        std::array::from_fn(|i| {
+            let g = gs.start + i;
+            let (c0, c1) = (bounds[g], bounds[g + 1]);
+            let (n0, n1) = (neuron(c0), neuron(c1));
+            GroupWork {
+                c0,
+                n0,
+                end: c1,
+                scores: cut(&mut scores, n1 - n0),
+                active: cut(&mut active, n1 - n0),
+                coef: cut(&mut coef, n1 - n0),
+                n_active: cut(&mut n_active, c1 - c0),
+                stage: cut(&mut stage, c1 - c0),
+                held: cut(&mut held, c1 - c0),
+                acc: cut(&mut acc, h),
+            }
+        })
+    }
+}
+
+impl GroupWork<'_> {
+    /// Computes the gates of cluster `ops.ci` (one of this group's) and records its active
+    /// neurons.
+    pub(super) fn gates(
+        &mut self,
+        ops: &ClusterOps,
+        then: Option<&ClusterRows>,
+        candidate: &[bool],
+        x: &Operand,
+    ) -> Result<()> {
+        let cl = ops.plan.clusters[ops.ci];
+        let r = cl.first - self.n0..cl.first - self.n0 + cl.count;
+        let m = ops.gate_into(
+            then,
+            candidate,
+            x,
+            &mut self.scores[r.clone()],
+            &mut self.active[r.clone()],
+            &mut self.coef[r],
+        )?;
+        self.n_active[ops.ci - self.c0] = m as u32;
+        self.stage[ops.ci - self.c0] = Stage::Gated;
+        Ok(())
+    }
+
+    /// Adds, in cluster order, the down columns of the group's clusters whose gates are computed,
+    /// from `next` up to the first whose bytes have not come yet.
+    pub(super) fn advance(
+        &mut self,
+        core: &Core,
+        l: usize,
+        k: &RowKernels,
+        skip: Skip,
+        next: &mut usize,
+    ) {
+        while *next < self.end {
+            let (ci, i) = (*next, *next - self.c0);
+            match self.stage[i] {
+                Stage::Waiting => return,
+                Stage::Skipped | Stage::Added => {}
+                Stage::Gated => {
+                    let bytes = match &self.held[i] {
+                        Some(buf) => &buf[..],
+                        None => core
+                            .resident((l as u32, ci as u32))
+                            .expect("a gated cluster stays resident until its layer is done"),
+                    };
+                    let ops = ClusterOps {
+                        plan: &core.plans[l],
+                        k,
+                        skip,
+                        ci,
+                        bytes,
+                    };
+                    let first = ops.plan.clusters[ci].first - self.n0;
+                    let r = first..first + self.n_active[i] as usize;
+                    ops.add_from(&self.active[r.clone()], &self.coef[r], self.acc);
+                    self.stage[i] = Stage::Added;
+                }
+            }
+            *next += 1;
+        }
+    }
+}
+
+/// One cluster's bytes and what computing it takes.
+pub(super) struct ClusterOps<'a> {
+    pub(super) plan: &'a LayerPlan,
+    pub(super) k: &'a RowKernels,
+    /// A neuron is computed when its score under this rule exceeds the threshold.
+    pub(super) skip: Skip,
+    pub(super) ci: usize,
+    pub(super) bytes: &'a [u8],
+}
+
+impl<'a> ClusterOps<'a> {
+    /// The cluster's neurons' rows where its bytes lie; an error if they are too few.
+    pub(super) fn rows(&self) -> Result<ClusterRows<'a>> {
+        let count = self.plan.clusters[self.ci].count;
+        ClusterRows::new(&self.plan.layout, self.bytes, count)
+            .with_context(|| format!("cluster {}", self.ci))
+    }
+
+    /// Computes the exact scores of the cluster's candidate neurons into `scores` (the layer's)
+    /// and records its active neurons.
+    pub(super) fn gates(
+        &self,
+        candidate: &[bool],
+        x: &Operand,
+        scores: &mut [f32],
+        lists: &mut Lists,
+    ) -> Result<()> {
+        let cl = self.plan.clusters[self.ci];
+        let r = cl.first..cl.first + cl.count;
+        let m = self.gate_into(
+            None,
+            candidate,
+            x,
+            &mut scores[r.clone()],
+            &mut lists.active[r.clone()],
+            &mut lists.coef[r],
+        )?;
+        lists.n_active[self.ci] = m as u32;
+        lists.stage[self.ci] = Stage::Gated;
+        Ok(())
+    }
+
+    /// The cluster's gates: its neurons' exact scores into `scores`, and its active neurons
+    /// (offsets within it) and their coefficients into the first slots of `active` and `coef`
+    /// (each as long as the cluster); returns how many are active.
+    pub(super) fn gate_into(
+        &self,
+        then: Option<&ClusterRows>,
+        candidate: &[bool],
+        x: &Operand,
+        scores: &mut [f32],
+        active: &mut [u32],
+        coef: &mut [f32],
+    ) -> Result<usize> {
+        let cl = self.plan.clusters[self.ci];
+        Ok(gate_pass(
+            self.k,
+            &self.plan.layout,
+            x,
+            &self.rows()?,
+            then,
+            |i| candidate[cl.first + i],
+            self.skip,
+            scores,
+            active,
+            coef,
+        ))
+    }
+
+    /// Adds the cluster's active neurons' down columns to `acc`, in order.
+    pub(super) fn add(&self, lists: &Lists, acc: &mut [f32]) {
+        let cl = self.plan.clusters[self.ci];
+        let r = cl.first..cl.first + lists.n_active[self.ci] as usize;
+        self.add_from(&lists.active[r.clone()], &lists.coef[r], acc);
+    }
+
+    /// Adds `coef[j] · down(active[j])` for the cluster's neurons `active`, in order, to `acc`.
+    /// The cluster's gates were computed ([`Self::gate_into`] checked its size).
+    pub(super) fn add_from(&self, active: &[u32], coef: &[f32], acc: &mut [f32]) {
+        let rows = self.rows().expect("gate_into checked the cluster's size");
+        down_pass(self.k, &self.plan.layout, &rows, active, coef, acc);
+    }
+}

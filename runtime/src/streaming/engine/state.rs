@@ -1,0 +1,300 @@
+//! The state every policy works on ([`Core`]): the layers' plans, the read queue, the cache,
+//! the reads in flight and the counters; and what a policy may do to queued reads ([`Refine`]).
+
+use super::*;
+
+/// What a policy may do to the layer's queued reads once its needed clusters are known.
+#[derive(Debug, Clone, Copy)]
+pub(in crate::streaming) struct Refine {
+    /// Raise reads of needed clusters to top priority.
+    pub boost: bool,
+    /// Withdraw not-yet-issued reads of clusters not needed.
+    pub cancel: bool,
+    /// Hand completed reads of clusters not needed to the cache (they belong to this token).
+    pub reap: bool,
+}
+
+/// The state every policy works on: the layers' plans, the read queue, the cache, the reads in
+/// flight and the counters.
+pub(in crate::streaming) struct Core {
+    pub plans: Vec<LayerPlan>,
+    /// How the run chooses neurons.
+    pub sparsity: Sparsity,
+    /// Tokens in the current forward call (1 while decoding, more in a prompt chunk).
+    pub call_len: usize,
+    /// Shared with the dense weights' stream ([`crate::streaming::dense_stream`]): one queue per device.
+    pub io: Arc<IoQueue>,
+    pub cache: NeuronCache<Bytes>,
+    /// The file mapped into memory (`mmap` policy): every cluster is addressable, the OS pages.
+    pub mapping: Option<Mapping>,
+    /// The file's clusters numbered densely, shared with the cache: lookups are indexes.
+    pub(super) slots: ClusterSlots,
+    /// The queued read of each cluster (by slot) and its size.
+    pub(super) pending: Vec<Option<(Ticket, u64)>>,
+    /// Scratch of [`Core::request_all`]: the slots of its batch (all false between calls).
+    pub(super) in_batch: Vec<bool>,
+    /// Per slot: evicted when the budget shrank and not read since ([`Metrics::reread_bytes`]).
+    pub(super) shrunk: Vec<bool>,
+    /// Per slot: the queued read refills the cache ([`crate::streaming::refill`]): refinement leaves it.
+    pub(super) refilling: Vec<bool>,
+    /// Scratch of [`Core::refine`]: the late reads.
+    pub(super) late: Vec<(ClusterKey, u32)>,
+    /// Scratch of [`Core::request_all`]: the tickets of its batch.
+    pub(super) tickets: Vec<Ticket>,
+    /// Scratch of [`Core::request_all`]: the reads of its batch.
+    pub(super) reads: Vec<(AlignedBuf, u64, u32)>,
+    /// Bytes of reads in flight; reads ahead stop at `io_budget`.
+    pub(super) in_flight: u64,
+    pub io_budget: u64,
+    /// Read buffers done with (up to `io_budget` bytes), for the next reads of their size.
+    pub(super) spare: SpareBuffers,
+    pub metrics: Metrics,
+}
+
+impl Core {
+    /// Whether layer `l` needs every cluster whatever its input, so that its uncached clusters are
+    /// read on every token: exact modes, and certified layers without a certificate (nothing
+    /// proves a neuron inactive before its bundle is read).
+    pub fn needs_every_cluster(&self, l: usize) -> bool {
+        match self.sparsity {
+            Sparsity::Exact | Sparsity::Dense => true,
+            Sparsity::Certified => self.plans[l].certificate.is_none(),
+            Sparsity::Predicted => false,
+        }
+    }
+
+    pub fn is_pending(&self, key: ClusterKey) -> bool {
+        self.pending[self.slots.of(key)].is_some()
+    }
+
+    /// Whether a read ahead of `size` bytes fits the I/O budget now.
+    pub fn has_room(&self, size: u64) -> bool {
+        self.in_flight + size <= self.io_budget
+    }
+
+    /// Queues a read of cluster `key` unless it is cached or already queued; true if queued.
+    pub fn request(&mut self, key: ClusterKey, priority: u32) -> bool {
+        self.request_all(&[(key, priority)]) == 1
+    }
+
+    /// Queues reads of the clusters not cached or queued yet, in one submission (one lock and
+    /// one wake-up of the read queue for all); returns how many were queued.
+    pub fn request_all(&mut self, wanted: &[(ClusterKey, u32)]) -> usize {
+        // A key listed twice is queued once: its slot is marked while the batch is formed.
+        let mut reads = std::mem::take(&mut self.reads);
+        for &(key, priority) in wanted {
+            let s = self.slots.of(key);
+            if self.cache.contains(key) || self.pending[s].is_some() || self.in_batch[s] {
+                continue;
+            }
+            self.in_batch[s] = true;
+            let cl = self.plans[key.0 as usize].clusters[key.1 as usize];
+            let buf = self.spare.take(cl.size as usize);
+            reads.push((buf, cl.offset, priority));
+        }
+        if reads.is_empty() {
+            self.reads = reads;
+            return 0;
+        }
+        let mut tickets = std::mem::take(&mut self.tickets);
+        // Hashed by the thread that moves the bytes (see `check_read`).
+        self.io
+            .submit_batch_into(reads.drain(..), &mut tickets, true);
+        self.reads = reads;
+        let n = tickets.len();
+        let mut tickets_in_order = tickets.iter();
+        for &(key, _) in wanted {
+            let s = self.slots.of(key);
+            if !self.in_batch[s] {
+                continue;
+            }
+            // Unmarked once queued: a later duplicate in `wanted` is not queued again.
+            self.in_batch[s] = false;
+            let ticket = *tickets_in_order.next().expect("one ticket per marked key");
+            let size = self.plans[key.0 as usize].clusters[key.1 as usize].size;
+            self.refilling[s] = false;
+            if std::mem::take(&mut self.shrunk[s]) {
+                self.metrics.reread_bytes += size;
+            }
+            self.pending[s] = Some((ticket, size));
+            self.in_flight += size;
+        }
+        self.tickets = tickets;
+        n
+    }
+
+    /// Queues refill reads ([`crate::streaming::refill`]): like [`Core::request_all`], but refinement
+    /// neither withdraws them nor counts them as wasted.
+    pub fn request_refill(&mut self, wanted: &[(ClusterKey, u32)]) {
+        self.metrics.refill_reads += self.request_all(wanted) as u64;
+        for &(key, _) in wanted {
+            let s = self.slots.of(key);
+            self.refilling[s] = self.pending[s].is_some();
+        }
+    }
+
+    /// Bytes of reads in flight.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight
+    }
+
+    /// Offers a cluster just read to the cache; what the cache declines or evicts is recycled.
+    pub fn offer(&mut self, key: ClusterKey, bytes: Bytes) -> bool {
+        let declined = self.cache.offer(key, bytes);
+        let kept = declined.is_none();
+        let spare = &mut self.spare;
+        for b in declined.into_iter().chain(self.cache.drain_evicted()) {
+            if let Bytes::Read(buf) = b {
+                spare.give(buf);
+            }
+        }
+        kept
+    }
+
+    /// Reads a cluster now (warming the cache at start-up), checking its checksum.
+    pub fn read_now(&self, key: ClusterKey) -> Result<Bytes> {
+        let (l, c) = (key.0 as usize, key.1 as usize);
+        let cl = self.plans[l].clusters[c];
+        let buf = self
+            .io
+            .wait(self.io.submit(cl.offset, cl.size as usize, URGENT))?;
+        self.check_cluster(l, c, &buf)?;
+        Ok(Bytes::Read(buf))
+    }
+
+    /// Checks a cluster read against its checksum; the error names the file, layer and cluster.
+    pub(super) fn check_cluster(
+        &self,
+        l: usize,
+        c: usize,
+        bytes: &[u8],
+    ) -> Result<(), FormatError> {
+        let cl = self.plans[l].clusters[c];
+        check_extent(bytes, cl.checksum, || {
+            format!(
+                "{}: layer {l} cluster {c} (offset {})",
+                self.io.device().name(),
+                cl.offset
+            )
+        })
+    }
+
+    /// [`Core::check_cluster`] for a read whose bytes the read queue hashed as it moved them
+    /// (`hash`, their XXH3 in the buffer handed over, which nothing writes afterwards): the same
+    /// check, every read, without hashing on the computing thread. Without a hash, or when it
+    /// differs, the bytes are checked here (and a mismatch named).
+    pub(super) fn check_read(
+        &self,
+        l: usize,
+        c: usize,
+        bytes: &[u8],
+        hash: Option<u64>,
+    ) -> Result<()> {
+        if hash == Some(self.plans[l].clusters[c].checksum) {
+            return Ok(());
+        }
+        Ok(self.check_cluster(l, c, bytes)?)
+    }
+
+    /// Takes a queued read's buffer, waiting for it, and checks it; the time counts as stalled.
+    pub(super) fn take(&mut self, key: ClusterKey) -> Result<AlignedBuf> {
+        let start = Instant::now();
+        let (ticket, size) = self.pending[self.slots.of(key)].take().expect("queued");
+        self.in_flight -= size;
+        let (l, c) = (key.0 as usize, key.1 as usize);
+        let (buf, hash) = self.io.wait_hashed(ticket);
+        let buf = buf.with_context(|| format!("reading layer {l} cluster {c}"))?;
+        self.check_read(l, c, &buf, hash)?;
+        self.metrics.stall_s += start.elapsed().as_secs_f64();
+        Ok(buf)
+    }
+
+    /// Watches the queued reads of layer `l`'s clusters `cis`, for [`Core::take_watched`].
+    pub(super) fn watch(&mut self, l: usize, cis: &[usize]) {
+        let (pending, slots) = (&self.pending, &self.slots);
+        self.io.watch_all(cis.iter().map(|&ci| {
+            let (ticket, _) = pending[slots.of((l as u32, ci as u32))].expect("queued");
+            (ticket, ci as u32)
+        }));
+    }
+
+    /// Takes the first of the watched reads of layer `l` ([`Core::watch`]) to complete, waiting
+    /// for it, and checks it; returns its cluster. O(log n) per read, however many are watched.
+    /// The time counts as stalled.
+    pub(super) fn take_watched(&mut self, l: usize) -> Result<(usize, AlignedBuf)> {
+        let start = Instant::now();
+        let (ci, result, hash) = self.io.wait_watched().expect("a watched read is left");
+        let ci = ci as usize;
+        let (_, size) = self.pending[self.slots.of((l as u32, ci as u32))]
+            .take()
+            .expect("queued");
+        self.in_flight -= size;
+        let buf = result.with_context(|| format!("reading layer {l} cluster {ci}"))?;
+        self.check_read(l, ci, &buf, hash)?;
+        self.metrics.stall_s += start.elapsed().as_secs_f64();
+        Ok((ci, buf))
+    }
+
+    /// The bytes of a cluster that need no read: cached, or in the mapping.
+    pub(super) fn resident(&self, key: ClusterKey) -> Option<&[u8]> {
+        self.cache.get(key).or_else(|| {
+            let cl = &self.plans[key.0 as usize].clusters[key.1 as usize];
+            self.mapping.as_ref().map(|m| m.cluster(cl))
+        })
+    }
+
+    /// Whether a cluster is in memory now: cached, or (mapping) its pages are in the page cache.
+    pub(super) fn in_memory(&self, key: ClusterKey) -> bool {
+        self.cache.contains(key)
+            || self.mapping.as_ref().is_some_and(|m| {
+                m.is_resident(&self.plans[key.0 as usize].clusters[key.1 as usize])
+            })
+    }
+
+    /// Carries out the policy's refinement of layer `l`'s queued reads; issues the needed reads
+    /// that nobody requested (late reads).
+    pub(super) fn refine(&mut self, l: usize, is_needed: &[bool], how: Refine) {
+        for (ci, &needed) in is_needed.iter().enumerate() {
+            let key = (l as u32, ci as u32);
+            let s = self.slots.of(key);
+            let Some((ticket, size)) = self.pending[s] else {
+                continue;
+            };
+            if needed {
+                if how.boost {
+                    self.io.boost(ticket, URGENT);
+                }
+            } else if how.cancel && !self.refilling[s] && self.io.cancel(ticket) {
+                self.pending[s] = None;
+                self.in_flight -= size;
+                self.metrics.cancelled_reads += 1;
+            } else if how.reap {
+                if let Some(done) = self.io.poll(ticket) {
+                    // Read already, though not needed now: the cache may keep it; either way its
+                    // buffer is released here rather than held by the queue.
+                    self.pending[s] = None;
+                    self.in_flight -= size;
+                    if !std::mem::take(&mut self.refilling[s]) {
+                        self.metrics.wasted_reads += 1;
+                    }
+                    if let Ok(buf) = done {
+                        if self.check_cluster(l, ci, &buf).is_ok() {
+                            self.offer(key, Bytes::Read(buf));
+                        }
+                    }
+                }
+            }
+        }
+        if self.mapping.is_none() {
+            let mut late = std::mem::take(&mut self.late);
+            late.clear();
+            late.extend(
+                (0..is_needed.len())
+                    .filter(|&ci| is_needed[ci] && !self.cache.contains((l as u32, ci as u32)))
+                    .map(|ci| ((l as u32, ci as u32), URGENT)),
+            );
+            self.metrics.late_reads += self.request_all(&late) as u64;
+            self.late = late;
+        }
+    }
+}
