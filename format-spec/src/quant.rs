@@ -436,14 +436,15 @@ fn quantize_q8_0(block: &[f32]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// `d = max/−8` (max: the value of largest magnitude, with its sign) with `|d|` rounded up, so the
-/// extreme is `q = 0`; `q = round(x/d) + 8` clipped to [0, 15].
-fn quantize_q4_0(block: &[f32]) -> Option<Vec<u8>> {
+/// `d = max/−half` (max: the value of largest magnitude, with its sign) with `|d|` rounded up, so
+/// the extreme is `q = 0`; `q = round(x/d) + half` clipped to [0, 2·half − 1]. Q4_0 (`half` 8) and
+/// Q5_0 (16) scale their blocks so. `None` if `d` overflows f16.
+pub(crate) fn symmetric_codes(block: &[f32], half: f64) -> Option<(f16, Vec<u8>)> {
     let max = max_by_magnitude(block) as f64;
-    let magnitude = f16_rounded(max.abs() / 8.0, true)?.to_f64();
+    let magnitude = f16_rounded(max.abs() / half, true)?.to_f64();
     let d = f16::from_f64(if max > 0.0 { -magnitude } else { magnitude });
     let df = d.to_f64();
-    let codes: Vec<u8> = block
+    let codes = block
         .iter()
         .map(|v| {
             let q = if df == 0.0 {
@@ -451,23 +452,23 @@ fn quantize_q4_0(block: &[f32]) -> Option<Vec<u8>> {
             } else {
                 (*v as f64 / df).round()
             };
-            (q + 8.0).clamp(0.0, 15.0) as u8
+            (q + half).clamp(0.0, 2.0 * half - 1.0) as u8
         })
         .collect();
-    let mut out = d.to_le_bytes().to_vec();
-    out.extend(pack_nibbles(&codes));
-    Some(out)
+    Some((d, codes))
 }
 
-/// `m = min` rounded down, `d = (max − m)/15` rounded up, `q = round((x − m)/d)` ∈ [0, 15].
-fn quantize_q4_1(block: &[f32]) -> Option<Vec<u8>> {
+/// `m = min` rounded down, `d = (max − m)/levels` rounded up, `q = round((x − m)/d)` ∈
+/// [0, levels]: `(d, m, codes)`. Q4_1 (`levels` 15) and Q5_1 (31) scale their blocks so. `None`
+/// if `d` or `m` overflows f16.
+pub(crate) fn offset_codes(block: &[f32], levels: f64) -> Option<(f16, f16, Vec<u8>)> {
     let min = block.iter().copied().fold(f32::INFINITY, f32::min) as f64;
     let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let m = f16_rounded(min, false)?;
     let mf = m.to_f64();
-    let d = f16_rounded((max - mf) / 15.0, true)?;
+    let d = f16_rounded((max - mf) / levels, true)?;
     let df = d.to_f64();
-    let codes: Vec<u8> = block
+    let codes = block
         .iter()
         .map(|v| {
             let q = if df == 0.0 {
@@ -475,9 +476,21 @@ fn quantize_q4_1(block: &[f32]) -> Option<Vec<u8>> {
             } else {
                 ((*v as f64 - mf) / df).round()
             };
-            q.clamp(0.0, 15.0) as u8
+            q.clamp(0.0, levels) as u8
         })
         .collect();
+    Some((d, m, codes))
+}
+
+fn quantize_q4_0(block: &[f32]) -> Option<Vec<u8>> {
+    let (d, codes) = symmetric_codes(block, 8.0)?;
+    let mut out = d.to_le_bytes().to_vec();
+    out.extend(pack_nibbles(&codes));
+    Some(out)
+}
+
+fn quantize_q4_1(block: &[f32]) -> Option<Vec<u8>> {
+    let (d, m, codes) = offset_codes(block, 15.0)?;
     let mut out = d.to_le_bytes().to_vec();
     out.extend(m.to_le_bytes());
     out.extend(pack_nibbles(&codes));

@@ -15,9 +15,9 @@
 //! `sc_j = s[j] & 63`, `m_j = s[j + 4] & 63`; for `j ≥ 4`, `sc_j = (s[j + 4] & 15) | (s[j − 4] >> 6) << 4`,
 //! `m_j = (s[j + 4] >> 4) | (s[j] >> 6) << 4`.
 
-use half::f16;
-
-use crate::quant::{f16_at, f16_rounded, max_by_magnitude, QuantType, BLOCK_LEN, K_BLOCK_LEN};
+use crate::quant::{
+    f16_at, f16_rounded, offset_codes, symmetric_codes, QuantType, BLOCK_LEN, K_BLOCK_LEN,
+};
 
 /// `(sc_j, m_j)` of a `Q4_K`/`Q5_K` block's packed scales `s` (12 bytes).
 #[inline(always)]
@@ -159,34 +159,13 @@ fn code(v: f64, step: f64, max: f64) -> u8 {
 pub fn quantize_block(qtype: QuantType, x: &[f32]) -> Option<Vec<u8>> {
     match qtype {
         QuantType::Q5_0 => {
-            // As Q4_0: `d = max/−16`, |d| rounded up, so the extreme is code 0.
-            let max = max_by_magnitude(x) as f64;
-            let magnitude = f16_rounded(max.abs() / 16.0, true)?.to_f64();
-            let d = f16::from_f64(if max > 0.0 { -magnitude } else { magnitude });
-            let df = d.to_f64();
-            let codes: Vec<u8> = x
-                .iter()
-                .map(|v| {
-                    let q = if df == 0.0 {
-                        0.0
-                    } else {
-                        (*v as f64 / df).round()
-                    };
-                    (q + 16.0).clamp(0.0, 31.0) as u8
-                })
-                .collect();
+            let (d, codes) = symmetric_codes(x, 16.0)?;
             let mut out = d.to_le_bytes().to_vec();
             out.extend(pack_q5(&codes));
             Some(out)
         }
         QuantType::Q5_1 => {
-            let min = x.iter().copied().fold(f32::INFINITY, f32::min) as f64;
-            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let m = f16_rounded(min, false)?;
-            let mf = m.to_f64();
-            let d = f16_rounded((max - mf) / 31.0, true)?;
-            let df = d.to_f64();
-            let codes: Vec<u8> = x.iter().map(|v| code(*v as f64 - mf, df, 31.0)).collect();
+            let (d, m, codes) = offset_codes(x, 31.0)?;
             let mut out = d.to_le_bytes().to_vec();
             out.extend(m.to_le_bytes());
             out.extend(pack_q5(&codes));
