@@ -31,6 +31,11 @@ pub struct Meta {
     /// Present in files written by `leanstream-prep synth` (format 1.1): what was planted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub synthetic: Option<Synthetic>,
+    /// Written without calibration (format 1.8): bundles in their original order, every
+    /// threshold 0, no certificate and no trained predictors, so exact mode computes every neuron
+    /// as the dense model does. `leanstream-prep calibrate` upgrades such a file in place.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub layout_only: bool,
 }
 
 /// A Jinja chat template (Hugging Face `chat_template`, GGUF `tokenizer.chat_template`) and the
@@ -113,7 +118,9 @@ impl Meta {
         let v13 = self.sparsity_rule.is_some()
             || self.layers.iter().any(|l| l.certificate_saves.is_some());
         let v15 = self.model.moe.is_some() || self.layers.iter().any(|l| l.routing.is_some());
-        if v15 {
+        if self.layout_only {
+            8
+        } else if v15 {
             5
         } else if v13 {
             3
@@ -161,6 +168,7 @@ mod tests {
             provenance: serde_json::Value::Null,
             chat_template,
             synthetic: None,
+            layout_only: false,
         }
     }
 

@@ -181,6 +181,7 @@ fn write(out: &Path, moe: bool, edit: impl FnOnce(&mut ModelConfig, &mut ExpertI
         provenance: serde_json::Value::Null,
         chat_template: None,
         synthetic: None,
+        layout_only: false,
     };
     let mut predictors = Predictors::default();
     let (mut sketch, mut refine) = (Sketch::default(), Refine::default());

@@ -1,77 +1,62 @@
 //! `leanstream-prep convert`: profile, sparsify, place, train predictors, quantize and write one
 //! checksummed file, one layer at a time.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use leanstream::kernels::{Matrix, Weight};
-use leanstream::model::{Attention, DenseFfn, Model};
-use leanstream::source::config::{Activation, ModelConfig};
-use leanstream::streaming::default_predictor_rank;
-use leanstream::streaming::skip_rule::{Skip, SkipRule};
+use leanstream::model::Attention;
+use leanstream::source::config::ModelConfig;
+use leanstream::streaming::skip_rule::SkipRule;
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::{DenseIndex, DenseTensor};
-use leanstream_format::ffn::{Cluster, ClusterLayout, FfnIndex, FfnLayer};
+use leanstream_format::ffn::{ClusterLayout, FfnIndex};
 use leanstream_format::meta::{LayerMeta, Meta};
 use leanstream_format::predictor::{Predictor, PredictorInput, Predictors};
-use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
+use leanstream_format::quant::{row_bytes, QuantType};
 use leanstream_format::refine::{Refine, RefineLayer};
 use leanstream_format::sketch::Sketch;
 use serde::Serialize;
 
-use crate::activity;
-use crate::calib::{self, Calibration};
-use crate::certificate::{self, CertificateChoice};
+use crate::calibrate::{calibrate, CalibrateOptions};
 use crate::certificate_study;
+use crate::layout::write_layout;
 use crate::memory_plan;
-use crate::placement::{cluster_fill, place};
-use crate::profile::{LayerProfile, Profiler, StreamRule};
+use crate::profile::Profiler;
 use crate::source::Source;
-use crate::sparsity::{
-    allocate, auto_search, cost_curve, down_norms, level, level_thresholds, masks, quantile,
-    rescale, scores, AutoChoice, SparsityMode,
-};
+use crate::sparsity::{down_norms, rescale, AutoChoice, SparsityMode};
 use crate::tensors::{dense_specs, ffn_names, quantize_rows};
-use crate::train::{
-    at_threshold, energies, massive, miss_threshold, normalise_rows, score_threshold, targets,
-    top_k_quality, train, AtThreshold, TrainConfig, Trained,
-};
+use crate::train::{AtThreshold, Trained};
 
 /// Partners per cluster kept in the refine statistics.
 const NEIGHBOURS: usize = 8;
 /// The layout of the cluster extents the converter writes (FORMAT.md §6.3): split, format 1.6.
 pub(crate) const LAYOUT: ClusterLayout = ClusterLayout::Split;
-/// Predicted-active budget, as a multiple of the true active fraction, at which recall is judged
-/// (and, under the `gate` rule, the own predictor's threshold).
-const BUDGET_FACTOR: f32 = 1.5;
-/// Under `gate_up`, the own predictor's threshold lets the active neurons it misses on the training
-/// split carry at most this multiple of the squared contribution (`c²`, summed) the rule itself
-/// skips there, so predicted mode adds at most about that much to exact mode's error in each layer.
-const MISS_SHARE: f64 = 0.5;
 /// The own predictor's output bias for a neuron it always names (its output weights zeroed):
 /// `sigmoid(30)` is 1 in f32.
-const ALWAYS_LOGIT: f32 = 30.0;
+pub(crate) const ALWAYS_LOGIT: f32 = 30.0;
 
 pub struct ConvertOptions {
     pub model_dir: PathBuf,
     pub source_name: String,
     pub output: PathBuf,
     pub quant: QuantType,
-    pub sparsity: String,
-    pub certificate: CertificateChoice,
-    /// Measure every candidate certificate design on the held-out profile
-    /// ([`crate::certificate_study`]); the file does not change.
-    pub certificate_study: bool,
-    pub calib: Option<PathBuf>,
-    /// Calibration tokens (default: [`memory_plan::default_calib_tokens`]).
-    pub calib_tokens: Option<usize>,
-    pub predictor_rank: Option<usize>,
-    /// Predictor training epochs (default: [`memory_plan::default_epochs`]).
-    pub epochs: Option<usize>,
     pub cluster_kib: u32,
-    pub progress: bool,
+    /// Write the layout pass's file only (FORMAT.md §4.1 `layout_only`): no calibration.
+    pub layout_only: bool,
+    /// The memory the conversion may use (`--memory`); none: no limit but the machine's.
+    pub memory: Option<u64>,
+    /// How the layout pass's file is calibrated (its `sparsity` also names the layout's rule).
+    pub calibration: CalibrateOptions,
+}
+
+impl ConvertOptions {
+    /// `--sparsity`.
+    pub fn sparsity(&self) -> &str {
+        self.calibration.sparsity.as_deref().unwrap_or("auto")
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -122,6 +107,8 @@ pub struct PredictedLayer {
 #[derive(Debug, Default, Serialize)]
 pub struct Phases {
     pub load: f64,
+    /// The layout pass: every tensor read once, encoded and written in the original order.
+    pub layout: f64,
     pub dense: f64,
     pub allocate: f64,
     pub profile: f64,
@@ -141,395 +128,112 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let config = source.config.clone();
     if config.moe.is_some() {
         phases.load = t.elapsed().as_secs_f64();
+        if opts.layout_only {
+            eprintln!(
+                "note: a mixture of experts has no layout-only form yet; converting it whole"
+            );
+        }
         return crate::convert_moe::convert(opts, source, phases);
     }
-    let get = |name: &str, shape: &[usize]| source.tensor(name, shape);
-    // The embedding, the head and the norms only: each block's attention and FFN are loaded
-    // when the calibration reaches it and dropped after ([`install`]), so peak memory is the
-    // embedding plus one block plus the profiling buffers, whatever the depth.
-    let model = profiling_model(&config, &get)?;
-    let (tokenizer, tokenizer_json) = (&source.tokenizer, &source.tokenizer_json);
-    let mut mode = SparsityMode::parse(&opts.sparsity, config.activation)?;
-    let rule = mode.rule();
-    let with_certificate = opts.certificate.wanted(rule)?;
-    let encodings = if with_certificate {
-        opts.certificate.encodings(opts.quant)
-    } else {
-        Vec::new()
-    };
+    SparsityMode::parse(opts.sparsity(), config.activation)?;
     check_block_shapes(&config, opts.quant)?;
-    let calib = Calibration::new(
-        tokenizer,
-        opts.calib.as_deref(),
-        &calib::default_text(config.activation),
-        opts.calib_tokens
-            .unwrap_or_else(|| memory_plan::default_calib_tokens(&config)),
+    let (tokens, estimate) = memory_plan::plan(
+        &config,
+        opts.quant,
+        opts.calibration.calib_tokens,
+        source.file_bytes(&opts.model_dir),
+        opts.memory,
+        opts.layout_only,
+        &opts.source_name,
     )?;
-    let estimate =
-        memory_plan::estimate(&config, calib.tokens(), source.file_bytes(&opts.model_dir));
-    if opts.progress {
+    if opts.calibration.progress {
+        let mib = |b: u64| b >> 20;
         eprintln!(
-            "{} calibration tokens; peak memory about {} MiB (estimate: embedding and head {} \
-             MiB, one block {} MiB, calibration state {} MiB)",
-            calib.tokens(),
-            estimate.total >> 20,
-            estimate.model >> 20,
-            estimate.block >> 20,
-            estimate.calibration >> 20
+            "peak memory about {} MiB (layout pass {} MiB; calibration of {tokens} tokens: \
+             embedding and head {} MiB, one block {} MiB, calibration state {} MiB)",
+            mib(if opts.layout_only {
+                estimate.layout
+            } else {
+                estimate.total
+            }),
+            mib(estimate.layout),
+            mib(estimate.model),
+            mib(estimate.block),
+            mib(estimate.calibration)
         );
     }
-    let epochs = opts
-        .epochs
-        .unwrap_or_else(|| memory_plan::default_epochs(calib.tokens()));
     phases.load = t.elapsed().as_secs_f64();
-
-    let mut writer = ContainerWriter::create(&opts.output)
-        .with_context(|| format!("cannot write {}", opts.output.display()))?;
     let t = Instant::now();
-    let dense = write_dense(&mut writer, &config, opts.quant, &get)?;
-    phases.dense = t.elapsed().as_secs_f64();
-
-    let (train_rows, eval_rows) = calib.split_rows();
-    let eval_prev = calib.previous(&eval_rows);
-    let bundle_bytes = 3 * row_bytes(opts.quant, config.hidden_size)?;
-    let rank = opts.predictor_rank.unwrap_or_else(|| {
-        default_predictor_rank(
-            config.hidden_size,
-            config.intermediate_size,
-            bundle_bytes,
-            MIN_PREDICTOR_RANK,
-        )
-    });
-    let mut profiler = Profiler::new(model, &calib)?;
-    let t = Instant::now();
-    let (fractions, auto) = layer_fractions(mode, &mut profiler, &get, &train_rows, opts.progress)?;
-    phases.allocate = t.elapsed().as_secs_f64();
-    if let Some(a) = &auto {
-        mode = SparsityMode::Target {
-            fraction: a.fraction,
-            allocate: true,
-        };
-        let tried: Vec<String> = a
-            .tried
-            .iter()
-            .map(|(f, c)| format!("{f:.2}: {:+.1} %", 100.0 * c))
-            .collect();
-        eprintln!(
-            "--sparsity auto: target:{:.2}, the largest fraction whose perplexity on the held-out \
-             calibration windows is within {:.0} % of the dense model's ({:+.1} %; tried {})",
-            a.fraction,
-            100.0 * a.max_cost,
-            100.0 * a.cost,
-            tried.join(", ")
-        );
+    if opts.layout_only {
+        write_layout(opts, &source, &opts.output)?;
+        drop(source);
+        phases.layout = t.elapsed().as_secs_f64();
+        return layout_summary(opts, phases, estimate);
     }
-    // Two held-out streams: exact mode (the file's thresholds) and predicted mode (also its own
-    // predictors).
-    profiler.restart_sparse(2)?;
-    let bar = bar(opts.progress, config.num_layers as u64, "layers");
-    let mut ffn = FfnIndex::default();
-    let (mut predictors, mut sketch, mut refine) =
-        (Predictors::default(), Sketch::default(), Refine::default());
-    let mut layer_meta = Vec::new();
-    let mut predicted = Vec::new();
-    let mut cluster_neurons = Vec::new();
-    let (mut studies, mut certificates) = (Vec::new(), Vec::new());
-    let mut prev_residual: Option<Vec<f32>> = None;
-    writer.begin_section(LAYOUT.ffn_data());
-    let (h, n) = (config.hidden_size, config.intermediate_size);
-    let act = config.activation;
-    for (l, &fraction) in fractions.iter().enumerate() {
-        bar.set_message(format!("layer {l}: profile"));
-        let t = Instant::now();
-        let (gate, up, down) = ffn_weights(&get, l, h, n, rule)?;
-        install(
-            &mut profiler.model,
-            &get,
-            l,
-            dense_ffn(&gate, &up, &down, h, n),
-        )?;
-        // What the layer's FFN saw; the gate pre-activations only give the scores, so they go
-        // at once (each `rows × n` array of f32 is the bulk of the converter's memory).
-        let LayerProfile {
-            residual,
-            ffn_input,
-            gate: pre,
-            coef,
-        } = profiler.layer(l);
-        let score = scores(rule, act, &pre, &coef);
-        drop(pre);
-        let thr = match mode {
-            SparsityMode::Relu => 0.0,
-            _ => quantile(&score, n, &train_rows, fraction),
-        };
-        let skip = Skip {
-            act,
-            rule,
-            threshold: thr,
-        };
-        let mask = masks(&score, thr);
-        phases.profile += t.elapsed().as_secs_f64();
-
-        bar.set_message(format!("layer {l}: place"));
-        let t = Instant::now();
-        let cluster_size = (opts.cluster_kib as usize * 1024 / bundle_bytes).clamp(1, n);
-        let perm = place(&mask, n, &train_rows, cluster_size);
-        let identity: Vec<u32> = (0..n as u32).collect();
-        let fill = cluster_fill(&mask, n, &eval_rows, &perm, cluster_size);
-        let fill_unordered = cluster_fill(&mask, n, &eval_rows, &identity, cluster_size);
-        phases.place += t.elapsed().as_secs_f64();
-
-        bar.set_message(format!("layer {l}: train"));
-        let t = Instant::now();
-        let y_train = targets(&mask, n, &train_rows);
-        let y_eval = targets(&mask, n, &eval_rows);
-        let active_frac = y_train.mean().unwrap_or(0.0);
-        let k = ((BUDGET_FACTOR * active_frac * n as f32).ceil() as usize).clamp(1, n);
-        let cfg = TrainConfig {
-            rank,
-            epochs,
-            batch: 128,
-            lr: 3e-3,
-            pos_weight: 3.0,
-            seed: l as u64,
-        };
-        let source_layer = l.saturating_sub(1);
-        let lookahead_input = prev_residual.as_deref().unwrap_or(&residual);
-        // Fits a predictor of the layer's activity from `x`; the scores it gives the training
-        // and held-out rows are kept only where wanted (`rows × n` each).
-        let fit = |x: &[f32]| {
-            let xt = normalise_rows(x, h, &train_rows);
-            let trained = train(&xt, &y_train, &cfg);
-            let train_scores = trained.scores(xt.view());
-            drop(xt);
-            let eval_scores = trained.scores(normalise_rows(x, h, &eval_rows).view());
-            let quality = top_k_quality(eval_scores.view(), &y_eval, k);
-            let thr = score_threshold(&train_scores, k as f32 / n as f32);
-            (trained, quality, thr, train_scores, eval_scores)
-        };
-        // The two predictors are independent: one per core where there are two.
-        let ((mut own, own_q, budget_thr, mut own_train, mut own_eval), (look, look_q, look_thr)) =
-            rayon::join(
-                || fit(&ffn_input),
-                || {
-                    let (t, q, thr, _, _) = fit(lookahead_input);
-                    (t, q, thr)
-                },
-            );
-        // Predicted mode drops a missed active neuron however large, so for SwiGLU (the
-        // `gate_up` rule, and the `gate` rule on |silu(g)|, whose misses cost as much) the own
-        // predictor always names the neurons with massive contributions and its threshold is set
-        // by what its misses carry rather than by a budget. ReLU keeps the budget: `relu(g) = 0`
-        // is exact, and its misses are the rule's own small gates.
-        let e_eval = energies(&coef, &mask, n, &eval_rows);
-        let by_contribution = rule == SkipRule::GateUp || act != Activation::Relu;
-        let (own_thr, always) = if by_contribution {
-            let e_train = energies(&coef, &mask, n, &train_rows);
-            let always = massive(&e_train);
-            for &j in &always {
-                own.w2.row_mut(j).fill(0.0);
-                own.b2[j] = ALWAYS_LOGIT;
-                own_train.column_mut(j).fill(1.0);
-                own_eval.column_mut(j).fill(1.0);
-            }
-            let skipped: f64 = train_rows
-                .iter()
-                .flat_map(|&r| r * n..(r + 1) * n)
-                .filter(|&i| !mask[i])
-                .map(|i| (coef[i] as f64).powi(2))
-                .sum();
-            let thr = miss_threshold(&own_train, &e_train, MISS_SHARE * skipped);
-            (thr, always.len())
-        } else {
-            (budget_thr, 0)
-        };
-        drop((own_train, coef));
-        predicted.push(PredictedLayer {
-            quality: at_threshold(&own_eval, &y_eval, &e_eval, own_thr),
-            always,
-        });
-        profiler.sparse_layer(
-            l,
-            &[
-                StreamRule::exact(skip),
-                StreamRule {
-                    skip,
-                    predictor: Some((&own, own_thr)),
-                },
-            ],
-        );
-        let freq = y_train.mean_axis(ndarray::Axis(0)).expect("rows");
-        // Every row scored by the neuron's training frequency: a view, not a `rows × n` copy.
-        let static_scores = freq.broadcast(y_eval.dim()).expect("n columns");
-        let static_q = top_k_quality(static_scores, &y_eval, k);
-        predictors.own.push(to_predictor(
-            own,
-            &perm,
-            l,
-            PredictorInput::FfnInput,
-            own_thr,
-        ));
-        predictors.lookahead.push(to_predictor(
-            look,
-            &perm,
-            source_layer,
-            PredictorInput::Residual,
-            look_thr,
-        ));
-        phases.train += t.elapsed().as_secs_f64();
-
-        bar.set_message(format!("layer {l}: bundles"));
-        let t = Instant::now();
-        let mut gate_rows = Vec::new();
-        let mut clusters = Vec::new();
-        for (ci, chunk) in perm.chunks(cluster_size).enumerate() {
-            let mut extent = Vec::with_capacity(chunk.len() * bundle_bytes);
-            for &i in chunk {
-                let i = i as usize;
-                let column: Vec<f32> = (0..h).map(|r| down[r * n + i]).collect();
-                let g = quantize_row(opts.quant, &gate[i * h..(i + 1) * h])?;
-                extent.extend_from_slice(&g);
-                if with_certificate || opts.certificate_study {
-                    gate_rows.push(g);
-                }
-                extent.extend(quantize_row(opts.quant, &up[i * h..(i + 1) * h])?);
-                extent.extend(quantize_row(opts.quant, &column)?);
-            }
-            let extent = LAYOUT.arrange(&extent, bundle_bytes / 3);
-            let (offset, extent_size, checksum) = writer.write_extent(&extent)?;
-            let first = (ci * cluster_size) as u32;
-            clusters.push(Cluster {
-                first,
-                count: chunk.len() as u32,
-                offset,
-                extent_size,
-                checksum,
-            });
-        }
-        let (sketch_layer, certificate_saves) = certificate::build(
-            &gate_rows,
-            opts.quant,
-            h,
-            &encodings,
-            skip,
-            &ffn_input,
-            &eval_rows,
-            cluster_size,
-            (n * bundle_bytes) as u64,
-        )?;
-        if opts.certificate_study {
-            studies.push(certificate_study::layer(&certificate_study::LayerInput {
-                gates: &gate_rows,
-                bundle: opts.quant,
-                hidden: h,
-                skip,
-                x: &ffn_input,
-                rows: &eval_rows,
-                mask: &mask,
-                perm: &perm,
-                cluster_size,
-                bundle_bytes,
-                written: (!sketch_layer.err_norm.is_empty()).then_some(sketch_layer.qtype),
-            })?);
-        }
-        certificates.push(if sketch_layer.err_norm.is_empty() {
-            "none".to_string()
-        } else {
-            sketch_layer.qtype.name().to_string()
-        });
-        sketch.layers.push(sketch_layer);
-        refine.layers.push(refine_stats(
-            &mask,
-            &score,
-            n,
-            &train_rows,
-            &perm,
-            cluster_size,
-        ));
-        ffn.layers.push(FfnLayer {
-            qtype: opts.quant,
-            hidden: h as u32,
-            perm,
-            clusters,
-            layout: LAYOUT,
-        });
-        phases.bundles += t.elapsed().as_secs_f64();
-
-        let eval_sparsity = 1.0 - y_eval.mean().unwrap_or(0.0);
-        let perm = &ffn.layers.last().expect("pushed above").perm;
-        layer_meta.push(LayerMeta {
-            threshold: thr,
-            sparsity: eval_sparsity,
-            predictor_recall: own_q.recall,
-            predictor_precision: own_q.precision,
-            lookahead_recall: look_q.recall,
-            lookahead_precision: look_q.precision,
-            static_recall: static_q.recall,
-            cluster_fill: fill,
-            cluster_fill_unordered: fill_unordered,
-            activity: Some(activity::measure(&mask, n, &eval_rows, &eval_prev, perm)),
-            certificate_saves,
-            routing: None,
-        });
-        cluster_neurons.push(cluster_size);
-        prev_residual = Some(residual);
-        uninstall(&mut profiler, l);
-        bar.inc(1);
-    }
-    writer.end_section();
-    bar.finish_and_clear();
-
-    let t = Instant::now();
-    let [quality, predicted_quality]: [_; 2] = profiler.quality().try_into().expect("two streams");
-    let meta = Meta {
-        model: config.clone(),
-        dense_quant: opts.quant.name().into(),
-        ffn_quant: opts.quant.name().into(),
-        sparsity_mode: mode.name().into(),
-        sparsity_target: mode.target(),
-        sparsity_rule: (rule != SkipRule::Gate).then(|| rule.name().into()),
-        cluster_kib: opts.cluster_kib,
-        layers: layer_meta.clone(),
-        provenance: serde_json::json!({
-            "source": opts.source_name,
-            "converter": concat!("leanstream-prep ", env!("CARGO_PKG_VERSION")),
-            "calib_tokens": calib.tokens(),
-            "calib_text": calib::text_name(opts.calib.as_deref(), config.activation),
-            "heldout_tokens": eval_rows.len(),
-            "predictor_rank": rank,
-            "epochs": epochs,
-            "sparsity_quality": quality,
-            "predicted_quality": predicted_quality,
-            "sparsity_auto": auto,
-        }),
-        chat_template: source.chat_template.clone(),
-        synthetic: None,
+    // The layout pass writes a temporary file beside the output, which the calibration reads and
+    // the guard removes.
+    let layout = TempFile(sibling(&opts.output, "layout"));
+    write_layout(opts, &source, &layout.0)?;
+    drop(source);
+    phases.layout = t.elapsed().as_secs_f64();
+    let calibrate_opts = CalibrateOptions {
+        calib_tokens: Some(tokens),
+        ..opts.calibration.clone()
     };
-    let side = (predictors, sketch, refine);
-    write_index_sections(&mut writer, &meta, tokenizer_json, &dense, &ffn, &side)?;
-    writer.finish()?;
-    phases.finish = t.elapsed().as_secs_f64();
+    let mut summary = calibrate(&layout.0, &opts.output, &calibrate_opts, phases)?;
+    summary.memory_estimate = Some(estimate);
+    Ok(summary)
+}
+
+/// A file removed when this is dropped (whether the conversion succeeded or not).
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// `.NAME.WHAT-PID` in `path`'s folder.
+fn sibling(path: &Path, what: &str) -> PathBuf {
+    let name = path
+        .file_name()
+        .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+    path.with_file_name(format!(".{name}.{what}-{}", std::process::id()))
+}
+
+/// What `convert --layout-only` reports: the file's sizes, nothing measured.
+fn layout_summary(
+    opts: &ConvertOptions,
+    phases: Phases,
+    estimate: memory_plan::Estimate,
+) -> Result<Summary> {
+    let f = leanstream_format::LsbFile::open(&opts.output)?;
+    let mode = SparsityMode::parse(opts.sparsity(), f.meta.model.activation)?;
     Ok(Summary {
         file_bytes: std::fs::metadata(&opts.output)?.len(),
         output: opts.output.clone(),
-        dense_bytes: dense.data_bytes(),
-        ffn_bytes: ffn.bundle_bytes(),
+        dense_bytes: f.dense.data_bytes(),
+        ffn_bytes: f.ffn.bundle_bytes(),
         expert_bytes: 0,
         quant: opts.quant.name().into(),
-        sparsity_mode: mode.name().into(),
-        sparsity_rule: rule.name().into(),
-        calib_tokens: calib.tokens(),
-        heldout_tokens: eval_rows.len(),
-        cluster_neurons,
-        layers: layer_meta,
-        quality: Some(quality),
-        predicted_quality: Some(predicted_quality),
-        predicted,
-        sparsity_auto: auto,
-        certificates,
-        certificate_study: opts
-            .certificate_study
-            .then(|| certificate_study::summarise(&studies, opts.quant)),
+        sparsity_mode: "layout-only".into(),
+        sparsity_rule: mode.rule().name().into(),
+        calib_tokens: 0,
+        heldout_tokens: 0,
+        cluster_neurons: f
+            .ffn
+            .layers
+            .iter()
+            .map(|l| l.clusters[0].count as usize)
+            .collect(),
+        layers: f.meta.layers.clone(),
+        quality: None,
+        predicted_quality: None,
+        predicted: Vec::new(),
+        sparsity_auto: None,
+        certificates: vec!["none".into(); f.meta.layers.len()],
+        certificate_study: None,
         seconds: phases,
         memory_estimate: Some(estimate),
         peak_rss_bytes: leanstream::platform::memory::peak_rss_bytes(),
@@ -539,51 +243,6 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
 /// An empty matrix: a block's attention projections while the calibration is elsewhere.
 fn placeholder() -> Weight {
     Weight::F32(Matrix::new(0, 0, Vec::new()))
-}
-
-/// The model the calibration runs: embedding, head and norms in f32, every block's attention a
-/// [`placeholder`] and no FFN until [`install`]ed.
-pub(crate) fn profiling_model(
-    config: &ModelConfig,
-    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
-) -> Result<Model> {
-    Model::without_ffn(config.clone(), get, |name, rows, cols| {
-        Ok(if name.contains(".self_attn.") {
-            placeholder()
-        } else {
-            Weight::F32(Matrix::new(rows, cols, get(name, &[rows, cols])?))
-        })
-    })
-}
-
-/// Loads block `l`'s attention projections as f32 into `model` and installs `ffn`.
-pub(crate) fn install(
-    model: &mut Model,
-    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
-    l: usize,
-    ffn: DenseFfn,
-) -> Result<()> {
-    let c = model.config();
-    let (h, hd) = (c.hidden_size, c.head_dim);
-    let (q, kv) = (c.num_heads * hd, c.num_kv_heads * hd);
-    let p = format!("model.layers.{l}.self_attn");
-    let mat = |name: &str, rows: usize, cols: usize| -> Result<Weight> {
-        let name = format!("{p}.{name}.weight");
-        Ok(Weight::F32(Matrix::new(
-            rows,
-            cols,
-            get(&name, &[rows, cols])?,
-        )))
-    };
-    let attention = Attention {
-        wq: mat("q_proj", q, h)?,
-        wk: mat("k_proj", kv, h)?,
-        wv: mat("v_proj", kv, h)?,
-        wo: mat("o_proj", h, q)?,
-    };
-    model.set_attention(l, attention);
-    model.set_ffn(l, Some(ffn));
-    Ok(())
 }
 
 /// Drops block `l`'s attention and FFN weights from the profiler's model (see [`install`]) and
@@ -604,7 +263,7 @@ pub(crate) fn uninstall(profiler: &mut Profiler, l: usize) {
 /// Layer `l`'s gate, up and down weights as f32 (`n × h`, `n × h`, `h × n`); under the `gate_up`
 /// rule with every up row scaled by its down column's norm and the column normalised, so the
 /// rule's score is the norm of the neuron's contribution (see [`down_norms`]).
-fn ffn_weights(
+pub(crate) fn ffn_weights(
     get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
     l: usize,
     h: usize,
@@ -620,132 +279,6 @@ fn ffn_weights(
         rescale(&mut up, &mut down, &norms, h);
     }
     Ok((gate, up, down))
-}
-
-fn dense_ffn(gate: &[f32], up: &[f32], down: &[f32], h: usize, n: usize) -> DenseFfn {
-    DenseFfn {
-        gate: Weight::F32(Matrix::new(n, h, gate.to_vec())),
-        up: Weight::F32(Matrix::new(n, h, up.to_vec())),
-        down: Weight::F32(Matrix::new(h, n, down.to_vec())),
-    }
-}
-
-/// The fraction of neurons each layer skips: none for `relu`, the target everywhere for a uniform
-/// mode, else [`allocate`]d from each layer's cost curve, measured in one dense pass over the
-/// calibration text before the real one; for `auto`, at the fraction [`auto_search`] picks (then
-/// also returned).
-fn layer_fractions(
-    mode: SparsityMode,
-    profiler: &mut Profiler,
-    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
-    train_rows: &[usize],
-    progress: bool,
-) -> Result<(Vec<f32>, Option<AutoChoice>)> {
-    let c = profiler.model.config().clone();
-    let (h, n, layers) = (c.hidden_size, c.intermediate_size, c.num_layers);
-    let fraction = match mode {
-        SparsityMode::Relu => return Ok((vec![0.0; layers], None)),
-        SparsityMode::Threshold(f)
-        | SparsityMode::Target {
-            fraction: f,
-            allocate: false,
-        } => return Ok((vec![f; layers], None)),
-        SparsityMode::Target { fraction, .. } => Some(fraction),
-        SparsityMode::Auto => None,
-    };
-    let bar = bar(progress, layers as u64, "layers (allocation)");
-    let (mut curves, mut thresholds) = (Vec::with_capacity(layers), Vec::with_capacity(layers));
-    for l in 0..layers {
-        let (gate, up, down) = ffn_weights(get, l, h, n, mode.rule())?;
-        install(
-            &mut profiler.model,
-            get,
-            l,
-            dense_ffn(&gate, &up, &down, h, n),
-        )?;
-        let prof = profiler.layer(l);
-        let score = scores(mode.rule(), c.activation, &prof.gate, &prof.coef);
-        let t = level_thresholds(&score, n, train_rows);
-        curves.push(cost_curve(
-            &score,
-            &prof.coef,
-            &down,
-            &prof.residual,
-            h,
-            train_rows,
-            &t,
-        ));
-        thresholds.push(t);
-        uninstall(profiler, l);
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    let auto = match fraction {
-        Some(_) => None,
-        // The profiler now holds the dense model's output on every window.
-        None => Some(auto_search(|fractions| {
-            heldout_costs(
-                profiler,
-                get,
-                mode.rule(),
-                &curves,
-                &thresholds,
-                fractions,
-                progress,
-            )
-        })?),
-    };
-    profiler.restart()?;
-    let fraction = fraction.or(auto.as_ref().map(|a| a.fraction));
-    Ok((allocate(&curves, fraction.expect("set above")), auto))
-}
-
-/// The held-out perplexity cost (`perplexity / dense perplexity − 1`) of each of `fractions`,
-/// [`allocate`]d by `curves` at the `thresholds` of the dense pass that measured them (the ones the
-/// file would get): one pass through the layers with a sparse stream per fraction, after a dense
-/// pass through every layer.
-fn heldout_costs(
-    profiler: &mut Profiler,
-    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
-    rule: SkipRule,
-    curves: &[Vec<f64>],
-    thresholds: &[Vec<f32>],
-    fractions: &[f32],
-    progress: bool,
-) -> Result<Vec<f64>> {
-    let c = profiler.model.config().clone();
-    let (h, n) = (c.hidden_size, c.intermediate_size);
-    let allocations: Vec<Vec<f32>> = fractions.iter().map(|&f| allocate(curves, f)).collect();
-    profiler.restart_sparse(fractions.len())?;
-    let bar = bar(progress, c.num_layers as u64, "layers (auto)");
-    for (l, t) in thresholds.iter().enumerate() {
-        let (gate, up, down) = ffn_weights(get, l, h, n, rule)?;
-        install(
-            &mut profiler.model,
-            get,
-            l,
-            dense_ffn(&gate, &up, &down, h, n),
-        )?;
-        let skips: Vec<StreamRule> = allocations
-            .iter()
-            .map(|a| {
-                StreamRule::exact(Skip {
-                    act: c.activation,
-                    rule,
-                    threshold: t[level(a[l])],
-                })
-            })
-            .collect();
-        profiler.sparse_layer(l, &skips);
-        uninstall(profiler, l);
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    Ok(profiler
-        .quality()
-        .iter()
-        .map(|q| q.perplexity / q.reference_perplexity - 1.0)
-        .collect())
 }
 
 /// Writes the sections that follow a file's data — META, tokenizer, the dense and FFN indexes
@@ -797,23 +330,38 @@ pub(crate) fn check_block_shapes(c: &ModelConfig, q: QuantType) -> Result<()> {
     Ok(())
 }
 
+/// Rows of f32 in runs: `rows(name, shape, each)` hands tensor `name` of `shape` to `each` a run
+/// of whole rows at a time, in order ([`Source::tensor_rows`]), or whole ([`whole`]).
+pub(crate) type RowRuns<'a> =
+    dyn Fn(&str, &[usize], &mut dyn FnMut(&[f32]) -> Result<()>) -> Result<()> + 'a;
+
+/// [`RowRuns`] of a source that gives each tensor whole.
+pub(crate) fn whole<'a>(
+    get: &'a impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+) -> impl Fn(&str, &[usize], &mut dyn FnMut(&[f32]) -> Result<()>) -> Result<()> + 'a {
+    move |name, shape, each| each(&get(name, shape)?)
+}
+
 pub(crate) fn write_dense(
     writer: &mut ContainerWriter,
     config: &ModelConfig,
     quant: QuantType,
-    get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+    rows: &RowRuns,
 ) -> Result<DenseIndex> {
     writer.begin_section(SectionKind::DenseData);
     let mut index = DenseIndex::default();
     for spec in dense_specs(config) {
-        let data = get(&spec.source, &spec.shape)?;
         let qtype = if spec.stays_f32() {
             QuantType::F32
         } else {
             quant
         };
         let cols = *spec.shape.last().expect("shape");
-        let bytes = quantize_rows(qtype, &data, cols, &spec.name)?;
+        let mut bytes = Vec::new();
+        rows(&spec.source, &spec.shape, &mut |run| {
+            bytes.extend(quantize_rows(qtype, run, cols, &spec.name)?);
+            Ok(())
+        })?;
         index
             .tensors
             .push(write_tensor(writer, &spec, qtype, &bytes)?);

@@ -25,8 +25,8 @@ use leanstream_format::sketch::{Sketch, SketchLayer};
 use crate::calib::{self, Calibration, WINDOW};
 use crate::certificate::CertificateChoice;
 use crate::convert::{
-    bar, check_block_shapes, write_dense, write_index_sections, ConvertOptions, Phases, Summary,
-    LAYOUT,
+    bar, check_block_shapes, whole, write_dense, write_index_sections, ConvertOptions, Phases,
+    Summary, LAYOUT,
 };
 use crate::source::Source;
 use crate::tensors::ffn_names;
@@ -39,21 +39,22 @@ pub(crate) fn convert(
 ) -> Result<Summary> {
     let config = source.config.clone();
     let m = config.moe.clone().expect("a mixture's config");
-    if opts.sparsity != "auto" || opts.certificate == CertificateChoice::Q8 {
+    if opts.sparsity() != "auto" || opts.calibration.certificate == CertificateChoice::Q8 {
         bail!(
             "{}: --sparsity {} / --certificate: sparsity inside experts is not calibrated yet \
              (format 1.5 stores a mixture of experts exactly); drop --sparsity and --certificate",
             opts.model_dir.display(),
-            opts.sparsity
+            opts.sparsity()
         );
     }
     check_block_shapes(&config, opts.quant)?;
     let get = |name: &str, shape: &[usize]| source.tensor(name, shape);
     let calib = Calibration::new(
         &source.tokenizer,
-        opts.calib.as_deref(),
+        opts.calibration.calib.as_deref(),
         &calib::default_text(config.activation),
-        opts.calib_tokens
+        opts.calibration
+            .calib_tokens
             .unwrap_or(crate::memory_plan::MAX_CALIB_TOKENS),
     )?;
     let (_, eval_rows) = calib.split_rows();
@@ -62,7 +63,7 @@ pub(crate) fn convert(
     let mut writer = ContainerWriter::create(&opts.output)
         .with_context(|| format!("cannot write {}", opts.output.display()))?;
     let t = Instant::now();
-    let dense = write_dense(&mut writer, &config, opts.quant, &get)?;
+    let dense = write_dense(&mut writer, &config, opts.quant, &whole(&get))?;
     phases.dense = t.elapsed().as_secs_f64();
 
     let (h, n, layers) = (
@@ -100,7 +101,7 @@ pub(crate) fn convert(
     writer.end_section();
     phases.bundles = t.elapsed().as_secs_f64();
 
-    let bar = bar(opts.progress, layers as u64, "layers");
+    let bar = bar(opts.calibration.progress, layers as u64, "layers");
     let f32_matrix = |name: &str, rows: usize, cols: usize| -> Result<Weight> {
         Ok(Weight::F32(Matrix::new(
             rows,
@@ -249,12 +250,13 @@ pub(crate) fn convert(
             "source": opts.source_name,
             "converter": concat!("leanstream-prep ", env!("CARGO_PKG_VERSION")),
             "calib_tokens": calib.tokens(),
-            "calib_text": calib::text_name(opts.calib.as_deref(), config.activation),
+            "calib_text": calib::text_name(opts.calibration.calib.as_deref(), config.activation),
             "heldout_tokens": eval_rows.len(),
             "experts": "stored exactly: no sparsity is calibrated inside experts (format 1.5)",
         }),
         chat_template: source.chat_template.clone(),
         synthetic: None,
+        layout_only: false,
     };
     finish_mixture(
         writer,

@@ -3,6 +3,7 @@
 
 mod activity;
 mod calib;
+mod calibrate;
 mod certificate;
 mod certificate_study;
 mod convert;
@@ -10,14 +11,18 @@ mod convert_moe;
 mod gguf_export;
 mod hub;
 mod inspect;
+mod layout;
 mod memory_plan;
 mod pack;
 mod placement;
 mod profile;
+mod progress;
 mod push;
 mod quant_choice;
 mod source;
 mod sparsity;
+mod sparsity_search;
+mod stored;
 mod synth;
 mod tensors;
 mod train;
@@ -85,24 +90,41 @@ enum Command {
         /// held-out calibration rows and report it (`certificate_study` in --json).
         #[arg(long)]
         certificate_study: bool,
-        /// Calibration text (default: for SwiGLU models prose, Python source and technical English
-        /// in turns, for ReLU models the prose alone; the texts shipped in data/).
-        #[arg(long)]
-        calib: Option<PathBuf>,
-        /// Calibration tokens to profile (default: as many as about 192 MiB of calibration state
-        /// holds, 2048 to 16384: SmolLM2-135M 3072, a 7B shape 2048; 16384 for a mixture).
-        #[arg(long, value_parser = clap::value_parser!(u64).range(128..))]
-        calib_tokens: Option<u64>,
-        /// Rank of the predictors (default: the largest at which both predictors of a layer, held
-        /// as int8, take at most 3 % of its FFN bundle bytes; at least 4).
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-        predictor_rank: Option<u64>,
-        /// Training epochs of the predictors (default: 8 × 16384 / calibration tokens, 8 to 24).
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-        epochs: Option<u64>,
+        #[command(flatten)]
+        calibration: CalibrationArgs,
         /// Target size of a neuron cluster (one read), in KiB.
         #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(4..=4096))]
         cluster_kib: u32,
+        /// Write the weights only, at once, without calibration: bundles in their original order,
+        /// no sparsity, no predictors (exact streaming computes every neuron). `leanstream-prep
+        /// calibrate FILE` upgrades the file in place later.
+        #[arg(long)]
+        layout_only: bool,
+        /// The memory the conversion may use (e.g. 300MB): fewer calibration tokens where the
+        /// default needs more; refused up front when even its layers one at a time need more.
+        #[arg(long, value_parser = leanstream::platform::memory_size::parse_budget)]
+        memory: Option<u64>,
+        /// Print the summary as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Calibrate a converted file (one `convert --layout-only` wrote, or any dense one) in place:
+    /// learned neuron order, sparsity thresholds, certificates and predictors, the weights
+    /// unchanged.
+    Calibrate {
+        /// A converted file.
+        file: PathBuf,
+        /// Output file (default: FILE itself, replaced atomically).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// As for convert (default: the mode the file was converted with, else auto).
+        #[arg(long)]
+        sparsity: Option<String>,
+        /// As for convert.
+        #[arg(long, default_value = "auto")]
+        certificate: String,
+        #[command(flatten)]
+        calibration: CalibrationArgs,
         /// Print the summary as one JSON object.
         #[arg(long)]
         json: bool,
@@ -137,6 +159,47 @@ enum Command {
     TrainMoe(train_moe::TrainMoeArgs),
 }
 
+/// How `convert` and `calibrate` calibrate.
+#[derive(clap::Args)]
+struct CalibrationArgs {
+    /// Calibration text (default: for SwiGLU models prose, Python source and technical English
+    /// in turns, for ReLU models the prose alone; the texts shipped in data/).
+    #[arg(long)]
+    calib: Option<PathBuf>,
+    /// Calibration tokens to profile (default: as many as about 192 MiB of calibration state
+    /// holds, 2048 to 16384: SmolLM2-135M 3072, a 7B shape 2048; 16384 for a mixture).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(128..))]
+    calib_tokens: Option<u64>,
+    /// Rank of the predictors (default: the largest at which both predictors of a layer, held
+    /// as int8, take at most 3 % of its FFN bundle bytes; at least 4).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    predictor_rank: Option<u64>,
+    /// Training epochs of the predictors (default: 8 × 16384 / calibration tokens, 8 to 24).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    epochs: Option<u64>,
+}
+
+impl CalibrationArgs {
+    fn options(
+        self,
+        sparsity: Option<String>,
+        certificate: &str,
+        certificate_study: bool,
+        progress: bool,
+    ) -> Result<calibrate::CalibrateOptions> {
+        Ok(calibrate::CalibrateOptions {
+            sparsity,
+            certificate: CertificateChoice::parse(certificate)?,
+            certificate_study,
+            calib: self.calib,
+            calib_tokens: self.calib_tokens.map(|t| t as usize),
+            predictor_rank: self.predictor_rank.map(|r| r as usize),
+            epochs: self.epochs.map(|e| e as usize),
+            progress,
+        })
+    }
+}
+
 fn main() -> ExitCode {
     leanstream::platform::closed_pipe::end_quietly_when_stdout_closes();
     // `inspect` states the runtime's minimum budget, whose overhead term is the process's size at
@@ -161,11 +224,10 @@ fn run(command: Command) -> Result<()> {
             sparsity,
             certificate,
             certificate_study,
-            calib,
-            calib_tokens,
-            predictor_rank,
-            epochs,
+            calibration,
             cluster_kib,
+            layout_only,
+            memory,
             json,
         } => {
             let model_dir = hub::resolve_model(&model)?;
@@ -178,22 +240,31 @@ fn run(command: Command) -> Result<()> {
                 source_name: model,
                 output,
                 quant,
-                sparsity,
-                certificate: CertificateChoice::parse(&certificate)?,
-                certificate_study,
-                calib,
-                calib_tokens: calib_tokens.map(|t| t as usize),
-                predictor_rank: predictor_rank.map(|r| r as usize),
-                epochs: epochs.map(|e| e as usize),
                 cluster_kib,
-                progress: !json,
+                layout_only,
+                memory,
+                calibration: calibration.options(
+                    Some(sparsity),
+                    &certificate,
+                    certificate_study,
+                    !json,
+                )?,
             };
             let summary = convert::convert(&opts)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&summary)?);
-            } else {
-                print_summary(&summary);
-            }
+            report(&summary, json)?;
+        }
+        Command::Calibrate {
+            file,
+            output,
+            sparsity,
+            certificate,
+            calibration,
+            json,
+        } => {
+            let opts = calibration.options(sparsity, &certificate, false, !json)?;
+            let output = output.unwrap_or_else(|| file.clone());
+            let summary = calibrate::calibrate(&file, &output, &opts, Default::default())?;
+            report(&summary, json)?;
         }
         Command::Inspect { file, json } => {
             let f = leanstream_format::LsbFile::open(&file)?;
@@ -226,6 +297,15 @@ fn fixed_mmap_threshold() {
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
     }
+}
+
+fn report(summary: &convert::Summary, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(summary)?);
+    } else {
+        print_summary(summary);
+    }
+    Ok(())
 }
 
 fn print_summary(s: &convert::Summary) {
@@ -287,8 +367,9 @@ fn print_summary(s: &convert::Summary) {
     }
     let p = &s.seconds;
     println!(
-        "time: load {:.1}s, dense {:.1}s, allocate {:.1}s, profile {:.1}s, place {:.1}s, train {:.1}s, bundles {:.1}s, finish {:.1}s; peak RSS {:.0} MiB (estimated {:.0} MiB)",
+        "time: load {:.1}s, layout {:.1}s, dense {:.1}s, allocate {:.1}s, profile {:.1}s, place {:.1}s, train {:.1}s, bundles {:.1}s, finish {:.1}s; peak RSS {:.0} MiB (estimated {:.0} MiB)",
         p.load,
+        p.layout,
         p.dense,
         p.allocate,
         p.profile,

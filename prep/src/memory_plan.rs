@@ -1,10 +1,13 @@
 //! The converter's memory, stated before any work ([`estimate`]) and measured at the end (the
-//! OS's peak resident size). `convert` holds the embedding and head in f32, one block's attention
-//! and FFN in f32 (twice: the copy the calibration runs and the one the bundles are encoded from),
-//! and the calibration state of one layer boundary: per calibration token a few vectors of the
-//! hidden size and a few of the FFN width. None of it grows with depth.
+//! OS's peak resident size). `convert` runs two passes, one after the other. The layout pass
+//! ([`crate::layout`]) holds one source tensor in f32 at a time (the largest is the embedding) and
+//! its encoding. The calibration ([`crate::calibrate`]) holds the embedding and head as stored
+//! (encoded), one block's attention as stored and FFN in f32 with its bundles, and the calibration
+//! state of one layer boundary: per calibration token a few vectors of the hidden size and a few
+//! of the FFN width. None of it grows with depth.
 
 use leanstream::source::config::ModelConfig;
+use leanstream_format::quant::{row_bytes, QuantType};
 use serde::Serialize;
 
 use crate::calib::WINDOW;
@@ -21,6 +24,9 @@ const PER_TOKEN_H: u64 = 6;
 /// (Measured: 25 to 35 MiB above the parts below on models/austen-relu, SmolLM2 and the tiny
 /// models of the memory test.)
 const OVERHEAD: u64 = 80 << 20;
+
+/// Rows of a dense matrix the layout pass decodes at a time.
+pub const LAYOUT_RUN_ROWS: u64 = 1024;
 
 /// Memory the calibration state takes by default ([`default_calib_tokens`]).
 pub const DEFAULT_CALIB_BYTES: u64 = 192 << 20;
@@ -52,8 +58,11 @@ pub fn default_epochs(tokens: usize) -> usize {
 /// The converter's peak memory, by part.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Estimate {
-    /// Embedding and head (f32) and the norms.
+    /// Embedding and head as stored, and the norms.
     pub model: u64,
+    /// The layout pass: the largest source tensor mapped, its encoding (twice: written and its
+    /// padded extent) and a run of its rows in f32, one FFN in f32 (twice: read and rescaled).
+    pub layout: u64,
     /// One block's attention and FFN in f32.
     pub block: u64,
     /// The calibration state of one layer boundary.
@@ -66,27 +75,33 @@ pub struct Estimate {
     pub total: u64,
 }
 
-/// The peak memory of converting a dense model of `c` with `tokens` calibration tokens from a
-/// source of `source_bytes`.
-pub fn estimate(c: &ModelConfig, tokens: usize, source_bytes: u64) -> Estimate {
+/// The peak memory of converting a dense model of `c` to encoding `q` with `tokens` calibration
+/// tokens from a source of `source_bytes`: the larger of the two passes'.
+pub fn estimate(c: &ModelConfig, q: QuantType, tokens: usize, source_bytes: u64) -> Estimate {
     let (h, n, v) = (
         c.hidden_size as u64,
         c.intermediate_size as u64,
         c.vocab_size as u64,
     );
-    let (q, kv) = (
+    let (qd, kv) = (
         (c.num_heads * c.head_dim) as u64,
         (c.num_kv_heads * c.head_dim) as u64,
     );
     let heads = if c.tie_word_embeddings { 1 } else { 2 };
-    let model = 4 * (heads * v * h + (2 * c.num_layers as u64 + 1) * h);
-    let block = 4 * (2 * q * h + 2 * kv * h + 2 * 3 * h * n);
+    let encoded = |rows: u64, cols: u64| {
+        rows * row_bytes(q, cols as usize).unwrap_or(4 * cols as usize) as u64
+    };
+    let model = heads * encoded(v, h) + 4 * (2 * c.num_layers as u64 + 1) * h;
+    let ffn = 4 * 3 * h * n;
+    let source = source_bytes.min(4 * v * h);
+    let layout = OVERHEAD + source + 2 * encoded(v, h) + 4 * LAYOUT_RUN_ROWS * h + 2 * ffn;
+    let block = 4 * (2 * qd * h + 2 * kv * h) + 2 * ffn;
     let calibration = tokens as u64 * per_token_bytes(c);
     let logits = 4 * 2 * WINDOW as u64 * v + 4 * 4 * tokens as u64 * h;
-    let source = source_bytes.min(4 * v * h);
-    let total = OVERHEAD + source + model + (block + calibration).max(logits);
+    let total = layout.max(OVERHEAD + model + (block + calibration).max(logits));
     Estimate {
         model,
+        layout,
         block,
         calibration,
         logits,
@@ -94,6 +109,67 @@ pub fn estimate(c: &ModelConfig, tokens: usize, source_bytes: u64) -> Estimate {
         overhead: OVERHEAD,
         total,
     }
+}
+
+/// The calibration tokens and the estimate of a conversion of `c` to `q` (`layout_only`: the
+/// layout pass alone) that may use `budget` bytes: without `requested` tokens, the default, fewer
+/// (down to [`MIN_CALIB_TOKENS`]) where the budget asks. It may use the larger of the budget and
+/// its floor (the same conversion at [`MIN_CALIB_TOKENS`]), and refuses up front what needs more,
+/// or a floor above the memory the machine has free, naming what it needs and the command that
+/// converts `model` on a larger machine.
+pub fn plan(
+    c: &ModelConfig,
+    q: QuantType,
+    requested: Option<usize>,
+    source_bytes: u64,
+    budget: Option<u64>,
+    layout_only: bool,
+    model: &str,
+) -> anyhow::Result<(usize, Estimate)> {
+    let needs = |e: &Estimate| if layout_only { e.layout } else { e.total };
+    let mut tokens = requested.unwrap_or_else(|| default_calib_tokens(c));
+    if let (Some(b), None) = (budget, requested) {
+        while tokens > MIN_CALIB_TOKENS && needs(&estimate(c, q, tokens, source_bytes)) > b {
+            tokens = (tokens - WINDOW).max(MIN_CALIB_TOKENS);
+        }
+    }
+    let e = estimate(c, q, tokens, source_bytes);
+    let floor = needs(&estimate(c, q, MIN_CALIB_TOKENS.min(tokens), source_bytes));
+    let mib = |b: u64| b.div_ceil(1 << 20);
+    let elsewhere = format!(
+        "convert it on a larger machine with `leanstream-prep convert {model} -o model.lsb` and \
+         copy model.lsb here"
+    );
+    if let Some(b) = budget {
+        if needs(&e) > b.max(floor) {
+            anyhow::bail!(
+                "converting needs about {} MiB with --calib-tokens {tokens}, more than --memory \
+                 ({} MiB) and the {} MiB its layers need one at a time: leave out \
+                 --calib-tokens (or lower it), or {elsewhere}",
+                mib(needs(&e)),
+                mib(b),
+                mib(floor)
+            );
+        }
+    }
+    if let Some(free) = available_bytes() {
+        if floor > free {
+            anyhow::bail!(
+                "converting needs about {} MiB and this machine has {} MiB free: {elsewhere}",
+                mib(floor),
+                mib(free)
+            );
+        }
+    }
+    Ok((tokens, e))
+}
+
+/// The memory the machine has free (`MemAvailable` of `/proc/meminfo`), where the OS says.
+fn available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 #[cfg(test)]
@@ -112,7 +188,11 @@ mod tests {
     #[test]
     fn the_estimate_does_not_grow_with_depth_and_the_default_tokens_fit_their_budget() {
         let (a, b) = (config(576, 1536, 1), config(576, 1536, 30));
-        let (ea, eb) = (estimate(&a, 4096, 1 << 30), estimate(&b, 4096, 1 << 30));
+        let q = QuantType::Q8_0;
+        let (ea, eb) = (
+            estimate(&a, q, 4096, 1 << 30),
+            estimate(&b, q, 4096, 1 << 30),
+        );
         // Only the norms (4 bytes × hidden per layer) grow.
         assert_eq!(eb.total - ea.total, 4 * 2 * 29 * 576);
         assert_eq!(ea.calibration, 4096 * 4 * (8 * 1536 + 6 * 576));

@@ -1,9 +1,12 @@
 //! What `convert` reads: a Hugging Face model directory or a GGUF file — the config, the tensors
 //! by Hugging Face name as f32, and the tokenizer (embedded in the output as `tokenizer.json`).
 
+use std::borrow::Cow;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use candle_core::quantized::{QStorage, QTensor};
+use candle_core::Device;
 use leanstream::source::config::ModelConfig;
 use leanstream::source::gguf::GgufFile;
 use leanstream::source::safetensors_dir::SafetensorsDir;
@@ -91,6 +94,43 @@ impl Source {
                 t
             }
         }
+    }
+
+    /// Matrix `name` (`rows × cols`) as f32 in runs of at most `chunk` rows, handed to `each` in
+    /// order. A GGUF file's blocks are decoded one run at a time, so a large table (the
+    /// embedding: SmolLM2's is 113 MB in f32) is never whole in f32; other sources give it whole.
+    pub fn tensor_rows(
+        &self,
+        name: &str,
+        [rows, cols]: [usize; 2],
+        chunk: usize,
+        mut each: impl FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let Tensors::Gguf(g) = &self.tensors else {
+            return each(&self.tensor(name, &[rows, cols])?);
+        };
+        let raw = g.raw_tensor(name, &[rows, cols])?;
+        let row_bytes = raw.data.len() / rows.max(1);
+        for start in (0..rows).step_by(chunk.max(1)) {
+            let end = (start + chunk.max(1)).min(rows);
+            let data = &raw.data[start * row_bytes..end * row_bytes];
+            let decoded = QStorage::from_data(Cow::Borrowed(data), &Device::Cpu, raw.dtype)
+                .and_then(|storage| QTensor::new(storage, (end - start, cols)))
+                .and_then(|q| q.dequantize(&Device::Cpu))
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "{}: cannot decode rows {start}..{end} of {name} ({:?}): {e}",
+                        g.path().display(),
+                        raw.dtype
+                    )
+                })?;
+            each(&decoded)?;
+        }
+        drop(raw);
+        g.release_pages();
+        Ok(())
     }
 
     /// Bytes of the source's tensor files.

@@ -304,7 +304,11 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
         Some(_) => true,
         None => common.memory.is_some() || common.memory_file.is_some() || common.flash != "none",
     };
-    let model = model_to_open(&common.model, streaming, common.no_convert)?;
+    let convert_within = match common.memory {
+        Some(MemoryArg::Size(b)) => Some(b),
+        _ => None,
+    };
+    let model = model_to_open(&common.model, streaming, common.no_convert, convert_within)?;
     let watch = budget_source(common)?.map(BudgetWatch::start).transpose()?;
     let options = session_options(common, default_ctx)?;
     let memory = match common.memory {

@@ -310,6 +310,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         }),
         // Synthetic text is noise: no chat template is carried over.
         chat_template: None,
+        layout_only: false,
         synthetic: Some(Synthetic {
             shape: args.shape.name().into(),
             source: src_path.clone(),

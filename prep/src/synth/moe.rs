@@ -261,6 +261,7 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
             "planted_routing": planted,
         }),
         chat_template: None,
+        layout_only: false,
         synthetic: Some(Synthetic {
             shape: args.shape.name().into(),
             source: src_path.clone(),

@@ -72,7 +72,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         Some(m) => classify(m)?,
         None => ModelArg::Path(embedded_model()?),
     };
-    let (file, converted_now) = converted_file(&model, &CONVERT_FLAGS)?;
+    let (file, converted_now) = converted_file(&model, &CONVERT_FLAGS, &[])?;
     let split = memory_split(&file, CTX)?;
     let minimum = split.fixed();
     let budget = args.memory.unwrap_or(split.budget_for_ffn_share(0.25));

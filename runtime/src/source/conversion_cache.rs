@@ -18,11 +18,19 @@ use leanstream_format::container::{VERSION_MAJOR, VERSION_MINOR};
 use crate::source;
 use crate::source::model_arg::{classify, ModelArg};
 
-/// What `run`, `chat` and `perplexity` open for `--model ARG`: a converted file as given; a GGUF
-/// file or model folder as given when nothing asks for streaming (the dense engine reads them);
-/// otherwise, and for a hub id, the file converted with the converter's defaults, converting it
-/// now unless `no_convert`.
-pub fn model_to_open(arg: &Path, streaming: bool, no_convert: bool) -> Result<PathBuf> {
+/// What `run`, `chat`, `serve` and `perplexity` open for `--model ARG`: a converted file as given;
+/// a GGUF file or model folder as given when nothing asks for streaming (the dense engine reads
+/// them); otherwise, and for a hub id, the converted file, converting it now unless `no_convert`.
+/// The conversion here is the converter's layout pass alone (`convert --layout-only`: about the
+/// time of reading the model once, within `memory` bytes where given), so the first token does
+/// not wait for a calibration; the file streams exactly, computing every neuron, until
+/// `leanstream-prep calibrate` upgrades it in place.
+pub fn model_to_open(
+    arg: &Path,
+    streaming: bool,
+    no_convert: bool,
+    memory: Option<u64>,
+) -> Result<PathBuf> {
     let model = classify(arg)?;
     if let ModelArg::Path(path) = &model {
         if (path.is_file() && source::is_converted(path)?) || !streaming {
@@ -42,12 +50,33 @@ pub fn model_to_open(arg: &Path, streaming: bool, no_convert: bool) -> Result<Pa
             }
         );
     }
-    Ok(converted_file(&model, &[])?.0)
+    let budget: Vec<String> = memory
+        .map(|b| vec!["--memory".into(), b.to_string()])
+        .unwrap_or_default();
+    let (file, now) = converted_file(&model, &[LAYOUT_ONLY], &budget)?;
+    if now {
+        eprintln!(
+            "{} holds the weights without calibration: exact, every neuron computed. \
+             `leanstream-prep calibrate {}` learns its sparsity and predictors in place (fewer \
+             bytes read per token)",
+            file.display(),
+            file.display()
+        );
+    }
+    Ok(file)
 }
 
-/// The converted file for `model` with `leanstream-prep convert` `flags`, and whether it was
-/// converted now (else it came from the cache, or `model` is a converted file already).
-pub fn converted_file(model: &ModelArg, flags: &[&str]) -> Result<(PathBuf, bool)> {
+/// The converter's flag for a layout-only file (FORMAT.md §4.1 `layout_only`).
+const LAYOUT_ONLY: &str = "--layout-only";
+
+/// The converted file for `model` with `leanstream-prep convert` `flags` (part of the cache key)
+/// and `extra` arguments (not: a memory budget), and whether it was converted now (else it came
+/// from the cache, or `model` is a converted file already).
+pub fn converted_file(
+    model: &ModelArg,
+    flags: &[&str],
+    extra: &[String],
+) -> Result<(PathBuf, bool)> {
     if let ModelArg::Path(path) = model {
         if path.is_file() && source::is_converted(path)? {
             return Ok((path.clone(), false));
@@ -95,6 +124,7 @@ pub fn converted_file(model: &ModelArg, flags: &[&str]) -> Result<(PathBuf, bool
         .arg("-o")
         .arg(&out)
         .args(flags)
+        .args(extra)
         .stdout(Stdio::null())
         .status()
         .with_context(|| format!("cannot run {}", prep.display()))?;

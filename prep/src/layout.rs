@@ -1,0 +1,146 @@
+//! The layout pass: a model's weights written in the file format at once, without calibration
+//! (FORMAT.md §4.1 `layout_only`). Bundles in their original order, every threshold 0, no
+//! certificate, predictors that name every neuron: exact mode computes the dense model. It reads
+//! each source tensor once, so it takes about the time of reading the source. `convert` writes it
+//! first and calibrates it ([`crate::calibrate`]); `convert --layout-only` stops here, and
+//! `leanstream-prep calibrate` finishes the same file later, in place.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use leanstream::source::config::ModelConfig;
+use leanstream::streaming::skip_rule::SkipRule;
+use leanstream_format::container::ContainerWriter;
+use leanstream_format::ffn::FfnIndex;
+use leanstream_format::meta::Meta;
+use leanstream_format::predictor::{Predictor, PredictorInput, Predictors};
+use leanstream_format::quant::{row_bytes, QuantType};
+use leanstream_format::refine::{Refine, RefineLayer};
+use leanstream_format::sketch::{Sketch, SketchLayer};
+
+use crate::convert::{
+    check_block_shapes, ffn_weights, write_dense, write_index_sections, ConvertOptions,
+    ALWAYS_LOGIT, LAYOUT,
+};
+use crate::convert_moe::{unmeasured, write_bundles};
+use crate::memory_plan::LAYOUT_RUN_ROWS;
+use crate::progress::Phase;
+use crate::source::Source;
+use crate::sparsity::SparsityMode;
+
+/// Neurons per cluster: as many bundles as fill `cluster_kib`, at least one, at most the layer.
+pub fn cluster_size(cluster_kib: u32, q: QuantType, c: &ModelConfig) -> Result<usize> {
+    let bundle_bytes = 3 * row_bytes(q, c.hidden_size)?;
+    Ok((cluster_kib as usize * 1024 / bundle_bytes).clamp(1, c.intermediate_size))
+}
+
+/// Writes `source` to `output` as a layout-only file with `opts`' encoding, cluster size and the
+/// skip rule of `opts.sparsity` (under `gate_up` the up rows and down columns are rescaled by the
+/// down columns' norms, as a calibrated file of that rule stores them).
+pub fn write_layout(opts: &ConvertOptions, source: &Source, output: &Path) -> Result<()> {
+    let config = &source.config;
+    let get = |name: &str, shape: &[usize]| source.tensor(name, shape);
+    let mode = SparsityMode::parse(opts.sparsity(), config.activation)?;
+    let rule = mode.rule();
+    check_block_shapes(config, opts.quant)?;
+    let mut writer = ContainerWriter::create(output)
+        .with_context(|| format!("cannot write {}", output.display()))?;
+    // The embedding and head in runs of rows, never whole in f32.
+    let runs = |name: &str, shape: &[usize], each: &mut dyn FnMut(&[f32]) -> Result<()>| match shape
+    {
+        &[rows, cols] => source.tensor_rows(name, [rows, cols], LAYOUT_RUN_ROWS as usize, each),
+        _ => each(&source.tensor(name, shape)?),
+    };
+    let dense = write_dense(&mut writer, config, opts.quant, &runs)?;
+    let (h, n, layers) = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_layers,
+    );
+    let cluster = cluster_size(opts.cluster_kib, opts.quant, config)?;
+    let mut phase = Phase::start(opts.calibration.progress, "layout", layers);
+    let mut ffn = FfnIndex::default();
+    writer.begin_section(LAYOUT.ffn_data());
+    for l in 0..layers {
+        let (gate, up, down) = ffn_weights(&get, l, h, n, rule)?;
+        ffn.layers.push(write_bundles(
+            &mut writer,
+            opts.quant,
+            &[gate, up, down],
+            h,
+            cluster,
+        )?);
+        phase.step();
+    }
+    writer.end_section();
+    phase.finish();
+    let meta = Meta {
+        model: config.clone(),
+        dense_quant: opts.quant.name().into(),
+        ffn_quant: opts.quant.name().into(),
+        sparsity_mode: mode.name().into(),
+        sparsity_target: None,
+        sparsity_rule: (rule != SkipRule::Gate).then(|| rule.name().into()),
+        cluster_kib: opts.cluster_kib,
+        layers: vec![unmeasured(None); layers],
+        provenance: serde_json::json!({
+            "source": opts.source_name,
+            "converter": concat!("leanstream-prep ", env!("CARGO_PKG_VERSION")),
+            "sparsity": opts.sparsity(),
+        }),
+        chat_template: source.chat_template.clone(),
+        synthetic: None,
+        layout_only: true,
+    };
+    let side = side_data(&ffn, h);
+    write_index_sections(
+        &mut writer,
+        &meta,
+        &source.tokenizer_json,
+        &dense,
+        &ffn,
+        &side,
+    )?;
+    writer.finish()?;
+    Ok(())
+}
+
+/// A layout-only file's per-layer side data (FORMAT.md §4.1 `layout_only`): predictors of rank 0
+/// that name every neuron, no certificate, statistics of zeros with no neighbours.
+fn side_data(ffn: &FfnIndex, h: usize) -> (Predictors, Sketch, Refine) {
+    let (mut predictors, mut sketch, mut refine) =
+        (Predictors::default(), Sketch::default(), Refine::default());
+    for (l, layer) in ffn.layers.iter().enumerate() {
+        let n = layer.neurons();
+        let every = |source_layer: usize, input| Predictor {
+            source_layer: source_layer as u32,
+            input,
+            input_dim: h as u32,
+            rank: 0,
+            outputs: n as u32,
+            threshold: 0.5,
+            w1: Vec::new(),
+            b1: Vec::new(),
+            w2: Vec::new(),
+            b2: vec![ALWAYS_LOGIT; n],
+        };
+        predictors
+            .lookahead
+            .push(every(l.saturating_sub(1), PredictorInput::Residual));
+        predictors.own.push(every(l, PredictorInput::FfnInput));
+        sketch.layers.push(SketchLayer {
+            qtype: layer.qtype,
+            hidden: h as u32,
+            rows: Vec::new(),
+            err_norm: Vec::new(),
+        });
+        let clusters = layer.clusters.len();
+        refine.layers.push(RefineLayer {
+            cluster_freq: vec![0.0; clusters],
+            neighbours: vec![Vec::new(); clusters],
+            neuron_freq: vec![0.0; n],
+            neuron_mag: vec![0.0; n],
+        });
+    }
+    (predictors, sketch, refine)
+}

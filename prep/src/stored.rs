@@ -1,0 +1,188 @@
+//! A converted file as the calibration's source: its dense tensors kept in their stored encoding
+//! (or decoded, for the norms), each layer's FFN decoded to f32 in the original neuron order for
+//! profiling, and its bundles' encoded rows for writing them again in a new order without
+//! encoding anything twice.
+
+use std::cell::RefCell;
+use std::fs::File;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use leanstream::kernels::{Matrix, QMatrix, Weight};
+use leanstream::model::{Attention, Model};
+use leanstream::source::config::ModelConfig;
+use leanstream::source::lsb_dense::decode_cluster;
+use leanstream_format::dense::DenseTensor;
+use leanstream_format::ffn::Part;
+use leanstream_format::quant::{dequantize_row, QuantType};
+use leanstream_format::LsbFile;
+
+pub struct Stored {
+    pub file: LsbFile,
+    handle: RefCell<File>,
+}
+
+/// One layer's bundles in the original neuron order: `n` runs of `[gate | up | down]` encoded rows
+/// (`3 · row_bytes` each), as FORMAT.md §6.1 defines a bundle.
+pub struct Bundles {
+    pub bytes: Vec<u8>,
+    pub row_bytes: usize,
+}
+
+impl Bundles {
+    /// Neuron `i`'s bundle.
+    pub fn bundle(&self, i: usize) -> &[u8] {
+        let b = 3 * self.row_bytes;
+        &self.bytes[i * b..(i + 1) * b]
+    }
+
+    /// Neuron `i`'s encoded gate row.
+    pub fn gate(&self, i: usize) -> &[u8] {
+        &self.bundle(i)[..self.row_bytes]
+    }
+}
+
+impl Stored {
+    /// Opens a converted file of a dense (not mixture) model.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = LsbFile::open(path)?;
+        if file.meta.model.moe.is_some() {
+            bail!(
+                "{} is a mixture of experts, which calibrate does not handle yet: convert its \
+                 source model with `leanstream-prep convert`",
+                path.display()
+            );
+        }
+        let handle = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        Ok(Self {
+            file,
+            handle: RefCell::new(handle),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.file.meta.model
+    }
+
+    fn tensor(&self, name: &str) -> Result<&DenseTensor> {
+        self.file
+            .dense
+            .tensors
+            .iter()
+            .find(|t| t.name == name)
+            .with_context(|| format!("{}: tensor {name} is missing", self.file.path.display()))
+    }
+
+    /// A dense tensor's encoded bytes, checked against its checksum.
+    pub fn dense_bytes(&self, t: &DenseTensor) -> Result<Vec<u8>> {
+        Ok(self.file.read_dense(&mut self.handle.borrow_mut(), t)?)
+    }
+
+    /// Dense tensor `name` decoded to f32, checked against `shape`.
+    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let t = self.tensor(name)?;
+        self.check_shape(t, shape)?;
+        let bytes = self.dense_bytes(t)?;
+        let (rows, cols) = (t.rows(), t.cols());
+        let mut data = vec![0.0f32; rows * cols];
+        let rb = bytes.len() / rows.max(1);
+        for (r, out) in data.chunks_exact_mut(cols).enumerate() {
+            dequantize_row(t.qtype, &bytes[r * rb..(r + 1) * rb], out)?;
+        }
+        Ok(data)
+    }
+
+    /// Dense matrix `name` (`rows × cols`) as stored: encoded, or f32.
+    pub fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+        let t = self.tensor(name)?;
+        self.check_shape(t, &[rows, cols])?;
+        if t.qtype == QuantType::F32 {
+            return Ok(Weight::F32(Matrix::new(
+                rows,
+                cols,
+                self.f32(name, &[rows, cols])?,
+            )));
+        }
+        Ok(Weight::Encoded(QMatrix::new(
+            rows,
+            cols,
+            t.qtype,
+            self.dense_bytes(t)?,
+        )?))
+    }
+
+    fn check_shape(&self, t: &DenseTensor, shape: &[usize]) -> Result<()> {
+        let stored: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+        if stored != shape {
+            bail!(
+                "{}: tensor {} has shape {stored:?}, the config implies {shape:?}",
+                self.file.path.display(),
+                t.name
+            );
+        }
+        Ok(())
+    }
+
+    /// The model the calibration runs: embedding, head and every block's attention as stored,
+    /// norms in f32, no FFN until one is installed.
+    pub fn profiling_model(&self) -> Result<Model> {
+        Model::without_ffn(
+            self.config().clone(),
+            |name, shape| self.f32(name, shape),
+            |name, rows, cols| self.weight(name, rows, cols),
+        )
+    }
+
+    /// Layer `l`'s attention projections as stored.
+    pub fn attention(&self, l: usize) -> Result<Attention> {
+        let c = self.config();
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (q, kv) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let p = format!("model.layers.{l}.self_attn");
+        let mat = |name: &str, rows, cols| self.weight(&format!("{p}.{name}.weight"), rows, cols);
+        Ok(Attention {
+            wq: mat("q_proj", q, h)?,
+            wk: mat("k_proj", kv, h)?,
+            wv: mat("v_proj", kv, h)?,
+            wo: mat("o_proj", h, q)?,
+        })
+    }
+
+    /// Layer `l`'s FFN decoded: gate, up (`n × h`) and down (`h × n`) in the original order, and
+    /// its bundles as stored, in the original order too.
+    pub fn ffn(&self, l: usize) -> Result<([Vec<f32>; 3], Bundles)> {
+        let c = self.config();
+        let (h, n) = (c.hidden_size, c.intermediate_size);
+        let layer = &self.file.ffn.layers[l];
+        let rb = layer.row_bytes();
+        let mut weights = [
+            vec![0.0f32; n * h],
+            vec![0.0f32; n * h],
+            vec![0.0f32; h * n],
+        ];
+        let mut bytes = vec![0u8; n * 3 * rb];
+        let mut column = vec![0.0f32; h];
+        for ci in 0..layer.clusters.len() {
+            let extent = self
+                .file
+                .read_cluster(&mut self.handle.borrow_mut(), l, ci)?;
+            let [gate, up, down] = &mut weights;
+            decode_cluster(layer, ci, &extent, [gate, up, down], &mut column)?;
+            let cl = &layer.clusters[ci];
+            for k in 0..cl.count as usize {
+                let orig = layer.perm[cl.first as usize + k] as usize;
+                let bundle = &mut bytes[orig * 3 * rb..(orig + 1) * 3 * rb];
+                for (j, part) in [Part::Gate, Part::Up, Part::Down].into_iter().enumerate() {
+                    bundle[j * rb..(j + 1) * rb].copy_from_slice(layer.row(&extent, ci, k, part));
+                }
+            }
+        }
+        Ok((
+            weights,
+            Bundles {
+                bytes,
+                row_bytes: rb,
+            },
+        ))
+    }
+}
