@@ -26,6 +26,7 @@ mod faults;
 mod fuzz_corpus;
 mod gguf_export;
 mod gguf_moe;
+mod layout_first;
 mod memory_cgroup;
 mod model_argument;
 mod moe_cli;
