@@ -172,6 +172,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     }
     // The layout pass writes a temporary file beside the output, which the calibration reads and
     // the guard removes.
+    remove_stale_layouts(&opts.output);
     let layout = TempFile(sibling(&opts.output, "layout"));
     write_layout(opts, &source, &layout.0)?;
     drop(source);
@@ -200,6 +201,36 @@ fn sibling(path: &Path, what: &str) -> PathBuf {
         .file_name()
         .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
     path.with_file_name(format!(".{name}.{what}-{}", std::process::id()))
+}
+
+/// Removes what killed conversions to `output` left of their layout pass: `.NAME.layout-PID` and
+/// its own temporary `..NAME.layout-PID.tmp-PID`, where process PID is gone (Linux: no
+/// `/proc/PID`). A live conversion's stay.
+fn remove_stale_layouts(output: &Path) {
+    let dir = match output.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let (Some(name), Ok(entries)) = (output.file_name(), std::fs::read_dir(dir)) else {
+        return;
+    };
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let prefix = format!(".{}.layout-", name.to_string_lossy());
+    for entry in entries.flatten() {
+        let file = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = file
+            .strip_prefix(&prefix)
+            .or_else(|| file.strip_prefix('.').and_then(|f| f.strip_prefix(&prefix)))
+        else {
+            continue;
+        };
+        let pid: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        if !pid.is_empty() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// What `convert --layout-only` reports: the file's sizes, nothing measured.

@@ -160,19 +160,30 @@ const QUANTILE_SAMPLE: usize = 1 << 22;
 
 /// The `fraction`-quantile of the training rows' scores (`rows × n`).
 pub fn quantile(scores: &[f32], n: usize, train_rows: &[usize], fraction: f32) -> f32 {
+    let mut s = quantile_sample(scores, n, train_rows);
+    if s.is_empty() || fraction <= 0.0 {
+        return 0.0;
+    }
+    let k = quantile_rank(s.len(), fraction);
+    *s.select_nth_unstable_by(k, f32::total_cmp).1
+}
+
+/// The scores [`quantile`] ranks: every `stride`-th of the training rows', at most
+/// [`QUANTILE_SAMPLE`].
+fn quantile_sample(scores: &[f32], n: usize, train_rows: &[usize]) -> Vec<f32> {
     let total = train_rows.len() * n;
     let stride = total.div_ceil(QUANTILE_SAMPLE).max(1);
-    let mut s: Vec<f32> = train_rows
+    train_rows
         .iter()
         .flat_map(|&r| scores[r * n..(r + 1) * n].iter())
         .step_by(stride)
         .copied()
-        .collect();
-    if s.is_empty() || fraction <= 0.0 {
-        return 0.0;
-    }
-    let k = ((s.len() as f64 * fraction as f64) as usize).min(s.len() - 1);
-    *s.select_nth_unstable_by(k, f32::total_cmp).1
+        .collect()
+}
+
+/// The position of the `fraction`-quantile among `len` sorted values.
+fn quantile_rank(len: usize, fraction: f32) -> usize {
+    ((len as f64 * fraction as f64) as usize).min(len - 1)
 }
 
 /// Each neuron's score under `rule`: `|act(g)|` or `|act(g)·u|` (`coef` holds `act(g)·u`).
@@ -225,8 +236,15 @@ pub fn rescale(up: &mut [f32], down: &mut [f32], norms: &[f32], hidden: usize) {
 /// training scores (the same [`quantile`] the converter's main pass takes).
 pub fn level_thresholds(scores: &[f32], n: usize, train_rows: &[usize]) -> Vec<f32> {
     let levels = (MAX_LAYER_FRACTION / STEP).round() as usize;
+    // One sort for every level: the same values `quantile` selects one at a time.
+    let mut s = quantile_sample(scores, n, train_rows);
+    s.sort_unstable_by(f32::total_cmp);
     (0..=levels)
-        .map(|k| quantile(scores, n, train_rows, k as f32 * STEP))
+        .map(|k| match k {
+            0 => 0.0,
+            _ if s.is_empty() => 0.0,
+            _ => s[quantile_rank(s.len(), k as f32 * STEP)],
+        })
         .collect()
 }
 
@@ -370,6 +388,20 @@ mod tests {
         // Equal convex curves: equal shares.
         let f = allocate(&[dear.clone(), dear], 0.3);
         assert!((f[0] - f[1]).abs() <= STEP + 1e-6, "{f:?}");
+    }
+
+    #[test]
+    fn level_thresholds_are_the_quantiles_of_each_level() {
+        let n = 64;
+        let s: Vec<f32> = (0..40 * n).map(|i| ((i * 7919) % 1009) as f32).collect();
+        let rows: Vec<usize> = (0..40).step_by(2).collect();
+        let t = level_thresholds(&s, n, &rows);
+        assert_eq!(t.len(), (MAX_LAYER_FRACTION / STEP).round() as usize + 1);
+        for (k, &v) in t.iter().enumerate() {
+            assert_eq!(v, quantile(&s, n, &rows, k as f32 * STEP), "level {k}");
+        }
+        assert!(t.windows(2).all(|w| w[0] <= w[1]));
+        assert!(t[20] > 0.0);
     }
 
     #[test]
