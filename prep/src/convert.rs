@@ -363,13 +363,15 @@ pub(crate) fn check_block_shapes(c: &ModelConfig, q: QuantType) -> Result<()> {
 
 /// Rows of f32 in runs: `rows(name, shape, each)` hands tensor `name` of `shape` to `each` a run
 /// of whole rows at a time, in order ([`Source::tensor_rows`]), or whole ([`whole`]).
-pub(crate) type RowRuns<'a> =
-    dyn Fn(&str, &[usize], &mut dyn FnMut(&[f32]) -> Result<()>) -> Result<()> + 'a;
+pub(crate) type RowRuns<'a> = dyn Fn(&str, &[usize], EachRun) -> Result<()> + 'a;
+
+/// What takes each run of rows.
+pub(crate) type EachRun<'b> = &'b mut dyn FnMut(&[f32]) -> Result<()>;
 
 /// [`RowRuns`] of a source that gives each tensor whole.
 pub(crate) fn whole<'a>(
     get: &'a impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
-) -> impl Fn(&str, &[usize], &mut dyn FnMut(&[f32]) -> Result<()>) -> Result<()> + 'a {
+) -> impl Fn(&str, &[usize], EachRun) -> Result<()> + 'a {
     move |name, shape, each| each(&get(name, shape)?)
 }
 

@@ -19,7 +19,7 @@ use leanstream_format::refine::{Refine, RefineLayer};
 use leanstream_format::sketch::{Sketch, SketchLayer};
 
 use crate::convert::{
-    check_block_shapes, ffn_weights, write_dense, write_index_sections, ConvertOptions,
+    check_block_shapes, ffn_weights, write_dense, write_index_sections, ConvertOptions, EachRun,
     ALWAYS_LOGIT, LAYOUT,
 };
 use crate::convert_moe::{unmeasured, write_bundles};
@@ -46,8 +46,7 @@ pub fn write_layout(opts: &ConvertOptions, source: &Source, output: &Path) -> Re
     let mut writer = ContainerWriter::create(output)
         .with_context(|| format!("cannot write {}", output.display()))?;
     // The embedding and head in runs of rows, never whole in f32.
-    let runs = |name: &str, shape: &[usize], each: &mut dyn FnMut(&[f32]) -> Result<()>| match shape
-    {
+    let runs = |name: &str, shape: &[usize], each: EachRun| match shape {
         &[rows, cols] => source.tensor_rows(name, [rows, cols], LAYOUT_RUN_ROWS as usize, each),
         _ => each(&source.tensor(name, shape)?),
     };

@@ -57,8 +57,8 @@ pub fn model_to_open(
     if now {
         eprintln!(
             "{} holds the weights without calibration: exact, every neuron computed. \
-             `leanstream-prep calibrate {}` learns its sparsity and predictors in place (fewer \
-             bytes read per token)",
+             `leanstream-prep calibrate {}` learns its sparsity, neuron order and predictors \
+             in place",
             file.display(),
             file.display()
         );
