@@ -100,7 +100,7 @@ pub struct Summary {
 pub struct PredictedLayer {
     #[serde(flatten)]
     pub quality: AtThreshold,
-    /// Neurons it always names ([`massive`]).
+    /// Neurons it always names ([`crate::train::massive`]).
     pub always: usize,
 }
 
@@ -276,8 +276,8 @@ fn placeholder() -> Weight {
     Weight::F32(Matrix::new(0, 0, Vec::new()))
 }
 
-/// Drops block `l`'s attention and FFN weights from the profiler's model (see [`install`]) and
-/// its keys and values.
+/// Drops block `l`'s attention and FFN weights from the profiler's model (see
+/// [`crate::calibrate::install`]) and its keys and values.
 pub(crate) fn uninstall(profiler: &mut Profiler, l: usize) {
     profiler.release_layer(l);
     let model = &mut profiler.model;
