@@ -172,6 +172,7 @@ pub fn describe(f: &LsbFile) -> Value {
         "sparsity_mode": m.sparsity_mode,
         "sparsity_target": m.sparsity_target,
         "sparsity_rule": m.sparsity_rule.as_deref().unwrap_or("gate"),
+        "layout_only": m.layout_only,
         "dense_bytes": f.dense.data_bytes(),
         "ffn_bytes": f.ffn.bundle_bytes(),
         "sketch_bytes": f.sketch.bytes(),
@@ -203,6 +204,13 @@ pub fn print(v: &Value) {
         v["hidden_size"],
         v["intermediate_size"]
     );
+    if v["layout_only"] == true {
+        println!(
+            "  layout only: not calibrated (every neuron computed); `leanstream-prep calibrate \
+             {}` learns its sparsity, neuron order and predictors in place",
+            v["path"].as_str().unwrap_or("")
+        );
+    }
     println!(
         "  quant {}  sparsity {}{}  rule {} (a neuron is skipped when {} <= its layer's threshold)",
         v["quant"].as_str().unwrap_or(""),

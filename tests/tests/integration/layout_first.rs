@@ -83,6 +83,8 @@ fn layout_then_calibrate(name: &str, model: &Path, extra: &[&str]) {
         assert_eq!(f.meta.layers[l].threshold, 0.0);
     }
     exact_everywhere(&layout, true);
+    let o = prep(&["inspect"], &[&layout]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("layout only: not calibrated"));
 
     // Calibrated in place; plain progress lines on stderr (not a terminal), one per phase.
     let mut args = vec!["calibrate"];
