@@ -278,6 +278,8 @@ pub struct ContainerWriter {
     /// The highest minor version declared with [`Self::require_minor`] (features other than a
     /// section's kind); the header gets the max of it and the sections' (§12).
     minor: u16,
+    /// zstd level of compressed sections ([`Self::add_section`]).
+    level: i32,
 }
 
 /// A section being streamed: its start and a running hash of its bytes.
@@ -295,6 +297,7 @@ impl ContainerWriter {
             sections: Vec::new(),
             open: None,
             minor: BASE_MINOR,
+            level: 19,
         };
         w.write_raw(&vec![0u8; PAGE as usize])?;
         Ok(w)
@@ -358,7 +361,7 @@ impl ContainerWriter {
         compress: bool,
     ) -> Result<(), FormatError> {
         let stored = if compress {
-            zstd::bulk::compress(content, 19)
+            zstd::bulk::compress(content, self.level)
                 .map_err(|e| FormatError::io(self.out.tmp_path(), e))?
         } else {
             content.to_vec()
@@ -382,6 +385,12 @@ impl ContainerWriter {
             checksum: sum,
         });
         Ok(())
+    }
+
+    /// The zstd level of the sections written compressed from now on (19 unless set: the
+    /// smallest; a writer in a hurry takes a low one, e.g. 3, at a little more size).
+    pub fn compression_level(&mut self, level: i32) {
+        self.level = level;
     }
 
     /// Raises the minor version written to at least `minor`: the writer of a feature inside a
