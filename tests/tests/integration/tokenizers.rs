@@ -1,0 +1,155 @@
+//! Tokenizers of every kind the runtime reads, against reference ids: SentencePiece BPE with byte
+//! fallback (Llama 2's, Mistral's and Gemma's `tokenizer.json`, GGUF `llama` with and without the
+//! space prefix, and Phi-3's, whose special tokens swallow the whitespace after them),
+//! SentencePiece Unigram, and byte-level BPE behind Llama 3's and Qwen2's split
+//! regexes (`tokenizer.json`, GGUF `llama-bpe` / `qwen2`, whose `</s>` is typed as text but
+//! matched as a control token, as llama.cpp does). The `tokenizers` library gave the ids
+//! and text of each `tokenizer.json`, llama.cpp the ids of each GGUF file
+//! (scripts/make-tokenizer-fixtures.py trained the tokenizers and wrote both).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use leanstream::source::gguf::GgufFile;
+use leanstream::tokenizer::{gguf as gguf_tokenizer, TextStream, Tokenizer};
+
+const JSON: [&str; 6] = [
+    "spm-bpe-llama2.json",
+    "spm-bpe-mistral.json",
+    "spm-bpe-gemma.json",
+    "unigram.json",
+    "llama3.json",
+    "qwen2.json",
+];
+const GGUF: [&str; 5] = [
+    "spm-bpe.gguf",
+    "spm-bpe-no-prefix.gguf",
+    "spm-bpe-phi3.gguf",
+    "llama3.gguf",
+    "qwen2.gguf",
+];
+
+fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tokenizers")
+}
+
+struct Case {
+    text: String,
+    ids: Vec<u32>,
+    /// The `tokenizers` library's decoded text, special tokens left out (`tokenizer.json` only).
+    decoded: Option<String>,
+}
+
+fn cases(name: &str) -> Vec<Case> {
+    let path = dir().join("expected.json");
+    let all: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).expect("expected.json")).unwrap();
+    let cases = all[name]["cases"].as_array().expect(name);
+    assert!(cases.len() >= 15, "{name}: {} cases", cases.len());
+    cases
+        .iter()
+        .map(|c| Case {
+            text: c["text"].as_str().unwrap().to_string(),
+            ids: serde_json::from_value(c["ids"].clone()).unwrap(),
+            decoded: c["decoded"].as_str().map(str::to_string),
+        })
+        .collect()
+}
+
+fn from_json(name: &str) -> Result<Tokenizer> {
+    Tokenizer::from_bytes(&std::fs::read(dir().join(name))?).with_context(|| name.to_string())
+}
+
+fn from_gguf(name: &str) -> Result<Tokenizer> {
+    Ok(gguf_tokenizer::from_gguf(&GgufFile::open(&dir().join(name))?)?.tokenizer)
+}
+
+/// The text streamed token by token, as `run` prints it.
+fn streamed(tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
+    let mut stream = TextStream::default();
+    let mut text = String::new();
+    for &id in ids {
+        text.extend(stream.push(tokenizer, id)?);
+    }
+    text.extend(stream.finish(tokenizer)?);
+    Ok(text)
+}
+
+/// Checks `tokenizer` against the reference ids of `name`, and its text (whole and streamed)
+/// against `text` of each case, where that gives one.
+fn check(name: &str, tokenizer: &Tokenizer, text: impl Fn(&Case) -> Option<String>) -> Result<()> {
+    for case in cases(name) {
+        let ids = tokenizer.encode(&case.text, true)?;
+        assert_eq!(ids, case.ids, "{name}: ids of {:?}", case.text);
+        if let Some(text) = text(&case) {
+            assert_eq!(tokenizer.decode(&ids)?, text, "{name}: {:?}", case.text);
+            assert_eq!(streamed(tokenizer, &ids)?, text, "{name}: streamed");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn tokenizer_json_gives_the_tokenizers_librarys_ids_and_text() -> Result<()> {
+    for name in JSON {
+        check(name, &from_json(name)?, |case| {
+            Some(
+                case.decoded
+                    .clone()
+                    .expect("tokenizer.json cases have text"),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+#[test]
+fn gguf_metadata_gives_llama_cpps_ids_and_the_text_back() -> Result<()> {
+    for name in GGUF {
+        // Every text without special tokens in it comes back whole (byte fallback and byte level
+        // cover every character).
+        check(name, &from_gguf(name)?, |case| {
+            (!case.text.contains('<')).then(|| case.text.clone())
+        })?;
+    }
+    Ok(())
+}
+
+#[test]
+fn byte_fallback_tokens_decode_to_utf8_only_once_a_character_is_whole() -> Result<()> {
+    let tokenizer = from_gguf("spm-bpe.gguf")?;
+    // Not in the training text: `▁`, then each of its four bytes as a <0xNN> token (llama.cpp's
+    // ids).
+    let ids = tokenizer.encode("🦀", false)?;
+    assert_eq!(ids, [566, 247, 166, 173, 135]);
+    let mut stream = TextStream::default();
+    let pieces: Vec<Option<String>> = ids
+        .iter()
+        .map(|&id| stream.push(&tokenizer, id))
+        .collect::<Result<_>>()?;
+    // The prefix space is dropped from the text, and the character is held back until its last
+    // byte arrives.
+    assert_eq!(pieces, [None, None, None, None, Some("🦀".to_string())]);
+    Ok(())
+}
+
+#[test]
+fn an_unknown_gguf_pre_tokenizer_is_refused_by_name() -> Result<()> {
+    let mut bytes = std::fs::read(dir().join("llama3.gguf"))?;
+    let at = bytes
+        .windows(9)
+        .position(|w| w == b"llama-bpe")
+        .expect("the pre-tokenizer's name");
+    bytes[at..at + 9].copy_from_slice(b"llama-zzz");
+    let tmp = std::env::temp_dir().join(format!("leanstream-pre-{}.gguf", std::process::id()));
+    std::fs::write(&tmp, &bytes)?;
+    let err = match gguf_tokenizer::from_gguf(&GgufFile::open(&tmp)?) {
+        Ok(_) => panic!("an unknown pre-tokenizer was accepted"),
+        Err(e) => format!("{e:#}"),
+    };
+    std::fs::remove_file(&tmp)?;
+    assert!(err.contains("\"llama-zzz\""), "{err}");
+    assert!(err.contains(&*tmp.to_string_lossy()), "{err}");
+    assert!(err.contains("tokenizer.ggml.pre"), "{err}");
+    Ok(())
+}
