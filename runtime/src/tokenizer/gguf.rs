@@ -21,6 +21,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
 
+pub use super::gguf_metadata::metadata_of;
 use crate::source::gguf::GgufFile;
 use crate::tokenizer::Tokenizer;
 use leanstream_format::meta::ChatTemplate;
@@ -33,10 +34,11 @@ pub struct GgufTokenizer {
 }
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`).
-const TOKEN_NORMAL: i64 = 1;
-const TOKEN_UNKNOWN: i64 = 2;
-const TOKEN_CONTROL: i64 = 3;
-const TOKEN_USER_DEFINED: i64 = 4;
+pub(crate) const TOKEN_NORMAL: i64 = 1;
+pub(crate) const TOKEN_UNKNOWN: i64 = 2;
+pub(crate) const TOKEN_CONTROL: i64 = 3;
+pub(crate) const TOKEN_USER_DEFINED: i64 = 4;
+pub(crate) const TOKEN_BYTE: i64 = 6;
 
 /// Tokens that end a turn in common chat formats. llama.cpp stops at them and treats them as
 /// control tokens even where a file types them as normal text (Qwen2's `</s>`), so they are
@@ -57,83 +59,6 @@ const END_OF_GENERATION: [&str; 14] = [
     "_<EOT>",
     "<eos>",
 ];
-
-/// The `tokenizer.ggml.*` metadata of a byte-level BPE `tokenizer.json` (GPT-2's pre-tokenizer, as
-/// `gpt2` / `gpt-2`): the inverse of [`from_gguf`] for such tokenizers, used to write a model's
-/// tokenizer into a GGUF file. `vocab_size` rows of embedding need as many tokens: tokens past the
-/// tokenizer's own are padding (`<pad_N>`, control tokens, never produced by tokenizing text);
-/// returns the metadata and the number of padding tokens.
-pub fn metadata_of(
-    tokenizer_json: &[u8],
-    vocab_size: Option<usize>,
-) -> Result<(Vec<(String, Value)>, usize)> {
-    let json: serde_json::Value =
-        serde_json::from_slice(tokenizer_json).context("the tokenizer is not valid JSON")?;
-    let model = &json["model"];
-    if model["type"].as_str() != Some("BPE") {
-        bail!(
-            "only byte-level BPE tokenizers can be written as GGUF metadata (this one is {})",
-            model["type"]
-        );
-    }
-    let vocab = model["vocab"]
-        .as_object()
-        .context("the tokenizer has no model.vocab")?;
-    let mut tokens = vec![None; vocab.len()];
-    for (text, id) in vocab {
-        let slot = id
-            .as_u64()
-            .and_then(|id| tokens.get_mut(id as usize))
-            .with_context(|| format!("token {text:?} has id {id}, outside 0..{}", vocab.len()))?;
-        *slot = Some(text.clone());
-    }
-    let mut tokens: Vec<String> = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(id, t)| t.with_context(|| format!("no token has id {id}")))
-        .collect::<Result<_>>()?;
-    let special: Vec<u64> = json["added_tokens"]
-        .as_array()
-        .map(|added| added.iter().filter_map(|t| t["id"].as_u64()).collect())
-        .unwrap_or_default();
-    let own = tokens.len();
-    let vocab_size = vocab_size.unwrap_or(own);
-    if vocab_size < own {
-        bail!("the tokenizer has {own} tokens, more than the model's vocabulary ({vocab_size})");
-    }
-    tokens.extend((own..vocab_size).map(|id| format!("<pad_{id}>")));
-    let types = (0..vocab_size as u64)
-        .map(|id| {
-            let control = id as usize >= own || special.contains(&id);
-            Value::I32(if control { TOKEN_CONTROL } else { TOKEN_NORMAL } as i32)
-        })
-        .collect();
-    let merges = model["merges"]
-        .as_array()
-        .context("the tokenizer has no model.merges")?
-        .iter()
-        .map(|m| match m {
-            serde_json::Value::String(s) => Ok(Value::String(s.clone())),
-            serde_json::Value::Array(pair) if pair.len() == 2 => Ok(Value::String(format!(
-                "{} {}",
-                pair[0].as_str().unwrap_or_default(),
-                pair[1].as_str().unwrap_or_default()
-            ))),
-            other => bail!("merge {other} is neither \"a b\" nor [a, b]"),
-        })
-        .collect::<Result<_>>()?;
-    let metadata = vec![
-        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), Value::String("gpt-2".into())),
-        (
-            "tokenizer.ggml.tokens".into(),
-            Value::Array(tokens.into_iter().map(Value::String).collect()),
-        ),
-        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
-        ("tokenizer.ggml.merges".into(), Value::Array(merges)),
-    ];
-    Ok((metadata, vocab_size - own))
-}
 
 /// Reads the tokenizer of `file`.
 pub fn from_gguf(file: &GgufFile) -> Result<GgufTokenizer> {

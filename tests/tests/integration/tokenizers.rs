@@ -60,7 +60,8 @@ fn from_json(name: &str) -> Result<Tokenizer> {
     Tokenizer::from_bytes(&std::fs::read(dir().join(name))?).with_context(|| name.to_string())
 }
 
-fn from_gguf(name: &str) -> Result<Tokenizer> {
+/// The tokenizer of a fixture GGUF file, or of the file at an absolute path.
+fn from_gguf(name: impl AsRef<Path>) -> Result<Tokenizer> {
     Ok(gguf_tokenizer::from_gguf(&GgufFile::open(&dir().join(name))?)?.tokenizer)
 }
 
@@ -151,5 +152,51 @@ fn an_unknown_gguf_pre_tokenizer_is_refused_by_name() -> Result<()> {
     assert!(err.contains("\"llama-zzz\""), "{err}");
     assert!(err.contains(&*tmp.to_string_lossy()), "{err}");
     assert!(err.contains("tokenizer.ggml.pre"), "{err}");
+    Ok(())
+}
+
+/// `tokenizer.json` written as GGUF metadata (as `export-gguf` writes a model) and read back.
+fn exported(json: &str, bos: u32, eos: u32) -> Result<Tokenizer> {
+    use candle_core::quantized::gguf_file::{self, Value};
+    let (mut metadata, padding) =
+        gguf_tokenizer::metadata_of(&std::fs::read(dir().join(json))?, None)?;
+    assert_eq!(padding, 0);
+    metadata.extend([
+        ("general.architecture".into(), Value::String("llama".into())),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(bos)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
+    ]);
+    let path = std::env::temp_dir().join(format!("leanstream-{}-{json}.gguf", std::process::id()));
+    let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(&path)?, &metadata, &[])?;
+    let tokenizer = from_gguf(&path);
+    std::fs::remove_file(&path)?;
+    tokenizer
+}
+
+#[test]
+fn tokenizer_json_written_as_gguf_gives_llama_cpps_ids() -> Result<()> {
+    // Each `tokenizer.json` and the GGUF file llama.cpp tokenized the same vocabulary from.
+    for (json, gguf, bos, eos) in [
+        ("spm-bpe-llama2.json", "spm-bpe.gguf", 1, 2),
+        ("spm-bpe-mistral.json", "spm-bpe.gguf", 1, 2),
+        ("spm-bpe-gemma.json", "spm-bpe-no-prefix.gguf", 1, 2),
+        ("llama3.json", "llama3.gguf", 0, 2),
+        ("qwen2.json", "qwen2.gguf", 0, 2),
+    ] {
+        let tokenizer = exported(json, bos, eos)?;
+        let mut checked = 0;
+        // The reference GGUF files of byte-level BPE have an extra `</s>`.
+        for case in cases(gguf).iter().filter(|c| !c.text.contains("</s>")) {
+            let ids = tokenizer.encode(&case.text, true)?;
+            assert_eq!(ids, case.ids, "{json} as GGUF: ids of {:?}", case.text);
+            checked += 1;
+        }
+        assert!(checked >= 14, "{json}: {checked}");
+    }
+    let err = exported("unigram.json", 1, 2)
+        .err()
+        .expect("Unigram is refused");
+    assert!(format!("{err:#}").contains("Unigram"), "{err:#}");
     Ok(())
 }
