@@ -7,8 +7,9 @@ tests/fixtures/tokenizers/ (tests/tests/integration/tokenizers.rs checks them).
   pre-tokenizer) and Gemma's (no space prefix), and as GGUF metadata (`llama`) with and without
   `add_space_prefix`, and as Phi-3's (turn markers as control tokens);
 - unigram: a SentencePiece Unigram model with byte fallback as a Unigram tokenizer.json;
-- llama3, qwen2: byte-level BPE trained with `tokenizers` behind Llama 3's and Qwen2's split
-  regexes, as tokenizer.json and as GGUF metadata (`gpt2` with `llama-bpe` / `qwen2`).
+- llama3, qwen2, qwen35, tekken: byte-level BPE trained with `tokenizers` behind Llama 3's,
+  Qwen2's, Qwen3.5's and Mistral Tekken's split regexes, as tokenizer.json and as GGUF metadata
+  (`gpt2` with `llama-bpe` / `qwen2` / `qwen35` / `tekken`).
 
 References: the `tokenizers` library's ids and decoded text for every tokenizer.json (the Llama 2
 form is also checked against SentencePiece's own ids), and llama.cpp's ids for every
@@ -42,6 +43,15 @@ LLAMA3_REGEX = (
 QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN35_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TEKKEN_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 # Training text: a few languages, code, numbers and whitespace runs, repeated with variations.
@@ -261,7 +271,8 @@ def bpe_gguf(path, tokenizer_json, pre, bos, eos):
     tokens = [None] * len(vocab)
     for t, i in vocab.items():
         tokens[i] = t
-    tokens.append("</s>")
+    if "</s>" not in vocab:
+        tokens.append("</s>")
     special = {a["id"] for a in j["added_tokens"]}
     w = gguf.GGUFWriter(str(path), "llama")
     gguf_header(w)
@@ -449,8 +460,11 @@ def main():
              "<|begin_of_text|>", "<|eot_id|>", "llama-bpe", False),
             ("qwen2", QWEN2_REGEX, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
              None, "<|im_end|>", "qwen2", True),
+            ("qwen35", QWEN35_REGEX, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+             None, "<|im_end|>", "qwen35", True),
+            ("tekken", TEKKEN_REGEX, ["<unk>", "<s>", "</s>"], "<s>", "</s>", "tekken", False),
         ]:
-            j = byte_level_json(regex, specials, bos, nfc, ignore_merges=name == "llama3")
+            j = byte_level_json(regex, specials, bos, nfc, ignore_merges=name in ("llama3", "tekken"))
             (OUT / f"{name}.json").write_text(j, encoding="utf-8")
             texts = TEXTS + special_texts(bos or specials[1], eos) + ["x</s> y"]
             add(f"{name}.json", hf_cases(j, texts), "tokenizers")
