@@ -206,3 +206,31 @@ fn tokenizer_json_written_as_gguf_gives_llama_cpps_ids() -> Result<()> {
     assert!(format!("{err:#}").contains("Unigram"), "{err:#}");
     Ok(())
 }
+
+#[test]
+fn a_tokenizer_llama_cpp_cannot_reproduce_is_not_written_as_gguf() -> Result<()> {
+    let refusal = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| -> String {
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir().join(name)).unwrap()).unwrap();
+        edit(&mut json);
+        let bytes = serde_json::to_vec(&json).unwrap();
+        match gguf_tokenizer::metadata_of(&bytes, None) {
+            Ok(_) => panic!("{name}: written although edited"),
+            Err(e) => format!("{e:#}"),
+        }
+    };
+    // A split regex llama.cpp has no pre-tokenizer type for.
+    let err = refusal("llama3.json", &|j| {
+        j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\s+".into()
+    });
+    assert!(
+        err.contains("no llama.cpp type") && err.contains(r"\\p{L}+|\\s+"),
+        "{err}"
+    );
+    // Byte fallback without `▁` for spaces is not SentencePiece.
+    let err = refusal("spm-bpe-gemma.json", &|j| {
+        j["normalizer"] = serde_json::Value::Null
+    });
+    assert!(err.contains("needs spaces as ▁"), "{err}");
+    Ok(())
+}
