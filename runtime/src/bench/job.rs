@@ -145,6 +145,10 @@ pub struct Outcome {
     pub prompt_tokens_per_s: f64,
     #[serde(default)]
     pub ttft_ms: f64,
+    /// The process's CPU time (user and system, every thread) over the prefill: on a loaded
+    /// machine, waiting for a CPU is not charged to it.
+    #[serde(default)]
+    pub prompt_cpu_s: f64,
 }
 
 /// The `bench-worker` entry point: runs `job_path` and prints the outcome as JSON on stdout.
