@@ -238,7 +238,9 @@ impl<'x> RowStream<'x> {
     ) -> Self {
         assert_eq!(x.len(), t * cols);
         let block: Vec<Operand> = if qtype.is_block() && t > 1 {
-            x.chunks_exact(cols).map(|x| Operand::new(x, qtype)).collect()
+            x.chunks_exact(cols)
+                .map(|x| Operand::new(x, qtype))
+                .collect()
         } else {
             Vec::new()
         };
