@@ -452,9 +452,10 @@ fn matvec_and_matmul_match_f64() {
             for i in 0..t {
                 let xi = &xs[i * cols..(i + 1) * cols];
                 let op = Operand::new(xi, qtype);
-                // A single input runs a mat-vec (q8 input for block types); two or more decode
-                // the weights to f32 and multiply the unquantized input.
-                let seen_x = if t % GEMM_MIN_TOKENS == 1 && i == t - 1 {
+                // Block types multiply the q8 input (decode's mat-vec, every input); float types
+                // decode the weights to f32 for two or more inputs and multiply the input as it
+                // is, a single input left over runs a mat-vec.
+                let seen_x = if qtype.is_block() || (t % GEMM_MIN_TOKENS == 1 && i == t - 1) {
                     seen(&op, qtype)
                 } else {
                     xi.iter().map(|v| *v as f64).collect()

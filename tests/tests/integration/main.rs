@@ -36,6 +36,7 @@ mod moe_synth;
 mod moe_trained;
 mod page_cache;
 mod policies;
+mod prefill;
 mod quality;
 mod real_model;
 mod reference_vs_candle;
