@@ -113,13 +113,14 @@ impl Meta {
         let v13 = self.sparsity_rule.is_some()
             || self.layers.iter().any(|l| l.certificate_saves.is_some());
         let v15 = self.model.moe.is_some() || self.layers.iter().any(|l| l.routing.is_some());
-        if v15 {
+        let base = if v15 {
             5
         } else if v13 {
             3
         } else {
             1
-        }
+        };
+        base.max(self.model.minor_version())
     }
 }
 

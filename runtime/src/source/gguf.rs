@@ -25,6 +25,8 @@ use crate::kernels::{Matrix, QMatrix, Weight};
 use crate::model::Model;
 use crate::source::config::{Activation, Architecture, ModelConfig, MoeConfig};
 
+mod block;
+
 /// A GGUF file, memory-mapped, with its parsed header.
 pub struct GgufFile {
     path: PathBuf,
@@ -77,10 +79,13 @@ impl GgufFile {
             "qwen3" | "qwen3moe" => Ok(Architecture::Qwen3),
             "qwen2" => Ok(Architecture::Qwen2),
             "smollm3" => Ok(Architecture::Llama),
+            "gemma2" => Ok(Architecture::Gemma2),
+            "gemma3" => Ok(Architecture::Gemma3),
+            "phi3" => Ok(Architecture::Phi3),
             other => bail!(
                 "{}: architecture {other:?} is not supported (GGUF files of architecture llama \
-                 (Llama 2 and 3.x, SmolLM2, Mixtral), smollm3, qwen2 (Qwen2, Qwen2.5), qwen3 and qwen3moe \
-                 are)",
+                 (Llama 2 and 3.x, SmolLM2, Mixtral), smollm3, qwen2 (Qwen2, Qwen2.5), qwen3, \
+                 qwen3moe, gemma2, gemma3 and phi3 (Phi-3, Phi-3.5) are)",
                 self.path.display()
             ),
         }
@@ -152,27 +157,37 @@ impl GgufFile {
                 }
             }
         }
+        let mut linear = None;
         if let Some(kind) = self.str(&key("rope.scaling.type"))? {
-            if kind != "none" {
-                bail!(
-                    "{}: rope scaling {kind:?} is not supported",
+            match kind {
+                "none" => {}
+                // Gemma 3's global layers: every frequency divided by the factor.
+                "linear" => linear = self.f32(&key("rope.scaling.factor"))?,
+                _ => bail!(
+                    "{}: rope scaling {kind:?} is not supported (none and linear are)",
                     self.path.display()
-                );
+                ),
             }
         }
         // Llama 3.1 and later: llama.cpp's converter writes the llama3 rope scaling as one divisor
         // per frequency.
         let rope_freq_factors = match self.content.tensor_infos.contains_key("rope_freqs.weight") {
             true => Some(self.tensor_f32("rope_freqs.weight", &[head_dim / 2])?),
-            false => None,
+            false => linear.map(|f| vec![f; head_dim / 2]),
         };
         let num_layers = self.required_usize(&key("block_count"))?;
         let embd = self.info("token_embd.weight")?;
         let vocab_size = embd.shape.dims().first().copied().unwrap_or(0);
+        let (sliding_window, block) =
+            self.block_options(arch, architecture, hidden_size, num_heads)?;
         let config = ModelConfig {
             architecture,
-            // llama.cpp's llama and qwen3 graphs gate the FFN with SiLU; GGUF has no key for it.
-            activation: Activation::Silu,
+            // llama.cpp's graphs gate the FFN with SiLU, Gemma's with tanh GELU; GGUF has no key
+            // for it.
+            activation: match architecture.is_gemma() {
+                true => Activation::GeluTanh,
+                false => Activation::Silu,
+            },
             hidden_size,
             intermediate_size: match self.usize(&key("feed_forward_length"))? {
                 Some(n) => n,
@@ -199,9 +214,9 @@ impl GgufFile {
                 "smollm3" => (3..num_layers).step_by(4).collect(),
                 _ => Vec::new(),
             },
-            sliding_window: None,
+            sliding_window,
             tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3),
             qkv_bias: architecture == Architecture::Qwen2,
             bos_token_id: self.u32("tokenizer.ggml.bos_token_id")?,
             eos_token_ids: self
@@ -209,6 +224,7 @@ impl GgufFile {
                 .into_iter()
                 .collect(),
             moe: self.moe_config(arch)?,
+            block,
         };
         config
             .validate()
@@ -279,7 +295,12 @@ impl GgufFile {
     /// Hugging Face tensor `name` in its stored encoding, after checking it has `shape`. Query and
     /// key rows of `llama` files are put back into Hugging Face's order (see [`unpermute_rope_rows`]).
     pub fn raw_tensor(&self, name: &str, shape: &[usize]) -> Result<RawTensor<'_>> {
-        let (gguf_name, expert) = gguf_location(name).with_context(|| {
+        // Gemma's sandwich norms and Phi-3's fused projections (rows `fused.0..` of `fused.1`).
+        let (located, fused) = match self.block_location(name, shape)? {
+            Some((gguf_name, fused)) => (Some((gguf_name, None)), fused),
+            None => (gguf_location(name), None),
+        };
+        let (gguf_name, expert) = located.with_context(|| {
             format!(
                 "{}: no GGUF tensor corresponds to {name}",
                 self.path.display()
@@ -301,6 +322,10 @@ impl GgufFile {
         let info = self.info(&gguf_name)?;
         // An expert's matrix is one slice of its layer's stack of `expert_count` matrices.
         let (stacked, first) = match expert {
+            None if fused.is_some() => {
+                let (_, rows) = fused.expect("checked");
+                ([&[rows][..], &shape[1..]].concat(), 0)
+            }
             Some(e) => {
                 let arch = self.required_str("general.architecture")?;
                 let experts = self.usize(&format!("{arch}.expert_count"))?.unwrap_or(0);
@@ -334,7 +359,8 @@ impl GgufFile {
         let start = (self.content.tensor_data_offset)
             .checked_add(info.offset)
             .and_then(|s| usize::try_from(s).ok())
-            .and_then(|s| s.checked_add(first.checked_mul(len)?));
+            .and_then(|s| s.checked_add(first.checked_mul(len)?))
+            .and_then(|s| s.checked_add(fused.map_or(0, |(at, _)| at) * row_bytes));
         let data = start
             .and_then(|s| self.mmap.get(s..s.checked_add(len)?))
             .with_context(|| {
@@ -575,8 +601,11 @@ fn dense_gguf_name(hf_name: &str) -> Option<String> {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
         "lm_head.weight" => Some("output.weight"),
-        // No Hugging Face tensor: Llama 3.1's rope scaling as llama.cpp writes it.
+        // No Hugging Face tensor: Llama 3.1's rope scaling and Phi-3's LongRoPE factors as
+        // llama.cpp writes them.
         "rope_freqs.weight" => Some("rope_freqs.weight"),
+        "rope_factors_long.weight" => Some("rope_factors_long.weight"),
+        "rope_factors_short.weight" => Some("rope_factors_short.weight"),
         _ => None,
     };
     if let Some(name) = fixed {

@@ -206,3 +206,112 @@ fn smollm3_nope_layers_from_hf_and_gguf() {
 fn smollm3_converted() {
     converted_matches("smollm3");
 }
+
+/// The largest per-token log-probability difference of `model` from fixture `name`'s reference.
+fn worst_against(model: &Model, name: &str) -> f64 {
+    let r = reference(name);
+    log_probs(model, &r.ids)
+        .iter()
+        .zip(&r.log_probs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max)
+}
+
+/// The fixture's Hugging Face model with its configuration changed by `change`.
+fn hf_with(name: &str, change: impl FnOnce(&mut leanstream::source::config::ModelConfig)) -> Model {
+    let dir = fixtures().join(name);
+    let mut c = leanstream::source::config::from_hf_dir(&dir).unwrap();
+    change(&mut c);
+    let tensors = leanstream::source::safetensors_dir::SafetensorsDir::open(&dir).unwrap();
+    let cc = c.clone();
+    Model::from_hf_tensors(c, |n, s| {
+        leanstream::source::hf_tensors::tensor(&tensors, &cc, n, s)
+    })
+    .unwrap()
+}
+
+#[test]
+fn gemma2_softcaps_and_alternating_windows_from_hf_and_gguf() {
+    hf_and_gguf("gemma2");
+    let c = leanstream::source::config::from_hf_dir(&fixtures().join("gemma2")).unwrap();
+    assert_eq!(
+        c.activation,
+        leanstream::source::config::Activation::GeluTanh
+    );
+    // Layer 0 slides over 16 positions of the 48 scored, layer 1 sees them all.
+    assert_eq!((c.window(0), c.window(1)), (Some(16), None));
+    assert!(reference("gemma2").ids.len() > 16);
+    assert_eq!(c.block.attn_logit_softcap, Some(3.0));
+    assert_eq!(c.block.final_logit_softcap, Some(5.0));
+    // Each of them changes the result measurably: the test sees the window and both caps.
+    for (what, change) in [
+        (
+            "no window",
+            Box::new(|c: &mut _| set(c, |c| c.sliding_window = None)) as Box<dyn Fn(&mut _)>,
+        ),
+        (
+            "no attention cap",
+            Box::new(|c: &mut _| set(c, |c| c.block.attn_logit_softcap = None)),
+        ),
+        (
+            "no final cap",
+            Box::new(|c: &mut _| set(c, |c| c.block.final_logit_softcap = None)),
+        ),
+    ] {
+        let worst = worst_against(&hf_with("gemma2", change), "gemma2");
+        assert!(worst > 10.0 * LOGP_TOL, "{what} is as close: {worst:.2e}");
+    }
+    let g = GgufFile::open(&fixtures().join("gemma2.f32.gguf")).unwrap();
+    assert_eq!(g.config().unwrap().block, c.block);
+}
+
+fn set(
+    c: &mut leanstream::source::config::ModelConfig,
+    f: impl Fn(&mut leanstream::source::config::ModelConfig),
+) {
+    f(c)
+}
+
+#[test]
+fn gemma3_local_and_global_rope_from_hf_and_gguf() {
+    hf_and_gguf("gemma3");
+    let c = leanstream::source::config::from_hf_dir(&fixtures().join("gemma3")).unwrap();
+    assert!(c.qk_norm);
+    assert_eq!(c.block.full_attention_layers, vec![5]);
+    assert_eq!((c.rope_theta, c.block.rope_local_theta), (1e6, Some(1e4)));
+    // With the global base in every layer the same weights score differently.
+    let worst = worst_against(
+        &hf_with("gemma3", |c| c.block.rope_local_theta = None),
+        "gemma3",
+    );
+    assert!(
+        worst > 10.0 * LOGP_TOL,
+        "one rope base is as close: {worst:.2e}"
+    );
+    let g = GgufFile::open(&fixtures().join("gemma3.f32.gguf")).unwrap();
+    let gc = g.config().unwrap();
+    assert_eq!((gc.sliding_window, &gc.block), (c.sliding_window, &c.block));
+}
+
+#[test]
+fn phi3_fused_projections_and_longrope_from_hf_and_gguf() {
+    hf_and_gguf("phi3");
+    let c = leanstream::source::config::from_hf_dir(&fixtures().join("phi3")).unwrap();
+    let l = c.block.longrope.as_ref().unwrap();
+    // 48 scored positions exceed the original 32: the long factors apply, as in transformers.
+    assert_eq!(l.original_max_position_embeddings, 32);
+    assert!(reference("phi3").ids.len() > 32);
+    assert!((l.attention_factor - (1.0f32 + 8f32.ln() / 32f32.ln()).sqrt()).abs() < 1e-6);
+    let worst = worst_against(&hf_with("phi3", |c| c.block.longrope = None), "phi3");
+    assert!(
+        worst > 10.0 * LOGP_TOL,
+        "plain rope is as close: {worst:.2e}"
+    );
+    let g = GgufFile::open(&fixtures().join("phi3.f32.gguf")).unwrap();
+    assert_eq!(g.config().unwrap().block.longrope.as_ref(), Some(l));
+}
+
+#[test]
+fn gemma2_converted() {
+    converted_matches("gemma2");
+}
