@@ -315,3 +315,70 @@ fn phi3_fused_projections_and_longrope_from_hf_and_gguf() {
 fn gemma2_converted() {
     converted_matches("gemma2");
 }
+
+/// Gemma 2's GeGLU converted under both sparsity rules, `target:0.5` (`|gelu(g)·u|`, no
+/// certificate) and `threshold:0.05` (`|gelu(g)|`, with a gate sketch; at this size the planner
+/// finds it saves nothing and leaves it out): the rule skips neurons (resident differs from dense),
+/// and streaming under the minimum budget and a middle one gives the resident policy's
+/// log-probabilities bit for bit.
+#[test]
+fn gemma2_geglu_sparsity_streams_equal_to_resident() {
+    let r = reference("gemma2");
+    for (tag, sparsity, rule) in [
+        ("target", "target:0.5", Some("gate_up")),
+        ("threshold", "threshold:0.05", None),
+    ] {
+        let lsb = scratch().join(format!("arch-gemma2-{tag}.lsb"));
+        let certificate = if rule.is_none() { "q8" } else { "none" };
+        convert(
+            &fixtures().join("gemma2"),
+            &lsb,
+            &[
+                "--quant",
+                "f32",
+                "--sparsity",
+                sparsity,
+                "--certificate",
+                certificate,
+            ],
+        );
+        let f = leanstream_format::LsbFile::open(&lsb).unwrap();
+        assert_eq!(f.meta.sparsity_rule.as_deref(), rule);
+        // The gate rule's file carries the certificate (a sketch of every layer's gates).
+        assert_eq!(
+            f.sketch.layers.iter().all(|l| l.neurons > 0),
+            rule.is_none()
+        );
+        let ctx = r.ids.len();
+        let run = |policy, memory: Option<u64>| {
+            let mut s = Session::open(
+                &SessionOptions::new(&lsb, Some(policy))
+                    .memory(memory)
+                    .flash(memory.and(leanstream_tests::converted::ufs4()))
+                    .ctx(ctx),
+            )
+            .unwrap_or_else(|e| panic!("gemma2 {tag} {policy:?}: {e:#}"));
+            let got = log_probs(s.model(), &r.ids);
+            let certified = s.report()["memory_split"]["certified_layers"]
+                .as_array()
+                .map_or(0, Vec::len);
+            (got, certified)
+        };
+        let (resident, _) = run(PolicyChoice::Resident, None);
+        assert_ne!(
+            resident,
+            run(PolicyChoice::Dense, None).0,
+            "{tag}: nothing skipped"
+        );
+        let min = leanstream::streaming::minimum_memory(&lsb, ctx).unwrap();
+        let ffn = leanstream_format::LsbFile::open(&lsb)
+            .unwrap()
+            .ffn
+            .bundle_bytes();
+        for budget in [min, min + ffn / 2] {
+            let (streamed, certified) = run(PolicyChoice::Leanstream, Some(budget));
+            eprintln!("gemma2 {tag}: budget {budget}, {certified} layers certified");
+            assert_eq!(streamed, resident, "{tag}: budget {budget}");
+        }
+    }
+}
