@@ -308,3 +308,32 @@ impl ModelConfig {
         self.num_heads / self.num_kv_heads
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Activation;
+
+    /// `gelu_pytorch_tanh` as torch 2.15 computes it in f32 (`F.gelu(x, approximate="tanh")`).
+    #[test]
+    fn gelu_tanh_matches_torch() {
+        let torch = [
+            (-6.0, -0.0),
+            (-3.0, -0.003_637_433_052_062_988_3),
+            (-1.0, -0.158_807_992_935_180_66),
+            (-0.75, -0.170_039_474_964_141_85),
+            (-0.5, -0.154_285_997_152_328_5),
+            (0.0, 0.0),
+            (0.5, 0.345_714_002_847_671_5),
+            (1.0, 0.841_192_007_064_819_3),
+            (3.0, 2.996_362_686_157_226_6),
+            (6.0, 6.0),
+        ];
+        for (x, want) in torch {
+            let got = Activation::GeluTanh.apply(x);
+            assert!(
+                (got - want).abs() <= 2.0 * f32::EPSILON * want.abs().max(1e-3),
+                "gelu({x}) = {got}, torch {want}"
+            );
+        }
+    }
+}

@@ -575,6 +575,74 @@ mod tests {
     }
 
     #[test]
+    fn parses_gemma_windows_scalars_and_caps() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Gemma2ForCausalLM"]);
+        v.as_object_mut().unwrap().remove("hidden_act");
+        v["hidden_activation"] = serde_json::json!("gelu_pytorch_tanh");
+        v["sliding_window"] = serde_json::json!(32);
+        v["query_pre_attn_scalar"] = serde_json::json!(144);
+        v["attn_logit_softcapping"] = serde_json::json!(50.0);
+        v["final_logit_softcapping"] = serde_json::json!(30.0);
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.activation, Activation::GeluTanh);
+        // Without layer_types Gemma 2 slides in every other layer from the first.
+        assert_eq!(c.block.full_attention_layers, vec![1, 3]);
+        assert_eq!((c.window(0), c.window(1)), (Some(32), None));
+        assert_eq!(c.block.query_pre_attn_scalar, Some(144.0));
+        assert_eq!(c.block.attn_logit_softcap, Some(50.0));
+        assert_eq!(c.block.final_logit_softcap, Some(30.0));
+        assert_eq!(c.minor_version(), 8);
+        // Gemma 3: five sliding layers in six by default, its local rope base, q/k norms; a
+        // query_pre_attn_scalar equal to the head size is the default scale.
+        v["architectures"] = serde_json::json!(["Gemma3ForCausalLM"]);
+        v["num_hidden_layers"] = serde_json::json!(12);
+        v["query_pre_attn_scalar"] = serde_json::json!(64);
+        v["rope_local_base_freq"] = serde_json::json!(10000.0);
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.block.full_attention_layers, vec![5, 11]);
+        assert_eq!(c.block.rope_local_theta, Some(10000.0));
+        assert_eq!(c.block.query_pre_attn_scalar, None);
+        assert!(c.qk_norm);
+        v["layer_types"] = serde_json::json!(vec!["full_attention"; 12]);
+        assert_eq!(from_hf_json(&v.to_string()).unwrap().sliding_window, None);
+        v["layer_types"] = serde_json::json!(vec!["chunked_attention"; 12]);
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("chunked_attention"), "{err}");
+        v["hidden_activation"] = serde_json::json!("gelu");
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("gelu_pytorch_tanh"), "{err}");
+    }
+
+    #[test]
+    fn parses_phi3_longrope_and_refuses_partial_rotary() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
+        v["max_position_embeddings"] = serde_json::json!(131072);
+        v["original_max_position_embeddings"] = serde_json::json!(4096);
+        let factors: Vec<f32> = (0..32).map(|i| 1.0 + i as f32).collect();
+        // Phi-3.5's config.json as published (transformers 4).
+        v["rope_scaling"] = serde_json::json!({"type": "longrope", "short_factor": factors,
+            "long_factor": factors});
+        let c = from_hf_json(&v.to_string()).unwrap();
+        let l = c.block.longrope.as_ref().unwrap();
+        assert_eq!(l.original_max_position_embeddings, 4096);
+        assert_eq!(l.long_factor.len(), 32);
+        // sqrt(1 + ln(32) / ln(4096)), as transformers and llama.cpp's converter compute it.
+        assert!(
+            (l.attention_factor - 1.190_238_1).abs() < 1e-6,
+            "{}",
+            l.attention_factor
+        );
+        v["rope_scaling"]["short_factor"] = serde_json::json!([1.0, 2.0]);
+        assert!(from_hf_json(&v.to_string()).is_err());
+        v["rope_scaling"]["short_factor"] = serde_json::json!(factors);
+        v["partial_rotary_factor"] = serde_json::json!(0.75);
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("partial_rotary_factor"), "{err}");
+    }
+
+    #[test]
     fn rejects_bad_head_grouping() {
         let mut v = base();
         v["num_key_value_heads"] = serde_json::json!(3);
