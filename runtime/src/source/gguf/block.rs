@@ -9,6 +9,9 @@ use candle_core::quantized::gguf_file::Value;
 use super::GgufFile;
 use crate::source::config::{Architecture, BlockOptions, LongRope};
 
+/// A GGUF tensor's name, and for a slice of a fused tensor its first row and the fused rows.
+pub(super) type Location = (String, Option<(usize, usize)>);
+
 impl GgufFile {
     /// The sliding window and the block options of a file of `arch` (`general.architecture`).
     pub(super) fn block_options(
@@ -128,7 +131,7 @@ impl GgufFile {
         &self,
         name: &str,
         shape: &[usize],
-    ) -> Result<Option<(String, Option<(usize, usize)>)>> {
+    ) -> Result<Option<Location>> {
         let Some((layer, part)) = name
             .strip_prefix("model.layers.")
             .and_then(|n| n.split_once('.'))
