@@ -9,6 +9,7 @@ pub mod rope;
 
 mod attention;
 mod dense_ffn;
+mod language_model;
 mod moe;
 mod norm;
 mod projections;
@@ -28,6 +29,7 @@ use crate::source::safetensors_dir::SafetensorsDir;
 pub use attention::Attention;
 use dense_ffn::Ffn;
 pub use dense_ffn::{DenseFfn, FfnBackend, FfnProbe};
+pub use language_model::LanguageModel;
 pub use moe::{expert_tensor_names, route, router_tensor_name, Choice, MoeFfn, MoeScratch};
 pub use norm::rms_norm;
 pub use projections::{DenseWeights, Projections};
@@ -60,114 +62,6 @@ impl FfnWeights {
             FfnWeights::Dense(f) => f.bytes(),
             FfnWeights::Experts(m) => m.bytes(),
         }
-    }
-}
-
-/// Anything that turns tokens into logits with a KV cache: the resident model, or a streaming one.
-pub trait LanguageModel {
-    fn config(&self) -> &ModelConfig;
-    /// An empty KV cache of `ctx` positions in the storage this model runs with.
-    fn new_cache(&self, ctx: usize) -> KvCache;
-    /// See [`Model::forward`].
-    fn forward(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        all_logits: bool,
-    ) -> Result<Vec<f32>> {
-        let mut logits = Vec::new();
-        self.forward_into(tokens, cache, all_logits, &mut logits)?;
-        Ok(logits)
-    }
-
-    /// [`forward`](Self::forward) into `logits` (resized): a decoding loop that keeps its logits
-    /// buffer allocates nothing per token.
-    fn forward_into(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        all_logits: bool,
-        logits: &mut Vec<f32>,
-    ) -> Result<()>;
-
-    /// Whether scoring a text should feed it one token at a time, as generation does, so that what
-    /// the model measures (bytes read, hit rates) is generation's rather than a prompt chunk's.
-    fn scores_by_decoding(&self) -> bool {
-        false
-    }
-
-    /// The most prompt tokens one forward call should take (a streaming model plans its scratch
-    /// for this many; a longer slice is split).
-    fn prompt_chunk(&self) -> usize {
-        crate::text::generate::PROMPT_CHUNK
-    }
-}
-
-impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
-    fn config(&self) -> &ModelConfig {
-        (**self).config()
-    }
-
-    fn new_cache(&self, ctx: usize) -> KvCache {
-        (**self).new_cache(ctx)
-    }
-
-    fn scores_by_decoding(&self) -> bool {
-        (**self).scores_by_decoding()
-    }
-
-    fn prompt_chunk(&self) -> usize {
-        (**self).prompt_chunk()
-    }
-
-    fn forward_into(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        all_logits: bool,
-        logits: &mut Vec<f32>,
-    ) -> Result<()> {
-        (**self).forward_into(tokens, cache, all_logits, logits)
-    }
-}
-
-impl LanguageModel for Model {
-    fn config(&self) -> &ModelConfig {
-        Model::config(self)
-    }
-
-    fn new_cache(&self, ctx: usize) -> KvCache {
-        Model::new_cache(self, ctx)
-    }
-
-    fn forward_into(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        all_logits: bool,
-        logits: &mut Vec<f32>,
-    ) -> Result<()> {
-        Model::forward_with(self, tokens, cache, all_logits, None, None, logits)
-    }
-}
-
-impl LanguageModel for &Model {
-    fn config(&self) -> &ModelConfig {
-        Model::config(self)
-    }
-
-    fn new_cache(&self, ctx: usize) -> KvCache {
-        Model::new_cache(self, ctx)
-    }
-
-    fn forward_into(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        all_logits: bool,
-        logits: &mut Vec<f32>,
-    ) -> Result<()> {
-        Model::forward_with(self, tokens, cache, all_logits, None, None, logits)
     }
 }
 

@@ -127,11 +127,7 @@ impl GgufFile {
     /// `post_attention_norm`, its `pre_feedforward_layernorm` `ffn_norm` and
     /// `post_feedforward_layernorm` `post_ffw_norm`; Phi-3's q, k and v are rows of `attn_qkv`,
     /// its gate and up the two halves of `ffn_up`, given as (first row, rows of the fused tensor).
-    pub(super) fn block_location(
-        &self,
-        name: &str,
-        shape: &[usize],
-    ) -> Result<Option<Location>> {
+    pub(super) fn block_location(&self, name: &str, shape: &[usize]) -> Result<Option<Location>> {
         let Some((layer, part)) = name
             .strip_prefix("model.layers.")
             .and_then(|n| n.split_once('.'))
