@@ -382,3 +382,57 @@ fn gemma2_geglu_sparsity_streams_equal_to_resident() {
         }
     }
 }
+
+/// The gemma3 fixture's GGUF rewritten with `gemma3.attention.sliding_window_pattern` set to
+/// `pattern`, at `out`.
+fn gemma3_gguf_with_pattern(pattern: candle_core::quantized::gguf_file::Value, out: &Path) {
+    use candle_core::quantized::gguf_file;
+    let src = fixtures().join("gemma3.f32.gguf");
+    let mut reader = std::fs::File::open(&src).unwrap();
+    let content = gguf_file::Content::read(&mut reader).unwrap();
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|n| {
+            let t = content
+                .tensor(&mut reader, n, &candle_core::Device::Cpu)
+                .unwrap();
+            (n.clone(), t)
+        })
+        .collect();
+    let mut metadata: Vec<(String, gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    metadata.push(("gemma3.attention.sliding_window_pattern".into(), pattern));
+    let meta: Vec<(&str, &gguf_file::Value)> =
+        metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tens: Vec<(&str, &candle_core::quantized::QTensor)> =
+        tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    let mut file = std::fs::File::create(out).unwrap();
+    gguf_file::write(&mut file, &meta, &tens).unwrap();
+}
+
+/// llama.cpp's per-layer pattern (one flag per layer, true = sliding) is read as written, and one
+/// of the wrong length is refused with an error naming the file and the key.
+#[test]
+fn gemma3_gguf_sliding_window_pattern_is_read_and_checked() {
+    use candle_core::quantized::gguf_file::Value;
+    let flags = |n: usize| Value::Array((0..n).map(|l| Value::Bool(l != 2)).collect());
+    let ok = scratch().join("arch-gemma3-pattern.gguf");
+    gemma3_gguf_with_pattern(flags(6), &ok);
+    let c = GgufFile::open(&ok).unwrap().config().unwrap();
+    assert_eq!(c.block.full_attention_layers, vec![2]);
+    let bad = scratch().join("arch-gemma3-bad-pattern.gguf");
+    gemma3_gguf_with_pattern(flags(4), &bad);
+    let err = format!(
+        "{:#}",
+        GgufFile::open(&bad).and_then(|g| g.config()).unwrap_err()
+    );
+    assert!(
+        err.contains("arch-gemma3-bad-pattern.gguf")
+            && err.contains("sliding_window_pattern has 4 entries for 6 layers"),
+        "{err}"
+    );
+}
