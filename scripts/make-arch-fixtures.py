@@ -90,6 +90,50 @@ MODELS = {
         ),
         "qwen2",
     ),
+    # Gemma 2: GeGLU (tanh GELU), sqrt(hidden)-scaled embedding, (1 + w) RMSNorm, sandwich norms,
+    # attention and final logit soft-capping (caps low enough to bend random logits), every other
+    # layer attending through a window shorter than the scored sequence.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            rope_theta=10000.0,
+            query_pre_attn_scalar=16,
+            sliding_window=16,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+        ),
+        "llama-bpe",
+    ),
+    # Gemma 3 (text): q/k norms, five sliding layers with the local rope base, then one global.
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=6,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            query_pre_attn_scalar=16,
+            sliding_window=16,
+        ),
+        "llama-bpe",
+    ),
+    # Phi-3.5: fused qkv_proj and gate_up_proj, LongRoPE whose long factors apply since the scored
+    # sequence is longer than the original context.
+    "phi3": (
+        "Phi3Config",
+        dict(
+            max_position_embeddings=256,
+            original_max_position_embeddings=32,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+                original_max_position_embeddings=32,
+            ),
+            sliding_window=None,
+        ),
+        "llama-bpe",
+    ),
 }
 
 
@@ -116,6 +160,9 @@ def make(name, cls, extra, out):
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)
     shutil.copy(TOKENIZER, out / "tokenizer.json")
+    if cls.startswith(("Gemma", "Phi3")):
+        # Else AutoTokenizer picks the family's own tokenizer class, which adds special tokens.
+        (out / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}\n')
     ids = tokens()
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].double()
@@ -143,6 +190,10 @@ sys.path.insert(1, {src!r} + '/gguf-py')
 import conversion.base as base
 # The fixtures' tokenizer is not one of llama.cpp's known ones; name the pre-tokenizer its model has.
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+# Gemma 2's and Phi-3's converters read a SentencePiece tokenizer.model; the fixtures have BPE.
+import conversion.gemma, conversion.phi
+conversion.gemma.Gemma2Model.set_vocab = base.TextModel._set_vocab_gpt2
+conversion.phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2
 import convert_hf_to_gguf
 convert_hf_to_gguf.main()
 """

@@ -118,6 +118,9 @@ pub fn export(src: &Path, out: &Path, progress: bool) -> Result<Exported> {
         (Architecture::Qwen2, None) => {
             bail!("{name}: Qwen2 files (q/k/v biases) are not written to GGUF yet")
         }
+        (Architecture::Gemma2 | Architecture::Gemma3 | Architecture::Phi3, _) => {
+            bail!("{name}: Gemma and Phi-3 files are not written to GGUF yet")
+        }
         (Architecture::Qwen3, Some(m)) => {
             if !m.norm_topk_prob {
                 bail!(

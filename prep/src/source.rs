@@ -81,7 +81,7 @@ impl Source {
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         match &self.tensors {
             Tensors::Dir(d) => {
-                let t = d.tensor_f32(name, shape);
+                let t = leanstream::source::hf_tensors::tensor(d, &self.config, name, shape);
                 d.release_pages();
                 t
             }

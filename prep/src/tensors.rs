@@ -89,6 +89,12 @@ pub fn dense_specs(c: &ModelConfig) -> Vec<DenseSpec> {
             format!("{p}.post_attention_layernorm.weight"),
             &[h],
         ));
+        // Gemma: the attention output's norm above, and the FFN's input and output norms.
+        if c.architecture.is_gemma() {
+            for norm in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                v.push(DenseSpec::new(format!("{p}.{norm}.weight"), &[h]));
+            }
+        }
         if let Some(m) = c.moe.as_ref().filter(|_| c.is_moe_layer(i)) {
             v.push(DenseSpec {
                 name: leanstream_format::expert::router_name(i),
