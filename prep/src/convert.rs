@@ -501,8 +501,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let [quality, predicted_quality]: [_; 2] = profiler.quality().try_into().expect("two streams");
     let meta = Meta {
         model: config.clone(),
-        dense_quant: opts.quant.name().into(),
-        ffn_quant: opts.quant.name().into(),
+        dense_quant: crate::tensors::dense_quant_name(&dense),
+        ffn_quant: crate::tensors::ffn_quant_name(&ffn),
         sparsity_mode: mode.name().into(),
         sparsity_target: mode.target(),
         sparsity_rule: (rule != SkipRule::Gate).then(|| rule.name().into()),
@@ -533,7 +533,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         dense_bytes: dense.data_bytes(),
         ffn_bytes: ffn.bundle_bytes(),
         expert_bytes: 0,
-        quant: opts.quant.name().into(),
+        quant: meta.ffn_quant.clone(),
         sparsity_mode: mode.name().into(),
         sparsity_rule: rule.name().into(),
         calib_tokens: calib.tokens(),

@@ -2,7 +2,8 @@
 
 use anyhow::{Context, Result};
 use leanstream::source::config::ModelConfig;
-use leanstream_format::ffn::PartTypes;
+use leanstream_format::dense::DenseIndex;
+use leanstream_format::ffn::{FfnIndex, PartTypes};
 use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
 use leanstream_format::quant_scale::scale_row_pow2;
 
@@ -208,5 +209,34 @@ impl BundleRows {
             }
         }
         quantize_rows(q, values, h, "an FFN row")
+    }
+}
+
+/// META's `dense_quant` (FORMAT.md §4.1): the one encoding of the 2-D dense tensors other than the
+/// routers (which stay f32), or `mixed` where they differ (a GGUF file's, kept as stored).
+pub fn dense_quant_name(index: &DenseIndex) -> String {
+    let mut kinds = index
+        .tensors
+        .iter()
+        .filter(|t| t.shape.len() == 2 && !t.name.ends_with(".mlp.gate.weight"))
+        .map(|t| t.qtype);
+    one_name(kinds.next(), kinds)
+}
+
+/// META's `ffn_quant`: the one encoding of every bundle part, or `mixed`.
+pub fn ffn_quant_name(ffn: &FfnIndex) -> String {
+    let mut kinds = ffn
+        .layers
+        .iter()
+        .filter(|l| l.neurons() > 0)
+        .flat_map(|l| [l.qtypes.gate, l.qtypes.up, l.qtypes.down]);
+    one_name(kinds.next(), kinds)
+}
+
+fn one_name(first: Option<QuantType>, mut rest: impl Iterator<Item = QuantType>) -> String {
+    match first {
+        Some(q) if rest.all(|r| r == q) => q.name().into(),
+        Some(_) => "mixed".into(),
+        None => "f32".into(),
     }
 }

@@ -36,6 +36,7 @@ mod moe_trained;
 mod page_cache;
 mod policies;
 mod quality;
+mod quant_fixtures;
 mod real_model;
 mod reference_vs_candle;
 mod streaming;
