@@ -16,7 +16,7 @@ use leanstream_format::dense::{DenseIndex, DenseTensor};
 use leanstream_format::ffn::{Cluster, ClusterLayout, FfnIndex, FfnLayer};
 use leanstream_format::meta::{LayerMeta, Meta};
 use leanstream_format::predictor::{Predictor, PredictorInput, Predictors};
-use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
+use leanstream_format::quant::{row_bytes, QuantType};
 use leanstream_format::refine::{Refine, RefineLayer};
 use leanstream_format::sketch::Sketch;
 use serde::Serialize;
@@ -30,10 +30,10 @@ use crate::placement::{cluster_fill, place};
 use crate::profile::{LayerProfile, Profiler, StreamRule};
 use crate::source::Source;
 use crate::sparsity::{
-    allocate, auto_search, cost_curve, down_norms, level, level_thresholds, masks, quantile,
-    rescale, scores, AutoChoice, SparsityMode,
+    allocate, auto_search, cost_curve, down_norms, level, level_thresholds, masks, pow2_norms,
+    quantile, rescale, scores, AutoChoice, SparsityMode,
 };
-use crate::tensors::{dense_specs, ffn_names, quantize_rows};
+use crate::tensors::{dense_specs, ffn_names, quantize_rows, BundleRows};
 use crate::train::{
     at_threshold, energies, massive, miss_threshold, normalise_rows, score_threshold, targets,
     top_k_quality, train, AtThreshold, TrainConfig, Trained,
@@ -59,6 +59,9 @@ pub struct ConvertOptions {
     pub source_name: String,
     pub output: PathBuf,
     pub quant: QuantType,
+    /// Each tensor keeps the source's encoding where the file format has it (a GGUF file under
+    /// `--quant auto`; [`crate::quant_choice`]); `quant` encodes the rest.
+    pub keep: bool,
     pub sparsity: String,
     pub certificate: CertificateChoice,
     /// Measure every candidate certificate design on the held-out profile
@@ -186,7 +189,11 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let mut writer = ContainerWriter::create(&opts.output)
         .with_context(|| format!("cannot write {}", opts.output.display()))?;
     let t = Instant::now();
-    let dense = write_dense(&mut writer, &config, opts.quant, &get)?;
+    let stored = |name: &str, shape: &[usize]| match opts.keep {
+        true => source.stored(name, shape),
+        false => Ok(None),
+    };
+    let dense = write_dense(&mut writer, &config, opts.quant, &get, &stored)?;
     phases.dense = t.elapsed().as_secs_f64();
 
     let (train_rows, eval_rows) = calib.split_rows();
@@ -202,7 +209,13 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     });
     let mut profiler = Profiler::new(model, &calib)?;
     let t = Instant::now();
-    let (fractions, auto) = layer_fractions(mode, &mut profiler, &get, &train_rows, opts.progress)?;
+    let (fractions, auto) = layer_fractions(
+        mode,
+        &mut profiler,
+        &get,
+        &train_rows,
+        (opts.keep, opts.progress),
+    )?;
     phases.allocate = t.elapsed().as_secs_f64();
     if let Some(a) = &auto {
         mode = SparsityMode::Target {
@@ -241,7 +254,13 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     for (l, &fraction) in fractions.iter().enumerate() {
         bar.set_message(format!("layer {l}: profile"));
         let t = Instant::now();
-        let (gate, up, down) = ffn_weights(&get, l, h, n, rule)?;
+        let (gate, up, down, up_scale) = ffn_weights(&get, l, h, n, rule, opts.keep)?;
+        let rows = match opts.keep {
+            true => BundleRows::kept(&source, l, h, n, opts.quant)?,
+            false => BundleRows::uniform(opts.quant, h),
+        };
+        let row_bytes = rows.row_bytes()?;
+        let bundle_bytes: usize = row_bytes.iter().sum();
         install(
             &mut profiler.model,
             &get,
@@ -386,16 +405,15 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             let mut extent = Vec::with_capacity(chunk.len() * bundle_bytes);
             for &i in chunk {
                 let i = i as usize;
-                let column: Vec<f32> = (0..h).map(|r| down[r * n + i]).collect();
-                let g = quantize_row(opts.quant, &gate[i * h..(i + 1) * h])?;
+                let g = rows.gate(i, &gate)?;
                 extent.extend_from_slice(&g);
                 if with_certificate || opts.certificate_study {
                     gate_rows.push(g);
                 }
-                extent.extend(quantize_row(opts.quant, &up[i * h..(i + 1) * h])?);
-                extent.extend(quantize_row(opts.quant, &column)?);
+                extent.extend(rows.up(i, &up, &up_scale)?);
+                extent.extend(rows.down(i, &down, n)?);
             }
-            let extent = LAYOUT.arrange(&extent, bundle_bytes / 3);
+            let extent = LAYOUT.arrange(&extent, row_bytes);
             let (offset, extent_size, checksum) = writer.write_extent(&extent)?;
             let first = (ci * cluster_size) as u32;
             clusters.push(Cluster {
@@ -408,7 +426,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         }
         let (sketch_layer, certificate_saves) = certificate::build(
             &gate_rows,
-            opts.quant,
+            rows.parts.gate,
             h,
             &encodings,
             skip,
@@ -420,7 +438,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         if opts.certificate_study {
             studies.push(certificate_study::layer(&certificate_study::LayerInput {
                 gates: &gate_rows,
-                bundle: opts.quant,
+                bundle: rows.parts.gate,
                 hidden: h,
                 skip,
                 x: &ffn_input,
@@ -447,7 +465,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
             cluster_size,
         ));
         ffn.layers.push(FfnLayer {
-            qtype: opts.quant,
+            qtypes: rows.parts,
             hidden: h as u32,
             perm,
             clusters,
@@ -483,8 +501,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     let [quality, predicted_quality]: [_; 2] = profiler.quality().try_into().expect("two streams");
     let meta = Meta {
         model: config.clone(),
-        dense_quant: opts.quant.name().into(),
-        ffn_quant: opts.quant.name().into(),
+        dense_quant: crate::tensors::dense_quant_name(&dense),
+        ffn_quant: crate::tensors::ffn_quant_name(&ffn),
         sparsity_mode: mode.name().into(),
         sparsity_target: mode.target(),
         sparsity_rule: (rule != SkipRule::Gate).then(|| rule.name().into()),
@@ -515,7 +533,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
         dense_bytes: dense.data_bytes(),
         ffn_bytes: ffn.bundle_bytes(),
         expert_bytes: 0,
-        quant: opts.quant.name().into(),
+        quant: meta.ffn_quant.clone(),
         sparsity_mode: mode.name().into(),
         sparsity_rule: rule.name().into(),
         calib_tokens: calib.tokens(),
@@ -604,22 +622,32 @@ pub(crate) fn uninstall(profiler: &mut Profiler, l: usize) {
 /// Layer `l`'s gate, up and down weights as f32 (`n × h`, `n × h`, `h × n`); under the `gate_up`
 /// rule with every up row scaled by its down column's norm and the column normalised, so the
 /// rule's score is the norm of the neuron's contribution (see [`down_norms`]).
+/// Layer `l`'s gate, up and down matrices in f32, rescaled for the `gate_up` rule
+/// ([`rescale`]; by powers of two if `pow2`, so that stored up rows keep their encoding), and the
+/// power of two each up row was scaled by (empty unless `pow2`).
+type FfnWeights = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<i32>);
+
 fn ffn_weights(
     get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
     l: usize,
     h: usize,
     n: usize,
     rule: SkipRule,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    pow2: bool,
+) -> Result<FfnWeights> {
     let [gate_name, up_name, down_name] = ffn_names(l);
     let gate = get(&gate_name, &[n, h])?;
     let mut up = get(&up_name, &[n, h])?;
     let mut down = get(&down_name, &[h, n])?;
+    let mut exponents = Vec::new();
     if rule == SkipRule::GateUp {
-        let norms = down_norms(&down, h, n);
+        let mut norms = down_norms(&down, h, n);
+        if pow2 {
+            exponents = pow2_norms(&mut norms);
+        }
         rescale(&mut up, &mut down, &norms, h);
     }
-    Ok((gate, up, down))
+    Ok((gate, up, down, exponents))
 }
 
 fn dense_ffn(gate: &[f32], up: &[f32], down: &[f32], h: usize, n: usize) -> DenseFfn {
@@ -639,7 +667,7 @@ fn layer_fractions(
     profiler: &mut Profiler,
     get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
     train_rows: &[usize],
-    progress: bool,
+    (pow2, progress): (bool, bool),
 ) -> Result<(Vec<f32>, Option<AutoChoice>)> {
     let c = profiler.model.config().clone();
     let (h, n, layers) = (c.hidden_size, c.intermediate_size, c.num_layers);
@@ -656,7 +684,7 @@ fn layer_fractions(
     let bar = bar(progress, layers as u64, "layers (allocation)");
     let (mut curves, mut thresholds) = (Vec::with_capacity(layers), Vec::with_capacity(layers));
     for l in 0..layers {
-        let (gate, up, down) = ffn_weights(get, l, h, n, mode.rule())?;
+        let (gate, up, down, _) = ffn_weights(get, l, h, n, mode.rule(), pow2)?;
         install(
             &mut profiler.model,
             get,
@@ -691,7 +719,7 @@ fn layer_fractions(
                 &curves,
                 &thresholds,
                 fractions,
-                progress,
+                (pow2, progress),
             )
         })?),
     };
@@ -711,7 +739,7 @@ fn heldout_costs(
     curves: &[Vec<f64>],
     thresholds: &[Vec<f32>],
     fractions: &[f32],
-    progress: bool,
+    (pow2, progress): (bool, bool),
 ) -> Result<Vec<f64>> {
     let c = profiler.model.config().clone();
     let (h, n) = (c.hidden_size, c.intermediate_size);
@@ -719,7 +747,7 @@ fn heldout_costs(
     profiler.restart_sparse(fractions.len())?;
     let bar = bar(progress, c.num_layers as u64, "layers (auto)");
     for (l, t) in thresholds.iter().enumerate() {
-        let (gate, up, down) = ffn_weights(get, l, h, n, rule)?;
+        let (gate, up, down, _) = ffn_weights(get, l, h, n, rule, pow2)?;
         install(
             &mut profiler.model,
             get,
@@ -760,6 +788,7 @@ pub(crate) fn write_index_sections(
     (predictors, sketch, refine): &(Predictors, Sketch, Refine),
 ) -> Result<()> {
     writer.require_minor(meta.minor_version().max(sketch.minor_version()));
+    writer.require_minor(dense.minor_version().max(ffn.minor_version()));
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(meta)?, false)?;
     add_tokenizer(writer, tokenizer_json)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
@@ -791,21 +820,37 @@ pub(crate) fn check_block_shapes(c: &ModelConfig, q: QuantType) -> Result<()> {
         ("head_dim × heads", c.num_heads * c.head_dim),
     ] {
         row_bytes(q, n).with_context(|| {
-            format!("--quant {q} cannot encode this model ({what} = {n}); use f16 or bf16")
+            format!(
+                "--quant {q} cannot encode this model ({what} = {n} is no multiple of {}, the \
+                 values of one {q} block); use q8, q4_1 or f16",
+                q.block_len()
+            )
         })?;
     }
     Ok(())
 }
 
+/// Writes every dense tensor: as the source stores it where `stored` gives its encoded rows
+/// ([`crate::source::Source::stored`]; not vectors or routers, which stay f32), else encoded as
+/// `quant`.
 pub(crate) fn write_dense(
     writer: &mut ContainerWriter,
     config: &ModelConfig,
     quant: QuantType,
     get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
+    stored: &impl Fn(&str, &[usize]) -> Result<Option<(QuantType, Vec<u8>)>>,
 ) -> Result<DenseIndex> {
     writer.begin_section(SectionKind::DenseData);
     let mut index = DenseIndex::default();
     for spec in dense_specs(config) {
+        if !spec.stays_f32() {
+            if let Some((qtype, bytes)) = stored(&spec.source, &spec.shape)? {
+                index
+                    .tensors
+                    .push(write_tensor(writer, &spec, qtype, &bytes)?);
+                continue;
+            }
+        }
         let data = get(&spec.source, &spec.shape)?;
         let qtype = if spec.stays_f32() {
             QuantType::F32

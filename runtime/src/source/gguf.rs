@@ -113,17 +113,8 @@ impl GgufFile {
     /// encoding, else dequantized to f32.
     pub fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
         let raw = self.raw_tensor(name, &[rows, cols])?;
-        let qtype = match raw.dtype {
-            GgmlDType::F16 => QuantType::F16,
-            GgmlDType::BF16 => QuantType::BF16,
-            GgmlDType::Q8_0 => QuantType::Q8_0,
-            GgmlDType::Q4_0 => QuantType::Q4_0,
-            GgmlDType::Q4_1 => QuantType::Q4_1,
-            GgmlDType::Q5_0 => QuantType::Q5_0,
-            GgmlDType::Q5_1 => QuantType::Q5_1,
-            GgmlDType::Q4K => QuantType::Q4_K,
-            GgmlDType::Q5K => QuantType::Q5_K,
-            GgmlDType::Q6K => QuantType::Q6_K,
+        let qtype = match quant_type(raw.dtype) {
+            Some(q) if q != QuantType::F32 => q,
             _ => {
                 let values = self.tensor_f32(name, &[rows, cols])?;
                 return Ok(Weight::F32(Matrix::new(rows, cols, values)));
@@ -555,6 +546,25 @@ fn has_zero_alignment(bytes: &[u8]) -> bool {
         }
     }
     false
+}
+
+/// The file format's encoding of GGML type `dtype`, where the format has it (the kernels then
+/// read its blocks as stored).
+pub fn quant_type(dtype: GgmlDType) -> Option<QuantType> {
+    Some(match dtype {
+        GgmlDType::F32 => QuantType::F32,
+        GgmlDType::F16 => QuantType::F16,
+        GgmlDType::BF16 => QuantType::BF16,
+        GgmlDType::Q8_0 => QuantType::Q8_0,
+        GgmlDType::Q4_0 => QuantType::Q4_0,
+        GgmlDType::Q4_1 => QuantType::Q4_1,
+        GgmlDType::Q5_0 => QuantType::Q5_0,
+        GgmlDType::Q5_1 => QuantType::Q5_1,
+        GgmlDType::Q4K => QuantType::Q4_K,
+        GgmlDType::Q5K => QuantType::Q5_K,
+        GgmlDType::Q6K => QuantType::Q6_K,
+        _ => return None,
+    })
 }
 
 /// llama.cpp's converter reorders each head's query/key rows from Hugging Face's rope layout

@@ -38,6 +38,7 @@ mod page_cache;
 mod policies;
 mod prefill;
 mod quality;
+mod quant_fixtures;
 mod real_model;
 mod reference_vs_candle;
 mod streaming;
