@@ -10,6 +10,9 @@
 # bundles, sparsity and all) instead of MODEL. LLAMACPP_DIR=DIR takes llama-cpp-python from DIR
 # (`pip install --target DIR` with other CMAKE_ARGS, e.g. an AVX2-only build to set beside
 # LEANSTREAM_KERNELS=avx2).
+# Prompt processing too, when llama.cpp's llama-bench is there (scripts/build-llamacpp.sh builds
+# it; LLAMA_BENCH=FILE names another): leanstream's prefill tokens/s of a PROMPT_TOKENS-token
+# prompt (default 512; held-out English) beside `llama-bench -p PROMPT_TOKENS -n 0`.
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -36,6 +39,23 @@ leanstream_rate() {
         python3 -c 'import json, sys; print(json.load(sys.stdin)["tokens_per_s"])'
 }
 
+prompt_tokens="${PROMPT_TOKENS:-512}"
+llama_bench="${LLAMA_BENCH:-${LEANSTREAM_CACHE:-$HOME/.cache/leanstream}/llamacpp-build/build/bin/llama-bench}"
+# About PROMPT_TOKENS tokens of held-out English (about 0.75 words a token).
+long_prompt="$(tr -s '[:space:]' ' ' < "$root/data/heldout.txt" | cut -d' ' -f1-$((prompt_tokens * 3 / 4)))"
+
+leanstream_prefill() { # THREADS -> "PROMPT_TOKENS TOK/S"
+    "$leanstream" run --model "$ours_model" -p "$long_prompt" -n 1 --temp 0 --threads "$1" \
+        --ctx $((prompt_tokens * 2)) --json 2>/dev/null |
+        python3 -c 'import json, sys; r = json.load(sys.stdin); print(r["prompt_tokens"], r["prompt_tokens_per_s"])'
+}
+
+llamacpp_prefill() { # THREADS -> TOK/S
+    LD_LIBRARY_PATH="$(dirname "$llama_bench")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        "$llama_bench" -m "$model" -p "$prompt_tokens" -n 0 -t "$1" -r 1 -o json 2>/dev/null |
+        python3 -c 'import json, sys; print(json.load(sys.stdin)[0]["avg_ts"])'
+}
+
 median() { sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 
 tmp="$(mktemp -d)"
@@ -44,6 +64,10 @@ for ((r = 1; r <= rounds; r++)); do
     for t in $threads; do
         leanstream_rate "$t" >> "$tmp/leanstream.$t"
         llamacpp_rate "$model" "$prompt" "$tokens" "$t" >> "$tmp/llamacpp.$t"
+        if [[ -x "$llama_bench" ]]; then
+            leanstream_prefill "$t" >> "$tmp/leanstream-pp.$t"
+            llamacpp_prefill "$t" >> "$tmp/llamacpp-pp.$t"
+        fi
     done
 done
 
@@ -55,3 +79,17 @@ for t in $threads; do
     printf '%-8s %16.1f %16.1f %8.2f\n' "$t" "$ours" "$theirs" \
         "$(python3 -c "print($ours / $theirs)")"
 done
+
+if [[ -x "$llama_bench" ]]; then
+    echo
+    echo "prompt processing: leanstream's $(cut -d' ' -f1 < "$tmp/leanstream-pp.${threads%% *}" | head -1)-token prompt, llama-bench -p $prompt_tokens; median of $rounds"
+    printf '%-8s %16s %16s %8s\n' threads "leanstream pp/s" "llama.cpp pp/s" ratio
+    for t in $threads; do
+        ours="$(cut -d' ' -f2 < "$tmp/leanstream-pp.$t" | median)"
+        theirs="$(median < "$tmp/llamacpp-pp.$t")"
+        printf '%-8s %16.1f %16.1f %8.2f\n' "$t" "$ours" "$theirs" \
+            "$(python3 -c "print($ours / $theirs)")"
+    done
+else
+    echo "no llama-bench at $llama_bench (scripts/build-llamacpp.sh builds it): prompt processing not compared"
+fi

@@ -12,7 +12,14 @@ Every model uses the 4096-token byte-level BPE tokenizer of models/austen-relu s
 converter has a vocabulary to write; the reference scores a fixed sequence of token ids (stored in
 the JSON), so the comparison does not depend on any tokenizer.
 
-Usage: make-arch-fixtures.py [--llama-cpp DIR] [--only NAME,...]
+Quantized fixtures: each model of QUANTIZED is made again at the widths llama.cpp's K-quants need
+(rows that are multiples of 256), converted to F32 GGUF and quantized by llama.cpp's own
+`llama-quantize` (pass its bin folder with --llama-bin; scripts/build-llamacpp.sh prints it) to each
+of QUANT_TYPES, committed as NAME.TYPE.gguf. Each is dequantized back to F32 by llama-quantize, and
+NAME.quant.json records, per file, its tensors' GGML types and a digest of every dequantized tensor
+(so the test checks its own decoding against llama.cpp's without a 9 MB F32 file per type).
+
+Usage: make-arch-fixtures.py [--llama-cpp DIR] [--llama-bin DIR] [--only NAME,...]
 """
 
 import argparse
@@ -90,6 +97,50 @@ MODELS = {
         ),
         "qwen2",
     ),
+    # Gemma 2: GeGLU (tanh GELU), sqrt(hidden)-scaled embedding, (1 + w) RMSNorm, sandwich norms,
+    # attention and final logit soft-capping (caps low enough to bend random logits), every other
+    # layer attending through a window shorter than the scored sequence.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            rope_theta=10000.0,
+            query_pre_attn_scalar=16,
+            sliding_window=16,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+        ),
+        "llama-bpe",
+    ),
+    # Gemma 3 (text): q/k norms, five sliding layers with the local rope base, then one global.
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=6,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            query_pre_attn_scalar=16,
+            sliding_window=16,
+        ),
+        "llama-bpe",
+    ),
+    # Phi-3.5: fused qkv_proj and gate_up_proj, LongRoPE whose long factors apply since the scored
+    # sequence is longer than the original context.
+    "phi3": (
+        "Phi3Config",
+        dict(
+            max_position_embeddings=256,
+            original_max_position_embeddings=32,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+                original_max_position_embeddings=32,
+            ),
+            sliding_window=None,
+        ),
+        "llama-bpe",
+    ),
 }
 
 
@@ -98,7 +149,7 @@ def tokens():
     return torch.randint(1, VOCAB, (SEQ_LEN,), generator=g).tolist()
 
 
-def make(name, cls, extra, out):
+def make(name, cls, extra, out, std=0.08):
     torch.manual_seed(SEED)
     cfg = getattr(transformers, cls)(**{**COMMON, **extra})
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -106,7 +157,7 @@ def make(name, cls, extra, out):
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, std)
             elif n.endswith(".bias"):
                 p.normal_(0.0, 0.5)
             else:
@@ -116,6 +167,9 @@ def make(name, cls, extra, out):
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)
     shutil.copy(TOKENIZER, out / "tokenizer.json")
+    if cls.startswith(("Gemma", "Phi3")):
+        # Else AutoTokenizer picks the family's own tokenizer class, which adds special tokens.
+        (out / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}\n')
     ids = tokens()
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].double()
@@ -143,6 +197,10 @@ sys.path.insert(1, {src!r} + '/gguf-py')
 import conversion.base as base
 # The fixtures' tokenizer is not one of llama.cpp's known ones; name the pre-tokenizer its model has.
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+# Gemma 2's and Phi-3's converters read a SentencePiece tokenizer.model; the fixtures have BPE.
+import conversion.gemma, conversion.phi
+conversion.gemma.Gemma2Model.set_vocab = base.TextModel._set_vocab_gpt2
+conversion.phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2
 import convert_hf_to_gguf
 convert_hf_to_gguf.main()
 """
@@ -156,9 +214,65 @@ def gguf(src, folder, pre, out):
     )
 
 
+# Quantized variants: name -> (model of MODELS, widths replacing COMMON's). Hidden 256 and FFN 512
+# so that llama-quantize really writes K-quants (it falls back to other types for narrower rows).
+QUANTIZED = {
+    "llama-k": (
+        "llama3",
+        dict(hidden_size=256, intermediate_size=512, head_dim=64, max_position_embeddings=256),
+    ),
+}
+QUANT_TYPES = ["Q8_0", "Q4_K_M", "Q6_K"]
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+                   10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+
+
+def digest(values):
+    """sum of bits(x_i) * (2i + 1) mod 2^64 over the little-endian f32 values in file order: any
+    one changed value changes it (the weights are odd); tests/tests/integration/quant_fixtures.rs
+    computes the same."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(values, dtype="<f4").reshape(-1).view("<u4").astype(np.uint64)
+    weights = np.arange(bits.size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        return int(np.sum(bits * weights, dtype=np.uint64))
+
+
+def quantize(llama_cpp, llama_bin, name, base, widths):
+    import tempfile
+
+    sys.path.insert(0, str(Path(llama_cpp) / "gguf-py"))
+    import gguf as gguf_py
+
+    cls, extra, pre = MODELS[base]
+    quantize_bin = Path(llama_bin) / "llama-quantize"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        # Four times as wide: half the spread keeps the logits as sharp as the 64-wide models'.
+        make(name, cls, {**extra, **widths}, tmp / name, std=0.03)
+        f32 = tmp / f"{name}.f32.gguf"
+        gguf(llama_cpp, tmp / name, pre, f32)
+        record = {"source": base, "widths": widths, "token_ids": tokens(), "files": {}}
+        for qtype in QUANT_TYPES:
+            out = OUT / f"{name}.{qtype.lower()}.gguf"
+            subprocess.run([str(quantize_bin), str(f32), str(out), qtype], check=True,
+                           stdout=subprocess.DEVNULL)
+            back = tmp / f"{name}.{qtype}.dequantized.gguf"
+            subprocess.run([str(quantize_bin), "--allow-requantize", str(out), str(back), "F32"],
+                           check=True, stdout=subprocess.DEVNULL)
+            types = {t.name: GGML_TYPE_NAMES.get(int(t.tensor_type), str(int(t.tensor_type)))
+                     for t in gguf_py.GGUFReader(out).tensors}
+            digests = {t.name: str(digest(t.data)) for t in gguf_py.GGUFReader(back).tensors}
+            record["files"][out.name] = {"types": types, "dequantized_f32": digests}
+            print(f"{out.name}: {out.stat().st_size} bytes, types {sorted(set(types.values()))}")
+        (OUT / f"{name}.quant.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-cpp", type=Path)
+    ap.add_argument("--llama-bin", type=Path)
     ap.add_argument("--only")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
@@ -170,6 +284,11 @@ def main():
         make(name, cls, extra, folder)
         if args.llama_cpp and pre:
             gguf(args.llama_cpp, folder, pre, OUT / f"{name}.f32.gguf")
+    for name, (base, widths) in QUANTIZED.items():
+        if only and name not in only:
+            continue
+        if args.llama_cpp and args.llama_bin:
+            quantize(args.llama_cpp, args.llama_bin, name, base, widths)
 
 
 if __name__ == "__main__":

@@ -144,7 +144,7 @@ mod tests {
                 })
                 .collect();
             FfnLayer {
-                qtype: QuantType::Q8_0,
+                qtypes: crate::ffn::PartTypes::uniform(QuantType::Q8_0),
                 hidden: 64,
                 perm,
                 clusters,

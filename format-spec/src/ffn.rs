@@ -6,7 +6,7 @@
 
 use crate::codec::{Dec, Enc};
 use crate::container::{page_align, SectionKind};
-use crate::quant::{row_bytes, QuantType};
+use crate::quant::{row_bytes, QuantError, QuantType};
 use crate::FormatError;
 
 /// The first minor version with [`ClusterLayout::Split`] clusters (FORMAT.md §12): that of their
@@ -66,44 +66,39 @@ impl ClusterLayout {
         }
     }
 
-    /// `(part_stride, neuron_stride)` of a cluster of `count` neurons with rows of `row_bytes`:
-    /// row `part` of the cluster's neuron `k` starts at `part · part_stride + k · neuron_stride`
-    /// within the extent.
-    pub fn strides(self, count: usize, row_bytes: usize) -> (usize, usize) {
+    /// Offset within the extent of row `part` of neuron `k` of a cluster of `count` neurons whose
+    /// gate rows, up rows and down columns are `rb[0]`, `rb[1]` and `rb[2]` bytes long.
+    pub fn row_offset(self, part: Part, k: usize, count: usize, rb: [usize; 3]) -> usize {
+        let before: usize = rb[..part as usize].iter().sum();
         match self {
-            Self::Interleaved => (row_bytes, 3 * row_bytes),
-            Self::Split => (count * row_bytes, row_bytes),
+            Self::Interleaved => k * rb.iter().sum::<usize>() + before,
+            Self::Split => count * before + k * rb[part as usize],
         }
-    }
-
-    /// Offset within the extent of row `part` of neuron `k` of a cluster of `count` neurons.
-    pub fn row_offset(self, part: Part, k: usize, count: usize, row_bytes: usize) -> usize {
-        let (p, n) = self.strides(count, row_bytes);
-        part as usize * p + k * n
     }
 
     /// A cluster extent of `count` neurons (padding or not) in this layout, rewritten in layout
     /// `to`: the same rows, each where `to` puts it; the padding stays.
-    pub fn move_rows(self, to: Self, extent: &[u8], count: usize, row_bytes: usize) -> Vec<u8> {
+    pub fn move_rows(self, to: Self, extent: &[u8], count: usize, rb: [usize; 3]) -> Vec<u8> {
         let mut out = extent.to_vec();
         for k in 0..count {
             for part in [Part::Gate, Part::Up, Part::Down] {
                 let (a, b) = (
-                    self.row_offset(part, k, count, row_bytes),
-                    to.row_offset(part, k, count, row_bytes),
+                    self.row_offset(part, k, count, rb),
+                    to.row_offset(part, k, count, rb),
                 );
-                out[b..b + row_bytes].copy_from_slice(&extent[a..a + row_bytes]);
+                let len = rb[part as usize];
+                out[b..b + len].copy_from_slice(&extent[a..a + len]);
             }
         }
         out
     }
 
-    /// The extent (without its padding) of a cluster whose bundles, `[gate | up | down]` each
-    /// `3 · row_bytes` long, are `bundles` back to back: the same bytes in this layout.
-    pub fn arrange(self, bundles: &[u8], row_bytes: usize) -> Vec<u8> {
-        let bb = 3 * row_bytes;
+    /// The extent (without its padding) of a cluster whose bundles, `[gate | up | down]` of
+    /// `rb[0] + rb[1] + rb[2]` bytes, are `bundles` back to back: the same bytes in this layout.
+    pub fn arrange(self, bundles: &[u8], rb: [usize; 3]) -> Vec<u8> {
+        let bb: usize = rb.iter().sum();
         assert!(
-            row_bytes > 0 && bundles.len().is_multiple_of(bb),
+            rb.iter().all(|&r| r > 0) && bundles.len().is_multiple_of(bb),
             "{} bytes are no whole number of {bb}-byte bundles",
             bundles.len()
         );
@@ -111,13 +106,117 @@ impl ClusterLayout {
             Self::Interleaved => bundles.to_vec(),
             Self::Split => {
                 let mut out = Vec::with_capacity(bundles.len());
-                for part in 0..3 {
+                let mut start = 0;
+                for len in rb {
                     for b in bundles.chunks_exact(bb) {
-                        out.extend_from_slice(&b[part * row_bytes..(part + 1) * row_bytes]);
+                        out.extend_from_slice(&b[start..start + len]);
                     }
+                    start += len;
                 }
                 out
             }
+        }
+    }
+}
+
+/// The encodings of a bundle's gate row, up row and down column (FORMAT.md §6.1). One `u32` in a
+/// layer record: the encoding itself when the three are the same (every file before 1.8), else,
+/// since 1.8, [`MIXED_FLAG`] with the gate's encoding in the low byte, the up row's in the next
+/// and the down column's in the third.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartTypes {
+    pub gate: QuantType,
+    pub up: QuantType,
+    pub down: QuantType,
+}
+
+/// The flag of a layer record's `qtype` whose parts differ (format 1.8).
+pub const MIXED_FLAG: u32 = 1 << 24;
+/// The first minor version whose layer records may give each part its own encoding.
+pub const MIXED_SINCE_MINOR: u16 = 8;
+
+impl PartTypes {
+    /// All three parts in `q`.
+    pub fn uniform(q: QuantType) -> Self {
+        Self {
+            gate: q,
+            up: q,
+            down: q,
+        }
+    }
+
+    /// The encoding of `part`.
+    pub fn of(&self, part: Part) -> QuantType {
+        match part {
+            Part::Gate => self.gate,
+            Part::Up => self.up,
+            Part::Down => self.down,
+        }
+    }
+
+    /// The one encoding of all three parts, if they share one.
+    pub fn single(&self) -> Option<QuantType> {
+        (self.gate == self.up && self.up == self.down).then_some(self.gate)
+    }
+
+    /// Whether every part is block-encoded (none is f32, f16 or bf16).
+    pub fn all_block(&self) -> bool {
+        [self.gate, self.up, self.down].iter().all(|q| q.is_block())
+    }
+
+    /// Bytes of each part's row of `hidden` values.
+    pub fn row_bytes(&self, hidden: usize) -> Result<[usize; 3], QuantError> {
+        Ok([
+            row_bytes(self.gate, hidden)?,
+            row_bytes(self.up, hidden)?,
+            row_bytes(self.down, hidden)?,
+        ])
+    }
+
+    /// The format minor version a layer record of these encodings needs (FORMAT.md §12).
+    pub fn since_minor(&self) -> u16 {
+        let each = [self.gate, self.up, self.down].map(QuantType::since_minor);
+        let own = each.into_iter().fold(1, u16::max);
+        match self.single() {
+            Some(_) => own,
+            None => own.max(MIXED_SINCE_MINOR),
+        }
+    }
+
+    /// The record's `qtype` field.
+    pub fn to_u32(&self) -> u32 {
+        match self.single() {
+            Some(q) => q as u32,
+            None => {
+                MIXED_FLAG | self.gate as u32 | (self.up as u32) << 8 | (self.down as u32) << 16
+            }
+        }
+    }
+
+    /// The encodings a record's `qtype` field names.
+    pub fn from_u32(v: u32) -> Result<Self, QuantError> {
+        if v & !0x00FF_FFFF != MIXED_FLAG {
+            return QuantType::from_u32(v).map(Self::uniform);
+        }
+        let part = |shift: u32| QuantType::from_u32((v >> shift) & 0xFF);
+        let t = Self {
+            gate: part(0)?,
+            up: part(8)?,
+            down: part(16)?,
+        };
+        // One writer, one spelling: three equal parts are the plain value.
+        match t.single() {
+            Some(_) => Err(QuantError::UnknownType(v)),
+            None => Ok(t),
+        }
+    }
+}
+
+impl std::fmt::Display for PartTypes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.single() {
+            Some(q) => write!(f, "{q}"),
+            None => write!(f, "gate {} up {} down {}", self.gate, self.up, self.down),
         }
     }
 }
@@ -138,7 +237,8 @@ pub struct Cluster {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct FfnLayer {
-    pub qtype: QuantType,
+    /// The encodings of its bundles' gate rows, up rows and down columns.
+    pub qtypes: PartTypes,
     pub hidden: u32,
     /// `perm[p]` is the original index of the neuron stored at position `p`.
     pub perm: Vec<u32>,
@@ -153,13 +253,13 @@ impl FfnLayer {
         self.perm.len()
     }
 
-    /// Bytes of one encoded row (gate, up or down) of a bundle.
-    pub fn row_bytes(&self) -> usize {
-        row_bytes(self.qtype, self.hidden as usize).expect("validated at decode")
+    /// Bytes of a bundle's encoded gate row, up row and down column.
+    pub fn row_bytes(&self) -> [usize; 3] {
+        (self.qtypes.row_bytes(self.hidden as usize)).expect("validated at decode")
     }
 
     pub fn bundle_bytes(&self) -> usize {
-        3 * self.row_bytes()
+        self.row_bytes().iter().sum()
     }
 
     /// Row `part` of neuron `k` of cluster `ci`, within that cluster's `extent` (as read, padding
@@ -167,7 +267,7 @@ impl FfnLayer {
     pub fn row<'a>(&self, extent: &'a [u8], ci: usize, k: usize, part: Part) -> &'a [u8] {
         let (count, rb) = (self.clusters[ci].count as usize, self.row_bytes());
         let at = self.layout.row_offset(part, k, count, rb);
-        &extent[at..at + rb]
+        &extent[at..at + rb[part as usize]]
     }
 
     /// Stored position of every original neuron (the inverse of `perm`).
@@ -187,7 +287,7 @@ impl FfnLayer {
     /// Appends the layer record (FORMAT.md §6.2): an FFN_INDEX layer, or an expert (§6.5).
     pub(crate) fn encode(&self, e: &mut Enc) {
         e.u32(self.perm.len() as u32);
-        e.u32(self.qtype as u32);
+        e.u32(self.qtypes.to_u32());
         e.u32(self.hidden);
         e.u32(self.clusters.len() as u32);
         e.u32s(&self.perm);
@@ -211,9 +311,9 @@ impl FfnLayer {
         layout: ClusterLayout,
     ) -> Result<Self, FormatError> {
         let neurons = d.count(4)?;
-        let qtype = QuantType::from_u32(d.u32()?)?;
+        let qtypes = PartTypes::from_u32(d.u32()?)?;
         let hidden = d.u32()?;
-        row_bytes(qtype, hidden as usize)?;
+        let rb = qtypes.row_bytes(hidden as usize)?;
         let n_clusters = d.count(32)?;
         let perm = d.u32s(neurons)?;
         let mut seen = vec![false; neurons];
@@ -225,7 +325,7 @@ impl FfnLayer {
         }
         let mut clusters = Vec::with_capacity(n_clusters);
         let mut first = 0u32;
-        let bundle = 3 * row_bytes(qtype, hidden as usize)? as u64;
+        let bundle = rb.iter().sum::<usize>() as u64;
         for ci in 0..n_clusters {
             let c = Cluster {
                 first: d.u32()?,
@@ -252,7 +352,7 @@ impl FfnLayer {
             return Err(d.invalid(format!("{what}: clusters do not cover every neuron")));
         }
         Ok(Self {
-            qtype,
+            qtypes,
             hidden,
             perm,
             clusters,
@@ -272,7 +372,7 @@ impl FfnIndex {
     pub fn minor_version(&self) -> u16 {
         self.layers
             .iter()
-            .map(|l| l.qtype.since_minor())
+            .map(|l| l.qtypes.since_minor())
             .fold(1, u16::max)
     }
 
@@ -321,40 +421,89 @@ impl FfnIndex {
 mod tests {
     use super::*;
 
+    /// Row `part` of neuron `k` of three, `[10 + k | 20 + k | 30 + k]` repeated over its `rb` bytes,
+    /// lies where `row_offset` says in the `interleaved` and `split` extents.
+    fn check_places(interleaved: &[u8], split: &[u8], rb: [usize; 3]) {
+        for (layout, bytes) in [
+            (ClusterLayout::Interleaved, interleaved),
+            (ClusterLayout::Split, split),
+        ] {
+            for k in 0..3 {
+                for (part, base) in [(Part::Gate, 10), (Part::Up, 20), (Part::Down, 30)] {
+                    let (at, len) = (layout.row_offset(part, k, 3, rb), rb[part as usize]);
+                    let want = vec![base + k as u8; len];
+                    assert_eq!(bytes[at..at + len], want[..], "{layout:?} {part:?} {k}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn layouts_place_each_row() {
         // Three neurons, rows of 2 bytes: bundle k is [g_k g_k | u_k u_k | d_k d_k].
         let bundles: Vec<u8> = (0..3u8)
             .flat_map(|k| [10 + k, 10 + k, 20 + k, 20 + k, 30 + k, 30 + k])
             .collect();
-        assert_eq!(ClusterLayout::Interleaved.arrange(&bundles, 2), bundles);
-        let split = ClusterLayout::Split.arrange(&bundles, 2);
+        assert_eq!(
+            ClusterLayout::Interleaved.arrange(&bundles, [2; 3]),
+            bundles
+        );
+        let split = ClusterLayout::Split.arrange(&bundles, [2; 3]);
         assert_eq!(
             split,
             [10, 10, 11, 11, 12, 12, 20, 20, 21, 21, 22, 22, 30, 30, 31, 31, 32, 32]
         );
-        for (layout, bytes) in [
-            (ClusterLayout::Interleaved, &bundles),
-            (ClusterLayout::Split, &split),
-        ] {
-            for k in 0..3 {
-                for (part, base) in [(Part::Gate, 10), (Part::Up, 20), (Part::Down, 30)] {
-                    let at = layout.row_offset(part, k, 3, 2);
-                    assert_eq!(
-                        bytes[at..at + 2],
-                        [base + k as u8; 2],
-                        "{layout:?} {part:?} {k}"
-                    );
-                }
-            }
-        }
+        check_places(&bundles, &split, [2; 3]);
         let mut padded = split.clone();
         padded.extend([0, 0]);
-        let back = ClusterLayout::Split.move_rows(ClusterLayout::Interleaved, &padded, 3, 2);
+        let back = ClusterLayout::Split.move_rows(ClusterLayout::Interleaved, &padded, 3, [2; 3]);
         assert_eq!(back[..18], bundles[..]);
         assert_eq!(back[18..], [0, 0]);
         assert_eq!(ClusterLayout::Split.ffn_data().since_minor(), 6);
         assert_eq!(ClusterLayout::Split.expert_data().since_minor(), 6);
         assert_eq!(ClusterLayout::Interleaved.ffn_data().since_minor(), 1);
+    }
+
+    #[test]
+    fn parts_of_their_own_encodings() {
+        // Three neurons whose gate rows are 1 byte, up rows 2 and down columns 3.
+        let rb = [1, 2, 3];
+        let bundles: Vec<u8> = (0..3u8)
+            .flat_map(|k| [10 + k, 20 + k, 20 + k, 30 + k, 30 + k, 30 + k])
+            .collect();
+        let split = ClusterLayout::Split.arrange(&bundles, rb);
+        assert_eq!(
+            split,
+            [10, 11, 12, 20, 20, 21, 21, 22, 22, 30, 30, 30, 31, 31, 31, 32, 32, 32]
+        );
+        check_places(&bundles, &split, rb);
+        let back = ClusterLayout::Split.move_rows(ClusterLayout::Interleaved, &split, 3, rb);
+        assert_eq!(back, bundles);
+
+        // The record's field: one value when the parts agree, as every file before 1.8.
+        let q4k = PartTypes::uniform(QuantType::Q4_K);
+        assert_eq!(q4k.to_u32(), QuantType::Q4_K as u32);
+        assert_eq!(
+            (q4k.since_minor(), q4k.single()),
+            (7, Some(QuantType::Q4_K))
+        );
+        assert_eq!(PartTypes::uniform(QuantType::Q8_0).since_minor(), 1);
+        let mixed = PartTypes {
+            down: QuantType::Q6_K,
+            ..q4k
+        };
+        assert_eq!(mixed.to_u32(), 0x0100_0000 | 8 | 8 << 8 | 10 << 16);
+        assert_eq!(PartTypes::from_u32(mixed.to_u32()), Ok(mixed));
+        assert_eq!(
+            PartTypes::from_u32(3),
+            Ok(PartTypes::uniform(QuantType::Q8_0))
+        );
+        assert_eq!((mixed.since_minor(), mixed.single()), (8, None));
+        assert_eq!(mixed.to_string(), "gate q4_k up q4_k down q6_k");
+        assert_eq!(mixed.row_bytes(256), Ok([144, 144, 210]));
+        // Unknown part values, three equal parts spelled mixed, and stray high bits are refused.
+        for bad in [0x0100_0B08, 0x0103_0303, 0x0300_0003, 11] {
+            assert!(PartTypes::from_u32(bad).is_err(), "{bad:#x}");
+        }
     }
 }

@@ -16,6 +16,7 @@ pub mod model_config;
 pub mod predictor;
 pub mod quant;
 pub mod quant_k;
+pub mod quant_scale;
 pub mod refine;
 pub mod relayout;
 pub mod sketch;

@@ -118,7 +118,7 @@ impl Meta {
         let v13 = self.sparsity_rule.is_some()
             || self.layers.iter().any(|l| l.certificate_saves.is_some());
         let v15 = self.model.moe.is_some() || self.layers.iter().any(|l| l.routing.is_some());
-        if self.layout_only {
+        let base = if self.layout_only {
             8
         } else if v15 {
             5
@@ -126,7 +126,8 @@ impl Meta {
             3
         } else {
             1
-        }
+        };
+        base.max(self.model.minor_version())
     }
 }
 
@@ -170,6 +171,28 @@ mod tests {
             synthetic: None,
             layout_only: false,
         }
+    }
+
+    /// A 1.7 file's model (no 1.8 keys) loads with the default block options, keeps minor 1 and
+    /// writes none of the keys; Gemma's keys sit at the model's level, round-trip, and make the
+    /// file 1.8.
+    #[test]
+    fn block_options_are_optional_and_make_a_file_1_8() {
+        let old = meta(None);
+        assert_eq!(old.model.block, Default::default());
+        assert_eq!(old.minor_version(), 1);
+        let json = serde_json::to_value(&old.model).unwrap();
+        assert!(json.get("full_attention_layers").is_none() && json.get("block").is_none());
+        let mut gemma = old.clone();
+        gemma.model.block.full_attention_layers = vec![0];
+        gemma.model.block.attn_logit_softcap = Some(50.0);
+        let json = serde_json::to_value(&gemma).unwrap();
+        assert_eq!(json["model"]["attn_logit_softcap"], 50.0);
+        assert_eq!(serde_json::from_value::<Meta>(json).unwrap(), gemma);
+        assert_eq!(gemma.minor_version(), 8);
+        let mut gelu = old;
+        gelu.model.activation = crate::model_config::Activation::GeluTanh;
+        assert_eq!(gelu.minor_version(), 8);
     }
 
     #[test]

@@ -7,12 +7,26 @@ use crate::FormatError;
 
 /// Model families the engine implements. They share the Llama block; Qwen3 adds per-head q/k norms,
 /// Mistral a sliding attention window and Qwen2 biases on the query, key and value projections.
+/// Gemma 2 and 3 scale the embedding by `sqrt(hidden_size)` and put a second RMSNorm after
+/// attention and after the FFN (their `post_attention_layernorm` and `post_feedforward_layernorm`;
+/// the FFN's input norm is `pre_feedforward_layernorm`); Gemma 3 adds Qwen3's q/k norms. Phi-3 is
+/// Llama's block (its fused projections are split when read). Since 1.8: Gemma2, Gemma3, Phi3.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
     Llama,
     Qwen3,
     Mistral,
     Qwen2,
+    Gemma2,
+    Gemma3,
+    Phi3,
+}
+
+impl Architecture {
+    /// Gemma's sqrt(hidden)-scaled embedding and norms around both attention and FFN.
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Architecture::Gemma2 | Architecture::Gemma3)
+    }
 }
 
 /// FFN activation applied to the gate projection.
@@ -20,6 +34,8 @@ pub enum Architecture {
 pub enum Activation {
     Silu,
     Relu,
+    /// GELU in its tanh approximation (`gelu_pytorch_tanh`, Gemma's GeGLU). Since 1.8.
+    GeluTanh,
 }
 
 impl Activation {
@@ -28,8 +44,24 @@ impl Activation {
         match self {
             Activation::Silu => x / (1.0 + (-x).exp()),
             Activation::Relu => x.max(0.0),
+            Activation::GeluTanh => {
+                // sqrt(2/π)
+                const K: f32 = 0.797_884_6;
+                0.5 * x * (1.0 + (K * (x + 0.044_715 * x * x * x)).tanh())
+            }
         }
     }
+}
+
+/// Phi-3's LongRoPE (`rope_type: "longrope"` or `"su"`): each rotary frequency is divided by its
+/// factor, the long ones when the context is longer than `original_max_position_embeddings`, the
+/// short ones otherwise, and cos and sin are multiplied by `attention_factor`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LongRope {
+    pub short_factor: Vec<f32>,
+    pub long_factor: Vec<f32>,
+    pub original_max_position_embeddings: usize,
+    pub attention_factor: f32,
 }
 
 /// Llama-3 style rope frequency scaling (`rope_type: "llama3"`).
@@ -39,6 +71,38 @@ pub struct Llama3RopeScaling {
     pub low_freq_factor: f32,
     pub high_freq_factor: f32,
     pub original_max_position_embeddings: usize,
+}
+
+/// What Gemma 2, Gemma 3 and Phi-3 add to the Llama block; the default adds nothing. Since 1.8.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct BlockOptions {
+    /// Layers that attend to every position although `sliding_window` is set (Gemma's global
+    /// layers), ascending. Since 1.8.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub full_attention_layers: Vec<usize>,
+    /// The rope base of the sliding-window layers when it differs from `rope_theta` (Gemma 3's
+    /// `rope_local_base_freq`). Since 1.8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_local_theta: Option<f32>,
+    /// Phi-3's LongRoPE frequency factors. Since 1.8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub longrope: Option<LongRope>,
+    /// Attention scores are `q·k / sqrt(query_pre_attn_scalar)` (Gemma); `None` = `head_dim`.
+    /// Since 1.8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Attention scores become `cap · tanh(score / cap)` before the softmax (Gemma 2). Since 1.8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_logit_softcap: Option<f32>,
+    /// Output logits become `cap · tanh(logit / cap)` (Gemma 2). Since 1.8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_logit_softcap: Option<f32>,
+}
+
+impl BlockOptions {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// Everything the forward pass needs to know about a model's shape.
@@ -66,6 +130,9 @@ pub struct ModelConfig {
     pub no_rope_layers: Vec<usize>,
     /// Attend only to this many most recent positions (Mistral); `None` = full causal attention.
     pub sliding_window: Option<usize>,
+    /// What Gemma and Phi-3 add to the block (keys at this level of the JSON). Since 1.8.
+    #[serde(flatten)]
+    pub block: BlockOptions,
     pub tie_word_embeddings: bool,
     /// Per-head RMSNorm on queries and keys before rope (Qwen3).
     pub qk_norm: bool,
@@ -134,6 +201,46 @@ impl ModelConfig {
                 )));
             }
         }
+        if let Some(r) = &self.block.longrope {
+            let half = self.head_dim / 2;
+            let bad = |f: &[f32]| f.len() != half || f.iter().any(|&x| !(x.is_finite() && x > 0.0));
+            if bad(&r.short_factor)
+                || bad(&r.long_factor)
+                || r.attention_factor.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+            {
+                return Err(FormatError::config(format!(
+                    "longrope: {} short and {} long factors for head_dim {}: there must be \
+                     head_dim/2 of each, finite and positive, and a positive attention factor",
+                    r.short_factor.len(),
+                    r.long_factor.len(),
+                    self.head_dim
+                )));
+            }
+        }
+        for (name, v) in [
+            ("query_pre_attn_scalar", self.block.query_pre_attn_scalar),
+            ("attention logit soft-cap", self.block.attn_logit_softcap),
+            ("final logit soft-cap", self.block.final_logit_softcap),
+            ("local rope base", self.block.rope_local_theta),
+        ] {
+            if v.is_some_and(|x| !(x.is_finite() && x > 0.0)) {
+                return Err(FormatError::config(format!(
+                    "the {name} ({v:?}) must be finite and positive"
+                )));
+            }
+        }
+        if self
+            .block
+            .full_attention_layers
+            .iter()
+            .any(|&l| l >= self.num_layers)
+            || !self.block.full_attention_layers.is_sorted_by(|a, b| a < b)
+        {
+            return Err(FormatError::config(format!(
+                "full-attention layers {:?} must be ascending layer indices below {}",
+                self.block.full_attention_layers, self.num_layers
+            )));
+        }
         if self.no_rope_layers.iter().any(|&l| l >= self.num_layers)
             || !self.no_rope_layers.is_sorted_by(|a, b| a < b)
         {
@@ -173,6 +280,27 @@ impl ModelConfig {
             .is_some_and(|m| m.dense_layers.binary_search(&l).is_err())
     }
 
+    /// The attention window of layer `l`: `sliding_window` unless `l` is a full-attention layer.
+    pub fn window(&self, l: usize) -> Option<usize> {
+        self.sliding_window
+            .filter(|_| self.block.full_attention_layers.binary_search(&l).is_err())
+    }
+
+    /// The minor format version this configuration needs: 8 for what 1.8 added (Gemma 2 and 3,
+    /// Phi-3, GELU, LongRoPE, per-layer windows, soft-capping), else 1.
+    pub fn minor_version(&self) -> u16 {
+        let v18 = matches!(
+            self.architecture,
+            Architecture::Gemma2 | Architecture::Gemma3 | Architecture::Phi3
+        ) || self.activation == Activation::GeluTanh
+            || !self.block.is_default();
+        if v18 {
+            8
+        } else {
+            1
+        }
+    }
+
     /// Whether layer `l` rotates its queries and keys (all but SmolLM3's NoPE layers).
     pub fn uses_rope(&self, l: usize) -> bool {
         self.no_rope_layers.binary_search(&l).is_err()
@@ -181,5 +309,34 @@ impl ModelConfig {
     /// Query heads that share one key/value head.
     pub fn gqa_group(&self) -> usize {
         self.num_heads / self.num_kv_heads
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Activation;
+
+    /// `gelu_pytorch_tanh` as torch 2.15 computes it in f32 (`F.gelu(x, approximate="tanh")`).
+    #[test]
+    fn gelu_tanh_matches_torch() {
+        let torch = [
+            (-6.0, -0.0),
+            (-3.0, -0.003_637_433),
+            (-1.0, -0.158_808),
+            (-0.75, -0.170_039_47),
+            (-0.5, -0.154_286),
+            (0.0, 0.0),
+            (0.5, 0.345_714),
+            (1.0, 0.841_192),
+            (3.0, 2.996_362_7),
+            (6.0, 6.0),
+        ];
+        for (x, want) in torch {
+            let got = Activation::GeluTanh.apply(x);
+            assert!(
+                (got - want).abs() <= 2.0 * f32::EPSILON * want.abs().max(1e-3),
+                "gelu({x}) = {got}, torch {want}"
+            );
+        }
     }
 }

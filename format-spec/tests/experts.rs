@@ -81,7 +81,7 @@ fn write_ffn(w: &mut ContainerWriter, neurons: usize, seed0: usize) -> (FfnLayer
         extents.push(bytes);
     }
     let layer = FfnLayer {
-        qtype: QuantType::Q8_0,
+        qtypes: leanstream_format::ffn::PartTypes::uniform(QuantType::Q8_0),
         hidden: H as u32,
         perm,
         clusters,

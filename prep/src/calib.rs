@@ -28,7 +28,7 @@ const VARIED_BLOCK: usize = 1024;
 pub fn default_text(activation: Activation) -> Cow<'static, str> {
     match activation {
         Activation::Relu => Cow::Borrowed(DEFAULT_CALIB),
-        Activation::Silu => Cow::Owned(varied_text()),
+        Activation::Silu | Activation::GeluTanh => Cow::Owned(varied_text()),
     }
 }
 
@@ -37,9 +37,11 @@ pub fn text_name(file: Option<&Path>, activation: Activation) -> String {
     match (file, activation) {
         (Some(p), _) => p.display().to_string(),
         (None, Activation::Relu) => "default: data/calib.txt (prose)".into(),
-        (None, Activation::Silu) => "default: varied (1024-character turns of data/calib.txt, \
+        (None, Activation::Silu | Activation::GeluTanh) => {
+            "default: varied (1024-character turns of data/calib.txt, \
                                      data/calib-code.txt and data/calib-technical.txt)"
-            .into(),
+                .into()
+        }
     }
 }
 

@@ -94,7 +94,8 @@ pub fn calibrate(
             rule.name()
         );
     }
-    let quant = stored.file.ffn.layers[0].qtype;
+    // The gate rows' encoding: the certificate's candidates (its exact gates) depend on it.
+    let quant = stored.file.ffn.layers[0].qtypes.gate;
     let with_certificate = opts.certificate.wanted(rule)?;
     let encodings = if with_certificate {
         opts.certificate.encodings(quant)
@@ -144,8 +145,7 @@ pub fn calibrate(
     let act = config.activation;
     let (train_rows, eval_rows) = calib.split_rows();
     let eval_prev = calib.previous(&eval_rows);
-    let row_bytes = stored.file.ffn.layers[0].row_bytes();
-    let bundle_bytes = 3 * row_bytes;
+    let bundle_bytes: usize = stored.file.ffn.layers[0].row_bytes().iter().sum();
     let rank = opts
         .predictor_rank
         .unwrap_or_else(|| default_predictor_rank(h, n, bundle_bytes, MIN_PREDICTOR_RANK));
@@ -185,12 +185,14 @@ pub fn calibrate(
     let mut cluster_neurons = Vec::new();
     let (mut studies, mut certificates) = (Vec::new(), Vec::new());
     let mut prev_residual: Option<Vec<f32>> = None;
-    let cluster_size = cluster_size(file_meta.cluster_kib, quant, &config)?;
     writer.begin_section(LAYOUT.ffn_data());
     for (l, &fraction) in fractions.iter().enumerate() {
         phase.message(format!("layer {l}: profile"));
         let t = Instant::now();
         let ([gate, up, down], bundles) = stored.ffn(l)?;
+        let (row_bytes, bundle_bytes) = (bundles.row_bytes, bundles.bundle_bytes());
+        let cluster_size = cluster_size(file_meta.cluster_kib, bundle_bytes, n);
+        let parts = stored.file.ffn.layers[l].qtypes;
         install(&mut profiler, &stored, l, [gate, up, down])?;
         // What the layer's FFN saw; the gate pre-activations only give the scores, so they go
         // at once (each `rows × n` array of f32 is the bulk of the converter's memory).
@@ -349,7 +351,7 @@ pub fn calibrate(
         drop(bundles);
         let (sketch_layer, certificate_saves) = certificate::build(
             &gate_rows,
-            quant,
+            parts.gate,
             h,
             &encodings,
             skip,
@@ -361,7 +363,7 @@ pub fn calibrate(
         if opts.certificate_study {
             studies.push(certificate_study::layer(&certificate_study::LayerInput {
                 gates: &gate_rows,
-                bundle: quant,
+                bundle: parts.gate,
                 hidden: h,
                 skip,
                 x: &ffn_input,
@@ -388,7 +390,7 @@ pub fn calibrate(
             cluster_size,
         ));
         ffn.layers.push(FfnLayer {
-            qtype: quant,
+            qtypes: parts,
             hidden: h as u32,
             perm,
             clusters,
@@ -464,7 +466,7 @@ pub fn calibrate(
         dense_bytes: dense.data_bytes(),
         ffn_bytes: ffn.bundle_bytes(),
         expert_bytes: 0,
-        quant: quant.name().into(),
+        quant: file_meta.ffn_quant.clone(),
         sparsity_mode: mode.name().into(),
         sparsity_rule: rule.name().into(),
         calib_tokens: calib.tokens(),

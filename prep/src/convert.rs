@@ -26,7 +26,7 @@ use crate::layout::write_layout;
 use crate::memory_plan;
 use crate::profile::Profiler;
 use crate::source::Source;
-use crate::sparsity::{down_norms, rescale, AutoChoice, SparsityMode};
+use crate::sparsity::{down_norms, pow2_norms, rescale, AutoChoice, SparsityMode};
 use crate::tensors::{dense_specs, ffn_names, quantize_rows};
 use crate::train::{AtThreshold, Trained};
 
@@ -43,6 +43,10 @@ pub struct ConvertOptions {
     pub source_name: String,
     pub output: PathBuf,
     pub quant: QuantType,
+    /// Each tensor keeps the source's encoding where the file format has it (a GGUF file under
+    /// `--quant auto`; [`crate::quant_choice`]); `quant` encodes the rest. The layout pass keeps
+    /// them, and the calibration moves its bundles without encoding them again.
+    pub keep: bool,
     pub cluster_kib: u32,
     /// Write the layout pass's file only (FORMAT.md §4.1 `layout_only`): no calibration.
     pub layout_only: bool,
@@ -247,7 +251,7 @@ fn layout_summary(
         dense_bytes: f.dense.data_bytes(),
         ffn_bytes: f.ffn.bundle_bytes(),
         expert_bytes: 0,
-        quant: opts.quant.name().into(),
+        quant: f.meta.ffn_quant.clone(),
         sparsity_mode: "layout-only".into(),
         sparsity_rule: mode.rule().name().into(),
         calib_tokens: 0,
@@ -291,25 +295,36 @@ pub(crate) fn uninstall(profiler: &mut Profiler, l: usize) {
     model.set_attention(l, empty);
 }
 
-/// Layer `l`'s gate, up and down weights as f32 (`n × h`, `n × h`, `h × n`); under the `gate_up`
-/// rule with every up row scaled by its down column's norm and the column normalised, so the
-/// rule's score is the norm of the neuron's contribution (see [`down_norms`]).
+/// Layer `l`'s gate, up and down weights as f32 (`n × h`, `n × h`, `h × n`), and the power of two
+/// each up row was scaled by. Under the `gate_up` rule every up row is scaled by its down
+/// column's norm and the column divided by it, so the rule's score is the norm of the neuron's
+/// contribution (see [`down_norms`], [`rescale`]); if `pow2`, by the norm's power of two
+/// ([`pow2_norms`]), so that stored up rows keep their encoding and only their scale fields
+/// change. The exponents are empty unless `pow2` under `gate_up`.
+pub(crate) type FfnWeights = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<i32>);
+
+/// See [`FfnWeights`].
 pub(crate) fn ffn_weights(
     get: &impl Fn(&str, &[usize]) -> Result<Vec<f32>>,
     l: usize,
     h: usize,
     n: usize,
     rule: SkipRule,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    pow2: bool,
+) -> Result<FfnWeights> {
     let [gate_name, up_name, down_name] = ffn_names(l);
     let gate = get(&gate_name, &[n, h])?;
     let mut up = get(&up_name, &[n, h])?;
     let mut down = get(&down_name, &[h, n])?;
+    let mut exponents = Vec::new();
     if rule == SkipRule::GateUp {
-        let norms = down_norms(&down, h, n);
+        let mut norms = down_norms(&down, h, n);
+        if pow2 {
+            exponents = pow2_norms(&mut norms);
+        }
         rescale(&mut up, &mut down, &norms, h);
     }
-    Ok((gate, up, down))
+    Ok((gate, up, down, exponents))
 }
 
 /// Writes the sections that follow a file's data — META, tokenizer, the dense and FFN indexes
@@ -324,6 +339,7 @@ pub(crate) fn write_index_sections(
     (predictors, sketch, refine): &(Predictors, Sketch, Refine),
 ) -> Result<()> {
     writer.require_minor(meta.minor_version().max(sketch.minor_version()));
+    writer.require_minor(dense.minor_version().max(ffn.minor_version()));
     writer.add_section(SectionKind::Meta, &serde_json::to_vec_pretty(meta)?, false)?;
     add_tokenizer(writer, tokenizer_json)?;
     writer.add_section(SectionKind::DenseIndex, &dense.encode(), false)?;
@@ -355,7 +371,11 @@ pub(crate) fn check_block_shapes(c: &ModelConfig, q: QuantType) -> Result<()> {
         ("head_dim × heads", c.num_heads * c.head_dim),
     ] {
         row_bytes(q, n).with_context(|| {
-            format!("--quant {q} cannot encode this model ({what} = {n}); use f16 or bf16")
+            format!(
+                "--quant {q} cannot encode this model ({what} = {n} is no multiple of {}, the \
+                 values of one {q} block); use q8, q4_1 or f16",
+                q.block_len()
+            )
         })?;
     }
     Ok(())
@@ -375,15 +395,27 @@ pub(crate) fn whole<'a>(
     move |name, shape, each| each(&get(name, shape)?)
 }
 
+/// Writes every dense tensor: as the source stores it where `stored` gives its encoded rows
+/// ([`crate::source::Source::stored`]; not vectors or routers, which stay f32), else encoded as
+/// `quant`.
 pub(crate) fn write_dense(
     writer: &mut ContainerWriter,
     config: &ModelConfig,
     quant: QuantType,
     rows: &RowRuns,
+    stored: &impl Fn(&str, &[usize]) -> Result<Option<(QuantType, Vec<u8>)>>,
 ) -> Result<DenseIndex> {
     writer.begin_section(SectionKind::DenseData);
     let mut index = DenseIndex::default();
     for spec in dense_specs(config) {
+        if !spec.stays_f32() {
+            if let Some((qtype, bytes)) = stored(&spec.source, &spec.shape)? {
+                index
+                    .tensors
+                    .push(write_tensor(writer, &spec, qtype, &bytes)?);
+                continue;
+            }
+        }
         let qtype = if spec.stays_f32() {
             QuantType::F32
         } else {

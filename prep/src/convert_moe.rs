@@ -15,7 +15,7 @@ use leanstream::model::{
 use leanstream::source::config::{Activation, ModelConfig, MoeConfig};
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::expert::ExpertIndex;
-use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
+use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer, PartTypes};
 use leanstream_format::meta::{LayerMeta, Meta, Routing};
 use leanstream_format::predictor::{Predictor, PredictorInput, Predictors};
 use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
@@ -63,7 +63,13 @@ pub(crate) fn convert(
     let mut writer = ContainerWriter::create(&opts.output)
         .with_context(|| format!("cannot write {}", opts.output.display()))?;
     let t = Instant::now();
-    let dense = write_dense(&mut writer, &config, opts.quant, &whole(&get))?;
+    // Dense tensors as the source stores them (`--quant auto` of a GGUF file); the experts in one
+    // encoding.
+    let stored = |name: &str, shape: &[usize]| match opts.keep {
+        true => source.stored(name, shape),
+        false => Ok(None),
+    };
+    let dense = write_dense(&mut writer, &config, opts.quant, &whole(&get), &stored)?;
     phases.dense = t.elapsed().as_secs_f64();
 
     let (h, n, layers) = (
@@ -82,7 +88,7 @@ pub(crate) fn convert(
     for l in 0..layers {
         ffn.layers.push(if config.is_moe_layer(l) {
             FfnLayer {
-                qtype: opts.quant,
+                qtypes: PartTypes::uniform(opts.quant),
                 hidden: h as u32,
                 perm: Vec::new(),
                 clusters: Vec::new(),
@@ -341,7 +347,7 @@ pub(crate) fn encode_bundles(
             extent.extend(quantize_row(q, &up[i * h..(i + 1) * h])?);
             extent.extend(quantize_row(q, &column)?);
         }
-        extents.push(LAYOUT.arrange(&extent, row_bytes(q, h)?));
+        extents.push(LAYOUT.arrange(&extent, [row_bytes(q, h)?; 3]));
     }
     Ok(extents)
 }
@@ -367,7 +373,7 @@ pub(crate) fn write_extents(
         });
     }
     Ok(FfnLayer {
-        qtype: q,
+        qtypes: PartTypes::uniform(q),
         hidden: h as u32,
         perm: (0..n as u32).collect(),
         clusters,

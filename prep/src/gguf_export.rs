@@ -118,6 +118,9 @@ pub fn export(src: &Path, out: &Path, progress: bool) -> Result<Exported> {
         (Architecture::Qwen2, None) => {
             bail!("{name}: Qwen2 files (q/k/v biases) are not written to GGUF yet")
         }
+        (Architecture::Gemma2 | Architecture::Gemma3 | Architecture::Phi3, _) => {
+            bail!("{name}: Gemma and Phi-3 files are not written to GGUF yet")
+        }
         (Architecture::Qwen3, Some(m)) => {
             if !m.norm_topk_prob {
                 bail!(
@@ -196,26 +199,28 @@ pub fn export(src: &Path, out: &Path, progress: bool) -> Result<Exported> {
         table.push(Planned::new(gguf, t.qtype, dims, Part::Dense(i))?);
     }
     for l in 0..c.num_layers {
-        let (h, q) = (c.hidden_size, file.ffn.layers[l].qtype);
+        let (h, q) = (c.hidden_size, file.ffn.layers[l].qtypes);
+        let mut parts = [q.gate, q.up, q.down];
         if c.is_moe_layer(l) {
             let experts = &file.experts.layers[l];
             let Some(first) = experts.first() else {
                 bail!("{name}: mixture layer {l} has no experts");
             };
-            let (e, m, q) = (experts.len(), first.neurons(), first.qtype);
-            if experts.iter().any(|x| x.qtype != q || x.neurons() != m) {
+            let (e, m, q) = (experts.len(), first.neurons(), first.qtypes);
+            if experts.iter().any(|x| x.qtypes != q || x.neurons() != m) {
                 bail!(
                     "{name}: layer {l}'s experts differ in type or size, but a GGUF stack of \
                      experts has one type and shape"
                 );
             }
+            parts = [q.gate, q.up, q.down];
             for (part, stack, dims) in [
                 (0, "ffn_gate_exps", vec![e, m, h]),
                 (1, "ffn_up_exps", vec![e, m, h]),
                 (2, "ffn_down_exps", vec![e, h, m]),
             ] {
                 let gguf = format!("blk.{l}.{stack}.weight");
-                table.push(Planned::new(gguf, q, dims, Part::Ffn(l, part))?);
+                table.push(Planned::new(gguf, parts[part], dims, Part::Ffn(l, part))?);
             }
         } else {
             let n = file.ffn.layers[l].neurons();
@@ -226,7 +231,7 @@ pub fn export(src: &Path, out: &Path, progress: bool) -> Result<Exported> {
             ] {
                 let gguf = gguf_name(&format!("model.layers.{l}.mlp.{hf}.weight"))
                     .expect("FFN names map to GGUF");
-                table.push(Planned::new(gguf, q, dims, Part::Ffn(l, part))?);
+                table.push(Planned::new(gguf, parts[part], dims, Part::Ffn(l, part))?);
             }
         }
     }
@@ -471,8 +476,9 @@ fn ffn_matrices(
     l: usize,
     mut cluster: impl FnMut(usize) -> Result<Vec<u8>>,
 ) -> Result<[Vec<u8>; 3]> {
-    let (h, n, qtype) = (layer.hidden as usize, layer.neurons(), layer.qtype);
-    let rb = layer.row_bytes();
+    let (h, n, q) = (layer.hidden as usize, layer.neurons(), layer.qtypes);
+    let qtype = q.down;
+    let [rb, ub, _] = layer.row_bytes();
     let down_row_bytes = row_bytes(qtype, n).with_context(|| {
         format!(
             "{}: layer {l}'s {n} neurons are not a whole number of {} blocks, so its down \
@@ -481,7 +487,7 @@ fn ffn_matrices(
             qtype.name()
         )
     })?;
-    let (mut gate, mut up) = (vec![0u8; n * rb], vec![0u8; n * rb]);
+    let (mut gate, mut up) = (vec![0u8; n * rb], vec![0u8; n * ub]);
     let mut down = vec![0f32; h * n];
     let mut column = vec![0f32; h];
     for (ci, c) in layer.clusters.iter().enumerate() {
@@ -490,7 +496,7 @@ fn ffn_matrices(
             let i = layer.perm[c.first as usize + k] as usize;
             let row = |part: ffn::Part| layer.row(&bytes, ci, k, part);
             gate[i * rb..(i + 1) * rb].copy_from_slice(row(ffn::Part::Gate));
-            up[i * rb..(i + 1) * rb].copy_from_slice(row(ffn::Part::Up));
+            up[i * ub..(i + 1) * ub].copy_from_slice(row(ffn::Part::Up));
             dequantize_row(qtype, row(ffn::Part::Down), &mut column)?;
             for (j, v) in column.iter().enumerate() {
                 down[j * n + i] = *v;

@@ -1,5 +1,6 @@
 //! `leanstream-prep inspect`: what a converted file holds, its sizes and predictor quality.
 
+use leanstream_format::ffn::PartTypes;
 use leanstream_format::meta::{LayerMeta, Meta};
 use leanstream_format::LsbFile;
 use serde_json::{json, Value};
@@ -136,8 +137,16 @@ pub fn describe(f: &LsbFile) -> Value {
             .into();
             v["neurons_per_cluster"] = first.clusters.first().map_or(0, |c| c.count).into();
             v["experts"] = experts.len().into();
+            v["encoding"] = parts_json(&fl.qtypes);
             v
         })
+        .collect();
+    // Each dense tensor's encoding, in file order.
+    let dense_encodings: Vec<Value> = f
+        .dense
+        .tensors
+        .iter()
+        .map(|t| json!({"name": t.name, "encoding": t.qtype.name()}))
         .collect();
     let mixture = m.model.moe.is_some();
     let experts = m.model.moe.as_ref().map(|moe| {
@@ -169,6 +178,7 @@ pub fn describe(f: &LsbFile) -> Value {
         "intermediate_size": m.model.intermediate_size,
         "quant": m.ffn_quant,
         "dense_quant": m.dense_quant,
+        "dense_encodings": dense_encodings,
         "sparsity_mode": m.sparsity_mode,
         "sparsity_target": m.sparsity_target,
         "sparsity_rule": m.sparsity_rule.as_deref().unwrap_or("gate"),
@@ -189,6 +199,44 @@ pub fn describe(f: &LsbFile) -> Value {
         "layers": layers,
         "comparison": comparison(m),
     })
+}
+
+/// A layer's bundle encodings: `{"gate": "q4_k", "up": "q4_k", "down": "q6_k"}`.
+fn parts_json(p: &PartTypes) -> Value {
+    json!({"gate": p.gate.name(), "up": p.up.name(), "down": p.down.name()})
+}
+
+/// The encodings of [`describe`]: each layer's bundle parts, and the dense tensors grouped by
+/// encoding (`q6_k: model.embed_tokens.weight, …`).
+fn print_encodings(v: &Value) {
+    let name = |x: &Value| x.as_str().unwrap_or("").to_string();
+    let mut groups: Vec<(String, Vec<String>)> = Vec::new();
+    for t in v["dense_encodings"].as_array().into_iter().flatten() {
+        let (enc, tensor) = (name(&t["encoding"]), name(&t["name"]));
+        match groups.iter_mut().find(|g| g.0 == enc) {
+            Some(g) => g.1.push(tensor),
+            None => groups.push((enc, vec![tensor])),
+        }
+    }
+    for (enc, tensors) in groups {
+        println!("  dense {enc}: {}", tensors.join(", "));
+    }
+    let layers: Vec<String> = v["layers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .map(|(i, l)| {
+            let e = &l["encoding"];
+            format!(
+                "{i}: gate {} up {} down {}",
+                name(&e["gate"]),
+                name(&e["up"]),
+                name(&e["down"])
+            )
+        })
+        .collect();
+    println!("  FFN bundles: {}", layers.join("; "));
 }
 
 /// A human-readable rendering of [`describe`].
@@ -236,6 +284,7 @@ pub fn print(v: &Value) {
             x["expert_extent_bytes"]
         );
     }
+    print_encodings(v);
     for key in [
         "file_bytes",
         "dense_bytes",

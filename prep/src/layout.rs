@@ -8,13 +8,11 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use leanstream::source::config::ModelConfig;
 use leanstream::streaming::skip_rule::SkipRule;
 use leanstream_format::container::ContainerWriter;
 use leanstream_format::ffn::FfnIndex;
 use leanstream_format::meta::Meta;
 use leanstream_format::predictor::{Predictor, PredictorInput, Predictors};
-use leanstream_format::quant::{row_bytes, QuantType};
 use leanstream_format::refine::{Refine, RefineLayer};
 use leanstream_format::sketch::{Sketch, SketchLayer};
 
@@ -22,16 +20,17 @@ use crate::convert::{
     check_block_shapes, ffn_weights, write_dense, write_index_sections, ConvertOptions, EachRun,
     ALWAYS_LOGIT, LAYOUT,
 };
-use crate::convert_moe::{unmeasured, write_bundles};
+use crate::convert_moe::{unmeasured, write_extents};
 use crate::memory_plan::LAYOUT_RUN_ROWS;
 use crate::progress::Phase;
 use crate::source::Source;
 use crate::sparsity::SparsityMode;
+use crate::tensors::BundleRows;
 
-/// Neurons per cluster: as many bundles as fill `cluster_kib`, at least one, at most the layer.
-pub fn cluster_size(cluster_kib: u32, q: QuantType, c: &ModelConfig) -> Result<usize> {
-    let bundle_bytes = 3 * row_bytes(q, c.hidden_size)?;
-    Ok((cluster_kib as usize * 1024 / bundle_bytes).clamp(1, c.intermediate_size))
+/// Neurons per cluster: as many bundles of `bundle_bytes` as fill `cluster_kib`, at least one, at
+/// most the layer's `n`.
+pub fn cluster_size(cluster_kib: u32, bundle_bytes: usize, n: usize) -> usize {
+    (cluster_kib as usize * 1024 / bundle_bytes.max(1)).clamp(1, n.max(1))
 }
 
 /// Writes `source` to `output` as a layout-only file with `opts`' encoding, cluster size and the
@@ -50,33 +49,54 @@ pub fn write_layout(opts: &ConvertOptions, source: &Source, output: &Path) -> Re
         &[rows, cols] => source.tensor_rows(name, [rows, cols], LAYOUT_RUN_ROWS as usize, each),
         _ => each(&source.tensor(name, shape)?),
     };
-    let dense = write_dense(&mut writer, config, opts.quant, &runs)?;
+    // A GGUF file's tensors as stored where the file format has their encoding (`--quant auto`).
+    let stored = |name: &str, shape: &[usize]| match opts.keep {
+        true => source.stored(name, shape),
+        false => Ok(None),
+    };
+    let dense = write_dense(&mut writer, config, opts.quant, &runs, &stored)?;
     let (h, n, layers) = (
         config.hidden_size,
         config.intermediate_size,
         config.num_layers,
     );
-    let cluster = cluster_size(opts.cluster_kib, opts.quant, config)?;
     let mut phase = Phase::start(opts.calibration.progress, "layout", layers);
     let mut ffn = FfnIndex::default();
     writer.begin_section(LAYOUT.ffn_data());
     for l in 0..layers {
-        let (gate, up, down) = ffn_weights(&get, l, h, n, rule)?;
-        ffn.layers.push(write_bundles(
-            &mut writer,
-            opts.quant,
-            &[gate, up, down],
-            h,
-            cluster,
-        )?);
+        // Kept gate and up rows are copied (up rows rescaled by powers of two under `gate_up`,
+        // in their scale fields only); the calibration moves the bundles without encoding them
+        // again, so a calibrated file stores exactly these bytes.
+        let (gate, up, down, up_scale) = ffn_weights(&get, l, h, n, rule, opts.keep)?;
+        let rows = match opts.keep {
+            true => BundleRows::kept(source, l, h, n, opts.quant)?,
+            false => BundleRows::uniform(opts.quant, h),
+        };
+        let row_bytes = rows.row_bytes()?;
+        let cluster = cluster_size(opts.cluster_kib, row_bytes.iter().sum(), n);
+        let mut extents = Vec::with_capacity(n.div_ceil(cluster));
+        for first in (0..n).step_by(cluster) {
+            let last = (first + cluster).min(n);
+            let mut extent = Vec::with_capacity((last - first) * row_bytes.iter().sum::<usize>());
+            for i in first..last {
+                extent.extend(rows.gate(i, &gate)?);
+                extent.extend(rows.up(i, &up, &up_scale)?);
+                extent.extend(rows.down(i, &down, n)?);
+            }
+            extents.push(LAYOUT.arrange(&extent, row_bytes));
+        }
+        drop((gate, up, down));
+        let mut layer = write_extents(&mut writer, opts.quant, h, n, cluster, &extents)?;
+        layer.qtypes = rows.parts;
+        ffn.layers.push(layer);
         phase.step();
     }
     writer.end_section();
     phase.finish();
     let meta = Meta {
         model: config.clone(),
-        dense_quant: opts.quant.name().into(),
-        ffn_quant: opts.quant.name().into(),
+        dense_quant: crate::tensors::dense_quant_name(&dense),
+        ffn_quant: crate::tensors::ffn_quant_name(&ffn),
         sparsity_mode: mode.name().into(),
         sparsity_target: None,
         sparsity_rule: (rule != SkipRule::Gate).then(|| rule.name().into()),
@@ -130,7 +150,7 @@ fn side_data(ffn: &FfnIndex, h: usize) -> (Predictors, Sketch, Refine) {
             .push(every(l.saturating_sub(1), PredictorInput::Residual));
         predictors.own.push(every(l, PredictorInput::FfnInput));
         sketch.layers.push(SketchLayer {
-            qtype: layer.qtype,
+            qtype: layer.qtypes.gate,
             hidden: h as u32,
             rows: Vec::new(),
             err_norm: Vec::new(),

@@ -68,9 +68,10 @@ enum Command {
         /// Output file.
         #[arg(short, long)]
         output: PathBuf,
-        /// Weight encoding: auto, f32, f16, bf16, q8, q4 or q4_1. auto: a GGUF file keeps its
-        /// FFN's width (4-bit types become q4_1, Q4_0 stays q4; 5- to 8-bit ones q8), float
-        /// weights become q8.
+        /// Weight encoding: auto, f32, f16, bf16, q8, q4, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k
+        /// (the k-quants need widths that are multiples of 256). auto: a GGUF file keeps each
+        /// tensor's encoding (FFN down columns become q6_k from 4- and 5-bit types, else q8;
+        /// types the format lacks become q4_1 or q8), float weights become q8.
         #[arg(long, default_value = "auto")]
         quant: quant_choice::QuantArg,
         /// auto, relu, target:F (SwiGLU: skip by |silu(gate)·up|, a mean fraction F allocated
@@ -231,15 +232,20 @@ fn run(command: Command) -> Result<()> {
             json,
         } => {
             let model_dir = hub::resolve_model(&model)?;
-            let (quant, why) = quant_choice::resolve(quant, &model_dir)?;
+            let choice = quant_choice::resolve(quant, &model_dir)?;
+            let quant = choice.quant;
             if !json {
-                eprintln!("encoding {} ({why})", quant.name());
+                match choice.keep {
+                    true => eprintln!("encoding {}", choice.why),
+                    false => eprintln!("encoding {} ({})", quant.name(), choice.why),
+                }
             }
             let opts = convert::ConvertOptions {
                 model_dir,
                 source_name: model,
                 output,
                 quant,
+                keep: choice.keep,
                 cluster_kib,
                 layout_only,
                 memory,

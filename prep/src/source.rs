@@ -8,10 +8,11 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::{QStorage, QTensor};
 use candle_core::Device;
 use leanstream::source::config::ModelConfig;
-use leanstream::source::gguf::GgufFile;
+use leanstream::source::gguf::{quant_type, GgufFile};
 use leanstream::source::safetensors_dir::SafetensorsDir;
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::meta::ChatTemplate;
+use leanstream_format::quant::QuantType;
 
 enum Tensors {
     Dir(SafetensorsDir),
@@ -84,7 +85,7 @@ impl Source {
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         match &self.tensors {
             Tensors::Dir(d) => {
-                let t = d.tensor_f32(name, shape);
+                let t = leanstream::source::hf_tensors::tensor(d, &self.config, name, shape);
                 d.release_pages();
                 t
             }
@@ -131,6 +132,19 @@ impl Source {
         drop(raw);
         g.release_pages();
         Ok(())
+    }
+
+    /// Tensor `name` as the source stores it, checked against `shape`: its encoding and rows (in
+    /// Hugging Face row order), when the source is a GGUF file and the file format has its
+    /// encoding; `None` otherwise (a folder's tensors, or a GGUF type such as Q3_K).
+    pub fn stored(&self, name: &str, shape: &[usize]) -> Result<Option<(QuantType, Vec<u8>)>> {
+        let Tensors::Gguf(g) = &self.tensors else {
+            return Ok(None);
+        };
+        let raw = g.raw_tensor(name, shape)?;
+        let kept = quant_type(raw.dtype).map(|q| (q, raw.data.into_owned()));
+        g.release_pages();
+        Ok(kept)
     }
 
     /// Bytes of the source's tensor files.

@@ -14,6 +14,7 @@
 
 use leanstream::source::config::Activation;
 use leanstream::streaming::skip_rule::SkipRule;
+use leanstream_format::quant_scale::nearest_pow2_exponent;
 
 /// `auto` for SiLU models: the largest target whose perplexity on the held-out calibration windows
 /// is at most this much above the dense model's (with the thresholds the file gets, i.e. what
@@ -211,6 +212,24 @@ pub fn down_norms(down: &[f32], hidden: usize, n: usize) -> Vec<f32> {
         }
     }
     sq.into_iter().map(|s| s.sqrt() as f32).collect()
+}
+
+/// Rounds each of [`down_norms`]' norms to the power of two nearest it (in log scale) and returns
+/// the exponents: rescaling by a power of two is exact in a row's stored encoding
+/// ([`leanstream_format::quant_scale`]), so `convert` keeps a GGUF's up rows as stored. Scores
+/// then weigh each neuron's contribution within a factor of √2. A zero norm stays zero (exponent
+/// 0: that neuron is not rescaled).
+pub fn pow2_norms(norms: &mut [f32]) -> Vec<i32> {
+    norms
+        .iter_mut()
+        .map(|d| {
+            let k = nearest_pow2_exponent(*d).unwrap_or(0);
+            if *d > 0.0 {
+                *d = 2f32.powi(k);
+            }
+            k
+        })
+        .collect()
 }
 
 /// Applies [`down_norms`]'s rescaling in place (neurons with a zero column are left alone).

@@ -23,22 +23,28 @@ pub struct Stored {
 }
 
 /// One layer's bundles in the original neuron order: `n` runs of `[gate | up | down]` encoded rows
-/// (`3 · row_bytes` each), as FORMAT.md §6.1 defines a bundle.
+/// (`row_bytes` of the gate row, the up row and the down column; per-part encodings, FORMAT.md
+/// §6.2), as FORMAT.md §6.1 defines a bundle.
 pub struct Bundles {
     pub bytes: Vec<u8>,
-    pub row_bytes: usize,
+    pub row_bytes: [usize; 3],
 }
 
 impl Bundles {
+    /// Bytes of one bundle.
+    pub fn bundle_bytes(&self) -> usize {
+        self.row_bytes.iter().sum()
+    }
+
     /// Neuron `i`'s bundle.
     pub fn bundle(&self, i: usize) -> &[u8] {
-        let b = 3 * self.row_bytes;
+        let b = self.bundle_bytes();
         &self.bytes[i * b..(i + 1) * b]
     }
 
     /// Neuron `i`'s encoded gate row.
     pub fn gate(&self, i: usize) -> &[u8] {
-        &self.bundle(i)[..self.row_bytes]
+        &self.bundle(i)[..self.row_bytes[0]]
     }
 }
 
@@ -160,7 +166,8 @@ impl Stored {
             vec![0.0f32; n * h],
             vec![0.0f32; h * n],
         ];
-        let mut bytes = vec![0u8; n * 3 * rb];
+        let bb: usize = rb.iter().sum();
+        let mut bytes = vec![0u8; n * bb];
         let mut column = vec![0.0f32; h];
         for ci in 0..layer.clusters.len() {
             let extent = self
@@ -171,9 +178,11 @@ impl Stored {
             let cl = &layer.clusters[ci];
             for k in 0..cl.count as usize {
                 let orig = layer.perm[cl.first as usize + k] as usize;
-                let bundle = &mut bytes[orig * 3 * rb..(orig + 1) * 3 * rb];
+                let mut bundle = &mut bytes[orig * bb..(orig + 1) * bb];
                 for (j, part) in [Part::Gate, Part::Up, Part::Down].into_iter().enumerate() {
-                    bundle[j * rb..(j + 1) * rb].copy_from_slice(layer.row(&extent, ci, k, part));
+                    let (row, rest) = bundle.split_at_mut(rb[j]);
+                    row.copy_from_slice(layer.row(&extent, ci, k, part));
+                    bundle = rest;
                 }
             }
         }

@@ -257,7 +257,7 @@ impl Bundles {
             bufs,
             clusters,
             skip: relu,
-            touched: ROWS * rb + ROWS / 10 * 2 * rb,
+            touched: ROWS * rb[0] + ROWS / 10 * (rb[1] + rb[2]),
         };
         // The scores are relu(gate): the tenth largest decides.
         let mut scores = vec![0.0f32; ROWS];

@@ -95,6 +95,15 @@ fn a_budget_changed_while_running_is_followed_and_the_text_stays_exact() {
             }
         })
     };
+    // Stdout is read as it comes: the run's JSON (one entry per budget change) can outgrow the
+    // pipe's buffer, and a child blocked on a full pipe never ends.
+    let stdout = {
+        let mut out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(&mut out, &mut bytes).map(|_| bytes)
+        })
+    };
     // The run's own floor (its process overhead and the certificates it kept differ from this
     // test's): what it states when refusing 1 MiB, written once it has read the first budget (it
     // starts its watch thread after that read).
@@ -135,11 +144,12 @@ fn a_budget_changed_while_running_is_followed_and_the_text_stays_exact() {
         // the steps more than once.
         std::thread::sleep(Duration::from_millis(50));
     }
-    let o = child.wait_with_output().unwrap();
+    let status = child.wait().unwrap();
+    let stdout = stdout.join().unwrap().unwrap();
     reader.join().unwrap();
     let log = log.lock().unwrap().clone();
-    assert!(o.status.success(), "{log}");
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(status.success(), "{log}");
+    let v: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     assert_eq!(v["text"], resident["text"], "{log}");
     let changes = v["budget_changes"].as_array().unwrap();
     assert!(

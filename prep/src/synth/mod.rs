@@ -24,7 +24,7 @@ use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::DenseIndex;
-use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
+use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer, PartTypes};
 use leanstream_format::meta::{LayerMeta, Meta, Synthetic};
 use leanstream_format::predictor::{normalise_input, PredictorInput, Predictors};
 use leanstream_format::quant::{row_bytes, QuantType};
@@ -209,7 +209,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
                     h,
                 )?;
             }
-            let extent = LAYOUT.arrange(&chunk.concat(), bundle_bytes / 3);
+            let extent = LAYOUT.arrange(&chunk.concat(), [bundle_bytes / 3; 3]);
             let (offset, extent_size, checksum) = writer.write_extent(&extent)?;
             clusters.push(Cluster {
                 first: (ci * cluster_size) as u32,
@@ -273,7 +273,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
         }
         sketch.layers.push(sketch_layer);
         ffn.layers.push(FfnLayer {
-            qtype: args.quant,
+            qtypes: PartTypes::uniform(args.quant),
             hidden: h as u32,
             perm: layer::shuffled_order(n, args.seed ^ l as u64),
             clusters,

@@ -23,7 +23,7 @@ use leanstream::tokenizer::Tokenizer;
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::DenseIndex;
 use leanstream_format::expert::ExpertIndex;
-use leanstream_format::ffn::{FfnIndex, FfnLayer};
+use leanstream_format::ffn::{FfnIndex, FfnLayer, PartTypes};
 use leanstream_format::meta::{Meta, Routing, Synthetic};
 use leanstream_format::quant::{row_bytes, QuantType};
 use leanstream_format::LsbFile;
@@ -183,7 +183,7 @@ pub(super) fn run(args: &SynthArgs, src: &LsbFile, started: Instant) -> Result<(
     let ffn = FfnIndex {
         layers: (0..layers)
             .map(|_| FfnLayer {
-                qtype: args.quant,
+                qtypes: PartTypes::uniform(args.quant),
                 hidden: h as u32,
                 perm: Vec::new(),
                 clusters: Vec::new(),

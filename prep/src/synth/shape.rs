@@ -63,6 +63,7 @@ impl Shape {
             bos_token_id: bos,
             eos_token_ids: eos.clone(),
             moe: None,
+            block: Default::default(),
         };
         let qwen3 = |c: ModelConfig| ModelConfig {
             architecture: Architecture::Qwen3,

@@ -171,7 +171,7 @@ fn dequantized_weights_equal_the_source_within_the_bound() {
                     let orig = layer.perm[c.first as usize + k] as usize;
                     let row = |part| layer.row(&bytes, ci, k, part);
                     check(
-                        layer.qtype,
+                        layer.qtypes.gate,
                         row(Part::Gate),
                         &gate[orig * h..(orig + 1) * h],
                         "gate",
@@ -182,7 +182,7 @@ fn dequantized_weights_equal_the_source_within_the_bound() {
                     let norm = column.iter().map(|&v| (v as f64).powi(2)).sum::<f64>();
                     let norm = norm.sqrt() as f32;
                     column.iter_mut().for_each(|v| *v /= norm);
-                    check(layer.qtype, row(Part::Down), &column, "down");
+                    check(layer.qtypes.down, row(Part::Down), &column, "down");
                 }
             }
         }

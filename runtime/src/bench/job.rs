@@ -106,6 +106,10 @@ pub enum Task {
         budgets: Vec<u64>,
         step_tokens: usize,
     },
+    /// Prefill the prompt in chunks as `run` does (timed: prompt tokens/s, and the time to the
+    /// first token, the greedy pick after it), then greedy-decode `tokens` tokens, timed
+    /// (`bench --prompt`).
+    Prefill { tokens: usize },
 }
 
 /// What a worker prints.
@@ -134,6 +138,17 @@ pub struct Outcome {
     #[serde(default)]
     pub elastic: Vec<super::elastic::Point>,
     pub exact: Option<bool>,
+    /// `Prefill` runs: the prompt's tokens, their rate, and the time to the first token.
+    #[serde(default)]
+    pub prompt_tokens: usize,
+    #[serde(default)]
+    pub prompt_tokens_per_s: f64,
+    #[serde(default)]
+    pub ttft_ms: f64,
+    /// The process's CPU time (user and system, every thread) over the prefill: on a loaded
+    /// machine, waiting for a CPU is not charged to it.
+    #[serde(default)]
+    pub prompt_cpu_s: f64,
 }
 
 /// The `bench-worker` entry point: runs `job_path` and prints the outcome as JSON on stdout.
@@ -218,6 +233,9 @@ fn execute(job: &Job) -> Result<Outcome> {
             })
         }
     };
+    if let Task::Prefill { tokens } = job.task {
+        return super::prefill::measure(job, &mut session, tokens);
+    }
     let model = session.model();
     let mut cache = model.new_cache(job.ctx);
     let vocab = model.config().vocab_size;
@@ -316,6 +334,7 @@ fn execute(job: &Job) -> Result<Outcome> {
             outcome.exact = Some(exact);
             Ok(outcome)
         }
+        Task::Prefill { .. } => unreachable!("measured above"),
     }
 }
 
@@ -344,7 +363,7 @@ fn warm_up(
 }
 
 /// Throughput and per-token latency percentiles from per-step times (seconds).
-fn timing(times: &[f64]) -> Outcome {
+pub(super) fn timing(times: &[f64]) -> Outcome {
     let total: f64 = times.iter().sum();
     let mut ms: Vec<f64> = times.iter().map(|t| t * 1e3).collect();
     ms.sort_by(f64::total_cmp);

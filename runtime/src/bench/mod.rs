@@ -10,6 +10,7 @@ mod elastic;
 mod job;
 mod moe;
 mod plot;
+mod prefill;
 mod report;
 mod trace;
 
@@ -89,6 +90,12 @@ pub struct BenchArgs {
     /// used.
     #[arg(long, value_delimiter = ',')]
     elastic: Vec<String>,
+    /// Prompt processing: every policy prefills a prompt of this many tokens (the prompt text
+    /// repeated to length) in chunks as `run` does, then decodes --tokens tokens; the table gives
+    /// prefill tokens/s and the time to the first token beside decode tokens/s. `--policy all`
+    /// is resident and dense here; --ctx grows to hold the prompt and the tokens.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    prompt: Option<u64>,
     /// Tokens decoded at each --elastic budget.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
     step_tokens: u64,
@@ -106,6 +113,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Some(p) => crate::tokenizer::read_text(p)?,
         None => DEFAULT_PROMPT.to_string(),
     };
+    if let Some(n) = args.prompt {
+        if mixture || !args.elastic.is_empty() {
+            bail!("--prompt measures a dense model's prompt processing: leave out --elastic (a mixture of experts is not supported)");
+        }
+        return prefill::run(&args, &prompt_text, n as usize);
+    }
     let prompt = tokenizer.encode(&prompt_text, true)?;
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens: give some text");
@@ -465,6 +478,18 @@ impl Runner<'_> {
     }
 
     fn execute(&self, variant: &Variant, memory: Option<u64>, task: Task) -> Result<Outcome> {
+        self.execute_at(variant, memory, self.args.ctx, task)
+    }
+
+    /// [`execute`](Self::execute) with a context of `ctx` tokens.
+    fn execute_at(
+        &self,
+        variant: &Variant,
+        memory: Option<u64>,
+        ctx: usize,
+        task: Task,
+    ) -> Result<Outcome> {
+        let traced = memory.filter(|_| !matches!(task, Task::Prefill { .. }));
         let job = Job {
             model: self.args.model.clone(),
             variant: variant.clone(),
@@ -474,14 +499,14 @@ impl Runner<'_> {
             } else {
                 self.args.flash.clone()
             },
-            ctx: self.args.ctx,
+            ctx,
             threads: self.args.threads.map(usize::from),
             prompt: self.prompt.clone(),
-            trace: (self.args.trace.is_some() && memory.is_some()).then(|| self.timeline_path()),
-            active_trace: memory
+            trace: (self.args.trace.is_some() && traced.is_some()).then(|| self.timeline_path()),
+            active_trace: traced
                 .filter(|_| !self.moe)
                 .map(|_| self.active_trace_path()),
-            expert_trace: memory
+            expert_trace: traced
                 .filter(|_| self.moe)
                 .map(|_| self.expert_trace_path()),
             task,

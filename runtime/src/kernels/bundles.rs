@@ -13,8 +13,8 @@
 //! per batch rather than once per neuron and gives the bits of adding them one by one.
 
 use anyhow::{ensure, Result};
-use leanstream_format::ffn::{ClusterLayout, FfnLayer};
-use leanstream_format::quant::{row_bytes, QuantType};
+use leanstream_format::ffn::{ClusterLayout, FfnLayer, Part, PartTypes};
+use leanstream_format::quant::QuantType;
 
 use super::operand::Operand;
 use super::rows::{RowKernels, DOT_ROWS};
@@ -26,22 +26,30 @@ use crate::streaming::skip_rule::{Skip, SkipRule};
 /// q4 layers (1.6 MB) are above it.
 pub const PARALLEL_MIN_BYTES: usize = 256 << 10;
 
-/// The shape of one layer's bundles, and how its clusters order their rows.
+/// The shape of one layer's bundles, and how its clusters order their rows. Each part has its own
+/// encoding (FORMAT.md §6.1, since 1.8): a converted GGUF keeps its gate and up rows as stored and
+/// its down columns in a column encoding of their own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BundleLayout {
-    pub qtype: QuantType,
+    pub qtypes: PartTypes,
     pub hidden: usize,
     pub cluster: ClusterLayout,
-    row_bytes: usize,
+    row_bytes: [usize; 3],
 }
 
 impl BundleLayout {
+    /// Bundles whose three parts are all encoded as `qtype`.
     pub fn new(qtype: QuantType, hidden: usize, cluster: ClusterLayout) -> Result<Self> {
+        Self::with_parts(PartTypes::uniform(qtype), hidden, cluster)
+    }
+
+    /// Bundles whose gate rows, up rows and down columns are encoded as `qtypes` says.
+    pub fn with_parts(qtypes: PartTypes, hidden: usize, cluster: ClusterLayout) -> Result<Self> {
         Ok(Self {
-            qtype,
+            qtypes,
             hidden,
             cluster,
-            row_bytes: row_bytes(qtype, hidden)?,
+            row_bytes: qtypes.row_bytes(hidden)?,
         })
     }
 
@@ -52,16 +60,25 @@ impl BundleLayout {
 
     /// The layout of a file's FFN layer or expert.
     pub fn of(layer: &FfnLayer) -> Result<Self> {
-        Self::new(layer.qtype, layer.hidden as usize, layer.layout)
+        Self::with_parts(layer.qtypes, layer.hidden as usize, layer.layout)
     }
 
-    /// Bytes of one of the three parts.
-    pub fn row_bytes(&self) -> usize {
+    /// Bytes of the gate row, the up row and the down column.
+    pub fn row_bytes(&self) -> [usize; 3] {
         self.row_bytes
     }
 
     pub fn bundle_bytes(&self) -> usize {
-        3 * self.row_bytes
+        self.row_bytes.iter().sum()
+    }
+
+    /// The encoding the FFN input is prepared for ([`Operand::new`]): a block type if the gate or
+    /// the up rows are block-encoded (their dots read the input's q8 form), else the gate's.
+    pub fn operand_type(&self) -> QuantType {
+        match (self.qtypes.gate, self.qtypes.up) {
+            (g, u) if !g.is_block() && u.is_block() => u,
+            (g, _) => g,
+        }
     }
 }
 
@@ -76,13 +93,13 @@ pub trait NeuronRows<'b> {
 }
 
 /// One cluster's neurons where its extent lies, in either [`ClusterLayout`]: row `part` of
-/// neuron `i` starts at `part · part_stride + i · neuron_stride`.
+/// neuron `i` starts at `start[part] + i · stride[part]`.
 #[derive(Debug, Clone, Copy)]
 pub struct ClusterRows<'b> {
     bytes: &'b [u8],
-    part_stride: usize,
-    neuron_stride: usize,
-    row_bytes: usize,
+    start: [usize; 3],
+    stride: [usize; 3],
+    row_bytes: [usize; 3],
     count: usize,
 }
 
@@ -93,17 +110,23 @@ impl<'b> ClusterRows<'b> {
         let need = count * layout.bundle_bytes();
         ensure!(
             bytes.len() >= need,
-            "a cluster of {count} {} bundles of {} values needs {need} bytes, it has {}",
-            layout.qtype,
+            "a cluster of {count} bundles ({}) of {} values needs {need} bytes, it has {}",
+            layout.qtypes,
             layout.hidden,
             bytes.len()
         );
-        let (part_stride, neuron_stride) = layout.cluster.strides(count, layout.row_bytes);
+        let rb = layout.row_bytes;
+        let parts = [Part::Gate, Part::Up, Part::Down];
+        let start = parts.map(|p| layout.cluster.row_offset(p, 0, count, rb));
+        let stride = match layout.cluster {
+            ClusterLayout::Split => rb,
+            ClusterLayout::Interleaved => [layout.bundle_bytes(); 3],
+        };
         Ok(Self {
             bytes,
-            part_stride,
-            neuron_stride,
-            row_bytes: layout.row_bytes,
+            start,
+            stride,
+            row_bytes: rb,
             count,
         })
     }
@@ -119,18 +142,19 @@ impl<'b> ClusterRows<'b> {
 
     /// The neurons from `start` on: neuron `i` of the result is neuron `start + i` of this.
     pub fn from(self, start: usize) -> Self {
-        let start = start.min(self.count);
-        Self {
-            bytes: &self.bytes[start * self.neuron_stride..],
-            count: self.count - start,
-            ..self
+        let first = start.min(self.count);
+        let mut moved = self;
+        for p in 0..3 {
+            moved.start[p] += first * self.stride[p];
         }
+        moved.count -= first;
+        moved
     }
 
     #[inline(always)]
     fn row(&self, part: usize, i: usize) -> &'b [u8] {
-        let at = part * self.part_stride + i * self.neuron_stride;
-        &self.bytes[at..at + self.row_bytes]
+        let at = self.start[part] + i * self.stride[part];
+        &self.bytes[at..at + self.row_bytes[part]]
     }
 }
 
@@ -153,21 +177,21 @@ impl<'b> NeuronRows<'b> for ClusterRows<'b> {
 #[derive(Debug, Clone, Copy)]
 struct Bundles<'a, 'b> {
     bundles: &'a [&'b [u8]],
-    row_bytes: usize,
+    row_bytes: [usize; 3],
 }
 
 impl<'b> NeuronRows<'b> for Bundles<'_, 'b> {
     #[inline(always)]
     fn gate(&self, i: usize) -> &'b [u8] {
-        &self.bundles[i][..self.row_bytes]
+        &self.bundles[i][..self.row_bytes[0]]
     }
     #[inline(always)]
     fn up(&self, i: usize) -> &'b [u8] {
-        &self.bundles[i][self.row_bytes..2 * self.row_bytes]
+        &self.bundles[i][self.row_bytes[0]..self.row_bytes[0] + self.row_bytes[1]]
     }
     #[inline(always)]
     fn down(&self, i: usize) -> &'b [u8] {
-        &self.bundles[i][2 * self.row_bytes..]
+        &self.bundles[i][self.row_bytes[0] + self.row_bytes[1]..]
     }
 }
 
@@ -193,7 +217,7 @@ const UP_PREFETCH_SHARE: usize = 4;
 /// threshold 0 the skip is exact. The result is bitwise that of adding each computed neuron's
 /// `a · (up·x) · down` to `out` in order with the row kernels' `axpy`.
 ///
-/// `x` is the FFN input prepared for `layout.qtype`; `out` has `hidden` values and is added to.
+/// `x` is the FFN input prepared for [`BundleLayout::operand_type`]; `out` has `hidden` values and is added to.
 pub fn ffn_bundles(
     layout: &BundleLayout,
     x: &Operand,
@@ -213,9 +237,9 @@ pub fn ffn_bundles(
         .position(|b| b.len() != layout.bundle_bytes())
     {
         anyhow::bail!(
-            "bundle {i} has {} bytes, a {} bundle of {} values has {}",
+            "bundle {i} has {} bytes, a bundle ({}) of {} values has {}",
             bundles[i].len(),
-            layout.qtype,
+            layout.qtypes,
             layout.hidden,
             layout.bundle_bytes()
         );
@@ -318,7 +342,7 @@ pub fn gate_pass<'b>(
     active: &mut [u32],
     coef: &mut [f32],
 ) -> usize {
-    let q = layout.qtype;
+    let (gq, uq) = (layout.qtypes.gate, layout.qtypes.up);
     let n = scores.len();
     assert!(active.len() >= n && coef.len() >= n);
     let up_always = matches!(skip.rule, SkipRule::GateUp);
@@ -333,14 +357,14 @@ pub fn gate_pass<'b>(
             }
             window.ask(rows, i, n, up_always || m * UP_PREFETCH_SHARE >= seen);
             seen += 1;
-            let a = skip.act.apply(k.dot(q, rows.gate(i), x));
+            let a = skip.act.apply(k.dot(gq, rows.gate(i), x));
             let c = match skip.gate_score(a) {
                 Some(s) => {
                     *score = s;
-                    skip.active(s).then(|| a * k.dot(q, rows.up(i), x))
+                    skip.active(s).then(|| a * k.dot(uq, rows.up(i), x))
                 }
                 None => {
-                    let c = a * k.dot(q, rows.up(i), x);
+                    let c = a * k.dot(uq, rows.up(i), x);
                     *score = c.abs();
                     skip.active(*score).then_some(c)
                 }
@@ -366,23 +390,35 @@ pub fn gate_pass<'b>(
         let (mut acts, mut which, mut ups) =
             ([0.0f32; DOT_ROWS], [0usize; DOT_ROWS], [0.0f32; DOT_ROWS]);
         let mut up = 0;
-        if up_always {
+        if up_always && gq == uq {
             // [gate, up] of each candidate.
             for (j, &c) in batch.iter().enumerate() {
                 batch_rows[2 * j] = rows.gate(c);
                 batch_rows[2 * j + 1] = rows.up(c);
             }
             let nr = 2 * batch.len();
-            k.dots(q, &batch_rows[..nr], x, &mut dots[..nr]);
+            k.dots(gq, &batch_rows[..nr], x, &mut dots[..nr]);
             for (j, &c) in batch.iter().enumerate() {
                 (acts[j], which[j], ups[j]) = (skip.act.apply(dots[2 * j]), c, dots[2 * j + 1]);
             }
             up = batch.len();
+        } else if up_always {
+            // Gate and up rows of two encodings: the gates, then the up rows.
+            let nb = batch.len();
+            for (j, &c) in batch.iter().enumerate() {
+                (batch_rows[j], batch_rows[nb + j]) = (rows.gate(c), rows.up(c));
+            }
+            k.dots(gq, &batch_rows[..nb], x, &mut dots[..nb]);
+            k.dots(uq, &batch_rows[nb..2 * nb], x, &mut ups[..nb]);
+            for (j, &c) in batch.iter().enumerate() {
+                (acts[j], which[j]) = (skip.act.apply(dots[j]), c);
+            }
+            up = nb;
         } else {
             for (r, &c) in batch_rows.iter_mut().zip(batch) {
                 *r = rows.gate(c);
             }
-            k.dots(q, &batch_rows[..batch.len()], x, &mut dots[..batch.len()]);
+            k.dots(gq, &batch_rows[..batch.len()], x, &mut dots[..batch.len()]);
             // The up rows of those the gate alone does not rule out.
             for (j, &c) in batch.iter().enumerate() {
                 let a = skip.act.apply(dots[j]);
@@ -399,7 +435,7 @@ pub fn gate_pass<'b>(
                     up += 1;
                 }
             }
-            k.dots(q, &batch_rows[..up], x, &mut ups[..up]);
+            k.dots(uq, &batch_rows[..up], x, &mut ups[..up]);
         }
         for ((&a, &c), &u) in acts.iter().zip(&which).zip(&ups).take(up) {
             let v = a * u;
@@ -496,7 +532,7 @@ pub fn down_pass<'b>(
     coef: &[f32],
     out: &mut [f32],
 ) {
-    let q = layout.qtype;
+    let q = layout.qtypes.down;
     let mut batch: [&[u8]; DOWN_BATCH] = [&[]; DOWN_BATCH];
     for (j, (idx, c)) in active
         .chunks(DOWN_BATCH)

@@ -14,6 +14,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod bundles;
+mod gemm;
 #[cfg(target_arch = "x86_64")]
 mod kquant_avx2;
 mod matrix;

@@ -6,6 +6,7 @@ use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
 use rayon::prelude::*;
 
 use super::bundles::prefetch;
+use super::gemm::gemm_rows;
 use super::matrix::{gemm_inputs, gemm_t_blocked, Matrix};
 use super::operand::Operand;
 use super::rows::{RowKernels, DOT_ROWS};
@@ -199,9 +200,10 @@ impl QMatrix {
 }
 
 /// [`QMatrix::matmul_t`] over rows that arrive in order, a block at a time (a matrix streamed from
-/// flash): the same kernels on the same bytes, so the same result. The inputs
-/// [`gemm_inputs`] names multiply tiles of rows decoded to f32 (a tile gathered across blocks); a
-/// single one left is a mat-vec.
+/// flash): the same kernels on the same bytes, so the same result. Block types multiply every input
+/// on the integer kernels ([`gemm_rows`]: each result bitwise a decoded token's mat-vec). Float
+/// types: the inputs [`gemm_inputs`] names multiply tiles of rows decoded to f32 (a tile gathered
+/// across blocks); a single one left is a mat-vec.
 pub struct RowStream<'x> {
     qtype: QuantType,
     rows: usize,
@@ -209,6 +211,8 @@ pub struct RowStream<'x> {
     row_bytes: usize,
     x: &'x [f32],
     t: usize,
+    /// Block types with more than one input: every input prepared for the encoding.
+    block: Vec<Operand<'x>>,
     /// The first inputs, through `gemm`.
     gemm_tokens: usize,
     /// The input left after them, prepared for the encoding in place (a decoded token's mat-vec
@@ -233,8 +237,16 @@ impl<'x> RowStream<'x> {
         t: usize,
     ) -> Self {
         assert_eq!(x.len(), t * cols);
-        let gemm_tokens = gemm_inputs(t);
-        let operand = (gemm_tokens < t).then(|| Operand::new(&x[gemm_tokens * cols..], qtype));
+        let block: Vec<Operand> = if qtype.is_block() && t > 1 {
+            x.chunks_exact(cols)
+                .map(|x| Operand::new(x, qtype))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let gemm_tokens = if qtype.is_block() { 0 } else { gemm_inputs(t) };
+        let operand = (gemm_tokens < t && block.is_empty())
+            .then(|| Operand::new(&x[gemm_tokens * cols..], qtype));
         let tile_rows = (TILE_WEIGHTS / cols).clamp(1, rows);
         Self {
             qtype,
@@ -243,6 +255,7 @@ impl<'x> RowStream<'x> {
             row_bytes,
             x,
             t,
+            block,
             gemm_tokens,
             operand,
             tile: if gemm_tokens > 0 {
@@ -265,6 +278,10 @@ impl<'x> RowStream<'x> {
         let n = data.len() / self.row_bytes;
         assert!(self.done + n <= rows, "more rows than the matrix has");
         let k = RowKernels::best();
+        if !self.block.is_empty() {
+            let out = &mut out[self.done..];
+            gemm_rows(k, self.qtype, data, self.row_bytes, &self.block, out, rows);
+        }
         if self.gemm_tokens > 0 {
             for row in data.chunks_exact(self.row_bytes) {
                 let f = self.tile_fill;

@@ -331,14 +331,18 @@ fn dots_are_dot_row_by_row_bit_for_bit() {
 fn gate_pass_is_one_dot_per_row_bit_for_bit() {
     use super::bundles::{gate_pass, ClusterRows};
     let (seed, mut rng) = rng();
+    let mut layouts: Vec<BundleLayout> = [
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::F16,
+    ]
+    .map(|q| BundleLayout::new(q, 96, ClusterLayout::Split).unwrap())
+    .into();
+    layouts.extend(mixed_layouts());
     for k in RowKernels::available() {
-        for qtype in [
-            QuantType::Q8_0,
-            QuantType::Q4_0,
-            QuantType::Q4_1,
-            QuantType::F16,
-        ] {
-            let layout = BundleLayout::new(qtype, 96, ClusterLayout::Split).unwrap();
+        for &layout in &layouts {
+            let (qtype, hidden) = (layout.qtypes, layout.hidden);
             for n in [1, 2, 3, 5, 8, 11, 37] {
                 let (buf, _) = random_bundles(&layout, n, &mut rng);
                 let bb = layout.bundle_bytes();
@@ -353,8 +357,8 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                 let layout = layout.with_cluster(cluster);
                 let stored = cluster.arrange(&buf, rb);
                 let rows = ClusterRows::new(&layout, &stored, n).unwrap();
-                let xs = random(96, 1.0, &mut rng);
-                let x = Operand::new(&xs, qtype);
+                let xs = random(hidden, 1.0, &mut rng);
+                let x = Operand::new(&xs, layout.operand_type());
                 let skipped = rng.random_range(0..3usize);
                 let candidate = |i: usize| skipped == 0 || i % 3 != skipped;
                 for skip in three_rules() {
@@ -384,8 +388,8 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                             continue;
                         }
                         let b = bundle(i);
-                        let a = act.apply(k.dot(qtype, &b[..rb], &x));
-                        let u = || a * k.dot(qtype, &b[rb..2 * rb], &x);
+                        let a = act.apply(k.dot(qtype.gate, &b[..rb[0]], &x));
+                        let u = || a * k.dot(qtype.up, &b[rb[0]..rb[0] + rb[1]], &x);
                         let c = match rule {
                             SkipRule::Gate => {
                                 *score = a.abs();
@@ -452,9 +456,10 @@ fn matvec_and_matmul_match_f64() {
             for i in 0..t {
                 let xi = &xs[i * cols..(i + 1) * cols];
                 let op = Operand::new(xi, qtype);
-                // A single input runs a mat-vec (q8 input for block types); two or more decode
-                // the weights to f32 and multiply the unquantized input.
-                let seen_x = if t % GEMM_MIN_TOKENS == 1 && i == t - 1 {
+                // Block types multiply the q8 input (decode's mat-vec, every input); float types
+                // decode the weights to f32 for two or more inputs and multiply the input as it
+                // is, a single input left over runs a mat-vec.
+                let seen_x = if qtype.is_block() || (t % GEMM_MIN_TOKENS == 1 && i == t - 1) {
                     seen(&op, qtype)
                 } else {
                     xi.iter().map(|v| *v as f64).collect()
@@ -530,8 +535,9 @@ fn random_bundles(
     let mut parts = Vec::with_capacity(n);
     for _ in 0..n {
         let mut decoded: [Vec<f64>; 3] = Default::default();
-        for d in decoded.iter_mut() {
-            let (bytes, w) = encoded_row(layout.qtype, layout.hidden, rng);
+        let q = layout.qtypes;
+        for (d, qtype) in decoded.iter_mut().zip([q.gate, q.up, q.down]) {
+            let (bytes, w) = encoded_row(qtype, layout.hidden, rng);
             buf.extend(bytes);
             *d = w;
         }
@@ -645,7 +651,7 @@ fn relu_skipping_is_exact() {
     let (buf, _) = random_bundles(&layout, 40, &mut rng);
     let bundles: Vec<&[u8]> = buf.chunks_exact(layout.bundle_bytes()).collect();
     let xs = random(64, 1.0, &mut rng);
-    let x = Operand::new(&xs, layout.qtype);
+    let x = Operand::new(&xs, layout.operand_type());
     let mut sparse = vec![0.0; 64];
     let mut scores = vec![0.0; 40];
     let relu = Skip {
@@ -657,10 +663,11 @@ fn relu_skipping_is_exact() {
     let mut dense = vec![0.0; 64];
     let k = RowKernels::best();
     for b in &bundles {
-        let rb = layout.row_bytes();
-        let a = Activation::Relu.apply(k.dot(layout.qtype, &b[..rb], &x));
-        let u = k.dot(layout.qtype, &b[rb..2 * rb], &x);
-        k.axpy(layout.qtype, a * u, &b[2 * rb..], &mut dense);
+        let rb = layout.row_bytes()[0];
+        let q = layout.qtypes.gate;
+        let a = Activation::Relu.apply(k.dot(q, &b[..rb], &x));
+        let u = k.dot(q, &b[rb..2 * rb], &x);
+        k.axpy(q, a * u, &b[2 * rb..], &mut dense);
     }
     assert!(computed < 40, "seed {seed}");
     assert_eq!(sparse, dense, "seed {seed}");
@@ -688,6 +695,69 @@ fn bundle_errors_name_the_problem() {
     );
 }
 
+/// Bundles whose parts have encodings of their own (format 1.8), as a converted GGUF keeps them:
+/// K-quant gate and up rows with q8_0 or q6_k down columns, two gate/up encodings side by side,
+/// float gates beside block up rows.
+fn mixed_layouts() -> Vec<BundleLayout> {
+    use leanstream_format::ffn::PartTypes;
+    use QuantType::*;
+    [
+        (Q4_K, Q4_K, Q8_0),
+        (Q5_K, Q5_K, Q6_K),
+        (Q6_K, Q6_K, Q8_0),
+        (Q5_0, Q4_K, Q8_0),
+        (Q4_1, Q5_1, Q6_K),
+        (F16, Q4_K, Q8_0),
+    ]
+    .map(|(gate, up, down)| {
+        let parts = PartTypes { gate, up, down };
+        BundleLayout::with_parts(parts, 256, ClusterLayout::Split).unwrap()
+    })
+    .into()
+}
+
+/// Mixed-encoding bundles give bitwise each part's own row kernel: `dot` of the gate and up rows
+/// in their encodings, `axpy` of the down column in its own, neuron after neuron.
+#[test]
+fn mixed_encodings_are_each_parts_own_kernel() {
+    let (seed, mut rng) = rng();
+    // `ffn_bundles` runs the fastest kernels; `gate_pass_is_one_dot_per_row_bit_for_bit` covers
+    // every set.
+    let k = RowKernels::best();
+    {
+        for layout in mixed_layouts() {
+            let (q, h, n) = (layout.qtypes, layout.hidden, 70);
+            let (buf, _) = random_bundles(&layout, n, &mut rng);
+            let bundles: Vec<&[u8]> = buf.chunks_exact(layout.bundle_bytes()).collect();
+            let xs = random(h, 1.0, &mut rng);
+            let x = Operand::new(&xs, layout.operand_type());
+            let silu = Skip {
+                act: Activation::Silu,
+                rule: SkipRule::GateUp,
+                threshold: 0.05,
+            };
+            let (mut out, mut scores) = (vec![0.0f32; h], vec![0.0f32; n]);
+            let computed = ffn_bundles(&layout, &x, &bundles, silu, &mut out, &mut scores);
+            let [g, u, _] = layout.row_bytes();
+            let mut want = vec![0.0f32; h];
+            let mut active = 0;
+            for b in &bundles {
+                let a = Activation::Silu.apply(k.dot(q.gate, &b[..g], &x));
+                let c = a * k.dot(q.up, &b[g..g + u], &x);
+                if c.abs() > silu.threshold {
+                    k.axpy(q.down, c, &b[g + u..], &mut want);
+                    active += 1;
+                }
+            }
+            let what = format!("seed {seed}: {} {q}", k.isa);
+            assert_eq!(computed.unwrap(), active, "{what}");
+            assert!(active > 0 && active < n, "{what}: {active} active");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&out), bits(&want), "{what}");
+        }
+    }
+}
+
 /// SiLU under `gate` (0.2), ReLU exact (0), SiLU under `gate_up` (0.1).
 fn three_rules() -> [Skip; 3] {
     [
@@ -707,23 +777,27 @@ fn three_rules() -> [Skip; 3] {
 #[test]
 fn cluster_layouts_give_the_bits_of_the_bundles() {
     let (seed, mut rng) = rng();
-    for qtype in [QuantType::Q8_0, QuantType::Q4_1, QuantType::F16] {
-        let layout = BundleLayout::new(qtype, 64, ClusterLayout::Split).unwrap();
+    let mut layouts: Vec<BundleLayout> = [QuantType::Q8_0, QuantType::Q4_1, QuantType::F16]
+        .map(|q| BundleLayout::new(q, 64, ClusterLayout::Split).unwrap())
+        .into();
+    layouts.extend(mixed_layouts());
+    for layout in layouts {
+        let (qtype, hidden) = (layout.qtypes, layout.hidden);
         for n in [1, 7, 130] {
             let (buf, _) = random_bundles(&layout, n, &mut rng);
             let bundles: Vec<&[u8]> = buf.chunks_exact(layout.bundle_bytes()).collect();
-            let xs = random(64, 1.0, &mut rng);
-            let x = Operand::new(&xs, qtype);
+            let xs = random(hidden, 1.0, &mut rng);
+            let x = Operand::new(&xs, layout.operand_type());
             for skip in three_rules() {
                 let (act, rule) = (skip.act, skip.rule);
-                let (mut want, mut want_scores) = (vec![0.0f32; 64], vec![0.0f32; n]);
+                let (mut want, mut want_scores) = (vec![0.0f32; hidden], vec![0.0f32; n]);
                 let m = ffn_bundles(&layout, &x, &bundles, skip, &mut want, &mut want_scores);
                 for cluster in [ClusterLayout::Split, ClusterLayout::Interleaved] {
                     let layout = layout.with_cluster(cluster);
                     // Padding after the rows, as an extent has.
                     let mut stored = cluster.arrange(&buf, layout.row_bytes());
                     stored.resize(stored.len() + 100, 0xAB);
-                    let (mut out, mut scores) = (vec![0.0f32; 64], vec![0.0f32; n]);
+                    let (mut out, mut scores) = (vec![0.0f32; hidden], vec![0.0f32; n]);
                     let got = ffn_cluster(&layout, &x, &stored, skip, &mut out, &mut scores);
                     let what = format!("seed {seed}: {qtype} n={n} {cluster:?} {act:?} {rule:?}");
                     assert_eq!(got.unwrap(), *m.as_ref().unwrap(), "{what}");

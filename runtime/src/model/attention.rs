@@ -50,7 +50,12 @@ impl Model {
             }
         }
         let rows = s.q.chunks_exact_mut(qd).zip(s.k.chunks_exact_mut(kvd));
-        for (i, ((q, k), table)) in rows.zip(s.rope.chunks_exact(hd)).enumerate() {
+        // Gemma 3's sliding-window layers turn by their own rope.
+        let tables = match c.window(l) {
+            Some(_) if !s.rope_local.is_empty() => &s.rope_local,
+            _ => &s.rope,
+        };
+        for (i, ((q, k), table)) in rows.zip(tables.chunks_exact(hd)).enumerate() {
             let (cos, sin) = table.split_at(hd / 2);
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 q.chunks_exact_mut(hd)
@@ -66,7 +71,12 @@ impl Model {
         }
         self.attend(l, start, t, &s.q, cache, &mut s.scores, &mut s.att);
         attn.wo.matmul_t(&s.att, t, &mut s.proj);
-        x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+        add_output(
+            layer.attn_post_norm.as_deref(),
+            c.rms_norm_eps,
+            x,
+            &mut s.proj,
+        );
     }
 
     /// Causal softmax attention of `t` queries at positions `start..start+t` over the cache;
@@ -84,15 +94,19 @@ impl Model {
     ) {
         let c = &self.config;
         let (hd, nh, group) = (c.head_dim, c.num_heads, c.gqa_group());
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = match c.block.query_pre_attn_scalar {
+            Some(s) => (1.0 / (s as f64).sqrt()) as f32,
+            None => 1.0 / (hd as f32).sqrt(),
+        };
+        let (window, cap) = (c.window(l), c.block.attn_logit_softcap);
         let one = |scores: &mut Vec<f32>, idx: usize, o: &mut [f32]| {
             let (i, head) = (idx / nh, idx % nh);
             let pos = start + i;
-            let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let qh = &q[idx * hd..(idx + 1) * hd];
             scores.clear();
             scores.resize(pos + 1 - lo, 0.0);
-            cache.attend(l, head / group, lo, pos + 1, qh, scale, scores, o);
+            cache.attend(l, head / group, lo, pos + 1, qh, scale, cap, scores, o);
         };
         let work = t * nh * (start + t) * hd;
         if work >= 1 << 16 && rayon::current_num_threads() > 1 {
@@ -105,4 +119,15 @@ impl Model {
                 .for_each(|(idx, o)| one(scores, idx, o));
         }
     }
+}
+
+/// Adds a block's output `out` (`t × hidden`) to the residual stream `x`, after normalising each
+/// row with `post_norm` when the block has one (Gemma); `out` is overwritten.
+pub(super) fn add_output(post_norm: Option<&[f32]>, eps: f32, x: &mut [f32], out: &mut [f32]) {
+    let out = &mut out[..x.len()];
+    if let Some(w) = post_norm {
+        out.chunks_exact_mut(w.len())
+            .for_each(|row| rms_norm_in_place(row, w, eps));
+    }
+    x.iter_mut().zip(out.iter()).for_each(|(a, b)| *a += b);
 }

@@ -4,6 +4,7 @@
 
 use anyhow::{bail, Result};
 
+use super::attention::add_output;
 use super::norm::rms_norm;
 use super::{FfnWeights, Layer, Model, Scratch};
 use crate::kernels::Weight;
@@ -112,7 +113,12 @@ impl Model {
             Ffn::Backend(b) => {
                 s.proj.fill(0.0);
                 b.ffn(l, &s.xn, &mut s.proj)?;
-                x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+                add_output(
+                    layer.ffn_post_norm.as_deref(),
+                    c.rms_norm_eps,
+                    x,
+                    &mut s.proj,
+                );
                 return Ok(());
             }
             Ffn::Resident(probe) => probe,
@@ -137,7 +143,12 @@ impl Model {
                     .as_ref()
                     .expect("a model with experts has an MoE config");
                 moe.forward(m, c.activation, &s.xn, t, &mut s.moe, &mut s.proj)?;
-                x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+                add_output(
+                    layer.ffn_post_norm.as_deref(),
+                    c.rms_norm_eps,
+                    x,
+                    &mut s.proj,
+                );
                 return Ok(());
             }
             Some(FfnWeights::Dense(weights)) => weights,
@@ -155,7 +166,12 @@ impl Model {
             });
         }
         weights.finish(c.activation, t, gate, up, &mut s.proj);
-        x.iter_mut().zip(&s.proj).for_each(|(a, b)| *a += b);
+        add_output(
+            layer.ffn_post_norm.as_deref(),
+            c.rms_norm_eps,
+            x,
+            &mut s.proj,
+        );
         Ok(())
     }
 }

@@ -264,8 +264,9 @@ impl KvCache {
     }
 
     /// One head's attention over positions `lo..hi` of `layer`:
-    /// `out = softmax(scale · K q) · V`, with `K` and `V` the rows of `kv_head`. `scores` is
-    /// working space of `hi − lo` values.
+    /// `out = softmax(scale · K q) · V`, with `K` and `V` the rows of `kv_head`, each score soft-capped
+    /// to `cap · tanh(score / cap)` first when `softcap` is given (Gemma 2). `scores` is working
+    /// space of `hi − lo` values.
     #[allow(clippy::too_many_arguments)]
     pub fn attend(
         &self,
@@ -275,6 +276,7 @@ impl KvCache {
         hi: usize,
         q: &[f32],
         scale: f32,
+        softcap: Option<f32>,
         scores: &mut [f32],
         out: &mut [f32],
     ) {
@@ -307,6 +309,9 @@ impl KvCache {
                     *s = acc * scale;
                 }
             }
+        }
+        if let Some(cap) = softcap {
+            scores.iter_mut().for_each(|s| *s = (*s / cap).tanh() * cap);
         }
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0;
@@ -445,7 +450,7 @@ mod tests {
             for (h, lo) in [(0, 0), (1, 5)] {
                 let mut scores = vec![0.0; len - lo];
                 let mut out = vec![0.0; hd];
-                cache.attend(1, h, lo, len, &q, scale, &mut scores, &mut out);
+                cache.attend(1, h, lo, len, &q, scale, None, &mut scores, &mut out);
                 let want = reference(&q, &stored[h][lo..], &stored[kvh + h][lo..], scale);
                 for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                     assert!((a - b).abs() < 1e-5, "{kv:?} head {h} [{i}]: {a} vs {b}");

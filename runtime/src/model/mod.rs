@@ -9,6 +9,7 @@ pub mod rope;
 
 mod attention;
 mod dense_ffn;
+mod language_model;
 mod moe;
 mod norm;
 mod projections;
@@ -28,6 +29,7 @@ use crate::source::safetensors_dir::SafetensorsDir;
 pub use attention::Attention;
 use dense_ffn::Ffn;
 pub use dense_ffn::{DenseFfn, FfnBackend, FfnProbe};
+pub use language_model::LanguageModel;
 pub use moe::{expert_tensor_names, route, router_tensor_name, Choice, MoeFfn, MoeScratch};
 pub use norm::rms_norm;
 pub use projections::{DenseWeights, Projections};
@@ -39,7 +41,11 @@ pub struct Layer {
     pub k_norm: Option<Vec<f32>>,
     /// Query, key and value biases, concatenated (`heads·d + 2·kv_heads·d`; Qwen2).
     pub qkv_bias: Option<Vec<f32>>,
+    /// Gemma's norm of the attention output before it joins the residual stream.
+    pub attn_post_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
+    /// Gemma's norm of the FFN output before it joins the residual stream.
+    pub ffn_post_norm: Option<Vec<f32>>,
     /// `None` when the FFN streams from flash through an [`FfnBackend`].
     pub ffn: Option<FfnWeights>,
 }
@@ -59,114 +65,6 @@ impl FfnWeights {
     }
 }
 
-/// Anything that turns tokens into logits with a KV cache: the resident model, or a streaming one.
-pub trait LanguageModel {
-    fn config(&self) -> &ModelConfig;
-    /// An empty KV cache of `ctx` positions in the storage this model runs with.
-    fn new_cache(&self, ctx: usize) -> KvCache;
-    /// See [`Model::forward`].
-    fn forward(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        all_logits: bool,
-    ) -> Result<Vec<f32>> {
-        let mut logits = Vec::new();
-        self.forward_into(tokens, cache, all_logits, &mut logits)?;
-        Ok(logits)
-    }
-
-    /// [`forward`](Self::forward) into `logits` (resized): a decoding loop that keeps its logits
-    /// buffer allocates nothing per token.
-    fn forward_into(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        all_logits: bool,
-        logits: &mut Vec<f32>,
-    ) -> Result<()>;
-
-    /// Whether scoring a text should feed it one token at a time, as generation does, so that what
-    /// the model measures (bytes read, hit rates) is generation's rather than a prompt chunk's.
-    fn scores_by_decoding(&self) -> bool {
-        false
-    }
-
-    /// The most prompt tokens one forward call should take (a streaming model plans its scratch
-    /// for this many; a longer slice is split).
-    fn prompt_chunk(&self) -> usize {
-        crate::text::generate::PROMPT_CHUNK
-    }
-}
-
-impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
-    fn config(&self) -> &ModelConfig {
-        (**self).config()
-    }
-
-    fn new_cache(&self, ctx: usize) -> KvCache {
-        (**self).new_cache(ctx)
-    }
-
-    fn scores_by_decoding(&self) -> bool {
-        (**self).scores_by_decoding()
-    }
-
-    fn prompt_chunk(&self) -> usize {
-        (**self).prompt_chunk()
-    }
-
-    fn forward_into(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        all_logits: bool,
-        logits: &mut Vec<f32>,
-    ) -> Result<()> {
-        (**self).forward_into(tokens, cache, all_logits, logits)
-    }
-}
-
-impl LanguageModel for Model {
-    fn config(&self) -> &ModelConfig {
-        Model::config(self)
-    }
-
-    fn new_cache(&self, ctx: usize) -> KvCache {
-        Model::new_cache(self, ctx)
-    }
-
-    fn forward_into(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        all_logits: bool,
-        logits: &mut Vec<f32>,
-    ) -> Result<()> {
-        Model::forward_with(self, tokens, cache, all_logits, None, None, logits)
-    }
-}
-
-impl LanguageModel for &Model {
-    fn config(&self) -> &ModelConfig {
-        Model::config(self)
-    }
-
-    fn new_cache(&self, ctx: usize) -> KvCache {
-        Model::new_cache(self, ctx)
-    }
-
-    fn forward_into(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        all_logits: bool,
-        logits: &mut Vec<f32>,
-    ) -> Result<()> {
-        Model::forward_with(self, tokens, cache, all_logits, None, None, logits)
-    }
-}
-
 /// A model held in DRAM; the streaming runtime builds it without its projections and passes a
 /// [`DenseWeights`] source to each forward pass instead.
 pub struct Model {
@@ -176,6 +74,8 @@ pub struct Model {
     layers: Vec<Layer>,
     norm: Vec<f32>,
     rope: Rope,
+    /// The sliding-window layers' rope when it differs (Gemma 3).
+    rope_local: Option<Rope>,
     /// The storage of the caches [`Model::new_cache`] makes (f32 unless set: the reference).
     kv: KvType,
     /// The buffers of a decoded token's forward pass, kept for the next one (taken while in use:
@@ -193,6 +93,8 @@ struct Buffers {
 struct Scratch {
     /// Each position's rotary tables: `head_dim/2` cosines, then as many sines.
     rope: Vec<f32>,
+    /// The same for the sliding-window layers' rope, when they have their own (else empty).
+    rope_local: Vec<f32>,
     /// One head's attention scores (up to the cache's capacity).
     scores: Vec<f32>,
     xn: Vec<f32>,
@@ -211,6 +113,10 @@ impl Scratch {
         let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         Self {
             rope: vec![0.0; t * c.head_dim],
+            rope_local: match c.block.rope_local_theta {
+                Some(_) => vec![0.0; t * c.head_dim],
+                None => Vec::new(),
+            },
             scores: Vec::new(),
             xn: vec![0.0; t * c.hidden_size],
             q: vec![0.0; t * qd],
@@ -230,7 +136,10 @@ impl Model {
     pub fn load(dir: &Path) -> Result<Self> {
         let config = crate::source::config::from_hf_dir(dir)?;
         let tensors = SafetensorsDir::open(dir)?;
-        Self::from_hf_tensors(config, |name, shape| tensors.tensor_f32(name, shape))
+        let c = config.clone();
+        Self::from_hf_tensors(config, |name, shape| {
+            crate::source::hf_tensors::tensor(&tensors, &c, name, shape)
+        })
     }
 
     /// Builds the model from tensors named as in Hugging Face checkpoints; `get` returns a tensor
@@ -329,12 +238,26 @@ impl Model {
                 } else {
                     None
                 };
+                let norm = |name: &str| get(&format!("{p}.{name}.weight"), &[h]);
+                // Gemma's `post_attention_layernorm` is the attention output's; Llama's is the
+                // FFN input's.
+                let (attn_post_norm, ffn_norm, ffn_post_norm) = if c.architecture.is_gemma() {
+                    (
+                        Some(norm("post_attention_layernorm")?),
+                        norm("pre_feedforward_layernorm")?,
+                        Some(norm("post_feedforward_layernorm")?),
+                    )
+                } else {
+                    (None, norm("post_attention_layernorm")?, None)
+                };
                 Ok(Layer {
-                    attn_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
+                    attn_norm: norm("input_layernorm")?,
                     q_norm: norm_opt("q_norm")?,
                     k_norm: norm_opt("k_norm")?,
                     qkv_bias,
-                    ffn_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                    attn_post_norm,
+                    ffn_norm,
+                    ffn_post_norm,
                     ffn,
                 })
             })
@@ -349,12 +272,14 @@ impl Model {
     ) -> Result<Self> {
         let norm = get("model.norm.weight", &[config.hidden_size])?;
         let rope = Rope::new(&config);
+        let rope_local = Rope::local(&config);
         Ok(Self {
             config,
             projections,
             layers,
             norm,
             rope,
+            rope_local,
             kv: KvType::F32,
             decode: Mutex::new(None),
         })
@@ -436,6 +361,8 @@ impl Model {
                     + 4 * (l.attn_norm.len() + l.ffn_norm.len())
                     + 4 * (l.q_norm.as_ref().map_or(0, Vec::len)
                         + l.k_norm.as_ref().map_or(0, Vec::len)
+                        + l.attn_post_norm.as_ref().map_or(0, Vec::len)
+                        + l.ffn_post_norm.as_ref().map_or(0, Vec::len)
                         + l.qkv_bias.as_ref().map_or(0, Vec::len))
             })
             .sum();
@@ -501,7 +428,7 @@ impl Model {
         s.scores.clear();
         s.scores.reserve(cache.capacity());
         self.embed_into(tokens, dense, &mut x)?;
-        self.rope_tables(start, t, &mut s.rope);
+        self.rope_tables(start, t, cache.capacity(), &mut s);
         for l in 0..self.layers.len() {
             let ffn = match backend.as_deref_mut() {
                 Some(b) => {
@@ -552,7 +479,13 @@ impl Model {
         }
         x.clear();
         x.resize(tokens.len() * c.hidden_size, 0.0);
-        dense.embed(tokens, x)
+        dense.embed(tokens, x)?;
+        // Gemma scales the embedding by sqrt(hidden), rounded to the activations' f32.
+        if c.architecture.is_gemma() {
+            let scale = (c.hidden_size as f64).sqrt() as f32;
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        Ok(())
     }
 
     /// Runs block `l` on the hidden states `x` (`t × hidden`) of positions `start..start+t`,
@@ -569,7 +502,7 @@ impl Model {
     ) {
         let t = x.len() / self.config.hidden_size;
         let mut s = Scratch::new(&self.config, t);
-        self.rope_tables(start, t, &mut s.rope);
+        self.rope_tables(start, t, cache.capacity(), &mut s);
         let attn = &self.own().expect("block() runs a resident model").attention[l];
         self.block_with(l, attn, start, x, cache, &mut s, Ffn::Resident(probe))
             .expect("a resident FFN cannot fail");
@@ -602,15 +535,25 @@ impl Model {
         }
         logits.clear();
         logits.resize(rows * c.vocab_size, 0.0);
-        dense.head(xn, rows, logits)
+        dense.head(xn, rows, logits)?;
+        if let Some(cap) = c.block.final_logit_softcap {
+            logits.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+        }
+        Ok(())
     }
 
-    /// The rotary tables of positions `start..start + t` into `rope` (`t × head_dim`).
-    fn rope_tables(&self, start: usize, t: usize, rope: &mut [f32]) {
+    /// The rotary tables of positions `start..start + t` in a context of `ctx` into `s.rope` (and
+    /// `s.rope_local`), `t × head_dim` each.
+    fn rope_tables(&self, start: usize, t: usize, ctx: usize, s: &mut Scratch) {
         let half = self.config.head_dim / 2;
-        for (p, table) in (start..start + t).zip(rope.chunks_exact_mut(2 * half)) {
-            let (cos, sin) = table.split_at_mut(half);
-            self.rope.tables_into(p, cos, sin);
+        let ropes = [(&self.rope, &mut s.rope)]
+            .into_iter()
+            .chain(self.rope_local.as_ref().map(|r| (r, &mut s.rope_local)));
+        for (rope, tables) in ropes {
+            for (p, table) in (start..start + t).zip(tables.chunks_exact_mut(2 * half)) {
+                let (cos, sin) = table.split_at_mut(half);
+                rope.tables_into(p, ctx, cos, sin);
+            }
         }
     }
 

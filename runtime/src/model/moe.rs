@@ -200,7 +200,12 @@ impl MoeScratch {
 /// (`block_sparse_moe`, `w1` = gate, `w3` = up, `w2` = down).
 fn hf_block(arch: Architecture) -> (&'static str, [&'static str; 3]) {
     match arch {
-        Architecture::Qwen3 | Architecture::Qwen2 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        // No Gemma or Phi-3 mixture is read; their names would be Qwen's.
+        Architecture::Qwen3
+        | Architecture::Qwen2
+        | Architecture::Gemma2
+        | Architecture::Gemma3
+        | Architecture::Phi3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
         Architecture::Llama | Architecture::Mistral => ("block_sparse_moe", ["w1", "w3", "w2"]),
     }
 }

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
 pub use leanstream_format::model_config::{
-    Activation, Architecture, Llama3RopeScaling, ModelConfig, MoeConfig,
+    Activation, Architecture, BlockOptions, Llama3RopeScaling, LongRope, ModelConfig, MoeConfig,
 };
 
 /// `eos_token_id` is an integer, a list, or null in the wild.
@@ -37,6 +37,11 @@ struct RopeParameters {
     low_freq_factor: Option<f32>,
     high_freq_factor: Option<f32>,
     original_max_position_embeddings: Option<usize>,
+    // Phi-3's LongRoPE.
+    long_factor: Option<Vec<f32>>,
+    short_factor: Option<Vec<f32>>,
+    attention_factor: Option<f32>,
+    partial_rotary_factor: Option<f32>,
 }
 
 /// The subset of Hugging Face's `config.json` fields the engine reads.
@@ -54,9 +59,21 @@ struct HfConfig {
     max_position_embeddings: Option<usize>,
     rms_norm_eps: Option<f32>,
     rope_theta: Option<f32>,
-    rope_parameters: Option<RopeParameters>,
+    /// One [`RopeParameters`], or (Gemma 3 in transformers 5) one per layer type.
+    rope_parameters: Option<serde_json::Value>,
     rope_scaling: Option<RopeParameters>,
     hidden_act: Option<String>,
+    // Gemma 2 and 3.
+    hidden_activation: Option<String>,
+    query_pre_attn_scalar: Option<f32>,
+    attn_logit_softcapping: Option<f32>,
+    final_logit_softcapping: Option<f32>,
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<usize>,
+    rope_local_base_freq: Option<f32>,
+    // Phi-3.
+    original_max_position_embeddings: Option<usize>,
+    partial_rotary_factor: Option<f32>,
     tie_word_embeddings: Option<bool>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
@@ -123,6 +140,83 @@ fn moe_config(hf: &HfConfig, mixtral: bool) -> Result<MoeConfig> {
     })
 }
 
+/// Gemma's windows: `sliding_window` for the layers `layer_types` names `sliding_attention`, else
+/// (older configs) every other layer from the first (Gemma 2) or all but every
+/// `sliding_window_pattern`-th (Gemma 3, 6 by default); the other layers attend to everything.
+fn gemma_windows(hf: &HfConfig, arch: Architecture) -> Result<(Option<usize>, Vec<usize>)> {
+    let layers = hf.num_hidden_layers;
+    let full: Vec<usize> = match &hf.layer_types {
+        Some(types) if types.len() != layers => {
+            bail!(
+                "layer_types has {} entries for {layers} layers",
+                types.len()
+            )
+        }
+        Some(types) => {
+            let mut full = Vec::new();
+            for (l, t) in types.iter().enumerate() {
+                match t.as_str() {
+                    "full_attention" => full.push(l),
+                    "sliding_attention" => {}
+                    other => bail!(
+                        "layer_types[{l}] = {other:?}: expected full_attention or \
+                                    sliding_attention"
+                    ),
+                }
+            }
+            full
+        }
+        None => {
+            let every = match arch {
+                Architecture::Gemma2 => 2,
+                _ => hf.sliding_window_pattern.unwrap_or(6),
+            };
+            if every == 0 {
+                bail!("sliding_window_pattern must be at least 1");
+            }
+            (0..layers)
+                .filter(|l| (l + 1).is_multiple_of(every))
+                .collect()
+        }
+    };
+    match hf.sliding_window {
+        Some(w) if full.len() < layers => Ok((Some(w), full)),
+        _ => Ok((None, Vec::new())),
+    }
+}
+
+/// Phi-3's LongRoPE from `rope_scaling` (or `rope_parameters`): both factor lists, the original
+/// context (there or at the top level) and the attention factor, given or as transformers derives
+/// it: `sqrt(1 + ln(s) / ln(original))` for the scale `s = max_position_embeddings / original`.
+fn long_rope(hf: &HfConfig, s: &RopeParameters) -> Result<LongRope> {
+    let missing = |f: &str| anyhow::anyhow!("rope_scaling of type longrope lacks {f}");
+    let original = s
+        .original_max_position_embeddings
+        .or(hf.original_max_position_embeddings)
+        .ok_or_else(|| missing("original_max_position_embeddings"))?;
+    let factor = match s.factor {
+        Some(f) => f as f64,
+        None => hf.max_position_embeddings.unwrap_or(original) as f64 / original as f64,
+    };
+    let attention_factor = match s.attention_factor {
+        Some(a) => a,
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt() as f32,
+    };
+    Ok(LongRope {
+        short_factor: s
+            .short_factor
+            .clone()
+            .ok_or_else(|| missing("short_factor"))?,
+        long_factor: s
+            .long_factor
+            .clone()
+            .ok_or_else(|| missing("long_factor"))?,
+        original_max_position_embeddings: original,
+        attention_factor,
+    })
+}
+
 /// Reads and validates `config.json` in a model directory.
 pub fn from_hf_dir(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
@@ -154,16 +248,25 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         "SmolLM3ForCausalLM" | "smollm3" => (Architecture::Llama, None),
         "Qwen3MoeForCausalLM" | "qwen3_moe" => (Architecture::Qwen3, Some(moe_config(&hf, false)?)),
         "MixtralForCausalLM" | "mixtral" => (Architecture::Mistral, Some(moe_config(&hf, true)?)),
+        "Gemma2ForCausalLM" | "gemma2" => (Architecture::Gemma2, None),
+        "Gemma3ForCausalLM" | "gemma3_text" => (Architecture::Gemma3, None),
+        "Phi3ForCausalLM" | "phi3" => (Architecture::Phi3, None),
         other => bail!(
             "unsupported architecture {other:?}: LeanStream supports LlamaForCausalLM (Llama 2 \
              and 3.x, SmolLM2), SmolLM3ForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, \
-             MistralForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM"
+             MistralForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma2ForCausalLM, \
+             Gemma3ForCausalLM (text) and Phi3ForCausalLM (Phi-3, Phi-3.5)"
         ),
     };
-    let activation = match hf.hidden_act.as_deref().unwrap_or("silu") {
+    let act_name = hf.hidden_activation.as_deref().or(hf.hidden_act.as_deref());
+    let activation = match act_name.unwrap_or("silu") {
         "silu" | "swish" => Activation::Silu,
         "relu" => Activation::Relu,
-        other => bail!("unsupported hidden_act {other:?}: supported are \"silu\" and \"relu\""),
+        "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
+        other => bail!(
+            "unsupported hidden_act {other:?}: supported are \"silu\", \"relu\" and \
+             \"gelu_pytorch_tanh\""
+        ),
     };
     // Qwen2's q/k/v projections always carry biases (its config has no attention_bias key); its
     // output projection never does.
@@ -179,14 +282,55 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         .head_dim
         .or_else(|| hf.hidden_size.checked_div(hf.num_attention_heads))
         .unwrap_or(0);
-    let rope_params = hf.rope_parameters.as_ref();
+    // transformers 5 writes Gemma 3's rope per layer type: the global one and the sliding one.
+    let by_type = |t: &str| -> Result<Option<RopeParameters>> {
+        match hf.rope_parameters.as_ref().and_then(|p| p.get(t)) {
+            Some(v) => Ok(Some(
+                serde_json::from_value(v.clone())
+                    .with_context(|| format!("rope_parameters.{t} is not valid"))?,
+            )),
+            None => Ok(None),
+        }
+    };
+    let (rope_params, local_params) = match by_type("full_attention")? {
+        Some(full) => (Some(full), by_type("sliding_attention")?),
+        None => match &hf.rope_parameters {
+            Some(v) => (
+                Some(serde_json::from_value(v.clone()).context("rope_parameters is not valid")?),
+                None,
+            ),
+            None => (None, None),
+        },
+    };
+    let rope_params = rope_params.as_ref();
     let rope_theta = hf
         .rope_theta
         .or_else(|| rope_params.and_then(|p| p.rope_theta))
         .unwrap_or(10000.0);
     let scaling = hf.rope_scaling.as_ref().or(rope_params);
+    let partial = hf
+        .partial_rotary_factor
+        .or_else(|| scaling.and_then(|s| s.partial_rotary_factor));
+    if partial.is_some_and(|f| f != 1.0) {
+        bail!(
+            "partial_rotary_factor {partial:?} is not supported (only 1.0: rope over whole heads)"
+        );
+    }
+    let mut longrope = None;
+    let mut rope_freq_factors = None;
     let rope_scaling = match scaling.and_then(|s| s.rope_type.as_deref().or(s.kind.as_deref())) {
         None | Some("default") => None,
+        Some("linear") => {
+            let f = scaling
+                .and_then(|s| s.factor)
+                .context("linear rope_scaling lacks factor")?;
+            rope_freq_factors = Some(vec![f; head_dim / 2]);
+            None
+        }
+        Some("longrope" | "su") => {
+            longrope = Some(long_rope(&hf, scaling.expect("checked above"))?);
+            None
+        }
         Some("llama3") => {
             let s = scaling.expect("checked above");
             let missing = |f: &str| anyhow::anyhow!("rope_scaling of type llama3 lacks {f}");
@@ -203,7 +347,9 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
                     .ok_or_else(|| missing("original_max_position_embeddings"))?,
             })
         }
-        Some(other) => bail!("unsupported rope scaling type {other:?} (supported: llama3)"),
+        Some(other) => {
+            bail!("unsupported rope scaling type {other:?} (supported: llama3, linear, longrope)")
+        }
     };
     let smollm3 = matches!(arch_name.as_str(), "SmolLM3ForCausalLM" | "smollm3");
     let sliding_window = match architecture {
@@ -234,6 +380,31 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
     } else {
         Vec::new()
     };
+    let gemma = architecture.is_gemma();
+    let (sliding_window, full_attention_layers) = if gemma {
+        gemma_windows(&hf, architecture)?
+    } else {
+        (sliding_window, Vec::new())
+    };
+    let block = BlockOptions {
+        full_attention_layers,
+        rope_local_theta: match architecture {
+            Architecture::Gemma3 => Some(
+                local_params
+                    .and_then(|p| p.rope_theta)
+                    .or(hf.rope_local_base_freq)
+                    .unwrap_or(10000.0),
+            ),
+            _ => None,
+        },
+        longrope,
+        // Kept only where it differs from the head size, the scale every other model uses.
+        query_pre_attn_scalar: hf
+            .query_pre_attn_scalar
+            .filter(|&s| gemma && s != head_dim as f32),
+        attn_logit_softcap: hf.attn_logit_softcapping.filter(|_| gemma),
+        final_logit_softcap: hf.final_logit_softcapping.filter(|_| gemma),
+    };
     let config = ModelConfig {
         architecture,
         activation,
@@ -248,15 +419,16 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
         rope_theta,
         rope_scaling,
-        rope_freq_factors: None,
+        rope_freq_factors,
         no_rope_layers,
         sliding_window,
         tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
-        qk_norm: architecture == Architecture::Qwen3,
+        qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3),
         qkv_bias,
         bos_token_id: hf.bos_token_id.and_then(|b| b.into_vec().first().copied()),
         eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
         moe,
+        block,
     };
     config.validate()?;
     Ok(config)
@@ -376,10 +548,10 @@ mod tests {
     #[test]
     fn refused_architectures_name_the_supported_ones() {
         let mut v = base();
-        v["architectures"] = serde_json::json!(["Gemma2ForCausalLM"]);
+        v["architectures"] = serde_json::json!(["GPTNeoXForCausalLM"]);
         let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
         assert!(
-            err.contains("Gemma2ForCausalLM") && err.contains("Qwen2ForCausalLM"),
+            err.contains("GPTNeoXForCausalLM") && err.contains("Gemma2ForCausalLM"),
             "{err}"
         );
     }
@@ -400,6 +572,74 @@ mod tests {
         );
         v["no_rope_layers"] = serde_json::json!([1, 1]);
         assert!(from_hf_json(&v.to_string()).is_err());
+    }
+
+    #[test]
+    fn parses_gemma_windows_scalars_and_caps() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Gemma2ForCausalLM"]);
+        v.as_object_mut().unwrap().remove("hidden_act");
+        v["hidden_activation"] = serde_json::json!("gelu_pytorch_tanh");
+        v["sliding_window"] = serde_json::json!(32);
+        v["query_pre_attn_scalar"] = serde_json::json!(144);
+        v["attn_logit_softcapping"] = serde_json::json!(50.0);
+        v["final_logit_softcapping"] = serde_json::json!(30.0);
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.activation, Activation::GeluTanh);
+        // Without layer_types Gemma 2 slides in every other layer from the first.
+        assert_eq!(c.block.full_attention_layers, vec![1, 3]);
+        assert_eq!((c.window(0), c.window(1)), (Some(32), None));
+        assert_eq!(c.block.query_pre_attn_scalar, Some(144.0));
+        assert_eq!(c.block.attn_logit_softcap, Some(50.0));
+        assert_eq!(c.block.final_logit_softcap, Some(30.0));
+        assert_eq!(c.minor_version(), 8);
+        // Gemma 3: five sliding layers in six by default, its local rope base, q/k norms; a
+        // query_pre_attn_scalar equal to the head size is the default scale.
+        v["architectures"] = serde_json::json!(["Gemma3ForCausalLM"]);
+        v["num_hidden_layers"] = serde_json::json!(12);
+        v["query_pre_attn_scalar"] = serde_json::json!(64);
+        v["rope_local_base_freq"] = serde_json::json!(10000.0);
+        let c = from_hf_json(&v.to_string()).unwrap();
+        assert_eq!(c.block.full_attention_layers, vec![5, 11]);
+        assert_eq!(c.block.rope_local_theta, Some(10000.0));
+        assert_eq!(c.block.query_pre_attn_scalar, None);
+        assert!(c.qk_norm);
+        v["layer_types"] = serde_json::json!(vec!["full_attention"; 12]);
+        assert_eq!(from_hf_json(&v.to_string()).unwrap().sliding_window, None);
+        v["layer_types"] = serde_json::json!(vec!["chunked_attention"; 12]);
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("chunked_attention"), "{err}");
+        v["hidden_activation"] = serde_json::json!("gelu");
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("gelu_pytorch_tanh"), "{err}");
+    }
+
+    #[test]
+    fn parses_phi3_longrope_and_refuses_partial_rotary() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
+        v["max_position_embeddings"] = serde_json::json!(131072);
+        v["original_max_position_embeddings"] = serde_json::json!(4096);
+        let factors: Vec<f32> = (0..32).map(|i| 1.0 + i as f32).collect();
+        // Phi-3.5's config.json as published (transformers 4).
+        v["rope_scaling"] = serde_json::json!({"type": "longrope", "short_factor": factors,
+            "long_factor": factors});
+        let c = from_hf_json(&v.to_string()).unwrap();
+        let l = c.block.longrope.as_ref().unwrap();
+        assert_eq!(l.original_max_position_embeddings, 4096);
+        assert_eq!(l.long_factor.len(), 32);
+        // sqrt(1 + ln(32) / ln(4096)), as transformers and llama.cpp's converter compute it.
+        assert!(
+            (l.attention_factor - 1.190_238_1).abs() < 1e-6,
+            "{}",
+            l.attention_factor
+        );
+        v["rope_scaling"]["short_factor"] = serde_json::json!([1.0, 2.0]);
+        assert!(from_hf_json(&v.to_string()).is_err());
+        v["rope_scaling"]["short_factor"] = serde_json::json!(factors);
+        v["partial_rotary_factor"] = serde_json::json!(0.75);
+        let err = format!("{:#}", from_hf_json(&v.to_string()).unwrap_err());
+        assert!(err.contains("partial_rotary_factor"), "{err}");
     }
 
     #[test]

@@ -25,6 +25,12 @@ use crate::kernels::{Matrix, QMatrix, Weight};
 use crate::model::Model;
 use crate::source::config::{Activation, Architecture, ModelConfig, MoeConfig};
 
+mod block;
+mod names;
+
+use names::gguf_location;
+pub use names::gguf_name;
+
 /// A GGUF file, memory-mapped, with its parsed header.
 pub struct GgufFile {
     path: PathBuf,
@@ -77,10 +83,13 @@ impl GgufFile {
             "qwen3" | "qwen3moe" => Ok(Architecture::Qwen3),
             "qwen2" => Ok(Architecture::Qwen2),
             "smollm3" => Ok(Architecture::Llama),
+            "gemma2" => Ok(Architecture::Gemma2),
+            "gemma3" => Ok(Architecture::Gemma3),
+            "phi3" => Ok(Architecture::Phi3),
             other => bail!(
                 "{}: architecture {other:?} is not supported (GGUF files of architecture llama \
-                 (Llama 2 and 3.x, SmolLM2, Mixtral), smollm3, qwen2 (Qwen2, Qwen2.5), qwen3 and qwen3moe \
-                 are)",
+                 (Llama 2 and 3.x, SmolLM2, Mixtral), smollm3, qwen2 (Qwen2, Qwen2.5), qwen3, \
+                 qwen3moe, gemma2, gemma3 and phi3 (Phi-3, Phi-3.5) are)",
                 self.path.display()
             ),
         }
@@ -104,17 +113,8 @@ impl GgufFile {
     /// encoding, else dequantized to f32.
     pub fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
         let raw = self.raw_tensor(name, &[rows, cols])?;
-        let qtype = match raw.dtype {
-            GgmlDType::F16 => QuantType::F16,
-            GgmlDType::BF16 => QuantType::BF16,
-            GgmlDType::Q8_0 => QuantType::Q8_0,
-            GgmlDType::Q4_0 => QuantType::Q4_0,
-            GgmlDType::Q4_1 => QuantType::Q4_1,
-            GgmlDType::Q5_0 => QuantType::Q5_0,
-            GgmlDType::Q5_1 => QuantType::Q5_1,
-            GgmlDType::Q4K => QuantType::Q4_K,
-            GgmlDType::Q5K => QuantType::Q5_K,
-            GgmlDType::Q6K => QuantType::Q6_K,
+        let qtype = match quant_type(raw.dtype) {
+            Some(q) if q != QuantType::F32 => q,
             _ => {
                 let values = self.tensor_f32(name, &[rows, cols])?;
                 return Ok(Weight::F32(Matrix::new(rows, cols, values)));
@@ -152,27 +152,37 @@ impl GgufFile {
                 }
             }
         }
+        let mut linear = None;
         if let Some(kind) = self.str(&key("rope.scaling.type"))? {
-            if kind != "none" {
-                bail!(
-                    "{}: rope scaling {kind:?} is not supported",
+            match kind {
+                "none" => {}
+                // Gemma 3's global layers: every frequency divided by the factor.
+                "linear" => linear = self.f32(&key("rope.scaling.factor"))?,
+                _ => bail!(
+                    "{}: rope scaling {kind:?} is not supported (none and linear are)",
                     self.path.display()
-                );
+                ),
             }
         }
         // Llama 3.1 and later: llama.cpp's converter writes the llama3 rope scaling as one divisor
         // per frequency.
         let rope_freq_factors = match self.content.tensor_infos.contains_key("rope_freqs.weight") {
             true => Some(self.tensor_f32("rope_freqs.weight", &[head_dim / 2])?),
-            false => None,
+            false => linear.map(|f| vec![f; head_dim / 2]),
         };
         let num_layers = self.required_usize(&key("block_count"))?;
         let embd = self.info("token_embd.weight")?;
         let vocab_size = embd.shape.dims().first().copied().unwrap_or(0);
+        let (sliding_window, block) =
+            self.block_options(arch, architecture, hidden_size, num_heads)?;
         let config = ModelConfig {
             architecture,
-            // llama.cpp's llama and qwen3 graphs gate the FFN with SiLU; GGUF has no key for it.
-            activation: Activation::Silu,
+            // llama.cpp's graphs gate the FFN with SiLU, Gemma's with tanh GELU; GGUF has no key
+            // for it.
+            activation: match architecture.is_gemma() {
+                true => Activation::GeluTanh,
+                false => Activation::Silu,
+            },
             hidden_size,
             intermediate_size: match self.usize(&key("feed_forward_length"))? {
                 Some(n) => n,
@@ -199,9 +209,9 @@ impl GgufFile {
                 "smollm3" => (3..num_layers).step_by(4).collect(),
                 _ => Vec::new(),
             },
-            sliding_window: None,
+            sliding_window,
             tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3),
             qkv_bias: architecture == Architecture::Qwen2,
             bos_token_id: self.u32("tokenizer.ggml.bos_token_id")?,
             eos_token_ids: self
@@ -209,6 +219,7 @@ impl GgufFile {
                 .into_iter()
                 .collect(),
             moe: self.moe_config(arch)?,
+            block,
         };
         config
             .validate()
@@ -279,7 +290,12 @@ impl GgufFile {
     /// Hugging Face tensor `name` in its stored encoding, after checking it has `shape`. Query and
     /// key rows of `llama` files are put back into Hugging Face's order (see [`unpermute_rope_rows`]).
     pub fn raw_tensor(&self, name: &str, shape: &[usize]) -> Result<RawTensor<'_>> {
-        let (gguf_name, expert) = gguf_location(name).with_context(|| {
+        // Gemma's sandwich norms and Phi-3's fused projections (rows `fused.0..` of `fused.1`).
+        let (located, fused) = match self.block_location(name, shape)? {
+            Some((gguf_name, fused)) => (Some((gguf_name, None)), fused),
+            None => (gguf_location(name), None),
+        };
+        let (gguf_name, expert) = located.with_context(|| {
             format!(
                 "{}: no GGUF tensor corresponds to {name}",
                 self.path.display()
@@ -301,6 +317,10 @@ impl GgufFile {
         let info = self.info(&gguf_name)?;
         // An expert's matrix is one slice of its layer's stack of `expert_count` matrices.
         let (stacked, first) = match expert {
+            None if fused.is_some() => {
+                let (_, rows) = fused.expect("checked");
+                ([&[rows][..], &shape[1..]].concat(), 0)
+            }
             Some(e) => {
                 let arch = self.required_str("general.architecture")?;
                 let experts = self.usize(&format!("{arch}.expert_count"))?.unwrap_or(0);
@@ -334,7 +354,8 @@ impl GgufFile {
         let start = (self.content.tensor_data_offset)
             .checked_add(info.offset)
             .and_then(|s| usize::try_from(s).ok())
-            .and_then(|s| s.checked_add(first.checked_mul(len)?));
+            .and_then(|s| s.checked_add(first.checked_mul(len)?))
+            .and_then(|s| s.checked_add(fused.map_or(0, |(at, _)| at) * row_bytes));
         let data = start
             .and_then(|s| self.mmap.get(s..s.checked_add(len)?))
             .with_context(|| {
@@ -527,89 +548,23 @@ fn has_zero_alignment(bytes: &[u8]) -> bool {
     false
 }
 
-/// The GGUF name of a Hugging Face tensor name (llama.cpp's naming for llama, qwen3 and
-/// qwen3moe); an expert's name gives its layer's stack of experts.
-pub fn gguf_name(hf_name: &str) -> Option<String> {
-    gguf_location(hf_name).map(|(name, _)| name)
-}
-
-/// The GGUF tensor holding a Hugging Face tensor, and for an expert's matrix its index in the
-/// stack: Qwen3-MoE's `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj` and Mixtral's
-/// `block_sparse_moe.experts.{e}.w1` / `w3` / `w2` are `ffn_gate_exps` / `ffn_up_exps` /
-/// `ffn_down_exps`, the routers (`mlp.gate`, `block_sparse_moe.gate`) `ffn_gate_inp`.
-fn gguf_location(hf_name: &str) -> Option<(String, Option<usize>)> {
-    match moe_location(hf_name) {
-        Some(found) => Some(found),
-        None => dense_gguf_name(hf_name).map(|name| (name, None)),
-    }
-}
-
-/// [`gguf_location`] for a router or an expert's matrix; `None` for any other name.
-fn moe_location(hf_name: &str) -> Option<(String, Option<usize>)> {
-    let (layer, part) = hf_name.strip_prefix("model.layers.")?.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let part = part.strip_suffix(".weight")?;
-    let block = part
-        .strip_prefix("mlp.")
-        .or_else(|| part.strip_prefix("block_sparse_moe."));
-    if block == Some("gate") {
-        return Some((format!("blk.{layer}.ffn_gate_inp.weight"), None));
-    }
-    if let Some((e, proj)) = block
-        .and_then(|b| b.strip_prefix("experts."))
-        .and_then(|b| b.split_once('.'))
-    {
-        let stack = match proj {
-            "gate_proj" | "w1" => "ffn_gate_exps",
-            "up_proj" | "w3" => "ffn_up_exps",
-            "down_proj" | "w2" => "ffn_down_exps",
-            _ => return None,
-        };
-        return Some((format!("blk.{layer}.{stack}.weight"), Some(e.parse().ok()?)));
-    }
-    None
-}
-
-fn dense_gguf_name(hf_name: &str) -> Option<String> {
-    let fixed = match hf_name {
-        "model.embed_tokens.weight" => Some("token_embd.weight"),
-        "model.norm.weight" => Some("output_norm.weight"),
-        "lm_head.weight" => Some("output.weight"),
-        // No Hugging Face tensor: Llama 3.1's rope scaling as llama.cpp writes it.
-        "rope_freqs.weight" => Some("rope_freqs.weight"),
-        _ => None,
-    };
-    if let Some(name) = fixed {
-        return Some(name.to_string());
-    }
-    let (layer, part) = hf_name.strip_prefix("model.layers.")?.split_once('.')?;
-    // Qwen2's q/k/v biases sit beside their weights.
-    if let Some(proj) = part.strip_suffix(".bias") {
-        let part = match proj {
-            "self_attn.q_proj" => "attn_q",
-            "self_attn.k_proj" => "attn_k",
-            "self_attn.v_proj" => "attn_v",
-            _ => return None,
-        };
-        let layer: usize = layer.parse().ok()?;
-        return Some(format!("blk.{layer}.{part}.bias"));
-    }
-    let part = match part.strip_suffix(".weight")? {
-        "input_layernorm" => "attn_norm",
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" => "attn_output",
-        "self_attn.q_norm" => "attn_q_norm",
-        "self_attn.k_norm" => "attn_k_norm",
-        "post_attention_layernorm" => "ffn_norm",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
+/// The file format's encoding of GGML type `dtype`, where the format has it (the kernels then
+/// read its blocks as stored).
+pub fn quant_type(dtype: GgmlDType) -> Option<QuantType> {
+    Some(match dtype {
+        GgmlDType::F32 => QuantType::F32,
+        GgmlDType::F16 => QuantType::F16,
+        GgmlDType::BF16 => QuantType::BF16,
+        GgmlDType::Q8_0 => QuantType::Q8_0,
+        GgmlDType::Q4_0 => QuantType::Q4_0,
+        GgmlDType::Q4_1 => QuantType::Q4_1,
+        GgmlDType::Q5_0 => QuantType::Q5_0,
+        GgmlDType::Q5_1 => QuantType::Q5_1,
+        GgmlDType::Q4K => QuantType::Q4_K,
+        GgmlDType::Q5K => QuantType::Q5_K,
+        GgmlDType::Q6K => QuantType::Q6_K,
         _ => return None,
-    };
-    let layer: usize = layer.parse().ok()?;
-    Some(format!("blk.{layer}.{part}.weight"))
+    })
 }
 
 /// llama.cpp's converter reorders each head's query/key rows from Hugging Face's rope layout
@@ -694,50 +649,6 @@ mod tests {
                 assert_eq!(fast, want, "seed {seed}: {} {qtype}", k.isa);
             }
         }
-    }
-
-    #[test]
-    fn names_map_to_llama_cpp() {
-        assert_eq!(
-            gguf_name("model.layers.12.self_attn.o_proj.weight").as_deref(),
-            Some("blk.12.attn_output.weight")
-        );
-        assert_eq!(
-            gguf_name("model.layers.0.self_attn.k_norm.weight").as_deref(),
-            Some("blk.0.attn_k_norm.weight")
-        );
-        assert_eq!(
-            gguf_name("lm_head.weight").as_deref(),
-            Some("output.weight")
-        );
-        assert_eq!(gguf_name("model.layers.x.mlp.up_proj.weight"), None);
-        assert_eq!(gguf_name("model.layers.0.mlp.experts.weight"), None);
-        assert_eq!(
-            gguf_name("model.layers.0.mlp.experts.x.up_proj.weight"),
-            None
-        );
-    }
-
-    #[test]
-    fn experts_map_to_slices_of_their_stack() {
-        let loc = |n: &str| gguf_location(n).unwrap();
-        let stack = |name: &str, e| (name.to_string(), Some(e));
-        assert_eq!(
-            loc("model.layers.3.mlp.experts.7.down_proj.weight"),
-            stack("blk.3.ffn_down_exps.weight", 7)
-        );
-        assert_eq!(
-            loc("model.layers.0.block_sparse_moe.experts.1.w3.weight"),
-            stack("blk.0.ffn_up_exps.weight", 1)
-        );
-        assert_eq!(
-            loc("model.layers.2.block_sparse_moe.gate.weight"),
-            ("blk.2.ffn_gate_inp.weight".to_string(), None)
-        );
-        assert_eq!(
-            loc("model.layers.2.mlp.gate_proj.weight"),
-            ("blk.2.ffn_gate.weight".to_string(), None)
-        );
     }
 
     #[test]

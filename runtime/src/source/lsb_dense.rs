@@ -175,16 +175,16 @@ pub fn decode_cluster(
         let orig = layer.perm[c.first as usize + k] as usize;
         let row = |part| layer.row(bytes, ci, k, part);
         dequantize_row(
-            layer.qtype,
+            layer.qtypes.gate,
             row(Part::Gate),
             &mut gate[orig * h..(orig + 1) * h],
         )?;
         dequantize_row(
-            layer.qtype,
+            layer.qtypes.up,
             row(Part::Up),
             &mut up[orig * h..(orig + 1) * h],
         )?;
-        dequantize_row(layer.qtype, row(Part::Down), column)?;
+        dequantize_row(layer.qtypes.down, row(Part::Down), column)?;
         for (r, v) in column.iter().enumerate() {
             down[r * n + orig] = *v;
         }

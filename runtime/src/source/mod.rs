@@ -3,6 +3,7 @@
 pub mod config;
 pub mod conversion_cache;
 pub mod gguf;
+pub mod hf_tensors;
 pub mod lsb_dense;
 pub mod model_arg;
 pub mod safetensors_dir;

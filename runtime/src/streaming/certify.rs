@@ -129,7 +129,8 @@ impl SkipSet {
         let intervals = match act {
             // relu(g) ≤ t ⇔ g ≤ t (t ≥ 0).
             Activation::Relu => vec![(f32::NEG_INFINITY, threshold.max(0.0))],
-            Activation::Silu => silu_intervals(threshold as f64),
+            Activation::Silu => dip_intervals(silu, threshold as f64),
+            Activation::GeluTanh => dip_intervals(gelu_tanh, threshold as f64),
         };
         Self { intervals }
     }
@@ -144,19 +145,36 @@ fn silu(g: f64) -> f64 {
     g / (1.0 + (-g).exp())
 }
 
-/// SiLU's minimum is at g ≈ −1.278 (value ≈ −0.2785). `|silu(g)| ≤ t` holds on `[a, b]` around
-/// zero and, when `t` is below the minimum's depth, also on `(−∞, a']` far left.
-fn silu_intervals(t: f64) -> Vec<(f32, f32)> {
-    const G_MIN: f64 = -1.278_464_542_761_074;
+fn gelu_tanh(g: f64) -> f64 {
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    0.5 * g * (1.0 + (k * (g + 0.044_715 * g * g * g)).tanh())
+}
+
+/// SiLU and GELU dip below zero once, to a minimum at `g_min` < 0 (SiLU: g ≈ −1.278, value
+/// ≈ −0.2785; GELU: g ≈ −0.752, value ≈ −0.170), rise through 0 at 0 and increase from there, and
+/// tend to 0 far left. `|act(g)| ≤ t` holds on `[a, b]` around zero and, when `t` is below the
+/// minimum's depth, also on `(−∞, a']` far left.
+fn dip_intervals(act: fn(f64) -> f64, t: f64) -> Vec<(f32, f32)> {
+    // The minimum, by golden-section search on [−4, 0] (both functions are unimodal there).
+    let (mut lo, mut hi) = (-4.0f64, 0.0f64);
+    for _ in 0..200 {
+        let (m1, m2) = (lo + (hi - lo) * 0.382, lo + (hi - lo) * 0.618);
+        if act(m1) < act(m2) {
+            hi = m2;
+        } else {
+            lo = m1;
+        }
+    }
+    let g_min = 0.5 * (lo + hi);
     if t <= 0.0 {
         // Only g = 0 gives exactly 0; a sketch interval is never a single point in practice.
         return vec![(0.0, 0.0)];
     }
-    // Bisection for silu(g) = target on a monotone bracket; rounds inward so the set stays sound.
+    // Bisection for act(g) = target on a monotone bracket; rounds inward so the set stays sound.
     let solve = |mut lo: f64, mut hi: f64, target: f64, increasing: bool| {
         for _ in 0..200 {
             let mid = 0.5 * (lo + hi);
-            if (silu(mid) < target) == increasing {
+            if (act(mid) < target) == increasing {
                 lo = mid;
             } else {
                 hi = mid;
@@ -165,13 +183,13 @@ fn silu_intervals(t: f64) -> Vec<(f32, f32)> {
         (lo, hi)
     };
     let (b, _) = solve(0.0, t.max(1.0) + 10.0, t, true);
-    if t >= -silu(G_MIN) {
+    if t >= -act(g_min) {
         return vec![(f32::NEG_INFINITY, shrink_down(b))];
     }
-    // Right branch of the dip: silu increases from the minimum to 0 on [G_MIN, 0].
-    let (_, a_hi) = solve(G_MIN, 0.0, -t, true);
-    // Left branch: silu decreases from 0 to the minimum on (−∞, G_MIN].
-    let (a_left, _) = solve(-60.0, G_MIN, -t, false);
+    // Right branch of the dip: the activation increases from the minimum to 0 on [g_min, 0].
+    let (_, a_hi) = solve(g_min, 0.0, -t, true);
+    // Left branch: the activation decreases from 0 to the minimum on (−∞, g_min].
+    let (a_left, _) = solve(-60.0, g_min, -t, false);
     vec![
         (f32::NEG_INFINITY, shrink_down(a_left)),
         (shrink_up(a_hi), shrink_down(b)),
@@ -210,25 +228,31 @@ mod tests {
 
     /// Sound: any interval the set accepts only holds skippable gates (dense sampling).
     #[test]
-    fn silu_skip_sets_are_sound_and_tight() {
-        for t in [0.05f32, 0.2, 0.27, 0.3, 1.0] {
-            let s = SkipSet::new(Activation::Silu, t);
-            for &(a, b) in &s.intervals {
-                let lo = if a.is_finite() { a } else { -80.0 };
-                for i in 0..=2000 {
-                    let g = lo + (b - lo) * i as f32 / 2000.0;
-                    assert!(
-                        Activation::Silu.apply(g).abs() <= t * (1.0 + 1e-5),
-                        "t {t}: g {g}"
-                    );
+    fn silu_and_gelu_skip_sets_are_sound_and_tight() {
+        for act in [Activation::Silu, Activation::GeluTanh] {
+            for t in [0.05f32, 0.16, 0.2, 0.27, 0.3, 1.0] {
+                let s = SkipSet::new(act, t);
+                for &(a, b) in &s.intervals {
+                    let lo = if a.is_finite() { a } else { -80.0 };
+                    for i in 0..=2000 {
+                        // (f32 rounding of the step could land just past b.)
+                        let g = (lo + (b - lo) * i as f32 / 2000.0).min(b);
+                        assert!(
+                            act.apply(g).abs() <= t * (1.0 + 1e-5),
+                            "{act:?} t {t}: g {g}"
+                        );
+                    }
+                    // Tight: just outside the right end is not skippable.
+                    assert!(act.apply(b + 1e-3).abs() > t, "{act:?} t {t}: end {b}");
                 }
-                // Tight: just outside the right end is not skippable.
-                assert!(Activation::Silu.apply(b + 1e-3).abs() > t, "t {t}: end {b}");
+                assert!(s.contains(-0.01, 0.01));
+                assert!(!s.contains(-0.01, 5.0));
             }
-            assert!(s.contains(-0.01, 0.01));
-            assert!(!s.contains(-0.01, 5.0));
         }
         assert_eq!(SkipSet::new(Activation::Silu, 0.3).intervals.len(), 1);
         assert_eq!(SkipSet::new(Activation::Silu, 0.2).intervals.len(), 2);
+        // GELU's dip is shallower (≈ −0.170): one interval from there, two below.
+        assert_eq!(SkipSet::new(Activation::GeluTanh, 0.2).intervals.len(), 1);
+        assert_eq!(SkipSet::new(Activation::GeluTanh, 0.16).intervals.len(), 2);
     }
 }

@@ -4,7 +4,6 @@
 //! it ([`LayerPlan::load_certificates`]).
 
 use anyhow::Result;
-use leanstream_format::quant::QuantType;
 use leanstream_format::refine::RefineLayer;
 use leanstream_format::LsbFile;
 
@@ -167,6 +166,6 @@ impl LayerPlan {
 
     /// Whether the bundles' type quantizes the FFN input (so the gates use its q8 form).
     pub fn block_bundles(&self) -> bool {
-        self.layout.qtype != QuantType::F32 && self.layout.qtype.is_block()
+        self.layout.operand_type().is_block()
     }
 }

@@ -13,7 +13,7 @@ use serde_json::Value;
 use super::Tokenizer;
 
 /// GPT-2's split pattern, as `tokenizers`' ByteLevel pre-tokenizer and llama.cpp's `gpt-2` use it.
-const GPT2_PATTERN: &str =
+pub(crate) const GPT2_PATTERN: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
 /// A text of every kind the encoders treat differently: contractions, runs of spaces, tabs and

@@ -21,6 +21,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
 
+pub use super::gguf_metadata::metadata_of;
 use crate::source::gguf::GgufFile;
 use crate::tokenizer::Tokenizer;
 use leanstream_format::meta::ChatTemplate;
@@ -33,97 +34,31 @@ pub struct GgufTokenizer {
 }
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`).
-const TOKEN_UNKNOWN: i64 = 2;
-const TOKEN_CONTROL: i64 = 3;
-const TOKEN_USER_DEFINED: i64 = 4;
+pub(crate) const TOKEN_NORMAL: i64 = 1;
+pub(crate) const TOKEN_UNKNOWN: i64 = 2;
+pub(crate) const TOKEN_CONTROL: i64 = 3;
+pub(crate) const TOKEN_USER_DEFINED: i64 = 4;
+pub(crate) const TOKEN_BYTE: i64 = 6;
 
-/// Control tokens that end a turn in common chat formats; llama.cpp stops at them too.
-const END_OF_GENERATION: [&str; 7] = [
+/// Tokens that end a turn in common chat formats. llama.cpp stops at them and treats them as
+/// control tokens even where a file types them as normal text (Qwen2's `</s>`), so they are
+/// matched in prompts and left out of decoded text here too.
+const END_OF_GENERATION: [&str; 14] = [
     "<|endoftext|>",
     "<|im_end|>",
     "<|eot_id|>",
+    "<|eom_id|>",
     "<|end|>",
+    "<|return|>",
+    "<|call|>",
     "<end_of_turn>",
     "<|end_of_text|>",
+    "<end_of_utterance>",
     "</s>",
+    "<EOT>",
+    "_<EOT>",
+    "<eos>",
 ];
-
-/// The `tokenizer.ggml.*` metadata of a byte-level BPE `tokenizer.json` (GPT-2's pre-tokenizer, as
-/// `gpt2` / `gpt-2`): the inverse of [`from_gguf`] for such tokenizers, used to write a model's
-/// tokenizer into a GGUF file. `vocab_size` rows of embedding need as many tokens: tokens past the
-/// tokenizer's own are padding (`<pad_N>`, control tokens, never produced by tokenizing text);
-/// returns the metadata and the number of padding tokens.
-pub fn metadata_of(
-    tokenizer_json: &[u8],
-    vocab_size: Option<usize>,
-) -> Result<(Vec<(String, Value)>, usize)> {
-    let json: serde_json::Value =
-        serde_json::from_slice(tokenizer_json).context("the tokenizer is not valid JSON")?;
-    let model = &json["model"];
-    if model["type"].as_str() != Some("BPE") {
-        bail!(
-            "only byte-level BPE tokenizers can be written as GGUF metadata (this one is {})",
-            model["type"]
-        );
-    }
-    let vocab = model["vocab"]
-        .as_object()
-        .context("the tokenizer has no model.vocab")?;
-    let mut tokens = vec![None; vocab.len()];
-    for (text, id) in vocab {
-        let slot = id
-            .as_u64()
-            .and_then(|id| tokens.get_mut(id as usize))
-            .with_context(|| format!("token {text:?} has id {id}, outside 0..{}", vocab.len()))?;
-        *slot = Some(text.clone());
-    }
-    let mut tokens: Vec<String> = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(id, t)| t.with_context(|| format!("no token has id {id}")))
-        .collect::<Result<_>>()?;
-    let special: Vec<u64> = json["added_tokens"]
-        .as_array()
-        .map(|added| added.iter().filter_map(|t| t["id"].as_u64()).collect())
-        .unwrap_or_default();
-    let own = tokens.len();
-    let vocab_size = vocab_size.unwrap_or(own);
-    if vocab_size < own {
-        bail!("the tokenizer has {own} tokens, more than the model's vocabulary ({vocab_size})");
-    }
-    tokens.extend((own..vocab_size).map(|id| format!("<pad_{id}>")));
-    let types = (0..vocab_size as u64)
-        .map(|id| {
-            let control = id as usize >= own || special.contains(&id);
-            Value::I32(if control { TOKEN_CONTROL as i32 } else { 1 })
-        })
-        .collect();
-    let merges = model["merges"]
-        .as_array()
-        .context("the tokenizer has no model.merges")?
-        .iter()
-        .map(|m| match m {
-            serde_json::Value::String(s) => Ok(Value::String(s.clone())),
-            serde_json::Value::Array(pair) if pair.len() == 2 => Ok(Value::String(format!(
-                "{} {}",
-                pair[0].as_str().unwrap_or_default(),
-                pair[1].as_str().unwrap_or_default()
-            ))),
-            other => bail!("merge {other} is neither \"a b\" nor [a, b]"),
-        })
-        .collect::<Result<_>>()?;
-    let metadata = vec![
-        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), Value::String("gpt-2".into())),
-        (
-            "tokenizer.ggml.tokens".into(),
-            Value::Array(tokens.into_iter().map(Value::String).collect()),
-        ),
-        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
-        ("tokenizer.ggml.merges".into(), Value::Array(merges)),
-    ];
-    Ok((metadata, vocab_size - own))
-}
 
 /// Reads the tokenizer of `file`.
 pub fn from_gguf(file: &GgufFile) -> Result<GgufTokenizer> {
@@ -144,12 +79,24 @@ pub fn from_gguf(file: &GgufFile) -> Result<GgufTokenizer> {
     };
     // Matched in the raw text, before normalization, as llama.cpp does; control and unknown
     // tokens are left out of decoded text, user-defined ones are not.
+    let types: Vec<i64> = (0..tokens.len())
+        .map(|id| match types.get(id) {
+            _ if END_OF_GENERATION.contains(&tokens[id].as_str()) => TOKEN_CONTROL,
+            Some(&t) => t,
+            None => TOKEN_NORMAL,
+        })
+        .collect();
+    let rstrip = strips_right(file)?;
     let added = |kinds: &[i64]| -> Vec<AddedToken> {
         tokens
             .iter()
             .zip(&types)
             .filter(|(_, t)| kinds.contains(t))
-            .map(|(text, _)| AddedToken::from(text.clone(), true).normalized(false))
+            .map(|(text, _)| {
+                AddedToken::from(text.clone(), true)
+                    .normalized(false)
+                    .rstrip(rstrip(text))
+            })
             .collect()
     };
     let specials = added(&[TOKEN_UNKNOWN, TOKEN_CONTROL]);
@@ -216,11 +163,8 @@ pub fn from_gguf(file: &GgufFile) -> Result<GgufTokenizer> {
     eos_token_ids.extend(
         tokens
             .iter()
-            .zip(&types)
             .enumerate()
-            .filter(|(_, (text, &t))| {
-                t == TOKEN_CONTROL && END_OF_GENERATION.contains(&text.as_str())
-            })
+            .filter(|(_, text)| END_OF_GENERATION.contains(&text.as_str()))
             .map(|(id, _)| id as u32),
     );
     eos_token_ids.sort_unstable();
@@ -240,6 +184,14 @@ pub fn from_gguf(file: &GgufFile) -> Result<GgufTokenizer> {
     })
 }
 
+/// Which special tokens swallow the whitespace after them: for Phi-3 (by `general.name`, as
+/// llama.cpp decides) all of them but `<unk>`, `<s>` and `<|endoftext|>`; for other models none.
+fn strips_right(file: &GgufFile) -> Result<impl Fn(&str) -> bool> {
+    let name = file.str("general.name")?.unwrap_or("").to_lowercase();
+    let phi3 = name.contains("phi-3") || name.contains("phi3");
+    Ok(move |text: &str| phi3 && !matches!(text, "<unk>" | "<s>" | "<|endoftext|>"))
+}
+
 /// How llama.cpp pre-tokenizes for one `tokenizer.ggml.pre` type.
 struct PreTokenizer {
     /// Regexes applied one after the other, each splitting the pieces of the previous one.
@@ -255,6 +207,10 @@ fn pre_tokenizer(pre: &str) -> Option<PreTokenizer> {
         r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
     const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    // Qwen3.5's: combining marks join letters.
+    const QWEN35: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    // Mistral's Tekken (Nemo, Small 3): words split before capitals, single digits.
+    const TEKKEN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     let plain = |regexes| PreTokenizer {
         regexes,
         ignore_merges: false,
@@ -266,8 +222,14 @@ fn pre_tokenizer(pre: &str) -> Option<PreTokenizer> {
             ignore_merges: true,
             add_bos: true,
         },
+        "tekken" => PreTokenizer {
+            regexes: &[TEKKEN],
+            ignore_merges: true,
+            add_bos: true,
+        },
         "dbrx" | "smaug-bpe" => plain(&[LLAMA3]),
-        "qwen2" | "deepseek-r1-qwen" | "stablelm2" => plain(&[QWEN2]),
+        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "stablelm2" => plain(&[QWEN2]),
+        "qwen35" => plain(&[QWEN35]),
         // Single digits first, then GPT-2's split.
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" => plain(&[r"\p{N}", GPT2]),
         "gpt-2" | "gpt2" | "mpt" | "olmo" | "phi-2" => plain(&[GPT2]),
@@ -282,7 +244,8 @@ fn byte_level_bpe(file: &GgufFile, tokens: &[String]) -> Result<(tokenizers::Tok
     let pre = pre_tokenizer(pre).with_context(|| {
         format!(
             "{path}: BPE pre-tokenizer type {pre:?} (tokenizer.ggml.pre) is not supported; \
-             supported are llama-bpe, qwen2, smollm, gpt-2 and their llama.cpp aliases"
+             supported are llama-bpe, qwen2, qwen35, tekken, smollm, gpt-2 and their llama.cpp \
+             aliases"
         )
     })?;
     let merges = strings(file, "tokenizer.ggml.merges")?

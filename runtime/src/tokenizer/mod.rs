@@ -7,6 +7,7 @@ pub mod gguf;
 
 mod byte_bpe;
 mod from_json;
+mod gguf_metadata;
 mod pre_split;
 
 use std::path::Path;

@@ -253,8 +253,9 @@ fn two_turns_keep_the_first_in_the_kv_cache() {
             model.to_str().unwrap(),
             "--temp",
             "0",
+            // Room for the first reply to reach <|im_end|> (88 tokens, 72 for the second).
             "-n",
-            "48",
+            "128",
             "--json",
         ],
         "What is the capital of France?\nAnd what is the capital of Italy?\n",

@@ -39,6 +39,7 @@ fn config(architecture: Architecture) -> ModelConfig {
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
         moe: None,
+        block: Default::default(),
     }
 }
 

@@ -131,13 +131,22 @@ fn perplexity_matches_llama_cpp_on_the_same_weights() {
         assert_eq!(v["tokens"], reference["tokens"]);
         v["perplexity"].as_f64().unwrap()
     };
-    // llama.cpp's figure is with an f32 KV cache.
+    // llama.cpp's figures are with an f32 KV cache. The text is scored in prompt chunks, whose
+    // mat-mats multiply the file's 4-bit weights by activations quantized to q8 per block of 32,
+    // as decoding does and as llama.cpp does for the file as shipped: that figure is the reference
+    // (measured +0.07 %: the q8 scales are f32 here, f16 in ggml's q8_1), and the weights
+    // dequantized to f32 stay within 0.6 % (measured +0.48 %; llama.cpp's q4_1 file +0.41 %).
     let f32_ppl = ppl("f32");
-    let expected = reference["llama_cpp_f32"]["perplexity"].as_f64().unwrap();
+    let expected = reference["llama_cpp_q4_1"]["perplexity"].as_f64().unwrap();
+    let f32_weights = reference["llama_cpp_f32"]["perplexity"].as_f64().unwrap();
     assert!(f32_ppl < 60.0, "perplexity {f32_ppl}");
     assert!(
-        (f32_ppl / expected - 1.0).abs() < 1e-4,
-        "perplexity {f32_ppl}, llama.cpp on the same f32 weights {expected}"
+        (f32_ppl / expected - 1.0).abs() < 1e-3,
+        "perplexity {f32_ppl}, llama.cpp on the same q4_1 file {expected}"
+    );
+    assert!(
+        (f32_ppl / f32_weights - 1.0).abs() < 6e-3,
+        "perplexity {f32_ppl}, llama.cpp on the weights dequantized to f32 {f32_weights}"
     );
     // The default f16 cache, and q8_0 (measured: -0.0003 % and -0.007 %).
     let (f16_ppl, q8_ppl) = (ppl("f16"), ppl("q8_0"));

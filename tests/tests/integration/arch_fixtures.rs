@@ -206,3 +206,233 @@ fn smollm3_nope_layers_from_hf_and_gguf() {
 fn smollm3_converted() {
     converted_matches("smollm3");
 }
+
+/// The largest per-token log-probability difference of `model` from fixture `name`'s reference.
+fn worst_against(model: &Model, name: &str) -> f64 {
+    let r = reference(name);
+    log_probs(model, &r.ids)
+        .iter()
+        .zip(&r.log_probs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max)
+}
+
+/// The fixture's Hugging Face model with its configuration changed by `change`.
+fn hf_with(name: &str, change: impl FnOnce(&mut leanstream::source::config::ModelConfig)) -> Model {
+    let dir = fixtures().join(name);
+    let mut c = leanstream::source::config::from_hf_dir(&dir).unwrap();
+    change(&mut c);
+    let tensors = leanstream::source::safetensors_dir::SafetensorsDir::open(&dir).unwrap();
+    let cc = c.clone();
+    Model::from_hf_tensors(c, |n, s| {
+        leanstream::source::hf_tensors::tensor(&tensors, &cc, n, s)
+    })
+    .unwrap()
+}
+
+#[test]
+fn gemma2_softcaps_and_alternating_windows_from_hf_and_gguf() {
+    hf_and_gguf("gemma2");
+    let c = leanstream::source::config::from_hf_dir(&fixtures().join("gemma2")).unwrap();
+    assert_eq!(
+        c.activation,
+        leanstream::source::config::Activation::GeluTanh
+    );
+    // Layer 0 slides over 16 positions of the 48 scored, layer 1 sees them all.
+    assert_eq!((c.window(0), c.window(1)), (Some(16), None));
+    assert!(reference("gemma2").ids.len() > 16);
+    assert_eq!(c.block.attn_logit_softcap, Some(3.0));
+    assert_eq!(c.block.final_logit_softcap, Some(5.0));
+    // Each of them changes the result measurably: the test sees the window and both caps.
+    for (what, change) in [
+        (
+            "no window",
+            Box::new(|c: &mut _| set(c, |c| c.sliding_window = None)) as Box<dyn Fn(&mut _)>,
+        ),
+        (
+            "no attention cap",
+            Box::new(|c: &mut _| set(c, |c| c.block.attn_logit_softcap = None)),
+        ),
+        (
+            "no final cap",
+            Box::new(|c: &mut _| set(c, |c| c.block.final_logit_softcap = None)),
+        ),
+    ] {
+        let worst = worst_against(&hf_with("gemma2", change), "gemma2");
+        assert!(worst > 10.0 * LOGP_TOL, "{what} is as close: {worst:.2e}");
+    }
+    let g = GgufFile::open(&fixtures().join("gemma2.f32.gguf")).unwrap();
+    assert_eq!(g.config().unwrap().block, c.block);
+}
+
+fn set(
+    c: &mut leanstream::source::config::ModelConfig,
+    f: impl Fn(&mut leanstream::source::config::ModelConfig),
+) {
+    f(c)
+}
+
+#[test]
+fn gemma3_local_and_global_rope_from_hf_and_gguf() {
+    hf_and_gguf("gemma3");
+    let c = leanstream::source::config::from_hf_dir(&fixtures().join("gemma3")).unwrap();
+    assert!(c.qk_norm);
+    assert_eq!(c.block.full_attention_layers, vec![5]);
+    assert_eq!((c.rope_theta, c.block.rope_local_theta), (1e6, Some(1e4)));
+    // With the global base in every layer the same weights score differently.
+    let worst = worst_against(
+        &hf_with("gemma3", |c| c.block.rope_local_theta = None),
+        "gemma3",
+    );
+    assert!(
+        worst > 10.0 * LOGP_TOL,
+        "one rope base is as close: {worst:.2e}"
+    );
+    let g = GgufFile::open(&fixtures().join("gemma3.f32.gguf")).unwrap();
+    let gc = g.config().unwrap();
+    assert_eq!((gc.sliding_window, &gc.block), (c.sliding_window, &c.block));
+}
+
+#[test]
+fn phi3_fused_projections_and_longrope_from_hf_and_gguf() {
+    hf_and_gguf("phi3");
+    let c = leanstream::source::config::from_hf_dir(&fixtures().join("phi3")).unwrap();
+    let l = c.block.longrope.as_ref().unwrap();
+    // 48 scored positions exceed the original 32: the long factors apply, as in transformers.
+    assert_eq!(l.original_max_position_embeddings, 32);
+    assert!(reference("phi3").ids.len() > 32);
+    assert!((l.attention_factor - (1.0f32 + 8f32.ln() / 32f32.ln()).sqrt()).abs() < 1e-6);
+    let worst = worst_against(&hf_with("phi3", |c| c.block.longrope = None), "phi3");
+    assert!(
+        worst > 10.0 * LOGP_TOL,
+        "plain rope is as close: {worst:.2e}"
+    );
+    let g = GgufFile::open(&fixtures().join("phi3.f32.gguf")).unwrap();
+    assert_eq!(g.config().unwrap().block.longrope.as_ref(), Some(l));
+}
+
+#[test]
+fn gemma2_converted() {
+    converted_matches("gemma2");
+}
+
+/// Gemma 2's GeGLU converted under both sparsity rules, `target:0.5` (`|gelu(g)·u|`, no
+/// certificate) and `threshold:0.05` (`|gelu(g)|`, with a gate sketch; at this size the planner
+/// finds it saves nothing and leaves it out): the rule skips neurons (resident differs from dense),
+/// and streaming under the minimum budget and a middle one gives the resident policy's
+/// log-probabilities bit for bit.
+#[test]
+fn gemma2_geglu_sparsity_streams_equal_to_resident() {
+    let r = reference("gemma2");
+    for (tag, sparsity, rule) in [
+        ("target", "target:0.5", Some("gate_up")),
+        ("threshold", "threshold:0.05", None),
+    ] {
+        let lsb = scratch().join(format!("arch-gemma2-{tag}.lsb"));
+        let certificate = if rule.is_none() { "q8" } else { "none" };
+        convert(
+            &fixtures().join("gemma2"),
+            &lsb,
+            &[
+                "--quant",
+                "f32",
+                "--sparsity",
+                sparsity,
+                "--certificate",
+                certificate,
+            ],
+        );
+        let f = leanstream_format::LsbFile::open(&lsb).unwrap();
+        assert_eq!(f.meta.sparsity_rule.as_deref(), rule);
+        // The gate rule's file carries the certificate (a sketch of every layer's gates).
+        assert_eq!(
+            f.sketch.layers.iter().all(|l| l.neurons > 0),
+            rule.is_none()
+        );
+        let ctx = r.ids.len();
+        let run = |policy, memory: Option<u64>| {
+            let mut s = Session::open(
+                &SessionOptions::new(&lsb, Some(policy))
+                    .memory(memory)
+                    .flash(memory.and(leanstream_tests::converted::ufs4()))
+                    .ctx(ctx),
+            )
+            .unwrap_or_else(|e| panic!("gemma2 {tag} {policy:?}: {e:#}"));
+            let got = log_probs(s.model(), &r.ids);
+            let certified = s.report()["memory_split"]["certified_layers"]
+                .as_array()
+                .map_or(0, Vec::len);
+            (got, certified)
+        };
+        let (resident, _) = run(PolicyChoice::Resident, None);
+        assert_ne!(
+            resident,
+            run(PolicyChoice::Dense, None).0,
+            "{tag}: nothing skipped"
+        );
+        let min = leanstream::streaming::minimum_memory(&lsb, ctx).unwrap();
+        let ffn = leanstream_format::LsbFile::open(&lsb)
+            .unwrap()
+            .ffn
+            .bundle_bytes();
+        for budget in [min, min + ffn / 2] {
+            let (streamed, certified) = run(PolicyChoice::Leanstream, Some(budget));
+            eprintln!("gemma2 {tag}: budget {budget}, {certified} layers certified");
+            assert_eq!(streamed, resident, "{tag}: budget {budget}");
+        }
+    }
+}
+
+/// The gemma3 fixture's GGUF rewritten with `gemma3.attention.sliding_window_pattern` set to
+/// `pattern`, at `out`.
+fn gemma3_gguf_with_pattern(pattern: candle_core::quantized::gguf_file::Value, out: &Path) {
+    use candle_core::quantized::gguf_file;
+    let src = fixtures().join("gemma3.f32.gguf");
+    let mut reader = std::fs::File::open(&src).unwrap();
+    let content = gguf_file::Content::read(&mut reader).unwrap();
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|n| {
+            let t = content
+                .tensor(&mut reader, n, &candle_core::Device::Cpu)
+                .unwrap();
+            (n.clone(), t)
+        })
+        .collect();
+    let mut metadata: Vec<(String, gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    metadata.push(("gemma3.attention.sliding_window_pattern".into(), pattern));
+    let meta: Vec<(&str, &gguf_file::Value)> =
+        metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tens: Vec<(&str, &candle_core::quantized::QTensor)> =
+        tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    let mut file = std::fs::File::create(out).unwrap();
+    gguf_file::write(&mut file, &meta, &tens).unwrap();
+}
+
+/// llama.cpp's per-layer pattern (one flag per layer, true = sliding) is read as written, and one
+/// of the wrong length is refused with an error naming the file and the key.
+#[test]
+fn gemma3_gguf_sliding_window_pattern_is_read_and_checked() {
+    use candle_core::quantized::gguf_file::Value;
+    let flags = |n: usize| Value::Array((0..n).map(|l| Value::Bool(l != 2)).collect());
+    let ok = scratch().join("arch-gemma3-pattern.gguf");
+    gemma3_gguf_with_pattern(flags(6), &ok);
+    let c = GgufFile::open(&ok).unwrap().config().unwrap();
+    assert_eq!(c.block.full_attention_layers, vec![2]);
+    let bad = scratch().join("arch-gemma3-bad-pattern.gguf");
+    gemma3_gguf_with_pattern(flags(4), &bad);
+    let err = format!(
+        "{:#}",
+        GgufFile::open(&bad).and_then(|g| g.config()).unwrap_err()
+    );
+    assert!(
+        err.contains("arch-gemma3-bad-pattern.gguf")
+            && err.contains("sliding_window_pattern has 4 entries for 6 layers"),
+        "{err}"
+    );
+}

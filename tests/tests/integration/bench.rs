@@ -86,3 +86,57 @@ fn bench_compares_policies_on_one_token_sequence() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `bench --prompt N`: each policy prefills an N-token prompt and reports prefill and decode
+/// rates and the time to the first token; a streaming policy under a budget reads what it needs.
+#[test]
+fn bench_prompt_measures_prefill_beside_decode() {
+    let dir = leanstream_tests::scratch_dir("leanstream-bench-prompt-test");
+    let model = dir.join("austen.lsb");
+    convert(&workspace().join("models/austen-relu"), &model, &[]);
+    let out = Command::new(bin("leanstream"))
+        .arg("bench")
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "--prompt",
+            "100",
+            "--tokens",
+            "8",
+            "--threads",
+            "1",
+            "--json",
+        ])
+        .args([
+            "--policy",
+            "resident,dense,leanstream",
+            "--memory",
+            "ffn:25%",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    let labels: Vec<&str> = runs.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(labels, ["resident", "dense", "leanstream"], "{v}");
+    let num = |r: &Value, k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+    for r in runs {
+        assert!(r["error"].is_null(), "{r}");
+        assert_eq!(num(r, "prompt_tokens"), 100.0, "{r}");
+        assert_eq!(num(r, "tokens"), 8.0, "{r}");
+        let (pp, ttft) = (num(r, "prompt_tokens_per_s"), num(r, "ttft_ms"));
+        // The first token comes after the whole prompt: at least its prefill time.
+        assert!(pp > 0.0 && ttft >= 100.0 / pp * 1e3 * 0.999, "{r}");
+        assert!(num(r, "prompt_tokens_per_cpu_s") > 0.0, "{r}");
+        assert!(num(r, "tokens_per_s") > 0.0, "{r}");
+    }
+    assert!(runs[0]["memory_budget_bytes"].is_null());
+    let streamed = &runs[2];
+    assert!(num(streamed, "memory_budget_bytes") > 0.0, "{streamed}");
+    assert!(
+        num(&streamed["details"], "bytes_read_per_token") > 0.0,
+        "{streamed}"
+    );
+}

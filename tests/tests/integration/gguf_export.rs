@@ -114,11 +114,12 @@ fn q8_bundles_keep_the_models_perplexity() {
     );
 }
 
-/// `convert` without `--quant` keeps a GGUF file's width: Q4_0 tensors give a q4_0 file (not q8,
-/// twice the bytes), Q8_0 ones a q8_0 file; a Hugging Face folder of floats gives q8_0.
+/// `convert` without `--quant` keeps a GGUF file's encodings: Q4_0 tensors stay q4_0 (not q8,
+/// twice the bytes) but for the down columns, which it encodes afresh at no lower precision (q8_0
+/// at this width); Q8_0 ones give a q8_0 file; a Hugging Face folder of floats gives q8_0.
 #[test]
 fn converting_a_gguf_keeps_its_width_by_default() {
-    for (quant, stored) in [("q4", "q4_0"), ("q8", "q8_0")] {
+    for (quant, stored, ffn) in [("q4", "q4_0", "mixed"), ("q8", "q8_0", "q8_0")] {
         let name = format!("export-width-{quant}");
         let (dir, lsb) = converted(&name, &TinySpec::llama(), &["--quant", quant]);
         if quant == "q8" {
@@ -129,11 +130,15 @@ fn converting_a_gguf_keeps_its_width_by_default() {
         let gguf = exported(&lsb);
         let again = scratch().join(format!("{name}-again.lsb"));
         convert(&gguf, &again, &[]);
-        let meta = LsbFile::open(&again).unwrap().meta;
+        let f = LsbFile::open(&again).unwrap();
         assert_eq!(
-            (meta.ffn_quant.as_str(), meta.dense_quant.as_str()),
-            (stored, stored)
+            (f.meta.ffn_quant.as_str(), f.meta.dense_quant.as_str()),
+            (ffn, stored)
         );
+        for l in &f.ffn.layers {
+            let parts = [l.qtypes.gate, l.qtypes.up, l.qtypes.down].map(|q| q.name());
+            assert_eq!(parts, [stored, stored, "q8_0"]);
+        }
     }
 }
 

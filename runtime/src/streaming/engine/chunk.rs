@@ -1,7 +1,47 @@
 //! A prompt chunk's FFN: every cluster any row of the chunk needs is read once and computed for
-//! each row that needs it.
+//! each row that needs it, the rows shared out among threads.
+
+use std::sync::MutexGuard;
 
 use super::*;
+
+/// One thread's share of a chunk: rows `first..` (as many as `acc` holds), their group sums, their
+/// scores, and its own lists of active neurons.
+struct Share<'a> {
+    first: usize,
+    acc: &'a mut [f32],
+    scores: &'a mut [f32],
+    lists: &'a mut Lists,
+    result: Result<()>,
+}
+
+impl Share<'_> {
+    /// Cluster `ops.ci` for each of this share's rows that needs it.
+    fn cluster(
+        &mut self,
+        ops: &ClusterOps,
+        selections: &[Selection],
+        operands: &[Operand],
+        n: usize,
+        h: usize,
+    ) -> Result<()> {
+        let rows = self.acc.len() / h;
+        for (i, r) in (self.first..self.first + rows).enumerate() {
+            let sel = &selections[r];
+            if sel.needed.binary_search(&ops.ci).is_err() {
+                continue;
+            }
+            let scores = &mut self.scores[i * n..(i + 1) * n];
+            ops.gates(&sel.candidate, &operands[r], scores, self.lists)?;
+            ops.add(self.lists, &mut self.acc[i * h..(i + 1) * h]);
+        }
+        Ok(())
+    }
+}
+
+fn lock<'m, 'a>(m: &'m Mutex<Share<'a>>) -> MutexGuard<'m, Share<'a>> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 impl StreamEngine {
     /// A prompt chunk's FFN of layer `l` (`x` holds one row per token): every cluster any row
@@ -43,8 +83,38 @@ impl StreamEngine {
         acc.resize(n_rows * h, 0.0);
         let (k, skip) = (RowKernels::best(), self.skip(l));
         let bounds = group_bounds(clusters);
+        // The rows are shared out among threads, each row's clusters computed in order by one of
+        // them: a row's bits are those of one thread computing it alone.
+        let plan = &self.core.plans[l];
+        let needed_bytes: usize = is_needed.iter().filter(|&&b| b).count()
+            * (n / clusters.max(1))
+            * plan.layout.bundle_bytes();
+        let threads = if needed_bytes * n_rows >= PARALLEL_MIN_BYTES {
+            rayon::current_num_threads().min(n_rows)
+        } else {
+            1
+        };
+        let per = n_rows.div_ceil(threads);
+        let mut lists = std::mem::take(&mut self.work.chunk_lists);
+        lists.resize_with(threads, Lists::default);
+        lists.iter_mut().for_each(|t| t.fit(n, clusters));
+        let cells: Vec<Mutex<Share>> = acc
+            .chunks_mut(per * h)
+            .zip(scores.chunks_mut(per * n))
+            .zip(lists.iter_mut())
+            .enumerate()
+            .map(|(i, ((acc, scores), lists))| {
+                Mutex::new(Share {
+                    first: i * per,
+                    acc,
+                    scores,
+                    lists,
+                    result: Ok(()),
+                })
+            })
+            .collect();
         for g in 0..GROUPS {
-            acc.fill(0.0);
+            cells.iter().for_each(|c| lock(c).acc.fill(0.0));
             for ci in (bounds[g]..bounds[g + 1]).filter(|&ci| is_needed[ci]) {
                 let key = (l as u32, ci as u32);
                 let read = match self.core.resident(key) {
@@ -65,36 +135,37 @@ impl StreamEngine {
                     None => core.resident(key).expect("resident"),
                 };
                 let t = Instant::now();
-                let plan = &core.plans[l];
-                let work = &mut self.work;
-                for (r, sel) in selections.iter().enumerate() {
-                    if sel.needed.binary_search(&ci).is_err() {
-                        continue;
+                let ops = ClusterOps {
+                    plan: &core.plans[l],
+                    k,
+                    skip,
+                    ci,
+                    bytes,
+                };
+                parallel::for_each(threads, cells.len(), &|i| {
+                    let mut share = lock(&cells[i]);
+                    if share.result.is_ok() {
+                        share.result = share.cluster(&ops, selections, &operands, n, h);
                     }
-                    let ops = ClusterOps {
-                        plan,
-                        k,
-                        skip,
-                        ci,
-                        bytes,
-                    };
-                    ops.gates(
-                        &sel.candidate,
-                        &operands[r],
-                        &mut scores[r * n..(r + 1) * n],
-                        &mut work.lists,
-                    )?;
-                    ops.add(&work.lists, &mut acc[r * h..(r + 1) * h]);
-                }
+                });
                 self.core.metrics.compute_s += t.elapsed().as_secs_f64();
                 if let Some(buf) = read {
                     self.core.offer(key, Bytes::Read(buf));
                 }
             }
-            for (o, a) in out.chunks_exact_mut(h).zip(acc.chunks_exact(h)) {
-                o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
+            for c in &cells {
+                let share = lock(c);
+                let rows = out[share.first * h..].chunks_exact_mut(h);
+                for (o, a) in rows.zip(share.acc.chunks_exact(h)) {
+                    o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
+                }
             }
         }
+        for c in cells {
+            let share = c.into_inner().unwrap_or_else(|e| e.into_inner());
+            share.result?;
+        }
+        self.work.chunk_lists = lists;
         for (r, (sel, g)) in selections.iter().zip(scores.chunks_exact(n)).enumerate() {
             self.retain_and_measure(l, first + r, sel, g)?;
         }

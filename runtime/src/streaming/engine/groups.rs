@@ -34,6 +34,8 @@ pub(super) struct Work {
     /// (`rows × hidden`).
     pub(super) chunk_scores: Vec<f32>,
     pub(super) chunk_acc: Vec<f32>,
+    /// A prompt chunk's lists of active neurons, one per thread computing it.
+    pub(super) chunk_lists: Vec<Lists>,
 }
 
 /// What the gates of a layer's clusters decided.
@@ -45,6 +47,20 @@ pub(super) struct Lists {
     pub(super) coef: Vec<f32>,
     pub(super) n_active: Vec<u32>,
     pub(super) stage: Vec<Stage>,
+}
+
+impl Lists {
+    /// Room for a layer of `neurons` neurons in `clusters` clusters.
+    pub(super) fn fit(&mut self, neurons: usize, clusters: usize) {
+        if self.active.len() < neurons {
+            self.active.resize(neurons, 0);
+            self.coef.resize(neurons, 0.0);
+        }
+        if self.stage.len() < clusters {
+            self.n_active.resize(clusters, 0);
+            self.stage.resize(clusters, Stage::Skipped);
+        }
+    }
 }
 
 impl Work {

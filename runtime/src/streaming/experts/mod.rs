@@ -173,7 +173,7 @@ fn decodes_experts(file: &LsbFile) -> bool {
         .layers
         .iter()
         .flatten()
-        .any(|x| !x.qtype.is_block())
+        .any(|x| !x.qtypes.all_block())
 }
 
 /// The budget split for `file` at `o`'s context (refused below the minimum, naming it).

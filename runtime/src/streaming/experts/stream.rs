@@ -133,7 +133,7 @@ impl ExpertStream {
             0
         };
         let decodes = layers.iter().any(|l| match l {
-            LayerFfn::Mixture(m) => m.experts.iter().any(|x| !x.qtype.is_block()),
+            LayerFfn::Mixture(m) => m.experts.iter().any(|x| !x.qtypes.all_block()),
             LayerFfn::Dense(_) => false,
         });
         let (dn, dh) = if decodes { (n, h) } else { (0, 0) };
@@ -433,7 +433,7 @@ impl ExpertStream {
             let bytes = self.cache.get(id).expect("landed");
             let w = &mut self.work;
             let expert = &m.experts[e];
-            if expert.qtype.is_block() {
+            if expert.qtypes.all_block() {
                 // Where it lies, in its stored encoding (q4/q8 bundles): every neuron computed.
                 let layout = BundleLayout::of(expert)?;
                 let (kernels, act) = (RowKernels::best(), self.act);
@@ -498,7 +498,7 @@ fn run_bundles(
     coef: &mut [f32],
 ) -> Result<()> {
     let first = expert.clusters.first().map_or(0, |c| c.offset);
-    let op = Operand::new(x, layout.qtype);
+    let op = Operand::new(x, layout.operand_type());
     let every = Skip {
         act,
         rule: SkipRule::Gate,

@@ -1,0 +1,180 @@
+//! Mat-mat of block-encoded rows against several inputs (a prompt chunk), on the integer kernels
+//! that decode uses: each input quantized to q8 per block of 32 once ([`Operand`]), then the rows
+//! taken a tile at a time, and every input of the chunk multiplied against the tile while its
+//! bytes stay in the first-level cache (the weights are read from memory once per chunk, not once
+//! per token). Each result is the kernel set's `dot` of that row and that input — decode's
+//! arithmetic, with decode's bits — so a prompt token's projections do not depend on the chunk
+//! it came in, the chunk's length or the thread count.
+
+use rayon::prelude::*;
+
+use leanstream_format::quant::QuantType;
+
+use super::operand::Operand;
+use super::rows::{RowKernels, DOT_ROWS};
+
+/// Rows per tile: 16 rows of a 4-bit 576-wide matrix are 5.8 KB, of a 4096-wide one 36 KB, both
+/// within a first-level data cache while every input passes over them.
+const TILE_ROWS: usize = 16;
+/// Below this many multiply-adds a mat-mat runs on the calling thread.
+const PARALLEL_MIN_MACS: usize = 1 << 20;
+
+/// Where a task writes its tile's columns of the output (the tiles' columns are disjoint).
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: tasks write disjoint elements (their own rows' columns) of one output that outlives them.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+/// `out[i·stride + r] = row r · xs[i]` for the `data.len() / row_bytes` rows laid end to end in
+/// `data` (encoded as `qtype`, a block type): bitwise `k.dot(qtype, row r, &xs[i])` for every
+/// `r` and `i`. `out` holds the rows' columns of `xs.len()` output rows, `stride` apart.
+pub(crate) fn gemm_rows(
+    k: &RowKernels,
+    qtype: QuantType,
+    data: &[u8],
+    row_bytes: usize,
+    xs: &[Operand],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let rows = data.len() / row_bytes.max(1);
+    assert_eq!(data.len(), rows * row_bytes, "a partial row");
+    if rows == 0 || xs.is_empty() {
+        return;
+    }
+    assert!(stride >= rows && out.len() >= (xs.len() - 1) * stride + rows);
+    let dst = Out(out.as_mut_ptr());
+    let tiles = rows.div_ceil(TILE_ROWS);
+    let run = |tile_index: usize| {
+        let r0 = tile_index * TILE_ROWS;
+        let n = TILE_ROWS.min(rows - r0);
+        // SAFETY: rows r0..r0+n of every output row lie inside `out` (asserted above) and no
+        // other tile writes them; `out` outlives the tasks.
+        unsafe {
+            tile(
+                k,
+                qtype,
+                &data[r0 * row_bytes..],
+                row_bytes,
+                n,
+                xs,
+                dst,
+                r0,
+                stride,
+            )
+        }
+    };
+    let macs = data.len() * 2 * xs.len();
+    if macs >= PARALLEL_MIN_MACS && rayon::current_num_threads() > 1 {
+        (0..tiles).into_par_iter().for_each(run);
+    } else {
+        (0..tiles).for_each(run);
+    }
+}
+
+/// One tile of `n` rows from `data` against every input.
+///
+/// # Safety
+/// `out.0 + i·stride + r0 + j` must be writable, and written by no one else meanwhile, for every
+/// input `i` and `j < n`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn tile(
+    k: &RowKernels,
+    qtype: QuantType,
+    data: &[u8],
+    row_bytes: usize,
+    n: usize,
+    xs: &[Operand],
+    out: Out,
+    r0: usize,
+    stride: usize,
+) {
+    let mut views: [&[u8]; TILE_ROWS] = [&[]; TILE_ROWS];
+    for (j, v) in views[..n].iter_mut().enumerate() {
+        *v = &data[j * row_bytes..(j + 1) * row_bytes];
+    }
+    for (i, x) in xs.iter().enumerate() {
+        // SAFETY: the caller's promise.
+        let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(i * stride + r0), n) };
+        k.dots_by(qtype, &views[..n], x, o, DOT_ROWS);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use leanstream_format::quant::{quantize_row, row_bytes};
+    use rand::{Rng, SeedableRng};
+
+    const BLOCK_TYPES: [QuantType; 8] = [
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::Q4_K,
+        QuantType::Q5_K,
+        QuantType::Q6_K,
+    ];
+
+    /// Every result is bitwise the kernel set's own mat-vec `dot` (decode's), in every kernel set,
+    /// on one thread and on three (tiles split among them), with a row count that leaves a
+    /// partial tile; and it is the product (against an f64 reference of the decoded rows and the
+    /// q8 inputs), so a mixed-up index cannot pass as equal to itself.
+    #[test]
+    fn gemm_rows_is_decodes_dot_bit_for_bit() {
+        let seed = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (rows, cols, t) = (301, 512, 7);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        for qtype in BLOCK_TYPES {
+            let rb = row_bytes(qtype, cols).unwrap();
+            let mut data = Vec::with_capacity(rows * rb);
+            for _ in 0..rows {
+                let row: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+                data.extend(quantize_row(qtype, &row).unwrap());
+            }
+            let x: Vec<f32> = (0..t * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let xs: Vec<Operand> = x
+                .chunks_exact(cols)
+                .map(|x| Operand::new(x, qtype))
+                .collect();
+            for k in RowKernels::available() {
+                let stride = rows + 3;
+                let mut one = vec![f32::NAN; t * stride];
+                gemm_rows(&k, qtype, &data, rb, &xs, &mut one, stride);
+                let mut three = vec![f32::NAN; t * stride];
+                pool.install(|| gemm_rows(&k, qtype, &data, rb, &xs, &mut three, stride));
+                let mut decoded = vec![0.0; cols];
+                for (i, x) in xs.iter().enumerate() {
+                    for r in 0..rows {
+                        let row = &data[r * rb..(r + 1) * rb];
+                        let want = k.dot(qtype, row, x);
+                        let what = format!("seed {seed}: {} {qtype} input {i} row {r}", k.isa);
+                        assert_eq!(one[i * stride + r].to_bits(), want.to_bits(), "{what}");
+                        assert_eq!(three[i * stride + r].to_bits(), want.to_bits(), "{what}");
+                        k.dequantize(qtype, row, &mut decoded);
+                        let exact: f64 = decoded
+                            .iter()
+                            .enumerate()
+                            .map(|(j, w)| *w as f64 * x.q8().value(j) as f64)
+                            .sum();
+                        assert!(
+                            (want as f64 - exact).abs() < 1e-3,
+                            "{what}: {want} vs {exact}"
+                        );
+                    }
+                    // Columns past the rows are not written.
+                    assert!(one[i * stride + rows..(i + 1) * stride]
+                        .iter()
+                        .all(|v| v.is_nan()));
+                }
+            }
+        }
+    }
+}

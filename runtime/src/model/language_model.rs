@@ -1,0 +1,116 @@
+//! The interface every runnable model offers the text loop: tokens in, logits out, over a KV
+//! cache; the resident [`Model`] implements it here, the streaming models where they live.
+
+use anyhow::Result;
+
+use super::kv_cache::KvCache;
+use super::Model;
+use crate::source::config::ModelConfig;
+
+/// Anything that turns tokens into logits with a KV cache: the resident model, or a streaming one.
+pub trait LanguageModel {
+    fn config(&self) -> &ModelConfig;
+    /// An empty KV cache of `ctx` positions in the storage this model runs with.
+    fn new_cache(&self, ctx: usize) -> KvCache;
+    /// See [`Model::forward`].
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+    ) -> Result<Vec<f32>> {
+        let mut logits = Vec::new();
+        self.forward_into(tokens, cache, all_logits, &mut logits)?;
+        Ok(logits)
+    }
+
+    /// [`forward`](Self::forward) into `logits` (resized): a decoding loop that keeps its logits
+    /// buffer allocates nothing per token.
+    fn forward_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<()>;
+
+    /// Whether scoring a text should feed it one token at a time, as generation does, so that what
+    /// the model measures (bytes read, hit rates) is generation's rather than a prompt chunk's.
+    fn scores_by_decoding(&self) -> bool {
+        false
+    }
+
+    /// The most prompt tokens one forward call should take (a streaming model plans its scratch
+    /// for this many; a longer slice is split).
+    fn prompt_chunk(&self) -> usize {
+        crate::text::generate::PROMPT_CHUNK
+    }
+}
+
+impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
+    fn config(&self) -> &ModelConfig {
+        (**self).config()
+    }
+
+    fn new_cache(&self, ctx: usize) -> KvCache {
+        (**self).new_cache(ctx)
+    }
+
+    fn scores_by_decoding(&self) -> bool {
+        (**self).scores_by_decoding()
+    }
+
+    fn prompt_chunk(&self) -> usize {
+        (**self).prompt_chunk()
+    }
+
+    fn forward_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        (**self).forward_into(tokens, cache, all_logits, logits)
+    }
+}
+
+impl LanguageModel for Model {
+    fn config(&self) -> &ModelConfig {
+        Model::config(self)
+    }
+
+    fn new_cache(&self, ctx: usize) -> KvCache {
+        Model::new_cache(self, ctx)
+    }
+
+    fn forward_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        Model::forward_with(self, tokens, cache, all_logits, None, None, logits)
+    }
+}
+
+impl LanguageModel for &Model {
+    fn config(&self) -> &ModelConfig {
+        Model::config(self)
+    }
+
+    fn new_cache(&self, ctx: usize) -> KvCache {
+        Model::new_cache(self, ctx)
+    }
+
+    fn forward_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        Model::forward_with(self, tokens, cache, all_logits, None, None, logits)
+    }
+}
