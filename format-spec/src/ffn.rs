@@ -70,9 +70,19 @@ impl ClusterLayout {
     /// gate rows, up rows and down columns are `rb[0]`, `rb[1]` and `rb[2]` bytes long.
     pub fn row_offset(self, part: Part, k: usize, count: usize, rb: [usize; 3]) -> usize {
         let before: usize = rb[..part as usize].iter().sum();
+        let first = match self {
+            Self::Interleaved => before,
+            Self::Split => count * before,
+        };
+        first + k * self.neuron_stride(part, rb)
+    }
+
+    /// Bytes from row `part` of one neuron to the same row of the next: a whole bundle when
+    /// interleaved, the row itself when split.
+    pub fn neuron_stride(self, part: Part, rb: [usize; 3]) -> usize {
         match self {
-            Self::Interleaved => k * rb.iter().sum::<usize>() + before,
-            Self::Split => count * before + k * rb[part as usize],
+            Self::Interleaved => rb.iter().sum(),
+            Self::Split => rb[part as usize],
         }
     }
 

@@ -118,10 +118,7 @@ impl<'b> ClusterRows<'b> {
         let rb = layout.row_bytes;
         let parts = [Part::Gate, Part::Up, Part::Down];
         let start = parts.map(|p| layout.cluster.row_offset(p, 0, count, rb));
-        let stride = match layout.cluster {
-            ClusterLayout::Split => rb,
-            ClusterLayout::Interleaved => [layout.bundle_bytes(); 3],
-        };
+        let stride = parts.map(|p| layout.cluster.neuron_stride(p, rb));
         Ok(Self {
             bytes,
             start,
