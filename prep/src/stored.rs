@@ -11,10 +11,10 @@ use anyhow::{bail, Context, Result};
 use leanstream::kernels::{Matrix, QMatrix, Weight};
 use leanstream::model::{Attention, Model};
 use leanstream::source::config::ModelConfig;
-use leanstream::source::lsb_dense::decode_cluster;
+use leanstream::source::lsb_dense::{decode_cluster, decode_dense};
 use leanstream_format::dense::DenseTensor;
 use leanstream_format::ffn::Part;
-use leanstream_format::quant::{dequantize_row, QuantType};
+use leanstream_format::quant::QuantType;
 use leanstream_format::LsbFile;
 
 pub struct Stored {
@@ -88,14 +88,7 @@ impl Stored {
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let t = self.tensor(name)?;
         self.check_shape(t, shape)?;
-        let bytes = self.dense_bytes(t)?;
-        let (rows, cols) = (t.rows(), t.cols());
-        let mut data = vec![0.0f32; rows * cols];
-        let rb = bytes.len() / rows.max(1);
-        for (r, out) in data.chunks_exact_mut(cols).enumerate() {
-            dequantize_row(t.qtype, &bytes[r * rb..(r + 1) * rb], out)?;
-        }
-        Ok(data)
+        decode_dense(t, &self.dense_bytes(t)?)
     }
 
     /// Dense matrix `name` (`rows × cols`) as stored: encoded, or f32.

@@ -10,6 +10,7 @@ use std::fs::File;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::container::read_at;
+use leanstream_format::dense::DenseTensor;
 use leanstream_format::expert::router_name;
 use leanstream_format::ffn::{FfnLayer, Part};
 use leanstream_format::file::check_extent;
@@ -65,19 +66,24 @@ pub fn tensors_except(file: &LsbFile, skip: &dyn Fn(&str) -> bool) -> Result<Ten
     tensors_of(file, false, skip)
 }
 
+/// Dense tensor `t` decoded to f32 from its stored `bytes` (as [`LsbFile::read_dense`] gives them).
+pub fn decode_dense(t: &DenseTensor, bytes: &[u8]) -> Result<Vec<f32>> {
+    let (rows, cols) = (t.rows(), t.cols());
+    let mut data = vec![0.0f32; rows * cols];
+    let row_bytes = bytes.len() / rows.max(1);
+    for (r, out) in data.chunks_exact_mut(cols).enumerate() {
+        dequantize_row(t.qtype, &bytes[r * row_bytes..(r + 1) * row_bytes], out)?;
+    }
+    Ok(data)
+}
+
 fn tensors_of(file: &LsbFile, with_experts: bool, skip: &dyn Fn(&str) -> bool) -> Result<Tensors> {
     let config = &file.meta.model;
     let path = &file.path;
     let mut f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut tensors = Tensors::new();
     for t in file.dense.tensors.iter().filter(|t| !skip(&t.name)) {
-        let bytes = file.read_dense(&mut f, t)?;
-        let (rows, cols) = (t.rows(), t.cols());
-        let mut data = vec![0.0f32; rows * cols];
-        let row_bytes = bytes.len() / rows.max(1);
-        for (r, out) in data.chunks_exact_mut(cols).enumerate() {
-            dequantize_row(t.qtype, &bytes[r * row_bytes..(r + 1) * row_bytes], out)?;
-        }
+        let data = decode_dense(t, &file.read_dense(&mut f, t)?)?;
         tensors.insert(
             t.name.clone(),
             (t.shape.iter().map(|&d| d as usize).collect(), data),
