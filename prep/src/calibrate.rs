@@ -16,7 +16,7 @@ use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream::tokenizer::Tokenizer;
 use leanstream_format::container::ContainerWriter;
 use leanstream_format::dense::DenseIndex;
-use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer};
+use leanstream_format::ffn::{FfnIndex, FfnLayer};
 use leanstream_format::meta::{LayerMeta, Meta};
 use leanstream_format::predictor::{PredictorInput, Predictors};
 use leanstream_format::refine::Refine;
@@ -30,6 +30,7 @@ use crate::convert::{
     refine_stats, to_predictor, uninstall, write_index_sections, Phases, PredictedLayer, Summary,
     ALWAYS_LOGIT, LAYOUT, MIN_PREDICTOR_RANK,
 };
+use crate::convert_moe::write_clusters;
 use crate::layout::cluster_size;
 use crate::memory_plan;
 use crate::placement::{cluster_fill, place};
@@ -332,22 +333,14 @@ pub fn calibrate(
         } else {
             Vec::new()
         };
-        let mut clusters = Vec::new();
-        for (ci, chunk) in perm.chunks(cluster_size).enumerate() {
+        let extents = perm.chunks(cluster_size).map(|chunk| {
             let mut extent = Vec::with_capacity(chunk.len() * bundle_bytes);
             for &i in chunk {
                 extent.extend_from_slice(bundles.bundle(i as usize));
             }
-            let extent = LAYOUT.arrange(&extent, row_bytes);
-            let (offset, extent_size, checksum) = writer.write_extent(&extent)?;
-            clusters.push(Cluster {
-                first: (ci * cluster_size) as u32,
-                count: chunk.len() as u32,
-                offset,
-                extent_size,
-                checksum,
-            });
-        }
+            LAYOUT.arrange(&extent, row_bytes)
+        });
+        let clusters = write_clusters(&mut writer, n, cluster_size, extents)?;
         drop(bundles);
         let (sketch_layer, certificate_saves) = certificate::build(
             &gate_rows,

@@ -361,9 +361,26 @@ pub(crate) fn write_extents(
     cluster: usize,
     extents: &[Vec<u8>],
 ) -> Result<FfnLayer> {
-    let mut clusters = Vec::with_capacity(extents.len());
-    for (ci, extent) in extents.iter().enumerate() {
-        let (offset, extent_size, checksum) = w.write_extent(extent)?;
+    Ok(FfnLayer {
+        qtypes: PartTypes::uniform(q),
+        hidden: h as u32,
+        perm: (0..n as u32).collect(),
+        clusters: write_clusters(w, n, cluster, extents)?,
+        layout: LAYOUT,
+    })
+}
+
+/// Writes the extents of an FFN of `n` neurons in clusters of `cluster` (the last may be short),
+/// in order, into the open data section, as each comes: their index entries.
+pub(crate) fn write_clusters(
+    w: &mut ContainerWriter,
+    n: usize,
+    cluster: usize,
+    extents: impl IntoIterator<Item = impl AsRef<[u8]>>,
+) -> Result<Vec<Cluster>> {
+    let mut clusters = Vec::with_capacity(n.div_ceil(cluster.max(1)));
+    for (ci, extent) in extents.into_iter().enumerate() {
+        let (offset, extent_size, checksum) = w.write_extent(extent.as_ref())?;
         clusters.push(Cluster {
             first: (ci * cluster) as u32,
             count: cluster.min(n - ci * cluster) as u32,
@@ -372,13 +389,7 @@ pub(crate) fn write_extents(
             checksum,
         });
     }
-    Ok(FfnLayer {
-        qtypes: PartTypes::uniform(q),
-        hidden: h as u32,
-        perm: (0..n as u32).collect(),
-        clusters,
-        layout: LAYOUT,
-    })
+    Ok(clusters)
 }
 
 /// What the routing pass kept of one mixture layer (rows = calibration tokens of all windows).
