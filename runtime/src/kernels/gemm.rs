@@ -108,17 +108,6 @@ mod tests {
     use leanstream_format::quant::{quantize_row, row_bytes};
     use rand::{Rng, SeedableRng};
 
-    const BLOCK_TYPES: [QuantType; 8] = [
-        QuantType::Q8_0,
-        QuantType::Q4_0,
-        QuantType::Q4_1,
-        QuantType::Q5_0,
-        QuantType::Q5_1,
-        QuantType::Q4_K,
-        QuantType::Q5_K,
-        QuantType::Q6_K,
-    ];
-
     /// Every result is bitwise the kernel set's own mat-vec `dot` (decode's), in every kernel set,
     /// on one thread and on three (tiles split among them), with a row count that leaves a
     /// partial tile; and it is the product (against an f64 reference of the decoded rows and the
@@ -132,7 +121,7 @@ mod tests {
             .num_threads(3)
             .build()
             .unwrap();
-        for qtype in BLOCK_TYPES {
+        for qtype in QuantType::ALL.into_iter().filter(|q| q.is_block()) {
             let rb = row_bytes(qtype, cols).unwrap();
             let mut data = Vec::with_capacity(rows * rb);
             for _ in 0..rows {
