@@ -100,12 +100,21 @@ impl GgufFile {
     }
 
     /// The model: configuration from the metadata, weight matrices as [`weight`](Self::weight)
-    /// keeps them, norms as f32.
+    /// keeps them, norms as f32. Each tensor's file pages are dropped once it is copied, so the
+    /// load peaks at the model plus one tensor, not the model plus the mapped file.
     pub fn load_model(&self) -> Result<Model> {
         Model::from_hf_weights(
             self.config()?,
-            |name, shape| self.tensor_f32(name, shape),
-            |name, rows, cols| self.weight(name, rows, cols),
+            |name, shape| {
+                let t = self.tensor_f32(name, shape);
+                self.release_pages();
+                t
+            },
+            |name, rows, cols| {
+                let w = self.weight(name, rows, cols);
+                self.release_pages();
+                w
+            },
         )
     }
 
