@@ -7,7 +7,7 @@
 //! set and the portable one). The earlier AVX-512 kernels added their float terms in their own
 //! order (sixteen lanes with fused multiply-adds), so they were taken out; AVX-512 versions that
 //! keep the portable order (VNNI for the exact integer sums, the float terms in lanes as
-//! [`super::avx2`] adds them) are yet to be written and measured against these.
+//! the `avx2` kernels add them) are yet to be written and measured against these.
 
 use super::rows::RowKernels;
 
