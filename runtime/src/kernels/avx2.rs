@@ -1,7 +1,10 @@
-//! Row kernels for x86-64 with AVX2, FMA and F16C (CPUs without AVX-512 VNNI): 8 floats per vector;
-//! block types one block (32 values) per vector, the integer dot product through `vpmaddubsw`
-//! (unsigned × signed bytes into 16-bit pairs, which cannot overflow for these codes) and
-//! `vpmaddwd`.
+//! Row kernels for x86-64 with AVX2, FMA and F16C (also the `avx512` set's): each result has the
+//! portable kernels' bits. Float types: sixteen lane sums of unfused products, added lane after
+//! lane as the portable code adds them. Block types: eight blocks at a time, the integer dot
+//! products exact in vectors (`vpmaddubsw`, unsigned × signed bytes into 16-bit pairs, which
+//! cannot overflow for these codes, then `vpmaddwd`), the eight blocks' float terms side by side
+//! with the portable operations (no fused multiply-add), then added block after block. `axpy`
+//! multiplies, then adds, as the portable code does.
 //!
 //! Loops are bounded by the shorter input; tails run the portable code.
 
@@ -9,6 +12,7 @@ use std::arch::x86_64::*;
 
 use leanstream_format::quant::BLOCK_LEN;
 
+use super::kquant_avx2::reduce8v;
 use super::operand::Q8Vec;
 use super::portable::{self, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
 use super::rows::{dots_by_count, RowKernels, DOT_ROWS};
@@ -30,12 +34,12 @@ pub(super) unsafe fn kernels() -> RowKernels {
         dot_f32: |w, x| unsafe { dot_float(w, x, Float::F32) },
         dot_f16: |w, x| unsafe { dot_float(w, x, Float::F16) },
         dot_bf16: |w, x| unsafe { dot_float(w, x, Float::Bf16) },
-        dot_q8_0: |w, x| unsafe { dot_q8_0(w, x) },
-        dot_q4_0: |w, x| unsafe { dot_q4::<false>(w, x) },
-        dot_q4_1: |w, x| unsafe { dot_q4::<true>(w, x) },
-        dots_q8_0: |r, x, o| unsafe { dots_q8_0(r, x, o) },
-        dots_q4_0: |r, x, o| unsafe { dots_q4::<false>(r, x, o) },
-        dots_q4_1: |r, x, o| unsafe { dots_q4::<true>(r, x, o) },
+        dot_q8_0: |w, x| unsafe { dot_block::<Q8_0>(w, x) },
+        dot_q4_0: |w, x| unsafe { dot_block::<Q4_0>(w, x) },
+        dot_q4_1: |w, x| unsafe { dot_block::<Q4_1>(w, x) },
+        dots_q8_0: |r, x, o| unsafe { dots_block::<Q8_0>(r, x, o) },
+        dots_q4_0: |r, x, o| unsafe { dots_block::<Q4_0>(r, x, o) },
+        dots_q4_1: |r, x, o| unsafe { dots_block::<Q4_1>(r, x, o) },
         dot_rows: DOT_ROWS,
         axpy_f32: |a, w, o| unsafe { axpy_float(a, w, o, Float::F32) },
         axpy_f16: |a, w, o| unsafe { axpy_float(a, w, o, Float::F16) },
@@ -79,49 +83,36 @@ unsafe fn load8(p: *const u8, unit: Float) -> __m256 {
     }
 }
 
-#[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-}
-
+/// [`portable::dot_f32`]'s arithmetic: 16 lane sums (two vectors) of unfused products, added
+/// lane after lane, then the tail's products in order, so the same bits.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_float(w: &[u8], x: &[f32], unit: Float) -> f32 {
     let bytes = unit.bytes();
     let n = x.len().min(w.len() / bytes);
     let (wp, xp) = (w.as_ptr(), x.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut acc = [_mm256_setzero_ps(); 2];
     let mut i = 0;
-    while i + 32 <= n {
+    while i + portable::LANES <= n {
         for (k, a) in acc.iter_mut().enumerate() {
             let j = i + 8 * k;
-            *a = _mm256_fmadd_ps(
-                load8(wp.add(j * bytes), unit),
-                _mm256_loadu_ps(xp.add(j)),
-                *a,
-            );
+            let p = _mm256_mul_ps(load8(wp.add(j * bytes), unit), _mm256_loadu_ps(xp.add(j)));
+            *a = _mm256_add_ps(*a, p);
         }
-        i += 32;
+        i += portable::LANES;
     }
-    while i + 8 <= n {
-        acc[0] = _mm256_fmadd_ps(
-            load8(wp.add(i * bytes), unit),
-            _mm256_loadu_ps(xp.add(i)),
-            acc[0],
-        );
-        i += 8;
-    }
+    let mut lanes = [0.0f32; 16];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
+    _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
     let (tw, tx) = (&w[i * bytes..n * bytes], &x[i..n]);
     let tail = match unit {
-        Float::F32 => portable::dot_f32(tw, tx),
-        Float::F16 => portable::dot_f16(tw, tx),
-        Float::Bf16 => portable::dot_bf16(tw, tx),
+        Float::F32 => portable::float_tail(tw, tx, 4, portable::decode_f32),
+        Float::F16 => portable::float_tail(tw, tx, 2, portable::decode_f16),
+        Float::Bf16 => portable::float_tail(tw, tx, 2, portable::decode_bf16),
     };
-    let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    hsum(s) + tail
+    lanes.iter().sum::<f32>() + tail
 }
 
+/// `out += a·w` with [`portable::axpy_f32`]'s arithmetic (a product, then a sum).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy_float(a: f32, w: &[u8], out: &mut [f32], unit: Float) {
     let bytes = unit.bytes();
@@ -131,10 +122,8 @@ unsafe fn axpy_float(a: f32, w: &[u8], out: &mut [f32], unit: Float) {
     let mut i = 0;
     while i + 8 <= n {
         let o = op.add(i);
-        _mm256_storeu_ps(
-            o,
-            _mm256_fmadd_ps(av, load8(wp.add(i * bytes), unit), _mm256_loadu_ps(o)),
-        );
+        let p = _mm256_mul_ps(av, load8(wp.add(i * bytes), unit));
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), p));
         i += 8;
     }
     let (tw, to) = (&w[i * bytes..n * bytes], &mut out[i..n]);
@@ -152,69 +141,10 @@ unsafe fn f16_load(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
 
-/// Sums adjacent pairs of the 16-bit products into 32-bit lanes, as f32.
-#[inline(always)]
-unsafe fn widen(p16: __m256i) -> __m256 {
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
-}
-
-/// One `Q8_0` block against 32 activation quants `xv`: per-lane sums as f32.
-#[inline(always)]
-unsafe fn q8_0_block(blk: *const u8, xv: __m256i) -> __m256 {
-    let wv = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-    // vpmaddubsw multiplies unsigned by signed bytes: |w| and x with w's sign.
-    widen(_mm256_maddubs_epi16(
-        _mm256_sign_epi8(wv, wv),
-        _mm256_sign_epi8(xv, wv),
-    ))
-}
-
 /// Block `b`'s 32 activation quants.
 #[inline(always)]
 unsafe fn x_block(x: &Q8Vec, b: usize) -> __m256i {
     _mm256_loadu_si256(x.quants.as_ptr().add(b * BLOCK_LEN) as *const __m256i)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
-    dots_q8_0_n::<1>([w], x)[0]
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots_q8_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
-    dots_by_count!(rows, out, |r: R| dots_q8_0_n::<R>(r, x))
-}
-
-/// `R` rows' [`dot_q8_0`], each with one row's operations in its order (the same bits), each
-/// activation block loaded once for all of them.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // `k` picks the accumulator of each row
-unsafe fn dots_q8_0_n<const R: usize>(rows: [&[u8]; R], x: &Q8Vec) -> [f32; R] {
-    let nb = rows
-        .iter()
-        .fold(x.scales.len().min(x.quants.len() / BLOCK_LEN), |n, w| {
-            n.min(w.len() / Q8_0_BYTES)
-        });
-    let wp = rows.map(|w| w.as_ptr());
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    let mut b = 0;
-    while b + 2 <= nb {
-        for k in 0..2 {
-            let (xv, xd) = (x_block(x, b + k), x.scales[b + k]);
-            for r in 0..R {
-                let blk = wp[r].add((b + k) * Q8_0_BYTES);
-                let scale = _mm256_set1_ps(f16_load(blk) * xd);
-                acc[r][k] = _mm256_fmadd_ps(q8_0_block(blk, xv), scale, acc[r][k]);
-            }
-        }
-        b += 2;
-    }
-    let mut heads = [0.0f32; R];
-    for (h, [a0, a1]) in heads.iter_mut().zip(acc) {
-        *h = hsum(_mm256_add_ps(a0, a1));
-    }
-    portable::q8_0_tails(heads, rows, x, b)
 }
 
 /// A 4-bit block's 16 nibble bytes as 32 codes in element order.
@@ -228,76 +158,132 @@ unsafe fn unpack(nibbles: *const u8) -> __m256i {
     )
 }
 
-/// `Q4_0` (`WITH_MIN` false: the offset −8 is taken off in the integer products, as
-/// `(q_w − 8)·q_x = q_w·q_x − 8·q_x`, so no scalar sum runs alongside) or `Q4_1` (`m_w·d_x·Σ q_x`
-/// per block, in two scalar sums so that neither waits on the other).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
-    dots_q4_n::<WITH_MIN, 1>([w], x)[0]
+/// The encodings of [`dots_block_n`].
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_1: u8 = 2;
+
+const fn block_bytes(kind: u8) -> usize {
+    match kind {
+        Q8_0 => Q8_0_BYTES,
+        Q4_0 => Q4_0_BYTES,
+        _ => Q4_1_BYTES,
+    }
+}
+
+/// `Σ q_w·q_x` of one block against 32 activation quants `xv`, in eight 32-bit lanes (exact:
+/// `vpmaddubsw` takes unsigned × signed bytes, so `Q8_0` multiplies `|w|` by `x` with `w`'s sign;
+/// no pair sum reaches 2¹⁵).
+#[inline(always)]
+unsafe fn block_isum<const KIND: u8>(blk: *const u8, xv: __m256i) -> __m256i {
+    let p16 = match KIND {
+        Q8_0 => {
+            let wv = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+            _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv))
+        }
+        Q4_0 => _mm256_maddubs_epi16(unpack(blk.add(2)), xv),
+        _ => _mm256_maddubs_epi16(unpack(blk.add(4)), xv),
+    };
+    _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
+}
+
+/// The f16 at byte `at` of blocks `b..b + 8` of a row (`bytes` apart), as eight f32.
+#[inline(always)]
+unsafe fn f16x8(wp: *const u8, b: usize, bytes: usize, at: usize) -> __m256 {
+    let h = |k: usize| (wp.add((b + k) * bytes + at) as *const u16).read_unaligned() as i16;
+    _mm256_cvtph_ps(_mm_set_epi16(
+        h(7),
+        h(6),
+        h(5),
+        h(4),
+        h(3),
+        h(2),
+        h(1),
+        h(0),
+    ))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots_q4<const WITH_MIN: bool>(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
-    dots_by_count!(rows, out, |r: R| dots_q4_n::<WITH_MIN, R>(r, x))
+unsafe fn dot_block<const KIND: u8>(w: &[u8], x: &Q8Vec) -> f32 {
+    dots_block_n::<KIND, 1>([w], x)[0]
 }
 
-/// `R` rows' [`dot_q4`], each with one row's operations in its order (the same bits), each
-/// activation block (and `Q4_0`'s `8·Σ q_x` products) loaded and formed once for all of them.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_block<const KIND: u8>(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    dots_by_count!(rows, out, |r: R| dots_block_n::<KIND, R>(r, x))
+}
+
+/// `R` rows of `Q8_0`, `Q4_0` or `Q4_1` against `x`, each with the bits of the portable `dot`
+/// (`portable::block_q8_0` …): eight blocks at a time, their integer sums exact in vectors, their
+/// float terms side by side in one vector with the portable code's operations in its order (no
+/// fused multiply-add), then added to the row's sum block after block as the portable code adds
+/// them. The activation's eight blocks are loaded once for all the rows.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // `k` picks the accumulator of each row
-unsafe fn dots_q4_n<const WITH_MIN: bool, const R: usize>(rows: [&[u8]; R], x: &Q8Vec) -> [f32; R] {
-    let (bytes, nib) = if WITH_MIN {
-        (Q4_1_BYTES, 4)
-    } else {
-        (Q4_0_BYTES, 2)
-    };
-    let nb = rows.iter().fold(
-        x.scales
-            .len()
-            .min(x.sums.len())
-            .min(x.quants.len() / BLOCK_LEN),
-        |n, w| n.min(w.len() / bytes),
-    );
-    let (xd, xs) = (x.scales.as_ptr(), x.sums.as_ptr());
+unsafe fn dots_block_n<const KIND: u8, const R: usize>(rows: [&[u8]; R], x: &Q8Vec) -> [f32; R] {
+    let bytes = block_bytes(KIND);
+    let nx = x
+        .scales
+        .len()
+        .min(x.sums.len())
+        .min(x.quants.len() / BLOCK_LEN);
+    let nb = rows.iter().fold(nx, |n, w| n.min(w.len() / bytes));
     let wp = rows.map(|w| w.as_ptr());
-    let eights = _mm256_set1_epi8(8);
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    let mut offsets = [[0.0f32; 2]; R];
+    let mut sums = [-0.0f32; R];
     let mut b = 0;
-    while b + 2 <= nb {
-        for k in 0..2 {
-            let xv = x_block(x, b + k);
-            // |Σ pairs| ≤ 2·15·128 and 2·8·128: the difference fits 16 bits.
-            let x8 = _mm256_maddubs_epi16(eights, xv);
-            let (xd, xs) = (*xd.add(b + k), *xs.add(b + k));
-            for r in 0..R {
-                let blk = wp[r].add((b + k) * bytes);
-                let mut p16 = _mm256_maddubs_epi16(unpack(blk.add(nib)), xv);
-                if !WITH_MIN {
-                    p16 = _mm256_sub_epi16(p16, x8);
-                }
-                let d = f16_load(blk) * xd;
-                acc[r][k] = _mm256_fmadd_ps(widen(p16), _mm256_set1_ps(d), acc[r][k]);
-                if WITH_MIN {
-                    offsets[r][k] += f16_load(blk.add(2)) * xs;
-                }
+    while b + 8 <= nb {
+        let mut xv = [_mm256_setzero_si256(); 8];
+        for (k, v) in xv.iter_mut().enumerate() {
+            *v = x_block(x, b + k);
+        }
+        let dx = _mm256_loadu_ps(x.scales.as_ptr().add(b));
+        let sx = _mm256_loadu_ps(x.sums.as_ptr().add(b));
+        for (sum, wp) in sums.iter_mut().zip(wp) {
+            let mut v = [_mm256_setzero_si256(); 8];
+            for (k, v) in v.iter_mut().enumerate() {
+                *v = block_isum::<KIND>(wp.add((b + k) * bytes), xv[k]);
+            }
+            let isum = _mm256_cvtepi32_ps(reduce8v(v));
+            let d = f16x8(wp, b, bytes, 0);
+            let terms = match KIND {
+                // (d_w·d_x)·Σ
+                Q8_0 => _mm256_mul_ps(_mm256_mul_ps(d, dx), isum),
+                // d_w·(d_x·Σ − 8·sx)
+                Q4_0 => _mm256_mul_ps(
+                    d,
+                    _mm256_sub_ps(
+                        _mm256_mul_ps(dx, isum),
+                        _mm256_mul_ps(_mm256_set1_ps(8.0), sx),
+                    ),
+                ),
+                // (d_w·d_x)·Σ + m_w·sx
+                _ => _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_mul_ps(d, dx), isum),
+                    _mm256_mul_ps(f16x8(wp, b, bytes, 2), sx),
+                ),
+            };
+            let mut t = [0.0f32; 8];
+            _mm256_storeu_ps(t.as_mut_ptr(), terms);
+            for t in t {
+                *sum += t;
             }
         }
-        b += 2;
+        b += 8;
     }
-    // A plain loop, not `array::from_fn`: its closure was not inlined (4 % of a profile).
-    let mut out = [0.0f32; R];
-    for (r, res) in out.iter_mut().enumerate() {
-        let head = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-        let tail = if WITH_MIN {
-            portable::block_dot(rows[r], x, b, bytes, portable::block_q4_1)
-        } else {
-            portable::block_dot(rows[r], x, b, bytes, portable::block_q4_0)
-        };
-        *res = head + (offsets[r][0] + offsets[r][1]) + tail;
+    // The blocks left, one term after another (rows longer than the shortest, a caller's
+    // mistake the dispatcher asserts against, finish alone).
+    for (sum, w) in sums.iter_mut().zip(rows) {
+        for c in b..(w.len() / bytes).min(nx) {
+            let (blk, q) = (&w[c * bytes..], &x.quants[c * BLOCK_LEN..]);
+            let (dx, sx) = (x.scales[c], x.sums[c]);
+            *sum += match KIND {
+                Q8_0 => portable::block_q8_0(blk, q, dx),
+                Q4_0 => portable::block_q4_0(blk, q, dx, sx),
+                _ => portable::block_q4_1(blk, q, dx, sx),
+            };
+        }
     }
-    out
+    sums
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -311,7 +297,10 @@ unsafe fn axpy_q8_0(a: f32, w: &[u8], out: &mut [f32]) {
             let q = _mm_loadl_epi64(blk.add(2 + 8 * k) as *const __m128i);
             let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
             let dst = op.add(b * BLOCK_LEN + 8 * k);
-            _mm256_storeu_ps(dst, _mm256_fmadd_ps(s, v, _mm256_loadu_ps(dst)));
+            _mm256_storeu_ps(
+                dst,
+                _mm256_add_ps(_mm256_loadu_ps(dst), _mm256_mul_ps(s, v)),
+            );
         }
     }
 }
@@ -344,8 +333,8 @@ unsafe fn axpy_q4<const WITH_MIN: bool>(a: f32, w: &[u8], out: &mut [f32]) {
             for (k, q8) in [q, _mm_unpackhi_epi64(q, q)].into_iter().enumerate() {
                 let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8));
                 let dst = op.add(b * BLOCK_LEN + 16 * h + 8 * k);
-                let o = _mm256_add_ps(_mm256_loadu_ps(dst), cv);
-                _mm256_storeu_ps(dst, _mm256_fmadd_ps(sv, v, o));
+                let t = _mm256_add_ps(_mm256_mul_ps(sv, v), cv);
+                _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), t));
             }
         }
     }
@@ -387,7 +376,7 @@ unsafe fn axpy_rows_q8_0(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
             for (k, acc) in acc.iter_mut().enumerate() {
                 let q = _mm_loadl_epi64(blk.add(2 + 8 * k) as *const __m128i);
                 let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-                *acc = _mm256_fmadd_ps(s, v, *acc);
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(s, v));
             }
         }
         store_block(dst, acc);
@@ -426,7 +415,7 @@ unsafe fn axpy_rows_q4<const WITH_MIN: bool>(a: &[f32], rows: &[&[u8]], out: &mu
                 for (k, q8) in [q, _mm_unpackhi_epi64(q, q)].into_iter().enumerate() {
                     let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8));
                     let acc = &mut acc[2 * h + k];
-                    *acc = _mm256_fmadd_ps(sv, v, _mm256_add_ps(*acc, cv));
+                    *acc = _mm256_add_ps(*acc, _mm256_add_ps(_mm256_mul_ps(sv, v), cv));
                 }
             }
         }

@@ -57,7 +57,7 @@ unsafe fn reduce4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m128i {
 
 /// The eight lane sums of eight vectors of 32-bit integers, in one vector.
 #[inline(always)]
-unsafe fn reduce8v(v: [__m256i; 8]) -> __m256i {
+pub(super) unsafe fn reduce8v(v: [__m256i; 8]) -> __m256i {
     _mm256_set_m128i(
         reduce4(v[4], v[5], v[6], v[7]),
         reduce4(v[0], v[1], v[2], v[3]),

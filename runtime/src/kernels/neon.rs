@@ -12,7 +12,7 @@
 //! discontinuous, so a last-bit difference in a dot product (another summation order) moves a value
 //! across a rounding boundary now and then and the two runs part by a whole quantization step. On
 //! the embedded model's q8 file this turned float-order differences of 1e-7 into a 5.4e-4
-//! perplexity difference (x86's own AVX-512 and portable kernels differ by as much). So each block's
+//! perplexity difference (x86's AVX-512 and portable kernels once differed by as much). So each block's
 //! term is computed with the portable code's operations (`d_w·d_x·Σq_w·q_x`, the same roundings,
 //! no fused multiply-add), four blocks at a time in vector lanes, and the terms are added one block
 //! after another as the portable code adds them. The integer sums are exact whichever instruction

@@ -8,7 +8,7 @@ use leanstream_format::quant::BLOCK_LEN;
 use super::operand::Q8Vec;
 use super::rows::dots_by_count;
 
-const LANES: usize = 16;
+pub(super) const LANES: usize = 16;
 const HALF: usize = BLOCK_LEN / 2;
 pub(super) const Q8_0_BYTES: usize = 2 + BLOCK_LEN;
 pub(super) const Q4_0_BYTES: usize = 2 + HALF;
@@ -29,24 +29,28 @@ fn float_dot(w: &[u8], x: &[f32], unit: usize, decode: impl Fn(&[u8]) -> f32) ->
             acc[i] += decode(&wb[i * unit..]) * xb[i];
         }
     }
-    let tail: f32 = wc
-        .remainder()
-        .chunks_exact(unit)
-        .zip(xc.remainder())
-        .map(|(u, x)| decode(u) * x)
-        .sum();
-    acc.iter().sum::<f32>() + tail
+    acc.iter().sum::<f32>() + float_tail(wc.remainder(), xc.remainder(), unit, decode)
 }
 
-fn decode_f32(u: &[u8]) -> f32 {
+/// The last `x.len() % 16` products of [`float_dot`], summed in order (the SIMD kernels end with
+/// it, so that their results have its bits).
+#[inline(always)]
+pub(super) fn float_tail(w: &[u8], x: &[f32], unit: usize, decode: impl Fn(&[u8]) -> f32) -> f32 {
+    w.chunks_exact(unit)
+        .zip(x)
+        .map(|(u, x)| decode(u) * x)
+        .sum()
+}
+
+pub(super) fn decode_f32(u: &[u8]) -> f32 {
     f32::from_le_bytes([u[0], u[1], u[2], u[3]])
 }
 
-fn decode_f16(u: &[u8]) -> f32 {
+pub(super) fn decode_f16(u: &[u8]) -> f32 {
     f16::from_le_bytes([u[0], u[1]]).to_f32()
 }
 
-fn decode_bf16(u: &[u8]) -> f32 {
+pub(super) fn decode_bf16(u: &[u8]) -> f32 {
     bf16::from_le_bytes([u[0], u[1]]).to_f32()
 }
 
@@ -153,23 +157,6 @@ pub(super) fn block_dots<const R: usize>(
         }
     }
     sums
-}
-
-/// `heads[r]` (a SIMD kernel's sum of row `r`'s first `from` blocks) plus the row's `Q8_0` blocks
-/// from `from` on, as [`block_dot`] adds them. (Plain loops: `array::from_fn`'s closure was not
-/// inlined into the kernels, 4 % of a profile.) Only the x86 kernels use it.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(super) fn q8_0_tails<const R: usize>(
-    mut heads: [f32; R],
-    rows: [&[u8]; R],
-    x: &Q8Vec,
-    from: usize,
-) -> [f32; R] {
-    for (h, w) in heads.iter_mut().zip(rows) {
-        *h += block_dot(w, x, from, Q8_0_BYTES, |blk, q, d, _| block_q8_0(blk, q, d));
-    }
-    heads
 }
 
 pub fn dots_q8_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
