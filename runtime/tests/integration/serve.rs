@@ -13,14 +13,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-fn embedded_model() -> PathBuf {
+pub(crate) fn embedded_model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/austen-relu")
 }
 
 const PROMPT: &str = "It is a truth universally acknowledged";
 
 /// `leanstream run`'s greedy text for `prompt` (its trailing newline removed).
-fn run_text(prompt: &str, n: usize) -> String {
+pub(crate) fn run_text(prompt: &str, n: usize) -> String {
     let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
         .arg("run")
         .arg("--model")
@@ -34,15 +34,15 @@ fn run_text(prompt: &str, n: usize) -> String {
 }
 
 /// A `leanstream serve` process on a free port, killed when dropped.
-struct Server {
+pub(crate) struct Server {
     child: Child,
-    addr: String,
+    pub(crate) addr: String,
     /// The server's stderr lines after the first.
-    log: mpsc::Receiver<String>,
+    pub(crate) log: mpsc::Receiver<String>,
 }
 
 impl Server {
-    fn start(model: &Path, extra: &[&str]) -> Self {
+    pub(crate) fn start(model: &Path, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_leanstream"))
             .arg("serve")
             .arg("--model")
@@ -72,12 +72,12 @@ impl Server {
         Self { child, addr, log }
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
 
     /// A request and its status and JSON body.
-    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+    pub(crate) fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         self.post_raw(path, body.to_string())
     }
 
@@ -126,7 +126,7 @@ impl Server {
     }
 
     /// A metric's value from `/metrics`.
-    fn metric(&self, name: &str) -> f64 {
+    pub(crate) fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.get("/metrics");
         text.lines()
             .find_map(|l| l.strip_prefix(&format!("{name} ")))
@@ -143,7 +143,7 @@ impl Drop for Server {
     }
 }
 
-fn agent() -> ureq::Agent {
+pub(crate) fn agent() -> ureq::Agent {
     ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(Duration::from_secs(120)))
