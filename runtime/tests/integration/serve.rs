@@ -37,8 +37,10 @@ pub(crate) fn run_text(prompt: &str, n: usize) -> String {
 pub(crate) struct Server {
     child: Child,
     pub(crate) addr: String,
-    /// The server's stderr lines after the first.
+    /// The server's stderr lines after the one naming its address.
     pub(crate) log: mpsc::Receiver<String>,
+    /// Its stderr lines before that one.
+    pub(crate) startup: Vec<String>,
 }
 
 impl Server {
@@ -59,9 +61,18 @@ impl Server {
                 let _ = tx.send(line);
             }
         });
-        let first = log
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the server starts");
+        // The address line, after any notes (the memory split under --memory).
+        let mut startup = Vec::new();
+        let first = loop {
+            let Ok(line) = log.recv_timeout(Duration::from_secs(60)) else {
+                let _ = child.kill();
+                panic!("the server did not start: {startup:?}");
+            };
+            if line.contains("http://") {
+                break line;
+            }
+            startup.push(line);
+        };
         let addr = first
             .split("http://")
             .nth(1)
@@ -69,7 +80,12 @@ impl Server {
             .unwrap_or_else(|| panic!("no address in {first:?}"))
             .to_string();
         assert!(addr.starts_with("127.0.0.1:"), "{first}");
-        Self { child, addr, log }
+        Self {
+            child,
+            addr,
+            log,
+            startup,
+        }
     }
 
     pub(crate) fn url(&self, path: &str) -> String {
