@@ -112,6 +112,7 @@ pub fn run(mut session: Session, args: &ServeArgs) -> Result<()> {
         metrics,
         reserved,
     ));
+    worker::publish_metrics(&shared);
     let address = server
         .server_addr()
         .to_ip()

@@ -89,9 +89,7 @@ pub fn run(shared: Arc<Shared>, jobs: Jobs) {
                 .expect("a slot thread starts")
         })
         .collect();
-    let first = Slot::new(shared, 0);
-    first.refresh_metrics();
-    first.run(&jobs);
+    Slot::new(shared, 0).run(&jobs);
     for t in others {
         let _ = t.join();
     }
@@ -458,31 +456,35 @@ impl Slot {
 
     /// Copies the runtime's figures for `GET /metrics`.
     fn refresh_metrics(&self) {
-        let shared = &self.shared;
-        let mut report = shared.batcher.session().report();
-        report["peak_rss_bytes"] = peak_rss_bytes().into();
-        report["rss_bytes"] = crate::platform::memory::current_rss_bytes().into();
-        report["ctx"] = shared.ctx.into();
-        report["kv_cache_tokens"] = shared
-            .cached_tokens
-            .iter()
-            .map(|t| t.load(Ordering::Relaxed))
-            .sum::<usize>()
-            .into();
-        report["requests_served"] = shared.served.load(Ordering::Relaxed).into();
-        report["parallel_slots"] = shared.batcher.slots().into();
-        report["kv_slots_reserved_bytes"] = shared.reserved_kv_bytes.into();
-        let figures = shared.batcher.figures();
-        report["batch_steps"] = figures.steps.into();
-        report["batched_tokens"] = figures.tokens.into();
-        report["budget_changes_total"] = report["budget_changes"]
-            .as_array()
-            .map_or(0, Vec::len)
-            .into();
-        *shared
-            .metrics
-            .runtime
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = report;
+        publish_metrics(&self.shared);
     }
+}
+
+/// Copies the runtime's figures for `GET /metrics`.
+pub fn publish_metrics(shared: &Shared) {
+    let mut report = shared.batcher.session().report();
+    report["peak_rss_bytes"] = peak_rss_bytes().into();
+    report["rss_bytes"] = crate::platform::memory::current_rss_bytes().into();
+    report["ctx"] = shared.ctx.into();
+    report["kv_cache_tokens"] = shared
+        .cached_tokens
+        .iter()
+        .map(|t| t.load(Ordering::Relaxed))
+        .sum::<usize>()
+        .into();
+    report["requests_served"] = shared.served.load(Ordering::Relaxed).into();
+    report["parallel_slots"] = shared.batcher.slots().into();
+    report["kv_slots_reserved_bytes"] = shared.reserved_kv_bytes.into();
+    let figures = shared.batcher.figures();
+    report["batch_steps"] = figures.steps.into();
+    report["batched_tokens"] = figures.tokens.into();
+    report["budget_changes_total"] = report["budget_changes"]
+        .as_array()
+        .map_or(0, Vec::len)
+        .into();
+    *shared
+        .metrics
+        .runtime
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = report;
 }
