@@ -82,7 +82,7 @@ impl Model {
     /// Causal softmax attention of `t` queries at positions `start..start+t` over the cache;
     /// `scores` is one head's scratch on the calling thread (each parallel task has its own).
     #[allow(clippy::too_many_arguments)]
-    fn attend(
+    pub(super) fn attend(
         &self,
         l: usize,
         start: usize,

@@ -34,6 +34,33 @@ pub trait LanguageModel {
         logits: &mut Vec<f32>,
     ) -> Result<()>;
 
+    /// One token for each of several sequences (`tokens[i]` continues `caches[i]`), `logits`
+    /// getting one row per token: what a server decoding several requests at once calls. Each
+    /// row's logits are bitwise those of [`forward_into`](Self::forward_into) on that token alone;
+    /// a streaming model computes the rows' FFNs together, reading each cluster once for all of
+    /// them. This default decodes them one after another.
+    fn forward_batch(
+        &mut self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        if tokens.len() != caches.len() {
+            anyhow::bail!(
+                "a batch needs one KV cache per token ({} tokens, {} caches)",
+                tokens.len(),
+                caches.len()
+            );
+        }
+        let mut row = Vec::new();
+        logits.clear();
+        for (&tok, cache) in tokens.iter().zip(caches.iter_mut()) {
+            self.forward_into(&[tok], cache, false, &mut row)?;
+            logits.extend_from_slice(&row);
+        }
+        Ok(())
+    }
+
     /// Whether scoring a text should feed it one token at a time, as generation does, so that what
     /// the model measures (bytes read, hit rates) is generation's rather than a prompt chunk's.
     fn scores_by_decoding(&self) -> bool {
@@ -72,6 +99,15 @@ impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         (**self).forward_into(tokens, cache, all_logits, logits)
+    }
+
+    fn forward_batch(
+        &mut self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        (**self).forward_batch(tokens, caches, logits)
     }
 }
 

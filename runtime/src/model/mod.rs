@@ -8,6 +8,7 @@ pub mod kv_cache;
 pub mod rope;
 
 mod attention;
+mod batch;
 mod dense_ffn;
 mod language_model;
 mod moe;

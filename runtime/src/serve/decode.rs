@@ -10,7 +10,6 @@ use anyhow::{bail, Result};
 
 use super::json_grammar::{mask, Grammar, Matcher, TokenTexts};
 use crate::model::kv_cache::KvCache;
-use crate::model::LanguageModel;
 use crate::text::generate::StopReason;
 use crate::text::sampler::{Sampler, SamplerConfig};
 use crate::tokenizer::{TextStream, Tokenizer};
@@ -42,6 +41,20 @@ pub struct Outcome {
     pub decode_ns: u64,
 }
 
+/// What the generation loop needs of a model: a slot's view of the shared model
+/// ([`super::batch::SlotModel`]).
+pub trait Forward {
+    /// The most prompt tokens one call should take.
+    fn prompt_chunk(&self) -> usize;
+    /// The last token's logits after `tokens` continue `cache`.
+    fn forward_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        logits: &mut Vec<f32>,
+    ) -> Result<()>;
+}
+
 /// Buffers kept between requests, so the decode loop allocates nothing for them per token.
 #[derive(Default)]
 pub struct Scratch {
@@ -55,7 +68,7 @@ pub struct Scratch {
 /// without a token gives the text still held at the end.
 #[allow(clippy::too_many_arguments)]
 pub fn generate(
-    model: &mut dyn LanguageModel,
+    model: &mut dyn Forward,
     tokenizer: &Tokenizer,
     cache: &mut KvCache,
     history: &[u32],
@@ -83,7 +96,7 @@ pub fn generate(
     } = scratch;
     let start = Instant::now();
     for chunk in prompt.chunks(model.prompt_chunk()) {
-        model.forward_into(chunk, cache, false, logits)?;
+        model.forward_into(chunk, cache, logits)?;
     }
     let prompt_ns = start.elapsed().as_nanos() as u64;
     let decode_start = Instant::now();
@@ -137,7 +150,7 @@ pub fn generate(
         if interrupt.load(Ordering::Relaxed) {
             break StopReason::Interrupted;
         }
-        model.forward_into(&[tok], cache, false, logits)?;
+        model.forward_into(&[tok], cache, logits)?;
     };
     if let Some(piece) = stream.finish(tokenizer)? {
         on_token(None, Some(&piece));

@@ -3,11 +3,13 @@
 //! `/metrics`), the way local runtimes are used by apps and tools written for OpenAI's API; also
 //! Ollama's `/api/*` and llama.cpp's `/completion`, `/tokenize` and `/detokenize` (compat.rs).
 //!
-//! One HTTP thread validates requests and answers the cheap routes; one worker (this thread) owns
-//! the model and serves queued requests one at a time in arrival order, reusing the KV cache of
-//! the previous conversation's common prefix. The server is `tiny_http`: synchronous, four small
+//! One HTTP thread validates requests and answers the cheap routes; `--parallel` slots (one by
+//! default, on this thread) take queued requests in arrival order, each with its own KV cache
+//! reused for the previous conversation's common prefix, and decode their tokens together
+//! (batch.rs: continuous batching, every reply bit for bit what it would be alone). The server is `tiny_http`: synchronous, four small
 //! dependencies, no async runtime (docs/serve.md: its size and build-time cost).
 
+mod batch;
 mod compat;
 mod decode;
 mod error;
@@ -40,7 +42,12 @@ pub struct ServeArgs {
     /// Port to listen on (0: any free port, printed at start).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Requests that may wait while one is served; more are refused with 503.
+    /// Requests served at once, each with its own KV cache (counted in --memory: fewer are
+    /// served when that many caches do not fit); their tokens are decoded together, each
+    /// layer's FFN read once for all of them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub parallel: u64,
+    /// Requests that may wait while others are served; more are refused with 503.
     #[arg(long, default_value_t = 16)]
     pub queue: usize,
     /// Largest request body accepted (413 beyond): 1MiB, 64KiB or bytes.
@@ -75,7 +82,15 @@ pub fn run(mut session: Session, args: &ServeArgs) -> Result<()> {
     });
     let metrics = Arc::new(metrics::ServerMetrics::default());
     let (queue, jobs) = queue::bounded(args.queue);
-    let budget = budget(&mut session)?;
+    let asked = args.parallel as usize;
+    let (slots, reserved) = session.reserve_kv_slots(asked)?;
+    if slots < asked {
+        eprintln!(
+            "note: --memory holds the KV caches of {slots} requests at --ctx {}, not {asked}: serving {slots} at once (raise --memory or lower --ctx to serve more)",
+            session.ctx
+        );
+    }
+    let budget = budget(&mut session, reserved)?;
     let frontend = routes::Frontend {
         model_id: model_id.clone(),
         tokenizer: session.tokenizer.clone(),
@@ -89,23 +104,35 @@ pub fn run(mut session: Session, args: &ServeArgs) -> Result<()> {
         queue,
         budget,
     };
-    let worker = worker::Worker::new(session, model_id.clone(), metrics);
+    let tokenizer = session.tokenizer.clone();
+    let shared = Arc::new(worker::Shared::new(
+        batch::Batcher::new(session, slots),
+        tokenizer,
+        model_id.clone(),
+        metrics,
+        reserved,
+    ));
+    worker::publish_metrics(&shared);
     let address = server
         .server_addr()
         .to_ip()
         .map_or_else(|| format!("{}:{}", args.host, args.port), |a| a.to_string());
     eprintln!("serving {model_id} at http://{address}/v1 (also /health, /metrics); Ctrl-C stops");
+    if slots > 1 {
+        eprintln!("{slots} requests at once, their tokens decoded together");
+    }
     std::thread::Builder::new()
         .name("http".into())
         .spawn(move || frontend.serve(&server))
         .map_err(|e| anyhow!("cannot start the HTTP thread: {e}"))?;
-    worker.run(jobs);
+    worker::run(shared, jobs);
     Ok(())
 }
 
 /// What `POST /v1/budget` works with: a handle the running model follows, when it was started
-/// with a fixed `--memory`; otherwise why the budget cannot be set over HTTP.
-fn budget(session: &mut Session) -> Result<Result<routes::Budget, String>> {
+/// with a fixed `--memory`; otherwise why the budget cannot be set over HTTP. `reserved`: the bytes
+/// of the budget the slots' extra KV caches hold, beside what the model plans.
+fn budget(session: &mut Session, reserved: u64) -> Result<Result<routes::Budget, String>> {
     if session.follows_budget() {
         return Ok(Err(
             "the budget follows --memory-file or --memory auto: change it there".into(),
@@ -121,5 +148,9 @@ fn budget(session: &mut Session) -> Result<Result<routes::Budget, String>> {
     };
     let (watch, handle) = BudgetWatch::manual(bytes);
     session.follow_budget(watch)?;
-    Ok(Ok(routes::Budget { handle, floor }))
+    Ok(Ok(routes::Budget {
+        handle,
+        floor: floor + reserved,
+        reserved,
+    }))
 }

@@ -43,8 +43,11 @@ pub struct Frontend {
 /// The running model's budget, as `POST /v1/budget` sees it.
 pub struct Budget {
     pub handle: BudgetHandle,
-    /// The least the model accepts (its fixed needs with the dense weights as opened).
+    /// The least the model accepts (its fixed needs with the dense weights as opened, and the
+    /// KV caches of the slots beyond the first).
     pub floor: u64,
+    /// The bytes the slots beyond the first hold for their KV caches: the model gets the rest.
+    pub reserved: u64,
 }
 
 const COMPLETIONS: &str = "/v1/completions";
@@ -185,7 +188,7 @@ impl Frontend {
                 ),
             ));
         }
-        budget.handle.set(bytes);
+        budget.handle.set(bytes - budget.reserved);
         Ok(bytes)
     }
 

@@ -1,11 +1,15 @@
-//! The generation worker: owns the model and one KV cache, serves queued requests one at a time,
-//! and keeps the cache between requests so a request that begins like the previous conversation
-//! (the same system prompt, the earlier turns of a chat) computes only the tokens after the
-//! common prefix. A stop string or a client gone mid-stream ends the generation at that token.
+//! The generation slots: each serves queued requests one at a time with its own KV cache, the
+//! model shared with the other slots through the [`Batcher`] (`--parallel` slots decode their
+//! tokens together). A slot keeps its cache between requests so a request that begins like the
+//! previous conversation it served (the same system prompt, the earlier turns of a chat) computes
+//! only the tokens after the common prefix. A stop string or a client gone mid-stream ends the
+//! generation at that token.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
+
+use super::batch::Batcher;
 
 use super::decode::{generate, DecodeOptions, Scratch, TokenLogprob};
 use super::error::ApiError;
@@ -21,23 +25,87 @@ use crate::model::kv_cache::KvCache;
 use crate::platform::memory::peak_rss_bytes;
 use crate::text::generate::StopReason;
 use crate::text::sampler::SamplerConfig;
-use crate::text::session::Session;
 use crate::tokenizer::Tokenizer;
 
 /// How often an idle worker looks for a new budget.
 const IDLE_POLL: Duration = Duration::from_millis(50);
 
-pub struct Worker {
-    session: Session,
-    tokenizer: Tokenizer,
+/// What every slot shares.
+pub struct Shared {
+    pub batcher: Batcher,
+    pub tokenizer: Tokenizer,
+    pub model_id: String,
+    pub metrics: Arc<ServerMetrics>,
+    pub ctx: usize,
+    pub vocab: usize,
+    /// Requests taken so far (each one's number in the log).
+    served: AtomicU64,
+    /// The tokens each slot's cache holds.
+    cached_tokens: Vec<AtomicUsize>,
+    /// Every token's text, made on the first request that needs it (a grammar or logprobs).
+    token_texts: OnceLock<TokenTexts>,
+    /// Bytes of the budget set aside for the slots' KV caches beyond the first.
+    pub reserved_kv_bytes: u64,
+}
+
+impl Shared {
+    pub fn new(
+        batcher: Batcher,
+        tokenizer: Tokenizer,
+        model_id: String,
+        metrics: Arc<ServerMetrics>,
+        reserved_kv_bytes: u64,
+    ) -> Self {
+        let (ctx, vocab) = {
+            let mut s = batcher.session();
+            (s.ctx, s.model().config().vocab_size)
+        };
+        let slots = batcher.slots();
+        Self {
+            batcher,
+            tokenizer,
+            model_id,
+            metrics,
+            ctx,
+            vocab,
+            served: AtomicU64::new(0),
+            cached_tokens: (0..slots).map(|_| AtomicUsize::new(0)).collect(),
+            token_texts: OnceLock::new(),
+            reserved_kv_bytes,
+        }
+    }
+}
+
+/// Runs `slots` slots on their own threads (the first on this one) until the queue closes.
+pub fn run(shared: Arc<Shared>, jobs: Jobs) {
+    let jobs = Arc::new(Mutex::new(jobs));
+    let slots = shared.batcher.slots();
+    let others: Vec<_> = (1..slots)
+        .map(|i| {
+            let (shared, jobs) = (shared.clone(), jobs.clone());
+            std::thread::Builder::new()
+                .name(format!("slot-{i}"))
+                .spawn(move || Slot::new(shared, i).run(&jobs))
+                .expect("a slot thread starts")
+        })
+        .collect();
+    Slot::new(shared, 0).run(&jobs);
+    for t in others {
+        let _ = t.join();
+    }
+}
+
+/// One slot: a KV cache and the requests it serves.
+pub struct Slot {
+    shared: Arc<Shared>,
+    index: usize,
     cache: KvCache,
+    /// An empty cache lent to the batcher while `cache` is in a step.
+    spare: Option<KvCache>,
     /// The tokens `cache` holds, in order.
     cached: Vec<u32>,
-    model_id: String,
-    metrics: Arc<ServerMetrics>,
+    /// The number of the request being served.
     served: u64,
-    /// Every token's text, made on the first request that needs it (a grammar or logprobs).
-    token_texts: Option<TokenTexts>,
     scratch: Scratch,
 }
 
@@ -65,34 +133,43 @@ enum Ending {
     ClientGone,
 }
 
-impl Worker {
-    pub fn new(mut session: Session, model_id: String, metrics: Arc<ServerMetrics>) -> Self {
-        let ctx = session.ctx;
-        let cache = session.model().new_cache(ctx);
-        let tokenizer = session.tokenizer.clone();
-        let worker = Self {
-            session,
-            tokenizer,
-            cache,
-            cached: Vec::new(),
-            model_id,
-            metrics,
-            served: 0,
-            token_texts: None,
-            scratch: Scratch::default(),
+impl Slot {
+    fn new(shared: Arc<Shared>, index: usize) -> Self {
+        let (cache, spare) = {
+            let mut session = shared.batcher.session();
+            let model = session.model();
+            (model.new_cache(shared.ctx), model.new_cache(0))
         };
-        worker.refresh_metrics();
-        worker
+        Self {
+            shared,
+            index,
+            cache,
+            spare: Some(spare),
+            cached: Vec::new(),
+            served: 0,
+            scratch: Scratch::default(),
+        }
     }
 
     /// Serves requests until the queue closes; between them, takes a budget `POST /v1/budget`
     /// (or a followed file or cgroup) set, so an idle server gives memory back at once.
-    pub fn run(mut self, mut jobs: Jobs) {
+    fn run(mut self, jobs: &Mutex<Jobs>) {
         loop {
-            match jobs.next_within(IDLE_POLL) {
-                Next::Job(job) => self.serve(*job),
+            let next = jobs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .next_within(IDLE_POLL);
+            match next {
+                Next::Job(job) => {
+                    self.shared.batcher.serving(true);
+                    self.serve(*job);
+                    self.shared.batcher.serving(false);
+                    self.shared.cached_tokens[self.index]
+                        .store(self.cache.len(), Ordering::Relaxed);
+                    self.refresh_metrics();
+                }
                 Next::Idle => {
-                    if self.session.take_followed_budget() {
+                    if self.shared.batcher.session().take_followed_budget() {
                         self.refresh_metrics();
                     }
                 }
@@ -117,8 +194,8 @@ impl Worker {
 
     fn serve(&mut self, job: Job) {
         let Job { request, work: job } = job;
-        self.served += 1;
-        let reply = Reply::new(job.endpoint, self.served, &self.model_id);
+        self.served = self.shared.served.fetch_add(1, Ordering::Relaxed) + 1;
+        let reply = Reply::new(job.endpoint, self.served, &self.shared.model_id);
         let mut out = if job.stream {
             let framing = match job.endpoint {
                 Endpoint::OllamaGenerate | Endpoint::OllamaChat => Framing::Ndjson,
@@ -129,10 +206,13 @@ impl Worker {
         } else {
             Out::Whole(Some(request))
         };
-        if (job.grammar.is_some() || job.logprobs.is_some()) && self.token_texts.is_none() {
-            let vocab = self.session.model().config().vocab_size;
-            match TokenTexts::new(&self.tokenizer, vocab) {
-                Ok(t) => self.token_texts = Some(t),
+        if (job.grammar.is_some() || job.logprobs.is_some())
+            && self.shared.token_texts.get().is_none()
+        {
+            match TokenTexts::new(&self.shared.tokenizer, self.shared.vocab) {
+                Ok(t) => {
+                    let _ = self.shared.token_texts.set(t);
+                }
                 Err(e) => return self.fail(out, &e),
             }
         }
@@ -176,7 +256,7 @@ impl Worker {
                 break;
             }
         }
-        let m = &self.metrics;
+        let m = &self.shared.metrics;
         ServerMetrics::add(&m.prompt_tokens, usage.prompt as u64);
         ServerMetrics::add(&m.reused_prompt_tokens, usage.cached as u64);
         ServerMetrics::add(&m.completion_tokens, usage.completion as u64);
@@ -188,7 +268,6 @@ impl Worker {
                 super::routes::respond_json(r.expect("answered once"), 200, &body);
             }
         }
-        self.refresh_metrics();
         eprintln!(
             "request {}: {} prompt tokens ({} reused), {} generated{} at {:.1} tok/s, {}, {:.0} ms in all",
             self.served,
@@ -240,18 +319,19 @@ impl Worker {
         sampler: SamplerConfig,
         out: &mut Out,
     ) -> anyhow::Result<ChoiceOutcome> {
+        let shared = self.shared.clone();
+        let texts = shared.token_texts.get();
         let opts = DecodeOptions {
             max_tokens: job.max_tokens,
-            ctx: self.session.ctx,
+            ctx: shared.ctx,
             sampler,
             eos: &job.eos_token_ids,
             top_logprobs: job.logprobs,
-            grammar: job.grammar.as_deref().zip(self.token_texts.as_ref()),
+            grammar: job.grammar.as_deref().zip(texts),
         };
         if let (Out::Stream(s), Some(opening)) = (&mut *out, reply.opening(index)) {
             s.send(&opening);
         }
-        let texts = self.token_texts.as_ref();
         let interrupt = AtomicBool::new(false);
         let mut stops = StopMatcher::new(job.stop.clone());
         let mut gate = (!job.tool_names.is_empty()).then(ToolGate::default);
@@ -283,8 +363,8 @@ impl Worker {
                 }
             };
         let outcome = generate(
-            self.session.model(),
-            &self.tokenizer,
+            &mut shared.batcher.model(self.index, &mut self.spare),
+            &shared.tokenizer,
             &mut self.cache,
             &self.cached,
             &job.prompt[reused..],
@@ -376,20 +456,35 @@ impl Worker {
 
     /// Copies the runtime's figures for `GET /metrics`.
     fn refresh_metrics(&self) {
-        let mut report = self.session.report();
-        report["peak_rss_bytes"] = peak_rss_bytes().into();
-        report["rss_bytes"] = crate::platform::memory::current_rss_bytes().into();
-        report["ctx"] = self.session.ctx.into();
-        report["kv_cache_tokens"] = self.cache.len().into();
-        report["requests_served"] = self.served.into();
-        report["budget_changes_total"] = report["budget_changes"]
-            .as_array()
-            .map_or(0, Vec::len)
-            .into();
-        *self
-            .metrics
-            .runtime
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = report;
+        publish_metrics(&self.shared);
     }
+}
+
+/// Copies the runtime's figures for `GET /metrics`.
+pub fn publish_metrics(shared: &Shared) {
+    let mut report = shared.batcher.session().report();
+    report["peak_rss_bytes"] = peak_rss_bytes().into();
+    report["rss_bytes"] = crate::platform::memory::current_rss_bytes().into();
+    report["ctx"] = shared.ctx.into();
+    report["kv_cache_tokens"] = shared
+        .cached_tokens
+        .iter()
+        .map(|t| t.load(Ordering::Relaxed))
+        .sum::<usize>()
+        .into();
+    report["requests_served"] = shared.served.load(Ordering::Relaxed).into();
+    report["parallel_slots"] = shared.batcher.slots().into();
+    report["kv_slots_reserved_bytes"] = shared.reserved_kv_bytes.into();
+    let figures = shared.batcher.figures();
+    report["batch_steps"] = figures.steps.into();
+    report["batched_tokens"] = figures.tokens.into();
+    report["budget_changes_total"] = report["budget_changes"]
+        .as_array()
+        .map_or(0, Vec::len)
+        .into();
+    *shared
+        .metrics
+        .runtime
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = report;
 }

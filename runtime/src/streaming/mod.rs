@@ -520,6 +520,37 @@ impl crate::model::LanguageModel for StreamingModel {
         self.engine.end_call(tokens.len());
         done
     }
+
+    fn forward_batch(
+        &mut self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        // A recorded trace is replayed one token at a time; a batch beyond the planned scratch
+        // is decoded row by row.
+        if tokens.len() < 2 || tokens.len() > self.prompt_chunk || self.engine.decode_only() {
+            let mut row = Vec::new();
+            logits.clear();
+            for (&tok, cache) in tokens.iter().zip(caches.iter_mut()) {
+                self.forward_into(&[tok], cache, false, &mut row)?;
+                logits.extend_from_slice(&row);
+            }
+            return Ok(());
+        }
+        self.take_watched_budget();
+        self.engine.begin_call(tokens, 0)?;
+        self.tokens += tokens.len() as u64;
+        let done = self.model.forward_batch_with(
+            tokens,
+            caches,
+            &mut self.engine,
+            &mut self.dense,
+            logits,
+        );
+        self.engine.end_call(tokens.len());
+        done
+    }
 }
 
 /// Runs `tokens` through `step` in pieces of at most `most`, keeping every piece's logits when

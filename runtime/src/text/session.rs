@@ -390,6 +390,41 @@ impl Session {
         }
     }
 
+    /// Makes room under the budget for the KV caches of `slots` sequences served at once (a
+    /// server's `--parallel`): the plan holds one; the neuron cache gives up the bytes of the
+    /// others. Returns how many fit (fewer than asked when the budget cannot hold them all, at
+    /// least one) and the bytes set aside. Without a budget every slot fits.
+    pub fn reserve_kv_slots(&mut self, slots: usize) -> Result<(usize, u64)> {
+        let slots = slots.max(1);
+        match &mut self.engine {
+            Engine::Dense(_) => Ok((slots, 0)),
+            Engine::Experts(m) => match m.budget {
+                Some(_) if slots > 1 => bail!(
+                    "--parallel {slots}: a mixture of experts streams under the budget it was                      opened with; serving several requests at once under --memory is not                      implemented for experts (use --parallel 1, or drop --memory)"
+                ),
+                _ => Ok((slots, 0)),
+            },
+            Engine::Streaming(s) => {
+                let Some(budget) = s.budget else {
+                    return Ok((slots, 0));
+                };
+                if slots > 1 && s.follows() {
+                    bail!(
+                        "--parallel {slots} sets aside KV caches under a fixed budget: give                          --memory a size, not auto or --memory-file, or use --parallel 1"
+                    );
+                }
+                let per = s.split.kv_cache.max(1);
+                let room = budget.saturating_sub(s.budget_floor());
+                let fit = slots.min(1 + (room / per) as usize);
+                let reserved = per * (fit - 1) as u64;
+                if reserved > 0 {
+                    s.set_budget(budget - reserved)?;
+                }
+                Ok((fit, reserved))
+            }
+        }
+    }
+
     /// The least budget [`Session::set_memory_budget`] accepts; `None` for dense.
     pub fn budget_floor(&self) -> Option<u64> {
         match &self.engine {

@@ -16,5 +16,6 @@ mod gguf_quant_types;
 mod kv_cache;
 mod quantized;
 mod serve;
+mod serve_parallel;
 mod smollm2;
 mod storage;

@@ -13,14 +13,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-fn embedded_model() -> PathBuf {
+pub(crate) fn embedded_model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/austen-relu")
 }
 
 const PROMPT: &str = "It is a truth universally acknowledged";
 
 /// `leanstream run`'s greedy text for `prompt` (its trailing newline removed).
-fn run_text(prompt: &str, n: usize) -> String {
+pub(crate) fn run_text(prompt: &str, n: usize) -> String {
     let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
         .arg("run")
         .arg("--model")
@@ -34,15 +34,17 @@ fn run_text(prompt: &str, n: usize) -> String {
 }
 
 /// A `leanstream serve` process on a free port, killed when dropped.
-struct Server {
+pub(crate) struct Server {
     child: Child,
-    addr: String,
-    /// The server's stderr lines after the first.
-    log: mpsc::Receiver<String>,
+    pub(crate) addr: String,
+    /// The server's stderr lines after the one naming its address.
+    pub(crate) log: mpsc::Receiver<String>,
+    /// Its stderr lines before that one.
+    pub(crate) startup: Vec<String>,
 }
 
 impl Server {
-    fn start(model: &Path, extra: &[&str]) -> Self {
+    pub(crate) fn start(model: &Path, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_leanstream"))
             .arg("serve")
             .arg("--model")
@@ -59,9 +61,18 @@ impl Server {
                 let _ = tx.send(line);
             }
         });
-        let first = log
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the server starts");
+        // The address line, after any notes (the memory split under --memory).
+        let mut startup = Vec::new();
+        let first = loop {
+            let Ok(line) = log.recv_timeout(Duration::from_secs(60)) else {
+                let _ = child.kill();
+                panic!("the server did not start: {startup:?}");
+            };
+            if line.contains("http://") {
+                break line;
+            }
+            startup.push(line);
+        };
         let addr = first
             .split("http://")
             .nth(1)
@@ -69,15 +80,20 @@ impl Server {
             .unwrap_or_else(|| panic!("no address in {first:?}"))
             .to_string();
         assert!(addr.starts_with("127.0.0.1:"), "{first}");
-        Self { child, addr, log }
+        Self {
+            child,
+            addr,
+            log,
+            startup,
+        }
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
 
     /// A request and its status and JSON body.
-    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+    pub(crate) fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         self.post_raw(path, body.to_string())
     }
 
@@ -126,7 +142,7 @@ impl Server {
     }
 
     /// A metric's value from `/metrics`.
-    fn metric(&self, name: &str) -> f64 {
+    pub(crate) fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.get("/metrics");
         text.lines()
             .find_map(|l| l.strip_prefix(&format!("{name} ")))
@@ -143,7 +159,7 @@ impl Drop for Server {
     }
 }
 
-fn agent() -> ureq::Agent {
+pub(crate) fn agent() -> ureq::Agent {
     ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(Duration::from_secs(120)))

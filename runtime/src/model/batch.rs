@@ -1,0 +1,170 @@
+//! One decoded token for each of several sequences in one forward pass (a server's concurrent
+//! requests): attention per sequence over its own KV cache at its own position; the projections,
+//! and the FFN through its backend, for all rows together, so that a streaming backend reads each
+//! cluster once for the union of the rows' needs. Every row's logits are bitwise those of decoding
+//! its token alone: block-encoded projections multiply each row on the integer kernels (bitwise a
+//! mat-vec), float ones one row at a time, and the backend's chunk path sums each row's clusters as
+//! decoding does.
+
+use anyhow::{bail, Result};
+
+use super::attention::add_output;
+use super::dense_ffn::Ffn;
+use super::norm::{rms_norm, rms_norm_in_place};
+use super::{Attention, DenseWeights, FfnBackend, Layer, Model, Scratch};
+use crate::kernels::Weight;
+use crate::model::kv_cache::KvCache;
+use crate::model::rope::Rope;
+
+impl Model {
+    /// Runs `tokens[i]` at the position following those in `caches[i]`, for every `i`, appending
+    /// each one's keys and values to its own cache; `logits` gets one row per token
+    /// (`tokens.len() × vocab`). The FFNs are computed by `backend`, the projections taken from
+    /// `dense`.
+    pub fn forward_batch_with(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        backend: &mut dyn FfnBackend,
+        dense: &mut dyn DenseWeights,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let t = tokens.len();
+        if t == 0 || caches.len() != t {
+            bail!(
+                "a batch needs one KV cache per token ({} tokens, {} caches)",
+                t,
+                caches.len()
+            );
+        }
+        if let Some(full) = caches.iter().find(|c| c.len() >= c.capacity()) {
+            bail!(
+                "context full: {} positions needed, the cache holds {}",
+                full.len() + 1,
+                full.capacity()
+            );
+        }
+        let c = &self.config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let positions: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        let mut s = Scratch::new(c, t);
+        s.scores
+            .reserve(caches.iter().map(|c| c.capacity()).max().unwrap_or(0));
+        let mut x = Vec::new();
+        self.embed_into(tokens, dense, &mut x)?;
+        let half = hd / 2;
+        let ropes = [(&self.rope, &mut s.rope)]
+            .into_iter()
+            .chain(self.rope_local.as_ref().map(|r| (r, &mut s.rope_local)));
+        for (rope, tables) in ropes {
+            for ((&p, cache), table) in positions
+                .iter()
+                .zip(caches.iter())
+                .zip(tables.chunks_exact_mut(2 * half))
+            {
+                let (cos, sin) = table.split_at_mut(half);
+                rope.tables_into(p, cache.capacity(), cos, sin);
+            }
+        }
+        for l in 0..self.layers.len() {
+            backend.begin_layer(l, &x)?;
+            let attn = dense.attention(l)?;
+            let layer = &self.layers[l];
+            self.attention_rows(l, layer, attn, &positions, &mut x, caches, &mut s);
+            self.ffn_block(l, layer, t, &mut x, &mut s, Ffn::Backend(backend))?;
+        }
+        caches.iter_mut().for_each(|c| c.advance(1));
+        logits.clear();
+        logits.resize(t * c.vocab_size, 0.0);
+        let mut row = Vec::new();
+        for (x, out) in x.chunks_exact(h).zip(logits.chunks_exact_mut(c.vocab_size)) {
+            self.logits_with(x, dense, &mut s.xn, &mut row)?;
+            out.copy_from_slice(&row);
+        }
+        Ok(())
+    }
+
+    /// [`Model::attention_block`] for rows of different sequences: row `i` at `positions[i]` of
+    /// `caches[i]`, each attending as a decoded token does.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rows(
+        &self,
+        l: usize,
+        layer: &Layer,
+        attn: &Attention,
+        positions: &[usize],
+        x: &mut [f32],
+        caches: &mut [&mut KvCache],
+        s: &mut Scratch,
+    ) {
+        let c = &self.config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let t = x.len() / h;
+        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+        for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
+            rms_norm(src, &layer.attn_norm, c.rms_norm_eps, dst);
+        }
+        rows_matmul(&attn.wq, &s.xn[..t * h], &mut s.q[..t * qd]);
+        rows_matmul(&attn.wk, &s.xn[..t * h], &mut s.k[..t * kvd]);
+        rows_matmul(&attn.wv, &s.xn[..t * h], &mut s.v[..t * kvd]);
+        if let Some(b) = &layer.qkv_bias {
+            let (bq, bkv) = b.split_at(qd);
+            let (bk, bv) = bkv.split_at(kvd);
+            for (m, bias) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
+                for row in m[..t * bias.len()].chunks_exact_mut(bias.len()) {
+                    row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
+                }
+            }
+        }
+        let tables = match c.window(l) {
+            Some(_) if !s.rope_local.is_empty() => &s.rope_local,
+            _ => &s.rope,
+        };
+        for i in 0..t {
+            let q = &mut s.q[i * qd..(i + 1) * qd];
+            let k = &mut s.k[i * kvd..(i + 1) * kvd];
+            let (cos, sin) = tables[i * hd..(i + 1) * hd].split_at(hd / 2);
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                q.chunks_exact_mut(hd)
+                    .for_each(|head| rms_norm_in_place(head, qn, c.rms_norm_eps));
+                k.chunks_exact_mut(hd)
+                    .for_each(|head| rms_norm_in_place(head, kn, c.rms_norm_eps));
+            }
+            if c.uses_rope(l) {
+                Rope::apply(q, hd, cos, sin);
+                Rope::apply(k, hd, cos, sin);
+            }
+            caches[i].store(l, positions[i], k, &s.v[i * kvd..(i + 1) * kvd]);
+            self.attend(
+                l,
+                positions[i],
+                1,
+                &s.q[i * qd..(i + 1) * qd],
+                caches[i],
+                &mut s.scores,
+                &mut s.att[i * qd..(i + 1) * qd],
+            );
+        }
+        rows_matmul(&attn.wo, &s.att[..t * qd], &mut s.proj[..t * h]);
+        add_output(
+            layer.attn_post_norm.as_deref(),
+            c.rms_norm_eps,
+            x,
+            &mut s.proj,
+        );
+    }
+}
+
+/// `out = x · wᵀ` for the rows of `x`, each bitwise what multiplying that row alone gives: block
+/// encodings multiply every row on the integer kernels (each a mat-vec's bits), float weights
+/// (whose multi-row kernel sums in another order) one row at a time.
+fn rows_matmul(w: &Weight, x: &[f32], out: &mut [f32]) {
+    let t = x.len() / w.cols();
+    if w.qtype().is_block() {
+        w.matmul_t(x, t, out);
+    } else {
+        for (x, out) in x.chunks_exact(w.cols()).zip(out.chunks_exact_mut(w.rows())) {
+            w.matmul_t(x, 1, out);
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! `leanstream serve --parallel`: requests served at once decode their tokens together, and each
+//! reply is bit for bit what it is alone — on the embedded model, and on it converted and
+//! streaming under a budget (where a step reads each cluster once for every slot). The batched
+//! forward pass itself gives every row the logits of decoding it alone, rows at different
+//! positions; a budget too small for every slot's KV cache serves fewer, saying so; and eight
+//! concurrent clients all get their solo text (latency and throughput printed).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use leanstream::model::LanguageModel;
+use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
+use serde_json::{json, Value};
+
+use super::serve::{agent, embedded_model, run_text, Server};
+
+const PROMPTS: [&str; 8] = [
+    "It is a truth universally acknowledged",
+    "Mr. Darcy said",
+    "The morning was",
+    "Elizabeth walked",
+    "She could not",
+    "In vain I have struggled",
+    "My dear Mr. Bennet",
+    "Lady Catherine",
+];
+
+/// The embedded model converted (q8, small clusters), once per test process.
+fn converted() -> PathBuf {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let prep = Path::new(env!("CARGO_BIN_EXE_leanstream")).with_file_name("leanstream-prep");
+        assert!(
+            prep.exists(),
+            "{} is missing: run the tests with `cargo test --workspace`",
+            prep.display()
+        );
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("parallel-{}.lsb", std::process::id()));
+        let o = Command::new(prep)
+            .arg("convert")
+            .arg(embedded_model())
+            .arg("-o")
+            .arg(&out)
+            .args(["--quant", "q8", "--calib-tokens", "2048", "--epochs", "2"])
+            .args(["--cluster-kib", "8", "--json"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        out
+    })
+    .clone()
+}
+
+/// A greedy completion's text and how long it took.
+fn complete(url: &str, prompt: &str, n: usize) -> (String, Duration) {
+    let started = Instant::now();
+    let mut r = agent()
+        .post(url)
+        .header("Content-Type", "application/json")
+        .send(json!({ "prompt": prompt, "max_tokens": n, "temperature": 0 }).to_string())
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let body: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap();
+    assert_eq!(body["usage"]["completion_tokens"], n, "{body}");
+    let text = body["choices"][0]["text"].as_str().unwrap().to_string();
+    (text, started.elapsed())
+}
+
+/// Every prompt alone, one after another, then all at once: the same texts.
+fn concurrent_replies_equal_solo(server: &Server, prompts: &[&str], n: usize) -> Vec<Duration> {
+    let url = server.url("/v1/completions");
+    let solo: Vec<String> = prompts.iter().map(|p| complete(&url, p, n).0).collect();
+    let steps = server.metric("leanstream_batch_steps");
+    let tokens = server.metric("leanstream_batched_tokens");
+    let together: Vec<(String, Duration)> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let url = url.clone();
+                s.spawn(move || complete(&url, p, n))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for ((prompt, alone), (at_once, _)) in prompts.iter().zip(&solo).zip(&together) {
+        assert_eq!(alone, at_once, "{prompt:?}: alone vs served with others");
+    }
+    // The tokens were decoded together: more tokens than steps.
+    let (steps, tokens) = (
+        server.metric("leanstream_batch_steps") - steps,
+        server.metric("leanstream_batched_tokens") - tokens,
+    );
+    assert!(
+        tokens > 1.5 * steps,
+        "{tokens} tokens in {steps} steps: not batched"
+    );
+    together.into_iter().map(|t| t.1).collect()
+}
+
+#[test]
+fn parallel_slots_reply_as_each_request_would_alone() {
+    let server = Server::start(&embedded_model(), &["--parallel", "4"]);
+    assert_eq!(server.metric("leanstream_parallel_slots"), 4.0);
+    concurrent_replies_equal_solo(&server, &PROMPTS[..4], 24);
+    let (text, _) = complete(&server.url("/v1/completions"), PROMPTS[0], 16);
+    assert_eq!(text, run_text(PROMPTS[0], 16));
+}
+
+#[test]
+fn parallel_slots_stream_under_a_budget_as_each_request_would_alone() {
+    // Each slot's KV cache (1 MiB at --ctx 512) is counted in the budget: 30 MiB holds four
+    // beside the process's start-up (13 to 18 MiB) and the streaming buffers.
+    let file = converted();
+    let server = Server::start(
+        &file,
+        &["--parallel", "4", "--memory", "30MiB", "--ctx", "512"],
+    );
+    assert_eq!(server.metric("leanstream_parallel_slots"), 4.0);
+    assert!(server.metric("leanstream_kv_slots_reserved_bytes") >= 3.0 * (1 << 20) as f64);
+    concurrent_replies_equal_solo(&server, &PROMPTS[..4], 24);
+    drop(server);
+    // A budget without room for 64 caches (2 MiB each at --ctx 1024) serves fewer, and says so.
+    let server = Server::start(
+        &file,
+        &["--parallel", "64", "--memory", "30MiB", "--ctx", "1024"],
+    );
+    let slots = server.metric("leanstream_parallel_slots");
+    assert!((1.0..16.0).contains(&slots), "{slots} slots");
+    assert!(
+        server
+            .startup
+            .iter()
+            .any(|l| l.contains("--memory holds the KV caches of") && l.contains("not 64")),
+        "{:?}",
+        server.startup
+    );
+}
+
+#[test]
+fn a_batched_step_gives_each_row_its_decoded_logits() {
+    let file = converted();
+    // No budget: this test process's start-up RSS (counted in a budget) depends on the tests
+    // beside it; the engine's chunk path is the same, its clusters read once for all rows.
+    let opts = SessionOptions::new(&file, Some(PolicyChoice::Leanstream)).ctx(256);
+    let mut session = Session::open(&opts).unwrap();
+    let ids = |text: &str| session.tokenizer.encode(text, true).unwrap();
+    let prompts: Vec<Vec<u32>> = PROMPTS[..3].iter().map(|p| ids(p)).collect();
+    let model = session.model();
+    // Three sequences at different positions, each decoded alone then in one batch.
+    let mut alone = Vec::new();
+    let mut caches = Vec::new();
+    let mut next = Vec::new();
+    for p in &prompts {
+        let mut cache = model.new_cache(256);
+        let mut logits = model.forward(p, &mut cache, false).unwrap();
+        let tok = argmax(&logits);
+        let mut solo = model.new_cache(256);
+        solo.restore(&cache.save()).unwrap();
+        model
+            .forward_into(&[tok], &mut solo, false, &mut logits)
+            .unwrap();
+        alone.push(logits);
+        caches.push(cache);
+        next.push(tok);
+    }
+    let positions: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+    assert!(positions.windows(2).any(|w| w[0] != w[1]), "{positions:?}");
+    let mut refs: Vec<_> = caches.iter_mut().collect();
+    let mut batched = Vec::new();
+    model.forward_batch(&next, &mut refs, &mut batched).unwrap();
+    let vocab = model.config().vocab_size;
+    for (i, row) in batched.chunks_exact(vocab).enumerate() {
+        assert!(
+            row.iter()
+                .zip(&alone[i])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "row {i} (position {}) differs from decoding it alone",
+            positions[i]
+        );
+    }
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b }) as u32
+}
+
+/// The load test: eight clients at once on eight slots, every reply its solo greedy text and none
+/// lost; prints p50/p99 latency and the aggregate throughput (a figure, not a bound: the
+/// machine's load varies; `scripts/load-test.sh` measures 1 slot against 8).
+#[test]
+fn eight_concurrent_clients_each_get_their_solo_text() {
+    let server = Server::start(&embedded_model(), &["--parallel", "8", "--queue", "8"]);
+    let tokens = 32;
+    let started = Instant::now();
+    let mut latencies = concurrent_replies_equal_solo(&server, &PROMPTS, tokens);
+    let wall = latencies.iter().max().copied().unwrap_or_default();
+    latencies.sort();
+    assert_eq!(latencies.len(), PROMPTS.len(), "a reply was lost");
+    let p99 = latencies[(latencies.len() * 99 / 100).min(latencies.len() - 1)];
+    println!(
+        "8 clients x {tokens} tokens on 8 slots: p50 {:.0} ms, p99 {:.0} ms, {:.1} tok/s aggregate",
+        latencies[latencies.len() / 2].as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3,
+        (PROMPTS.len() * tokens) as f64 / wall.as_secs_f64()
+    );
+    assert!(started.elapsed() < Duration::from_secs(120));
+}
