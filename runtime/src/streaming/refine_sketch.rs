@@ -93,7 +93,8 @@ impl RefineSketch {
 
     /// How many of `n` neurons a keep share of `keep` computes: at least one.
     pub fn kept(n: usize, keep: f32) -> usize {
-        ((keep as f64 * n as f64).ceil() as usize).clamp(1, n)
+        // The share is an f32 (0.3 is 0.300000012): a hair below whole counts as whole.
+        ((keep as f64 * n as f64 - 1e-4).ceil() as usize).clamp(1, n)
     }
 
     /// Marks in `candidate` (cleared) the `kept(n, keep)` neurons with the highest scores for the
