@@ -108,10 +108,16 @@ struct CommonArgs {
     /// Flash device: none (the real disk, direct I/O), ufs4, ufs31, nvme, or a profile FILE.toml.
     #[arg(long, default_value = "none")]
     flash: String,
-    /// certified (skip only neurons proven inactive: output equals resident) or predicted (trust
-    /// the predictors, like prior systems).
+    /// certified (skip only neurons proven inactive: output equals resident), predicted (trust
+    /// the predictors, like prior systems), or refine (compute only the --refine-keep share of
+    /// each layer's neurons that a resident one-bit gate sketch scores highest, skip the rest
+    /// unread: trades quality for reads, measure it with `perplexity`; also with --policy
+    /// resident, whose output it then equals bit for bit).
     #[arg(long, value_enum, default_value_t = SparsityArg::Certified)]
     sparsity: SparsityArg,
+    /// --sparsity refine: the share (0-1) of each layer's neurons computed; 0.5 skips half.
+    #[arg(long, default_value_t = 0.5, value_parser = parse_keep)]
+    refine_keep: f64,
     /// Disable look-ahead speculation (an ablation).
     #[arg(long)]
     no_lookahead: bool,
@@ -162,6 +168,16 @@ enum KvArg {
 enum SparsityArg {
     Certified,
     Predicted,
+    Refine,
+}
+
+fn parse_keep(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err(format!(
+            "--refine-keep {s:?}: give the share of neurons computed, above 0 and at most 1 (e.g. 0.5)"
+        )),
+    }
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -362,6 +378,9 @@ fn session_options(common: &CommonArgs, default_ctx: usize) -> Result<SessionOpt
         sparsity: match common.sparsity {
             SparsityArg::Certified => Sparsity::Certified,
             SparsityArg::Predicted => Sparsity::Predicted,
+            SparsityArg::Refine => Sparsity::Refine {
+                keep_permille: (common.refine_keep * 1000.0).round().clamp(1.0, 1000.0) as u16,
+            },
         },
         ctx: common.ctx,
         default_ctx,

@@ -25,6 +25,7 @@ pub mod parallel;
 mod portable;
 mod qmatrix;
 mod rows;
+pub mod sketch;
 mod weight;
 
 #[cfg(test)]

@@ -44,6 +44,11 @@ pub struct Metrics {
     pub compute_s: f64,
     pub select_s: f64,
     pub stall_s: f64,
+    /// Refine sparsity: neurons its sketch scored and skipped (token × layer), and the bytes of
+    /// the clusters none of whose neurons it kept (not read, not computed).
+    pub refine_scored: u64,
+    pub refine_skipped: u64,
+    pub refine_skipped_bytes: u64,
 }
 
 impl Metrics {
@@ -120,6 +125,9 @@ impl Metrics {
             compute_busy_fraction: ratio_s(self.compute_s, wall_s),
             select_busy_fraction: ratio_s(self.select_s, wall_s),
             io_wait_fraction: ratio_s(self.stall_s, wall_s),
+            refine_skipped_neuron_fraction: ratio(self.refine_skipped, self.refine_scored),
+            refine_skipped_neurons_per_token: per_token(self.refine_skipped),
+            refine_skipped_bytes_per_token: per_token(self.refine_skipped_bytes),
         }
     }
 }
@@ -192,6 +200,12 @@ pub struct Summary {
     pub compute_busy_fraction: f64,
     pub select_busy_fraction: f64,
     pub io_wait_fraction: f64,
+    /// `--sparsity refine`: the share of the neurons scored that were skipped (0 in other
+    /// modes), per token the neurons skipped and the FFN bytes of the clusters skipped whole
+    /// (neither read nor computed). Skipped neurons are not proven inactive: quality is traded.
+    pub refine_skipped_neuron_fraction: f64,
+    pub refine_skipped_neurons_per_token: f64,
+    pub refine_skipped_bytes_per_token: f64,
     /// Each budget change taken so far ([`super::StreamingModel::set_budget`]).
     pub budget_changes: Vec<BudgetChange>,
 }

@@ -20,6 +20,7 @@ pub mod planner;
 pub mod powerinfer2;
 mod predict;
 mod refill;
+pub mod refine_sketch;
 mod schedule;
 mod speculation_gate;
 mod trace;
@@ -141,7 +142,10 @@ impl StreamingModel {
         let tuning = &opts.tuning;
         check_options(path, opts, config.num_layers)?;
         let sparsity = match policy {
-            Policy::Resident | Policy::Oracle => Sparsity::Exact,
+            Policy::Resident | Policy::Oracle => match opts.sparsity {
+                Sparsity::Refine { .. } => opts.sparsity,
+                _ => Sparsity::Exact,
+            },
             Policy::Dense => Sparsity::Dense,
             Policy::PowerInfer2 | Policy::LlmInFlash => Sparsity::Predicted,
             Policy::Leanstream | Policy::Mmap => opts.sparsity,
@@ -151,6 +155,11 @@ impl StreamingModel {
             lookahead: policy == Policy::Leanstream && tuning.lookahead,
         };
         let mut plans = plan::LayerPlan::all(&mut file, uses)?;
+        if let Sparsity::Refine { .. } = sparsity {
+            for p in plans.iter_mut() {
+                p.refine_sketch = Some(refine_sketch::RefineSketch::build(path, p)?);
+            }
+        }
         // Decoding the file's indexes and plans freed more than the plans keep: give it back
         // to the OS, or the allocator keeps it resident beside the budgeted parts.
         crate::platform::memory::release_freed_memory();

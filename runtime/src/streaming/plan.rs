@@ -9,6 +9,7 @@ use leanstream_format::LsbFile;
 
 use crate::kernels::bundles::BundleLayout;
 use crate::streaming::certify::Certificate;
+use crate::streaming::refine_sketch::RefineSketch;
 use crate::streaming::skip_rule::{Skip, SkipRule};
 
 use super::predict::QuantPredictor;
@@ -46,6 +47,8 @@ pub struct LayerPlan {
     /// The look-ahead predictor, resident where a policy speculates with it.
     pub lookahead: Option<QuantPredictor>,
     pub refine: RefineLayer,
+    /// The one-bit gate sketch refine sparsity chooses neurons with, where it runs.
+    pub refine_sketch: Option<RefineSketch>,
 }
 
 /// Which predictors the run uses, so only those stay resident.
@@ -128,6 +131,7 @@ impl LayerPlan {
                     .filter(|_| uses.lookahead)
                     .map(|p| QuantPredictor::new(&p)),
                 refine: refine.next().expect("validated: one per layer"),
+                refine_sketch: None,
             });
         }
         Ok(plans)
@@ -137,6 +141,7 @@ impl LayerPlan {
     pub fn resident_bytes(&self) -> u64 {
         self.certificate_bytes.filter(|_| self.certify).unwrap_or(0)
             + 4 * self.cluster_of.len() as u64
+            + self.refine_sketch.as_ref().map_or(0, |s| s.bytes() as u64)
             + self.predictor_bytes()
             + 8 * self.refine.neuron_freq.len() as u64
             + 12 * self.refine.cluster_freq.len() as u64

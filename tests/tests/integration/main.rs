@@ -42,6 +42,7 @@ mod quality;
 mod quant_fixtures;
 mod real_model;
 mod reference_vs_candle;
+mod refine;
 mod streaming;
 mod threads;
 mod tiny_generator;

@@ -43,12 +43,17 @@ use super::mmap::Mapping;
 use super::plan::LayerPlan;
 use super::predict::{above_into, active_from_read, read_predictor};
 use super::refill::Refill;
+use super::refine_sketch::RefineScratch;
 use super::schedule::{Schedule, TOP_UP_SHARE};
 use super::trace::ActiveTrace;
 
 /// How neurons are chosen for computation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sparsity {
+    /// Compute only the `keep_permille`/1000 share of each layer's neurons that its one-bit gate
+    /// sketch scores highest, skip the others unread ([`crate::streaming::refine_sketch`]):
+    /// approximate, the same neurons under every policy.
+    Refine { keep_permille: u16 },
     /// Skip only neurons the gate sketch proves inactive: output equals `resident`.
     Certified,
     /// Skip what the layer's own predictor calls inactive (approximate, like prior systems).
@@ -109,6 +114,8 @@ struct Selection {
     own_scores: Vec<f32>,
     /// Neurons to compute.
     candidate: Vec<bool>,
+    /// Scratch of the refine sketch.
+    refine: RefineScratch,
     /// Clusters holding a candidate, ascending.
     needed: Vec<usize>,
     /// The true active neurons, when a trace is known.
@@ -325,6 +332,16 @@ impl StreamEngine {
                 assert!(sel.has_own, "computed in predicted mode");
                 candidate.extend_from_slice(&sel.own);
             }
+            (false, Sparsity::Refine { keep_permille }) => {
+                let sketch = plan
+                    .refine_sketch
+                    .as_ref()
+                    .expect("built when the model opened in refine mode");
+                sketch.candidates(x, keep_permille as f32 / 1000.0, &mut sel.refine, candidate);
+                let m = &mut self.core.metrics;
+                m.refine_scored += n as u64;
+                m.refine_skipped += candidate.iter().filter(|&&c| !c).count() as u64;
+            }
         }
         let clusters = plan.clusters.len();
         sel.needed.clear();
@@ -332,6 +349,13 @@ impl StreamEngine {
             let cl = plan.clusters[ci];
             sel.candidate[cl.first..cl.first + cl.count].contains(&true)
         }));
+        if let (false, Sparsity::Refine { .. }) = (known, self.core.sparsity) {
+            let m = &mut self.core.metrics;
+            m.refine_skipped_bytes += plan.clusters.iter().map(|c| c.size).sum::<u64>();
+            for &ci in &sel.needed {
+                m.refine_skipped_bytes -= plan.clusters[ci].size;
+            }
+        }
         // What was in memory when the layer's input was ready, for the hit figures: of the
         // clusters needed or (with a trace) truly active.
         let in_memory = &mut sel.in_memory;

@@ -59,7 +59,7 @@ impl Core {
         match self.sparsity {
             Sparsity::Exact | Sparsity::Dense => true,
             Sparsity::Certified => self.plans[l].certificate.is_none(),
-            Sparsity::Predicted => false,
+            Sparsity::Predicted | Sparsity::Refine { .. } => false,
         }
     }
 
