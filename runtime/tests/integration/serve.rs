@@ -700,7 +700,7 @@ fn chat_takes_tools_tool_results_and_json_object() {
         "/v1/chat/completions",
         &json!({
             "messages": [{ "role": "user",
-                "content": "Give the capital of France as JSON with a key \"capital\"." }],
+                "content": "What is the capital of France? Answer in JSON." }],
             "max_tokens": 120, "temperature": 0, "response_format": { "type": "json_object" }
         }),
     );

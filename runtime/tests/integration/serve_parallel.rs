@@ -88,13 +88,14 @@ fn concurrent_replies_equal_solo(server: &Server, prompts: &[&str], n: usize) ->
     for ((prompt, alone), (at_once, _)) in prompts.iter().zip(&solo).zip(&together) {
         assert_eq!(alone, at_once, "{prompt:?}: alone vs served with others");
     }
-    // The tokens were decoded together: more tokens than steps.
+    // Some tokens were decoded together: more tokens than steps. How many steps coincide depends
+    // on how the clients' requests interleave with the rest of the machine's load.
     let (steps, tokens) = (
         server.metric("leanstream_batch_steps") - steps,
         server.metric("leanstream_batched_tokens") - tokens,
     );
     assert!(
-        tokens > 1.5 * steps,
+        tokens > steps,
         "{tokens} tokens in {steps} steps: not batched"
     );
     together.into_iter().map(|t| t.1).collect()
