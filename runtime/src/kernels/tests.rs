@@ -144,9 +144,6 @@ fn report(kernel: &str, isa: &str, qtype: impl std::fmt::Display, max_err: f64) 
     eprintln!("max-error {kernel} {isa} {qtype} {max_err:.3e}");
 }
 
-/// The NEON kernels give the portable kernels' bits (see `neon.rs` for why: the q8 rounding of
-/// the next layer's input turns last-bit differences into whole quantization steps), for every
-/// encoding and length, including zero inputs (the sign of a zero sum).
 /// Every kernel set this CPU runs computes the portable set's bits for every encoding: `dot`,
 /// `dots` (several rows at once) and `axpy`, on random and zero inputs of every length. (The
 /// activation is quantized to q8 before each mat-vec, so a last-bit difference anywhere, the

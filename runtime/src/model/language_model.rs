@@ -45,20 +45,7 @@ pub trait LanguageModel {
         caches: &mut [&mut KvCache],
         logits: &mut Vec<f32>,
     ) -> Result<()> {
-        if tokens.len() != caches.len() {
-            anyhow::bail!(
-                "a batch needs one KV cache per token ({} tokens, {} caches)",
-                tokens.len(),
-                caches.len()
-            );
-        }
-        let mut row = Vec::new();
-        logits.clear();
-        for (&tok, cache) in tokens.iter().zip(caches.iter_mut()) {
-            self.forward_into(&[tok], cache, false, &mut row)?;
-            logits.extend_from_slice(&row);
-        }
-        Ok(())
+        decode_each(self, tokens, caches, logits)
     }
 
     /// Whether scoring a text should feed it one token at a time, as generation does, so that what
@@ -72,6 +59,30 @@ pub trait LanguageModel {
     fn prompt_chunk(&self) -> usize {
         crate::text::generate::PROMPT_CHUNK
     }
+}
+
+/// [`LanguageModel::forward_batch`] one token after another: each `tokens[i]` decoded alone after
+/// `caches[i]`, its logits appended to `logits` (the default, and a batching model's fallback).
+pub fn decode_each<M: LanguageModel + ?Sized>(
+    model: &mut M,
+    tokens: &[u32],
+    caches: &mut [&mut KvCache],
+    logits: &mut Vec<f32>,
+) -> Result<()> {
+    if tokens.len() != caches.len() {
+        anyhow::bail!(
+            "a batch needs one KV cache per token ({} tokens, {} caches)",
+            tokens.len(),
+            caches.len()
+        );
+    }
+    let mut row = Vec::new();
+    logits.clear();
+    for (&tok, cache) in tokens.iter().zip(caches.iter_mut()) {
+        model.forward_into(&[tok], cache, false, &mut row)?;
+        logits.extend_from_slice(&row);
+    }
+    Ok(())
 }
 
 impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {

@@ -30,7 +30,7 @@ use crate::source::safetensors_dir::SafetensorsDir;
 pub use attention::Attention;
 use dense_ffn::Ffn;
 pub use dense_ffn::{DenseFfn, FfnBackend, FfnProbe};
-pub use language_model::LanguageModel;
+pub use language_model::{decode_each, LanguageModel};
 pub use moe::{expert_tensor_names, route, router_tensor_name, Choice, MoeFfn, MoeScratch};
 pub use norm::rms_norm;
 pub use projections::{DenseWeights, Projections};

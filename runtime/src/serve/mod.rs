@@ -6,8 +6,9 @@
 //! One HTTP thread validates requests and answers the cheap routes; `--parallel` slots (one by
 //! default, on this thread) take queued requests in arrival order, each with its own KV cache
 //! reused for the previous conversation's common prefix, and decode their tokens together
-//! (batch.rs: continuous batching, every reply bit for bit what it would be alone). The server is `tiny_http`: synchronous, four small
-//! dependencies, no async runtime (docs/serve.md: its size and build-time cost).
+//! (batch.rs: continuous batching, every reply bit for bit what it would be alone). The server is
+//! `tiny_http`: synchronous, four small dependencies, no async runtime (docs/serve.md: its size
+//! and build-time cost).
 
 mod batch;
 mod compat;

@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use super::batch::Batcher;
-
 use super::decode::{generate, DecodeOptions, Scratch, TokenLogprob};
 use super::error::ApiError;
 use super::json_grammar::TokenTexts;

@@ -539,13 +539,7 @@ impl crate::model::LanguageModel for StreamingModel {
         // A recorded trace is replayed one token at a time; a batch beyond the planned scratch
         // is decoded row by row.
         if tokens.len() < 2 || tokens.len() > self.prompt_chunk || self.engine.decode_only() {
-            let mut row = Vec::new();
-            logits.clear();
-            for (&tok, cache) in tokens.iter().zip(caches.iter_mut()) {
-                self.forward_into(&[tok], cache, false, &mut row)?;
-                logits.extend_from_slice(&row);
-            }
-            return Ok(());
+            return crate::model::decode_each(self, tokens, caches, logits);
         }
         self.take_watched_budget();
         self.engine.begin_call(tokens, 0)?;

@@ -400,7 +400,9 @@ impl Session {
             Engine::Dense(_) => Ok((slots, 0)),
             Engine::Experts(m) => match m.budget {
                 Some(_) if slots > 1 => bail!(
-                    "--parallel {slots}: a mixture of experts streams under the budget it was                      opened with; serving several requests at once under --memory is not                      implemented for experts (use --parallel 1, or drop --memory)"
+                    "--parallel {slots}: a mixture of experts streams under the budget it was \
+                     opened with; serving several requests at once under --memory is not \
+                     implemented for experts (use --parallel 1, or drop --memory)"
                 ),
                 _ => Ok((slots, 0)),
             },
@@ -410,7 +412,8 @@ impl Session {
                 };
                 if slots > 1 && s.follows() {
                     bail!(
-                        "--parallel {slots} sets aside KV caches under a fixed budget: give                          --memory a size, not auto or --memory-file, or use --parallel 1"
+                        "--parallel {slots} sets aside KV caches under a fixed budget: give \
+                         --memory a size, not auto or --memory-file, or use --parallel 1"
                     );
                 }
                 let per = s.split.kv_cache.max(1);
