@@ -96,12 +96,15 @@ pub fn estimate(c: &ModelConfig, q: QuantType, tokens: usize, source_bytes: u64)
     let ffn = 4 * 3 * h * n;
     let source = source_bytes.min(4 * v * h);
     let layout = OVERHEAD + source + 2 * encoded(v, h) + 4 * LAYOUT_RUN_ROWS * h + 2 * ffn;
-    // The windows run on every core: per task one window's activations and keys and values.
-    let tasks = rayon::current_num_threads() as u64;
+    // The windows run on every core (at most one task a window): per task one window's
+    // activations and keys and values; the held-out comparison, one run of positions' logits.
+    let threads = rayon::current_num_threads() as u64;
+    let tasks = threads.min(tokens.div_ceil(WINDOW) as u64);
+    let runs = threads.min(WINDOW.div_ceil(COMPARE_ROWS) as u64);
     let window = 4 * WINDOW as u64 * (4 * h + 2 * qd + 2 * kv + 3 * n);
     let block = 4 * (2 * qd * h + 2 * kv * h) + 2 * ffn + tasks * window;
     let calibration = tokens as u64 * per_token_bytes(c);
-    let logits = tasks * 4 * 2 * COMPARE_ROWS as u64 * v + 4 * 4 * tokens as u64 * h;
+    let logits = runs * 4 * 2 * COMPARE_ROWS as u64 * v + 4 * 4 * tokens as u64 * h;
     let total = layout.max(OVERHEAD + model + (block + calibration).max(logits));
     Estimate {
         model,
