@@ -37,7 +37,7 @@ use crate::placement::{cluster_fill, place};
 use crate::profile::{LayerProfile, Profiler, StreamRule};
 use crate::progress::Phase;
 use crate::sparsity::{masks, quantile, scores, SparsityMode};
-use crate::sparsity_search::layer_fractions;
+use crate::sparsity_search::{layer_fractions, Fractions};
 use crate::stored::Stored;
 use crate::train::{
     at_threshold, energies, massive, miss_threshold, normalise_rows, score_threshold, targets,
@@ -154,7 +154,12 @@ pub fn calibrate(
     let t = Instant::now();
     // The layer profiles the dense pass keeps on disk for the main pass, if any, beside the output.
     remove_stale(output, "profile");
-    let (fractions, auto, mut spill) = layer_fractions(
+    let Fractions {
+        layers: fractions,
+        auto,
+        mut spill,
+        exact: searched,
+    } = layer_fractions(
         mode,
         &mut profiler,
         &stored,
@@ -182,9 +187,9 @@ pub fn calibrate(
             tried.join(", ")
         );
     }
-    // Two held-out streams: exact mode (the file's thresholds) and predicted mode (also its own
-    // predictors).
-    profiler.restart_sparse(2)?;
+    // Held-out streams: predicted mode (the file's thresholds and its own predictors) and, unless
+    // the search measured it, exact mode (the thresholds alone).
+    profiler.restart_sparse(if searched.is_some() { 1 } else { 2 })?;
     let mut phase = Phase::start(opts.progress, "calibrate", config.num_layers);
     let mut ffn = FfnIndex::default();
     let (mut predictors, mut sketch, mut refine) =
@@ -306,16 +311,14 @@ pub fn calibrate(
             quality: at_threshold(&own_eval, &y_eval, &e_eval, own_thr),
             always,
         });
-        profiler.sparse_layer(
-            l,
-            &[
-                StreamRule::exact(skip),
-                StreamRule {
-                    skip,
-                    predictor: Some((&own, own_thr)),
-                },
-            ],
-        );
+        let predicted_rule = StreamRule {
+            skip,
+            predictor: Some((&own, own_thr)),
+        };
+        match searched {
+            Some(_) => profiler.sparse_layer(l, &[predicted_rule]),
+            None => profiler.sparse_layer(l, &[predicted_rule, StreamRule::exact(skip)]),
+        }
         let freq = y_train.mean_axis(ndarray::Axis(0)).expect("rows");
         // Every row scored by the neuron's training frequency: a view, not a `rows × n` copy.
         let static_scores = freq.broadcast(y_eval.dim()).expect("n columns");
@@ -429,7 +432,11 @@ pub fn calibrate(
     drop(spill);
 
     let t = Instant::now();
-    let [quality, predicted_quality]: [_; 2] = profiler.quality().try_into().expect("two streams");
+    let mut streams = profiler.quality().into_iter();
+    let predicted_quality = streams.next().expect("the predicted stream");
+    let quality = searched
+        .or_else(|| streams.next())
+        .expect("the exact stream");
     let meta = Meta {
         model: config.clone(),
         dense_quant: file_meta.dense_quant.clone(),

@@ -6,6 +6,8 @@
 //! every core, one KV cache per task; every window computes the same bits whatever the thread
 //! count, and every sum over windows is taken in window order.
 
+use std::borrow::Cow;
+
 use leanstream::model::{FfnProbe, Model};
 use leanstream::streaming::skip_rule::Skip;
 use leanstream::text::perplexity::{Comparison, ComparisonAccum};
@@ -54,6 +56,10 @@ pub struct Profiler<'a> {
     /// Hidden states of the held-out windows with sub-threshold neurons dropped, one stream per
     /// set of thresholds being measured.
     sparse: Vec<Vec<f32>>,
+    /// The dense model's logits at the held-out positions [`Profiler::quality`] compares, kept
+    /// from one call to the next while [`Profiler::keep_dense_logits`] says so (the `auto`
+    /// search's rounds compare with the same dense output); empty until the first call.
+    dense_logits: Option<Vec<f32>>,
 }
 
 /// Positions of a held-out window whose logits are compared at once: bounds the logits held
@@ -78,6 +84,7 @@ impl<'a> Profiler<'a> {
             calib,
             dense: Vec::new(),
             sparse: Vec::new(),
+            dense_logits: None,
         };
         p.restart()?;
         Ok(p)
@@ -87,6 +94,9 @@ impl<'a> Profiler<'a> {
     /// one sparse stream.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.dense.clear();
+        if let Some(l) = &mut self.dense_logits {
+            *l = Vec::new();
+        }
         for w in &self.calib.windows {
             let x = self.model.embed(w)?;
             self.dense.extend(x);
@@ -110,6 +120,26 @@ impl<'a> Profiler<'a> {
     /// Calibration tokens (rows of a [`LayerProfile`]).
     pub fn rows(&self) -> usize {
         self.calib.tokens()
+    }
+
+    /// Bytes of the dense logits [`Profiler::quality`] can keep: the held-out positions it
+    /// compares times the vocabulary, in f32.
+    pub fn dense_logits_bytes(&self) -> u64 {
+        let positions: usize = self
+            .calib
+            .windows
+            .iter()
+            .zip(&self.calib.heldout)
+            .filter(|(_, &h)| h)
+            .map(|(w, _)| w.len() - 1)
+            .sum();
+        4 * (positions * self.model.config().vocab_size) as u64
+    }
+
+    /// Whether [`Profiler::quality`] keeps the dense logits for its next calls (computed by the
+    /// first; the same bits as computing them each time); `false` frees them.
+    pub fn keep_dense_logits(&mut self, keep: bool) {
+        self.dense_logits = keep.then(Vec::new);
     }
 
     /// Runs layer `l` of the dense model on every window and returns what its FFN saw.
@@ -201,52 +231,73 @@ impl<'a> Profiler<'a> {
     }
 
     /// Compares each sparse stream with the dense model on the held-out windows (call after the
-    /// last layer).
-    pub fn quality(&self) -> Vec<Comparison> {
+    /// last layer). The held-out positions go in runs of [`COMPARE_ROWS`] on every core, each run
+    /// compared with every stream; the runs' sums are added in order, whatever the thread count.
+    pub fn quality(&mut self) -> Vec<Comparison> {
         let c = self.model.config();
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let mut q: Vec<ComparisonAccum> = self.sparse.iter().map(|_| Default::default()).collect();
+        // Each run: its window's tokens, first position, rows in the dense and sparse states, and
+        // positions.
+        let mut runs = Vec::new();
         let (mut drow, mut srow) = (0, 0);
         for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
             let t = w.len();
             if held {
-                // Runs of positions on every core, each compared with every stream, summed in
-                // order.
-                let runs: Vec<Vec<ComparisonAccum>> = (0..t - 1)
-                    .step_by(COMPARE_ROWS)
-                    .collect::<Vec<_>>()
-                    .into_par_iter()
-                    .map(|i0| {
-                        let i1 = (i0 + COMPARE_ROWS).min(t - 1);
-                        let ld = self
-                            .model
-                            .logits(&self.dense[(drow + i0) * h..(drow + i1) * h]);
-                        self.sparse
-                            .iter()
-                            .map(|stream| {
-                                let ls =
-                                    self.model.logits(&stream[(srow + i0) * h..(srow + i1) * h]);
-                                let mut acc = ComparisonAccum::default();
-                                for i in 0..i1 - i0 {
-                                    acc.add(
-                                        &ls[i * v..(i + 1) * v],
-                                        &ld[i * v..(i + 1) * v],
-                                        w[i0 + i + 1] as usize,
-                                    );
-                                }
-                                acc
-                            })
-                            .collect()
-                    })
-                    .collect();
-                for run in &runs {
-                    for (q, acc) in q.iter_mut().zip(run) {
-                        q.merge(acc);
-                    }
+                for i0 in (0..t - 1).step_by(COMPARE_ROWS) {
+                    let len = (i0 + COMPARE_ROWS).min(t - 1) - i0;
+                    runs.push((w.as_slice(), i0, drow + i0, srow + i0, len));
                 }
                 srow += t;
             }
             drow += t;
+        }
+        let cached = self.dense_logits.as_deref().filter(|l| !l.is_empty());
+        let keep = self.dense_logits.is_some() && cached.is_none();
+        let mut first = 0;
+        let firsts: Vec<usize> = runs
+            .iter()
+            .map(|r| {
+                first += r.4;
+                first - r.4
+            })
+            .collect();
+        let (model, dense, sparse) = (&self.model, &self.dense, &self.sparse);
+        let compared: Vec<(Vec<f32>, Vec<ComparisonAccum>)> = runs
+            .into_par_iter()
+            .zip(firsts)
+            .map(|((w, i0, d, s, len), first)| {
+                let ld = match cached {
+                    Some(l) => Cow::Borrowed(&l[first * v..(first + len) * v]),
+                    None => Cow::Owned(model.logits(&dense[d * h..(d + len) * h])),
+                };
+                let accs = sparse
+                    .iter()
+                    .map(|stream| {
+                        let ls = model.logits(&stream[s * h..(s + len) * h]);
+                        let mut acc = ComparisonAccum::default();
+                        for i in 0..len {
+                            acc.add(
+                                &ls[i * v..(i + 1) * v],
+                                &ld[i * v..(i + 1) * v],
+                                w[i0 + i + 1] as usize,
+                            );
+                        }
+                        acc
+                    })
+                    .collect();
+                (if keep { ld.into_owned() } else { Vec::new() }, accs)
+            })
+            .collect();
+        let mut q: Vec<ComparisonAccum> = sparse.iter().map(|_| Default::default()).collect();
+        let mut kept = Vec::with_capacity(if keep { first * v } else { 0 });
+        for (ld, run) in compared {
+            kept.extend(ld);
+            for (q, acc) in q.iter_mut().zip(&run) {
+                q.merge(acc);
+            }
+        }
+        if keep {
+            self.dense_logits = Some(kept);
         }
         q.iter().map(ComparisonAccum::finish).collect()
     }

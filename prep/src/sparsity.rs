@@ -10,7 +10,7 @@
 //!   relative to the stream) is measured on the dense model, and each step of sparsity goes to the
 //!   layer where it costs least until the mean over layers is F.
 //! - `auto` (SwiGLU): `target:F` at the largest F whose held-out perplexity cost against the dense
-//!   model is at most [`AUTO_MAX_COST`] ([`auto_search`]).
+//!   model is at most [`AUTO_MAX_COST`], found by bisection ([`auto_search`]).
 
 use leanstream::source::config::Activation;
 use leanstream::streaming::skip_rule::SkipRule;
@@ -20,10 +20,9 @@ use leanstream_format::quant_scale::nearest_pow2_exponent;
 /// is at most this much above the dense model's (with the thresholds the file gets, i.e. what
 /// exact mode computes).
 pub const AUTO_MAX_COST: f64 = 0.02;
-/// `auto`'s search: these fractions first, then the multiples of [`AUTO_STEP`] between the
-/// largest that passes and the next.
-const AUTO_COARSE: [f32; 4] = [0.2, 0.4, 0.6, 0.8];
+/// `auto`'s candidates: the multiples of [`AUTO_STEP`] up to [`AUTO_MAX`].
 const AUTO_STEP: f32 = 0.05;
+const AUTO_MAX: f32 = 0.8;
 /// Allocation step and the largest fraction one layer may be given.
 const STEP: f32 = 0.025;
 const MAX_LAYER_FRACTION: f32 = 0.9;
@@ -115,42 +114,34 @@ pub struct AutoChoice {
     pub tried: Vec<(f32, f64)>,
 }
 
-/// The largest fraction (a multiple of [`AUTO_STEP`], at most the last coarse one) whose cost is
-/// at most [`AUTO_MAX_COST`], taking the cost to grow with the fraction: [`AUTO_COARSE`] first,
-/// then the steps between the largest that passes (or 0) and the next. `costs` measures a batch
-/// of fractions at once (one pass through the model). 0 when none passes.
+/// The largest fraction (a multiple of [`AUTO_STEP`], at most [`AUTO_MAX`]) whose cost is at
+/// most [`AUTO_MAX_COST`], taking the cost to grow with the fraction: a bisection of the
+/// candidates, one fraction measured per step (`costs` measures a batch of fractions in one pass
+/// through the model; here a batch of one), so 4 or 5 passes of one sparse stream each. 0 (the
+/// dense model, cost 0) when none passes.
 pub fn auto_search(
     mut costs: impl FnMut(&[f32]) -> anyhow::Result<Vec<f64>>,
 ) -> anyhow::Result<AutoChoice> {
+    let at = |k: usize| k as f32 * AUTO_STEP;
     let mut tried: Vec<(f32, f64)> = Vec::new();
-    let mut measure = |fs: &[f32], tried: &mut Vec<(f32, f64)>| -> anyhow::Result<()> {
-        if !fs.is_empty() {
-            tried.extend(fs.iter().copied().zip(costs(fs)?));
+    // Candidate `pass` passes (0: dense), `fail` fails (one past the last candidate).
+    let (mut pass, mut fail) = (0usize, (AUTO_MAX / AUTO_STEP).round() as usize + 1);
+    let mut chosen = (0.0, 0.0);
+    while fail - pass > 1 {
+        let mid = (pass + fail) / 2;
+        let cost = costs(&[at(mid)])?[0];
+        tried.push((at(mid), cost));
+        if cost <= AUTO_MAX_COST {
+            pass = mid;
+            chosen = (at(mid), cost);
+        } else {
+            fail = mid;
         }
-        Ok(())
-    };
-    measure(&AUTO_COARSE, &mut tried)?;
-    let passes = |tried: &[(f32, f64)]| {
-        tried
-            .iter()
-            .copied()
-            .filter(|&(_, c)| c <= AUTO_MAX_COST)
-            .max_by(|a, b| a.0.total_cmp(&b.0))
-    };
-    let low = passes(&tried).map_or(0.0, |(f, _)| f);
-    let high = AUTO_COARSE
-        .iter()
-        .copied()
-        .find(|&f| f > low)
-        .unwrap_or(low);
-    let steps = ((high - low) / AUTO_STEP).round() as usize;
-    let fine: Vec<f32> = (1..steps).map(|k| low + k as f32 * AUTO_STEP).collect();
-    measure(&fine, &mut tried)?;
-    let (fraction, cost) = passes(&tried).unwrap_or((0.0, 0.0));
+    }
     tried.sort_by(|a, b| a.0.total_cmp(&b.0));
     Ok(AutoChoice {
-        fraction,
-        cost,
+        fraction: chosen.0,
+        cost: chosen.1,
         max_cost: AUTO_MAX_COST,
         tried,
     })
@@ -271,22 +262,25 @@ pub fn level_thresholds(scores: &[f32], n: usize, train_rows: &[usize]) -> Vec<f
 /// the thread count.
 fn sorted(s: Vec<f32>) -> Vec<f32> {
     use rayon::slice::ParallelSliceMut;
-    // `total_cmp`'s key: negative floats' bits reversed, positive ones' above them.
-    let key = |v: f32| {
-        let b = v.to_bits();
-        b ^ (((b as i32 >> 31) as u32) | 0x8000_0000)
-    };
-    let unkey = |k: u32| {
-        let b = if k & 0x8000_0000 != 0 {
-            k ^ 0x8000_0000
-        } else {
-            !k
-        };
-        f32::from_bits(b)
-    };
-    let mut keys: Vec<u32> = s.into_iter().map(key).collect();
+    let mut keys: Vec<u32> = s.into_iter().map(order_key).collect();
     keys.par_sort_unstable();
-    keys.into_iter().map(unkey).collect()
+    keys.into_iter().map(from_order_key).collect()
+}
+
+/// `v`'s key in [`f32::total_cmp`] order, an integer (negative floats' bits reversed, positive
+/// ones' above them): integers sort several times faster than a comparison sort of floats.
+pub(crate) fn order_key(v: f32) -> u32 {
+    let b = v.to_bits();
+    b ^ (((b as i32 >> 31) as u32) | 0x8000_0000)
+}
+
+/// The float of an [`order_key`].
+pub(crate) fn from_order_key(k: u32) -> f32 {
+    f32::from_bits(if k & 0x8000_0000 != 0 {
+        k ^ 0x8000_0000
+    } else {
+        !k
+    })
 }
 
 /// The entry of [`level_thresholds`] for a fraction [`allocate`] returned.
@@ -482,8 +476,8 @@ mod tests {
         assert!(*c.last().unwrap() > 0.0);
     }
 
-    /// `auto` finds the largest multiple of 0.05 within the cost, in two batches, and 0 when
-    /// nothing is cheap enough.
+    /// `auto` finds the largest multiple of 0.05 within the cost by bisection, one fraction a
+    /// pass, and 0 when nothing is cheap enough.
     #[test]
     fn auto_picks_the_largest_fraction_within_the_cost() {
         let mut batches = Vec::new();
@@ -495,18 +489,28 @@ mod tests {
         .unwrap();
         assert!((c.fraction - 0.4).abs() < 1e-6, "{c:?}");
         assert!((c.cost - 0.016).abs() < 1e-6, "{c:?}");
-        assert_eq!(batches.len(), 2);
-        assert_eq!(batches[1].len(), 3, "{batches:?}");
+        // 0.4 passes, 0.6, 0.5 and 0.45 fail.
+        let want = [0.4, 0.6, 0.5, 0.45];
+        assert_eq!(batches.len(), want.len(), "{batches:?}");
+        for (b, w) in batches.iter().zip(want) {
+            assert!(b.len() == 1 && (b[0] - w).abs() < 1e-6, "{batches:?}");
+        }
         assert!(c.tried.windows(2).all(|w| w[0].0 < w[1].0), "{c:?}");
+        // A cost that passes 0.45 (the SmolLM2 case): 0.4, 0.6, 0.5, 0.45 measured, 0.45 chosen.
+        let c = auto_search(|fs| Ok(fs.iter().map(|&f| f64::from(f > 0.47)).collect())).unwrap();
+        assert!((c.fraction - 0.45).abs() < 1e-6, "{c:?}");
+        assert_eq!(c.tried.len(), 4, "{c:?}");
         // Steeper: only 0.05 and 0.1 fit under 0.2.
         let c = auto_search(|fs| Ok(fs.iter().map(|&f| f as f64 * 0.15).collect())).unwrap();
         assert!((c.fraction - 0.1).abs() < 1e-6, "{c:?}");
         // Nothing fits: dense.
         let c = auto_search(|fs| Ok(vec![1.0; fs.len()])).unwrap();
-        assert_eq!(c.fraction, 0.0);
-        // Everything fits: the largest coarse fraction.
+        assert_eq!((c.fraction, c.cost), (0.0, 0.0));
+        assert_eq!(c.tried.len(), 4, "{c:?}");
+        // Everything fits: the largest candidate, in 5 passes.
         let c = auto_search(|fs| Ok(vec![0.0; fs.len()])).unwrap();
         assert!((c.fraction - 0.8).abs() < 1e-6, "{c:?}");
+        assert_eq!(c.tried.len(), 5, "{c:?}");
     }
 
     #[test]

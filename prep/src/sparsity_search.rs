@@ -6,9 +6,11 @@ use std::path::Path;
 
 use anyhow::Result;
 use leanstream::streaming::skip_rule::{Skip, SkipRule};
+use leanstream::text::perplexity::Comparison;
 
 use crate::calibrate::install;
 use crate::convert::uninstall;
+use crate::memory_plan::per_token_bytes;
 use crate::profile::{Profiler, StreamRule};
 use crate::progress::Phase;
 use crate::sparsity::{
@@ -30,16 +32,16 @@ pub fn layer_fractions(
     train_rows: &[usize],
     spill: &Path,
     progress: bool,
-) -> Result<(Vec<f32>, Option<AutoChoice>, Option<Spill>)> {
+) -> Result<Fractions> {
     let c = profiler.model.config().clone();
     let (h, n, layers) = (c.hidden_size, c.intermediate_size, c.num_layers);
     let fraction = match mode {
-        SparsityMode::Relu => return Ok((vec![0.0; layers], None, None)),
+        SparsityMode::Relu => return Ok(Fractions::uniform(0.0, layers)),
         SparsityMode::Threshold(f)
         | SparsityMode::Target {
             fraction: f,
             allocate: false,
-        } => return Ok((vec![f; layers], None, None)),
+        } => return Ok(Fractions::uniform(f, layers)),
         SparsityMode::Target { fraction, .. } => Some(fraction),
         SparsityMode::Auto => None,
     };
@@ -89,33 +91,82 @@ pub fn layer_fractions(
         phase.step();
     }
     phase.finish();
+    // Each fraction the search measured, with its comparison.
+    let mut measured: Vec<(f32, Comparison)> = Vec::new();
     let auto = match fraction {
         Some(_) => None,
-        // The profiler now holds the dense model's output on every window.
-        None => Some(auto_search(|fractions| {
-            heldout_costs(
-                profiler,
-                stored,
-                mode.rule(),
-                &curves,
-                &thresholds,
-                fractions,
-                progress,
-            )
-        })?),
+        // The profiler now holds the dense model's output on every window. Every round compares
+        // with its logits: kept between rounds where they take no more memory than the main
+        // pass's calibration state, which is not held yet.
+        None => {
+            let calibration = profiler.rows() as u64 * per_token_bytes(&c);
+            profiler.keep_dense_logits(profiler.dense_logits_bytes() <= calibration);
+            let auto = auto_search(|fractions| {
+                let q = heldout_quality(
+                    profiler,
+                    stored,
+                    mode.rule(),
+                    &curves,
+                    &thresholds,
+                    fractions,
+                    progress,
+                )?;
+                measured.extend(fractions.iter().copied().zip(q.iter().cloned()));
+                Ok(q.iter()
+                    .map(|q| q.perplexity / q.reference_perplexity - 1.0)
+                    .collect())
+            })?;
+            profiler.keep_dense_logits(false);
+            Some(auto)
+        }
     };
     if spill.is_none() {
         profiler.restart()?;
     }
-    let fraction = fraction.or(auto.as_ref().map(|a| a.fraction));
-    Ok((allocate(&curves, fraction.expect("set above")), auto, spill))
+    let fraction = fraction
+        .or(auto.as_ref().map(|a| a.fraction))
+        .expect("set above");
+    let exact = measured
+        .into_iter()
+        .find(|(f, _)| *f == fraction)
+        .map(|(_, q)| q);
+    Ok(Fractions {
+        layers: allocate(&curves, fraction),
+        auto,
+        spill,
+        exact,
+    })
 }
 
-/// The held-out perplexity cost (`perplexity / dense perplexity − 1`) of each of `fractions`,
+/// What [`layer_fractions`] found.
+pub struct Fractions {
+    /// Each layer's fraction of neurons skipped.
+    pub layers: Vec<f32>,
+    /// What `auto` chose and measured.
+    pub auto: Option<AutoChoice>,
+    /// The dense pass's layer profiles, for the main pass to read back.
+    pub spill: Option<Spill>,
+    /// The held-out comparison of exact mode at these fractions, where the search measured it (the
+    /// main pass's exact stream would compute the same bits again).
+    pub exact: Option<Comparison>,
+}
+
+impl Fractions {
+    fn uniform(fraction: f32, layers: usize) -> Self {
+        Self {
+            layers: vec![fraction; layers],
+            auto: None,
+            spill: None,
+            exact: None,
+        }
+    }
+}
+
+/// The held-out comparison with the dense model of each of `fractions`,
 /// [`allocate`]d by `curves` at the `thresholds` of the dense pass that measured them (the ones the
 /// file would get): one pass through the layers with a sparse stream per fraction, after a dense
 /// pass through every layer.
-fn heldout_costs(
+fn heldout_quality(
     profiler: &mut Profiler,
     stored: &Stored,
     rule: SkipRule,
@@ -123,7 +174,7 @@ fn heldout_costs(
     thresholds: &[Vec<f32>],
     fractions: &[f32],
     progress: bool,
-) -> Result<Vec<f64>> {
+) -> Result<Vec<Comparison>> {
     let c = profiler.model.config().clone();
     let allocations: Vec<Vec<f32>> = fractions.iter().map(|&f| allocate(curves, f)).collect();
     profiler.restart_sparse(fractions.len())?;
@@ -146,9 +197,5 @@ fn heldout_costs(
         phase.step();
     }
     phase.finish();
-    Ok(profiler
-        .quality()
-        .iter()
-        .map(|q| q.perplexity / q.reference_perplexity - 1.0)
-        .collect())
+    Ok(profiler.quality())
 }

@@ -215,3 +215,45 @@ fn the_converter_keeps_to_its_memory_or_refuses_up_front() {
     );
     assert!(peak <= floor, "peak {peak} > stated floor {floor}");
 }
+
+/// `--sparsity auto` on a SwiGLU model: its bisection measures 4 or 5 fractions, the file's
+/// exact-mode quality is the one the search measured at the fraction it chose, and converting
+/// on one thread and on two writes the same bytes.
+#[test]
+fn an_auto_conversion_is_the_same_on_one_thread_and_two() {
+    let dir = leanstream_tests::fresh_dir(&scratch(), "auto-threads-model");
+    write_tiny_model(&dir, &TinySpec::llama()).unwrap();
+    let convert = |threads: &str, name: &str| {
+        let out = scratch().join(name);
+        let o = Command::new(bin("leanstream-prep"))
+            .env("RAYON_NUM_THREADS", threads)
+            .arg("convert")
+            .arg(&dir)
+            .args(["-o", out.to_str().unwrap(), "--json"])
+            .args(CALIB)
+            .output()
+            .unwrap();
+        (json_output(&o), std::fs::read(&out).unwrap())
+    };
+    let (v, one) = convert("1", "auto-1-thread.lsb");
+    let (_, two) = convert("2", "auto-2-threads.lsb");
+    assert!(one == two, "1 and 2 threads wrote different files");
+    let auto = &v["sparsity_auto"];
+    let tried = auto["tried"].as_array().unwrap();
+    assert!((4..=5).contains(&tried.len()), "{auto}");
+    let fraction = auto["fraction"].as_f64().unwrap();
+    let cost = auto["cost"].as_f64().unwrap();
+    assert!(cost <= auto["max_cost"].as_f64().unwrap(), "{auto}");
+    let q = &v["quality"];
+    let measured = q["perplexity"].as_f64().unwrap() / q["reference_perplexity"].as_f64().unwrap();
+    if fraction > 0.0 {
+        assert_eq!(measured - 1.0, cost, "{v}");
+        assert!(
+            tried.iter().any(|t| t[0].as_f64() == Some(fraction)),
+            "{auto}"
+        );
+    }
+    let p = &v["predicted_quality"];
+    assert_eq!(p["reference_perplexity"], q["reference_perplexity"], "{v}");
+    assert!(p["perplexity"].as_f64().unwrap() > 1.0, "{v}");
+}
