@@ -8,6 +8,9 @@ use ndarray::{Array1, Array2, ArrayView2, Axis};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+use rayon::slice::ParallelSliceMut;
+
+use crate::sparsity::{from_order_key, order_key};
 
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
@@ -288,17 +291,20 @@ pub fn top_k_quality(scores: ArrayView2<f32>, y: &Array2<f32>, k: usize) -> Qual
 pub fn miss_threshold(scores: &Array2<f32>, energy: &Array2<f32>, budget: f64) -> f32 {
     const SAMPLE: usize = 1 << 22;
     let stride = scores.len().div_ceil(SAMPLE).max(1);
-    let mut active: Vec<(f32, f32)> = scores
+    // Sorted by score, ties by energy (positive: its bits sort as it does), as one integer each:
+    // one order whatever the thread count.
+    let mut active: Vec<u64> = scores
         .iter()
         .zip(energy.iter())
         .step_by(stride)
         .filter(|(_, &e)| e > 0.0)
-        .map(|(&s, &e)| (s, e))
+        .map(|(&s, &e)| (u64::from(order_key(s)) << 32) | u64::from(e.to_bits()))
         .collect();
-    active.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+    active.par_sort_unstable();
     let budget = budget / stride as f64;
     let mut missed = 0.0f64;
-    for &(s, e) in &active {
+    for &k in &active {
+        let (s, e) = (from_order_key((k >> 32) as u32), f32::from_bits(k as u32));
         missed += e as f64;
         if missed > budget {
             return s;
