@@ -15,6 +15,7 @@
 use leanstream::source::config::Activation;
 use leanstream::streaming::skip_rule::SkipRule;
 use leanstream_format::quant_scale::nearest_pow2_exponent;
+use rayon::prelude::*;
 
 /// `auto` for SiLU models: the largest target whose perplexity on the held-out calibration windows
 /// is at most this much above the dense model's (with the thresholds the file gets, i.e. what
@@ -125,7 +126,7 @@ pub fn auto_search(
     let at = |k: usize| k as f32 * AUTO_STEP;
     let mut tried: Vec<(f32, f64)> = Vec::new();
     // Candidate `pass` passes (0: dense), `fail` fails (one past the last candidate).
-    let (mut pass, mut fail) = (0usize, (AUTO_MAX / AUTO_STEP).round() as usize + 1);
+    let (mut pass, mut fail) = (0usize, auto_candidates() + 1);
     let mut chosen = (0.0, 0.0);
     while fail - pass > 1 {
         let mid = (pass + fail) / 2;
@@ -145,6 +146,21 @@ pub fn auto_search(
         max_cost: AUTO_MAX_COST,
         tried,
     })
+}
+
+/// `auto`'s candidates other than 0.
+fn auto_candidates() -> usize {
+    (AUTO_MAX / AUTO_STEP).round() as usize
+}
+
+/// The most passes [`auto_search`] makes.
+pub fn auto_rounds() -> usize {
+    let (mut span, mut rounds) = (auto_candidates() + 1, 0);
+    while span > 1 {
+        span = span.div_ceil(2);
+        rounds += 1;
+    }
+    rounds
 }
 
 /// At most this many scores are sorted to find a quantile.
@@ -261,7 +277,6 @@ pub fn level_thresholds(scores: &[f32], n: usize, train_rows: &[usize]) -> Vec<f
 /// than a comparison sort of floats) on every core: the same values, in the same order, whatever
 /// the thread count.
 fn sorted(s: Vec<f32>) -> Vec<f32> {
-    use rayon::slice::ParallelSliceMut;
     let mut keys: Vec<u32> = s.into_iter().map(order_key).collect();
     keys.par_sort_unstable();
     keys.into_iter().map(from_order_key).collect()
@@ -304,7 +319,6 @@ pub fn cost_curve(
     let levels = thresholds.len() - 1;
     let sample = train_rows.len().div_ceil(CURVE_ROWS).max(1);
     let mut cost = vec![0.0f64; levels + 1];
-    let mut buckets = vec![0.0f32; (levels + 1) * hidden];
     // Down columns as rows, read once per (row, neuron).
     let mut columns = vec![0.0f32; n * hidden];
     for j in 0..hidden {
@@ -312,36 +326,49 @@ pub fn cost_curve(
             columns[i * hidden + j] = down[j * n + i];
         }
     }
-    let mut rows = 0;
-    for &r in train_rows.iter().step_by(sample) {
-        buckets.fill(0.0);
-        for i in 0..n {
-            let s = scores[r * n + i];
-            // The first level whose threshold skips this neuron.
-            let k = thresholds.partition_point(|&t| t < s);
-            if k > levels {
-                continue;
-            }
-            let c = coef[r * n + i];
-            buckets[k * hidden..(k + 1) * hidden]
-                .iter_mut()
-                .zip(&columns[i * hidden..(i + 1) * hidden])
-                .for_each(|(b, d)| *b += c * d);
-        }
-        let res: f64 = residual[r * hidden..(r + 1) * hidden]
-            .iter()
-            .map(|v| (*v as f64).powi(2))
-            .sum::<f64>()
-            .max(1e-12);
-        let mut err = vec![0.0f32; hidden];
-        for (k, c) in cost.iter_mut().enumerate() {
-            err.iter_mut()
-                .zip(&buckets[k * hidden..(k + 1) * hidden])
-                .for_each(|(e, b)| *e += b);
-            *c += err.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / res;
-        }
-        rows += 1;
+    // Each sampled row's costs on every core, summed in row order: the same bits whatever the
+    // thread count.
+    let sampled: Vec<usize> = train_rows.iter().step_by(sample).copied().collect();
+    let per_row: Vec<Vec<f64>> = sampled
+        .par_iter()
+        .map_init(
+            || vec![0.0f32; (levels + 1) * hidden],
+            |buckets, &r| {
+                buckets.fill(0.0);
+                for i in 0..n {
+                    let s = scores[r * n + i];
+                    // The first level whose threshold skips this neuron.
+                    let k = thresholds.partition_point(|&t| t < s);
+                    if k > levels {
+                        continue;
+                    }
+                    let c = coef[r * n + i];
+                    buckets[k * hidden..(k + 1) * hidden]
+                        .iter_mut()
+                        .zip(&columns[i * hidden..(i + 1) * hidden])
+                        .for_each(|(b, d)| *b += c * d);
+                }
+                let res: f64 = residual[r * hidden..(r + 1) * hidden]
+                    .iter()
+                    .map(|v| (*v as f64).powi(2))
+                    .sum::<f64>()
+                    .max(1e-12);
+                let mut err = vec![0.0f32; hidden];
+                (0..=levels)
+                    .map(|k| {
+                        err.iter_mut()
+                            .zip(&buckets[k * hidden..(k + 1) * hidden])
+                            .for_each(|(e, b)| *e += b);
+                        err.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / res
+                    })
+                    .collect()
+            },
+        )
+        .collect();
+    for row in &per_row {
+        cost.iter_mut().zip(row).for_each(|(c, v)| *c += v);
     }
+    let rows = per_row.len();
     cost.iter_mut().for_each(|c| *c /= rows.max(1) as f64);
     cost
 }
@@ -507,10 +534,11 @@ mod tests {
         let c = auto_search(|fs| Ok(vec![1.0; fs.len()])).unwrap();
         assert_eq!((c.fraction, c.cost), (0.0, 0.0));
         assert_eq!(c.tried.len(), 4, "{c:?}");
-        // Everything fits: the largest candidate, in 5 passes.
+        // Everything fits: the largest candidate, in the most passes.
         let c = auto_search(|fs| Ok(vec![0.0; fs.len()])).unwrap();
         assert!((c.fraction - 0.8).abs() < 1e-6, "{c:?}");
         assert_eq!(c.tried.len(), 5, "{c:?}");
+        assert_eq!(auto_rounds(), 5);
     }
 
     #[test]

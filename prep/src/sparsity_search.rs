@@ -14,7 +14,8 @@ use crate::memory_plan::per_token_bytes;
 use crate::profile::{Profiler, StreamRule};
 use crate::progress::Phase;
 use crate::sparsity::{
-    allocate, auto_search, cost_curve, level, level_thresholds, scores, AutoChoice, SparsityMode,
+    allocate, auto_rounds, auto_search, cost_curve, level, level_thresholds, scores, AutoChoice,
+    SparsityMode,
 };
 use crate::spill::Spill;
 use crate::stored::Stored;
@@ -101,6 +102,8 @@ pub fn layer_fractions(
         None => {
             let calibration = profiler.rows() as u64 * per_token_bytes(&c);
             profiler.keep_dense_logits(profiler.dense_logits_bytes() <= calibration);
+            // One phase for every round: its estimate assumes the most rounds.
+            let mut phase = Phase::start(progress, "sparsity search", auto_rounds() * layers);
             let auto = auto_search(|fractions| {
                 let q = heldout_quality(
                     profiler,
@@ -109,13 +112,14 @@ pub fn layer_fractions(
                     &curves,
                     &thresholds,
                     fractions,
-                    progress,
+                    &mut phase,
                 )?;
                 measured.extend(fractions.iter().copied().zip(q.iter().cloned()));
                 Ok(q.iter()
                     .map(|q| q.perplexity / q.reference_perplexity - 1.0)
                     .collect())
             })?;
+            phase.finish();
             profiler.keep_dense_logits(false);
             Some(auto)
         }
@@ -173,12 +177,11 @@ fn heldout_quality(
     curves: &[Vec<f64>],
     thresholds: &[Vec<f32>],
     fractions: &[f32],
-    progress: bool,
+    phase: &mut Phase,
 ) -> Result<Vec<Comparison>> {
     let c = profiler.model.config().clone();
     let allocations: Vec<Vec<f32>> = fractions.iter().map(|&f| allocate(curves, f)).collect();
     profiler.restart_sparse(fractions.len())?;
-    let mut phase = Phase::start(progress, "sparsity search", c.num_layers);
     for (l, t) in thresholds.iter().enumerate() {
         let (weights, _) = stored.ffn(l)?;
         install(profiler, stored, l, weights)?;
@@ -196,6 +199,5 @@ fn heldout_quality(
         uninstall(profiler, l);
         phase.step();
     }
-    phase.finish();
     Ok(profiler.quality())
 }
