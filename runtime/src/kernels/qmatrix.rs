@@ -5,15 +5,12 @@ use anyhow::{bail, Result};
 use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
 use rayon::prelude::*;
 
-use super::bundles::prefetch;
 use super::gemm::gemm_rows;
 use super::matrix::{gemm_inputs, gemm_t_blocked, Matrix};
 use super::operand::Operand;
 use super::rows::{RowKernels, DOT_ROWS};
 use crate::storage::AlignedBuf;
 
-/// Groups of [`DOT_ROWS`] rows ahead that a mat-vec asks the cache for.
-const PREFETCH_GROUPS: usize = 2;
 /// Rows per rayon task in a mat-vec: enough work to amortize the task, few enough to balance.
 const ROWS_PER_TASK: usize = 32;
 /// Below this many encoded bytes a mat-vec runs on the calling thread: waking a parked worker
@@ -73,7 +70,7 @@ pub fn matvec_rows(k: &RowKernels, qtype: QuantType, data: &[u8], x: &Operand, o
     let row_bytes = data.len() / out.len().max(1);
     assert_eq!(data.len(), out.len() * row_bytes);
     // `DOT_ROWS` consecutive rows at a time share the input's loads (bitwise each row's `dot`);
-    // kernels that take one row at a time keep the plain loop (the prefetches cost them).
+    // kernels that take one row at a time keep the plain loop.
     let rows = |r0: usize, chunk: &mut [f32]| {
         if k.dot_rows() == 1 {
             for (i, o) in chunk.iter_mut().enumerate() {
@@ -85,12 +82,6 @@ pub fn matvec_rows(k: &RowKernels, qtype: QuantType, data: &[u8], x: &Operand, o
         let mut views: [&[u8]; DOT_ROWS] = [&[]; DOT_ROWS];
         for (c, o) in chunk.chunks_mut(DOT_ROWS).enumerate() {
             let r = r0 + c * DOT_ROWS;
-            // Four rows read side by side are four streams to the hardware prefetcher, which then
-            // stops reading ahead: ask for the rows `PREFETCH_GROUPS` groups ahead.
-            let ahead = (r + PREFETCH_GROUPS * DOT_ROWS) * row_bytes;
-            if ahead < data.len() {
-                prefetch(&data[ahead..(ahead + DOT_ROWS * row_bytes).min(data.len())]);
-            }
             for (j, v) in views[..o.len()].iter_mut().enumerate() {
                 *v = &data[(r + j) * row_bytes..(r + j + 1) * row_bytes];
             }
