@@ -27,8 +27,8 @@ use crate::calib::{self, Calibration};
 use crate::certificate::{self, CertificateChoice};
 use crate::certificate_study;
 use crate::convert::{
-    refine_stats, to_predictor, uninstall, write_index_sections, Phases, PredictedLayer, Summary,
-    ALWAYS_LOGIT, LAYOUT, MIN_PREDICTOR_RANK,
+    refine_stats, remove_stale, sibling, to_predictor, uninstall, write_index_sections, Phases,
+    PredictedLayer, Summary, ALWAYS_LOGIT, LAYOUT, MIN_PREDICTOR_RANK,
 };
 use crate::convert_moe::write_clusters;
 use crate::layout::cluster_size;
@@ -152,8 +152,16 @@ pub fn calibrate(
         .unwrap_or_else(|| default_predictor_rank(h, n, bundle_bytes, MIN_PREDICTOR_RANK));
     let mut profiler = Profiler::new(model, &calib)?;
     let t = Instant::now();
-    let (fractions, auto) =
-        layer_fractions(mode, &mut profiler, &stored, &train_rows, opts.progress)?;
+    // The layer profiles the dense pass keeps on disk for the main pass, if any, beside the output.
+    remove_stale(output, "profile");
+    let (fractions, auto, mut spill) = layer_fractions(
+        mode,
+        &mut profiler,
+        &stored,
+        &train_rows,
+        &sibling(output, "profile"),
+        opts.progress,
+    )?;
     phases.allocate += t.elapsed().as_secs_f64();
     if let Some(a) = &auto {
         mode = SparsityMode::Target {
@@ -195,14 +203,18 @@ pub fn calibrate(
         let cluster_size = cluster_size(file_meta.cluster_kib, bundle_bytes, n);
         let parts = stored.file.ffn.layers[l].qtypes;
         install(&mut profiler, &stored, l, [gate, up, down])?;
-        // What the layer's FFN saw; the gate pre-activations only give the scores, so they go
-        // at once (each `rows × n` array of f32 is the bulk of the converter's memory).
+        // What the layer's FFN saw (computed, or as the dense pass computed it); the gate
+        // pre-activations only give the scores, so they go at once (each `rows × n` array of f32
+        // is the bulk of the converter's memory).
         let LayerProfile {
             residual,
             ffn_input,
             gate: pre,
             coef,
-        } = profiler.layer(l);
+        } = match spill.as_mut() {
+            Some(s) => s.take(l)?,
+            None => profiler.layer(l),
+        };
         let score = scores(rule, act, &pre, &coef);
         drop(pre);
         let thr = match mode {
@@ -414,6 +426,7 @@ pub fn calibrate(
     }
     writer.end_section();
     phase.finish();
+    drop(spill);
 
     let t = Instant::now();
     let [quality, predicted_quality]: [_; 2] = profiler.quality().try_into().expect("two streams");

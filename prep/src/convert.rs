@@ -176,7 +176,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<Summary> {
     }
     // The layout pass writes a temporary file beside the output, which the calibration reads and
     // the guard removes.
-    remove_stale_layouts(&opts.output);
+    remove_stale(&opts.output, "layout");
     let layout = TempFile(sibling(&opts.output, "layout"));
     write_layout(opts, &source, &layout.0)?;
     drop(source);
@@ -200,17 +200,17 @@ impl Drop for TempFile {
 }
 
 /// `.NAME.WHAT-PID` in `path`'s folder.
-fn sibling(path: &Path, what: &str) -> PathBuf {
+pub(crate) fn sibling(path: &Path, what: &str) -> PathBuf {
     let name = path
         .file_name()
         .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
     path.with_file_name(format!(".{name}.{what}-{}", std::process::id()))
 }
 
-/// Removes what killed conversions to `output` left of their layout pass: `.NAME.layout-PID` and
-/// its own temporary `..NAME.layout-PID.tmp-PID`, where process PID is gone (Linux: no
-/// `/proc/PID`). A live conversion's stay.
-fn remove_stale_layouts(output: &Path) {
+/// Removes what killed conversions to `output` left of their temporary `what` files (the layout
+/// pass, the spilled profiles): `.NAME.WHAT-PID` and its own temporary `..NAME.WHAT-PID.tmp-PID`,
+/// where process PID is gone (Linux: no `/proc/PID`). A live conversion's stay.
+pub(crate) fn remove_stale(output: &Path, what: &str) {
     let dir = match output.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -221,7 +221,7 @@ fn remove_stale_layouts(output: &Path) {
     if !Path::new("/proc/self").exists() {
         return;
     }
-    let prefix = format!(".{}.layout-", name.to_string_lossy());
+    let prefix = format!(".{}.{what}-", name.to_string_lossy());
     for entry in entries.flatten() {
         let file = entry.file_name().to_string_lossy().into_owned();
         let Some(rest) = file
@@ -281,9 +281,8 @@ fn placeholder() -> Weight {
 }
 
 /// Drops block `l`'s attention and FFN weights from the profiler's model (see
-/// [`crate::calibrate::install`]) and its keys and values.
+/// [`crate::calibrate::install`]).
 pub(crate) fn uninstall(profiler: &mut Profiler, l: usize) {
-    profiler.release_layer(l);
     let model = &mut profiler.model;
     model.set_ffn(l, None);
     let empty = Attention {

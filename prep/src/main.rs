@@ -22,6 +22,7 @@ mod quant_choice;
 mod source;
 mod sparsity;
 mod sparsity_search;
+mod spill;
 mod stored;
 mod synth;
 mod tensors;

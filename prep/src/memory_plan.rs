@@ -11,6 +11,7 @@ use leanstream_format::quant::{row_bytes, QuantType};
 use serde::Serialize;
 
 use crate::calib::WINDOW;
+use crate::profile::COMPARE_ROWS;
 
 /// Vectors of the FFN width (`n` f32) held per calibration token while a layer is profiled and
 /// its predictors trained: the neuron coefficients, scores, targets, energies, both predictors'
@@ -67,7 +68,7 @@ pub struct Estimate {
     pub block: u64,
     /// The calibration state of one layer boundary.
     pub calibration: u64,
-    /// Logits of one held-out window, dense and one sparse stream, at the end.
+    /// Logits of a run of held-out positions, dense and one sparse stream, per core, at the end.
     pub logits: u64,
     /// The source's largest tensor, mapped while it is read.
     pub source: u64,
@@ -95,9 +96,15 @@ pub fn estimate(c: &ModelConfig, q: QuantType, tokens: usize, source_bytes: u64)
     let ffn = 4 * 3 * h * n;
     let source = source_bytes.min(4 * v * h);
     let layout = OVERHEAD + source + 2 * encoded(v, h) + 4 * LAYOUT_RUN_ROWS * h + 2 * ffn;
-    let block = 4 * (2 * qd * h + 2 * kv * h) + 2 * ffn;
+    // The windows run on every core (at most one task a window): per task one window's
+    // activations and keys and values; the held-out comparison, one run of positions' logits.
+    let threads = rayon::current_num_threads() as u64;
+    let tasks = threads.min(tokens.div_ceil(WINDOW) as u64);
+    let runs = threads.min(WINDOW.div_ceil(COMPARE_ROWS) as u64);
+    let window = 4 * WINDOW as u64 * (4 * h + 2 * qd + 2 * kv + 3 * n);
+    let block = 4 * (2 * qd * h + 2 * kv * h) + 2 * ffn + tasks * window;
     let calibration = tokens as u64 * per_token_bytes(c);
-    let logits = 4 * 2 * WINDOW as u64 * v + 4 * 4 * tokens as u64 * h;
+    let logits = runs * 4 * 2 * COMPARE_ROWS as u64 * v + 4 * 4 * tokens as u64 * h;
     let total = layout.max(OVERHEAD + model + (block + calibration).max(logits));
     Estimate {
         model,

@@ -1,13 +1,17 @@
 //! Layer-by-layer profiling: the calibration windows advance through the model one layer at a
 //! time, so memory holds the dense weights, the hidden states of the calibration tokens and one
 //! layer's FFN activations — never every layer's at once.
+//!
+//! The windows are independent (each starts from an empty context), so each pass runs them on
+//! every core, one KV cache per task; every window computes the same bits whatever the thread
+//! count, and every sum over windows is taken in window order.
 
-use leanstream::model::kv_cache::KvCache;
 use leanstream::model::{FfnProbe, Model};
 use leanstream::streaming::skip_rule::Skip;
 use leanstream::text::perplexity::{Comparison, ComparisonAccum};
+use rayon::prelude::*;
 
-use crate::calib::Calibration;
+use crate::calib::{Calibration, WINDOW};
 use crate::train::{normalise_rows, Trained};
 
 /// What one layer's FFN saw on every calibration token (rows = tokens of all windows in order).
@@ -50,18 +54,30 @@ pub struct Profiler<'a> {
     /// Hidden states of the held-out windows with sub-threshold neurons dropped, one stream per
     /// set of thresholds being measured.
     sparse: Vec<Vec<f32>>,
-    cache: KvCache,
+}
+
+/// Positions of a held-out window whose logits are compared at once: bounds the logits held
+/// (two of these runs per task) and fixes the order of the sums, whatever the thread count.
+pub(crate) const COMPARE_ROWS: usize = 32;
+
+/// `buf` (rows of `width` values) cut into one slice per window of `lens` tokens, in order.
+fn per_window<'s>(mut buf: &'s mut [f32], lens: &[usize], width: usize) -> Vec<&'s mut [f32]> {
+    lens.iter()
+        .map(|&t| {
+            let (head, rest) = std::mem::take(&mut buf).split_at_mut(t * width);
+            buf = rest;
+            head
+        })
+        .collect()
 }
 
 impl<'a> Profiler<'a> {
     pub fn new(model: Model, calib: &'a Calibration) -> anyhow::Result<Self> {
-        let cache = model.new_cache(crate::calib::WINDOW);
         let mut p = Self {
             model,
             calib,
             dense: Vec::new(),
             sparse: Vec::new(),
-            cache,
         };
         p.restart()?;
         Ok(p)
@@ -91,9 +107,9 @@ impl<'a> Profiler<'a> {
         Ok(())
     }
 
-    /// Gives back the memory layer `l`'s keys and values took (the calibration is done with it).
-    pub fn release_layer(&mut self, l: usize) {
-        self.cache.release_layer(l);
+    /// Calibration tokens (rows of a [`LayerProfile`]).
+    pub fn rows(&self) -> usize {
+        self.calib.tokens()
     }
 
     /// Runs layer `l` of the dense model on every window and returns what its FFN saw.
@@ -106,25 +122,27 @@ impl<'a> Profiler<'a> {
         let mut gate = vec![0.0; rows * n];
         let mut coef = vec![0.0; rows * n];
         let act = c.activation;
-        let mut row = 0;
-        for w in &self.calib.windows {
-            let t = w.len();
-            let x = &mut self.dense[row * h..(row + t) * h];
-            let (fi, g, cf) = (
-                &mut ffn_input[row * h..(row + t) * h],
-                &mut gate[row * n..(row + t) * n],
-                &mut coef[row * n..(row + t) * n],
-            );
-            let mut probe = |p: FfnProbe| {
-                fi.copy_from_slice(p.ffn_input);
-                g.copy_from_slice(p.gate);
-                for ((c, &g), &u) in cf.iter_mut().zip(p.gate.iter()).zip(p.up) {
-                    *c = act.apply(g) * u;
-                }
-            };
-            self.model.block(l, 0, x, &mut self.cache, Some(&mut probe));
-            row += t;
-        }
+        let lens: Vec<usize> = self.calib.windows.iter().map(Vec::len).collect();
+        let tasks = per_window(&mut self.dense, &lens, h)
+            .into_iter()
+            .zip(per_window(&mut ffn_input, &lens, h))
+            .zip(per_window(&mut gate, &lens, n))
+            .zip(per_window(&mut coef, &lens, n));
+        // One KV cache per task: its pages are taken as the layer runs, given back when it ends.
+        let model = &self.model;
+        tasks.collect::<Vec<_>>().into_par_iter().for_each_init(
+            || model.new_cache(WINDOW),
+            |cache, (((x, fi), g), cf)| {
+                let mut probe = |p: FfnProbe| {
+                    fi.copy_from_slice(p.ffn_input);
+                    g.copy_from_slice(p.gate);
+                    for ((c, &g), &u) in cf.iter_mut().zip(p.gate.iter()).zip(p.up) {
+                        *c = act.apply(g) * u;
+                    }
+                };
+                model.block(l, 0, x, cache, Some(&mut probe));
+            },
+        );
         LayerProfile {
             residual,
             ffn_input,
@@ -139,15 +157,31 @@ impl<'a> Profiler<'a> {
         assert_eq!(rules.len(), self.sparse.len(), "one rule per stream");
         let c = self.model.config();
         let (h, n) = (c.hidden_size, c.intermediate_size);
-        for (stream, rule) in self.sparse.iter_mut().zip(rules) {
-            let skip = rule.skip;
-            let mut row = 0;
-            for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
-                if !held {
-                    continue;
-                }
-                let t = w.len();
-                let x = &mut stream[row * h..(row + t) * h];
+        let held: Vec<&[u32]> = self
+            .calib
+            .windows
+            .iter()
+            .zip(&self.calib.heldout)
+            .filter(|(_, &h)| h)
+            .map(|(w, _)| w.as_slice())
+            .collect();
+        let lens: Vec<usize> = held.iter().map(|w| w.len()).collect();
+        let mut sparse = std::mem::take(&mut self.sparse);
+        let tasks: Vec<_> = sparse
+            .iter_mut()
+            .zip(rules)
+            .flat_map(|(stream, rule)| {
+                per_window(stream, &lens, h)
+                    .into_iter()
+                    .map(move |x| (rule, x))
+            })
+            .collect();
+        let model = &self.model;
+        tasks.into_par_iter().for_each_init(
+            || model.new_cache(WINDOW),
+            |cache, (rule, x)| {
+                let skip = rule.skip;
+                let t = x.len() / h;
                 let mut probe = |p: FfnProbe| {
                     let predicted = rule.predictor.map(|(predictor, threshold)| {
                         let x = normalise_rows(p.ffn_input, h, &(0..t).collect::<Vec<_>>());
@@ -160,10 +194,10 @@ impl<'a> Profiler<'a> {
                         }
                     }
                 };
-                self.model.block(l, 0, x, &mut self.cache, Some(&mut probe));
-                row += t;
-            }
-        }
+                model.block(l, 0, x, cache, Some(&mut probe));
+            },
+        );
+        self.sparse = sparse;
     }
 
     /// Compares each sparse stream with the dense model on the held-out windows (call after the
@@ -176,15 +210,38 @@ impl<'a> Profiler<'a> {
         for (w, &held) in self.calib.windows.iter().zip(&self.calib.heldout) {
             let t = w.len();
             if held {
-                let ld = self.model.logits(&self.dense[drow * h..(drow + t) * h]);
-                for (q, stream) in q.iter_mut().zip(&self.sparse) {
-                    let ls = self.model.logits(&stream[srow * h..(srow + t) * h]);
-                    for i in 0..t - 1 {
-                        q.add(
-                            &ls[i * v..(i + 1) * v],
-                            &ld[i * v..(i + 1) * v],
-                            w[i + 1] as usize,
-                        );
+                // Runs of positions on every core, each compared with every stream, summed in
+                // order.
+                let runs: Vec<Vec<ComparisonAccum>> = (0..t - 1)
+                    .step_by(COMPARE_ROWS)
+                    .collect::<Vec<_>>()
+                    .into_par_iter()
+                    .map(|i0| {
+                        let i1 = (i0 + COMPARE_ROWS).min(t - 1);
+                        let ld = self
+                            .model
+                            .logits(&self.dense[(drow + i0) * h..(drow + i1) * h]);
+                        self.sparse
+                            .iter()
+                            .map(|stream| {
+                                let ls =
+                                    self.model.logits(&stream[(srow + i0) * h..(srow + i1) * h]);
+                                let mut acc = ComparisonAccum::default();
+                                for i in 0..i1 - i0 {
+                                    acc.add(
+                                        &ls[i * v..(i + 1) * v],
+                                        &ld[i * v..(i + 1) * v],
+                                        w[i0 + i + 1] as usize,
+                                    );
+                                }
+                                acc
+                            })
+                            .collect()
+                    })
+                    .collect();
+                for run in &runs {
+                    for (q, acc) in q.iter_mut().zip(run) {
+                        q.merge(acc);
                     }
                 }
                 srow += t;

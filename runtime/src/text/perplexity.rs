@@ -58,6 +58,16 @@ impl ComparisonAccum {
         self.n += 1;
     }
 
+    /// Adds the positions `other` holds (sums taken in the order of the calls: merge runs of
+    /// positions in a fixed order for the same bits whatever ran them).
+    pub fn merge(&mut self, other: &Self) {
+        self.n += other.n;
+        self.nll += other.nll;
+        self.nll_reference += other.nll_reference;
+        self.kl += other.kl;
+        self.agree += other.agree;
+    }
+
     /// The model's perplexity so far.
     pub fn perplexity(&self) -> f64 {
         (self.nll / self.n.max(1) as f64).exp()
