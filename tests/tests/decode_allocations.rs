@@ -94,19 +94,31 @@ fn open(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
 
 /// Decodes `ids` one token at a time, counting from the `WARM_UP`th.
 fn decode(mut s: Session, ids: &[u32]) -> Counts {
-    let submitted = |s: &Session| s.io().map_or(0, |q| q.stats().submitted);
     let mut cache = s.model().new_cache(CTX);
+    counted(&mut s, ids.len(), |s, i, logits| {
+        s.model()
+            .forward_into(&[ids[i]], &mut cache, false, logits)
+            .unwrap();
+    })
+}
+
+/// Runs `step(s, i, logits)` for `i` in `0..steps`, counting the allocations, mapped buffers and
+/// reads of each from the `WARM_UP`th.
+fn counted(
+    s: &mut Session,
+    steps: usize,
+    mut step: impl FnMut(&mut Session, usize, &mut Vec<f32>),
+) -> Counts {
+    let submitted = |s: &Session| s.io().map_or(0, |q| q.stats().submitted);
     let mut logits = Vec::new();
     let (mut per_token, mut reads) = (Vec::new(), 0);
-    for (i, &tok) in ids.iter().enumerate() {
-        let read_before = submitted(&s);
+    for i in 0..steps {
+        let read_before = submitted(s);
         let (before, mapped) = (allocations(), AlignedBuf::made());
-        s.model()
-            .forward_into(&[tok], &mut cache, false, &mut logits)
-            .unwrap();
+        step(s, i, &mut logits);
         if i >= WARM_UP {
             per_token.push((allocations() - before, AlignedBuf::made() - mapped));
-            reads += submitted(&s) - read_before;
+            reads += submitted(s) - read_before;
         }
     }
     Counts {
@@ -129,23 +141,33 @@ fn check(resident: &Counts, streamed: &[(u64, Counts)]) {
         resident.per_token
     );
     for (memory, run) in streamed {
-        let allocated: u64 = run.per_token.iter().map(|n| n.0).sum();
-        println!(
-            "leanstream at {memory} bytes: (allocations, read buffers made) per token {:?}; \
-             {allocated} allocations for {} reads",
-            run.per_token, run.reads
-        );
-        assert_eq!(
-            run.logits, resident.logits,
-            "exact streaming equals resident"
-        );
-        assert!(run.reads > 0, "the budget makes it read");
-        assert!(
-            allocated < 2 * run.reads,
-            "leanstream at {memory} bytes: {allocated} allocations for {} reads",
-            run.reads
+        check_streamed(
+            &format!("leanstream at {memory} bytes"),
+            run,
+            &resident.logits,
         );
     }
+}
+
+/// Asserts that the streamed `run` (`what`) gave the logits `want` and stayed under two
+/// allocations per read.
+fn check_streamed(what: &str, run: &Counts, want: &[f32]) {
+    let allocated: u64 = run.per_token.iter().map(|n| n.0).sum();
+    println!(
+        "{what}: (allocations, read buffers made) per step {:?}; {allocated} allocations for {} \
+         reads",
+        run.per_token, run.reads
+    );
+    assert!(
+        run.logits == want,
+        "{what}: exact streaming equals resident"
+    );
+    assert!(run.reads > 0, "{what}: the budget makes it read");
+    assert!(
+        allocated < 2 * run.reads,
+        "{what}: {allocated} allocations for {} reads",
+        run.reads
+    );
 }
 
 #[test]
@@ -198,7 +220,6 @@ const ROWS: usize = 4;
 ///
 /// [`LanguageModel::forward_batch`]: leanstream::model::LanguageModel::forward_batch
 fn decode_batched(mut s: Session, ids: &[u32]) -> Counts {
-    let submitted = |s: &Session| s.io().map_or(0, |q| q.stats().submitted);
     let mut caches: Vec<_> = (0..ROWS).map(|_| s.model().new_cache(CTX)).collect();
     let mut logits = Vec::new();
     for (i, cache) in caches.iter_mut().enumerate() {
@@ -206,10 +227,8 @@ fn decode_batched(mut s: Session, ids: &[u32]) -> Counts {
             .forward_into(&ids[..1 + i], cache, false, &mut logits)
             .unwrap();
     }
-    let (mut per_token, mut reads) = (Vec::new(), 0);
     let mut tokens = [0u32; ROWS];
-    let steps = ids.len() - ROWS;
-    for step in 0..steps {
+    counted(&mut s, ids.len() - ROWS, |s, step, logits| {
         for (i, t) in tokens.iter_mut().enumerate() {
             *t = ids[1 + i + step];
         }
@@ -217,21 +236,8 @@ fn decode_batched(mut s: Session, ids: &[u32]) -> Counts {
             let mut it = caches.iter_mut();
             std::array::from_fn(|_| it.next().unwrap())
         };
-        let read_before = submitted(&s);
-        let (before, mapped) = (allocations(), AlignedBuf::made());
-        s.model()
-            .forward_batch(&tokens, &mut refs, &mut logits)
-            .unwrap();
-        if step >= WARM_UP {
-            per_token.push((allocations() - before, AlignedBuf::made() - mapped));
-            reads += submitted(&s) - read_before;
-        }
-    }
-    Counts {
-        per_token,
-        reads,
-        logits,
-    }
+        s.model().forward_batch(&tokens, &mut refs, logits).unwrap();
+    })
 }
 
 /// Each row of the last batched step, decoded alone by `s` (its prompt, then its tokens).
@@ -290,21 +296,10 @@ fn a_batched_step_allocates_nothing_once_warm() {
     );
     for m in [min, min + ffn / 4] {
         let run = decode_batched(open(&file, PolicyChoice::Leanstream, Some(m)), &ids);
-        let allocated: u64 = run.per_token.iter().map(|n| n.0).sum();
-        println!(
-            "leanstream at {m} bytes, {ROWS} rows a step: (allocations, read buffers made) per \
-             step {:?}; {allocated} allocations for {} reads",
-            run.per_token, run.reads
-        );
-        assert!(
-            run.logits == alone,
-            "leanstream at {m} bytes: a batched step's rows equal decoding each alone"
-        );
-        assert!(run.reads > 0, "the budget makes it read");
-        assert!(
-            allocated < 2 * run.reads,
-            "leanstream at {m} bytes, {ROWS} rows a step: {allocated} allocations for {} reads",
-            run.reads
+        check_streamed(
+            &format!("leanstream at {m} bytes, {ROWS} rows a step"),
+            &run,
+            &alone,
         );
     }
 }
