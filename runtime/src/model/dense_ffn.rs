@@ -111,8 +111,10 @@ impl Model {
         }
         let probe = match ffn {
             Ffn::Backend(b) => {
-                s.proj.fill(0.0);
-                b.ffn(l, &s.xn, &mut s.proj)?;
+                // Only the call's rows: a batched step's scratch may hold more.
+                let n = t * h;
+                s.proj[..n].fill(0.0);
+                b.ffn(l, &s.xn[..n], &mut s.proj[..n])?;
                 add_output(
                     layer.ffn_post_norm.as_deref(),
                     c.rms_norm_eps,

@@ -7,7 +7,7 @@ use super::*;
 
 /// One thread's share of a chunk: rows `first..` (as many as `acc` holds), their group sums, their
 /// scores, and its own lists of active neurons.
-struct Share<'a> {
+pub(super) struct Share<'a> {
     first: usize,
     acc: &'a mut [f32],
     scores: &'a mut [f32],
@@ -53,10 +53,12 @@ impl StreamEngine {
         let h = self.core.plans[l].layout.hidden;
         let first = self.call_token;
         let n_rows = x.len() / h;
-        let operands: Vec<Operand> = x
-            .chunks_exact(h)
-            .map(|xr| Operand::new(xr, QuantType::Q8_0))
-            .collect();
+        let mut operands: Vec<Operand> =
+            crate::model::recycle(std::mem::take(&mut self.work.chunk_operands));
+        operands.extend(
+            x.chunks_exact(h)
+                .map(|xr| Operand::new(xr, QuantType::Q8_0)),
+        );
         let mut rows = std::mem::take(&mut self.rows);
         if rows.len() < n_rows {
             rows.resize_with(n_rows, Selection::default);
@@ -98,21 +100,23 @@ impl StreamEngine {
         let mut lists = std::mem::take(&mut self.work.chunk_lists);
         lists.resize_with(threads, Lists::default);
         lists.iter_mut().for_each(|t| t.fit(n, clusters));
-        let cells: Vec<Mutex<Share>> = acc
-            .chunks_mut(per * h)
-            .zip(scores.chunks_mut(per * n))
-            .zip(lists.iter_mut())
-            .enumerate()
-            .map(|(i, ((acc, scores), lists))| {
-                Mutex::new(Share {
-                    first: i * per,
-                    acc,
-                    scores,
-                    lists,
-                    result: Ok(()),
-                })
-            })
-            .collect();
+        let mut cells: Vec<Mutex<Share>> =
+            crate::model::recycle(std::mem::take(&mut self.work.chunk_cells));
+        cells.extend(
+            acc.chunks_mut(per * h)
+                .zip(scores.chunks_mut(per * n))
+                .zip(lists.iter_mut())
+                .enumerate()
+                .map(|(i, ((acc, scores), lists))| {
+                    Mutex::new(Share {
+                        first: i * per,
+                        acc,
+                        scores,
+                        lists,
+                        result: Ok(()),
+                    })
+                }),
+        );
         for g in 0..GROUPS {
             cells.iter().for_each(|c| lock(c).acc.fill(0.0));
             for ci in (bounds[g]..bounds[g + 1]).filter(|&ci| is_needed[ci]) {
@@ -161,10 +165,15 @@ impl StreamEngine {
                 }
             }
         }
-        for c in cells {
+        let mut failed = Ok(());
+        for c in cells.drain(..) {
             let share = c.into_inner().unwrap_or_else(|e| e.into_inner());
-            share.result?;
+            if failed.is_ok() {
+                failed = share.result;
+            }
         }
+        self.work.chunk_cells = crate::model::recycle(cells);
+        failed?;
         self.work.chunk_lists = lists;
         for (r, (sel, g)) in selections.iter().zip(scores.chunks_exact(n)).enumerate() {
             self.retain_and_measure(l, first + r, sel, g)?;
@@ -173,6 +182,7 @@ impl StreamEngine {
         self.marks.is_needed = is_needed;
         self.work.chunk_scores = scores;
         self.work.chunk_acc = acc;
+        self.work.chunk_operands = crate::model::recycle(operands);
         Ok(())
     }
 }

@@ -36,6 +36,10 @@ pub(super) struct Work {
     pub(super) chunk_acc: Vec<f32>,
     /// A prompt chunk's lists of active neurons, one per thread computing it.
     pub(super) chunk_lists: Vec<Lists>,
+    /// Kept empty between chunks: the allocations of a chunk's prepared rows and of its threads'
+    /// shares, reused ([`crate::model::recycle`]) so that a batched step allocates nothing.
+    pub(super) chunk_operands: Vec<Operand<'static>>,
+    pub(super) chunk_cells: Vec<Mutex<super::chunk::Share<'static>>>,
 }
 
 /// What the gates of a layer's clusters decided.
