@@ -1,6 +1,7 @@
 //! The GPU mat-vec against the CPU kernels, for every encoding. These tests need an adapter: on a
 //! machine without a GPU, Mesa's lavapipe (`mesa-vulkan-drivers`) is one.
 
+use std::path::Path;
 use std::sync::OnceLock;
 
 use leanstream_format::quant::{QuantType, BLOCK_LEN};
@@ -9,6 +10,7 @@ use rand::{Rng, SeedableRng};
 
 use super::*;
 use crate::kernels::{Matrix, Q8Vec, Weight};
+use crate::model::{Attention, DenseWeights, LanguageModel, Projections};
 
 fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
@@ -189,4 +191,73 @@ fn no_adapter_is_an_error_that_says_so() {
         Err(e) => e.to_string(),
     };
     assert!(err.starts_with("no GPU adapter (Vulkan or Metal) found"), "{err}");
+}
+
+/// The CPU's dense weights, keeping what the head was given.
+struct Recorder<'a> {
+    p: &'a Projections,
+    xn: Vec<f32>,
+}
+
+impl DenseWeights for Recorder<'_> {
+    fn embed(&mut self, tokens: &[u32], out: &mut [f32]) -> anyhow::Result<()> {
+        let mut p = self.p;
+        p.embed(tokens, out)
+    }
+
+    fn attention(&mut self, l: usize) -> anyhow::Result<&Attention> {
+        Ok(&self.p.attention[l])
+    }
+
+    fn head(&mut self, xn: &[f32], rows: usize, logits: &mut [f32]) -> anyhow::Result<()> {
+        self.xn = xn.to_vec();
+        let mut p = self.p;
+        p.head(xn, rows, logits)
+    }
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b }) as u32
+}
+
+#[test]
+fn the_dense_path_with_its_head_on_the_gpu() {
+    // The embedded model (tied head: its bf16 embedding, held as f32).
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/austen-relu");
+    let cpu = crate::source::open(&path).unwrap().model;
+    let p = cpu.projections().unwrap();
+    let (gpu, head) = GpuModel::head_for(&cpu).unwrap();
+    let mut on_gpu = GpuModel::new(crate::source::open(&path).unwrap().model, gpu, head);
+    assert!(on_gpu.describe().starts_with("the output head ("), "{}", on_gpu.describe());
+
+    let prompt = [12u32, 345, 6, 789, 10];
+    let (mut cpu_cache, mut gpu_cache) = (cpu.new_cache(32), on_gpu.new_cache(32));
+    let mut rec = Recorder { p, xn: Vec::new() };
+    let (mut cpu_logits, mut gpu_logits) = (Vec::new(), Vec::new());
+    let mut cpu_tokens = Vec::new();
+    let mut gpu_tokens = Vec::new();
+    let (mut next_cpu, mut next_gpu) = (prompt.to_vec(), prompt.to_vec());
+    for _ in 0..6 {
+        cpu.forward_with(&next_cpu, &mut cpu_cache, false, None, Some(&mut rec), &mut cpu_logits)
+            .unwrap();
+        on_gpu
+            .forward_into(&next_gpu, &mut gpu_cache, false, &mut gpu_logits)
+            .unwrap();
+        // Everything before the head ran on the CPU, the same on both sides: the logits differ
+        // only by the head's mat-vec, within its tolerance against the head's input.
+        let head = p.lm_head.as_ref().unwrap_or(&p.embed);
+        assert_eq!(gpu_logits.len(), head.rows());
+        for (r, (g, c)) in gpu_logits.iter().zip(&cpu_logits).enumerate() {
+            let tol = tolerance(head.qtype(), head.cols(), magnitude(head, r, &rec.xn));
+            assert!(
+                ((g - c).abs() as f64) <= tol,
+                "logit {r}: GPU {g} CPU {c}, tolerance {tol:e}"
+            );
+        }
+        cpu_tokens.push(argmax(&cpu_logits));
+        gpu_tokens.push(argmax(&gpu_logits));
+        next_cpu = vec![*cpu_tokens.last().unwrap()];
+        next_gpu = vec![*gpu_tokens.last().unwrap()];
+    }
+    assert_eq!(gpu_tokens, cpu_tokens);
 }
