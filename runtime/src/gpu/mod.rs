@@ -39,7 +39,9 @@ fn unit_source(qtype: QuantType) -> String {
             .find(&marker)
             .unwrap_or_else(|| panic!("units.wgsl has no {name}"))
             + marker.len();
-        let end = UNITS[start..].find("//@").map_or(UNITS.len(), |e| start + e);
+        let end = UNITS[start..]
+            .find("//@")
+            .map_or(UNITS.len(), |e| start + e);
         &UNITS[start..end]
     };
     let mut s = section(qtype.name()).to_string();
@@ -77,17 +79,18 @@ impl Gpu {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
         desc.backends = backends;
         let instance = wgpu::Instance::new(desc);
-        let adapter = match pollster::block_on(wgpu::util::initialize_adapter_from_env(
-            &instance, None,
-        )) {
-            Ok(named) => named,
-            Err(_) => pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
-                power_preference: wgpu::PowerPreference::from_env()
-                    .unwrap_or(wgpu::PowerPreference::HighPerformance),
-                ..Default::default()
-            }))
-            .map_err(|e| anyhow!("no GPU adapter (Vulkan or Metal) found: {e}"))?,
-        };
+        let adapter =
+            match pollster::block_on(wgpu::util::initialize_adapter_from_env(&instance, None)) {
+                Ok(named) => named,
+                Err(_) => pollster::block_on(
+                    instance.request_adapter(&wgpu::RequestAdapterOptions {
+                        power_preference: wgpu::PowerPreference::from_env()
+                            .unwrap_or(wgpu::PowerPreference::HighPerformance),
+                        ..Default::default()
+                    }),
+                )
+                .map_err(|e| anyhow!("no GPU adapter (Vulkan or Metal) found: {e}"))?,
+            };
         let info = adapter.get_info();
         let limits = adapter.limits();
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
@@ -120,27 +123,35 @@ impl Gpu {
         (self.limits.max_storage_buffer_binding_size as u64).min(self.limits.max_buffer_size)
     }
 
-    fn pipeline(&self, qtype: QuantType) -> wgpu::ComputePipeline {
+    /// The pipeline of `qtype`, built on first use; an error (not wgpu's default panic) when the
+    /// device rejects the shader.
+    fn pipeline(&self, qtype: QuantType) -> Result<wgpu::ComputePipeline> {
         let mut pipelines = self.pipelines.lock().expect("never poisoned");
-        pipelines[qtype as usize]
-            .get_or_insert_with(|| {
-                let module = self
-                    .device
-                    .create_shader_module(wgpu::ShaderModuleDescriptor {
-                        label: Some(qtype.name()),
-                        source: wgpu::ShaderSource::Wgsl(shader_source(qtype).into()),
-                    });
-                self.device
-                    .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                        label: Some(qtype.name()),
-                        layout: None,
-                        module: &module,
-                        entry_point: Some("main"),
-                        compilation_options: Default::default(),
-                        cache: None,
-                    })
-            })
-            .clone()
+        if let Some(p) = &pipelines[qtype as usize] {
+            return Ok(p.clone());
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(qtype.name()),
+                source: wgpu::ShaderSource::Wgsl(shader_source(qtype).into()),
+            });
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(qtype.name()),
+                layout: None,
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            bail!("{} rejected the {qtype} mat-vec shader: {e}", self.info.name);
+        }
+        pipelines[qtype as usize] = Some(pipeline.clone());
+        Ok(pipeline)
     }
 
     /// Uploads `weight`'s rows as stored, with the buffers its mat-vecs need.
@@ -202,7 +213,7 @@ impl Gpu {
             contents: &params.map(u32::to_le_bytes).concat(),
             usage: wgpu::BufferUsages::UNIFORM,
         });
-        let pipeline = self.pipeline(qtype);
+        let pipeline = self.pipeline(qtype)?;
         let bind = d.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("matvec"),
             layout: &pipeline.get_bind_group_layout(0),
@@ -288,7 +299,9 @@ impl Gpu {
             .context("reading the GPU's result back")?;
         let elapsed = start.elapsed();
         {
-            let view = slice.get_mapped_range().context("mapping the GPU's result")?;
+            let view = slice
+                .get_mapped_range()
+                .context("mapping the GPU's result")?;
             for (o, b) in out.iter_mut().zip(view.chunks_exact(4)) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }

@@ -111,7 +111,12 @@ fn long_rows_and_odd_float_lengths() {
     // 4096 columns: 64 invocations take 64 values (or two blocks) each.
     let m = Weight::F32(random_matrix(&mut rng, 40, 4096));
     let x = random_vec(&mut rng, 4096);
-    for qtype in [QuantType::Q4_0, QuantType::Q4_K, QuantType::Q6_K, QuantType::F16] {
+    for qtype in [
+        QuantType::Q4_0,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+        QuantType::F16,
+    ] {
         check(&m.quantize(qtype).unwrap(), &x);
     }
     // Float rows of any length: 75 f16 values are 150 bytes, so rows start at 2-byte alignment.
@@ -190,7 +195,10 @@ fn no_adapter_is_an_error_that_says_so() {
         Ok(gpu) => panic!("found {}", gpu.describe()),
         Err(e) => e.to_string(),
     };
-    assert!(err.starts_with("no GPU adapter (Vulkan or Metal) found"), "{err}");
+    assert!(
+        err.starts_with("no GPU adapter (Vulkan or Metal) found"),
+        "{err}"
+    );
 }
 
 /// The CPU's dense weights, keeping what the head was given.
@@ -228,7 +236,11 @@ fn the_dense_path_with_its_head_on_the_gpu() {
     let p = cpu.projections().unwrap();
     let (gpu, head) = GpuModel::head_for(&cpu).unwrap();
     let mut on_gpu = GpuModel::new(crate::source::open(&path).unwrap().model, gpu, head);
-    assert!(on_gpu.describe().starts_with("the output head ("), "{}", on_gpu.describe());
+    assert!(
+        on_gpu.describe().starts_with("the output head ("),
+        "{}",
+        on_gpu.describe()
+    );
 
     let prompt = [12u32, 345, 6, 789, 10];
     let (mut cpu_cache, mut gpu_cache) = (cpu.new_cache(32), on_gpu.new_cache(32));
@@ -238,8 +250,15 @@ fn the_dense_path_with_its_head_on_the_gpu() {
     let mut gpu_tokens = Vec::new();
     let (mut next_cpu, mut next_gpu) = (prompt.to_vec(), prompt.to_vec());
     for _ in 0..6 {
-        cpu.forward_with(&next_cpu, &mut cpu_cache, false, None, Some(&mut rec), &mut cpu_logits)
-            .unwrap();
+        cpu.forward_with(
+            &next_cpu,
+            &mut cpu_cache,
+            false,
+            None,
+            Some(&mut rec),
+            &mut cpu_logits,
+        )
+        .unwrap();
         on_gpu
             .forward_into(&next_gpu, &mut gpu_cache, false, &mut gpu_logits)
             .unwrap();

@@ -90,6 +90,24 @@ fn spread4(bits: u32) -> u32 {
     return ((bits & 1u) << 4u) | ((bits & 2u) << 11u) | ((bits & 4u) << 18u) | ((bits & 8u) << 25u);
 }
 
+// `Σ q·q_x` of a 32-value block of 4-bit codes (the 16 bytes at `nib`: element j in the low nibble
+// of byte j, j+16 in its high one) against the input's q8 block `b`; with `five`, bit j of `qh` is
+// bit 4 of element j (q5_0, q5_1).
+fn isum_q45(nib: u32, qh: u32, five: bool, b: u32) -> i32 {
+    var isum = 0;
+    for (var i = 0u; i < 4u; i++) {
+        let v = ld32(nib + 4u * i);
+        var lo = v & 0x0f0f0f0fu;
+        var hi = (v >> 4u) & 0x0f0f0f0fu;
+        if five {
+            lo |= spread4(qh >> (4u * i));
+            hi |= spread4(qh >> (16u + 4u * i));
+        }
+        isum += dot_us(lo, xin[8u * b + i]) + dot_us(hi, xin[8u * b + 4u + i]);
+    }
+    return isum;
+}
+
 @compute @workgroup_size(64)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,

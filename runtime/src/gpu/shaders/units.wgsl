@@ -35,53 +35,28 @@ fn unit_dot(rb: u32, b: u32) -> f32 {
 // `d·(d_x·Σ q·q_x − 8·s_x)`.
 fn unit_dot(rb: u32, b: u32) -> f32 {
     let off = rb + 18u * b;
-    var isum = 0;
-    for (var i = 0u; i < 4u; i++) {
-        let v = ld32(off + 2u + 4u * i);
-        isum += dot_us(v & 0x0f0f0f0fu, xin[8u * b + i]);
-        isum += dot_us((v >> 4u) & 0x0f0f0f0fu, xin[8u * b + 4u + i]);
-    }
-    return f16_at(off) * (xd(b) * f32(isum) - 8.0 * xs(b));
+    return f16_at(off) * (xd(b) * f32(isum_q45(off + 2u, 0u, false, b)) - 8.0 * xs(b));
 }
 
 //@q4_1
 // `f16 d`, `f16 m`, `u8 b[16]`: `d·d_x·Σ q·q_x + m·s_x`.
 fn unit_dot(rb: u32, b: u32) -> f32 {
     let off = rb + 20u * b;
-    var isum = 0;
-    for (var i = 0u; i < 4u; i++) {
-        let v = ld32(off + 4u + 4u * i);
-        isum += dot_us(v & 0x0f0f0f0fu, xin[8u * b + i]);
-        isum += dot_us((v >> 4u) & 0x0f0f0f0fu, xin[8u * b + 4u + i]);
-    }
-    return f16_at(off) * xd(b) * f32(isum) + f16_at(off + 2u) * xs(b);
+    return f16_at(off) * xd(b) * f32(isum_q45(off + 4u, 0u, false, b)) + f16_at(off + 2u) * xs(b);
 }
 
 //@q5_0
 // `f16 d`, `u32 qh` (bit j: bit 4 of element j), `u8 b[16]`: `d·(d_x·Σ q·q_x − 16·s_x)`.
 fn unit_dot(rb: u32, b: u32) -> f32 {
     let off = rb + 22u * b;
-    let qh = ld32(off + 2u);
-    var isum = 0;
-    for (var i = 0u; i < 4u; i++) {
-        let v = ld32(off + 6u + 4u * i);
-        isum += dot_us((v & 0x0f0f0f0fu) | spread4(qh >> (4u * i)), xin[8u * b + i]);
-        isum += dot_us(((v >> 4u) & 0x0f0f0f0fu) | spread4(qh >> (16u + 4u * i)), xin[8u * b + 4u + i]);
-    }
-    return f16_at(off) * (xd(b) * f32(isum) - 16.0 * xs(b));
+    return f16_at(off) * (xd(b) * f32(isum_q45(off + 6u, ld32(off + 2u), true, b)) - 16.0 * xs(b));
 }
 
 //@q5_1
 // `f16 d`, `f16 m`, `u32 qh`, `u8 b[16]`: `d·d_x·Σ q·q_x + m·s_x`.
 fn unit_dot(rb: u32, b: u32) -> f32 {
     let off = rb + 24u * b;
-    let qh = ld32(off + 4u);
-    var isum = 0;
-    for (var i = 0u; i < 4u; i++) {
-        let v = ld32(off + 8u + 4u * i);
-        isum += dot_us((v & 0x0f0f0f0fu) | spread4(qh >> (4u * i)), xin[8u * b + i]);
-        isum += dot_us(((v >> 4u) & 0x0f0f0f0fu) | spread4(qh >> (16u + 4u * i)), xin[8u * b + 4u + i]);
-    }
+    let isum = isum_q45(off + 8u, ld32(off + 4u), true, b);
     return f16_at(off) * xd(b) * f32(isum) + f16_at(off + 2u) * xs(b);
 }
 
