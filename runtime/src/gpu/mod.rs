@@ -120,7 +120,9 @@ impl Gpu {
 
     /// The largest matrix, in bytes, one storage buffer of this adapter holds.
     pub fn max_matrix_bytes(&self) -> u64 {
-        (self.limits.max_storage_buffer_binding_size as u64).min(self.limits.max_buffer_size)
+        self.limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size)
     }
 
     /// The pipeline of `qtype`, built on first use; an error (not wgpu's default panic) when the
@@ -148,7 +150,10 @@ impl Gpu {
                 cache: None,
             });
         if let Some(e) = pollster::block_on(scope.pop()) {
-            bail!("{} rejected the {qtype} mat-vec shader: {e}", self.info.name);
+            bail!(
+                "{} rejected the {qtype} mat-vec shader: {e}",
+                self.info.name
+            );
         }
         pipelines[qtype as usize] = Some(pipeline.clone());
         Ok(pipeline)
