@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 icd() { ls /usr/share/vulkan/icd.d/lvp_icd.*.json 2>/dev/null | head -n1; }
-if [ -z "$(icd)" ] || ! ldconfig -p | grep -q 'libvulkan\.so\.1'; then
+if [ -z "$(icd)" ] || ! ldconfig -p | grep 'libvulkan\.so\.1' >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
 fi
