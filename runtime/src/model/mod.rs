@@ -303,6 +303,11 @@ impl Model {
         &self.config
     }
 
+    /// The projections the model holds; `None` for one built with [`Model::norms_only`].
+    pub fn projections(&self) -> Option<&Projections> {
+        self.projections.as_ref()
+    }
+
     /// Replaces block `l`'s attention projections and returns the ones it had: the converter
     /// holds one block's in f32 at a time and empty placeholders for the others (a model built
     /// with projections; panics otherwise).
