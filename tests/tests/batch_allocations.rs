@@ -1,11 +1,10 @@
 //! A batched decoding step (several sequences' tokens in one forward pass, as a server's slots
-//! decode) allocates nothing once warm: with every bundle resident only the kernels' list of
-//! prepared rows for each product of several rows (one per attention projection of each layer and
-//! one for the head), not this crate's; streaming under a budget, under two allocations per
-//! submitted read (the read queue's bookkeeping, as a single token's). Every row's logits are
-//! bitwise those of decoding its sequence alone. A test binary of its own: the worker pool's
-//! queues that a batched step fills are shared, and would move where the single-token test sees
-//! their blocks grow.
+//! decode) allocates nothing once warm: with every bundle resident nothing at all (now and then one
+//! allocation on this thread, as the single-token test also sees at times); streaming under a
+//! budget, under two allocations per submitted read (the read queue's bookkeeping, as a single
+//! token's). Every row's logits are bitwise those of decoding its sequence alone. A test binary of
+//! its own: the worker pool's queues that a batched step fills are shared, and would move where the
+//! single-token test sees their blocks grow.
 
 #[path = "common/counting.rs"]
 mod counting;
@@ -67,13 +66,8 @@ fn rows_alone(mut s: Session, ids: &[u32]) -> Vec<f32> {
 #[test]
 fn a_batched_step_allocates_nothing_once_warm() {
     let file = embedded("q8");
-    let mut session = open(&file, PolicyChoice::Resident, None);
+    let session = open(&file, PolicyChoice::Resident, None);
     let ids = heldout_ids(&session.tokenizer, ROWS + WARM_UP + COUNTED);
-    // What the kernels allocate in a product of several rows (`RowStream::new`'s list of the
-    // prepared rows): one for each of a layer's four attention projections, one for the head;
-    // now and then one more on this thread, as the single-token test above also sees at times
-    // (not the batched step's own).
-    let lists = 4 * session.model().config().num_layers as u64 + 1;
     let alone = rows_alone(session, &ids);
     let resident = decode_batched(open(&file, PolicyChoice::Resident, None), &ids);
     println!(
@@ -84,15 +78,12 @@ fn a_batched_step_allocates_nothing_once_warm() {
         resident.logits == alone,
         "a batched step's rows equal decoding each alone"
     );
+    // Now and then one allocation on this thread, as the single-token test also sees at times
+    // (not the batched step's own).
     assert!(
-        resident.per_token.iter().all(|&(a, _)| a <= lists + 1)
-            && resident
-                .per_token
-                .iter()
-                .filter(|&&(a, _)| a > lists)
-                .count()
-                <= 2,
-        "resident allocates in batched steps beyond the kernels' {lists} lists: {:?}",
+        resident.per_token.iter().all(|&(a, _)| a <= 1)
+            && resident.per_token.iter().filter(|&&(a, _)| a > 0).count() <= 2,
+        "resident allocates in batched steps: {:?}",
         resident.per_token
     );
     for m in budgets(&file) {

@@ -4,6 +4,7 @@
 use anyhow::{bail, Result};
 use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
 use rayon::prelude::*;
+use smallvec::SmallVec;
 
 use super::gemm::gemm_rows;
 use super::matrix::{gemm_inputs, gemm_t_blocked, Matrix};
@@ -190,6 +191,10 @@ impl QMatrix {
     }
 }
 
+/// Inputs a [`RowStream`] holds without allocating: a batched decode step of up to this many
+/// sequences (a longer prompt chunk allocates its list once per product).
+const INLINE_INPUTS: usize = 16;
+
 /// [`QMatrix::matmul_t`] over rows that arrive in order, a block at a time (a matrix streamed from
 /// flash): the same kernels on the same bytes, so the same result. Block types multiply every input
 /// on the integer kernels ([`gemm_rows`]: each result bitwise a decoded token's mat-vec). Float
@@ -202,8 +207,9 @@ pub struct RowStream<'x> {
     row_bytes: usize,
     x: &'x [f32],
     t: usize,
-    /// Block types with more than one input: every input prepared for the encoding.
-    block: Vec<Operand<'x>>,
+    /// Block types with more than one input: every input prepared for the encoding (held in place
+    /// up to [`INLINE_INPUTS`], so that a batched decode step allocates nothing).
+    block: SmallVec<[Operand<'x>; INLINE_INPUTS]>,
     /// The first inputs, through `gemm`.
     gemm_tokens: usize,
     /// The input left after them, prepared for the encoding in place (a decoded token's mat-vec
@@ -228,12 +234,12 @@ impl<'x> RowStream<'x> {
         t: usize,
     ) -> Self {
         assert_eq!(x.len(), t * cols);
-        let block: Vec<Operand> = if qtype.is_block() && t > 1 {
+        let block: SmallVec<[Operand; INLINE_INPUTS]> = if qtype.is_block() && t > 1 {
             x.chunks_exact(cols)
                 .map(|x| Operand::new(x, qtype))
                 .collect()
         } else {
-            Vec::new()
+            SmallVec::new()
         };
         let gemm_tokens = if qtype.is_block() { 0 } else { gemm_inputs(t) };
         let operand = (gemm_tokens < t && block.is_empty())
