@@ -79,32 +79,37 @@ fn completion(url: &str, prompt: &str, n: usize) -> Value {
 fn concurrent_replies_equal_solo(server: &Server, prompts: &[&str], n: usize) -> Vec<Duration> {
     let url = server.url("/v1/completions");
     let solo: Vec<String> = prompts.iter().map(|p| complete(&url, p, n).0).collect();
-    let steps = server.metric("leanstream_batch_steps");
-    let tokens = server.metric("leanstream_batched_tokens");
-    let together: Vec<(String, Duration)> = std::thread::scope(|s| {
-        let handles: Vec<_> = prompts
-            .iter()
-            .map(|p| {
-                let url = url.clone();
-                s.spawn(move || complete(&url, p, n))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for ((prompt, alone), (at_once, _)) in prompts.iter().zip(&solo).zip(&together) {
-        assert_eq!(alone, at_once, "{prompt:?}: alone vs served with others");
+    // Some tokens must be decoded together: more tokens than steps. How many steps coincide
+    // depends on how the clients' requests interleave with the rest of the machine's load, so a
+    // round that happened to run one slot at a time (seen once in a loaded full suite) is tried
+    // again; the replies are checked in every round.
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        let steps = server.metric("leanstream_batch_steps");
+        let tokens = server.metric("leanstream_batched_tokens");
+        let together: Vec<(String, Duration)> = std::thread::scope(|s| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let url = url.clone();
+                    s.spawn(move || complete(&url, p, n))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for ((prompt, alone), (at_once, _)) in prompts.iter().zip(&solo).zip(&together) {
+            assert_eq!(alone, at_once, "{prompt:?}: alone vs served with others");
+        }
+        let (steps, tokens) = (
+            server.metric("leanstream_batch_steps") - steps,
+            server.metric("leanstream_batched_tokens") - tokens,
+        );
+        rounds.push((tokens, steps));
+        if tokens > steps {
+            return together.into_iter().map(|t| t.1).collect();
+        }
     }
-    // Some tokens were decoded together: more tokens than steps. How many steps coincide depends
-    // on how the clients' requests interleave with the rest of the machine's load.
-    let (steps, tokens) = (
-        server.metric("leanstream_batch_steps") - steps,
-        server.metric("leanstream_batched_tokens") - tokens,
-    );
-    assert!(
-        tokens > steps,
-        "{tokens} tokens in {steps} steps: not batched"
-    );
-    together.into_iter().map(|t| t.1).collect()
+    panic!("not batched in any round: (tokens, steps) {rounds:?}");
 }
 
 #[test]
