@@ -17,7 +17,7 @@ use leanstream_format::quant::BLOCK_LEN;
 use super::kquant_avx2::q5_codes;
 use super::operand::Q8Vec;
 use super::portable::{self, Block, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
-use super::rows::{RowKernels, DOT_ROWS};
+use super::rows::{RowKernels, DOT_ROWS, INPUTS};
 
 pub(super) fn detected() -> bool {
     is_x86_feature_detected!("avx2")
@@ -42,6 +42,9 @@ pub(super) unsafe fn kernels() -> RowKernels {
         dots_q8_0: |r, x, o| unsafe { dots_block::<Q8_0>(r, x, o) },
         dots_q4_0: |r, x, o| unsafe { dots_block::<Q4_0>(r, x, o) },
         dots_q4_1: |r, x, o| unsafe { dots_block::<Q4_1>(r, x, o) },
+        inputs_q8_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q8_0>(w, xs, o) }),
+        inputs_q4_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_0>(w, xs, o) }),
+        inputs_q4_1: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_1>(w, xs, o) }),
         dot_rows: DOT_ROWS,
         axpy_f32: |a, w, o| unsafe { axpy_float(a, w, o, Float::F32) },
         axpy_f16: |a, w, o| unsafe { axpy_float(a, w, o, Float::F16) },
@@ -195,7 +198,12 @@ unsafe fn codes<const KIND: u8>(blk: *const u8) -> __m256i {
 /// negative multiply `|c|` by `x` with `c`'s sign; no pair sum reaches 2¹⁵.
 #[inline(always)]
 unsafe fn lane_isums<const KIND: u8>(blk: *const u8, xv: __m256i) -> __m256i {
-    let c = codes::<KIND>(blk);
+    code_isums::<KIND>(codes::<KIND>(blk), xv)
+}
+
+/// [`lane_isums`] of a block's codes `c` ([`codes`]).
+#[inline(always)]
+unsafe fn code_isums<const KIND: u8>(c: __m256i, xv: __m256i) -> __m256i {
     let p16 = if block_kind(KIND).has_min() {
         _mm256_maddubs_epi16(c, xv)
     } else {
@@ -247,6 +255,59 @@ pub(super) unsafe fn dot_block<const KIND: u8>(w: &[u8], x: &Q8Vec) -> f32 {
         }
     }
     lanes_total(acc) + mins
+}
+
+/// One row against 1 to [`INPUTS`] inputs (a prompt chunk's tokens): `out[i]` has the bits of
+/// [`dot_block`] of the row and `xs[i]`, with the row's codes and scales decoded once per block for
+/// every input instead of once per input.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_inputs_block<const KIND: u8>(w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
+    match xs.len().min(out.len()) {
+        0 => {}
+        1 => out[0] = dot_block::<KIND>(w, xs[0]),
+        2 => inputs_block::<KIND, 2>(w, xs, out),
+        3 => inputs_block::<KIND, 3>(w, xs, out),
+        _ => inputs_block::<KIND, INPUTS>(w, xs, out),
+    }
+}
+
+/// [`dot_inputs_block`] of the first `N` inputs.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn inputs_block<const KIND: u8, const N: usize>(w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
+    let kind = block_kind(KIND);
+    let bytes = kind.bytes();
+    let xs: [&Q8Vec; N] = std::array::from_fn(|i| xs[i]);
+    let nb = xs.iter().fold(w.len() / bytes, |nb, x| {
+        nb.min(x.scales.len())
+            .min(x.sums.len())
+            .min(x.quants.len() / BLOCK_LEN)
+    });
+    let wp = w.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut mins = [0.0f32; N];
+    for b in 0..nb {
+        let blk = wp.add(b * bytes);
+        let c = codes::<KIND>(blk);
+        let d = f16_load(blk);
+        let m = if kind.has_min() {
+            f16_load(blk.add(2))
+        } else {
+            0.0
+        };
+        for i in 0..N {
+            let x = xs[i];
+            let lanes = _mm256_cvtepi32_ps(code_isums::<KIND>(c, x_block(x, b)));
+            let dd = _mm256_set1_ps(d * *x.scales.get_unchecked(b));
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(dd, lanes));
+            if kind.has_min() {
+                mins[i] += m * *x.sums.get_unchecked(b);
+            }
+        }
+    }
+    for i in 0..N {
+        out[i] = lanes_total(acc[i]) + mins[i];
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
