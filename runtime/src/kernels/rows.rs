@@ -13,7 +13,9 @@
 //! ([`RowKernels::dot_rows`]), the dense mat-vec takes its rows four at a time
 //! ([`super::matvec_rows`], which asks for the rows ahead itself: four rows read side by side stop
 //! the hardware prefetcher) and the bundle gate pass the gate and up rows of two bundles (the
-//! `gate_up` rule) or four gates (`gate`).
+//! `gate_up` rule) or four gates (`gate`). `dot_inputs` is the other way round: one row against
+//! up to [`INPUTS`] inputs (a prompt chunk's tokens), the row's codes decoded once for all of them,
+//! each result again bitwise its own `dot`.
 //!
 //! The environment variable `LEANSTREAM_KERNELS` forces one set by its name (`avx512`, `avx2`,
 //! `neon-dotprod`, `neon`, `portable`), so that every path can be run and compared on a CPU that
