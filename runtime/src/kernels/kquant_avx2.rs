@@ -29,6 +29,13 @@ pub(super) fn table() -> MoreKernels {
             |r, x, o| each(r, x, o, |w, x| unsafe { dot_q45_k::<true>(w, x) }),
             |r, x, o| each(r, x, o, |w, x| unsafe { dot_q6_k(w, x) }),
         ],
+        inputs: [
+            Some(|w, xs, o| unsafe { avx2::dot_inputs_block::<{ avx2::Q5_0 }>(w, xs, o) }),
+            Some(|w, xs, o| unsafe { avx2::dot_inputs_block::<{ avx2::Q5_1 }>(w, xs, o) }),
+            None,
+            None,
+            None,
+        ],
         axpy: PORTABLE_MORE.axpy,
     }
 }

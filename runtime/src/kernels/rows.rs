@@ -83,6 +83,8 @@ pub struct RowKernels {
 pub(crate) struct MoreKernels {
     pub(crate) dot: [BlockDot; MORE],
     pub(crate) dots: [BlockDots; MORE],
+    /// One row against several inputs, where the set has it (`dot_inputs`).
+    pub(crate) inputs: [Option<BlockInputs>; MORE],
     pub(crate) axpy: [Axpy; MORE],
 }
 
@@ -110,6 +112,7 @@ pub(crate) const PORTABLE_MORE: MoreKernels = MoreKernels {
         portable::dots_q5_k,
         portable::dots_q6_k,
     ],
+    inputs: [None; MORE],
     axpy: [
         portable::axpy_q5_0,
         portable::axpy_q5_1,
@@ -307,7 +310,8 @@ impl RowKernels {
             QuantType::Q8_0 => self.inputs_q8_0,
             QuantType::Q4_0 => self.inputs_q4_0,
             QuantType::Q4_1 => self.inputs_q4_1,
-            _ => None,
+            QuantType::F32 | QuantType::F16 | QuantType::BF16 => None,
+            _ => self.more.inputs[more_index(qtype)],
         }
     }
 
