@@ -213,8 +213,14 @@ mod tests {
         m.model.activation = Activation::FatRelu { threshold: 0.25 };
         assert_eq!(m.model.activation.apply(0.2499), 0.0);
         assert_eq!(m.model.activation.apply(0.25), 0.25);
-        assert_eq!(Activation::DRelu.coef(Activation::DRelu.apply(2.0), -3.0), 0.0);
-        assert_eq!(Activation::DRelu.coef(Activation::DRelu.apply(2.0), 3.0), 6.0);
+        assert_eq!(
+            Activation::DRelu.coef(Activation::DRelu.apply(2.0), -3.0),
+            0.0
+        );
+        assert_eq!(
+            Activation::DRelu.coef(Activation::DRelu.apply(2.0), 3.0),
+            6.0
+        );
         assert_eq!(Activation::Relu.coef(2.0, -3.0), -6.0);
     }
 

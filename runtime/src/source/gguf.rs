@@ -83,8 +83,9 @@ impl GgufFile {
             "qwen3" | "qwen3moe" => Ok(Architecture::Qwen3),
             "qwen2" => Ok(Architecture::Qwen2),
             "smollm3" => Ok(Architecture::Llama),
-            // PowerInfer's name for Bamboo / TurboSparse-Mistral: Llama's block with dReLU.
-            "bamboo" => Ok(Architecture::Llama),
+            // PowerInfer's name for Bamboo / TurboSparse-Mistral: Mistral's block with dReLU (in
+            // llama.cpp's layout, as `llama`; no sliding window key).
+            "bamboo" => Ok(Architecture::Mistral),
             "gemma2" => Ok(Architecture::Gemma2),
             "gemma3" => Ok(Architecture::Gemma3),
             "phi3" => Ok(Architecture::Phi3),
@@ -395,7 +396,7 @@ impl GgufFile {
             );
         }
         let data = match (self.architecture()?, name.rsplit('.').nth(1)) {
-            (Architecture::Llama, Some(proj @ ("q_proj" | "k_proj"))) => {
+            (Architecture::Llama | Architecture::Mistral, Some(proj @ ("q_proj" | "k_proj"))) => {
                 let (q_heads, kv_heads) = self.head_counts()?;
                 let heads = if proj == "q_proj" { q_heads } else { kv_heads };
                 Cow::Owned(unpermute_rope_rows(data, heads, row_bytes))
