@@ -365,7 +365,7 @@ impl<'a> ClusterOps<'a> {
     /// (each as long as the cluster); returns how many are active. Under dReLU the gate pass's
     /// coefficient `relu(g)·u` is made `relu(g)·relu(u)` ([`Activation::coef`]): a neuron whose up
     /// value is not positive adds exactly nothing, so it leaves the list and its down column is
-    /// not read — exact skipping by the up projection as well as the gate.
+    /// not computed — exact skipping by the up projection as well as the gate.
     pub(super) fn gate_into(
         &self,
         then: Option<&ClusterRows>,
