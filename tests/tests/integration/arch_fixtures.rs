@@ -394,12 +394,16 @@ fn gemma2_geglu_sparsity_streams_equal_to_resident() {
     }
 }
 
-/// The gemma3 fixture's GGUF rewritten with `gemma3.attention.sliding_window_pattern` set to
-/// `pattern`, at `out`.
-fn gemma3_gguf_with_pattern(pattern: candle_core::quantized::gguf_file::Value, out: &Path) {
+/// The fixture GGUF `src` rewritten at `out` with each tensor named by `rename` and the metadata
+/// `extra` added.
+fn rewrite_gguf(
+    src: &str,
+    out: &Path,
+    rename: impl Fn(&str) -> String,
+    extra: Vec<(String, candle_core::quantized::gguf_file::Value)>,
+) {
     use candle_core::quantized::gguf_file;
-    let src = fixtures().join("gemma3.f32.gguf");
-    let mut reader = std::fs::File::open(&src).unwrap();
+    let mut reader = std::fs::File::open(fixtures().join(src)).unwrap();
     let content = gguf_file::Content::read(&mut reader).unwrap();
     let tensors: Vec<(String, candle_core::quantized::QTensor)> = content
         .tensor_infos
@@ -408,7 +412,7 @@ fn gemma3_gguf_with_pattern(pattern: candle_core::quantized::gguf_file::Value, o
             let t = content
                 .tensor(&mut reader, n, &candle_core::Device::Cpu)
                 .unwrap();
-            (n.clone(), t)
+            (rename(n), t)
         })
         .collect();
     let mut metadata: Vec<(String, gguf_file::Value)> = content
@@ -416,13 +420,24 @@ fn gemma3_gguf_with_pattern(pattern: candle_core::quantized::gguf_file::Value, o
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    metadata.push(("gemma3.attention.sliding_window_pattern".into(), pattern));
+    metadata.extend(extra);
     let meta: Vec<(&str, &gguf_file::Value)> =
         metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tens: Vec<(&str, &candle_core::quantized::QTensor)> =
         tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
     let mut file = std::fs::File::create(out).unwrap();
     gguf_file::write(&mut file, &meta, &tens).unwrap();
+}
+
+/// The gemma3 fixture's GGUF rewritten with `gemma3.attention.sliding_window_pattern` set to
+/// `pattern`, at `out`.
+fn gemma3_gguf_with_pattern(pattern: candle_core::quantized::gguf_file::Value, out: &Path) {
+    rewrite_gguf(
+        "gemma3.f32.gguf",
+        out,
+        str::to_string,
+        vec![("gemma3.attention.sliding_window_pattern".into(), pattern)],
+    );
 }
 
 /// llama.cpp's per-layer pattern (one flag per layer, true = sliding) is read as written, and one
@@ -524,4 +539,40 @@ fn sparsity_native_models_skip_exactly_and_stream_equal_to_resident() {
             assert_eq!(active_streamed, active, "{name}: budget {budget}");
         }
     }
+}
+
+/// What is not read is refused with an error naming the file and the value: an unknown
+/// `hidden_act` in a folder's config.json, and PowerInfer's transposed `ffn_down_t` in a GGUF file
+/// (the bamboo fixture's with its down projections so renamed).
+#[test]
+fn unsupported_activation_and_powerinfer_layout_are_refused_by_name() {
+    let dir = leanstream_tests::fresh_dir(&scratch(), "arch-prosparse-unknown-act");
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(fixtures().join("prosparse").join(f), dir.join(f)).unwrap();
+    }
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let config = config.replace("\"fatrelu\"", "\"shifted_relu\"");
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    let err = format!("{:#}", Model::load(&dir).err().expect("refused"));
+    assert!(
+        err.contains("arch-prosparse-unknown-act/config.json")
+            && err.contains("unsupported hidden_act \"shifted_relu\""),
+        "{err}"
+    );
+
+    let out = scratch().join("arch-bamboo-down-t.gguf");
+    rewrite_gguf(
+        "bamboo.f32.gguf",
+        &out,
+        |n| n.replace("ffn_down.", "ffn_down_t."),
+        Vec::new(),
+    );
+    let err = format!(
+        "{:#}",
+        GgufFile::open(&out).and_then(|g| g.config()).unwrap_err()
+    );
+    assert!(
+        err.contains("arch-bamboo-down-t.gguf") && err.contains("ffn_down_t"),
+        "{err}"
+    );
 }
