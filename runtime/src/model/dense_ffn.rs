@@ -24,11 +24,12 @@ impl DenseFfn {
         self.up.matmul_t(x, t, up);
     }
 
-    /// `out = down · (act(gate) ⊙ up)`, overwriting `gate` with the activations.
+    /// `out = down · (act(gate) ⊙ up)` (dReLU: `relu(gate) ⊙ relu(up)`, [`Activation::coef`]),
+    /// overwriting `gate` with the coefficients.
     fn finish(&self, act: Activation, t: usize, gate: &mut [f32], up: &[f32], out: &mut [f32]) {
         gate.iter_mut()
             .zip(up)
-            .for_each(|(g, u)| *g = act.apply(*g) * u);
+            .for_each(|(g, u)| *g = act.coef(act.apply(*g), *u));
         self.down.matmul_t(gate, t, out);
     }
 
