@@ -358,10 +358,11 @@ pub fn gate_pass<'b>(
             let c = match skip.gate_score(a) {
                 Some(s) => {
                     *score = s;
-                    skip.active(s).then(|| a * k.dot(uq, rows.up(i), x))
+                    skip.active(s)
+                        .then(|| skip.act.coef(a, k.dot(uq, rows.up(i), x)))
                 }
                 None => {
-                    let c = a * k.dot(uq, rows.up(i), x);
+                    let c = skip.act.coef(a, k.dot(uq, rows.up(i), x));
                     *score = c.abs();
                     skip.active(*score).then_some(c)
                 }
@@ -435,7 +436,7 @@ pub fn gate_pass<'b>(
             k.dots(uq, &batch_rows[..up], x, &mut ups[..up]);
         }
         for ((&a, &c), &u) in acts.iter().zip(&which).zip(&ups).take(up) {
-            let v = a * u;
+            let v = skip.act.coef(a, u);
             let score = skip.gate_score(a).unwrap_or(v.abs());
             scores[c] = score;
             if skip.active(score) {
@@ -529,7 +530,7 @@ pub fn gate_pass_inputs<'b>(
         for ((&j, &g), &u) in who[..t].iter().zip(&g[..t]).zip(&u[..t]) {
             let p = &mut passes[j];
             let a = skip.act.apply(g);
-            let v = a * u;
+            let v = skip.act.coef(a, u);
             let score = skip.gate_score(a).unwrap_or(v.abs());
             p.scores[i] = score;
             if skip.active(score) {

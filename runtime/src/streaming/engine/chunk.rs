@@ -5,6 +5,7 @@ use std::sync::MutexGuard;
 
 use smallvec::SmallVec;
 
+use super::groups::keep_positive;
 use super::*;
 use crate::kernels::bundles::{gate_pass_inputs, gate_pass_inputs_fits, InputPass};
 use crate::kernels::INPUTS;
@@ -105,6 +106,11 @@ impl Share<'_> {
         drop(passes);
         for ((&r, lists), m) in group.iter().zip(self.lists.iter_mut()).zip(counts) {
             let i = r - self.first;
+            let m = keep_positive(
+                ops.skip.act,
+                &mut lists.active[span.clone()][..m],
+                &mut lists.coef[span.clone()][..m],
+            );
             lists.n_active[ops.ci] = m as u32;
             lists.stage[ops.ci] = Stage::Gated;
             ops.add(lists, &mut self.acc[i * h..(i + 1) * h]);

@@ -367,9 +367,9 @@ impl<'a> ClusterOps<'a> {
     /// The cluster's gates: its neurons' exact scores into `scores`, and its active neurons
     /// (offsets within it) and their coefficients into the first slots of `active` and `coef`
     /// (each as long as the cluster); returns how many are active. Under dReLU the gate pass's
-    /// coefficient `relu(g)·u` is made `relu(g)·relu(u)` ([`Activation::coef`]): a neuron whose up
-    /// value is not positive adds exactly nothing, so it leaves the list and its down column is
-    /// not computed — exact skipping by the up projection as well as the gate.
+    /// coefficient is `relu(g)·relu(u)` ([`Activation::coef`]): a neuron whose up value is not
+    /// positive adds exactly nothing, so it leaves the list ([`keep_positive`]) and its down
+    /// column is not computed — exact skipping by the up projection as well as the gate.
     pub(super) fn gate_into(
         &self,
         then: Option<&ClusterRows>,
@@ -392,10 +392,11 @@ impl<'a> ClusterOps<'a> {
             active,
             coef,
         );
-        Ok(match self.skip.act {
-            Activation::DRelu => keep_positive(&mut active[..m], &mut coef[..m]),
-            _ => m,
-        })
+        Ok(keep_positive(
+            self.skip.act,
+            &mut active[..m],
+            &mut coef[..m],
+        ))
     }
 
     /// Adds the cluster's active neurons' down columns to `acc`, in order.
@@ -413,9 +414,13 @@ impl<'a> ClusterOps<'a> {
     }
 }
 
-/// Keeps, in order, the entries of `active` whose `coef` is positive (dReLU: the others'
-/// `relu(g)·relu(u)` is 0) at the front of both; returns how many.
-fn keep_positive(active: &mut [u32], coef: &mut [f32]) -> usize {
+/// Under dReLU, keeps, in order, the entries of `active` whose `coef` is positive (the others'
+/// `relu(g)·relu(u)` is 0) at the front of both; returns how many (all of them under any other
+/// activation).
+pub(super) fn keep_positive(act: Activation, active: &mut [u32], coef: &mut [f32]) -> usize {
+    if act != Activation::DRelu {
+        return active.len();
+    }
     let mut m = 0;
     for j in 0..active.len() {
         if coef[j] > 0.0 {
@@ -429,11 +434,16 @@ fn keep_positive(active: &mut [u32], coef: &mut [f32]) -> usize {
 #[cfg(test)]
 mod drelu_tests {
     use super::keep_positive;
+    use leanstream_format::model_config::Activation;
 
     #[test]
     fn keep_positive_drops_the_non_positive_in_order() {
         let (mut a, mut c) = ([3u32, 5, 8, 9, 12], [0.5f32, -1.0, 0.0, 2.0, -0.0]);
-        assert_eq!(keep_positive(&mut a, &mut c), 2);
+        assert_eq!(keep_positive(Activation::DRelu, &mut a, &mut c), 2);
         assert_eq!((&a[..2], &c[..2]), (&[3u32, 9][..], &[0.5f32, 2.0][..]));
+        // Any other activation keeps every entry.
+        let (mut a, mut c) = ([3u32, 5], [0.5f32, -1.0]);
+        assert_eq!(keep_positive(Activation::Silu, &mut a, &mut c), 2);
+        assert_eq!(c, [0.5, -1.0]);
     }
 }
