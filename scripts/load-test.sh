@@ -9,8 +9,10 @@
 #
 # usage: scripts/load-test.sh MODEL [MEMORY] [SLOTS=8] [CLIENTS=8] [TOKENS=48] [ROUNDS=3]
 #   MEMORY: the --memory both servers run under (default: half the model file's size).
-# Both servers run with --ctx ${CTX:-256} --kv ${KV:-q8_0}: every slot's KV cache is counted in
-# --memory, and f32 caches of a long context would leave no room for eight.
+# Both servers run with --ctx ${CTX:-128} --kv ${KV:-q8_0}: every slot's KV cache is counted in
+# --memory, and f32 caches of a long context would leave no room for eight (at half of SmolLM2's
+# converted file, eight q8_0 caches of 256 positions do not fit beside the minimum; 128 positions
+# hold these prompts and their replies).
 # LEANSTREAM_BIN=FILE runs that binary instead of this checkout's release build.
 set -euo pipefail
 
@@ -38,7 +40,7 @@ trap cleanup EXIT
 
 # Starts a server with $1 slots; sets $server and $addr.
 start() {
-    "$leanstream" serve --model "$model" --memory "$memory" --ctx "${CTX:-256}" --kv "${KV:-q8_0}" --port 0 --temp 0 \
+    "$leanstream" serve --model "$model" --memory "$memory" --ctx "${CTX:-128}" --kv "${KV:-q8_0}" --port 0 --temp 0 \
         --parallel "$1" --queue 64 2> "$tmp/log" &
     server=$!
     for _ in $(seq 600); do

@@ -19,6 +19,14 @@ of QUANT_TYPES, committed as NAME.TYPE.gguf. Each is dequantized back to F32 by 
 NAME.quant.json records, per file, its tensors' GGML types and a digest of every dequantized tensor
 (so the test checks its own decoding against llama.cpp's without a 9 MB F32 file per type).
 
+Sparsity-native models (SPARSE_NATIVE, PowerInfer-2's kinds): transformers has neither ProSparse's
+FATReLU nor Bamboo/TurboSparse's dReLU, so each is built as its plain family with ReLU, its MLPs'
+forward replaced by the checkpoint's own (FATReLU `g if g >= t else 0` on the gate; ReLU on gate and
+up), the reference computed with that forward (checked to differ from the plain one), and
+config.json rewritten as the real checkpoints declare themselves. bamboo's GGUF is written with the
+gguf package (no llama.cpp converter knows PowerInfer's `bamboo` architecture) in llama.cpp's
+layout: llama tensor names, q/k rows permuted as llama.cpp's converter does.
+
 Usage: make-arch-fixtures.py [--llama-cpp DIR] [--llama-bin DIR] [--only NAME,...]
 """
 
@@ -144,12 +152,52 @@ MODELS = {
 }
 
 
+# The FATReLU threshold of the prosparse fixture (ProSparse's own is 0.01; a larger one zeroes a
+# measurable share of these random gates).
+FATRELU_THRESHOLD = 0.25
+
+# name -> (config class, extra config, config.json as the checkpoint declares itself, FFN)
+SPARSE_NATIVE = {
+    # ProSparse's ReLU-fied Llama 2: SparseLlamaForCausalLM, FATReLU with hidden_act_param.
+    "prosparse": (
+        "LlamaConfig",
+        dict(rope_theta=10000.0, hidden_act="relu"),
+        dict(
+            architectures=["SparseLlamaForCausalLM"],
+            model_type="sparsellama",
+            hidden_act="fatrelu",
+            hidden_act_param=FATRELU_THRESHOLD,
+        ),
+        "fatrelu",
+    ),
+    # Bamboo / TurboSparse-Mistral: BambooForCausalLM, hidden_act "relu" on gate and up (dReLU).
+    "bamboo": (
+        "MistralConfig",
+        dict(rope_theta=10000.0, hidden_act="relu", sliding_window=None),
+        dict(architectures=["BambooForCausalLM"], model_type="bamboo"),
+        "drelu",
+    ),
+}
+
+
+def sparse_forward(mlp, ffn):
+    """The checkpoint's own MLP forward: ProSparse's FATReLU or Bamboo's dReLU."""
+    def fatrelu(x):
+        g = mlp.gate_proj(x)
+        return mlp.down_proj(torch.where(g >= FATRELU_THRESHOLD, g, torch.zeros_like(g)) * mlp.up_proj(x))
+
+    def drelu(x):
+        return mlp.down_proj(torch.relu(mlp.gate_proj(x)) * torch.relu(mlp.up_proj(x)))
+
+    return {"fatrelu": fatrelu, "drelu": drelu}[ffn]
+
+
 def tokens():
     g = torch.Generator().manual_seed(SEED)
     return torch.randint(1, VOCAB, (SEQ_LEN,), generator=g).tolist()
 
 
-def make(name, cls, extra, out, std=0.08):
+def make(name, cls, extra, out, std=0.08, ffn=None, declared=None):
     torch.manual_seed(SEED)
     cfg = getattr(transformers, cls)(**{**COMMON, **extra})
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -163,16 +211,28 @@ def make(name, cls, extra, out, std=0.08):
             else:
                 p.uniform_(0.5, 1.5)
     model.eval()
+    ids = tokens()
+    if ffn:
+        with torch.no_grad():
+            plain = model(torch.tensor([ids])).logits[0]
+        for layer in model.model.layers:
+            layer.mlp.forward = sparse_forward(layer.mlp, ffn)
     if out.exists():
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)
+    if declared:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg.update(declared)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     shutil.copy(TOKENIZER, out / "tokenizer.json")
     if cls.startswith(("Gemma", "Phi3")):
         # Else AutoTokenizer picks the family's own tokenizer class, which adds special tokens.
         (out / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}\n')
-    ids = tokens()
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].double()
+    if ffn:
+        moved = (logits - plain.double()).abs().max().item()
+        assert moved > 1e-2, f"{name}: the {ffn} forward changes nothing ({moved})"
     logp = torch.log_softmax(logits, dim=-1)
     per_token = [logp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
     nll = -sum(per_token) / len(per_token)
@@ -269,6 +329,50 @@ def quantize(llama_cpp, llama_bin, name, base, widths):
         (OUT / f"{name}.quant.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
+def bamboo_gguf(folder, out):
+    """The bamboo fixture as an F32 GGUF of PowerInfer's architecture name in llama.cpp's layout."""
+    import gguf as gguf_py
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = load_file(folder / "model.safetensors")
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def permute(t, n):
+        # llama.cpp's converter: rotate-half rows to interleaved pairs, per head.
+        return t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    wr = gguf_py.GGUFWriter(str(out), "bamboo")
+    wr.add_context_length(cfg["max_position_embeddings"])
+    wr.add_embedding_length(cfg["hidden_size"])
+    wr.add_block_count(cfg["num_hidden_layers"])
+    wr.add_feed_forward_length(cfg["intermediate_size"])
+    wr.add_head_count(heads)
+    wr.add_head_count_kv(kv_heads)
+    wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    wr.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    wr.add_rope_dimension_count(cfg["head_dim"])
+    wr.add_eos_token_id(cfg["eos_token_id"])
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    wr.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    wr.add_tensor("output_norm.weight", w["model.norm.weight"])
+    for l in range(cfg["num_hidden_layers"]):
+        for hf, gg in names.items():
+            t = w[f"model.layers.{l}.{hf}.weight"]
+            if hf == "self_attn.q_proj":
+                t = permute(t, heads)
+            elif hf == "self_attn.k_proj":
+                t = permute(t, kv_heads)
+            wr.add_tensor(f"blk.{l}.{gg}.weight", t)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-cpp", type=Path)
@@ -284,6 +388,13 @@ def main():
         make(name, cls, extra, folder)
         if args.llama_cpp and pre:
             gguf(args.llama_cpp, folder, pre, OUT / f"{name}.f32.gguf")
+    for name, (cls, extra, declared, ffn) in SPARSE_NATIVE.items():
+        if only and name not in only:
+            continue
+        folder = OUT / name
+        make(name, cls, extra, folder, ffn=ffn, declared=declared)
+        if name == "bamboo":
+            bamboo_gguf(folder, OUT / f"{name}.f32.gguf")
     for name, (base, widths) in QUANTIZED.items():
         if only and name not in only:
             continue

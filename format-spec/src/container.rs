@@ -13,7 +13,7 @@ pub const MAGIC: [u8; 8] = *b"LEANSTRM";
 pub const VERSION_MAJOR: u16 = 1;
 /// The highest minor version this build knows; a writer writes the lowest one its features need
 /// ([`SectionKind::since_minor`], [`ContainerWriter::require_minor`]).
-pub const VERSION_MINOR: u16 = 8;
+pub const VERSION_MINOR: u16 = 9;
 /// The minor version of a file that uses no later feature.
 const BASE_MINOR: u16 = 1;
 const SECTION_TABLE_OFFSET: usize = 32;

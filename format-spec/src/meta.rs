@@ -195,6 +195,35 @@ mod tests {
         assert_eq!(gelu.minor_version(), 8);
     }
 
+    /// FATReLU (with its threshold) and dReLU round-trip through META and make a file 1.9.
+    #[test]
+    fn sparsity_native_activations_round_trip_and_make_a_file_1_9() {
+        use crate::model_config::Activation;
+        for act in [Activation::FatRelu { threshold: 0.01 }, Activation::DRelu] {
+            let mut m = meta(None);
+            m.model.activation = act;
+            let json = serde_json::to_string(&m).unwrap();
+            let back: Meta = serde_json::from_str(&json).unwrap();
+            assert_eq!(back.model.activation, act, "{json}");
+            assert_eq!(back.minor_version(), 9);
+        }
+        let mut m = meta(None);
+        m.model.activation = Activation::FatRelu { threshold: -0.5 };
+        assert!(m.model.validate().is_err());
+        m.model.activation = Activation::FatRelu { threshold: 0.25 };
+        assert_eq!(m.model.activation.apply(0.2499), 0.0);
+        assert_eq!(m.model.activation.apply(0.25), 0.25);
+        assert_eq!(
+            Activation::DRelu.coef(Activation::DRelu.apply(2.0), -3.0),
+            0.0
+        );
+        assert_eq!(
+            Activation::DRelu.coef(Activation::DRelu.apply(2.0), 3.0),
+            6.0
+        );
+        assert_eq!(Activation::Relu.coef(2.0, -3.0), -6.0);
+    }
+
     #[test]
     fn chat_template_is_optional_and_round_trips() {
         let old = meta(None);

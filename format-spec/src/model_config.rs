@@ -29,27 +29,64 @@ impl Architecture {
     }
 }
 
-/// FFN activation applied to the gate projection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// FFN activation applied to the gate projection; a neuron's coefficient on its down column is
+/// [`Activation::coef`] of its gate and up values.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Activation {
     Silu,
     Relu,
     /// GELU in its tanh approximation (`gelu_pytorch_tanh`, Gemma's GeGLU). Since 1.8.
     GeluTanh,
+    /// FATReLU (ProSparse's `fatrelu`): `z` where `z ≥ threshold`, else 0; `threshold ≥ 0`, and
+    /// with 0 it is ReLU. Since 1.9.
+    FatRelu {
+        threshold: f32,
+    },
+    /// dReLU (TurboSparse, Bamboo): ReLU on the gate *and* on the up projection, so the
+    /// coefficient is `relu(g) · relu(u)`. Since 1.9.
+    DRelu,
 }
 
 impl Activation {
+    /// The activation of a gate value `x`.
     #[inline]
     pub fn apply(self, x: f32) -> f32 {
         match self {
             Activation::Silu => x / (1.0 + (-x).exp()),
-            Activation::Relu => x.max(0.0),
+            Activation::Relu | Activation::DRelu => x.max(0.0),
+            Activation::FatRelu { threshold } => {
+                if x >= threshold {
+                    x
+                } else {
+                    0.0
+                }
+            }
             Activation::GeluTanh => {
                 // sqrt(2/π)
                 const K: f32 = 0.797_884_6;
                 0.5 * x * (1.0 + (K * (x + 0.044_715 * x * x * x)).tanh())
             }
         }
+    }
+
+    /// A neuron's coefficient on its down column from its activation `a = apply(g)` and up value
+    /// `u`: `a · u`, and for dReLU `max(a · u, 0)`, which is `relu(g) · relu(u)` (`a ≥ 0`, so the
+    /// product's sign is `u`'s) — the form a kernel that computes `a · u` can be corrected to.
+    #[inline]
+    pub fn coef(self, a: f32, u: f32) -> f32 {
+        match self {
+            Activation::DRelu => (a * u).max(0.0),
+            _ => a * u,
+        }
+    }
+
+    /// Whether `apply(g)` is exactly 0 for every gate value at or below 0 and below the FATReLU
+    /// threshold — the ReLU family, whose neurons the gate alone proves silent, exactly.
+    pub fn is_relu_like(self) -> bool {
+        matches!(
+            self,
+            Activation::Relu | Activation::FatRelu { .. } | Activation::DRelu
+        )
     }
 }
 
@@ -191,6 +228,18 @@ impl ModelConfig {
                 return Err(FormatError::config(format!("the {name} must be positive")));
             }
         }
+        if let Activation::FatRelu { threshold } = self.activation {
+            if !(threshold.is_finite() && threshold >= 0.0) {
+                return Err(FormatError::config(format!(
+                    "the FATReLU threshold ({threshold}) must be finite and at least 0"
+                )));
+            }
+        }
+        if self.activation == Activation::DRelu && self.moe.is_some() {
+            return Err(FormatError::config(
+                "dReLU is supported for dense FFNs, not for a mixture of experts".to_string(),
+            ));
+        }
         if let Some(f) = &self.rope_freq_factors {
             if f.len() != self.head_dim / 2 || f.iter().any(|&x| !(x.is_finite() && x > 0.0)) {
                 return Err(FormatError::config(format!(
@@ -286,15 +335,22 @@ impl ModelConfig {
             .filter(|_| self.block.full_attention_layers.binary_search(&l).is_err())
     }
 
-    /// The minor format version this configuration needs: 8 for what 1.8 added (Gemma 2 and 3,
-    /// Phi-3, GELU, LongRoPE, per-layer windows, soft-capping), else 1.
+    /// The minor format version this configuration needs: 9 for what 1.9 added (the FATReLU and
+    /// dReLU activations), 8 for what 1.8 added (Gemma 2 and 3, Phi-3, GELU, LongRoPE, per-layer
+    /// windows, soft-capping), else 1.
     pub fn minor_version(&self) -> u16 {
         let v18 = matches!(
             self.architecture,
             Architecture::Gemma2 | Architecture::Gemma3 | Architecture::Phi3
         ) || self.activation == Activation::GeluTanh
             || !self.block.is_default();
-        if v18 {
+        let v19 = matches!(
+            self.activation,
+            Activation::FatRelu { .. } | Activation::DRelu
+        );
+        if v19 {
+            9
+        } else if v18 {
             8
         } else {
             1

@@ -21,27 +21,26 @@ const CALIB_TECHNICAL: &str = include_str!("../../data/calib-technical.txt");
 /// Characters of each text per turn of [`varied_text`].
 const VARIED_BLOCK: usize = 1024;
 
-/// The text a model is calibrated on when no `--calib` is given. SwiGLU models get the varied
+/// The text a model is calibrated on when no `--calib` is given: ReLU-family models (ReLU,
+/// FATReLU, dReLU) the prose of data/calib.txt. SwiGLU models get the varied
 /// text ([`varied_text`]): their per-layer thresholds and predictors are fitted to the text, and
 /// predictors fitted to prose alone miss far more on other text (SmolLM2 `target:0.5` predicted on
 /// the GPL-3 licence: +120 % prose-only, +8 % varied; docs/results.md, "Varied calibration text").
 pub fn default_text(activation: Activation) -> Cow<'static, str> {
-    match activation {
-        Activation::Relu => Cow::Borrowed(DEFAULT_CALIB),
-        Activation::Silu | Activation::GeluTanh => Cow::Owned(varied_text()),
+    match activation.is_relu_like() {
+        true => Cow::Borrowed(DEFAULT_CALIB),
+        false => Cow::Owned(varied_text()),
     }
 }
 
 /// The calibration text's name in META's provenance: `--calib`'s file, or which default.
 pub fn text_name(file: Option<&Path>, activation: Activation) -> String {
-    match (file, activation) {
+    match (file, activation.is_relu_like()) {
         (Some(p), _) => p.display().to_string(),
-        (None, Activation::Relu) => "default: data/calib.txt (prose)".into(),
-        (None, Activation::Silu | Activation::GeluTanh) => {
-            "default: varied (1024-character turns of data/calib.txt, \
+        (None, true) => "default: data/calib.txt (prose)".into(),
+        (None, false) => "default: varied (1024-character turns of data/calib.txt, \
                                      data/calib-code.txt and data/calib-technical.txt)"
-                .into()
-        }
+            .into(),
     }
 }
 

@@ -10,7 +10,6 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use leanstream::kernels::{Matrix, Weight};
 use leanstream::model::DenseFfn;
-use leanstream::source::config::Activation;
 use leanstream::streaming::default_predictor_rank;
 use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream::tokenizer::Tokenizer;
@@ -282,10 +281,10 @@ pub fn calibrate(
         // Predicted mode drops a missed active neuron however large, so for SwiGLU (the
         // `gate_up` rule, and the `gate` rule on |silu(g)|, whose misses cost as much) the own
         // predictor always names the neurons with massive contributions and its threshold is set
-        // by what its misses carry rather than by a budget. ReLU keeps the budget: `relu(g) = 0`
-        // is exact, and its misses are the rule's own small gates.
+        // by what its misses carry rather than by a budget. ReLU (and FATReLU, dReLU) keeps the
+        // budget: `relu(g) = 0` is exact, and its misses are the rule's own small gates.
         let e_eval = energies(&coef, &mask, n, &eval_rows);
-        let by_contribution = rule == SkipRule::GateUp || act != Activation::Relu;
+        let by_contribution = rule == SkipRule::GateUp || !act.is_relu_like();
         let (own_thr, always) = if by_contribution {
             let e_train = energies(&coef, &mask, n, &train_rows);
             let always = massive(&e_train);

@@ -12,7 +12,7 @@ use leanstream::kernels::{Matrix, Weight};
 use leanstream::model::{
     expert_tensor_names, rms_norm, route, Choice, DenseFfn, FfnProbe, Model, MoeFfn,
 };
-use leanstream::source::config::{Activation, ModelConfig, MoeConfig};
+use leanstream::source::config::{ModelConfig, MoeConfig};
 use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::expert::ExpertIndex;
 use leanstream_format::ffn::{Cluster, FfnIndex, FfnLayer, PartTypes};
@@ -242,7 +242,7 @@ pub(crate) fn convert(
 
     let t = Instant::now();
     let (predictors, sketch, refine) = empty_side_data(layers, h);
-    let relu = config.activation == Activation::Relu;
+    let relu = config.activation.is_relu_like();
     let meta = Meta {
         model: config.clone(),
         dense_quant: opts.quant.name().into(),

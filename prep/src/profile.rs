@@ -167,7 +167,7 @@ impl<'a> Profiler<'a> {
                     fi.copy_from_slice(p.ffn_input);
                     g.copy_from_slice(p.gate);
                     for ((c, &g), &u) in cf.iter_mut().zip(p.gate.iter()).zip(p.up) {
-                        *c = act.apply(g) * u;
+                        *c = act.coef(act.apply(g), u);
                     }
                 };
                 model.block(l, 0, x, cache, Some(&mut probe));

@@ -33,7 +33,7 @@ const CURVE_ROWS: usize = 256;
 /// How neurons are declared skippable.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum SparsityMode {
-    /// Active iff gate·x > 0: exact for ReLU models.
+    /// Active iff act(gate·x) ≠ 0: exact for ReLU-family models (ReLU, FATReLU, dReLU).
     Relu,
     /// `gate` rule, the same fraction skipped in every layer.
     Threshold(f32),
@@ -53,11 +53,12 @@ impl SparsityMode {
                 .filter(|f| (0.0..1.0).contains(f))
         };
         match s {
-            "auto" if act == Activation::Relu => Ok(Self::Relu),
+            "auto" if act.is_relu_like() => Ok(Self::Relu),
             "auto" => Ok(Self::Auto),
-            "relu" if act == Activation::Relu => Ok(Self::Relu),
+            "relu" if act.is_relu_like() => Ok(Self::Relu),
             "relu" => anyhow::bail!(
-                "--sparsity relu needs a ReLU model; this one uses SiLU: use target:F"
+                "--sparsity relu needs a ReLU-family model (ReLU, FATReLU, dReLU); this one uses \
+                 {act:?}: use target:F"
             ),
             _ => {
                 if let Some(f) = fraction("threshold:") {
@@ -569,6 +570,16 @@ mod tests {
             SkipRule::GateUp
         );
         assert!(SparsityMode::parse("relu", Activation::Silu).is_err());
+        for act in [Activation::FatRelu { threshold: 0.01 }, Activation::DRelu] {
+            assert_eq!(
+                SparsityMode::parse("auto", act).unwrap(),
+                SparsityMode::Relu
+            );
+            assert_eq!(
+                SparsityMode::parse("relu", act).unwrap(),
+                SparsityMode::Relu
+            );
+        }
         assert!(SparsityMode::parse("threshold:1.5", Activation::Silu).is_err());
         assert!(SparsityMode::parse("target:x", Activation::Silu).is_err());
     }

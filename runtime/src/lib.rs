@@ -11,6 +11,8 @@
 pub mod bench;
 #[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 pub mod kernels;
 pub mod model;
 pub mod platform;

@@ -10,110 +10,26 @@
 //! issues the reads), and the read buffers the process maps (those bypass the allocator; printed,
 //! not asserted, while streaming: at the minimum the dense weights' stream maps some).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-use std::path::Path;
+#[path = "common/counting.rs"]
+mod counting;
 
 use leanstream::model::kv_cache::KvType;
-use leanstream::storage::AlignedBuf;
-use leanstream::streaming::{experts, minimum_memory};
-use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::streaming::experts;
+use leanstream::text::session::{PolicyChoice, Session};
 use leanstream::tokenizer::Tokenizer;
-use leanstream_tests::converted::{convert, embedded, exact_options, heldout_ids, ufs4, workspace};
+use leanstream_tests::converted::{convert, embedded, exact_options, heldout_ids, workspace};
 use leanstream_tests::scratch_dir;
 
-thread_local! {
-    /// Allocations (and reallocations) made by this thread.
-    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
-}
-
-struct Counting;
-
-fn count() {
-    // `try_with`: a thread being torn down may still free and allocate.
-    let _ = ALLOCATIONS.try_with(|c| c.set(c.get() + 1));
-}
-
-// SAFETY: every call is forwarded unchanged to the system allocator; counting touches only a
-// const-initialised thread-local `Cell`, which itself never allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count();
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
-
-fn allocations() -> u64 {
-    ALLOCATIONS.with(Cell::get)
-}
-
-const CTX: usize = 64;
-const WARM_UP: usize = 8;
-const COUNTED: usize = 24;
-
-/// What decoding after warm-up cost.
-struct Counts {
-    /// Per token: heap allocations of this thread, and read buffers mapped by the process.
-    per_token: Vec<(u64, u64)>,
-    /// Reads submitted to the queue meanwhile.
-    reads: u64,
-    /// The last token's logits (to compare the policies).
-    logits: Vec<f32>,
-}
-
-fn open(file: &Path, policy: PolicyChoice, memory: Option<u64>) -> Session {
-    Session::open(
-        &SessionOptions::new(file, Some(policy))
-            .memory(memory)
-            .flash(memory.and(ufs4()))
-            .ctx(CTX),
-    )
-    .unwrap()
-}
+use counting::{budgets, check_streamed, counted, open, Counts, COUNTED, CTX, WARM_UP};
 
 /// Decodes `ids` one token at a time, counting from the `WARM_UP`th.
 fn decode(mut s: Session, ids: &[u32]) -> Counts {
-    let submitted = |s: &Session| s.io().map_or(0, |q| q.stats().submitted);
     let mut cache = s.model().new_cache(CTX);
-    let mut logits = Vec::new();
-    let (mut per_token, mut reads) = (Vec::new(), 0);
-    for (i, &tok) in ids.iter().enumerate() {
-        let read_before = submitted(&s);
-        let (before, mapped) = (allocations(), AlignedBuf::made());
+    counted(&mut s, ids.len(), |s, i, logits| {
         s.model()
-            .forward_into(&[tok], &mut cache, false, &mut logits)
+            .forward_into(&[ids[i]], &mut cache, false, logits)
             .unwrap();
-        if i >= WARM_UP {
-            per_token.push((allocations() - before, AlignedBuf::made() - mapped));
-            reads += submitted(&s) - read_before;
-        }
-    }
-    Counts {
-        per_token,
-        reads,
-        logits,
-    }
+    })
 }
 
 /// Asserts that `resident` decoded without allocating or mapping, and that each streamed run
@@ -129,21 +45,10 @@ fn check(resident: &Counts, streamed: &[(u64, Counts)]) {
         resident.per_token
     );
     for (memory, run) in streamed {
-        let allocated: u64 = run.per_token.iter().map(|n| n.0).sum();
-        println!(
-            "leanstream at {memory} bytes: (allocations, read buffers made) per token {:?}; \
-             {allocated} allocations for {} reads",
-            run.per_token, run.reads
-        );
-        assert_eq!(
-            run.logits, resident.logits,
-            "exact streaming equals resident"
-        );
-        assert!(run.reads > 0, "the budget makes it read");
-        assert!(
-            allocated < 2 * run.reads,
-            "leanstream at {memory} bytes: {allocated} allocations for {} reads",
-            run.reads
+        check_streamed(
+            &format!("leanstream at {memory} bytes"),
+            run,
+            &resident.logits,
         );
     }
 }
@@ -151,13 +56,10 @@ fn check(resident: &Counts, streamed: &[(u64, Counts)]) {
 #[test]
 fn decoding_a_token_allocates_nothing_once_warm() {
     let file = embedded("q8");
-    let f = leanstream_format::LsbFile::open(&file).unwrap();
-    let min = minimum_memory(&file, CTX).unwrap();
-    let ffn = f.ffn.bundle_bytes();
     let session = open(&file, PolicyChoice::Resident, None);
     let ids = heldout_ids(&session.tokenizer, WARM_UP + COUNTED);
     let resident = decode(session, &ids);
-    let streamed: Vec<_> = [min, min + ffn / 4]
+    let streamed: Vec<_> = budgets(&file)
         .into_iter()
         .map(|m| {
             (

@@ -103,6 +103,9 @@ fn the_c_example_writes_runs_text_and_reports_a_bad_path() {
     );
     for exe in [&shared, &static_exe] {
         let o = Command::new(exe)
+            // The rpath names the fresh library; cargo's LD_LIBRARY_PATH would put a stale one
+            // left in target/release by an earlier build before it.
+            .env_remove("LD_LIBRARY_PATH")
             .arg(&model)
             .args([PROMPT, "24"])
             .output()
@@ -140,6 +143,7 @@ fn the_c_example_writes_runs_text_and_reports_a_bad_path() {
         .unwrap();
     let first = text(&run);
     let o = Command::new(&shared)
+        .env_remove("LD_LIBRARY_PATH")
         .arg("--chat")
         .arg(&smollm2)
         .args([QUESTION, "And of Italy?", "12"])
@@ -153,6 +157,7 @@ fn the_c_example_writes_runs_text_and_reports_a_bad_path() {
 
     let missing = dir.join("no-such-model.lsb");
     let o = Command::new(&shared)
+        .env_remove("LD_LIBRARY_PATH")
         .arg(&missing)
         .arg(PROMPT)
         .output()

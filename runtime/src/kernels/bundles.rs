@@ -17,7 +17,7 @@ use leanstream_format::ffn::{ClusterLayout, FfnLayer, Part, PartTypes};
 use leanstream_format::quant::QuantType;
 
 use super::operand::Operand;
-use super::rows::{RowKernels, DOT_ROWS};
+use super::rows::{RowKernels, DOT_ROWS, INPUTS};
 use crate::streaming::skip_rule::{Skip, SkipRule};
 
 /// Bundle bytes of a layer's needed clusters from which its FFN is split across threads (when
@@ -358,10 +358,11 @@ pub fn gate_pass<'b>(
             let c = match skip.gate_score(a) {
                 Some(s) => {
                     *score = s;
-                    skip.active(s).then(|| a * k.dot(uq, rows.up(i), x))
+                    skip.active(s)
+                        .then(|| skip.act.coef(a, k.dot(uq, rows.up(i), x)))
                 }
                 None => {
-                    let c = a * k.dot(uq, rows.up(i), x);
+                    let c = skip.act.coef(a, k.dot(uq, rows.up(i), x));
                     *score = c.abs();
                     skip.active(*score).then_some(c)
                 }
@@ -435,7 +436,7 @@ pub fn gate_pass<'b>(
             k.dots(uq, &batch_rows[..up], x, &mut ups[..up]);
         }
         for ((&a, &c), &u) in acts.iter().zip(&which).zip(&ups).take(up) {
-            let v = a * u;
+            let v = skip.act.coef(a, u);
             let score = skip.gate_score(a).unwrap_or(v.abs());
             scores[c] = score;
             if skip.active(score) {
@@ -466,6 +467,79 @@ pub fn gate_pass<'b>(
     }
     window.finish();
     m
+}
+
+/// One input's share of [`gate_pass_inputs`]: its candidates among the neurons, and where its
+/// scores, active neurons and their coefficients go (as [`gate_pass`]'s arguments), with how many
+/// were active.
+pub struct InputPass<'a> {
+    pub x: &'a Operand<'a>,
+    pub candidate: &'a [bool],
+    pub scores: &'a mut [f32],
+    pub active: &'a mut [u32],
+    pub coef: &'a mut [f32],
+    pub m: usize,
+}
+
+/// Whether [`gate_pass_inputs`] takes this layout, rule and kernel set: the `gate_up` rule (every
+/// candidate's gate and up rows are read), gate and up rows of one encoding, and a kernel that
+/// takes several inputs at once for it.
+pub fn gate_pass_inputs_fits(k: &RowKernels, layout: &BundleLayout, skip: Skip) -> bool {
+    matches!(skip.rule, SkipRule::GateUp)
+        && layout.qtypes.gate == layout.qtypes.up
+        && k.has_dot_inputs(layout.qtypes.gate)
+}
+
+/// [`gate_pass`] for up to [`INPUTS`] inputs at once (a prompt chunk's tokens that need the same
+/// cluster), where [`gate_pass_inputs_fits`]: each neuron's gate and up rows are decoded once for
+/// every input that has it as a candidate ([`RowKernels::dot_inputs`]). Each input's scores,
+/// active list and coefficients are bitwise those of [`gate_pass`] on that input alone.
+pub fn gate_pass_inputs<'b>(
+    k: &RowKernels,
+    layout: &BundleLayout,
+    rows: &impl NeuronRows<'b>,
+    skip: Skip,
+    passes: &mut [InputPass],
+) {
+    let q = layout.qtypes.gate;
+    let n = passes.iter().map(|p| p.scores.len()).min().unwrap_or(0);
+    assert!(passes.len() <= INPUTS);
+    for p in passes.iter_mut() {
+        assert!(p.candidate.len() >= n && p.active.len() >= n && p.coef.len() >= n);
+        p.m = 0;
+    }
+    let mut xs: [&Operand; INPUTS] = [passes[0].x; INPUTS];
+    let mut who = [0usize; INPUTS];
+    let (mut g, mut u) = ([0.0f32; INPUTS], [0.0f32; INPUTS]);
+    for i in 0..n {
+        if i + PREFETCH_AHEAD < n {
+            prefetch_ahead(rows, i + PREFETCH_AHEAD, true);
+        }
+        let mut t = 0;
+        for (j, p) in passes.iter().enumerate() {
+            if p.candidate[i] {
+                (xs[t], who[t]) = (p.x, j);
+                t += 1;
+            }
+        }
+        if t == 0 {
+            continue;
+        }
+        k.dot_inputs(q, rows.gate(i), &xs[..t], &mut g[..t]);
+        k.dot_inputs(q, rows.up(i), &xs[..t], &mut u[..t]);
+        for ((&j, &g), &u) in who[..t].iter().zip(&g[..t]).zip(&u[..t]) {
+            let p = &mut passes[j];
+            let a = skip.act.apply(g);
+            let v = skip.act.coef(a, u);
+            let score = skip.gate_score(a).unwrap_or(v.abs());
+            p.scores[i] = score;
+            if skip.active(score) {
+                p.active[p.m] = i as u32;
+                p.coef[p.m] = v;
+                p.m += 1;
+            }
+        }
+    }
 }
 
 /// The rows [`gate_pass`] asks for ahead: [`PREFETCH_AHEAD`] neurons past the one it computes,

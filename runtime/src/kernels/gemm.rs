@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use leanstream_format::quant::QuantType;
 
 use super::operand::Operand;
-use super::rows::{RowKernels, DOT_ROWS};
+use super::rows::{RowKernels, DOT_ROWS, INPUTS};
 
 /// Rows per tile: 16 rows of a 4-bit 576-wide matrix are 5.8 KB, of a 4096-wide one 36 KB, both
 /// within a first-level data cache while every input passes over them.
@@ -94,6 +94,26 @@ unsafe fn tile(
     let mut views: [&[u8]; TILE_ROWS] = [&[]; TILE_ROWS];
     for (j, v) in views[..n].iter_mut().enumerate() {
         *v = &data[j * row_bytes..(j + 1) * row_bytes];
+    }
+    if k.has_dot_inputs(qtype) {
+        // A few inputs at a time against every row of the tile: each row's codes decoded once
+        // for all of them.
+        let mut group: [&Operand; INPUTS] = [&xs[0]; INPUTS];
+        let mut o = [0.0f32; INPUTS];
+        for (c, chunk) in xs.chunks(INPUTS).enumerate() {
+            for (g, x) in group.iter_mut().zip(chunk) {
+                *g = x;
+            }
+            let m = chunk.len();
+            for (j, row) in views[..n].iter().enumerate() {
+                k.dot_inputs(qtype, row, &group[..m], &mut o[..m]);
+                for (i, &v) in o[..m].iter().enumerate() {
+                    // SAFETY: the caller's promise.
+                    unsafe { *out.0.add((c * INPUTS + i) * stride + r0 + j) = v };
+                }
+            }
+        }
+        return;
     }
     for (i, x) in xs.iter().enumerate() {
         // SAFETY: the caller's promise.

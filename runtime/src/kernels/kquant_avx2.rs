@@ -6,11 +6,9 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2;
 use super::operand::Q8Vec;
-use super::portable::{
-    self, finish_q45_k, finish_q6_k, K_SUB, Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES,
-    Q6_K_BYTES,
-};
+use super::portable::{finish_q45_k, finish_q6_k, K_SUB, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
 use super::rows::{MoreKernels, PORTABLE_MORE};
 
 /// The table for a CPU with AVX2 (the caller checked it).
@@ -18,18 +16,25 @@ pub(super) fn table() -> MoreKernels {
     // SAFETY (every entry): only installed in kernel sets whose CPU check includes AVX2.
     MoreKernels {
         dot: [
-            |w, x| unsafe { dot_q5::<false>(w, x) },
-            |w, x| unsafe { dot_q5::<true>(w, x) },
+            |w, x| unsafe { avx2::dot_block::<{ avx2::Q5_0 }>(w, x) },
+            |w, x| unsafe { avx2::dot_block::<{ avx2::Q5_1 }>(w, x) },
             |w, x| unsafe { dot_q45_k::<false>(w, x) },
             |w, x| unsafe { dot_q45_k::<true>(w, x) },
             |w, x| unsafe { dot_q6_k(w, x) },
         ],
         dots: [
-            |r, x, o| each(r, x, o, |w, x| unsafe { dot_q5::<false>(w, x) }),
-            |r, x, o| each(r, x, o, |w, x| unsafe { dot_q5::<true>(w, x) }),
+            |r, x, o| unsafe { avx2::dots_block::<{ avx2::Q5_0 }>(r, x, o) },
+            |r, x, o| unsafe { avx2::dots_block::<{ avx2::Q5_1 }>(r, x, o) },
             |r, x, o| each(r, x, o, |w, x| unsafe { dot_q45_k::<false>(w, x) }),
             |r, x, o| each(r, x, o, |w, x| unsafe { dot_q45_k::<true>(w, x) }),
             |r, x, o| each(r, x, o, |w, x| unsafe { dot_q6_k(w, x) }),
+        ],
+        inputs: [
+            Some(|w, xs, o| unsafe { avx2::dot_inputs_block::<{ avx2::Q5_0 }>(w, xs, o) }),
+            Some(|w, xs, o| unsafe { avx2::dot_inputs_block::<{ avx2::Q5_1 }>(w, xs, o) }),
+            None,
+            None,
+            None,
         ],
         axpy: PORTABLE_MORE.axpy,
     }
@@ -52,15 +57,6 @@ unsafe fn reduce4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m128i {
     _mm_add_epi32(
         _mm256_castsi256_si128(abcd),
         _mm256_extracti128_si256::<1>(abcd),
-    )
-}
-
-/// The eight lane sums of eight vectors of 32-bit integers, in one vector.
-#[inline(always)]
-pub(super) unsafe fn reduce8v(v: [__m256i; 8]) -> __m256i {
-    _mm256_set_m128i(
-        reduce4(v[4], v[5], v[6], v[7]),
-        reduce4(v[0], v[1], v[2], v[3]),
     )
 }
 
@@ -112,7 +108,7 @@ unsafe fn fifth_bit(qh: __m256i, j: i32, one: __m256i) -> __m256i {
 
 /// A 5-bit block's 32 codes in element order.
 #[inline(always)]
-unsafe fn q5_codes(blk: *const u8, at: usize) -> __m256i {
+pub(super) unsafe fn q5_codes(blk: *const u8, at: usize) -> __m256i {
     let qh = (blk.add(at) as *const u32).read_unaligned();
     let n = _mm_loadu_si128(blk.add(at + 4) as *const __m128i);
     let low = _mm_set1_epi8(0x0f);
@@ -121,89 +117,6 @@ unsafe fn q5_codes(blk: *const u8, at: usize) -> __m256i {
         _mm_and_si128(n, low),
     );
     _mm256_or_si256(nib, fifth_bits(qh))
-}
-
-/// `Q5_0` (`WITH_MIN` false) or `Q5_1`: blocks eight at a time, the float terms as
-/// [`portable::block_dot`] adds them.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q5<const WITH_MIN: bool>(w: &[u8], x: &Q8Vec) -> f32 {
-    let (bytes, at) = if WITH_MIN {
-        (Q5_1_BYTES, 4)
-    } else {
-        (Q5_0_BYTES, 2)
-    };
-    let nb = (w.len() / bytes)
-        .min(x.scales.len())
-        .min(x.quants.len() / 32);
-    let (wp, xp) = (w.as_ptr(), x.quants.as_ptr() as *const u8);
-    let mut sum = -0.0f32;
-    let mut b = 0;
-    while b + 8 <= nb {
-        let mut v = [_mm256_setzero_si256(); 8];
-        for (k, v) in v.iter_mut().enumerate() {
-            *v = isum32(
-                q5_codes(wp.add((b + k) * bytes), at),
-                load(xp.add((b + k) * 32)),
-            );
-        }
-        // The float terms of the eight blocks side by side, each with the scalar code's
-        // operations (no fused multiply-add), then added to the sum in block order.
-        let isum = _mm256_cvtepi32_ps(reduce8v(v));
-        let at_b = |k: usize| (wp.add((b + k) * bytes) as *const u16).read_unaligned() as i16;
-        let d = _mm256_cvtph_ps(_mm_set_epi16(
-            at_b(7),
-            at_b(6),
-            at_b(5),
-            at_b(4),
-            at_b(3),
-            at_b(2),
-            at_b(1),
-            at_b(0),
-        ));
-        let dx = _mm256_loadu_ps(x.scales.as_ptr().add(b));
-        let sx = _mm256_loadu_ps(x.sums.as_ptr().add(b));
-        let terms = if WITH_MIN {
-            let at_m =
-                |k: usize| (wp.add((b + k) * bytes + 2) as *const u16).read_unaligned() as i16;
-            let m = _mm256_cvtph_ps(_mm_set_epi16(
-                at_m(7),
-                at_m(6),
-                at_m(5),
-                at_m(4),
-                at_m(3),
-                at_m(2),
-                at_m(1),
-                at_m(0),
-            ));
-            _mm256_add_ps(
-                _mm256_mul_ps(_mm256_mul_ps(d, dx), isum),
-                _mm256_mul_ps(m, sx),
-            )
-        } else {
-            _mm256_mul_ps(
-                d,
-                _mm256_sub_ps(
-                    _mm256_mul_ps(dx, isum),
-                    _mm256_mul_ps(_mm256_set1_ps(16.0), sx),
-                ),
-            )
-        };
-        let mut t = [0.0f32; 8];
-        _mm256_storeu_ps(t.as_mut_ptr(), terms);
-        for t in t {
-            sum += t;
-        }
-        b += 8;
-    }
-    for b in b..nb {
-        let (blk, q) = (&w[b * bytes..], &x.quants[b * 32..]);
-        sum += if WITH_MIN {
-            portable::block_q5_1(blk, q, x.scales[b], x.sums[b])
-        } else {
-            portable::block_q5_0(blk, q, x.scales[b], x.sums[b])
-        };
-    }
-    sum
 }
 
 /// `Q4_K` (`FIVE` false) or `Q5_K`, one super-block (eight q8 blocks) at a time.

@@ -3,7 +3,8 @@
 //! `LEANSTREAM_KERNELS=portable` computes on any CPU:
 //!
 //! - `neon`: every ARMv8-A core. The block types' integer dot product through widening 8-bit
-//!   multiplies (`smull`) and pairwise accumulation (`sadalp`): 4 instructions per 16 byte pairs.
+//!   multiplies (`smull`, `smull2`) and two pairwise adds (`saddlp`, `addp`): 5 instructions per 16
+//!   byte pairs.
 //! - `neon-dotprod`: cores with FEAT_DotProd (Cortex-A76 and later: Raspberry Pi 5, recent phones;
 //!   `is_aarch64_feature_detected!("dotprod")`). The integer dot product is `sdot`, which sums four
 //!   byte products into each 32-bit lane: 1 instruction per 16 byte pairs.
@@ -12,10 +13,12 @@
 //! discontinuous, so a last-bit difference in a dot product (another summation order) moves a value
 //! across a rounding boundary now and then and the two runs part by a whole quantization step. On
 //! the embedded model's q8 file this turned float-order differences of 1e-7 into a 5.4e-4
-//! perplexity difference (x86's AVX-512 and portable kernels once differed by as much). So each block's
-//! term is computed with the portable code's operations (`d_w·d_x·Σq_w·q_x`, the same roundings,
-//! no fused multiply-add), four blocks at a time in vector lanes, and the terms are added one block
-//! after another as the portable code adds them. The integer sums are exact whichever instruction
+//! perplexity difference (x86's AVX-512 and portable kernels once differed by as much). So the
+//! block types follow the portable code's lane order: eight integer lanes of four byte products
+//! each (`sdot` forms them natively; the widening multiply pairs them up), per block one
+//! `d_w·d_x` (the same rounding), a multiply and an add into eight float lanes (no fused
+//! multiply-add), and the lanes summed at the end in [`portable::lanes_total`]'s order. The
+//! integer sums are exact whichever instruction
 //! forms them. The float types and every `axpy` are the portable code itself (the compiler
 //! vectorizes it for NEON; a fused multiply-add would change its bits).
 //!
@@ -33,7 +36,7 @@ use std::arch::asm;
 use leanstream_format::quant::BLOCK_LEN;
 
 use super::operand::Q8Vec;
-use super::portable::{self, f16_at, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
+use super::portable::{self, f16_at};
 use super::rows::{dots_by_count, RowKernels, DOT_ROWS, PORTABLE};
 
 /// The plain NEON kernel table.
@@ -92,22 +95,32 @@ unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     acc
 }
 
-/// `Σ w·x` of 32 signed bytes each, spread over four 32-bit lanes: `sdot` when `DOT`, else
-/// widening multiplies. (`DOT` is only instantiated inside functions compiled with `dotprod`.)
+/// The eight lane sums of 32 codes `w` against 32 activation quants `x` ([`portable`]'s lanes:
+/// lane `j` sums values `4j..4j + 4`), as two vectors of four: `sdot` when `DOT`, which forms
+/// exactly these groups, else widening multiplies and pairwise adds. (`DOT` is only instantiated
+/// inside functions compiled with `dotprod`.)
 #[inline(always)]
-unsafe fn isum32<const DOT: bool>(w: [int8x16_t; 2], x: [int8x16_t; 2]) -> int32x4_t {
-    let mut acc = vdupq_n_s32(0);
-    if DOT {
-        for k in 0..2 {
-            acc = sdot(acc, w[k], x[k]);
+unsafe fn lane_isums<const DOT: bool>(w: [int8x16_t; 2], x: [int8x16_t; 2]) -> [int32x4_t; 2] {
+    std::array::from_fn(|h| {
+        if DOT {
+            sdot(vdupq_n_s32(0), w[h], x[h])
+        } else {
+            // Products of values 0..8 and 8..16 (|c·x| ≤ 128·127 fits 16 bits), pairs summed,
+            // then pairs of pairs.
+            let lo = vpaddlq_s16(vmull_s8(vget_low_s8(w[h]), vget_low_s8(x[h])));
+            let hi = vpaddlq_s16(vmull_high_s8(w[h], x[h]));
+            vpaddq_s32(lo, hi)
         }
-    } else {
-        for k in 0..2 {
-            acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(w[k]), vget_low_s8(x[k])));
-            acc = vpadalq_s16(acc, vmull_high_s8(w[k], x[k]));
-        }
+    })
+}
+
+/// The 32-value block types the NEON kernels take (the others run the portable code).
+fn block_of(kind: Block) -> portable::Block {
+    match kind {
+        Block::Q8_0 => portable::Block::Q8_0,
+        Block::Q4_0 => portable::Block::Q4_0,
+        Block::Q4_1 => portable::Block::Q4_1,
     }
-    acc
 }
 
 /// A block encoding: `d·q` (`Q8_0`), `d·(q − 8)` (`Q4_0`) or `d·q + m` (`Q4_1`).
@@ -118,52 +131,10 @@ enum Block {
     Q4_1,
 }
 
-impl Block {
-    fn bytes(self) -> usize {
-        match self {
-            Block::Q8_0 => Q8_0_BYTES,
-            Block::Q4_0 => Q4_0_BYTES,
-            Block::Q4_1 => Q4_1_BYTES,
-        }
-    }
-
-    /// The block's term in the portable code (`portable::block_*`).
-    #[inline(always)]
-    fn portable_term(self, blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
-        match self {
-            Block::Q8_0 => portable::block_q8_0(blk, qx, dx),
-            Block::Q4_0 => portable::block_q4_0(blk, qx, dx, sx),
-            Block::Q4_1 => portable::block_q4_1(blk, qx, dx, sx),
-        }
-    }
-
-    /// Four blocks' terms, one per lane, each with the operations of [`portable_term`]:
-    /// `isum` holds their integer sums, `d`/`m` their scales and minimums, `dx`/`sx` the
-    /// activation blocks' scales and scaled sums.
-    #[inline(always)]
-    unsafe fn terms(
-        self,
-        isum: int32x4_t,
-        d: float32x4_t,
-        m: float32x4_t,
-        dx: float32x4_t,
-        sx: float32x4_t,
-    ) -> float32x4_t {
-        // `Σq_w·q_x` is at most 32·127·127 in magnitude: exact in f32, as `isum as f32` is.
-        let s = vcvtq_f32_s32(isum);
-        match self {
-            Block::Q8_0 => vmulq_f32(vmulq_f32(d, dx), s),
-            Block::Q4_0 => vmulq_f32(d, vsubq_f32(vmulq_f32(dx, s), vmulq_n_f32(sx, 8.0))),
-            Block::Q4_1 => vaddq_f32(vmulq_f32(vmulq_f32(d, dx), s), vmulq_f32(m, sx)),
-        }
-    }
-}
-
-/// Block `blk`'s codes (32, as signed bytes) against 32 activation quants `x`: the integer sum
-/// over four lanes.
+/// Block `blk`'s 32 codes in value order, offset taken off (`portable::Block::codes`).
 #[inline(always)]
-unsafe fn block_isum<const DOT: bool>(kind: Block, blk: *const u8, x: [int8x16_t; 2]) -> int32x4_t {
-    let w = match kind {
+unsafe fn codes(kind: Block, blk: *const u8) -> [int8x16_t; 2] {
+    match kind {
         Block::Q8_0 => [
             vld1q_s8(blk.add(2) as *const i8),
             vld1q_s8(blk.add(18) as *const i8),
@@ -171,20 +142,17 @@ unsafe fn block_isum<const DOT: bool>(kind: Block, blk: *const u8, x: [int8x16_t
         Block::Q4_0 | Block::Q4_1 => {
             let n = vld1q_u8(blk.add(if kind == Block::Q4_1 { 4 } else { 2 }));
             // Low nibbles are the block's first 16 values, high nibbles the last 16.
-            [
+            let c = [
                 vreinterpretq_s8_u8(vandq_u8(n, vdupq_n_u8(0x0f))),
                 vreinterpretq_s8_u8(vshrq_n_u8::<4>(n)),
-            ]
+            ];
+            if kind == Block::Q4_0 {
+                c.map(|c| vsubq_s8(c, vdupq_n_s8(8)))
+            } else {
+                c
+            }
         }
-    };
-    isum32::<DOT>(w, x)
-}
-
-/// The f16 at byte `offset` of each of four consecutive blocks from `b`, as f32 lanes.
-#[inline(always)]
-unsafe fn f16_lanes(w: &[u8], b: usize, bytes: usize, offset: usize) -> float32x4_t {
-    let v: [f32; 4] = std::array::from_fn(|i| f16_at(w, (b + i) * bytes + offset));
-    vld1q_f32(v.as_ptr())
+    }
 }
 
 /// `row · x` for a block-encoded row: bit for bit the portable `dot_q8_0`/`dot_q4_0`/`dot_q4_1`.
@@ -194,62 +162,59 @@ unsafe fn block_dot<const DOT: bool>(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
 }
 
 /// [`block_dot`] of `R` rows, each with one row's operations in its order (the same bits), each
-/// activation block and its scale and sum loaded once for all of them.
+/// activation block and its scale loaded once for all of them: per block, the eight lane sums
+/// (two vectors) converted, multiplied by `d_w·d_x` and added to the row's lanes; the minimum's
+/// term in a scalar sum; at the end [`portable::lanes_total`]'s order (halves, then pairs).
 #[inline(always)]
 unsafe fn block_dots<const DOT: bool, const R: usize>(
     kind: Block,
     rows: [&[u8]; R],
     x: &Q8Vec,
 ) -> [f32; R] {
-    let bytes = kind.bytes();
-    let nb = rows
-        .iter()
-        .fold(x.scales.len(), |n, w| n.min(w.len() / bytes));
+    let block = block_of(kind);
+    let bytes = block.bytes();
+    let nx = x
+        .scales
+        .len()
+        .min(x.sums.len())
+        .min(x.quants.len() / BLOCK_LEN);
+    let nb = rows.iter().fold(nx, |n, w| n.min(w.len() / bytes));
     let xq = x.quants.as_ptr();
     let xblock = |b: usize| {
         let q = xq.add(b * BLOCK_LEN);
         [vld1q_s8(q), vld1q_s8(q.add(16))]
     };
-    // The portable code's `Iterator::sum` starts from −0.0 (so a sum of −0.0 terms stays −0.0).
-    let mut sums = [-0.0f32; R];
-    let mut b = 0;
-    while b + 4 <= nb {
-        let xs = [xblock(b), xblock(b + 1), xblock(b + 2), xblock(b + 3)];
-        let (dx, sx) = (
-            vld1q_f32(x.scales.as_ptr().add(b)),
-            vld1q_f32(x.sums.as_ptr().add(b)),
-        );
-        for (w, sum) in rows.iter().zip(&mut sums) {
-            let wp = w.as_ptr();
-            let isum = |i: usize| block_isum::<DOT>(kind, wp.add((b + i) * bytes), xs[i]);
-            // Pairwise adds of the lanes leave block b+i's integer sum in lane i.
-            let isum = vpaddq_s32(vpaddq_s32(isum(0), isum(1)), vpaddq_s32(isum(2), isum(3)));
-            let m = if kind == Block::Q4_1 {
-                f16_lanes(w, b, bytes, 2)
-            } else {
-                vdupq_n_f32(0.0)
-            };
-            let terms = kind.terms(isum, f16_lanes(w, b, bytes, 0), m, dx, sx);
-            let mut t = [0.0f32; 4];
-            vst1q_f32(t.as_mut_ptr(), terms);
-            for v in t {
-                *sum += v;
-            }
+    let mut acc = [[vdupq_n_f32(0.0); 2]; R];
+    let mut mins = [0.0f32; R];
+    let step = |acc: &mut [float32x4_t; 2], mins: &mut f32, w: &[u8], b: usize, xs| {
+        let blk = &w[b * bytes..(b + 1) * bytes];
+        let lanes = lane_isums::<DOT>(codes(kind, blk.as_ptr()), xs);
+        let dd = vdupq_n_f32(f16_at(blk, 0) * x.scales[b]);
+        for (a, l) in acc.iter_mut().zip(lanes) {
+            *a = vaddq_f32(*a, vmulq_f32(dd, vcvtq_f32_s32(l)));
         }
-        b += 4;
-    }
-    for (w, sum) in rows.iter().zip(&mut sums) {
-        let nw = (w.len() / bytes).min(x.scales.len());
-        for b in b..nw {
-            *sum += kind.portable_term(
-                &w[b * bytes..(b + 1) * bytes],
-                &x.quants[b * BLOCK_LEN..],
-                x.scales[b],
-                x.sums[b],
-            );
+        if block.has_min() {
+            *mins += f16_at(blk, 2) * x.sums[b];
+        }
+    };
+    for b in 0..nb {
+        let xs = xblock(b);
+        for r in 0..R {
+            step(&mut acc[r], &mut mins[r], rows[r], b, xs);
         }
     }
-    sums
+    // Rows longer than the shortest (a caller's mistake the dispatcher asserts against) finish
+    // alone.
+    for r in 0..R {
+        for b in nb..(rows[r].len() / bytes).min(nx) {
+            step(&mut acc[r], &mut mins[r], rows[r], b, xblock(b));
+        }
+    }
+    std::array::from_fn(|r| {
+        let s = vaddq_f32(acc[r][0], acc[r][1]);
+        let t = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+        (vget_lane_f32::<0>(t) + vget_lane_f32::<1>(t)) + mins[r]
+    })
 }
 
 /// [`block_dots`] on 1 to `DOT_ROWS` rows.

@@ -66,130 +66,150 @@ pub fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
     float_dot(w, x, 2, decode_bf16)
 }
 
-/// `Σ q_w·q_x` of one 4-bit block's codes (0..15, no offset) against 32 activation quants.
-#[inline(always)]
-fn isum_q4(nibbles: &[u8], qx: &[i8]) -> i32 {
-    let (lo, hi) = qx.split_at(HALF);
-    nibbles
-        .iter()
-        .zip(lo.iter().zip(hi))
-        .map(|(b, (l, h))| (b & 0x0f) as i32 * *l as i32 + (b >> 4) as i32 * *h as i32)
-        .sum()
+// The 32-value block types (`Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`) against q8 activations, in
+// the one order every instruction set uses (llama.cpp's shape: no horizontal sum per block):
+// - a block's codes `c` are its values' integers with the type's offset taken off (`q − 8` for
+//   `Q4_0`, `q − 16` for `Q5_0`), or the raw codes for the types with a minimum (`Q4_1`, `Q5_1`);
+// - eight lanes: lane `j` takes `Σ c·q_x` over the block's values `4j..4j + 4` (exact, integer);
+// - per block, `dd = d_w·d_x` (one rounding), and each lane `acc_j += dd·lane_j` (a product, then a
+//   sum: no fused multiply-add); the types with a minimum add `m_w·sx` to a separate sum `mins`,
+//   block after block (`sx = d_x·Σ q_x`, see [`Q8Vec`]);
+// - the row's result is [`lanes_total`] of the eight lanes, plus `mins`.
+// A SIMD kernel keeps the lanes in one vector and adds a block with one multiply and one add; the
+// lane grouping is what `vpmaddubsw` + `vpmaddwd` (AVX2) and `sdot` (NEON) form natively.
+
+/// The lanes of a block type's dot product (see above).
+pub(super) const BLOCK_LANES: usize = 8;
+
+/// A 32-value block encoding.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Block {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
 }
 
-/// One `Q8_0` block times 32 activation quants of scale `dx`.
-#[inline(always)]
-pub(super) fn block_q8_0(blk: &[u8], qx: &[i8], dx: f32) -> f32 {
-    let isum: i32 = blk[2..Q8_0_BYTES]
-        .iter()
-        .zip(qx)
-        .map(|(w, x)| (*w as i8 as i32) * (*x as i32))
-        .sum();
-    f16_at(blk, 0) * dx * isum as f32
-}
+impl Block {
+    /// Bytes per block.
+    #[inline(always)]
+    pub(super) const fn bytes(self) -> usize {
+        match self {
+            Block::Q8_0 => Q8_0_BYTES,
+            Block::Q4_0 => Q4_0_BYTES,
+            Block::Q4_1 => Q4_1_BYTES,
+            Block::Q5_0 => Q5_0_BYTES,
+            Block::Q5_1 => Q5_1_BYTES,
+        }
+    }
 
-/// One `Q4_0` block: `d_w·(d_x·Σ q_w·q_x − 8·sx)` with `sx = d_x·Σ q_x` (the −8 offset folded into
-/// the activation's precomputed sum).
-#[inline(always)]
-pub(super) fn block_q4_0(blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
-    f16_at(blk, 0) * (dx * isum_q4(&blk[2..Q4_0_BYTES], qx) as f32 - 8.0 * sx)
-}
+    /// Whether a value is `d·q + m` (an f16 minimum after the scale) rather than `d·(q − offset)`.
+    #[inline(always)]
+    pub(super) const fn has_min(self) -> bool {
+        matches!(self, Block::Q4_1 | Block::Q5_1)
+    }
 
-/// One `Q4_1` block: `d_w·d_x·Σ q_w·q_x + m_w·sx`.
-#[inline(always)]
-pub(super) fn block_q4_1(blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
-    f16_at(blk, 0) * dx * isum_q4(&blk[4..Q4_1_BYTES], qx) as f32 + f16_at(blk, 2) * sx
-}
-
-/// Blocks `from..` of a block-encoded row against `x` (`block` is one of the above, `bytes` its size).
-#[inline(always)]
-pub(super) fn block_dot(
-    w: &[u8],
-    x: &Q8Vec,
-    from: usize,
-    bytes: usize,
-    block: impl Fn(&[u8], &[i8], f32, f32) -> f32,
-) -> f32 {
-    let nb = (w.len() / bytes).min(x.scales.len());
-    (from..nb)
-        .map(|b| {
-            block(
-                &w[b * bytes..],
-                &x.quants[b * BLOCK_LEN..],
-                x.scales[b],
-                x.sums[b],
-            )
+    /// The block's 32 codes in value order, offset taken off (they fit `i8`: `Q8_0` codes are
+    /// stored as `i8`, the others are below 32).
+    #[inline(always)]
+    fn codes(self, blk: &[u8]) -> [i8; BLOCK_LEN] {
+        // 4-bit codes: byte `k` holds value `k` (low nibble) and value `k + 16` (high nibble); the
+        // 5-bit types keep each value's fifth bit in the little-endian `u32` before the nibbles.
+        let (at, qh) = match self {
+            Block::Q8_0 => return std::array::from_fn(|k| blk[2 + k] as i8),
+            Block::Q4_0 => (2, 0),
+            Block::Q4_1 => (4, 0),
+            Block::Q5_0 => (6, u32_at(blk, 2)),
+            Block::Q5_1 => (8, u32_at(blk, 4)),
+        };
+        let offset = match self {
+            Block::Q4_0 => 8,
+            Block::Q5_0 => 16,
+            _ => 0,
+        };
+        std::array::from_fn(|k| {
+            let b = blk[at + k % HALF];
+            let nibble = if k < HALF { b & 0x0f } else { b >> 4 };
+            (nibble | (((qh >> k) & 1) << 4) as u8) as i8 - offset
         })
-        .sum()
+    }
 }
 
-/// [`block_dot`] of `R` rows from block 0, block by block with each row's sum beside the others':
-/// each row's terms added in the same order, from the same start (`Iterator::sum` of f32 starts
-/// at −0.0), so each result has the bits of [`block_dot`] of its row alone.
+/// The eight lane sums of one block's codes against its 32 activation quants.
 #[inline(always)]
-pub(super) fn block_dots<const R: usize>(
-    rows: [&[u8]; R],
-    x: &Q8Vec,
-    bytes: usize,
-    block: impl Fn(&[u8], &[i8], f32, f32) -> f32,
-) -> [f32; R] {
-    let nb = rows
-        .iter()
-        .fold(x.scales.len(), |n, w| n.min(w.len() / bytes));
-    let mut sums = [-0.0f32; R];
-    for b in 0..nb {
-        let (q, d, s) = (&x.quants[b * BLOCK_LEN..], x.scales[b], x.sums[b]);
-        for (sum, w) in sums.iter_mut().zip(rows) {
-            *sum += block(&w[b * bytes..], q, d, s);
+fn lane_isums(codes: &[i8; BLOCK_LEN], qx: &[i8]) -> [i32; BLOCK_LANES] {
+    std::array::from_fn(|j| {
+        (4 * j..4 * j + 4)
+            .map(|k| codes[k] as i32 * qx[k] as i32)
+            .sum()
+    })
+}
+
+/// The sum of the eight lanes in the fixed order: `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 +
+/// a7))` — the halves of a vector added, then its pairs (what a SIMD reduction does cheaply).
+#[inline(always)]
+pub(super) fn lanes_total(acc: [f32; BLOCK_LANES]) -> f32 {
+    let s: [f32; 4] = std::array::from_fn(|i| acc[i] + acc[i + 4]);
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// `R` rows of block type `kind` against `x`, each row's blocks in order (the shorter of the row
+/// and `x` bounds it).
+#[inline(always)]
+pub(super) fn block_dots<const R: usize>(kind: Block, rows: [&[u8]; R], x: &Q8Vec) -> [f32; R] {
+    let bytes = kind.bytes();
+    let nx = x
+        .scales
+        .len()
+        .min(x.sums.len())
+        .min(x.quants.len() / BLOCK_LEN);
+    rows.map(|w| {
+        let mut acc = [0.0f32; BLOCK_LANES];
+        let mut mins = 0.0f32;
+        for b in 0..(w.len() / bytes).min(nx) {
+            let blk = &w[b * bytes..(b + 1) * bytes];
+            let dd = f16_at(blk, 0) * x.scales[b];
+            let lanes = lane_isums(&kind.codes(blk), &x.quants[b * BLOCK_LEN..][..BLOCK_LEN]);
+            for (a, l) in acc.iter_mut().zip(lanes) {
+                *a += dd * l as f32;
+            }
+            if kind.has_min() {
+                mins += f16_at(blk, 2) * x.sums[b];
+            }
         }
-    }
-    // Rows longer than the shortest (a caller's mistake: the dispatcher asserts equal lengths)
-    // finish alone.
-    for (sum, w) in sums.iter_mut().zip(rows) {
-        let nw = (w.len() / bytes).min(x.scales.len());
-        for b in nb..nw {
-            *sum += block(
-                &w[b * bytes..],
-                &x.quants[b * BLOCK_LEN..],
-                x.scales[b],
-                x.sums[b],
-            );
-        }
-    }
-    sums
+        lanes_total(acc) + mins
+    })
+}
+
+/// [`block_dots`] of one row.
+#[inline(always)]
+fn block_dot(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
+    block_dots(kind, [w], x)[0]
 }
 
 pub fn dots_q8_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
-    dots_by_count!(rows, out, |r: R| block_dots::<R>(
-        r,
-        x,
-        Q8_0_BYTES,
-        |b, q, d, _| { block_q8_0(b, q, d) }
-    ))
+    dots_by_count!(rows, out, |r: R| block_dots::<R>(Block::Q8_0, r, x))
 }
 
 pub fn dots_q4_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
-    dots_by_count!(rows, out, |r: R| block_dots::<R>(
-        r, x, Q4_0_BYTES, block_q4_0
-    ))
+    dots_by_count!(rows, out, |r: R| block_dots::<R>(Block::Q4_0, r, x))
 }
 
 pub fn dots_q4_1(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
-    dots_by_count!(rows, out, |r: R| block_dots::<R>(
-        r, x, Q4_1_BYTES, block_q4_1
-    ))
+    dots_by_count!(rows, out, |r: R| block_dots::<R>(Block::Q4_1, r, x))
 }
 
 pub fn dot_q8_0(w: &[u8], x: &Q8Vec) -> f32 {
-    block_dot(w, x, 0, Q8_0_BYTES, |b, q, d, _| block_q8_0(b, q, d))
+    block_dot(Block::Q8_0, w, x)
 }
 
 pub fn dot_q4_0(w: &[u8], x: &Q8Vec) -> f32 {
-    block_dot(w, x, 0, Q4_0_BYTES, block_q4_0)
+    block_dot(Block::Q4_0, w, x)
 }
 
 pub fn dot_q4_1(w: &[u8], x: &Q8Vec) -> f32 {
-    block_dot(w, x, 0, Q4_1_BYTES, block_q4_1)
+    block_dot(Block::Q4_1, w, x)
 }
 
 #[inline(always)]
@@ -268,48 +288,9 @@ pub(super) const Q6_K_BYTES: usize = 210;
 /// q8 blocks per K-quant super-block.
 pub(super) const K_SUB: usize = 8;
 
-/// `Σ q_w·q_x` of a 5-bit block (codes 0..31, no offset): nibbles and `qh` as in ggml's `Q5_0`.
-#[inline(always)]
-fn isum_q5(qh: u32, nibbles: &[u8], qx: &[i8]) -> i32 {
-    let (lo, hi) = qx.split_at(HALF);
-    let mut sum = 0i32;
-    for (j, (b, (l, h))) in nibbles.iter().zip(lo.iter().zip(hi)).enumerate() {
-        let q0 = (b & 0x0f) as i32 | (((qh >> j) & 1) << 4) as i32;
-        let q1 = (b >> 4) as i32 | (((qh >> (j + 16)) & 1) << 4) as i32;
-        sum += q0 * *l as i32 + q1 * *h as i32;
-    }
-    sum
-}
-
 #[inline(always)]
 fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-/// One `Q5_0` block: `d_w·(d_x·Σ q_w·q_x − 16·sx)`.
-#[inline(always)]
-pub(super) fn block_q5_0(blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
-    let isum = isum_q5(u32_at(blk, 2), &blk[6..Q5_0_BYTES], qx);
-    finish_q5_0(blk, isum, dx, sx)
-}
-
-/// The float part of [`block_q5_0`] from its integer sum.
-#[inline(always)]
-pub(super) fn finish_q5_0(blk: &[u8], isum: i32, dx: f32, sx: f32) -> f32 {
-    f16_at(blk, 0) * (dx * isum as f32 - 16.0 * sx)
-}
-
-/// One `Q5_1` block: `d_w·d_x·Σ q_w·q_x + m_w·sx`.
-#[inline(always)]
-pub(super) fn block_q5_1(blk: &[u8], qx: &[i8], dx: f32, sx: f32) -> f32 {
-    let isum = isum_q5(u32_at(blk, 4), &blk[8..Q5_1_BYTES], qx);
-    finish_q5_1(blk, isum, dx, sx)
-}
-
-/// The float part of [`block_q5_1`] from its integer sum.
-#[inline(always)]
-pub(super) fn finish_q5_1(blk: &[u8], isum: i32, dx: f32, sx: f32) -> f32 {
-    f16_at(blk, 0) * dx * isum as f32 + f16_at(blk, 2) * sx
 }
 
 /// The integer sums `Σ q·q_x` of the eight 32-value sub-blocks of a `Q4_K` (`qh` `None`) or
@@ -415,7 +396,7 @@ pub(super) fn block_q6_k(blk: &[u8], x: &Q8Vec, b: usize) -> f32 {
     finish_q6_k(blk, &isums, &x.scales[r])
 }
 
-/// Super-blocks `from..` of a K-quant row against `x`, summed as [`block_dot`] sums blocks.
+/// Super-blocks `from..` of a K-quant row against `x`, their sums added in order.
 #[inline(always)]
 pub(super) fn kblock_dot(
     w: &[u8],
@@ -447,11 +428,11 @@ pub(super) fn kblock_dots<const R: usize>(
 }
 
 pub fn dot_q5_0(w: &[u8], x: &Q8Vec) -> f32 {
-    block_dot(w, x, 0, Q5_0_BYTES, block_q5_0)
+    block_dot(Block::Q5_0, w, x)
 }
 
 pub fn dot_q5_1(w: &[u8], x: &Q8Vec) -> f32 {
-    block_dot(w, x, 0, Q5_1_BYTES, block_q5_1)
+    block_dot(Block::Q5_1, w, x)
 }
 
 pub fn dot_q4_k(w: &[u8], x: &Q8Vec) -> f32 {
@@ -467,15 +448,11 @@ pub fn dot_q6_k(w: &[u8], x: &Q8Vec) -> f32 {
 }
 
 pub fn dots_q5_0(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
-    dots_by_count!(rows, out, |r: R| block_dots::<R>(
-        r, x, Q5_0_BYTES, block_q5_0
-    ))
+    dots_by_count!(rows, out, |r: R| block_dots::<R>(Block::Q5_0, r, x))
 }
 
 pub fn dots_q5_1(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
-    dots_by_count!(rows, out, |r: R| block_dots::<R>(
-        r, x, Q5_1_BYTES, block_q5_1
-    ))
+    dots_by_count!(rows, out, |r: R| block_dots::<R>(Block::Q5_1, r, x))
 }
 
 pub fn dots_q4_k(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {

@@ -4,16 +4,14 @@
 use anyhow::{bail, Result};
 use leanstream_format::quant::{quantize_row, row_bytes, QuantType};
 use rayon::prelude::*;
+use smallvec::SmallVec;
 
-use super::bundles::prefetch;
 use super::gemm::gemm_rows;
 use super::matrix::{gemm_inputs, gemm_t_blocked, Matrix};
 use super::operand::Operand;
 use super::rows::{RowKernels, DOT_ROWS};
 use crate::storage::AlignedBuf;
 
-/// Groups of [`DOT_ROWS`] rows ahead that a mat-vec asks the cache for.
-const PREFETCH_GROUPS: usize = 2;
 /// Rows per rayon task in a mat-vec: enough work to amortize the task, few enough to balance.
 const ROWS_PER_TASK: usize = 32;
 /// Below this many encoded bytes a mat-vec runs on the calling thread: waking a parked worker
@@ -73,7 +71,7 @@ pub fn matvec_rows(k: &RowKernels, qtype: QuantType, data: &[u8], x: &Operand, o
     let row_bytes = data.len() / out.len().max(1);
     assert_eq!(data.len(), out.len() * row_bytes);
     // `DOT_ROWS` consecutive rows at a time share the input's loads (bitwise each row's `dot`);
-    // kernels that take one row at a time keep the plain loop (the prefetches cost them).
+    // kernels that take one row at a time keep the plain loop.
     let rows = |r0: usize, chunk: &mut [f32]| {
         if k.dot_rows() == 1 {
             for (i, o) in chunk.iter_mut().enumerate() {
@@ -85,12 +83,6 @@ pub fn matvec_rows(k: &RowKernels, qtype: QuantType, data: &[u8], x: &Operand, o
         let mut views: [&[u8]; DOT_ROWS] = [&[]; DOT_ROWS];
         for (c, o) in chunk.chunks_mut(DOT_ROWS).enumerate() {
             let r = r0 + c * DOT_ROWS;
-            // Four rows read side by side are four streams to the hardware prefetcher, which then
-            // stops reading ahead: ask for the rows `PREFETCH_GROUPS` groups ahead.
-            let ahead = (r + PREFETCH_GROUPS * DOT_ROWS) * row_bytes;
-            if ahead < data.len() {
-                prefetch(&data[ahead..(ahead + DOT_ROWS * row_bytes).min(data.len())]);
-            }
             for (j, v) in views[..o.len()].iter_mut().enumerate() {
                 *v = &data[(r + j) * row_bytes..(r + j + 1) * row_bytes];
             }
@@ -199,6 +191,10 @@ impl QMatrix {
     }
 }
 
+/// Inputs a [`RowStream`] holds without allocating: a batched decode step of up to this many
+/// sequences (a longer prompt chunk allocates its list once per product).
+const INLINE_INPUTS: usize = 16;
+
 /// [`QMatrix::matmul_t`] over rows that arrive in order, a block at a time (a matrix streamed from
 /// flash): the same kernels on the same bytes, so the same result. Block types multiply every input
 /// on the integer kernels ([`gemm_rows`]: each result bitwise a decoded token's mat-vec). Float
@@ -211,8 +207,9 @@ pub struct RowStream<'x> {
     row_bytes: usize,
     x: &'x [f32],
     t: usize,
-    /// Block types with more than one input: every input prepared for the encoding.
-    block: Vec<Operand<'x>>,
+    /// Block types with more than one input: every input prepared for the encoding (held in place
+    /// up to [`INLINE_INPUTS`], so that a batched decode step allocates nothing).
+    block: SmallVec<[Operand<'x>; INLINE_INPUTS]>,
     /// The first inputs, through `gemm`.
     gemm_tokens: usize,
     /// The input left after them, prepared for the encoding in place (a decoded token's mat-vec
@@ -237,12 +234,12 @@ impl<'x> RowStream<'x> {
         t: usize,
     ) -> Self {
         assert_eq!(x.len(), t * cols);
-        let block: Vec<Operand> = if qtype.is_block() && t > 1 {
+        let block: SmallVec<[Operand; INLINE_INPUTS]> = if qtype.is_block() && t > 1 {
             x.chunks_exact(cols)
                 .map(|x| Operand::new(x, qtype))
                 .collect()
         } else {
-            Vec::new()
+            SmallVec::new()
         };
         let gemm_tokens = if qtype.is_block() { 0 } else { gemm_inputs(t) };
         let operand = (gemm_tokens < t && block.is_empty())

@@ -13,7 +13,9 @@
 //! ([`RowKernels::dot_rows`]), the dense mat-vec takes its rows four at a time
 //! ([`super::matvec_rows`], which asks for the rows ahead itself: four rows read side by side stop
 //! the hardware prefetcher) and the bundle gate pass the gate and up rows of two bundles (the
-//! `gate_up` rule) or four gates (`gate`).
+//! `gate_up` rule) or four gates (`gate`). `dot_inputs` is the other way round: one row against
+//! up to [`INPUTS`] inputs (a prompt chunk's tokens), the row's codes decoded once for all of them,
+//! each result again bitwise its own `dot`.
 //!
 //! The environment variable `LEANSTREAM_KERNELS` forces one set by its name (`avx512`, `avx2`,
 //! `neon-dotprod`, `neon`, `portable`), so that every path can be run and compared on a CPU that
@@ -33,6 +35,8 @@ type FloatDot = fn(&[u8], &[f32]) -> f32;
 type BlockDot = fn(&[u8], &Q8Vec) -> f32;
 /// `out[j] = rows[j] · x` for 1 to [`DOT_ROWS`] rows (`out` as long as `rows`).
 type BlockDots = fn(&[&[u8]], &Q8Vec, &mut [f32]);
+/// `out[i] = row · xs[i]` for 1 to [`INPUTS`] inputs (`out` as long as `xs`).
+type BlockInputs = fn(&[u8], &[&Q8Vec], &mut [f32]);
 type Axpy = fn(f32, &[u8], &mut [f32]);
 type AxpyRows = fn(&[f32], &[&[u8]], &mut [f32]);
 
@@ -54,6 +58,11 @@ pub struct RowKernels {
     /// input was measured slower in the token loop (AVX-512: SmolLM2 q4 `resident` 8.7–8.9 against
     /// 7.8–8.2 ms of CPU per token; AVX2 gained about 5 %).
     pub(crate) dot_rows: usize,
+    /// One row against up to [`INPUTS`] inputs at once, bitwise the `dot` of each, where the
+    /// instruction set has it (a prompt chunk's mat-mat; else one `dot` per input).
+    pub(crate) inputs_q8_0: Option<BlockInputs>,
+    pub(crate) inputs_q4_0: Option<BlockInputs>,
+    pub(crate) inputs_q4_1: Option<BlockInputs>,
     pub(crate) axpy_f32: Axpy,
     pub(crate) axpy_f16: Axpy,
     pub(crate) axpy_bf16: Axpy,
@@ -74,6 +83,8 @@ pub struct RowKernels {
 pub(crate) struct MoreKernels {
     pub(crate) dot: [BlockDot; MORE],
     pub(crate) dots: [BlockDots; MORE],
+    /// One row against several inputs, where the set has it (`dot_inputs`).
+    pub(crate) inputs: [Option<BlockInputs>; MORE],
     pub(crate) axpy: [Axpy; MORE],
 }
 
@@ -101,6 +112,7 @@ pub(crate) const PORTABLE_MORE: MoreKernels = MoreKernels {
         portable::dots_q5_k,
         portable::dots_q6_k,
     ],
+    inputs: [None; MORE],
     axpy: [
         portable::axpy_q5_0,
         portable::axpy_q5_1,
@@ -113,6 +125,10 @@ pub(crate) const PORTABLE_MORE: MoreKernels = MoreKernels {
 /// The most rows a kernel's `dots` takes at once; [`RowKernels::dots`] takes any number, this many
 /// at a time.
 pub const DOT_ROWS: usize = 4;
+
+/// The most inputs a kernel's `dot_inputs` takes at once; [`RowKernels::dot_inputs`] takes any
+/// number, this many at a time.
+pub const INPUTS: usize = 4;
 
 /// The environment variable that forces a kernel set by name.
 pub const FORCE_ENV: &str = "LEANSTREAM_KERNELS";
@@ -148,6 +164,9 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     dots_q4_0: portable::dots_q4_0,
     dots_q4_1: portable::dots_q4_1,
     dot_rows: DOT_ROWS,
+    inputs_q8_0: None,
+    inputs_q4_0: None,
+    inputs_q4_1: None,
     axpy_f32: portable::axpy_f32,
     axpy_f16: portable::axpy_f16,
     axpy_bf16: portable::axpy_bf16,
@@ -277,6 +296,43 @@ impl RowKernels {
         let at_once = at_once.min(DOT_ROWS);
         for (rows, out) in rows.chunks(at_once).zip(out.chunks_mut(at_once)) {
             many(rows, q8, out);
+        }
+    }
+
+    /// Whether this set has a kernel that takes several inputs at once for `qtype`
+    /// ([`dot_inputs`](Self::dot_inputs) is one `dot` per input otherwise).
+    pub fn has_dot_inputs(&self, qtype: QuantType) -> bool {
+        self.inputs(qtype).is_some()
+    }
+
+    fn inputs(&self, qtype: QuantType) -> Option<BlockInputs> {
+        match qtype {
+            QuantType::Q8_0 => self.inputs_q8_0,
+            QuantType::Q4_0 => self.inputs_q4_0,
+            QuantType::Q4_1 => self.inputs_q4_1,
+            QuantType::F32 | QuantType::F16 | QuantType::BF16 => None,
+            _ => self.more.inputs[more_index(qtype)],
+        }
+    }
+
+    /// `out[i] = row · xs[i]` for a row encoded as `qtype` and any number of inputs: bitwise
+    /// [`dot`](Self::dot) of each, [`INPUTS`] inputs at a time through the set's kernel where it
+    /// has one for `qtype` (the row decoded once for all of them).
+    #[inline]
+    pub fn dot_inputs(&self, qtype: QuantType, row: &[u8], xs: &[&Operand], out: &mut [f32]) {
+        assert_eq!(xs.len(), out.len());
+        let Some(many) = self.inputs(qtype) else {
+            for (o, x) in out.iter_mut().zip(xs) {
+                *o = self.dot(qtype, row, x);
+            }
+            return;
+        };
+        for (xs, out) in xs.chunks(INPUTS).zip(out.chunks_mut(INPUTS)) {
+            let mut q8: [&Q8Vec; INPUTS] = [xs[0].q8(); INPUTS];
+            for (q, x) in q8.iter_mut().zip(xs) {
+                *q = x.q8();
+            }
+            many(row, &q8[..xs.len()], out);
         }
     }
 

@@ -193,6 +193,28 @@ fn every_set_is_portable_bit_for_bit() {
                             k.isa
                         );
                     }
+                    // One row against 1 to 6 inputs (the kernels take up to four at once).
+                    if qtype.is_block() {
+                        let inputs: Vec<Vec<f32>> =
+                            (0..6).map(|_| random(n, 2.0, &mut rng)).collect();
+                        let ops: Vec<Operand> =
+                            inputs.iter().map(|v| Operand::new(v, qtype)).collect();
+                        for m in 1..=ops.len() {
+                            let refs: Vec<&Operand> = ops[..m].iter().collect();
+                            let mut got = vec![f32::NAN; m];
+                            k.dot_inputs(qtype, &bytes, &refs, &mut got);
+                            let want: Vec<f32> = refs
+                                .iter()
+                                .map(|x| portable.dot(qtype, &bytes, x))
+                                .collect();
+                            assert_eq!(
+                                bits(&got),
+                                bits(&want),
+                                "seed {seed}: {} {qtype} n={n}: {m} inputs at once",
+                                k.isa
+                            );
+                        }
+                    }
                     let a = rng.random_range(-2.0f32..2.0);
                     let (mut got, mut want) = (xs.clone(), xs.clone());
                     k.axpy(qtype, a, &bytes, &mut got);

@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 use super::attention::add_output;
 use super::dense_ffn::Ffn;
 use super::norm::{rms_norm, rms_norm_in_place};
-use super::{Attention, DenseWeights, FfnBackend, Layer, Model, Scratch};
+use super::{Attention, BatchBuffers, DenseWeights, FfnBackend, Layer, Model, Scratch};
 use crate::kernels::Weight;
 use crate::model::kv_cache::KvCache;
 use crate::model::rope::Rope;
@@ -46,11 +46,27 @@ impl Model {
         }
         let c = &self.config;
         let (h, hd) = (c.hidden_size, c.head_dim);
-        let positions: Vec<usize> = caches.iter().map(|c| c.len()).collect();
-        let mut s = Scratch::new(c, t);
+        let kept = self.batch.lock().expect("never poisoned").take();
+        let BatchBuffers {
+            rows,
+            mut x,
+            mut s,
+            mut positions,
+        } = match kept {
+            Some(b) if b.rows >= t => b,
+            _ => BatchBuffers {
+                rows: t,
+                x: Vec::with_capacity(t * h),
+                s: Scratch::new(c, t),
+                positions: Vec::with_capacity(t),
+            },
+        };
+        positions.clear();
+        positions.extend(caches.iter().map(|c| c.len()));
+        // Grown once to the longest context: no step's scores reallocate.
+        s.scores.clear();
         s.scores
             .reserve(caches.iter().map(|c| c.capacity()).max().unwrap_or(0));
-        let mut x = Vec::new();
         self.embed_into(tokens, dense, &mut x)?;
         let half = hd / 2;
         let ropes = [(&self.rope, &mut s.rope)]
@@ -74,13 +90,26 @@ impl Model {
             self.ffn_block(l, layer, t, &mut x, &mut s, Ffn::Backend(backend))?;
         }
         caches.iter_mut().for_each(|c| c.advance(1));
-        logits.clear();
-        logits.resize(t * c.vocab_size, 0.0);
-        let mut row = Vec::new();
-        for (x, out) in x.chunks_exact(h).zip(logits.chunks_exact_mut(c.vocab_size)) {
-            self.logits_with(x, dense, &mut s.xn, &mut row)?;
-            out.copy_from_slice(&row);
+        if dense.head_rows_bitwise() {
+            // Every row through the head at once: a streamed head is read once for the batch.
+            self.logits_with(&x, dense, &mut s.xn, logits)?;
+        } else {
+            logits.clear();
+            logits.resize(t * c.vocab_size, 0.0);
+            // A float head sums several rows in another order: one row at a time (a streamed
+            // one read for each).
+            let mut row = Vec::new();
+            for (x, out) in x.chunks_exact(h).zip(logits.chunks_exact_mut(c.vocab_size)) {
+                self.logits_with(x, dense, &mut s.xn, &mut row)?;
+                out.copy_from_slice(&row);
+            }
         }
+        *self.batch.lock().expect("never poisoned") = Some(BatchBuffers {
+            rows,
+            x,
+            s,
+            positions,
+        });
         Ok(())
     }
 
@@ -153,6 +182,15 @@ impl Model {
             &mut s.proj,
         );
     }
+}
+
+/// `v` emptied, its allocation kept for elements of another type of the same size and alignment
+/// (here: the same type borrowing for another lifetime), so that buffers of borrowed items can be
+/// kept from one step to the next. The standard library collects a `vec::IntoIter` mapped to such
+/// a type in place: this allocates nothing.
+pub fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
+    v.clear();
+    v.into_iter().map(|_| unreachable!("emptied")).collect()
 }
 
 /// `out = x · wᵀ` for the rows of `x`, each bitwise what multiplying that row alone gives: block

@@ -24,11 +24,12 @@ impl DenseFfn {
         self.up.matmul_t(x, t, up);
     }
 
-    /// `out = down · (act(gate) ⊙ up)`, overwriting `gate` with the activations.
+    /// `out = down · (act(gate) ⊙ up)` (dReLU: `relu(gate) ⊙ relu(up)`, [`Activation::coef`]),
+    /// overwriting `gate` with the coefficients.
     fn finish(&self, act: Activation, t: usize, gate: &mut [f32], up: &[f32], out: &mut [f32]) {
         gate.iter_mut()
             .zip(up)
-            .for_each(|(g, u)| *g = act.apply(*g) * u);
+            .for_each(|(g, u)| *g = act.coef(act.apply(*g), *u));
         self.down.matmul_t(gate, t, out);
     }
 
@@ -111,8 +112,10 @@ impl Model {
         }
         let probe = match ffn {
             Ffn::Backend(b) => {
-                s.proj.fill(0.0);
-                b.ffn(l, &s.xn, &mut s.proj)?;
+                // Only the call's rows: a batched step's scratch may hold more.
+                let n = t * h;
+                s.proj[..n].fill(0.0);
+                b.ffn(l, &s.xn[..n], &mut s.proj[..n])?;
                 add_output(
                     layer.ffn_post_norm.as_deref(),
                     c.rms_norm_eps,

@@ -28,6 +28,7 @@ use crate::source::config::ModelConfig;
 use crate::source::safetensors_dir::SafetensorsDir;
 
 pub use attention::Attention;
+pub use batch::recycle;
 use dense_ffn::Ffn;
 pub use dense_ffn::{DenseFfn, FfnBackend, FfnProbe};
 pub use language_model::{decode_each, LanguageModel};
@@ -82,6 +83,17 @@ pub struct Model {
     /// The buffers of a decoded token's forward pass, kept for the next one (taken while in use:
     /// a second caller on another thread makes its own).
     decode: Mutex<Option<Buffers>>,
+    /// The same for a batch of decoded tokens ([`Model::forward_batch_with`]), sized for the
+    /// largest batch so far: a step of that many rows or fewer allocates nothing.
+    batch: Mutex<Option<BatchBuffers>>,
+}
+
+/// A batched step's buffers: room for `rows` rows.
+struct BatchBuffers {
+    rows: usize,
+    x: Vec<f32>,
+    s: Scratch,
+    positions: Vec<usize>,
 }
 
 /// A forward call's residual stream and scratch space.
@@ -283,11 +295,17 @@ impl Model {
             rope_local,
             kv: KvType::F32,
             decode: Mutex::new(None),
+            batch: Mutex::new(None),
         })
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// The projections the model holds; `None` for one built with [`Model::norms_only`].
+    pub fn projections(&self) -> Option<&Projections> {
+        self.projections.as_ref()
     }
 
     /// Replaces block `l`'s attention projections and returns the ones it had: the converter

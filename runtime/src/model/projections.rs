@@ -27,6 +27,12 @@ pub trait DenseWeights {
     fn attention(&mut self, l: usize) -> Result<&Attention>;
     /// `logits (rows × vocab) = xn (rows × hidden) · headᵀ`.
     fn head(&mut self, xn: &[f32], rows: usize, logits: &mut [f32]) -> Result<()>;
+    /// Whether [`head`](Self::head) over several rows gives every row bitwise what it gives that
+    /// row alone (block encodings: each row on the integer kernels), so that a batch of decoded
+    /// tokens may pass the head once; float heads sum several rows in another order.
+    fn head_rows_bitwise(&self) -> bool {
+        false
+    }
 }
 
 impl DenseWeights for &Projections {
@@ -43,6 +49,11 @@ impl DenseWeights for &Projections {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         head.matmul_t(xn, rows, logits);
         Ok(())
+    }
+
+    fn head_rows_bitwise(&self) -> bool {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        head.qtype().is_block()
     }
 }
 

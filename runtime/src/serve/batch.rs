@@ -16,6 +16,7 @@ use anyhow::{anyhow, Result};
 
 use super::decode::Forward;
 use crate::model::kv_cache::KvCache;
+use crate::model::recycle;
 use crate::text::session::Session;
 
 /// The longest a step waits for a serving slot that has not asked for its token yet.
@@ -56,6 +57,11 @@ struct State {
     running: bool,
     /// The logits of the step being computed, one row per slot.
     rows: Vec<f32>,
+    /// Kept empty between steps, for the next step's list (their allocations reused: a step
+    /// allocates nothing).
+    spare: Vec<Step>,
+    tokens: Vec<u32>,
+    caches: Vec<&'static mut KvCache>,
     steps: u64,
     batched_tokens: u64,
 }
@@ -166,15 +172,20 @@ impl Batcher {
             let everyone = st.waiting.len() + st.prompting >= st.serving;
             if !st.running && !st.waiting.is_empty() && (everyone || Instant::now() >= deadline) {
                 st.running = true;
-                let mut batch = std::mem::take(&mut st.waiting);
+                let spare = std::mem::take(&mut st.spare);
+                let mut batch = std::mem::replace(&mut st.waiting, spare);
                 let mut rows = std::mem::take(&mut st.rows);
+                let mut tokens = std::mem::take(&mut st.tokens);
+                let caches = std::mem::take(&mut st.caches);
                 drop(st);
-                let result = self.run(&mut batch, &mut rows);
+                let (result, caches) = self.run(&mut batch, &mut tokens, caches, &mut rows);
                 st = lock(&self.state);
+                st.tokens = tokens;
+                st.caches = caches;
                 st.steps += 1;
                 st.batched_tokens += batch.len() as u64;
                 let vocab = rows.len() / batch.len().max(1);
-                for (i, mut s) in batch.into_iter().enumerate() {
+                for (i, mut s) in batch.drain(..).enumerate() {
                     if result.is_ok() {
                         s.logits.clear();
                         s.logits
@@ -187,6 +198,7 @@ impl Batcher {
                     });
                 }
                 st.rows = rows;
+                st.spare = batch;
                 st.running = false;
                 self.changed.notify_all();
                 continue;
@@ -202,14 +214,25 @@ impl Batcher {
         }
     }
 
-    /// One step: every waiting slot's token through the model together.
-    fn run(&self, batch: &mut [Step], rows: &mut Vec<f32>) -> Result<(), String> {
-        let tokens: Vec<u32> = batch.iter().map(|s| s.token).collect();
-        let mut caches: Vec<&mut KvCache> = batch.iter_mut().map(|s| &mut s.cache).collect();
-        self.session()
+    /// One step: every waiting slot's token through the model together. `tokens` and `caches`
+    /// are the kept lists' allocations, the latter handed back empty.
+    fn run(
+        &self,
+        batch: &mut [Step],
+        tokens: &mut Vec<u32>,
+        caches: Vec<&'static mut KvCache>,
+        rows: &mut Vec<f32>,
+    ) -> (Result<(), String>, Vec<&'static mut KvCache>) {
+        tokens.clear();
+        tokens.extend(batch.iter().map(|s| s.token));
+        let mut caches: Vec<&mut KvCache> = recycle(caches);
+        caches.extend(batch.iter_mut().map(|s| &mut s.cache));
+        let result = self
+            .session()
             .model()
-            .forward_batch(&tokens, &mut caches, rows)
-            .map_err(|e| format!("{e:#}"))
+            .forward_batch(tokens, &mut caches, rows)
+            .map_err(|e| format!("{e:#}"));
+        (result, recycle(caches))
     }
 }
 

@@ -60,7 +60,8 @@ pub trait Forward {
 pub struct Scratch {
     logits: Vec<f32>,
     seen: Vec<f32>,
-    matcher: Matcher,
+    /// The grammar's states while masking (one per byte of a token's text).
+    matchers: Vec<Matcher>,
 }
 
 /// Continues `cache` (holding `history`) with `prompt`, then generates. `on_token` gets each
@@ -92,7 +93,7 @@ pub fn generate(
     let Scratch {
         logits,
         seen,
-        matcher: trial,
+        matchers: trial,
     } = scratch;
     let start = Instant::now();
     for chunk in prompt.chunks(model.prompt_chunk()) {

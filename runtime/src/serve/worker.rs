@@ -1,9 +1,10 @@
-//! The generation slots: each serves queued requests one at a time with its own KV cache, the
-//! model shared with the other slots through the [`Batcher`] (`--parallel` slots decode their
-//! tokens together). A slot keeps its cache between requests so a request that begins like the
-//! previous conversation it served (the same system prompt, the earlier turns of a chat) computes
-//! only the tokens after the common prefix. A stop string or a client gone mid-stream ends the
-//! generation at that token.
+//! The generation slots: each serves queued requests one at a time with a KV cache of its own
+//! while it serves, the model shared with the other slots through the [`Batcher`] (`--parallel`
+//! slots decode their tokens together). A cache keeps its tokens between requests, and the slot
+//! that takes a request serves it with the idle cache holding the longest prefix of its prompt,
+//! so a request that begins like an earlier one (the same system prompt, the earlier turns of a
+//! chat) computes only the tokens after the common prefix, whichever slot served that one. A stop
+//! string or a client gone mid-stream ends the generation at that token.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -29,6 +30,16 @@ use crate::tokenizer::Tokenizer;
 /// How often an idle worker looks for a new budget.
 const IDLE_POLL: Duration = Duration::from_millis(50);
 
+/// A shorter common prefix does not count when choosing a cache (every prompt may begin with the
+/// same start-of-text token): the cache that loses the fewest tokens is taken instead.
+const MIN_PREFIX: usize = 4;
+
+/// A KV cache not serving a request, and the tokens it holds.
+struct IdleCache {
+    cache: KvCache,
+    tokens: Vec<u32>,
+}
+
 /// What every slot shares.
 pub struct Shared {
     pub batcher: Batcher,
@@ -45,6 +56,8 @@ pub struct Shared {
     token_texts: OnceLock<TokenTexts>,
     /// Bytes of the budget set aside for the slots' KV caches beyond the first.
     pub reserved_kv_bytes: u64,
+    /// The caches of the slots not serving a request, the longest idle first.
+    idle: Mutex<Vec<IdleCache>>,
 }
 
 impl Shared {
@@ -71,6 +84,7 @@ impl Shared {
             cached_tokens: (0..slots).map(|_| AtomicUsize::new(0)).collect(),
             token_texts: OnceLock::new(),
             reserved_kv_bytes,
+            idle: Mutex::new(Vec::with_capacity(slots)),
         }
     }
 }
@@ -101,6 +115,8 @@ pub struct Slot {
     cache: KvCache,
     /// An empty cache lent to the batcher while `cache` is in a step.
     spare: Option<KvCache>,
+    /// An empty cache held while `cache` waits idle in [`Shared::idle`].
+    parked: Option<KvCache>,
     /// The tokens `cache` holds, in order.
     cached: Vec<u32>,
     /// The number of the request being served.
@@ -134,20 +150,60 @@ enum Ending {
 
 impl Slot {
     fn new(shared: Arc<Shared>, index: usize) -> Self {
-        let (cache, spare) = {
+        let (cache, spare, empty) = {
             let mut session = shared.batcher.session();
             let model = session.model();
-            (model.new_cache(shared.ctx), model.new_cache(0))
+            (
+                model.new_cache(shared.ctx),
+                model.new_cache(0),
+                model.new_cache(0),
+            )
         };
-        Self {
+        let mut slot = Self {
             shared,
             index,
             cache,
             spare: Some(spare),
+            parked: None,
             cached: Vec::new(),
             served: 0,
             scratch: Scratch::default(),
-        }
+        };
+        slot.park(empty);
+        slot
+    }
+
+    /// Leaves this slot's cache with the idle ones, holding `empty` instead.
+    fn park(&mut self, empty: KvCache) {
+        let cache = std::mem::replace(&mut self.cache, empty);
+        let tokens = std::mem::take(&mut self.cached);
+        let mut idle = self.shared.idle.lock().unwrap_or_else(|e| e.into_inner());
+        idle.push(IdleCache { cache, tokens });
+    }
+
+    /// Takes the idle cache that holds the longest prefix of `prompt` (of at least
+    /// [`MIN_PREFIX`] tokens); without one, the cache that holds the fewest tokens, the longest
+    /// idle among equals.
+    fn take_cache(&mut self, prompt: &[u32]) {
+        let mut idle = self.shared.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let best = (0..idle.len()).min_by_key(|&i| {
+            let c = &idle[i];
+            let common = prompt
+                .iter()
+                .zip(&c.tokens)
+                .take_while(|(a, b)| a == b)
+                .count();
+            let common = if common < MIN_PREFIX { 0 } else { common };
+            (std::cmp::Reverse(common), c.tokens.len() - common, i)
+        });
+        let Some(best) = best else {
+            // Never: as many caches as slots, and this slot's is idle.
+            return;
+        };
+        let IdleCache { cache, tokens } = idle.remove(best);
+        drop(idle);
+        self.parked = Some(std::mem::replace(&mut self.cache, cache));
+        self.cached = tokens;
     }
 
     /// Serves requests until the queue closes; between them, takes a budget `POST /v1/budget`
@@ -160,11 +216,15 @@ impl Slot {
                 .next_within(IDLE_POLL);
             match next {
                 Next::Job(job) => {
+                    self.take_cache(&job.work.prompt);
                     self.shared.batcher.serving(true);
                     self.serve(*job);
                     self.shared.batcher.serving(false);
                     self.shared.cached_tokens[self.index]
                         .store(self.cache.len(), Ordering::Relaxed);
+                    if let Some(empty) = self.parked.take() {
+                        self.park(empty);
+                    }
                     self.refresh_metrics();
                 }
                 Next::Idle => {

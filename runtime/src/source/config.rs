@@ -63,6 +63,8 @@ struct HfConfig {
     rope_parameters: Option<serde_json::Value>,
     rope_scaling: Option<RopeParameters>,
     hidden_act: Option<String>,
+    /// ProSparse's FATReLU threshold (`hidden_act: "fatrelu"`).
+    hidden_act_param: Option<f32>,
     // Gemma 2 and 3.
     hidden_activation: Option<String>,
     query_pre_attn_scalar: Option<f32>,
@@ -240,7 +242,14 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         .unwrap_or_default();
     // Mixtures of experts share their family's attention: Qwen3-MoE is Qwen3's, Mixtral Mistral's.
     let (architecture, moe) = match arch_name.as_str() {
-        "LlamaForCausalLM" | "llama" => (Architecture::Llama, None),
+        // ProSparse's ReLU-fied Llama 2 (`SparseLlamaForCausalLM`, its own modelling code) is
+        // Llama's block with a FATReLU gate.
+        "LlamaForCausalLM" | "llama" | "SparseLlamaForCausalLM" | "sparsellama" => {
+            (Architecture::Llama, None)
+        }
+        // Bamboo and TurboSparse-Mistral: Mistral's block with dReLU (their `hidden_act` is
+        // "relu", applied by their modelling code to the gate and the up projection).
+        "BambooForCausalLM" | "bamboo" => (Architecture::Mistral, None),
         "Qwen3ForCausalLM" | "qwen3" => (Architecture::Qwen3, None),
         "MistralForCausalLM" | "mistral" => (Architecture::Mistral, None),
         "Qwen2ForCausalLM" | "qwen2" => (Architecture::Qwen2, None),
@@ -255,17 +264,39 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
             "unsupported architecture {other:?}: LeanStream supports LlamaForCausalLM (Llama 2 \
              and 3.x, SmolLM2), SmolLM3ForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, \
              MistralForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma2ForCausalLM, \
-             Gemma3ForCausalLM (text) and Phi3ForCausalLM (Phi-3, Phi-3.5)"
+             Gemma3ForCausalLM (text), Phi3ForCausalLM (Phi-3, Phi-3.5), SparseLlamaForCausalLM \
+             (ProSparse) and BambooForCausalLM (TurboSparse-Mistral)"
         ),
     };
     let act_name = hf.hidden_activation.as_deref().or(hf.hidden_act.as_deref());
+    let dual_relu = matches!(arch_name.as_str(), "BambooForCausalLM" | "bamboo");
     let activation = match act_name.unwrap_or("silu") {
+        "relu" if dual_relu => Activation::DRelu,
+        other if dual_relu => bail!(
+            "unsupported hidden_act {other:?} for {arch_name}: its FFN is dReLU, \"relu\" on the \
+             gate and up projections"
+        ),
         "silu" | "swish" => Activation::Silu,
         "relu" => Activation::Relu,
+        "fatrelu" => {
+            let t = hf.hidden_act_param.unwrap_or(0.0);
+            if !(t.is_finite() && t >= 0.0) {
+                bail!(
+                    "hidden_act \"fatrelu\" with hidden_act_param {t}: the threshold must be \
+                     finite and at least 0"
+                );
+            }
+            // FATReLU at 0 is ReLU (`g ≥ 0 ? g : 0`).
+            if t == 0.0 {
+                Activation::Relu
+            } else {
+                Activation::FatRelu { threshold: t }
+            }
+        }
         "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
         other => bail!(
-            "unsupported hidden_act {other:?}: supported are \"silu\", \"relu\" and \
-             \"gelu_pytorch_tanh\""
+            "unsupported hidden_act {other:?}: supported are \"silu\", \"relu\", \"fatrelu\" \
+             (with hidden_act_param) and \"gelu_pytorch_tanh\""
         ),
     };
     // Qwen2's q/k/v projections always carry biases (its config has no attention_bias key); its
@@ -445,6 +476,43 @@ mod tests {
             "vocab_size": 4096, "hidden_act": "relu", "rope_parameters": {"rope_theta": 5e5},
             "eos_token_id": [1, 2], "tie_word_embeddings": true
         })
+    }
+
+    /// ProSparse's config (`SparseLlamaForCausalLM`, `fatrelu` with its threshold in
+    /// `hidden_act_param`) and Bamboo/TurboSparse-Mistral's (`BambooForCausalLM`, `relu`, applied to
+    /// gate and up); an unknown activation names itself.
+    #[test]
+    fn parses_the_sparsity_native_activations() {
+        let mut j = base();
+        j["architectures"] = serde_json::json!(["SparseLlamaForCausalLM"]);
+        j["hidden_act"] = "fatrelu".into();
+        j["hidden_act_param"] = 0.01.into();
+        let c = from_hf_json(&j.to_string()).unwrap();
+        assert_eq!(c.architecture, Architecture::Llama);
+        assert_eq!(c.activation, Activation::FatRelu { threshold: 0.01 });
+        assert_eq!(c.minor_version(), 9);
+        j["hidden_act_param"] = 0.0.into();
+        assert_eq!(
+            from_hf_json(&j.to_string()).unwrap().activation,
+            Activation::Relu
+        );
+        j["hidden_act_param"] = (-0.5).into();
+        let e = format!("{:#}", from_hf_json(&j.to_string()).unwrap_err());
+        assert!(e.contains("fatrelu") && e.contains("-0.5"), "{e}");
+        let mut j = base();
+        j["architectures"] = serde_json::json!(["BambooForCausalLM"]);
+        j["sliding_window"] = 4096.into();
+        let c = from_hf_json(&j.to_string()).unwrap();
+        assert_eq!(c.architecture, Architecture::Mistral);
+        assert_eq!(c.activation, Activation::DRelu);
+        assert_eq!(c.sliding_window, Some(4096));
+        j["hidden_act"] = "silu".into();
+        let e = format!("{:#}", from_hf_json(&j.to_string()).unwrap_err());
+        assert!(e.contains("\"silu\"") && e.contains("dReLU"), "{e}");
+        let mut j = base();
+        j["hidden_act"] = "squared_relu".into();
+        let e = format!("{:#}", from_hf_json(&j.to_string()).unwrap_err());
+        assert!(e.contains("\"squared_relu\""), "{e}");
     }
 
     #[test]

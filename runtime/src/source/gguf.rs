@@ -83,13 +83,16 @@ impl GgufFile {
             "qwen3" | "qwen3moe" => Ok(Architecture::Qwen3),
             "qwen2" => Ok(Architecture::Qwen2),
             "smollm3" => Ok(Architecture::Llama),
+            // PowerInfer's name for Bamboo / TurboSparse-Mistral: Mistral's block with dReLU (in
+            // llama.cpp's layout, as `llama`; no sliding window key).
+            "bamboo" => Ok(Architecture::Mistral),
             "gemma2" => Ok(Architecture::Gemma2),
             "gemma3" => Ok(Architecture::Gemma3),
             "phi3" => Ok(Architecture::Phi3),
             other => bail!(
                 "{}: architecture {other:?} is not supported (GGUF files of architecture llama \
                  (Llama 2 and 3.x, SmolLM2, Mixtral), smollm3, qwen2 (Qwen2, Qwen2.5), qwen3, \
-                 qwen3moe, gemma2, gemma3 and phi3 (Phi-3, Phi-3.5) are)",
+                 qwen3moe, gemma2, gemma3, phi3 (Phi-3, Phi-3.5) and bamboo (dReLU) are)",
                 self.path.display()
             ),
         }
@@ -180,17 +183,29 @@ impl GgufFile {
             false => linear.map(|f| vec![f; head_dim / 2]),
         };
         let num_layers = self.required_usize(&key("block_count"))?;
+        if self
+            .content
+            .tensor_infos
+            .contains_key("blk.0.ffn_down_t.weight")
+        {
+            bail!(
+                "{}: blk.0.ffn_down_t.weight is PowerInfer's transposed FFN down projection, which \
+                 is not supported: convert the model's Hugging Face folder instead",
+                self.path.display()
+            );
+        }
         let embd = self.info("token_embd.weight")?;
         let vocab_size = embd.shape.dims().first().copied().unwrap_or(0);
         let (sliding_window, block) =
             self.block_options(arch, architecture, hidden_size, num_heads)?;
         let config = ModelConfig {
             architecture,
-            // llama.cpp's graphs gate the FFN with SiLU, Gemma's with tanh GELU; GGUF has no key
-            // for it.
-            activation: match architecture.is_gemma() {
-                true => Activation::GeluTanh,
-                false => Activation::Silu,
+            // llama.cpp's graphs gate the FFN with SiLU, Gemma's with tanh GELU, PowerInfer's
+            // bamboo graph with ReLU on gate and up; GGUF has no key for it.
+            activation: match (arch, architecture.is_gemma()) {
+                ("bamboo", _) => Activation::DRelu,
+                (_, true) => Activation::GeluTanh,
+                (_, false) => Activation::Silu,
             },
             hidden_size,
             intermediate_size: match self.usize(&key("feed_forward_length"))? {
@@ -381,7 +396,7 @@ impl GgufFile {
             );
         }
         let data = match (self.architecture()?, name.rsplit('.').nth(1)) {
-            (Architecture::Llama, Some(proj @ ("q_proj" | "k_proj"))) => {
+            (Architecture::Llama | Architecture::Mistral, Some(proj @ ("q_proj" | "k_proj"))) => {
                 let (q_heads, kv_heads) = self.head_counts()?;
                 let heads = if proj == "q_proj" { q_heads } else { kv_heads };
                 Cow::Owned(unpermute_rope_rows(data, heads, row_bytes))

@@ -127,8 +127,16 @@ pub struct SkipSet {
 impl SkipSet {
     pub fn new(act: Activation, threshold: f32) -> Self {
         let intervals = match act {
-            // relu(g) ≤ t ⇔ g ≤ t (t ≥ 0).
-            Activation::Relu => vec![(f32::NEG_INFINITY, threshold.max(0.0))],
+            // relu(g) ≤ t ⇔ g ≤ t (t ≥ 0); dReLU's gate is ReLU's.
+            Activation::Relu | Activation::DRelu => vec![(f32::NEG_INFINITY, threshold.max(0.0))],
+            // fatrelu(g) = 0 for g < τ and g ≤ t for g ≥ τ (≥ 0): g ≤ t, or g < τ.
+            Activation::FatRelu { threshold: tau } => {
+                let t = threshold.max(0.0);
+                vec![(
+                    f32::NEG_INFINITY,
+                    if t >= tau { t } else { tau.next_down() },
+                )]
+            }
             Activation::Silu => dip_intervals(silu, threshold as f64),
             Activation::GeluTanh => dip_intervals(gelu_tanh, threshold as f64),
         };
@@ -217,6 +225,22 @@ fn shrink_up(v: f64) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// FATReLU's set ends at the larger of the rule's threshold and the largest gate below the
+    /// activation's threshold, which the activation zeroes; dReLU's gate is ReLU's.
+    #[test]
+    fn fatrelu_and_drelu_skip_sets() {
+        let tau = 0.25f32;
+        let act = Activation::FatRelu { threshold: tau };
+        let s = SkipSet::new(act, 0.0);
+        assert!(s.contains(-3.0, tau.next_down()) && !s.contains(-3.0, tau));
+        assert_eq!(act.apply(tau.next_down()), 0.0);
+        assert_eq!(act.apply(tau), tau);
+        let s = SkipSet::new(act, 0.5);
+        assert!(s.contains(-3.0, 0.5) && !s.contains(0.0, 0.5f32.next_up()));
+        let s = SkipSet::new(Activation::DRelu, 0.0);
+        assert!(s.contains(-1.0, 0.0) && !s.contains(-1.0, 1e-6));
+    }
 
     #[test]
     fn relu_skip_set() {

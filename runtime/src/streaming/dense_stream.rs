@@ -722,4 +722,12 @@ impl DenseWeights for DenseStream {
         }
         Ok(())
     }
+
+    fn head_rows_bitwise(&self) -> bool {
+        match self.head.as_ref().unwrap_or(&self.embed) {
+            Table::Resident(w) => w.qtype().is_block(),
+            Table::Streamed(s) => s.e.qtype.is_block(),
+            Table::Unloaded => false,
+        }
+    }
 }

@@ -113,7 +113,7 @@ impl RefineSketch {
         scores.extend((0..n).map(|p| {
             let g = self.gate.dot(p, &scratch.table);
             let u = self.up.dot(p, &scratch.table);
-            (self.act.apply(g) * u).abs()
+            self.act.coef(self.act.apply(g), u).abs()
         }));
         let order = &mut scratch.order;
         order.clear();

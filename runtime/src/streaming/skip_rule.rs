@@ -55,12 +55,13 @@ impl Skip {
         }
     }
 
-    /// The score of a neuron with activation `a = act(g)` and up value `u`.
+    /// The score of a neuron with activation `a = act(g)` and up value `u` (under `gate_up`, its
+    /// coefficient's magnitude, [`Activation::coef`]).
     #[inline(always)]
     pub fn score(&self, a: f32, u: f32) -> f32 {
         match self.rule {
             SkipRule::Gate => a.abs(),
-            SkipRule::GateUp => (a * u).abs(),
+            SkipRule::GateUp => self.act.coef(a, u).abs(),
         }
     }
 

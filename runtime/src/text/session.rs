@@ -126,8 +126,35 @@ impl SessionOptions {
     }
 }
 
+/// The dense policy's model: on the CPU, or with its output head on the GPU when the environment
+/// sets `LEANSTREAM_GPU` (to anything but empty or `0`: docs/gpu.md); one line on standard error
+/// then says where it runs, or why it stays on the CPU.
+fn dense_engine(model: Model) -> Box<dyn LanguageModel + Send> {
+    if !std::env::var_os("LEANSTREAM_GPU").is_some_and(|v| !v.is_empty() && v != "0") {
+        return Box::new(model);
+    }
+    #[cfg(feature = "gpu")]
+    match crate::gpu::GpuModel::head_for(&model) {
+        Ok((gpu, head)) => {
+            let model = crate::gpu::GpuModel::new(model, gpu, head);
+            eprintln!("gpu: {}", model.describe());
+            Box::new(model)
+        }
+        Err(e) => {
+            eprintln!("gpu: {e:#}; running on the CPU");
+            Box::new(model)
+        }
+    }
+    #[cfg(not(feature = "gpu"))]
+    {
+        eprintln!("gpu: this build has no GPU support (the `gpu` feature); running on the CPU");
+        Box::new(model)
+    }
+}
+
 enum Engine {
-    Dense(Box<Model>),
+    /// A resident model ([`Model`], or with the `gpu` feature its GPU form: [`dense_engine`]).
+    Dense(Box<dyn LanguageModel + Send>),
     Streaming(Box<StreamingModel>),
     /// A mixture of experts whose experts stream.
     Experts(Box<ExpertModel>),
@@ -184,7 +211,7 @@ impl Session {
             let ctx = cap_ctx(o, loaded.model.config().max_position_embeddings)?;
             check_kv(o, loaded.model.config().head_dim)?;
             return Ok(Self {
-                engine: Engine::Dense(Box::new(loaded.model.with_kv(o.kv))),
+                engine: Engine::Dense(dense_engine(loaded.model.with_kv(o.kv))),
                 model_path: o.model.clone(),
                 tokenizer: loaded.tokenizer,
                 eos_token_ids: loaded.eos_token_ids,

@@ -57,6 +57,13 @@ fn converted() -> PathBuf {
 /// A greedy completion's text and how long it took.
 fn complete(url: &str, prompt: &str, n: usize) -> (String, Duration) {
     let started = Instant::now();
+    let body = completion(url, prompt, n);
+    let text = body["choices"][0]["text"].as_str().unwrap().to_string();
+    (text, started.elapsed())
+}
+
+/// A greedy completion's reply.
+fn completion(url: &str, prompt: &str, n: usize) -> Value {
     let mut r = agent()
         .post(url)
         .header("Content-Type", "application/json")
@@ -65,40 +72,44 @@ fn complete(url: &str, prompt: &str, n: usize) -> (String, Duration) {
     assert_eq!(r.status().as_u16(), 200);
     let body: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap();
     assert_eq!(body["usage"]["completion_tokens"], n, "{body}");
-    let text = body["choices"][0]["text"].as_str().unwrap().to_string();
-    (text, started.elapsed())
+    body
 }
 
 /// Every prompt alone, one after another, then all at once: the same texts.
 fn concurrent_replies_equal_solo(server: &Server, prompts: &[&str], n: usize) -> Vec<Duration> {
     let url = server.url("/v1/completions");
     let solo: Vec<String> = prompts.iter().map(|p| complete(&url, p, n).0).collect();
-    let steps = server.metric("leanstream_batch_steps");
-    let tokens = server.metric("leanstream_batched_tokens");
-    let together: Vec<(String, Duration)> = std::thread::scope(|s| {
-        let handles: Vec<_> = prompts
-            .iter()
-            .map(|p| {
-                let url = url.clone();
-                s.spawn(move || complete(&url, p, n))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for ((prompt, alone), (at_once, _)) in prompts.iter().zip(&solo).zip(&together) {
-        assert_eq!(alone, at_once, "{prompt:?}: alone vs served with others");
+    // Some tokens must be decoded together: more tokens than steps. How many steps coincide
+    // depends on how the clients' requests interleave with the rest of the machine's load, so a
+    // round that happened to run one slot at a time (seen once in a loaded full suite) is tried
+    // again; the replies are checked in every round.
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        let steps = server.metric("leanstream_batch_steps");
+        let tokens = server.metric("leanstream_batched_tokens");
+        let together: Vec<(String, Duration)> = std::thread::scope(|s| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let url = url.clone();
+                    s.spawn(move || complete(&url, p, n))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for ((prompt, alone), (at_once, _)) in prompts.iter().zip(&solo).zip(&together) {
+            assert_eq!(alone, at_once, "{prompt:?}: alone vs served with others");
+        }
+        let (steps, tokens) = (
+            server.metric("leanstream_batch_steps") - steps,
+            server.metric("leanstream_batched_tokens") - tokens,
+        );
+        rounds.push((tokens, steps));
+        if tokens > steps {
+            return together.into_iter().map(|t| t.1).collect();
+        }
     }
-    // Some tokens were decoded together: more tokens than steps. How many steps coincide depends
-    // on how the clients' requests interleave with the rest of the machine's load.
-    let (steps, tokens) = (
-        server.metric("leanstream_batch_steps") - steps,
-        server.metric("leanstream_batched_tokens") - tokens,
-    );
-    assert!(
-        tokens > steps,
-        "{tokens} tokens in {steps} steps: not batched"
-    );
-    together.into_iter().map(|t| t.1).collect()
+    panic!("not batched in any round: (tokens, steps) {rounds:?}");
 }
 
 #[test]
@@ -208,4 +219,43 @@ fn eight_concurrent_clients_each_get_their_solo_text() {
         (PROMPTS.len() * tokens) as f64 / wall.as_secs_f64()
     );
     assert!(started.elapsed() < Duration::from_secs(120));
+}
+
+/// A request that begins like an earlier one is served with the cache that holds it, whichever
+/// slot takes it: four prompts fill four caches, then each comes back longer and computes only
+/// what follows its own prefix — every time, though any idle slot may take any request.
+#[test]
+fn a_request_is_served_with_the_cache_that_holds_its_prefix() {
+    let server = Server::start(&embedded_model(), &["--parallel", "4"]);
+    let url = server.url("/v1/completions");
+    let prompts = [
+        "It is a truth universally acknowledged",
+        "In vain I have struggled",
+        "My dear Mr. Bennet, said his lady",
+        "The morning was fine and the walk",
+    ];
+    let first: Vec<u64> = prompts
+        .iter()
+        .map(|p| {
+            completion(&url, p, 4)["usage"]["prompt_tokens"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    for _ in 0..2 {
+        for (p, &n) in prompts.iter().zip(&first) {
+            assert!(n >= 4, "{p:?}: {n} tokens, too few to count as a prefix");
+            let longer = format!("{p} and then");
+            let reply = completion(&url, &longer, 4);
+            let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            assert!(
+                cached >= n - 1,
+                "{longer:?} reused {cached} tokens, its prefix {p:?} is {n}"
+            );
+            // The next round asks for the short prompt's continuation again: each cache still
+            // holds its own prompt's prefix.
+        }
+    }
 }

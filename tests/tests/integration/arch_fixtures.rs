@@ -316,6 +316,24 @@ fn gemma2_converted() {
     converted_matches("gemma2");
 }
 
+/// `ids`' log-probabilities from converted file `lsb` run by `policy` (under `memory` on the
+/// emulated flash when given), and the session's report.
+fn session_log_probs(
+    lsb: &Path,
+    policy: PolicyChoice,
+    memory: Option<u64>,
+    ids: &[u32],
+) -> (Vec<f64>, Value) {
+    let mut s = Session::open(
+        &SessionOptions::new(lsb, Some(policy))
+            .memory(memory)
+            .flash(memory.and(leanstream_tests::converted::ufs4()))
+            .ctx(ids.len()),
+    )
+    .unwrap_or_else(|e| panic!("{} {policy:?}: {e:#}", lsb.display()));
+    (log_probs(s.model(), ids), s.report())
+}
+
 /// Gemma 2's GeGLU converted under both sparsity rules, `target:0.5` (`|gelu(g)·u|`, no
 /// certificate) and `threshold:0.05` (`|gelu(g)|`, with a gate sketch; at this size the planner
 /// finds it saves nothing and leaves it out): the rule skips neurons (resident differs from dense),
@@ -351,15 +369,8 @@ fn gemma2_geglu_sparsity_streams_equal_to_resident() {
         );
         let ctx = r.ids.len();
         let run = |policy, memory: Option<u64>| {
-            let mut s = Session::open(
-                &SessionOptions::new(&lsb, Some(policy))
-                    .memory(memory)
-                    .flash(memory.and(leanstream_tests::converted::ufs4()))
-                    .ctx(ctx),
-            )
-            .unwrap_or_else(|e| panic!("gemma2 {tag} {policy:?}: {e:#}"));
-            let got = log_probs(s.model(), &r.ids);
-            let certified = s.report()["memory_split"]["certified_layers"]
+            let (got, report) = session_log_probs(&lsb, policy, memory, &r.ids);
+            let certified = report["memory_split"]["certified_layers"]
                 .as_array()
                 .map_or(0, Vec::len);
             (got, certified)
@@ -383,12 +394,16 @@ fn gemma2_geglu_sparsity_streams_equal_to_resident() {
     }
 }
 
-/// The gemma3 fixture's GGUF rewritten with `gemma3.attention.sliding_window_pattern` set to
-/// `pattern`, at `out`.
-fn gemma3_gguf_with_pattern(pattern: candle_core::quantized::gguf_file::Value, out: &Path) {
+/// The fixture GGUF `src` rewritten at `out` with each tensor named by `rename` and the metadata
+/// `extra` added.
+fn rewrite_gguf(
+    src: &str,
+    out: &Path,
+    rename: impl Fn(&str) -> String,
+    extra: Vec<(String, candle_core::quantized::gguf_file::Value)>,
+) {
     use candle_core::quantized::gguf_file;
-    let src = fixtures().join("gemma3.f32.gguf");
-    let mut reader = std::fs::File::open(&src).unwrap();
+    let mut reader = std::fs::File::open(fixtures().join(src)).unwrap();
     let content = gguf_file::Content::read(&mut reader).unwrap();
     let tensors: Vec<(String, candle_core::quantized::QTensor)> = content
         .tensor_infos
@@ -397,7 +412,7 @@ fn gemma3_gguf_with_pattern(pattern: candle_core::quantized::gguf_file::Value, o
             let t = content
                 .tensor(&mut reader, n, &candle_core::Device::Cpu)
                 .unwrap();
-            (n.clone(), t)
+            (rename(n), t)
         })
         .collect();
     let mut metadata: Vec<(String, gguf_file::Value)> = content
@@ -405,13 +420,24 @@ fn gemma3_gguf_with_pattern(pattern: candle_core::quantized::gguf_file::Value, o
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    metadata.push(("gemma3.attention.sliding_window_pattern".into(), pattern));
+    metadata.extend(extra);
     let meta: Vec<(&str, &gguf_file::Value)> =
         metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tens: Vec<(&str, &candle_core::quantized::QTensor)> =
         tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
     let mut file = std::fs::File::create(out).unwrap();
     gguf_file::write(&mut file, &meta, &tens).unwrap();
+}
+
+/// The gemma3 fixture's GGUF rewritten with `gemma3.attention.sliding_window_pattern` set to
+/// `pattern`, at `out`.
+fn gemma3_gguf_with_pattern(pattern: candle_core::quantized::gguf_file::Value, out: &Path) {
+    rewrite_gguf(
+        "gemma3.f32.gguf",
+        out,
+        str::to_string,
+        vec![("gemma3.attention.sliding_window_pattern".into(), pattern)],
+    );
 }
 
 /// llama.cpp's per-layer pattern (one flag per layer, true = sliding) is read as written, and one
@@ -433,6 +459,120 @@ fn gemma3_gguf_sliding_window_pattern_is_read_and_checked() {
     assert!(
         err.contains("arch-gemma3-bad-pattern.gguf")
             && err.contains("sliding_window_pattern has 4 entries for 6 layers"),
+        "{err}"
+    );
+}
+
+/// ProSparse's ReLU-fied Llama (`SparseLlamaForCausalLM`, `fatrelu` at the fixture's threshold
+/// 0.25): its Hugging Face folder scores as transformers with the checkpoint's FATReLU, and plain
+/// ReLU in its place scores measurably differently, so the test sees the threshold.
+#[test]
+fn prosparse_fatrelu_from_hf() {
+    use leanstream::source::config::Activation;
+    let r = reference("prosparse");
+    let hf = Model::load(&fixtures().join("prosparse")).unwrap();
+    assert_eq!(
+        hf.config().activation,
+        Activation::FatRelu { threshold: 0.25 }
+    );
+    check("prosparse", "HF folder", &log_probs(&hf, &r.ids), &r);
+    let worst = worst_against(
+        &hf_with("prosparse", |c| c.activation = Activation::Relu),
+        "prosparse",
+    );
+    assert!(worst > 10.0 * LOGP_TOL, "ReLU is as close: {worst:.2e}");
+}
+
+/// Bamboo / TurboSparse-Mistral (`BambooForCausalLM`; GGUF architecture `bamboo`): dReLU from the
+/// folder and from the GGUF file scores as transformers with the checkpoint's `relu(gate)·
+/// relu(up)`, and ReLU on the gate alone scores measurably differently.
+#[test]
+fn bamboo_drelu_from_hf_and_gguf() {
+    use leanstream::source::config::Activation;
+    hf_and_gguf("bamboo");
+    let g = GgufFile::open(&fixtures().join("bamboo.f32.gguf")).unwrap();
+    assert_eq!(g.config().unwrap().activation, Activation::DRelu);
+    let c = leanstream::source::config::from_hf_dir(&fixtures().join("bamboo")).unwrap();
+    assert_eq!(c.activation, Activation::DRelu);
+    let worst = worst_against(
+        &hf_with("bamboo", |c| c.activation = Activation::Relu),
+        "bamboo",
+    );
+    assert!(
+        worst > 10.0 * LOGP_TOL,
+        "ReLU on the gate alone is as close: {worst:.2e}"
+    );
+}
+
+/// The sparsity-native fixtures converted under `--sparsity auto`, which is ReLU's exact rule for
+/// FATReLU and dReLU (threshold 0, with a certificate): the resident policy skips neurons (its
+/// active fraction is below 1) and still scores as transformers, and streaming under the minimum
+/// budget and a middle one gives its log-probabilities bit for bit.
+#[test]
+fn sparsity_native_models_skip_exactly_and_stream_equal_to_resident() {
+    for name in ["prosparse", "bamboo"] {
+        let r = reference(name);
+        let lsb = scratch().join(format!("arch-{name}-relu.lsb"));
+        convert(
+            &fixtures().join(name),
+            &lsb,
+            &["--quant", "f32", "--certificate", "q8"],
+        );
+        let f = leanstream_format::LsbFile::open(&lsb).unwrap();
+        assert_eq!(f.meta.sparsity_mode, "relu", "{name}");
+        assert!(f.meta.layers.iter().all(|l| l.threshold == 0.0), "{name}");
+        assert_eq!(f.header.version_minor, 9, "{name}");
+        let ctx = r.ids.len();
+        let run = |policy, memory: Option<u64>| {
+            let (got, report) = session_log_probs(&lsb, policy, memory, &r.ids);
+            (got, report["active_fraction"].as_f64().unwrap())
+        };
+        let (resident, active) = run(PolicyChoice::Resident, None);
+        eprintln!("{name}: resident active fraction {active:.3}");
+        assert!(active > 0.05 && active < 0.8, "{name}: active {active}");
+        check(name, "resident, exact skipping", &resident, &r);
+        let min = leanstream::streaming::minimum_memory(&lsb, ctx).unwrap();
+        let ffn = f.ffn.bundle_bytes();
+        for budget in [min, min + ffn / 2] {
+            let (streamed, active_streamed) = run(PolicyChoice::Leanstream, Some(budget));
+            assert_eq!(streamed, resident, "{name}: budget {budget}");
+            assert_eq!(active_streamed, active, "{name}: budget {budget}");
+        }
+    }
+}
+
+/// What is not read is refused with an error naming the file and the value: an unknown
+/// `hidden_act` in a folder's config.json, and PowerInfer's transposed `ffn_down_t` in a GGUF file
+/// (the bamboo fixture's with its down projections so renamed).
+#[test]
+fn unsupported_activation_and_powerinfer_layout_are_refused_by_name() {
+    let dir = leanstream_tests::fresh_dir(&scratch(), "arch-prosparse-unknown-act");
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(fixtures().join("prosparse").join(f), dir.join(f)).unwrap();
+    }
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let config = config.replace("\"fatrelu\"", "\"shifted_relu\"");
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    let err = format!("{:#}", Model::load(&dir).err().expect("refused"));
+    assert!(
+        err.contains("arch-prosparse-unknown-act/config.json")
+            && err.contains("unsupported hidden_act \"shifted_relu\""),
+        "{err}"
+    );
+
+    let out = scratch().join("arch-bamboo-down-t.gguf");
+    rewrite_gguf(
+        "bamboo.f32.gguf",
+        &out,
+        |n| n.replace("ffn_down.", "ffn_down_t."),
+        Vec::new(),
+    );
+    let err = format!(
+        "{:#}",
+        GgufFile::open(&out).and_then(|g| g.config()).unwrap_err()
+    );
+    assert!(
+        err.contains("arch-bamboo-down-t.gguf") && err.contains("ffn_down_t"),
         "{err}"
     );
 }

@@ -3,20 +3,27 @@
 
 use std::sync::MutexGuard;
 
+use smallvec::SmallVec;
+
+use super::groups::keep_positive;
 use super::*;
+use crate::kernels::bundles::{gate_pass_inputs, gate_pass_inputs_fits, InputPass};
+use crate::kernels::INPUTS;
 
 /// One thread's share of a chunk: rows `first..` (as many as `acc` holds), their group sums, their
-/// scores, and its own lists of active neurons.
-struct Share<'a> {
+/// scores, and its own lists of active neurons (one per row computed together, [`INPUTS`]).
+pub(super) struct Share<'a> {
     first: usize,
     acc: &'a mut [f32],
     scores: &'a mut [f32],
-    lists: &'a mut Lists,
+    lists: &'a mut [Lists],
     result: Result<()>,
 }
 
 impl Share<'_> {
-    /// Cluster `ops.ci` for each of this share's rows that needs it.
+    /// Cluster `ops.ci` for each of this share's rows that needs it: [`INPUTS`] rows at a time
+    /// where [`gate_pass_inputs_fits`] (each neuron's rows decoded once for all of them), else
+    /// row by row; either way each row's bits are those of computing it alone.
     fn cluster(
         &mut self,
         ops: &ClusterOps,
@@ -26,14 +33,87 @@ impl Share<'_> {
         h: usize,
     ) -> Result<()> {
         let rows = self.acc.len() / h;
-        for (i, r) in (self.first..self.first + rows).enumerate() {
-            let sel = &selections[r];
-            if sel.needed.binary_search(&ops.ci).is_err() {
+        let together = gate_pass_inputs_fits(ops.k, &ops.plan.layout, ops.skip);
+        let mut group = [0usize; INPUTS];
+        let mut len = 0;
+        for r in self.first..self.first + rows {
+            if selections[r].needed.binary_search(&ops.ci).is_err() {
                 continue;
             }
-            let scores = &mut self.scores[i * n..(i + 1) * n];
-            ops.gates(&sel.candidate, &operands[r], scores, self.lists)?;
-            ops.add(self.lists, &mut self.acc[i * h..(i + 1) * h]);
+            if !together {
+                let i = r - self.first;
+                let scores = &mut self.scores[i * n..(i + 1) * n];
+                ops.gates(
+                    &selections[r].candidate,
+                    &operands[r],
+                    scores,
+                    &mut self.lists[0],
+                )?;
+                ops.add(&self.lists[0], &mut self.acc[i * h..(i + 1) * h]);
+                continue;
+            }
+            group[len] = r;
+            len += 1;
+            if len == INPUTS {
+                self.rows_together(ops, selections, operands, &group, n, h)?;
+                len = 0;
+            }
+        }
+        if len > 0 {
+            self.rows_together(ops, selections, operands, &group[..len], n, h)?;
+        }
+        Ok(())
+    }
+
+    /// The cluster's gates for the rows `group` (ascending) at once, then each row's down columns.
+    fn rows_together(
+        &mut self,
+        ops: &ClusterOps,
+        selections: &[Selection],
+        operands: &[Operand],
+        group: &[usize],
+        n: usize,
+        h: usize,
+    ) -> Result<()> {
+        let cl = ops.plan.clusters[ops.ci];
+        let span = cl.first..cl.first + cl.count;
+        let cluster_rows = ops.rows()?;
+        let mut scores = self.scores.chunks_exact_mut(n).enumerate();
+        let mut passes: SmallVec<[InputPass; INPUTS]> = SmallVec::new();
+        for (&r, lists) in group.iter().zip(self.lists.iter_mut()) {
+            let i = r - self.first;
+            let row_scores = scores
+                .find(|(j, _)| *j == i)
+                .expect("a row of this share")
+                .1;
+            passes.push(InputPass {
+                x: &operands[r],
+                candidate: &selections[r].candidate[span.clone()],
+                scores: &mut row_scores[span.clone()],
+                active: &mut lists.active[span.clone()],
+                coef: &mut lists.coef[span.clone()],
+                m: 0,
+            });
+        }
+        gate_pass_inputs(
+            ops.k,
+            &ops.plan.layout,
+            &cluster_rows,
+            ops.skip,
+            &mut passes,
+        );
+        let counts: SmallVec<[usize; INPUTS]> = passes.iter().map(|p| p.m).collect();
+        drop(passes);
+        for ((&r, lists), m) in group.iter().zip(self.lists.iter_mut()).zip(counts) {
+            let i = r - self.first;
+            let m = keep_positive(
+                ops.skip.act,
+                &mut lists.active[span.clone()][..m],
+                &mut lists.coef[span.clone()][..m],
+            );
+            lists.n_active[ops.ci] = m as u32;
+            lists.stage[ops.ci] = Stage::Gated;
+            ops.add(lists, &mut self.acc[i * h..(i + 1) * h]);
         }
         Ok(())
     }
@@ -53,10 +133,12 @@ impl StreamEngine {
         let h = self.core.plans[l].layout.hidden;
         let first = self.call_token;
         let n_rows = x.len() / h;
-        let operands: Vec<Operand> = x
-            .chunks_exact(h)
-            .map(|xr| Operand::new(xr, QuantType::Q8_0))
-            .collect();
+        let mut operands: Vec<Operand> =
+            crate::model::recycle(std::mem::take(&mut self.work.chunk_operands));
+        operands.extend(
+            x.chunks_exact(h)
+                .map(|xr| Operand::new(xr, QuantType::Q8_0)),
+        );
         let mut rows = std::mem::take(&mut self.rows);
         if rows.len() < n_rows {
             rows.resize_with(n_rows, Selection::default);
@@ -96,23 +178,25 @@ impl StreamEngine {
         };
         let per = n_rows.div_ceil(threads);
         let mut lists = std::mem::take(&mut self.work.chunk_lists);
-        lists.resize_with(threads, Lists::default);
+        lists.resize_with(threads * INPUTS, Lists::default);
         lists.iter_mut().for_each(|t| t.fit(n, clusters));
-        let cells: Vec<Mutex<Share>> = acc
-            .chunks_mut(per * h)
-            .zip(scores.chunks_mut(per * n))
-            .zip(lists.iter_mut())
-            .enumerate()
-            .map(|(i, ((acc, scores), lists))| {
-                Mutex::new(Share {
-                    first: i * per,
-                    acc,
-                    scores,
-                    lists,
-                    result: Ok(()),
-                })
-            })
-            .collect();
+        let mut cells: Vec<Mutex<Share>> =
+            crate::model::recycle(std::mem::take(&mut self.work.chunk_cells));
+        cells.extend(
+            acc.chunks_mut(per * h)
+                .zip(scores.chunks_mut(per * n))
+                .zip(lists.chunks_mut(INPUTS))
+                .enumerate()
+                .map(|(i, ((acc, scores), lists))| {
+                    Mutex::new(Share {
+                        first: i * per,
+                        acc,
+                        scores,
+                        lists,
+                        result: Ok(()),
+                    })
+                }),
+        );
         for g in 0..GROUPS {
             cells.iter().for_each(|c| lock(c).acc.fill(0.0));
             for ci in (bounds[g]..bounds[g + 1]).filter(|&ci| is_needed[ci]) {
@@ -161,10 +245,15 @@ impl StreamEngine {
                 }
             }
         }
-        for c in cells {
+        let mut failed = Ok(());
+        for c in cells.drain(..) {
             let share = c.into_inner().unwrap_or_else(|e| e.into_inner());
-            share.result?;
+            if failed.is_ok() {
+                failed = share.result;
+            }
         }
+        self.work.chunk_cells = crate::model::recycle(cells);
+        failed?;
         self.work.chunk_lists = lists;
         for (r, (sel, g)) in selections.iter().zip(scores.chunks_exact(n)).enumerate() {
             self.retain_and_measure(l, first + r, sel, g)?;
@@ -173,6 +262,7 @@ impl StreamEngine {
         self.marks.is_needed = is_needed;
         self.work.chunk_scores = scores;
         self.work.chunk_acc = acc;
+        self.work.chunk_operands = crate::model::recycle(operands);
         Ok(())
     }
 }

@@ -1,0 +1,403 @@
+//! Mat-vecs on a GPU through wgpu (Vulkan on Linux and Android, Metal on Apple), behind the `gpu`
+//! feature: docs/gpu.md.
+//!
+//! A [`GpuMatrix`] is a [`Weight`]'s rows uploaded as they are stored (f32, f16, bf16, q8_0, q4_0,
+//! q4_1, q5_0, q5_1, q4_k, q5_k, q6_k: FORMAT.md §10), byte for byte, into one storage buffer; a
+//! WGSL compute shader per encoding decodes them in registers. [`Gpu::matvec`] takes the input in
+//! the same form as the CPU kernels do (f32 for the float encodings, the q8 form of
+//! [`Q8Vec`] for the block encodings), so that each block's integer sum is the CPU's exactly and
+//! a result differs from the CPU kernels' only by the order in which f32 terms are added (and
+//! where the GPU fuses a multiply and an add): [`tolerance`] bounds that.
+//!
+//! The shaders use no subgroup operations: one workgroup of 64 invocations per row, a fixed tree
+//! to add their partial sums, so they run on any adapter, Mesa's lavapipe (a CPU Vulkan) included.
+
+mod head;
+mod model;
+
+use std::sync::{mpsc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use leanstream_format::quant::{row_bytes, QuantType, BLOCK_LEN, K_BLOCK_LEN};
+use wgpu::util::DeviceExt;
+
+use crate::kernels::{Q8Vec, Weight};
+
+pub use head::{GpuDense, GpuHead};
+pub use model::GpuModel;
+
+const COMMON: &str = include_str!("shaders/common.wgsl");
+const UNITS: &str = include_str!("shaders/units.wgsl");
+
+/// The `unit_dot` of `qtype` from `units.wgsl` (the text after its `//@name` marker, up to the
+/// next), with the K-quants' shared function.
+fn unit_source(qtype: QuantType) -> String {
+    let section = |name: &str| -> &str {
+        let marker = format!("//@{name}\n");
+        let start = UNITS
+            .find(&marker)
+            .unwrap_or_else(|| panic!("units.wgsl has no {name}"))
+            + marker.len();
+        let end = UNITS[start..]
+            .find("//@")
+            .map_or(UNITS.len(), |e| start + e);
+        &UNITS[start..end]
+    };
+    let mut s = section(qtype.name()).to_string();
+    if matches!(qtype, QuantType::Q4_K | QuantType::Q5_K) {
+        s.push_str(section("k45"));
+    }
+    s
+}
+
+/// The whole shader of `qtype`.
+fn shader_source(qtype: QuantType) -> String {
+    format!("{COMMON}\n{}", unit_source(qtype))
+}
+
+/// A GPU device and one compute pipeline per encoding (built when first used).
+pub struct Gpu {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    info: wgpu::AdapterInfo,
+    limits: wgpu::Limits,
+    pipelines: Mutex<Vec<Option<wgpu::ComputePipeline>>>,
+}
+
+impl Gpu {
+    /// The first Vulkan or Metal adapter wgpu finds (a discrete GPU before an integrated one, and
+    /// either before a CPU implementation such as lavapipe); an error that says why when there is
+    /// none or its device cannot be opened. `WGPU_BACKEND` and `WGPU_ADAPTER_NAME` narrow the
+    /// choice as wgpu documents.
+    pub fn new() -> Result<Self> {
+        Self::with_backends((wgpu::Backends::VULKAN | wgpu::Backends::METAL).with_env())
+    }
+
+    /// [`new`](Self::new) among the adapters of `backends` only (those built in: Vulkan, Metal).
+    pub fn with_backends(backends: wgpu::Backends) -> Result<Self> {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = backends;
+        let instance = wgpu::Instance::new(desc);
+        let adapter =
+            match pollster::block_on(wgpu::util::initialize_adapter_from_env(&instance, None)) {
+                Ok(named) => named,
+                Err(_) => pollster::block_on(
+                    instance.request_adapter(&wgpu::RequestAdapterOptions {
+                        power_preference: wgpu::PowerPreference::from_env()
+                            .unwrap_or(wgpu::PowerPreference::HighPerformance),
+                        ..Default::default()
+                    }),
+                )
+                .map_err(|e| anyhow!("no GPU adapter (Vulkan or Metal) found: {e}"))?,
+            };
+        let info = adapter.get_info();
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("leanstream"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .with_context(|| format!("opening the GPU {} failed", info.name))?;
+        Ok(Self {
+            device,
+            queue,
+            info,
+            limits,
+            pipelines: Mutex::new(vec![None; QuantType::ALL.len()]),
+        })
+    }
+
+    /// The adapter in words: its name, kind and backend (e.g. "llvmpipe (LLVM 15.0.6, 256 bits),
+    /// Cpu, Vulkan").
+    pub fn describe(&self) -> String {
+        format!(
+            "{}, {:?}, {:?}",
+            self.info.name, self.info.device_type, self.info.backend
+        )
+    }
+
+    /// The largest matrix, in bytes, one storage buffer of this adapter holds.
+    pub fn max_matrix_bytes(&self) -> u64 {
+        self.limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size)
+    }
+
+    /// The pipeline of `qtype`, built on first use; an error (not wgpu's default panic) when the
+    /// device rejects the shader.
+    fn pipeline(&self, qtype: QuantType) -> Result<wgpu::ComputePipeline> {
+        let mut pipelines = self.pipelines.lock().expect("never poisoned");
+        if let Some(p) = &pipelines[qtype as usize] {
+            return Ok(p.clone());
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(qtype.name()),
+                source: wgpu::ShaderSource::Wgsl(shader_source(qtype).into()),
+            });
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(qtype.name()),
+                layout: None,
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            bail!(
+                "{} rejected the {qtype} mat-vec shader: {e}",
+                self.info.name
+            );
+        }
+        pipelines[qtype as usize] = Some(pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// Uploads `weight`'s rows as stored, with the buffers its mat-vecs need.
+    pub fn upload(&self, weight: &Weight) -> Result<GpuMatrix> {
+        let (rows, cols, qtype) = (weight.rows(), weight.cols(), weight.qtype());
+        let bytes: &[u8] = match weight {
+            Weight::F32(m) => f32_bytes(&m.data),
+            Weight::Encoded(q) => q.encoded(),
+        };
+        let row_bytes = row_bytes(qtype, cols)?;
+        if rows == 0 || cols == 0 {
+            bail!("a {rows}×{cols} matrix has nothing to upload");
+        }
+        let max = self.max_matrix_bytes();
+        if bytes.len() as u64 > max || bytes.len() > u32::MAX as usize {
+            bail!(
+                "a {rows}×{cols} {qtype} matrix ({} bytes) is larger than the GPU's largest storage \
+                 buffer ({max} bytes)",
+                bytes.len()
+            );
+        }
+        let d = &self.device;
+        let storage = wgpu::BufferUsages::STORAGE;
+        let weights = d.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("weights"),
+            contents: bytes,
+            usage: storage,
+        });
+        let x_words = input_words(qtype, cols);
+        let input = d.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("input"),
+            size: 4 * x_words as u64,
+            usage: storage | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let out_bytes = 4 * rows as u64;
+        let output = d.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("output"),
+            size: out_bytes,
+            usage: storage | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let readback = d.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: out_bytes,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let (units, scales, sums) = if qtype.is_block() {
+            let blocks = (cols / BLOCK_LEN) as u32;
+            let q_words = (cols / 4) as u32;
+            ((cols / qtype.block_len()) as u32, q_words, q_words + blocks)
+        } else {
+            (cols as u32, 0, 0)
+        };
+        let params: [u32; 8] = [rows as u32, units, row_bytes as u32, scales, sums, 0, 0, 0];
+        let params = d.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("params"),
+            contents: &params.map(u32::to_le_bytes).concat(),
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+        let pipeline = self.pipeline(qtype)?;
+        let bind = d.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("matvec"),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &[
+                entry(0, &weights),
+                entry(1, &input),
+                entry(2, &output),
+                entry(3, &params),
+            ],
+        });
+        let per_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
+        let rows32 = rows as u32;
+        let groups = (rows32.min(per_dim), rows32.div_ceil(per_dim));
+        Ok(GpuMatrix {
+            rows,
+            cols,
+            qtype,
+            bytes: bytes.len(),
+            pipeline,
+            bind,
+            input,
+            output,
+            readback,
+            groups,
+            x_words: Mutex::new(Vec::with_capacity(x_words)),
+        })
+    }
+
+    /// `out[r] = row r · x`, on the GPU. For block encodings `x` is quantized to q8 first, as the
+    /// CPU kernels do.
+    pub fn matvec(&self, m: &GpuMatrix, x: &[f32], out: &mut [f32]) -> Result<()> {
+        self.matvec_repeated(m, x, out, 1).map(|_| ())
+    }
+
+    /// [`matvec`](Self::matvec) dispatched `times` times in one submission (the same result):
+    /// the time it returns, from submission to the result read back, over `times` tells what a
+    /// dispatch costs apart from the round trip. A bench's tool.
+    pub fn matvec_repeated(
+        &self,
+        m: &GpuMatrix,
+        x: &[f32],
+        out: &mut [f32],
+        times: usize,
+    ) -> Result<Duration> {
+        if x.len() != m.cols || out.len() != m.rows {
+            bail!(
+                "a {}×{} mat-vec got {} inputs and {} outputs",
+                m.rows,
+                m.cols,
+                x.len(),
+                out.len()
+            );
+        }
+        // One caller at a time uses the matrix's input and output buffers.
+        let mut words = m.x_words.lock().expect("never poisoned");
+        pack_input(m.qtype, x, &mut words);
+        self.queue
+            .write_buffer(&m.input, 0, f32_bytes_u32(words.as_slice()));
+        let mut enc = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+            pass.set_pipeline(&m.pipeline);
+            pass.set_bind_group(0, &m.bind, &[]);
+            for _ in 0..times.max(1) {
+                pass.dispatch_workgroups(m.groups.0, m.groups.1, 1);
+            }
+        }
+        enc.copy_buffer_to_buffer(&m.output, 0, &m.readback, 0, None);
+        let start = Instant::now();
+        self.queue.submit([enc.finish()]);
+        let slice = m.readback.slice(..);
+        let (tx, rx) = mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .context("waiting for the GPU")?;
+        rx.recv()
+            .context("the GPU dropped a read-back")?
+            .context("reading the GPU's result back")?;
+        let elapsed = start.elapsed();
+        {
+            let view = slice
+                .get_mapped_range()
+                .context("mapping the GPU's result")?;
+            for (o, b) in out.iter_mut().zip(view.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        m.readback.unmap();
+        Ok(elapsed)
+    }
+}
+
+fn entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
+    wgpu::BindGroupEntry {
+        binding,
+        resource: buffer.as_entire_binding(),
+    }
+}
+
+/// A weight matrix on the GPU, with its mat-vec's input, output and read-back buffers.
+pub struct GpuMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub qtype: QuantType,
+    /// Bytes of its weights on the GPU (the encoded rows, as stored).
+    pub bytes: usize,
+    pipeline: wgpu::ComputePipeline,
+    bind: wgpu::BindGroup,
+    input: wgpu::Buffer,
+    output: wgpu::Buffer,
+    readback: wgpu::Buffer,
+    /// Workgroups dispatched (x, y): one per row, `x` within the adapter's limit.
+    groups: (u32, u32),
+    /// The packed input's words, kept between calls; its lock serialises the buffers' use.
+    x_words: Mutex<Vec<u32>>,
+}
+
+/// Words of the input buffer: f32 values, or q8 quants (four a word), scales and scaled sums.
+fn input_words(qtype: QuantType, cols: usize) -> usize {
+    if qtype.is_block() {
+        cols / 4 + 2 * (cols / BLOCK_LEN)
+    } else {
+        cols
+    }
+}
+
+/// `x` as `common.wgsl` reads it for `qtype`.
+fn pack_input(qtype: QuantType, x: &[f32], words: &mut Vec<u32>) {
+    words.clear();
+    if !qtype.is_block() {
+        words.extend(x.iter().map(|v| v.to_bits()));
+        return;
+    }
+    let q8 = Q8Vec::quantize(x);
+    words.extend(
+        q8.quants
+            .chunks_exact(4)
+            .map(|q| u32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8])),
+    );
+    words.extend(q8.scales.iter().map(|v| v.to_bits()));
+    words.extend(q8.sums.iter().map(|v| v.to_bits()));
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: any f32's bytes are valid u8s; the slice covers exactly `v`'s memory.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+fn f32_bytes_u32(v: &[u32]) -> &[u8] {
+    // SAFETY: as for `f32_bytes`.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+/// How far a GPU mat-vec result may lie from the CPU kernels' for one row: both add the same f32
+/// terms (one per value, block or super-block; each computed in the same order from the same exact
+/// integer sums) in different orders, so by the standard bound on a sum of `n` terms each is within
+/// `(n + c)·u·A` of the exact sum of those terms, with `u = 2⁻²⁴` and `A` the sum of the terms'
+/// intermediate magnitudes; `c = 8` covers the roundings inside a term (a fused multiply-add
+/// rounds once where the CPU rounds twice). Twice that bounds the difference of the two.
+///
+/// `magnitude` is `A`: for the float encodings `Σ |w_j·x_j|`; for the block encodings
+/// `Σ_j 4·M_g(j)·|x̂_j|`, with `x̂` the q8 input's values and `M_g` the largest decoded magnitude
+/// in the 32 values around `j` (4·M bounds a code times its scale plus the block's offset or
+/// minimum for rows written by this format's encoders).
+pub fn tolerance(qtype: QuantType, cols: usize, magnitude: f64) -> f64 {
+    let unit = match qtype {
+        q if q.is_k_quant() => K_BLOCK_LEN,
+        q if q.is_block() => BLOCK_LEN,
+        _ => 1,
+    };
+    let n = (cols / unit) as f64;
+    // 2·(n + 8)·2⁻²⁴ = (n + 8)·2⁻²³.
+    (n + 8.0) * f64::from(f32::EPSILON) * magnitude
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The `gpu` feature's tests (docs/gpu.md) on Mesa's lavapipe, a Vulkan implementation that runs on
+# the CPU: installs the Vulkan loader and Mesa's Vulkan drivers when they are missing (Debian
+# packages), then builds the runtime with its `gpu` feature and runs its GPU tests there. Any GPU of
+# the machine is left out, so that the result is the same on every machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+icd() { ls /usr/share/vulkan/icd.d/lvp_icd.*.json 2>/dev/null | head -n1; }
+if [ -z "$(icd)" ] || ! ldconfig -p | grep 'libvulkan\.so\.1' >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
+fi
+export VK_DRIVER_FILES="$(icd)" VK_ICD_FILENAMES="$(icd)"
+# `--workspace`, as CI's test step: the dependencies' features are then the ones that step built
+# (`-p leanstream` alone would resolve some differently and rebuild most of them); only wgpu's crates
+# and the crates above the runtime are built again. Its GPU tests are named `gpu::`.
+cargo test --release --workspace --features leanstream/gpu --lib -- gpu::
