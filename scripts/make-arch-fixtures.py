@@ -21,7 +21,7 @@ NAME.quant.json records, per file, its tensors' GGML types and a digest of every
 
 Sparsity-native models (SPARSE_NATIVE, PowerInfer-2's kinds): transformers has neither ProSparse's
 FATReLU nor Bamboo/TurboSparse's dReLU, so each is built as its plain family with ReLU, its MLPs'
-forward replaced by the checkpoint's own (FATReLU `g if g >= t else 0` on the gate; ReLU on gate and
+(or, for TurboSparse-Mixtral, its experts') forward replaced by the checkpoint's own (FATReLU `g if g >= t else 0` on the gate; ReLU on gate and
 up), the reference computed with that forward (checked to differ from the plain one), and
 config.json rewritten as the real checkpoints declare themselves. bamboo's GGUF is written with the
 gguf package (no llama.cpp converter knows PowerInfer's `bamboo` architecture) in llama.cpp's
@@ -177,6 +177,19 @@ SPARSE_NATIVE = {
         dict(architectures=["BambooForCausalLM"], model_type="bamboo"),
         "drelu",
     ),
+    # TurboSparse-Mixtral: TurboSparseMixtralForCausalLM, Mixtral's mixture with dReLU experts.
+    "turbosparse-mixtral": (
+        "MixtralConfig",
+        dict(
+            rope_theta=10000.0,
+            hidden_act="relu",
+            sliding_window=None,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        dict(architectures=["TurboSparseMixtralForCausalLM"], model_type="turbosparsemixtral"),
+        "drelu-experts",
+    ),
 }
 
 
@@ -189,7 +202,20 @@ def sparse_forward(mlp, ffn):
     def drelu(x):
         return mlp.down_proj(torch.relu(mlp.gate_proj(x)) * torch.relu(mlp.up_proj(x)))
 
-    return {"fatrelu": fatrelu, "drelu": drelu}[ffn]
+    def drelu_experts(x, top_k_index, top_k_weights):
+        # Mixtral's expert loop (transformers' MixtralExperts) with ReLU on gate and up.
+        ex = mlp.experts
+        out = torch.zeros_like(x)
+        for e in range(ex.num_experts):
+            tok, pos = torch.where(top_k_index == e)
+            if tok.numel() == 0:
+                continue
+            gate, up = torch.nn.functional.linear(x[tok], ex.gate_up_proj[e]).chunk(2, dim=-1)
+            h = torch.nn.functional.linear(torch.relu(gate) * torch.relu(up), ex.down_proj[e])
+            out.index_add_(0, tok, h * top_k_weights[tok, pos, None])
+        return out
+
+    return {"fatrelu": fatrelu, "drelu": drelu, "drelu-experts": drelu_experts}[ffn]
 
 
 def tokens():
@@ -216,7 +242,10 @@ def make(name, cls, extra, out, std=0.08, ffn=None, declared=None):
         with torch.no_grad():
             plain = model(torch.tensor([ids])).logits[0]
         for layer in model.model.layers:
-            layer.mlp.forward = sparse_forward(layer.mlp, ffn)
+            if ffn == "drelu-experts":
+                layer.mlp.experts.forward = sparse_forward(layer.mlp, ffn)
+            else:
+                layer.mlp.forward = sparse_forward(layer.mlp, ffn)
     if out.exists():
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)

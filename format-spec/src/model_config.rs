@@ -235,11 +235,6 @@ impl ModelConfig {
                 )));
             }
         }
-        if self.activation == Activation::DRelu && self.moe.is_some() {
-            return Err(FormatError::config(
-                "dReLU is supported for dense FFNs, not for a mixture of experts".to_string(),
-            ));
-        }
         if let Some(f) = &self.rope_freq_factors {
             if f.len() != self.head_dim / 2 || f.iter().any(|&x| !(x.is_finite() && x > 0.0)) {
                 return Err(FormatError::config(format!(

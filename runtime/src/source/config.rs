@@ -257,6 +257,11 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         "SmolLM3ForCausalLM" | "smollm3" => (Architecture::Llama, None),
         "Qwen3MoeForCausalLM" | "qwen3_moe" => (Architecture::Qwen3, Some(moe_config(&hf, false)?)),
         "MixtralForCausalLM" | "mixtral" => (Architecture::Mistral, Some(moe_config(&hf, true)?)),
+        // TurboSparse-Mixtral: Mixtral's mixture whose experts are dReLU (`hidden_act` "relu" on
+        // the gate and the up projection); its modelling code is its own.
+        "TurboSparseMixtralForCausalLM" | "turbosparsemixtral" => {
+            (Architecture::Mistral, Some(moe_config(&hf, true)?))
+        }
         "Gemma2ForCausalLM" | "gemma2" => (Architecture::Gemma2, None),
         "Gemma3ForCausalLM" | "gemma3_text" => (Architecture::Gemma3, None),
         "Phi3ForCausalLM" | "phi3" => (Architecture::Phi3, None),
@@ -265,11 +270,15 @@ pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
              and 3.x, SmolLM2), SmolLM3ForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, \
              MistralForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma2ForCausalLM, \
              Gemma3ForCausalLM (text), Phi3ForCausalLM (Phi-3, Phi-3.5), SparseLlamaForCausalLM \
-             (ProSparse) and BambooForCausalLM (TurboSparse-Mistral)"
+             (ProSparse), BambooForCausalLM (TurboSparse-Mistral) and \
+             TurboSparseMixtralForCausalLM"
         ),
     };
     let act_name = hf.hidden_activation.as_deref().or(hf.hidden_act.as_deref());
-    let dual_relu = matches!(arch_name.as_str(), "BambooForCausalLM" | "bamboo");
+    let dual_relu = matches!(
+        arch_name.as_str(),
+        "BambooForCausalLM" | "bamboo" | "TurboSparseMixtralForCausalLM" | "turbosparsemixtral"
+    );
     let activation = match act_name.unwrap_or("silu") {
         "relu" if dual_relu => Activation::DRelu,
         other if dual_relu => bail!(

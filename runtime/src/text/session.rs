@@ -470,12 +470,13 @@ impl Session {
         };
         let s = m.summary();
         Some(format!(
-            "experts: hit rate {:.3}, look-ahead recall {:.3} precision {:.3}, {:.2} experts ({}) read per token",
+            "experts: hit rate {:.3}, look-ahead recall {:.3} precision {:.3}, {:.2} experts ({}) read per token, {:.3} of their neurons computed",
             s.expert_hit_rate,
             s.expert_lookahead_recall,
             s.expert_lookahead_precision,
             s.experts_read_per_token,
-            crate::platform::memory_size::format_size(s.bytes_read_per_token as u64)
+            crate::platform::memory_size::format_size(s.bytes_read_per_token as u64),
+            s.expert_neuron_fraction
         ))
     }
 

@@ -504,6 +504,49 @@ fn bamboo_drelu_from_hf_and_gguf() {
     );
 }
 
+/// TurboSparse-Mixtral (`TurboSparseMixtralForCausalLM`): Mixtral's mixture whose experts are
+/// dReLU. From the folder it scores as transformers with the experts' `relu(gate)·relu(up)` (ReLU
+/// on the gate alone scores measurably differently). Converted with q8 experts, which run where
+/// they lie, each expert computes only the neurons dReLU leaves non-zero (the share is reported,
+/// about a quarter; that the skip is exact is `relu_family_experts_skip_exactly_the_zeroed_
+/// neurons`), and streaming at the minimum budget gives resident's log-probabilities bit for bit.
+#[test]
+fn turbosparse_mixtral_drelu_experts_skip_exactly() {
+    use leanstream::source::config::Activation;
+    let name = "turbosparse-mixtral";
+    let r = reference(name);
+    let hf = Model::load(&fixtures().join(name)).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    assert_eq!(hf.config().activation, Activation::DRelu);
+    assert!(hf.config().moe.is_some());
+    check(name, "HF folder", &log_probs(&hf, &r.ids), &r);
+    let worst = worst_against(&hf_with(name, |c| c.activation = Activation::Relu), name);
+    assert!(
+        worst > 10.0 * LOGP_TOL,
+        "ReLU on the gate alone is as close: {worst:.2e}"
+    );
+
+    let lsb = scratch().join("arch-turbosparse-mixtral-q8.lsb");
+    convert(&fixtures().join(name), &lsb, &["--quant", "q8"]);
+    let file = leanstream_format::LsbFile::open(&lsb).unwrap();
+    assert_eq!(file.meta.model.activation, Activation::DRelu);
+    let (resident, report) = session_log_probs(&lsb, PolicyChoice::Resident, None, &r.ids);
+    let computed = report["expert_neuron_fraction"].as_f64().unwrap();
+    eprintln!("{name}: share of expert neurons computed {computed:.3}");
+    assert!(computed > 0.1 && computed < 0.4, "computed {computed}");
+    // q8 experts (and the routing they move) stay near transformers' scores.
+    let ppl = (-resident.iter().sum::<f64>() / resident.len() as f64).exp();
+    assert!(
+        (ppl / r.perplexity - 1.0).abs() < 0.05,
+        "q8 perplexity {ppl}"
+    );
+    // The minimum at f32 KV is at least the session's (f16 KV by default).
+    let min =
+        leanstream::streaming::experts::minimum_memory(&lsb, r.ids.len(), KvType::F32).unwrap();
+    let (streamed, report) = session_log_probs(&lsb, PolicyChoice::Leanstream, Some(min), &r.ids);
+    assert!(report["experts_read_per_token"].as_f64().unwrap() > 0.0);
+    assert_eq!(streamed, resident);
+}
+
 /// The sparsity-native fixtures converted under `--sparsity auto`, which is ReLU's exact rule for
 /// FATReLU and dReLU (threshold 0, with a certificate): the resident policy skips neurons (its
 /// active fraction is below 1) and still scores as transformers, and streaming under the minimum

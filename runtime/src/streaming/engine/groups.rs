@@ -417,7 +417,11 @@ impl<'a> ClusterOps<'a> {
 /// Under dReLU, keeps, in order, the entries of `active` whose `coef` is positive (the others'
 /// `relu(g)·relu(u)` is 0) at the front of both; returns how many (all of them under any other
 /// activation).
-pub(super) fn keep_positive(act: Activation, active: &mut [u32], coef: &mut [f32]) -> usize {
+pub(in crate::streaming) fn keep_positive(
+    act: Activation,
+    active: &mut [u32],
+    coef: &mut [f32],
+) -> usize {
     if act != Activation::DRelu {
         return active.len();
     }

@@ -18,6 +18,8 @@ mod chunk;
 mod groups;
 mod state;
 
+pub(super) use groups::keep_positive;
+
 use groups::*;
 pub(super) use state::{Core, Refine};
 

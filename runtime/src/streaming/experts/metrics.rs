@@ -20,6 +20,10 @@ pub struct ExpertCounters {
     pub speculative_reads: u64,
     /// Speculative reads withdrawn before they reached the device.
     pub cancelled: u64,
+    /// Neurons of the experts run in their stored encoding (per token), and of those the ones
+    /// whose up row and down column were computed (all but those a ReLU-family activation zeroes).
+    pub neurons: u64,
+    pub neurons_computed: u64,
 }
 
 /// The expert figures of a run.
@@ -41,6 +45,9 @@ pub struct ExpertSummary {
     pub dense_bytes_read_per_token: f64,
     pub speculative_reads: u64,
     pub cancelled_reads: u64,
+    /// Of the neurons of the experts run in their stored encoding, the share computed past the
+    /// gate (1 for SiLU experts; below 1 where a ReLU-family activation zeroes some, exactly).
+    pub expert_neuron_fraction: f64,
     pub tokens: u64,
     pub tokens_per_s: f64,
 }
@@ -82,6 +89,7 @@ impl ExpertCounters {
             dense_bytes_read_per_token: 0.0,
             speculative_reads: self.speculative_reads,
             cancelled_reads: self.cancelled,
+            expert_neuron_fraction: share(self.neurons_computed, self.neurons),
             tokens,
             tokens_per_s: if seconds > 0.0 {
                 tokens as f64 / seconds
@@ -103,6 +111,7 @@ mod tests {
         c.found_by_layer = vec![0, 8, 5];
         c.predicted_by_layer = vec![0, 10, 20];
         (c.needed, c.hits, c.reads, c.bytes) = (20, 5, 30, 3000);
+        (c.neurons, c.neurons_computed) = (400, 100);
         let s = c.summary(10, 2.0);
         assert_eq!(
             s.expert_lookahead_recall_by_layer,
@@ -116,5 +125,6 @@ mod tests {
             (3.0, 300.0)
         );
         assert_eq!(s.tokens_per_s, 5.0);
+        assert_eq!(s.expert_neuron_fraction, 0.25);
     }
 }

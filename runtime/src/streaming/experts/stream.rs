@@ -18,11 +18,12 @@ use leanstream_format::file::check_extent;
 use super::cache::ExpertCache;
 use super::metrics::ExpertCounters;
 use super::oracle::Oracle;
-use crate::kernels::bundles::{gate_and_down, BundleLayout, ClusterRows};
+use crate::kernels::bundles::{down_pass, gate_pass, BundleLayout, ClusterRows};
 use crate::kernels::{Matrix, Operand, RowKernels, Weight};
 use crate::model::{rms_norm, route, Choice, DenseFfn, FfnBackend, MoeScratch};
 use crate::source::config::{Activation, MoeConfig};
 use crate::storage::{AlignedBuf, IoQueue, Ticket};
+use crate::streaming::engine::keep_positive;
 use crate::streaming::skip_rule::{Skip, SkipRule};
 
 /// Reads a layer waits for (the engine's urgent priority: ahead of the dense stream's reads of the
@@ -436,12 +437,16 @@ impl ExpertStream {
             if expert.qtypes.all_block() {
                 // Where it lies, in its stored encoding (q4/q8 bundles): every neuron computed.
                 let layout = BundleLayout::of(expert)?;
-                let (kernels, act) = (RowKernels::best(), self.act);
+                let (kernels, skip) = (RowKernels::best(), expert_skip(self.act));
                 let (scores, active, coef) = (&mut w.scores, &mut w.active, &mut w.coef);
+                let c = &mut self.counters;
                 w.moe.add_expert_with(e, x, t, out, |xr, y| {
-                    run_bundles(
-                        kernels, &layout, expert, bytes, act, xr, y, scores, active, coef,
-                    )
+                    let computed = run_bundles(
+                        kernels, &layout, expert, bytes, skip, xr, y, scores, active, coef,
+                    )?;
+                    c.neurons += expert.neurons() as u64;
+                    c.neurons_computed += computed as u64;
+                    Ok(())
                 })?;
             } else {
                 decode_expert(expert, bytes, &mut w.decoded, &mut w.column)?;
@@ -481,29 +486,38 @@ impl ExpertStream {
 /// Neurons whose gates [`run_bundles`] computes before adding their down columns.
 const GATE_BATCH: usize = 64;
 
+/// How an expert's neurons are skipped: none, except, for a ReLU-family activation (ReLU,
+/// FATReLU, dReLU: TurboSparse-Mixtral's experts), the neurons it zeroes: their up rows and down
+/// columns are skipped (threshold 0 on `|act(gate)|`, and under dReLU a non-positive
+/// `relu(g)·relu(u)` too, [`keep_positive`]), which leaves out exactly nothing.
+fn expert_skip(act: Activation) -> Skip {
+    Skip {
+        act,
+        rule: SkipRule::Gate,
+        // Below any score (every neuron), or ReLU's exact rule.
+        threshold: if act.is_relu_like() { 0.0 } else { -1.0 },
+    }
+}
+
 /// An expert's output for one input `x` added to `y`: the bundle kernel over its clusters where
-/// they lie in `bytes` (its whole extent), every neuron computed (the rule's threshold is below
-/// any score), in stored order.
+/// they lie in `bytes` (its whole extent), in stored order, skipping as `skip` says
+/// ([`expert_skip`]). Returns how many neurons' down columns were added.
 #[allow(clippy::too_many_arguments)]
 fn run_bundles(
     kernels: &RowKernels,
     layout: &BundleLayout,
     expert: &FfnLayer,
     bytes: &[u8],
-    act: Activation,
+    skip: Skip,
     x: &[f32],
     y: &mut [f32],
     scores: &mut [f32],
     active: &mut [u32],
     coef: &mut [f32],
-) -> Result<()> {
+) -> Result<usize> {
     let first = expert.clusters.first().map_or(0, |c| c.offset);
     let op = Operand::new(x, layout.operand_type());
-    let every = Skip {
-        act,
-        rule: SkipRule::Gate,
-        threshold: -1.0,
-    };
+    let mut computed = 0;
     for (ci, c) in expert.clusters.iter().enumerate() {
         let at = (c.offset - first) as usize;
         let extent = bytes.get(at..).unwrap_or_default();
@@ -512,10 +526,24 @@ fn run_bundles(
         for start in (0..rows.len()).step_by(GATE_BATCH) {
             let len = GATE_BATCH.min(rows.len() - start);
             let (scores, rows) = (&mut scores[..len], rows.from(start));
-            gate_and_down(kernels, layout, &op, &rows, every, scores, active, coef, y);
+            let m = gate_pass(
+                kernels,
+                layout,
+                &op,
+                &rows,
+                None,
+                |_| true,
+                skip,
+                scores,
+                active,
+                coef,
+            );
+            let m = keep_positive(skip.act, &mut active[..m], &mut coef[..m]);
+            down_pass(kernels, layout, &rows, &active[..m], &coef[..m], y);
+            computed += m;
         }
     }
-    Ok(())
+    Ok(computed)
 }
 
 /// Decodes an expert's stored clusters (`bytes`, its whole extent) into `into`'s f32 matrices.
@@ -577,5 +605,113 @@ impl FfnBackend for ExpertStream {
             return Ok(());
         }
         self.run_mixture(l, x, t, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use leanstream_format::ffn::{Cluster, ClusterLayout, FfnLayer, PartTypes};
+    use leanstream_format::quant::QuantType;
+
+    use super::*;
+    use crate::kernels::bundles::gate_and_down;
+
+    /// A Q8_0 expert of `n` neurons over `hidden` values in one cluster: every block's scale
+    /// 2^-7 and its codes drawn from a fixed sequence.
+    fn q8_expert(n: usize, hidden: usize) -> (FfnLayer, Vec<u8>) {
+        let layer = FfnLayer {
+            qtypes: PartTypes::uniform(QuantType::Q8_0),
+            hidden: hidden as u32,
+            perm: (0..n as u32).collect(),
+            clusters: vec![Cluster {
+                first: 0,
+                count: n as u32,
+                offset: 0,
+                extent_size: 0,
+                checksum: 0,
+            }],
+            layout: ClusterLayout::Split,
+        };
+        let blocks = 3 * n * hidden / 32;
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut bytes = Vec::with_capacity(blocks * 34);
+        for _ in 0..blocks {
+            bytes.extend(half::f16::from_f32(1.0 / 128.0).to_le_bytes());
+            for _ in 0..32 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                bytes.push((state >> 56) as u8);
+            }
+        }
+        (layer, bytes)
+    }
+
+    /// Under ReLU, FATReLU and dReLU the expert skips the neurons the activation zeroes and adds
+    /// exactly what computing every neuron adds, bit for bit; under SiLU it computes them all.
+    #[test]
+    fn relu_family_experts_skip_exactly_the_zeroed_neurons() {
+        let (n, hidden) = (256, 64);
+        let (expert, bytes) = q8_expert(n, hidden);
+        let layout = BundleLayout::of(&expert).unwrap();
+        let k = RowKernels::best();
+        let x: Vec<f32> = (0..hidden)
+            .map(|i| ((i * 37 % 17) as f32 - 8.0) / 4.0)
+            .collect();
+        let mut scores = vec![0.0; GATE_BATCH];
+        let (mut active, mut coef) = (vec![0; GATE_BATCH], vec![0.0; GATE_BATCH]);
+        for act in [
+            Activation::Relu,
+            Activation::FatRelu { threshold: 0.5 },
+            Activation::DRelu,
+            Activation::Silu,
+        ] {
+            // Every neuron computed, as an expert ran before it skipped any.
+            let every = Skip {
+                threshold: -1.0,
+                ..expert_skip(act)
+            };
+            let mut want = vec![0.0f32; hidden];
+            let rows = ClusterRows::new(&layout, &bytes, n).unwrap();
+            let op = Operand::new(&x, layout.operand_type());
+            for start in (0..n).step_by(GATE_BATCH) {
+                let s = &mut scores[..GATE_BATCH.min(n - start)];
+                let (a, c) = (&mut active, &mut coef);
+                let m = gate_and_down(
+                    k,
+                    &layout,
+                    &op,
+                    &rows.from(start),
+                    every,
+                    s,
+                    a,
+                    c,
+                    &mut want,
+                );
+                assert_eq!(m, s.len());
+            }
+            let mut got = vec![0.0f32; hidden];
+            let (s, a, c) = (&mut scores, &mut active, &mut coef);
+            let skip = expert_skip(act);
+            let computed = run_bundles(k, &layout, &expert, &bytes, skip, &x, &mut got, s, a, c);
+            let computed = computed.unwrap();
+            assert!(want.iter().any(|&v| v != 0.0), "{act:?}");
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{act:?}"
+            );
+            if act == Activation::Silu {
+                assert_eq!(computed, n);
+            } else {
+                // About half the gates are positive; dReLU also needs a positive up.
+                let most = if act == Activation::DRelu {
+                    n / 3
+                } else {
+                    2 * n / 3
+                };
+                assert!(computed > n / 10 && computed < most, "{act:?}: {computed}");
+            }
+        }
     }
 }
