@@ -305,10 +305,27 @@ def gguf(src, folder, pre, out):
 
 # Quantized variants: name -> (model of MODELS, widths replacing COMMON's). Hidden 256 and FFN 512
 # so that llama-quantize really writes K-quants (it falls back to other types for narrower rows).
+# The widths llama.cpp's K-quants hold (rows of 256: hidden 256, FFN 512, 4 heads of 64).
+K_WIDTHS = dict(hidden_size=256, intermediate_size=512, head_dim=64, max_position_embeddings=256)
+
 QUANTIZED = {
-    "llama-k": (
-        "llama3",
-        dict(hidden_size=256, intermediate_size=512, head_dim=64, max_position_embeddings=256),
+    "llama-k": ("llama3", K_WIDTHS),
+    "qwen2-k": ("qwen2", K_WIDTHS),
+    "smollm3-k": ("smollm3", K_WIDTHS),
+    "gemma2-k": ("gemma2", {**K_WIDTHS, "query_pre_attn_scalar": 64}),
+    # LongRoPE's factors, one per rotary frequency of a 64-wide head.
+    "phi3-k": (
+        "phi3",
+        {
+            **K_WIDTHS,
+            "rope_parameters": dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0 + 0.05 * i for i in range(32)],
+                long_factor=[1.0 + 0.6 * i for i in range(32)],
+                original_max_position_embeddings=32,
+            ),
+        },
     ),
 }
 QUANT_TYPES = ["Q8_0", "Q4_K_M", "Q6_K"]

@@ -425,18 +425,22 @@ impl GgufFile {
     /// the width the file's author chose for the FFN, which `leanstream-prep convert --quant auto`
     /// keeps.
     pub fn ffn_gate_type(&self) -> Option<GgmlDType> {
-        // The layer of an FFN gate tensor (not a router, `ffn_gate_inp`).
-        let gate_layer = |name: &str| -> Option<usize> {
+        // The layer of an FFN tensor whose name starts with `prefix`.
+        let layer_of = |name: &str, prefix: &str| -> Option<usize> {
             let (layer, tensor) = name.strip_prefix("blk.")?.split_once('.')?;
-            let gate = tensor.starts_with("ffn_gate") && !tensor.starts_with("ffn_gate_inp");
-            gate.then(|| layer.parse().ok())?
+            tensor.starts_with(prefix).then(|| layer.parse().ok())?
         };
-        self.content
-            .tensor_infos
-            .iter()
-            .filter_map(|(name, info)| Some((gate_layer(name)?, name, info.ggml_dtype)))
-            .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
-            .map(|(_, _, dtype)| dtype)
+        let first = |prefix: &str, not: &str| {
+            self.content
+                .tensor_infos
+                .iter()
+                .filter(|(name, _)| !name.contains(not))
+                .filter_map(|(name, info)| Some((layer_of(name, prefix)?, name, info.ggml_dtype)))
+                .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
+                .map(|(_, _, dtype)| dtype)
+        };
+        // Not a router (`ffn_gate_inp`); Phi-3's gate rows lie in `ffn_up` with the up rows.
+        first("ffn_gate", "ffn_gate_inp").or_else(|| first("ffn_up", "ffn_up_shexp"))
     }
 
     fn info(&self, gguf_name: &str) -> Result<&candle_core::quantized::gguf_file::TensorInfo> {
