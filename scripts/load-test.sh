@@ -8,7 +8,8 @@
 # concurrent reply is also checked against the same prompt's reply alone (greedy: bit for bit).
 #
 # usage: scripts/load-test.sh MODEL [MEMORY] [SLOTS=8] [CLIENTS=8] [TOKENS=48] [ROUNDS=3]
-#   MEMORY: the --memory both servers run under (default: half the model file's size).
+#   MEMORY: the --memory both servers run under (default: half the model file's size); `none`: no
+#   --memory (a GGUF file then runs dense, its weights as stored).
 # Both servers run with --ctx ${CTX:-128} --kv ${KV:-q8_0}: every slot's KV cache is counted in
 # --memory, and f32 caches of a long context would leave no room for eight (at half of SmolLM2's
 # converted file, eight q8_0 caches of 256 positions do not fit beside the minimum; 128 positions
@@ -20,6 +21,8 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 model="${1:?usage: scripts/load-test.sh MODEL [MEMORY] [SLOTS] [CLIENTS] [TOKENS] [ROUNDS]}"
 [[ -f "$model" ]] || { echo "no such file: $model" >&2; exit 2; }
 memory="${2:-$(($(stat -c %s "$model") / 2))}"
+budget=(--memory "$memory")
+[[ "$memory" == none ]] && budget=()
 slots="${3:-8}"
 clients="${4:-8}"
 tokens="${5:-48}"
@@ -40,7 +43,7 @@ trap cleanup EXIT
 
 # Starts a server with $1 slots; sets $server and $addr.
 start() {
-    "$leanstream" serve --model "$model" --memory "$memory" --ctx "${CTX:-128}" --kv "${KV:-q8_0}" --port 0 --temp 0 \
+    "$leanstream" serve --model "$model" ${budget[@]+"${budget[@]}"} --ctx "${CTX:-128}" --kv "${KV:-q8_0}" --port 0 --temp 0 \
         --parallel "$1" --queue 64 2> "$tmp/log" &
     server=$!
     for _ in $(seq 600); do

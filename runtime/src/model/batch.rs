@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 use super::attention::add_output;
 use super::dense_ffn::Ffn;
 use super::norm::{rms_norm, rms_norm_in_place};
-use super::{Attention, BatchBuffers, DenseWeights, FfnBackend, Layer, Model, Scratch};
+use super::{Attention, BatchBuffers, DenseWeights, FfnBackend, FfnWeights, Layer, Model, Scratch};
 use crate::kernels::Weight;
 use crate::model::kv_cache::KvCache;
 use crate::model::rope::Rope;
@@ -19,14 +19,15 @@ use crate::model::rope::Rope;
 impl Model {
     /// Runs `tokens[i]` at the position following those in `caches[i]`, for every `i`, appending
     /// each one's keys and values to its own cache; `logits` gets one row per token
-    /// (`tokens.len() × vocab`). The FFNs are computed by `backend`, the projections taken from
-    /// `dense`.
+    /// (`tokens.len() × vocab`). The FFNs are computed by `backend` (`None`: the resident
+    /// weights, which must be block-encoded, [`Model::batches_bitwise`]), the projections taken
+    /// from `dense` (`None`: the model's own).
     pub fn forward_batch_with(
         &self,
         tokens: &[u32],
         caches: &mut [&mut KvCache],
-        backend: &mut dyn FfnBackend,
-        dense: &mut dyn DenseWeights,
+        mut backend: Option<&mut dyn FfnBackend>,
+        dense: Option<&mut dyn DenseWeights>,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         let t = tokens.len();
@@ -44,6 +45,17 @@ impl Model {
                 full.capacity()
             );
         }
+        if backend.is_none() && !self.batches_bitwise() {
+            bail!("a batch over resident float FFN weights would not give each row its own bits");
+        }
+        let mut own;
+        let dense: &mut dyn DenseWeights = match dense {
+            Some(d) => d,
+            None => {
+                own = self.own()?;
+                &mut own
+            }
+        };
         let c = &self.config;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let kept = self.batch.lock().expect("never poisoned").take();
@@ -83,11 +95,17 @@ impl Model {
             }
         }
         for l in 0..self.layers.len() {
-            backend.begin_layer(l, &x)?;
+            let ffn = match backend.as_deref_mut() {
+                Some(b) => {
+                    b.begin_layer(l, &x)?;
+                    Ffn::Backend(b)
+                }
+                None => Ffn::Resident(None),
+            };
             let attn = dense.attention(l)?;
             let layer = &self.layers[l];
             self.attention_rows(l, layer, attn, &positions, &mut x, caches, &mut s);
-            self.ffn_block(l, layer, t, &mut x, &mut s, Ffn::Backend(backend))?;
+            self.ffn_block(l, layer, t, &mut x, &mut s, ffn)?;
         }
         caches.iter_mut().for_each(|c| c.advance(1));
         if dense.head_rows_bitwise() {
@@ -111,6 +129,19 @@ impl Model {
             positions,
         });
         Ok(())
+    }
+
+    /// Whether a batch may run on the resident FFN weights with every row's bits those of
+    /// decoding it alone: every layer's FFN dense and block-encoded (each row on the integer
+    /// kernels, bitwise a mat-vec); float weights' multi-row kernel sums in another order, and
+    /// experts route each row.
+    pub fn batches_bitwise(&self) -> bool {
+        self.layers.iter().all(|l| match &l.ffn {
+            Some(FfnWeights::Dense(f)) => [&f.gate, &f.up, &f.down]
+                .iter()
+                .all(|w| w.qtype().is_block()),
+            _ => false,
+        })
     }
 
     /// [`Model::attention_block`] for rows of different sequences: row `i` at `positions[i]` of

@@ -158,17 +158,19 @@ impl Model {
         };
         let n = weights.gate.rows();
         let (gate, up) = (&mut s.gate[..t * n], &mut s.up[..t * n]);
-        weights.project(&s.xn, t, gate, up);
+        // Only the call's rows: a batched step's scratch may hold more.
+        let xn = &s.xn[..t * h];
+        weights.project(xn, t, gate, up);
         if let Some(probe) = probe {
             probe(FfnProbe {
                 layer: l,
                 residual: x,
-                ffn_input: &s.xn,
+                ffn_input: xn,
                 gate,
                 up,
             });
         }
-        weights.finish(c.activation, t, gate, up, &mut s.proj);
+        weights.finish(c.activation, t, gate, up, &mut s.proj[..t * h]);
         add_output(
             layer.ffn_post_norm.as_deref(),
             c.rms_norm_eps,

@@ -140,6 +140,17 @@ impl LanguageModel for Model {
     ) -> Result<()> {
         Model::forward_with(self, tokens, cache, all_logits, None, None, logits)
     }
+
+    /// As `&Model` does.
+    fn forward_batch(
+        &mut self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let mut model: &Model = self;
+        model.forward_batch(tokens, caches, logits)
+    }
 }
 
 impl LanguageModel for &Model {
@@ -159,5 +170,19 @@ impl LanguageModel for &Model {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         Model::forward_with(self, tokens, cache, all_logits, None, None, logits)
+    }
+
+    /// Block-encoded weights take the batch's rows together (each row's bits its own, as
+    /// decoding it alone); float weights and experts decode the rows one after another.
+    fn forward_batch(
+        &mut self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        if tokens.len() < 2 || !self.batches_bitwise() {
+            return decode_each(self, tokens, caches, logits);
+        }
+        self.forward_batch_with(tokens, caches, None, None, logits)
     }
 }

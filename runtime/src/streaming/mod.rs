@@ -547,8 +547,8 @@ impl crate::model::LanguageModel for StreamingModel {
         let done = self.model.forward_batch_with(
             tokens,
             caches,
-            &mut self.engine,
-            &mut self.dense,
+            Some(&mut self.engine),
+            Some(&mut self.dense),
             logits,
         );
         self.engine.end_call(tokens.len());

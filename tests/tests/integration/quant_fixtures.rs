@@ -188,6 +188,67 @@ fn stored_blocks_score_as_their_f32_dequantization() {
     }
 }
 
+/// Several sequences decoded together straight from each GGUF file (`forward_batch`, as `serve
+/// --parallel` steps its slots) give every row the bits of decoding that sequence alone: the
+/// stored blocks take the batch's rows together on the integer kernels.
+#[test]
+fn a_batch_from_every_file_gives_each_row_its_own_bits() {
+    let ids = leanstream_tests::tiny::random_ids(5, 40, 4096);
+    let (rows, steps) = (3, 12);
+    for (_, file) in files() {
+        let mut model = GgufFile::open(&fixture(&file))
+            .and_then(|g| g.load_model())
+            .unwrap();
+        assert!(model.batches_bitwise(), "{file}");
+        let vocab = model.config().vocab_size;
+        // Row i: a prompt of 1 + 2i tokens, then `steps` tokens one at a time.
+        let start = |i: usize| 1 + 2 * i;
+        let mut alone = Vec::new();
+        for i in 0..rows {
+            let mut cache = model.new_cache(CTX);
+            let mut logits = Vec::new();
+            model
+                .forward_into(&ids[..start(i)], &mut cache, false, &mut logits)
+                .unwrap();
+            for &t in &ids[start(i)..start(i) + steps] {
+                model
+                    .forward_into(&[t], &mut cache, false, &mut logits)
+                    .unwrap();
+            }
+            alone.push(logits);
+        }
+        // A wider batch first: the model keeps its scratch for the widest batch so far.
+        let mut logits = Vec::new();
+        let mut wide: Vec<_> = (0..rows + 2).map(|_| model.new_cache(CTX)).collect();
+        let mut refs: Vec<_> = wide.iter_mut().collect();
+        model
+            .forward_batch(&ids[..rows + 2], &mut refs, &mut logits)
+            .unwrap();
+        let mut caches: Vec<_> = (0..rows).map(|_| model.new_cache(CTX)).collect();
+        for (i, cache) in caches.iter_mut().enumerate() {
+            model
+                .forward_into(&ids[..start(i)], cache, false, &mut logits)
+                .unwrap();
+        }
+        for step in 0..steps {
+            let tokens: Vec<u32> = (0..rows).map(|i| ids[start(i) + step]).collect();
+            let mut refs: Vec<_> = caches.iter_mut().collect();
+            model
+                .forward_batch(&tokens, &mut refs, &mut logits)
+                .unwrap();
+        }
+        for (i, want) in alone.iter().enumerate() {
+            let got = &logits[i * vocab..(i + 1) * vocab];
+            assert!(
+                got.iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{file}: row {i} of the batch differs from decoding it alone"
+            );
+        }
+    }
+}
+
 /// `leanstream-prep inspect --json FILE`.
 fn inspect(file: &Path) -> Value {
     let o = Command::new(bin("leanstream-prep"))
