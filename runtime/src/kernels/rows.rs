@@ -39,6 +39,12 @@ type BlockDots = fn(&[&[u8]], &Q8Vec, &mut [f32]);
 type BlockInputs = fn(&[u8], &[&Q8Vec], &mut [f32]);
 type Axpy = fn(f32, &[u8], &mut [f32]);
 type AxpyRows = fn(&[f32], &[&[u8]], &mut [f32]);
+/// `out[j] = row_j · x` for the rows laid one after another in `rows`, each `row_bytes` long
+/// (a KV cache's keys): `(rows, row_bytes, x, out)`.
+type FloatDotsNext = fn(&[u8], usize, &[f32], &mut [f32]);
+/// `out += Σ a[j] · row_j` for the rows laid one after another in `rows`, each `row_bytes` long
+/// (a KV cache's values), in order: `(a, rows, row_bytes, out)`.
+type FloatAxpyNext = fn(&[f32], &[u8], usize, &mut [f32]);
 
 /// The row kernels of one instruction set.
 #[derive(Clone, Copy)]
@@ -73,6 +79,12 @@ pub struct RowKernels {
     pub(crate) axpy_rows_q8_0: Option<AxpyRows>,
     pub(crate) axpy_rows_q4_0: Option<AxpyRows>,
     pub(crate) axpy_rows_q4_1: Option<AxpyRows>,
+    /// `dot` of each of many rows laid one after another (`[f32, f16]`), bitwise the `dot` of
+    /// each, where the set has it (else one `dot` per row).
+    pub(crate) dots_next: Option<[FloatDotsNext; 2]>,
+    /// `axpy` of each of many rows laid one after another (`[f32, f16]`), bitwise `axpy` row
+    /// after row, where the set has it (else one `axpy` per row).
+    pub(crate) axpy_next: Option<[FloatAxpyNext; 2]>,
     /// The 5-bit types and the K-quants (`Q5_0` … `Q6_K`).
     pub(crate) more: MoreKernels,
 }
@@ -176,6 +188,8 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     axpy_rows_q8_0: None,
     axpy_rows_q4_0: None,
     axpy_rows_q4_1: None,
+    dots_next: None,
+    axpy_next: None,
     more: PORTABLE_MORE,
 };
 
@@ -380,6 +394,61 @@ impl RowKernels {
                 .iter()
                 .zip(rows)
                 .for_each(|(&a, row)| self.axpy(qtype, a, row, out)),
+        }
+    }
+
+    /// `out[j] = row_j · x` for the rows of `x.len()` values encoded as `qtype` (`F32` or `F16`)
+    /// laid one after another in `rows`, `row_bytes` each (a KV cache's keys): bitwise the float
+    /// [`dot`](Self::dot) of each row, several rows at once where the set has a kernel for it.
+    pub fn dots_next(
+        &self,
+        qtype: QuantType,
+        rows: &[u8],
+        row_bytes: usize,
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        assert!(row_bytes > 0 && rows.len() >= out.len() * row_bytes);
+        let (one, which) = match qtype {
+            QuantType::F32 => (self.dot_f32, 0),
+            QuantType::F16 => (self.dot_f16, 1),
+            _ => panic!("dots_next takes float rows, not {qtype}"),
+        };
+        match self.dots_next {
+            Some(many) => many[which](rows, row_bytes, x, out),
+            None => {
+                for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                    *o = one(row, x);
+                }
+            }
+        }
+    }
+
+    /// `out += Σ a[j] · row_j`, in order, for the rows of `out.len()` values encoded as `qtype`
+    /// (`F32` or `F16`) laid one after another in `rows`, `row_bytes` each (a KV cache's values):
+    /// bitwise [`axpy`](Self::axpy) row after row, each output kept in a register across the rows
+    /// where the set has a kernel for it.
+    pub fn axpy_next(
+        &self,
+        qtype: QuantType,
+        a: &[f32],
+        rows: &[u8],
+        row_bytes: usize,
+        out: &mut [f32],
+    ) {
+        assert!(row_bytes > 0 && rows.len() >= a.len() * row_bytes);
+        let (one, which) = match qtype {
+            QuantType::F32 => (self.axpy_f32, 0),
+            QuantType::F16 => (self.axpy_f16, 1),
+            _ => panic!("axpy_next takes float rows, not {qtype}"),
+        };
+        match self.axpy_next {
+            Some(many) => many[which](a, rows, row_bytes, out),
+            None => {
+                for (&a, row) in a.iter().zip(rows.chunks_exact(row_bytes)) {
+                    one(a, row, out);
+                }
+            }
         }
     }
 
