@@ -17,7 +17,7 @@ use leanstream_format::quant::BLOCK_LEN;
 use super::kquant_avx2::q5_codes;
 use super::operand::Q8Vec;
 use super::portable::{self, Block, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
-use super::rows::{RowKernels, DOT_ROWS, INPUTS};
+use super::rows::{Packed, RowKernels, DOT_ROWS, INPUTS};
 
 pub(super) fn detected() -> bool {
     is_x86_feature_detected!("avx2")
@@ -45,6 +45,11 @@ pub(super) unsafe fn kernels() -> RowKernels {
         inputs_q8_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q8_0>(w, xs, o) }),
         inputs_q4_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_0>(w, xs, o) }),
         inputs_q4_1: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_1>(w, xs, o) }),
+        packed_inputs: Some([
+            |w, xs, p, o| unsafe { dot_packed_block::<Q8_0>(w, xs, p, o) },
+            |w, xs, p, o| unsafe { dot_packed_block::<Q4_0>(w, xs, p, o) },
+            |w, xs, p, o| unsafe { dot_packed_block::<Q4_1>(w, xs, p, o) },
+        ]),
         dot_rows: DOT_ROWS,
         axpy_f32: |a, w, o| unsafe { axpy_float(a, w, o, Float::F32) },
         axpy_f16: |a, w, o| unsafe { axpy_float(a, w, o, Float::F16) },
@@ -438,6 +443,73 @@ unsafe fn inputs_block<const KIND: u8, const N: usize>(w: &[u8], xs: &[&Q8Vec], 
     }
     for i in 0..N {
         out[i] = lanes_total(acc[i]) + mins[i];
+    }
+}
+
+/// [`dot_inputs_block`] with the inputs' scales and sums packed side by side (`p`, made of `xs`):
+/// per block one vector multiply gives every input's `d_w·d_x` and one multiply and add every
+/// input's minimum term (lane `i` the same operation on the same values as input `i`'s scalar
+/// one), instead of a scalar multiply, a broadcast and a multiply-add for each input.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_packed_block<const KIND: u8>(w: &[u8], xs: &[&Q8Vec], p: &Packed, out: &mut [f32]) {
+    match xs.len().min(out.len()).min(p.inputs) {
+        0 => {}
+        1 => packed_block::<KIND, 1>(w, xs, p, out),
+        2 => packed_block::<KIND, 2>(w, xs, p, out),
+        3 => packed_block::<KIND, 3>(w, xs, p, out),
+        _ => packed_block::<KIND, INPUTS>(w, xs, p, out),
+    }
+}
+
+/// [`dot_packed_block`] of the first `N` inputs.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn packed_block<const KIND: u8, const N: usize>(
+    w: &[u8],
+    xs: &[&Q8Vec],
+    p: &Packed,
+    out: &mut [f32],
+) {
+    let kind = block_kind(KIND);
+    let bytes = kind.bytes();
+    let xs: [&Q8Vec; N] = std::array::from_fn(|i| xs[i]);
+    let nb = xs.iter().fold((w.len() / bytes).min(p.blocks), |nb, x| {
+        nb.min(x.scales.len())
+            .min(x.sums.len())
+            .min(x.quants.len() / BLOCK_LEN)
+    });
+    let (wp, sp, mp) = (
+        w.as_ptr(),
+        p.scales.as_ptr() as *const f32,
+        p.sums.as_ptr() as *const f32,
+    );
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut mins = _mm_setzero_ps();
+    for b in 0..nb {
+        let blk = wp.add(b * bytes);
+        let c = codes::<KIND>(blk);
+        // Lane i (of each half): d_w times input i's scale.
+        let s = _mm_loadu_ps(sp.add(b * INPUTS));
+        let dd = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk)), _mm256_set_m128(s, s));
+        if kind.has_min() {
+            let m = _mm_set1_ps(f16_load(blk.add(2)));
+            mins = _mm_add_ps(mins, _mm_mul_ps(m, _mm_loadu_ps(mp.add(b * INPUTS))));
+        }
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let lanes = _mm256_cvtepi32_ps(code_isums::<KIND>(c, x_block(xs[i], b)));
+            let ddi = match i {
+                0 => _mm256_permute_ps::<0x00>(dd),
+                1 => _mm256_permute_ps::<0x55>(dd),
+                2 => _mm256_permute_ps::<0xaa>(dd),
+                _ => _mm256_permute_ps::<0xff>(dd),
+            };
+            *acc = _mm256_add_ps(*acc, _mm256_mul_ps(ddi, lanes));
+        }
+    }
+    let mut m = [0.0f32; 4];
+    _mm_storeu_ps(m.as_mut_ptr(), mins);
+    for i in 0..N {
+        out[i] = lanes_total(acc[i]) + m[i];
     }
 }
 

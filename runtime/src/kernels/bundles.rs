@@ -17,7 +17,7 @@ use leanstream_format::ffn::{ClusterLayout, FfnLayer, Part, PartTypes};
 use leanstream_format::quant::QuantType;
 
 use super::operand::Operand;
-use super::rows::{RowKernels, DOT_ROWS, INPUTS};
+use super::rows::{Packed, RowKernels, DOT_ROWS, INPUTS};
 use crate::streaming::skip_rule::{Skip, SkipRule};
 
 /// Bundle bytes of a layer's needed clusters from which its FFN is split across threads (when
@@ -509,6 +509,11 @@ pub fn gate_pass_inputs<'b>(
         p.m = 0;
     }
     let mut xs: [&Operand; INPUTS] = [passes[0].x; INPUTS];
+    for (x, p) in xs.iter_mut().zip(passes.iter()) {
+        *x = p.x;
+    }
+    // The inputs' scales and sums side by side, for the neurons every input has as a candidate.
+    let packed = Packed::new(layout.qtypes.gate, &xs[..passes.len()]);
     let mut who = [0usize; INPUTS];
     let (mut g, mut u) = ([0.0f32; INPUTS], [0.0f32; INPUTS]);
     for i in 0..n {
@@ -525,8 +530,16 @@ pub fn gate_pass_inputs<'b>(
         if t == 0 {
             continue;
         }
-        k.dot_inputs(q, rows.gate(i), &xs[..t], &mut g[..t]);
-        k.dot_inputs(q, rows.up(i), &xs[..t], &mut u[..t]);
+        match &packed {
+            Some(p) if t == passes.len() => {
+                k.dot_packed(q, rows.gate(i), &xs[..t], p, &mut g[..t]);
+                k.dot_packed(q, rows.up(i), &xs[..t], p, &mut u[..t]);
+            }
+            _ => {
+                k.dot_inputs(q, rows.gate(i), &xs[..t], &mut g[..t]);
+                k.dot_inputs(q, rows.up(i), &xs[..t], &mut u[..t]);
+            }
+        }
         for ((&j, &g), &u) in who[..t].iter().zip(&g[..t]).zip(&u[..t]) {
             let p = &mut passes[j];
             let a = skip.act.apply(g);

@@ -203,6 +203,19 @@ fn every_set_is_portable_bit_for_bit() {
                             let refs: Vec<&Operand> = ops[..m].iter().collect();
                             let mut got = vec![f32::NAN; m];
                             k.dot_inputs(qtype, &bytes, &refs, &mut got);
+                            if m <= super::INPUTS {
+                                let mut packed = vec![f32::NAN; m];
+                                match super::Packed::new(qtype, &refs) {
+                                    Some(p) => k.dot_packed(qtype, &bytes, &refs, &p, &mut packed),
+                                    None => packed.copy_from_slice(&got),
+                                }
+                                assert_eq!(
+                                    bits(&packed),
+                                    bits(&got),
+                                    "seed {seed}: {} {qtype} n={n}: {m} inputs packed",
+                                    k.isa
+                                );
+                            }
                             let want: Vec<f32> = refs
                                 .iter()
                                 .map(|x| portable.dot(qtype, &bytes, x))
