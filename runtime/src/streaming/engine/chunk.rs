@@ -7,7 +7,7 @@ use smallvec::SmallVec;
 
 use super::groups::keep_positive;
 use super::*;
-use crate::kernels::bundles::{gate_pass_inputs, gate_pass_inputs_fits, InputPass};
+use crate::kernels::bundles::{gate_pass_inputs, gate_pass_inputs_fits, prefetch_head, InputPass};
 use crate::kernels::INPUTS;
 
 /// Neurons of a cluster whose down columns [`Share::rows_together`] adds for each of its rows
@@ -108,6 +108,9 @@ impl Share<'_> {
         );
         let counts: SmallVec<[usize; INPUTS]> = passes.iter().map(|p| p.m).collect();
         drop(passes);
+        // The cluster's first rows again, for the next group's gate pass (the down columns and
+        // the other rows read since have mostly pushed them out of the L1 cache).
+        prefetch_head(&cluster_rows, ops.skip);
         let mut ends = [0usize; INPUTS];
         for ((lists, m), end) in self.lists.iter_mut().zip(counts).zip(&mut ends) {
             *end = keep_positive(
