@@ -182,25 +182,24 @@ unsafe fn dots_float_next(rows: &[u8], rb: usize, x: &[f32], out: &mut [f32], un
 #[inline(always)]
 unsafe fn lane_sums4(acc: &[[__m256; 2]; 4], empty: f32) -> __m128 {
     let mut s = _mm_set1_ps(empty);
-    for k in 0..2 {
-        for h in 0..2 {
-            let v: [__m128; 4] = std::array::from_fn(|j| {
-                if h == 0 {
-                    _mm256_castps256_ps128(acc[j][k])
-                } else {
-                    _mm256_extractf128_ps::<1>(acc[j][k])
-                }
-            });
-            let (t0, t1) = (_mm_unpacklo_ps(v[0], v[1]), _mm_unpacklo_ps(v[2], v[3]));
-            let (t2, t3) = (_mm_unpackhi_ps(v[0], v[1]), _mm_unpackhi_ps(v[2], v[3]));
-            for lane in [
-                _mm_movelh_ps(t0, t1),
-                _mm_movehl_ps(t1, t0),
-                _mm_movelh_ps(t2, t3),
-                _mm_movehl_ps(t3, t2),
-            ] {
-                s = _mm_add_ps(s, lane);
+    // Lanes 0–3, 4–7, 8–11, 12–15: (vector, half).
+    for (k, h) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        let v: [__m128; 4] = std::array::from_fn(|j| {
+            if h == 0 {
+                _mm256_castps256_ps128(acc[j][k])
+            } else {
+                _mm256_extractf128_ps::<1>(acc[j][k])
             }
+        });
+        let (t0, t1) = (_mm_unpacklo_ps(v[0], v[1]), _mm_unpacklo_ps(v[2], v[3]));
+        let (t2, t3) = (_mm_unpackhi_ps(v[0], v[1]), _mm_unpackhi_ps(v[2], v[3]));
+        for lane in [
+            _mm_movelh_ps(t0, t1),
+            _mm_movehl_ps(t1, t0),
+            _mm_movelh_ps(t2, t3),
+            _mm_movehl_ps(t3, t2),
+        ] {
+            s = _mm_add_ps(s, lane);
         }
     }
     s
