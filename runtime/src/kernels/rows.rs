@@ -425,6 +425,7 @@ impl RowKernels {
             return self.dot_inputs(qtype, row, xs, out);
         };
         assert!(xs.len() == packed.inputs && out.len() == xs.len());
+        debug_assert!(xs.iter().all(|x| x.q8().scales.len() == packed.blocks));
         let mut q8: [&Q8Vec; INPUTS] = [xs[0].q8(); INPUTS];
         for (q, x) in q8.iter_mut().zip(xs) {
             *q = x.q8();
