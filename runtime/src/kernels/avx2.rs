@@ -17,7 +17,7 @@ use leanstream_format::quant::BLOCK_LEN;
 use super::kquant_avx2::q5_codes;
 use super::operand::Q8Vec;
 use super::portable::{self, Block, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
-use super::rows::{RowKernels, DOT_ROWS, INPUTS};
+use super::rows::{Packed, RowKernels, DOT_ROWS, INPUTS};
 
 pub(super) fn detected() -> bool {
     is_x86_feature_detected!("avx2")
@@ -45,6 +45,11 @@ pub(super) unsafe fn kernels() -> RowKernels {
         inputs_q8_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q8_0>(w, xs, o) }),
         inputs_q4_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_0>(w, xs, o) }),
         inputs_q4_1: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_1>(w, xs, o) }),
+        packed_inputs: Some([
+            |w, xs, p, o| unsafe { dot_packed_block::<Q8_0>(w, xs, p, o) },
+            |w, xs, p, o| unsafe { dot_packed_block::<Q4_0>(w, xs, p, o) },
+            |w, xs, p, o| unsafe { dot_packed_block::<Q4_1>(w, xs, p, o) },
+        ]),
         dot_rows: DOT_ROWS,
         axpy_f32: |a, w, o| unsafe { axpy_float(a, w, o, Float::F32) },
         axpy_f16: |a, w, o| unsafe { axpy_float(a, w, o, Float::F16) },
@@ -55,6 +60,14 @@ pub(super) unsafe fn kernels() -> RowKernels {
         axpy_rows_q8_0: Some(|a, r, o| unsafe { axpy_rows_q8_0(a, r, o) }),
         axpy_rows_q4_0: Some(|a, r, o| unsafe { axpy_rows_q4::<false>(a, r, o) }),
         axpy_rows_q4_1: Some(|a, r, o| unsafe { axpy_rows_q4::<true>(a, r, o) }),
+        dots_next: Some([
+            |r, b, x, o| unsafe { dots_float_next(r, b, x, o, Float::F32) },
+            |r, b, x, o| unsafe { dots_float_next(r, b, x, o, Float::F16) },
+        ]),
+        axpy_next: Some([
+            |a, r, b, o| unsafe { axpy_float_next(a, r, b, o, Float::F32) },
+            |a, r, b, o| unsafe { axpy_float_next(a, r, b, o, Float::F16) },
+        ]),
         more: super::kquant_avx2::table(),
     }
 }
@@ -108,13 +121,135 @@ unsafe fn dot_float(w: &[u8], x: &[f32], unit: Float) -> f32 {
     let mut lanes = [0.0f32; 16];
     _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
     _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
-    let (tw, tx) = (&w[i * bytes..n * bytes], &x[i..n]);
-    let tail = match unit {
+    lanes.iter().sum::<f32>() + float_tail(&w[i * bytes..n * bytes], &x[i..n], unit)
+}
+
+/// [`dot_float`]'s tail: the last `n % 16` products, summed in the portable order.
+#[inline(always)]
+fn float_tail(tw: &[u8], tx: &[f32], unit: Float) -> f32 {
+    match unit {
         Float::F32 => portable::float_tail(tw, tx, 4, portable::decode_f32),
         Float::F16 => portable::float_tail(tw, tx, 2, portable::decode_f16),
         Float::Bf16 => portable::float_tail(tw, tx, 2, portable::decode_bf16),
-    };
-    lanes.iter().sum::<f32>() + tail
+    }
+}
+
+/// Rows laid one after another in `rows` (`rb` bytes each) against `x`: `out[j]` has
+/// [`dot_float`]'s bits of row `j`. Four rows at a time share `x`'s loads, and their sixteen lane
+/// sums are added for the four at once: the lanes transposed, each row's still added in order
+/// from the empty sum, where one row alone waits on fifteen dependent scalar additions (a KV
+/// cache's 64-value key rows spent most of their time there).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_float_next(rows: &[u8], rb: usize, x: &[f32], out: &mut [f32], unit: Float) {
+    let bytes = unit.bytes();
+    let nr = out.len().min(rows.len() / rb.max(1));
+    let n = x.len().min(rb / bytes);
+    let full = n - n % portable::LANES;
+    // Where the portable sum of the lanes starts (`Iterator::sum` of f32 folds from it).
+    let empty: f32 = std::iter::empty::<f32>().sum();
+    let (rp, xp) = (rows.as_ptr(), x.as_ptr());
+    let mut r = 0;
+    while r + 4 <= nr {
+        let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+        let mut i = 0;
+        while i < full {
+            let xv = [_mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(xp.add(i + 8))];
+            for (j, a) in acc.iter_mut().enumerate() {
+                let wp = rp.add((r + j) * rb + i * bytes);
+                for (k, a) in a.iter_mut().enumerate() {
+                    let p = _mm256_mul_ps(load8(wp.add(8 * k * bytes), unit), xv[k]);
+                    *a = _mm256_add_ps(*a, p);
+                }
+            }
+            i += portable::LANES;
+        }
+        let mut sums = [0.0f32; 4];
+        _mm_storeu_ps(sums.as_mut_ptr(), lane_sums4(&acc, empty));
+        for (j, s) in sums.into_iter().enumerate() {
+            let row = &rows[(r + j) * rb..(r + j + 1) * rb];
+            out[r + j] = s + float_tail(&row[full * bytes..n * bytes], &x[full..n], unit);
+        }
+        r += 4;
+    }
+    for (j, o) in out.iter_mut().enumerate().take(nr).skip(r) {
+        *o = dot_float(&rows[j * rb..(j + 1) * rb], x, unit);
+    }
+}
+
+/// Row `j`'s sixteen lanes (`acc[j]`: lanes 0–7, then 8–15) summed in order from `empty`, for the
+/// four rows at once: each quarter of the lanes transposed, so that vector `k` holds lane `k` of
+/// every row.
+#[inline(always)]
+unsafe fn lane_sums4(acc: &[[__m256; 2]; 4], empty: f32) -> __m128 {
+    let mut s = _mm_set1_ps(empty);
+    // Lanes 0–3, 4–7, 8–11, 12–15: (vector, half).
+    for (k, h) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        let v: [__m128; 4] = std::array::from_fn(|j| {
+            if h == 0 {
+                _mm256_castps256_ps128(acc[j][k])
+            } else {
+                _mm256_extractf128_ps::<1>(acc[j][k])
+            }
+        });
+        let (t0, t1) = (_mm_unpacklo_ps(v[0], v[1]), _mm_unpacklo_ps(v[2], v[3]));
+        let (t2, t3) = (_mm_unpackhi_ps(v[0], v[1]), _mm_unpackhi_ps(v[2], v[3]));
+        for lane in [
+            _mm_movelh_ps(t0, t1),
+            _mm_movehl_ps(t1, t0),
+            _mm_movelh_ps(t2, t3),
+            _mm_movehl_ps(t3, t2),
+        ] {
+            s = _mm_add_ps(s, lane);
+        }
+    }
+    s
+}
+
+/// `out += Σ a[j]·row_j` for the rows laid one after another in `rows` (`rb` bytes each), with
+/// the bits of [`axpy_float`] row after row: 64 outputs at a time stay in registers across all
+/// the rows (a KV cache's values: one row per position, where a load and a store of the output
+/// per row waited on each other).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_float_next(a: &[f32], rows: &[u8], rb: usize, out: &mut [f32], unit: Float) {
+    let bytes = unit.bytes();
+    let nr = a.len().min(rows.len() / rb.max(1));
+    let n = out.len().min(rb / bytes);
+    let (rp, op) = (rows.as_ptr(), out.as_mut_ptr());
+    let mut i = 0;
+    while i + 64 <= n {
+        let mut acc: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(op.add(i + 8 * k)));
+        for (j, &a) in a[..nr].iter().enumerate() {
+            let av = _mm256_set1_ps(a);
+            let wp = rp.add(j * rb + i * bytes);
+            for (k, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(av, load8(wp.add(8 * k * bytes), unit)));
+            }
+        }
+        for (k, acc) in acc.into_iter().enumerate() {
+            _mm256_storeu_ps(op.add(i + 8 * k), acc);
+        }
+        i += 64;
+    }
+    while i + 8 <= n {
+        let mut acc = _mm256_loadu_ps(op.add(i));
+        for (j, &a) in a[..nr].iter().enumerate() {
+            let v = load8(rp.add(j * rb + i * bytes), unit);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(a), v));
+        }
+        _mm256_storeu_ps(op.add(i), acc);
+        i += 8;
+    }
+    if i < n {
+        for (j, &a) in a[..nr].iter().enumerate() {
+            let tw = &rows[j * rb + i * bytes..j * rb + n * bytes];
+            let to = &mut out[i..n];
+            match unit {
+                Float::F32 => portable::axpy_f32(a, tw, to),
+                Float::F16 => portable::axpy_f16(a, tw, to),
+                Float::Bf16 => portable::axpy_bf16(a, tw, to),
+            }
+        }
+    }
 }
 
 /// `out += a·w` with [`portable::axpy_f32`]'s arithmetic (a product, then a sum).
@@ -307,6 +442,73 @@ unsafe fn inputs_block<const KIND: u8, const N: usize>(w: &[u8], xs: &[&Q8Vec], 
     }
     for i in 0..N {
         out[i] = lanes_total(acc[i]) + mins[i];
+    }
+}
+
+/// [`dot_inputs_block`] with the inputs' scales and sums packed side by side (`p`, made of `xs`):
+/// per block one vector multiply gives every input's `d_w·d_x` and one multiply and add every
+/// input's minimum term (lane `i` the same operation on the same values as input `i`'s scalar
+/// one), instead of a scalar multiply, a broadcast and a multiply-add for each input.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_packed_block<const KIND: u8>(w: &[u8], xs: &[&Q8Vec], p: &Packed, out: &mut [f32]) {
+    match xs.len().min(out.len()).min(p.inputs) {
+        0 => {}
+        1 => packed_block::<KIND, 1>(w, xs, p, out),
+        2 => packed_block::<KIND, 2>(w, xs, p, out),
+        3 => packed_block::<KIND, 3>(w, xs, p, out),
+        _ => packed_block::<KIND, INPUTS>(w, xs, p, out),
+    }
+}
+
+/// [`dot_packed_block`] of the first `N` inputs.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn packed_block<const KIND: u8, const N: usize>(
+    w: &[u8],
+    xs: &[&Q8Vec],
+    p: &Packed,
+    out: &mut [f32],
+) {
+    let kind = block_kind(KIND);
+    let bytes = kind.bytes();
+    let xs: [&Q8Vec; N] = std::array::from_fn(|i| xs[i]);
+    let nb = xs.iter().fold((w.len() / bytes).min(p.blocks), |nb, x| {
+        nb.min(x.scales.len())
+            .min(x.sums.len())
+            .min(x.quants.len() / BLOCK_LEN)
+    });
+    let (wp, sp, mp) = (
+        w.as_ptr(),
+        p.scales.as_ptr() as *const f32,
+        p.sums.as_ptr() as *const f32,
+    );
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut mins = _mm_setzero_ps();
+    for b in 0..nb {
+        let blk = wp.add(b * bytes);
+        let c = codes::<KIND>(blk);
+        // Lane i (of each half): d_w times input i's scale.
+        let s = _mm_loadu_ps(sp.add(b * INPUTS));
+        let dd = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk)), _mm256_set_m128(s, s));
+        if kind.has_min() {
+            let m = _mm_set1_ps(f16_load(blk.add(2)));
+            mins = _mm_add_ps(mins, _mm_mul_ps(m, _mm_loadu_ps(mp.add(b * INPUTS))));
+        }
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let lanes = _mm256_cvtepi32_ps(code_isums::<KIND>(c, x_block(xs[i], b)));
+            let ddi = match i {
+                0 => _mm256_permute_ps::<0x00>(dd),
+                1 => _mm256_permute_ps::<0x55>(dd),
+                2 => _mm256_permute_ps::<0xaa>(dd),
+                _ => _mm256_permute_ps::<0xff>(dd),
+            };
+            *acc = _mm256_add_ps(*acc, _mm256_mul_ps(ddi, lanes));
+        }
+    }
+    let mut m = [0.0f32; 4];
+    _mm_storeu_ps(m.as_mut_ptr(), mins);
+    for i in 0..N {
+        out[i] = lanes_total(acc[i]) + m[i];
     }
 }
 

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use leanstream_format::quant::QuantType;
 
 use super::operand::Operand;
-use super::rows::{RowKernels, DOT_ROWS, INPUTS};
+use super::rows::{Packed, RowKernels, DOT_ROWS, INPUTS};
 
 /// Rows per tile: 16 rows of a 4-bit 576-wide matrix are 5.8 KB, of a 4096-wide one 36 KB, both
 /// within a first-level data cache while every input passes over them.
@@ -105,8 +105,12 @@ unsafe fn tile(
                 *g = x;
             }
             let m = chunk.len();
+            let packed = Packed::new(qtype, &group[..m]);
             for (j, row) in views[..n].iter().enumerate() {
-                k.dot_inputs(qtype, row, &group[..m], &mut o[..m]);
+                match &packed {
+                    Some(p) => k.dot_packed(qtype, row, &group[..m], p, &mut o[..m]),
+                    None => k.dot_inputs(qtype, row, &group[..m], &mut o[..m]),
+                }
                 for (i, &v) in o[..m].iter().enumerate() {
                     // SAFETY: the caller's promise.
                     unsafe { *out.0.add((c * INPUTS + i) * stride + r0 + j) = v };

@@ -38,7 +38,16 @@ type BlockDots = fn(&[&[u8]], &Q8Vec, &mut [f32]);
 /// `out[i] = row · xs[i]` for 1 to [`INPUTS`] inputs (`out` as long as `xs`).
 type BlockInputs = fn(&[u8], &[&Q8Vec], &mut [f32]);
 type Axpy = fn(f32, &[u8], &mut [f32]);
+/// `out[i] = row · xs[i]` for 1 to [`INPUTS`] inputs whose block scales and sums are also laid
+/// side by side in `packed` (`out` as long as `xs`).
+type PackedInputs = fn(&[u8], &[&Q8Vec], &Packed, &mut [f32]);
 type AxpyRows = fn(&[f32], &[&[u8]], &mut [f32]);
+/// `out[j] = row_j · x` for the rows laid one after another in `rows`, each `row_bytes` long
+/// (a KV cache's keys): `(rows, row_bytes, x, out)`.
+type FloatDotsNext = fn(&[u8], usize, &[f32], &mut [f32]);
+/// `out += Σ a[j] · row_j` for the rows laid one after another in `rows`, each `row_bytes` long
+/// (a KV cache's values), in order: `(a, rows, row_bytes, out)`.
+type FloatAxpyNext = fn(&[f32], &[u8], usize, &mut [f32]);
 
 /// The row kernels of one instruction set.
 #[derive(Clone, Copy)]
@@ -63,6 +72,9 @@ pub struct RowKernels {
     pub(crate) inputs_q8_0: Option<BlockInputs>,
     pub(crate) inputs_q4_0: Option<BlockInputs>,
     pub(crate) inputs_q4_1: Option<BlockInputs>,
+    /// [`inputs_q8_0`](Self::inputs_q8_0) … with the inputs' scales and sums packed side by
+    /// side ([`Packed`]), where the set has it.
+    pub(crate) packed_inputs: Option<[PackedInputs; 3]>,
     pub(crate) axpy_f32: Axpy,
     pub(crate) axpy_f16: Axpy,
     pub(crate) axpy_bf16: Axpy,
@@ -73,6 +85,12 @@ pub struct RowKernels {
     pub(crate) axpy_rows_q8_0: Option<AxpyRows>,
     pub(crate) axpy_rows_q4_0: Option<AxpyRows>,
     pub(crate) axpy_rows_q4_1: Option<AxpyRows>,
+    /// `dot` of each of many rows laid one after another (`[f32, f16]`), bitwise the `dot` of
+    /// each, where the set has it (else one `dot` per row).
+    pub(crate) dots_next: Option<[FloatDotsNext; 2]>,
+    /// `axpy` of each of many rows laid one after another (`[f32, f16]`), bitwise `axpy` row
+    /// after row, where the set has it (else one `axpy` per row).
+    pub(crate) axpy_next: Option<[FloatAxpyNext; 2]>,
     /// The 5-bit types and the K-quants (`Q5_0` … `Q6_K`).
     pub(crate) more: MoreKernels,
 }
@@ -130,6 +148,53 @@ pub const DOT_ROWS: usize = 4;
 /// number, this many at a time.
 pub const INPUTS: usize = 4;
 
+/// The most blocks per input [`Packed`] holds (rows of up to 4096 values).
+pub const PACKED_BLOCKS: usize = 128;
+
+/// Up to [`INPUTS`] q8 inputs' block scales and sums laid side by side (`scales[b][i]` is input
+/// `i`'s scale of block `b`), so that a kernel taking one row against all of them computes the
+/// scale products and the minimum terms of every input in one vector operation each, with the
+/// bits of each input's own scalar ones.
+pub struct Packed {
+    pub(crate) scales: [[f32; INPUTS]; PACKED_BLOCKS],
+    pub(crate) sums: [[f32; INPUTS]; PACKED_BLOCKS],
+    /// Inputs and blocks packed.
+    pub(crate) inputs: usize,
+    pub(crate) blocks: usize,
+}
+
+impl Packed {
+    /// The scales and sums of `xs` (1 to [`INPUTS`] operands made for `qtype`, of the same
+    /// length, at most [`PACKED_BLOCKS`] blocks: else `None`).
+    /// Only the types with a packed kernel are packed (`Q8_0`, `Q4_0`, `Q4_1`).
+    pub fn new(qtype: QuantType, xs: &[&Operand]) -> Option<Self> {
+        if !matches!(qtype, QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1) {
+            return None;
+        }
+        let blocks = xs.first()?.q8().scales.len();
+        if xs.len() > INPUTS || blocks > PACKED_BLOCKS {
+            return None;
+        }
+        let mut p = Packed {
+            scales: [[0.0; INPUTS]; PACKED_BLOCKS],
+            sums: [[0.0; INPUTS]; PACKED_BLOCKS],
+            inputs: xs.len(),
+            blocks,
+        };
+        for (i, x) in xs.iter().enumerate() {
+            let q = x.q8();
+            if q.scales.len() != blocks || q.sums.len() != blocks {
+                return None;
+            }
+            for b in 0..blocks {
+                p.scales[b][i] = q.scales[b];
+                p.sums[b][i] = q.sums[b];
+            }
+        }
+        Some(p)
+    }
+}
+
 /// The environment variable that forces a kernel set by name.
 pub const FORCE_ENV: &str = "LEANSTREAM_KERNELS";
 
@@ -167,6 +232,7 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     inputs_q8_0: None,
     inputs_q4_0: None,
     inputs_q4_1: None,
+    packed_inputs: None,
     axpy_f32: portable::axpy_f32,
     axpy_f16: portable::axpy_f16,
     axpy_bf16: portable::axpy_bf16,
@@ -176,6 +242,8 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     axpy_rows_q8_0: None,
     axpy_rows_q4_0: None,
     axpy_rows_q4_1: None,
+    dots_next: None,
+    axpy_next: None,
     more: PORTABLE_MORE,
 };
 
@@ -336,6 +404,35 @@ impl RowKernels {
         }
     }
 
+    /// [`dot_inputs`](Self::dot_inputs) of all the inputs `packed` was made of (`xs`, in that
+    /// order), through the set's packed kernel where it has one for `qtype`: the same bits.
+    #[inline]
+    pub fn dot_packed(
+        &self,
+        qtype: QuantType,
+        row: &[u8],
+        xs: &[&Operand],
+        packed: &Packed,
+        out: &mut [f32],
+    ) {
+        let which = match qtype {
+            QuantType::Q8_0 => 0,
+            QuantType::Q4_0 => 1,
+            QuantType::Q4_1 => 2,
+            _ => return self.dot_inputs(qtype, row, xs, out),
+        };
+        let Some(kernels) = self.packed_inputs else {
+            return self.dot_inputs(qtype, row, xs, out);
+        };
+        assert!(xs.len() == packed.inputs && out.len() == xs.len());
+        debug_assert!(xs.iter().all(|x| x.q8().scales.len() == packed.blocks));
+        let mut q8: [&Q8Vec; INPUTS] = [xs[0].q8(); INPUTS];
+        for (q, x) in q8.iter_mut().zip(xs) {
+            *q = x.q8();
+        }
+        kernels[which](row, &q8[..xs.len()], packed, out);
+    }
+
     /// How many rows [`dots`](Self::dots) takes at once (1: one `dot` per row, and the callers keep
     /// their one-row loops).
     pub fn dot_rows(&self) -> usize {
@@ -380,6 +477,61 @@ impl RowKernels {
                 .iter()
                 .zip(rows)
                 .for_each(|(&a, row)| self.axpy(qtype, a, row, out)),
+        }
+    }
+
+    /// `out[j] = row_j · x` for the rows of `x.len()` values encoded as `qtype` (`F32` or `F16`)
+    /// laid one after another in `rows`, `row_bytes` each (a KV cache's keys): bitwise the float
+    /// [`dot`](Self::dot) of each row, several rows at once where the set has a kernel for it.
+    pub fn dots_next(
+        &self,
+        qtype: QuantType,
+        rows: &[u8],
+        row_bytes: usize,
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        assert!(row_bytes > 0 && rows.len() >= out.len() * row_bytes);
+        let (one, which) = match qtype {
+            QuantType::F32 => (self.dot_f32, 0),
+            QuantType::F16 => (self.dot_f16, 1),
+            _ => panic!("dots_next takes float rows, not {qtype}"),
+        };
+        match self.dots_next {
+            Some(many) => many[which](rows, row_bytes, x, out),
+            None => {
+                for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                    *o = one(row, x);
+                }
+            }
+        }
+    }
+
+    /// `out += Σ a[j] · row_j`, in order, for the rows of `out.len()` values encoded as `qtype`
+    /// (`F32` or `F16`) laid one after another in `rows`, `row_bytes` each (a KV cache's values):
+    /// bitwise [`axpy`](Self::axpy) row after row, each output kept in a register across the rows
+    /// where the set has a kernel for it.
+    pub fn axpy_next(
+        &self,
+        qtype: QuantType,
+        a: &[f32],
+        rows: &[u8],
+        row_bytes: usize,
+        out: &mut [f32],
+    ) {
+        assert!(row_bytes > 0 && rows.len() >= a.len() * row_bytes);
+        let (one, which) = match qtype {
+            QuantType::F32 => (self.axpy_f32, 0),
+            QuantType::F16 => (self.axpy_f16, 1),
+            _ => panic!("axpy_next takes float rows, not {qtype}"),
+        };
+        match self.axpy_next {
+            Some(many) => many[which](a, rows, row_bytes, out),
+            None => {
+                for (&a, row) in a.iter().zip(rows.chunks_exact(row_bytes)) {
+                    one(a, row, out);
+                }
+            }
         }
     }
 

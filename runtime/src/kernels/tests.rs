@@ -203,6 +203,19 @@ fn every_set_is_portable_bit_for_bit() {
                             let refs: Vec<&Operand> = ops[..m].iter().collect();
                             let mut got = vec![f32::NAN; m];
                             k.dot_inputs(qtype, &bytes, &refs, &mut got);
+                            if m <= super::INPUTS {
+                                let mut packed = vec![f32::NAN; m];
+                                match super::Packed::new(qtype, &refs) {
+                                    Some(p) => k.dot_packed(qtype, &bytes, &refs, &p, &mut packed),
+                                    None => packed.copy_from_slice(&got),
+                                }
+                                assert_eq!(
+                                    bits(&packed),
+                                    bits(&got),
+                                    "seed {seed}: {} {qtype} n={n}: {m} inputs packed",
+                                    k.isa
+                                );
+                            }
                             let want: Vec<f32> = refs
                                 .iter()
                                 .map(|x| portable.dot(qtype, &bytes, x))
@@ -223,6 +236,55 @@ fn every_set_is_portable_bit_for_bit() {
                         bits(&got),
                         bits(&want),
                         "seed {seed}: {} {qtype} n={n}",
+                        k.isa
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The float kernels over rows laid one after another (a KV cache's keys and values): every set's
+/// `dots_next` is the portable `dot` of each row and its `axpy_next` the portable `axpy` row after
+/// row, bit for bit, for row counts around the four taken at once and lengths around the widths.
+#[test]
+fn float_rows_next_are_portable_bit_for_bit() {
+    let (seed, mut rng) = rng();
+    let portable = *RowKernels::available().last().unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for k in RowKernels::available() {
+        for qtype in [QuantType::F32, QuantType::F16] {
+            for n in lengths(qtype) {
+                let rb = leanstream_format::quant::row_bytes(qtype, n).unwrap();
+                for count in [0, 1, 3, 4, 5, 8, 11] {
+                    let rows: Vec<u8> = (0..count)
+                        .flat_map(|_| encoded_row(qtype, n, &mut rng).0)
+                        .collect();
+                    let x = random(n, 2.0, &mut rng);
+                    let mut got = vec![f32::NAN; count];
+                    k.dots_next(qtype, &rows, rb, &x, &mut got);
+                    let want: Vec<f32> = rows
+                        .chunks_exact(rb)
+                        .map(|r| portable.dot(qtype, r, &Operand::new(&x, qtype)))
+                        .collect();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "seed {seed}: {} {qtype} n={n}: dots of {count} rows",
+                        k.isa
+                    );
+                    let a = random(count, 1.5, &mut rng);
+                    let start = random(n, 1.0, &mut rng);
+                    let mut got = start.clone();
+                    k.axpy_next(qtype, &a, &rows, rb, &mut got);
+                    let mut want = start;
+                    for (&a, r) in a.iter().zip(rows.chunks_exact(rb)) {
+                        portable.axpy(qtype, a, r, &mut want);
+                    }
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "seed {seed}: {} {qtype} n={n}: axpy of {count} rows",
                         k.isa
                     );
                 }

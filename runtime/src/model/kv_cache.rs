@@ -282,19 +282,23 @@ impl KvCache {
     ) {
         debug_assert!(hi <= self.capacity && scores.len() == hi - lo);
         let range = self.rows(kv_head, lo, hi);
-        let keys = self.keys[layer][range.clone()].chunks_exact(self.row);
-        let values = self.values[layer][range].chunks_exact(self.row);
+        let (keys, values) = (&self.keys[layer][range.clone()], &self.values[layer][range]);
         let k = self.kernels;
-        match self.kv {
-            KvType::F32 => scores
-                .iter_mut()
-                .zip(keys)
-                .for_each(|(s, row)| *s = (k.dot_f32)(row, q) * scale),
-            KvType::F16 => scores
-                .iter_mut()
-                .zip(keys)
-                .for_each(|(s, row)| *s = (k.dot_f16)(row, q) * scale),
-            KvType::Q8_0 => {
+        // The float caches' rows go to the kernels all at once (several dots side by side, each
+        // output kept in registers across the values' rows): each score and output has the bits
+        // of one row at a time.
+        let float = match self.kv {
+            KvType::F32 => Some(QuantType::F32),
+            KvType::F16 => Some(QuantType::F16),
+            KvType::Q8_0 => None,
+        };
+        match float {
+            Some(qtype) => {
+                k.dots_next(qtype, keys, self.row, q, scores);
+                scores.iter_mut().for_each(|s| *s *= scale);
+            }
+            None => {
+                let keys = keys.chunks_exact(self.row);
                 // Each key row is decoded into registers-sized pieces on the stack, then dotted.
                 let mut piece = [0.0f32; Q8_PIECE];
                 let piece_bytes = Q8_PIECE / BLOCK_LEN * QuantType::Q8_0.block_bytes();
@@ -319,14 +323,17 @@ impl KvCache {
             *s = (*s - max).exp();
             sum += *s;
         }
-        let axpy = match self.kv {
-            KvType::F32 => k.axpy_f32,
-            KvType::F16 => k.axpy_f16,
-            KvType::Q8_0 => k.axpy_q8_0,
-        };
         out.fill(0.0);
-        for (w, row) in scores.iter().zip(values) {
-            axpy(w / sum, row, out);
+        match float {
+            Some(qtype) => {
+                scores.iter_mut().for_each(|s| *s /= sum);
+                k.axpy_next(qtype, scores, values, self.row, out);
+            }
+            None => {
+                for (w, row) in scores.iter().zip(values.chunks_exact(self.row)) {
+                    (k.axpy_q8_0)(w / sum, row, out);
+                }
+            }
         }
     }
 

@@ -7,8 +7,12 @@ use smallvec::SmallVec;
 
 use super::groups::keep_positive;
 use super::*;
-use crate::kernels::bundles::{gate_pass_inputs, gate_pass_inputs_fits, InputPass};
+use crate::kernels::bundles::{gate_pass_inputs, gate_pass_inputs_fits, prefetch_head, InputPass};
 use crate::kernels::INPUTS;
+
+/// Neurons of a cluster whose down columns [`Share::rows_together`] adds for each of its rows
+/// before it moves on to the next ones.
+const DOWN_WINDOW: usize = 8;
 
 /// One thread's share of a chunk: rows `first..` (as many as `acc` holds), their group sums, their
 /// scores, and its own lists of active neurons (one per row computed together, [`INPUTS`]).
@@ -104,16 +108,45 @@ impl Share<'_> {
         );
         let counts: SmallVec<[usize; INPUTS]> = passes.iter().map(|p| p.m).collect();
         drop(passes);
-        for ((&r, lists), m) in group.iter().zip(self.lists.iter_mut()).zip(counts) {
-            let i = r - self.first;
-            let m = keep_positive(
+        // The cluster's first rows again, for the next group's gate pass (the down columns and
+        // the other rows read since have mostly pushed them out of the L1 cache).
+        prefetch_head(&cluster_rows, ops.skip);
+        let mut ends = [0usize; INPUTS];
+        for ((lists, m), end) in self.lists.iter_mut().zip(counts).zip(&mut ends) {
+            *end = keep_positive(
                 ops.skip.act,
                 &mut lists.active[span.clone()][..m],
                 &mut lists.coef[span.clone()][..m],
             );
-            lists.n_active[ops.ci] = m as u32;
+            lists.n_active[ops.ci] = *end as u32;
             lists.stage[ops.ci] = Stage::Gated;
-            ops.add(lists, &mut self.acc[i * h..(i + 1) * h]);
+        }
+        // The down columns a window of the cluster's neurons at a time, added to each row's sum
+        // in turn, so that the rows after the first find the window's columns in the L1 cache:
+        // each row still adds its own active columns in order, so the same bits.
+        let mut at = [0usize; INPUTS];
+        let mut w = 0;
+        while w < cl.count {
+            let stop = (w + DOWN_WINDOW) as u32;
+            for (j, (&r, lists)) in group.iter().zip(self.lists.iter()).enumerate() {
+                let (active, coef) = (
+                    &lists.active[span.clone()][..ends[j]],
+                    &lists.coef[span.clone()][..ends[j]],
+                );
+                let start = at[j];
+                while at[j] < ends[j] && active[at[j]] < stop {
+                    at[j] += 1;
+                }
+                if at[j] > start {
+                    let i = r - self.first;
+                    ops.add_from(
+                        &active[start..at[j]],
+                        &coef[start..at[j]],
+                        &mut self.acc[i * h..(i + 1) * h],
+                    );
+                }
+            }
+            w += DOWN_WINDOW;
         }
         Ok(())
     }
