@@ -188,8 +188,8 @@ unsafe fn codes<const KIND: u8>(blk: *const u8) -> __m256i {
         Q8_0 => _mm256_loadu_si256(blk.add(2) as *const __m256i),
         Q4_0 => _mm256_sub_epi8(unpack(blk.add(2)), _mm256_set1_epi8(8)),
         Q4_1 => unpack(blk.add(4)),
-        Q5_0 => _mm256_sub_epi8(q5_codes(blk, 2), _mm256_set1_epi8(16)),
-        _ => q5_codes(blk, 4),
+        Q5_0 => q5_codes::<true>(blk, 2),
+        _ => q5_codes::<false>(blk, 4),
     }
 }
 

@@ -73,9 +73,9 @@ unsafe fn load(p: *const u8) -> __m256i {
     _mm256_loadu_si256(p as *const __m256i)
 }
 
-/// 32 bytes, byte `j` 0x10 where bit `j` of `bits` is set (ggml's `bytes_from_bits_32`).
+/// 32 bytes, byte `j` 0xff where bit `j` of `bits` is set, else 0 (ggml's `bytes_from_bits_32`).
 #[inline(always)]
-unsafe fn fifth_bits(bits: u32) -> __m256i {
+unsafe fn fifth_mask(bits: u32) -> __m256i {
     let shuf = _mm256_set_epi64x(
         0x0303_0303_0303_0303,
         0x0202_0202_0202_0202,
@@ -83,11 +83,10 @@ unsafe fn fifth_bits(bits: u32) -> __m256i {
         0,
     );
     let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuf);
-    let set = _mm256_cmpeq_epi8(
+    _mm256_cmpeq_epi8(
         _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe)),
         _mm256_set1_epi64x(-1),
-    );
-    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    )
 }
 
 /// Bit `j` of each byte of `qh`, as 0x10.
@@ -97,9 +96,11 @@ unsafe fn fifth_bit(qh: __m256i, j: i32, one: __m256i) -> __m256i {
     _mm256_slli_epi16::<4>(_mm256_and_si256(h, one))
 }
 
-/// A 5-bit block's 32 codes in element order.
+/// A 5-bit block's 32 codes in element order, less 16 when `OFFSET` (`Q5_0`'s `q − 16`): the
+/// fifth bit's 0x10 or'd in, or 0xf0 or'd in where the fifth bit is clear (`q − 16` as `i8` in one
+/// operation, llama.cpp's trick).
 #[inline(always)]
-pub(super) unsafe fn q5_codes(blk: *const u8, at: usize) -> __m256i {
+pub(super) unsafe fn q5_codes<const OFFSET: bool>(blk: *const u8, at: usize) -> __m256i {
     let qh = (blk.add(at) as *const u32).read_unaligned();
     let n = _mm_loadu_si128(blk.add(at + 4) as *const __m128i);
     let low = _mm_set1_epi8(0x0f);
@@ -107,7 +108,13 @@ pub(super) unsafe fn q5_codes(blk: *const u8, at: usize) -> __m256i {
         _mm_and_si128(_mm_srli_epi16::<4>(n), low),
         _mm_and_si128(n, low),
     );
-    _mm256_or_si256(nib, fifth_bits(qh))
+    let set = fifth_mask(qh);
+    let high = if OFFSET {
+        _mm256_andnot_si256(set, _mm256_set1_epi8(0xf0u8 as i8))
+    } else {
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    };
+    _mm256_or_si256(nib, high)
 }
 
 /// A `Q4_K`/`Q5_K` super-block's eight 6-bit scales and eight minimums (packed in the 12 bytes at
