@@ -1007,3 +1007,44 @@ fn new_block_types_are_portable_bit_for_bit() {
         }
     }
 }
+
+/// The many-row f16 kernels (attention's keys and values) are bitwise the set's one-row `dot_f16`
+/// and `axpy_f16` row by row, for head sizes below, at and past their steps and row counts that
+/// leave partial groups.
+#[test]
+fn many_row_f16_kernels_are_their_rows_bit_for_bit() {
+    let (seed, mut rng) = rng();
+    for k in RowKernels::available() {
+        for n in [8, 16, 40, 64, 96, 128, 130] {
+            for count in [0, 1, 3, 4, 5, 9, 17] {
+                let rows: Vec<f32> = random(n * count, 2.0, &mut rng);
+                let w: Vec<u8> = rows
+                    .iter()
+                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                    .collect();
+                let x = random(n, 2.0, &mut rng);
+                let what = format!("seed {seed}: {} n={n} rows={count}", k.isa);
+                if let Some(dots) = k.dots_f16 {
+                    let mut got = vec![f32::NAN; count];
+                    dots(&w, &x, &mut got);
+                    for (r, g) in got.iter().enumerate() {
+                        let want = (k.dot_f16)(&w[2 * n * r..2 * n * (r + 1)], &x);
+                        assert_eq!(g.to_bits(), want.to_bits(), "{what}: dot row {r}");
+                    }
+                }
+                if let Some(axpys) = k.axpys_f16 {
+                    let a = random(count, 1.0, &mut rng);
+                    let start = random(n, 1.0, &mut rng);
+                    let mut got = start.clone();
+                    axpys(&a, &w, &mut got);
+                    let mut want = start;
+                    for (r, &ar) in a.iter().enumerate() {
+                        (k.axpy_f16)(ar, &w[2 * n * r..2 * n * (r + 1)], &mut want);
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{what}: axpy");
+                }
+            }
+        }
+    }
+}
