@@ -218,8 +218,9 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> 
     sums
 }
 
-/// `Q6_K` against `N` inputs, one super-block at a time: `(q − 32)` pair sums scaled by each
-/// 16-value sub-block's scale in `vpmaddwd`, the row decoded once for every input; per input the
+/// `Q6_K` against `N` inputs, one super-block at a time: `(q − 32)` pair sums (`|q − 32|` times
+/// the activation with `q − 32`'s sign, at most 2·32·127 per pair) scaled by each 16-value
+/// sub-block's scale in `vpmaddwd`, the row decoded once for every input; per input the
 /// terms `d·(d_x·isum_j)` in eight float lanes, added in order ([`super::portable::finish_q6_k`]'s bits).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -236,6 +237,7 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
             // Sub-blocks j = 4h + k.
             let qh = load(blk.add(128 + 32 * h));
             let mut c = [_mm256_setzero_si256(); 4];
+            let mut a = [_mm256_setzero_si256(); 4];
             let mut s = [_mm256_setzero_si256(); 4];
             for k in 0..4 {
                 let ql = load(blk.add(64 * h + 32 * (k & 1)));
@@ -245,7 +247,9 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
                     _mm256_and_si256(_mm256_srli_epi16::<4>(ql), low)
                 };
                 let hb = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32));
-                c[k] = _mm256_or_si256(nib, _mm256_slli_epi16::<4>(_mm256_and_si256(hb, three)));
+                let q = _mm256_or_si256(nib, _mm256_slli_epi16::<4>(_mm256_and_si256(hb, three)));
+                c[k] = _mm256_sub_epi8(q, offset);
+                a[k] = _mm256_sign_epi8(c[k], c[k]);
                 let j = 4 * h + k;
                 let s0 = *blk.add(192 + 2 * j) as i8 as i16;
                 let s1 = *blk.add(193 + 2 * j) as i8 as i16;
@@ -255,10 +259,7 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
                 let xq = (x.quants.as_ptr() as *const u8).add(b * 256 + 128 * h);
                 let v: [__m256i; 4] = std::array::from_fn(|k| {
                     let xv = load(xq.add(32 * k));
-                    let pairs = _mm256_sub_epi16(
-                        _mm256_maddubs_epi16(c[k], xv),
-                        _mm256_maddubs_epi16(offset, xv),
-                    );
+                    let pairs = _mm256_maddubs_epi16(a[k], _mm256_sign_epi8(xv, c[k]));
                     _mm256_madd_epi16(pairs, s[k])
                 });
                 half[i][h] = reduce4(v[0], v[1], v[2], v[3]);
