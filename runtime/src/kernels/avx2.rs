@@ -389,6 +389,7 @@ pub(super) unsafe fn dot_inputs_block<const KIND: u8>(w: &[u8], xs: &[&Q8Vec], o
 }
 
 /// [`dot_inputs_block`] of the first `N` inputs.
+#[allow(clippy::needless_range_loop)] // block k and input i index several arrays
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn inputs_block<const KIND: u8, const N: usize>(w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {

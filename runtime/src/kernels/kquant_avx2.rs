@@ -222,6 +222,7 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> 
 /// the activation with `q − 32`'s sign, at most 2·32·127 per pair) scaled by each 16-value
 /// sub-block's scale in `vpmaddwd`, the row decoded once for every input; per input the
 /// terms `d·(d_x·isum_j)` in eight float lanes, added in order ([`super::portable::finish_q6_k`]'s bits).
+#[allow(clippy::needless_range_loop)] // half h indexes the row and every input
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
