@@ -55,8 +55,6 @@ pub(super) unsafe fn kernels() -> RowKernels {
         axpy_rows_q8_0: Some(|a, r, o| unsafe { axpy_rows_q8_0(a, r, o) }),
         axpy_rows_q4_0: Some(|a, r, o| unsafe { axpy_rows_q4::<false>(a, r, o) }),
         axpy_rows_q4_1: Some(|a, r, o| unsafe { axpy_rows_q4::<true>(a, r, o) }),
-        dots_f16: Some(|w, x, o| unsafe { dots_f16(w, x, o) }),
-        axpys_f16: Some(|a, w, o| unsafe { axpys_f16(a, w, o) }),
         more: super::kquant_avx2::table(),
     }
 }
@@ -117,87 +115,6 @@ unsafe fn dot_float(w: &[u8], x: &[f32], unit: Float) -> f32 {
         Float::Bf16 => portable::float_tail(tw, tx, 2, portable::decode_bf16),
     };
     lanes.iter().sum::<f32>() + tail
-}
-
-/// [`dot_float`] (f16) of `out.len()` rows of `x.len()` values end to end in `w`, four rows side
-/// by side: each row's lanes, products and sums exactly [`dot_float`]'s, the four rows' sums
-/// interleaved (one row's sixteen-lane sum is a chain of dependent adds) and `x` loaded once for
-/// them.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots_f16(w: &[u8], x: &[f32], out: &mut [f32]) {
-    const ROWS: usize = 4;
-    let n = x.len();
-    let row = 2 * n;
-    let count = out.len().min(w.len() / row.max(1));
-    let main = n - n % portable::LANES;
-    let (wp, xp) = (w.as_ptr(), x.as_ptr());
-    let mut r = 0;
-    while r + ROWS <= count {
-        let mut acc = [[_mm256_setzero_ps(); 2]; ROWS];
-        let mut i = 0;
-        while i < main {
-            for k in 0..2 {
-                let j = i + 8 * k;
-                let xv = _mm256_loadu_ps(xp.add(j));
-                for (h, a) in acc.iter_mut().enumerate() {
-                    let wv = load8(wp.add((r + h) * row + 2 * j), Float::F16);
-                    a[k] = _mm256_add_ps(a[k], _mm256_mul_ps(wv, xv));
-                }
-            }
-            i += portable::LANES;
-        }
-        let mut lanes = [[0.0f32; 16]; ROWS];
-        for (l, a) in lanes.iter_mut().zip(&acc) {
-            _mm256_storeu_ps(l.as_mut_ptr(), a[0]);
-            _mm256_storeu_ps(l.as_mut_ptr().add(8), a[1]);
-        }
-        for (h, l) in lanes.iter().enumerate() {
-            let tw = &w[(r + h) * row + 2 * main..(r + h + 1) * row];
-            let tail = portable::float_tail(tw, &x[main..], 2, portable::decode_f16);
-            out[r + h] = l.iter().sum::<f32>() + tail;
-        }
-        r += ROWS;
-    }
-    for (o, rw) in out[r..count].iter_mut().zip(w[r * row..].chunks_exact(row)) {
-        *o = dot_float(rw, x, Float::F16);
-    }
-}
-
-/// [`axpy_float`] (f16) of `a.len()` rows of `out.len()` values end to end in `w`, in row order,
-/// 32 outputs at a time kept in registers across the rows: each output gets the same product and
-/// sum per row, in the same order, as row-by-row `axpy_float`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpys_f16(a: &[f32], w: &[u8], out: &mut [f32]) {
-    let n = out.len();
-    let row = 2 * n;
-    let count = a.len().min(w.len() / row.max(1));
-    let main = n - n % 32;
-    let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
-    let mut c = 0;
-    while c < main {
-        let dst = op.add(c);
-        let mut acc = load_block(dst);
-        for (r, &ar) in a[..count].iter().enumerate() {
-            let av = _mm256_set1_ps(ar);
-            let src = wp.add(r * row + 2 * c);
-            for (k, acc) in acc.iter_mut().enumerate() {
-                let p = _mm256_mul_ps(av, load8(src.add(16 * k), Float::F16));
-                *acc = _mm256_add_ps(*acc, p);
-            }
-        }
-        store_block(dst, acc);
-        c += 32;
-    }
-    if main < n {
-        for (r, &ar) in a[..count].iter().enumerate() {
-            axpy_float(
-                ar,
-                &w[r * row + 2 * main..(r + 1) * row],
-                &mut out[main..],
-                Float::F16,
-            );
-        }
-    }
 }
 
 /// `out += a·w` with [`portable::axpy_f32`]'s arithmetic (a product, then a sum).

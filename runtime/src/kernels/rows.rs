@@ -37,12 +37,6 @@ type BlockDot = fn(&[u8], &Q8Vec) -> f32;
 type BlockDots = fn(&[&[u8]], &Q8Vec, &mut [f32]);
 /// `out[i] = row · xs[i]` for 1 to [`INPUTS`] inputs (`out` as long as `xs`).
 type BlockInputs = fn(&[u8], &[&Q8Vec], &mut [f32]);
-/// `out[r] = row r · x` for `out.len()` rows of `x.len()` f16 values laid end to end in `w`
-/// (an attention head's keys), each bitwise the set's `dot_f16` of that row.
-type FloatDots = fn(&[u8], &[f32], &mut [f32]);
-/// `out += a[r] · row r` for `a.len()` rows of `out.len()` f16 values laid end to end in `w` (an
-/// attention head's values), in row order: bitwise the set's `axpy_f16` of each row in turn.
-type FloatAxpys = fn(&[f32], &[u8], &mut [f32]);
 type Axpy = fn(f32, &[u8], &mut [f32]);
 type AxpyRows = fn(&[f32], &[&[u8]], &mut [f32]);
 
@@ -79,10 +73,6 @@ pub struct RowKernels {
     pub(crate) axpy_rows_q8_0: Option<AxpyRows>,
     pub(crate) axpy_rows_q4_0: Option<AxpyRows>,
     pub(crate) axpy_rows_q4_1: Option<AxpyRows>,
-    /// `dot_f16` of many rows and `axpy_f16` of many rows, where the instruction set has them
-    /// (attention over an f16 cache; else row by row).
-    pub(crate) dots_f16: Option<FloatDots>,
-    pub(crate) axpys_f16: Option<FloatAxpys>,
     /// The 5-bit types and the K-quants (`Q5_0` … `Q6_K`).
     pub(crate) more: MoreKernels,
 }
@@ -186,8 +176,6 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     axpy_rows_q8_0: None,
     axpy_rows_q4_0: None,
     axpy_rows_q4_1: None,
-    dots_f16: None,
-    axpys_f16: None,
     more: PORTABLE_MORE,
 };
 

@@ -283,23 +283,17 @@ impl KvCache {
         debug_assert!(hi <= self.capacity && scores.len() == hi - lo);
         let range = self.rows(kv_head, lo, hi);
         let keys = self.keys[layer][range.clone()].chunks_exact(self.row);
-        let values = self.values[layer][range.clone()].chunks_exact(self.row);
+        let values = self.values[layer][range].chunks_exact(self.row);
         let k = self.kernels;
         match self.kv {
             KvType::F32 => scores
                 .iter_mut()
                 .zip(keys)
                 .for_each(|(s, row)| *s = (k.dot_f32)(row, q) * scale),
-            KvType::F16 => match k.dots_f16 {
-                Some(dots) if self.row == 2 * q.len() => {
-                    dots(&self.keys[layer][range.clone()], q, scores);
-                    scores.iter_mut().for_each(|s| *s *= scale);
-                }
-                _ => scores
-                    .iter_mut()
-                    .zip(keys)
-                    .for_each(|(s, row)| *s = (k.dot_f16)(row, q) * scale),
-            },
+            KvType::F16 => scores
+                .iter_mut()
+                .zip(keys)
+                .for_each(|(s, row)| *s = (k.dot_f16)(row, q) * scale),
             KvType::Q8_0 => {
                 // Each key row is decoded into registers-sized pieces on the stack, then dotted.
                 let mut piece = [0.0f32; Q8_PIECE];
@@ -331,17 +325,8 @@ impl KvCache {
             KvType::Q8_0 => k.axpy_q8_0,
         };
         out.fill(0.0);
-        match k.axpys_f16 {
-            Some(axpys) if self.kv == KvType::F16 && self.row == 2 * out.len() => {
-                // The same `w / sum` per row, then the rows in order (each output's bits as below).
-                scores.iter_mut().for_each(|w| *w /= sum);
-                axpys(scores, &self.values[layer][range], out);
-            }
-            _ => {
-                for (w, row) in scores.iter().zip(values) {
-                    axpy(w / sum, row, out);
-                }
-            }
+        for (w, row) in scores.iter().zip(values) {
+            axpy(w / sum, row, out);
         }
     }
 
