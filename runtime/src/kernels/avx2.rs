@@ -281,6 +281,22 @@ unsafe fn f16_load(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
 
+/// The f16 scales at the start of eight consecutive blocks (`bytes` apart) from `p`, as f32 lanes.
+#[inline(always)]
+unsafe fn f16_scales8(p: *const u8, bytes: usize) -> __m256 {
+    let h = |k: usize| (p.add(k * bytes) as *const i16).read_unaligned();
+    _mm256_cvtph_ps(_mm_setr_epi16(
+        h(0),
+        h(1),
+        h(2),
+        h(3),
+        h(4),
+        h(5),
+        h(6),
+        h(7),
+    ))
+}
+
 /// Block `b`'s 32 activation quants.
 #[inline(always)]
 unsafe fn x_block(x: &Q8Vec, b: usize) -> __m256i {
@@ -323,8 +339,8 @@ unsafe fn codes<const KIND: u8>(blk: *const u8) -> __m256i {
         Q8_0 => _mm256_loadu_si256(blk.add(2) as *const __m256i),
         Q4_0 => _mm256_sub_epi8(unpack(blk.add(2)), _mm256_set1_epi8(8)),
         Q4_1 => unpack(blk.add(4)),
-        Q5_0 => _mm256_sub_epi8(q5_codes(blk, 2), _mm256_set1_epi8(16)),
-        _ => q5_codes(blk, 4),
+        Q5_0 => q5_codes::<true>(blk, 2),
+        _ => q5_codes::<false>(blk, 4),
     }
 }
 
@@ -380,14 +396,32 @@ pub(super) unsafe fn dot_block<const KIND: u8>(w: &[u8], x: &Q8Vec) -> f32 {
     let (wp, scales, sums) = (w.as_ptr(), x.scales.as_ptr(), x.sums.as_ptr());
     let mut acc = _mm256_setzero_ps();
     let mut mins = 0.0f32;
-    for b in 0..nb {
-        let blk = wp.add(b * bytes);
-        let lanes = _mm256_cvtepi32_ps(lane_isums::<KIND>(blk, x_block(x, b)));
-        let dd = _mm256_set1_ps(f16_load(blk) * *scales.add(b));
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(dd, lanes));
-        if kind.has_min() {
-            mins += f16_load(blk.add(2)) * *sums.add(b);
+    // Eight blocks at a time: their `d_w·d_x` in one vector product (the same products as one
+    // at a time), broadcast from memory per block.
+    let mut dd = [0.0f32; 8];
+    let mut b = 0;
+    while b < nb {
+        let group = (nb - b).min(8);
+        if group == 8 {
+            let dx = _mm256_loadu_ps(scales.add(b));
+            _mm256_storeu_ps(
+                dd.as_mut_ptr(),
+                _mm256_mul_ps(f16_scales8(wp.add(b * bytes), bytes), dx),
+            );
+        } else {
+            for (k, dd) in dd[..group].iter_mut().enumerate() {
+                *dd = f16_load(wp.add((b + k) * bytes)) * *scales.add(b + k);
+            }
         }
+        for (k, dd) in dd[..group].iter().enumerate() {
+            let blk = wp.add((b + k) * bytes);
+            let lanes = _mm256_cvtepi32_ps(lane_isums::<KIND>(blk, x_block(x, b + k)));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(dd), lanes));
+            if kind.has_min() {
+                mins += f16_load(blk.add(2)) * *sums.add(b + k);
+            }
+        }
+        b += group;
     }
     lanes_total(acc) + mins
 }
@@ -407,6 +441,7 @@ pub(super) unsafe fn dot_inputs_block<const KIND: u8>(w: &[u8], xs: &[&Q8Vec], o
 }
 
 /// [`dot_inputs_block`] of the first `N` inputs.
+#[allow(clippy::needless_range_loop)] // block k and input i index several arrays
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn inputs_block<const KIND: u8, const N: usize>(w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
@@ -421,24 +456,45 @@ unsafe fn inputs_block<const KIND: u8, const N: usize>(w: &[u8], xs: &[&Q8Vec], 
     let wp = w.as_ptr();
     let mut acc = [_mm256_setzero_ps(); N];
     let mut mins = [0.0f32; N];
-    for b in 0..nb {
-        let blk = wp.add(b * bytes);
-        let c = codes::<KIND>(blk);
-        let d = f16_load(blk);
-        let m = if kind.has_min() {
-            f16_load(blk.add(2))
+    // Eight blocks at a time, their `d_w·d_x` formed for every input in one vector product each
+    // (the same products as one at a time) and broadcast from memory per block.
+    let mut dd = [[0.0f32; 8]; N];
+    let mut b = 0;
+    while b < nb {
+        let group = (nb - b).min(8);
+        if group == 8 {
+            let dwv = f16_scales8(wp.add(b * bytes), bytes);
+            for i in 0..N {
+                let dx = _mm256_loadu_ps(xs[i].scales.as_ptr().add(b));
+                _mm256_storeu_ps(dd[i].as_mut_ptr(), _mm256_mul_ps(dwv, dx));
+            }
         } else {
-            0.0
-        };
-        for i in 0..N {
-            let x = xs[i];
-            let lanes = _mm256_cvtepi32_ps(code_isums::<KIND>(c, x_block(x, b)));
-            let dd = _mm256_set1_ps(d * *x.scales.get_unchecked(b));
-            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(dd, lanes));
-            if kind.has_min() {
-                mins[i] += m * *x.sums.get_unchecked(b);
+            for k in 0..group {
+                let d = f16_load(wp.add((b + k) * bytes));
+                for i in 0..N {
+                    dd[i][k] = d * *xs[i].scales.get_unchecked(b + k);
+                }
             }
         }
+        for k in 0..group {
+            let blk = wp.add((b + k) * bytes);
+            let c = codes::<KIND>(blk);
+            let m = if kind.has_min() {
+                f16_load(blk.add(2))
+            } else {
+                0.0
+            };
+            for i in 0..N {
+                let x = xs[i];
+                let lanes = _mm256_cvtepi32_ps(code_isums::<KIND>(c, x_block(x, b + k)));
+                let ddv = _mm256_broadcast_ss(&dd[i][k]);
+                acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(ddv, lanes));
+                if kind.has_min() {
+                    mins[i] += m * *x.sums.get_unchecked(b + k);
+                }
+            }
+        }
+        b += group;
     }
     for i in 0..N {
         out[i] = lanes_total(acc[i]) + mins[i];

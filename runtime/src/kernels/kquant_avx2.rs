@@ -1,15 +1,17 @@
 //! AVX2 kernels of the 5-bit types and the K-quants (`Q5_0` … `Q6_K`), for the AVX2 and AVX-512
 //! sets: the integer sums of eight 32-value blocks at a time in vectors (`vpmaddubsw` of the
 //! unsigned codes and the signed activation quants, which cannot overflow for codes below 64, then
-//! `vpmaddwd`), exact, and the float terms in scalar code shared with the portable kernels, in
-//! their order, so each result has the portable kernel's bits. `axpy` stays portable.
+//! `vpmaddwd`), exact, and the float terms of a super-block formed in eight lanes with the portable
+//! finish's operations (unfused) and added in its order, so each result has the portable kernel's
+//! bits. `dot_inputs` decodes a row's super-block once for up to four inputs. `axpy` stays
+//! portable.
 
 use std::arch::x86_64::*;
 
 use super::avx2;
 use super::operand::Q8Vec;
-use super::portable::{finish_q45_k, finish_q6_k, K_SUB, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
-use super::rows::{MoreKernels, PORTABLE_MORE};
+use super::portable::{K_SUB, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
+use super::rows::{MoreKernels, INPUTS, PORTABLE_MORE};
 
 /// The table for a CPU with AVX2 (the caller checked it).
 pub(super) fn table() -> MoreKernels {
@@ -32,9 +34,9 @@ pub(super) fn table() -> MoreKernels {
         inputs: [
             Some(|w, xs, o| unsafe { avx2::dot_inputs_block::<{ avx2::Q5_0 }>(w, xs, o) }),
             Some(|w, xs, o| unsafe { avx2::dot_inputs_block::<{ avx2::Q5_1 }>(w, xs, o) }),
-            None,
-            None,
-            None,
+            Some(|w, xs, o| unsafe { inputs_q45_k::<false>(w, xs, o) }),
+            Some(|w, xs, o| unsafe { inputs_q45_k::<true>(w, xs, o) }),
+            Some(|w, xs, o| unsafe { inputs_q6_k(w, xs, o) }),
         ],
         axpy: PORTABLE_MORE.axpy,
     }
@@ -60,17 +62,6 @@ unsafe fn reduce4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m128i {
     )
 }
 
-/// The eight lane sums of eight vectors of 32-bit integers.
-#[inline(always)]
-unsafe fn reduce8(v: [__m256i; 8]) -> [i32; 8] {
-    let lo = reduce4(v[0], v[1], v[2], v[3]);
-    let hi = reduce4(v[4], v[5], v[6], v[7]);
-    let mut out = [0i32; 8];
-    _mm_storeu_si128(out.as_mut_ptr() as *mut __m128i, lo);
-    _mm_storeu_si128(out.as_mut_ptr().add(4) as *mut __m128i, hi);
-    out
-}
-
 /// `Σ q·x` of 32 unsigned codes (below 64) and 32 signed quants, in eight 32-bit lanes.
 #[inline(always)]
 unsafe fn isum32(q: __m256i, x: __m256i) -> __m256i {
@@ -82,9 +73,9 @@ unsafe fn load(p: *const u8) -> __m256i {
     _mm256_loadu_si256(p as *const __m256i)
 }
 
-/// 32 bytes, byte `j` 0x10 where bit `j` of `bits` is set (ggml's `bytes_from_bits_32`).
+/// 32 bytes, byte `j` 0xff where bit `j` of `bits` is set, else 0 (ggml's `bytes_from_bits_32`).
 #[inline(always)]
-unsafe fn fifth_bits(bits: u32) -> __m256i {
+unsafe fn fifth_mask(bits: u32) -> __m256i {
     let shuf = _mm256_set_epi64x(
         0x0303_0303_0303_0303,
         0x0202_0202_0202_0202,
@@ -92,11 +83,10 @@ unsafe fn fifth_bits(bits: u32) -> __m256i {
         0,
     );
     let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuf);
-    let set = _mm256_cmpeq_epi8(
+    _mm256_cmpeq_epi8(
         _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe)),
         _mm256_set1_epi64x(-1),
-    );
-    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    )
 }
 
 /// Bit `j` of each byte of `qh`, as 0x10.
@@ -106,9 +96,11 @@ unsafe fn fifth_bit(qh: __m256i, j: i32, one: __m256i) -> __m256i {
     _mm256_slli_epi16::<4>(_mm256_and_si256(h, one))
 }
 
-/// A 5-bit block's 32 codes in element order.
+/// A 5-bit block's 32 codes in element order, less 16 when `OFFSET` (`Q5_0`'s `q − 16`): the
+/// fifth bit's 0x10 or'd in, or 0xf0 or'd in where the fifth bit is clear (`q − 16` as `i8` in one
+/// operation, llama.cpp's trick).
 #[inline(always)]
-pub(super) unsafe fn q5_codes(blk: *const u8, at: usize) -> __m256i {
+pub(super) unsafe fn q5_codes<const OFFSET: bool>(blk: *const u8, at: usize) -> __m256i {
     let qh = (blk.add(at) as *const u32).read_unaligned();
     let n = _mm_loadu_si128(blk.add(at + 4) as *const __m128i);
     let low = _mm_set1_epi8(0x0f);
@@ -116,20 +108,69 @@ pub(super) unsafe fn q5_codes(blk: *const u8, at: usize) -> __m256i {
         _mm_and_si128(_mm_srli_epi16::<4>(n), low),
         _mm_and_si128(n, low),
     );
-    _mm256_or_si256(nib, fifth_bits(qh))
+    let set = fifth_mask(qh);
+    let high = if OFFSET {
+        _mm256_andnot_si256(set, _mm256_set1_epi8(0xf0u8 as i8))
+    } else {
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    };
+    _mm256_or_si256(nib, high)
 }
 
-/// `Q4_K` (`FIVE` false) or `Q5_K`, one super-block (eight q8 blocks) at a time.
+/// A `Q4_K`/`Q5_K` super-block's eight 6-bit scales and eight minimums (packed in the 12 bytes at
+/// `s` as [`leanstream_format::quant_k::scale_min_k4`] reads them), as f32 lanes `j = 0..8`.
+#[inline(always)]
+unsafe fn scales_mins_k4(s: *const u8) -> (__m256, __m256) {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    let p = s as *const u32;
+    let (u0, u1, u2) = (
+        p.read_unaligned(),
+        p.add(1).read_unaligned(),
+        p.add(2).read_unaligned(),
+    );
+    let sc = (u0 & K1) as u64 | (((u2 & K2) | (((u0 >> 6) & K3) << 4)) as u64) << 32;
+    let m = (u1 & K1) as u64 | ((((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4)) as u64) << 32;
+    let lanes = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+    (lanes(sc), lanes(m))
+}
+
+/// `0 + t_0 + t_1 + … + t_7` in that order: a super-block's terms summed as the portable finish
+/// sums them (the terms themselves are formed in lanes with the portable operations, unfused).
+#[inline(always)]
+unsafe fn ordered_sum(t: __m256) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), t);
+    let mut sum = 0.0f32;
+    for l in lanes {
+        sum += l;
+    }
+    sum
+}
+
+/// Whole super-blocks that the row (`bytes` each) and every input hold.
+#[inline(always)]
+fn super_blocks<const N: usize>(w: &[u8], bytes: usize, xs: &[&Q8Vec; N]) -> usize {
+    xs.iter().fold(w.len() / bytes, |nb, x| {
+        nb.min(x.scales.len() / K_SUB)
+            .min(x.sums.len() / K_SUB)
+            .min(x.quants.len() / 256)
+    })
+}
+
+/// `Q4_K` (`FIVE` false) or `Q5_K` against `N` inputs, one super-block (eight q8 blocks) at a
+/// time: the row's codes and scales decoded once for every input; per input the eight integer
+/// sums in a vector, the portable finish's terms (`(d·sc_j)·(d_x·isum_j) − (dmin·m_j)·sx_j`) in
+/// eight float lanes, added in order. Each result has the bits of [`super::portable::finish_q45_k`]'s order.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q45_k<const FIVE: bool>(w: &[u8], x: &Q8Vec) -> f32 {
+unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
     let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
-    let nb = (w.len() / bytes)
-        .min(x.scales.len() / K_SUB)
-        .min(x.quants.len() / 256);
-    let xp = x.quants.as_ptr() as *const u8;
+    let nb = super_blocks(w, bytes, &xs);
     let low = _mm256_set1_epi8(0x0f);
     let one = _mm256_set1_epi8(1);
-    let mut sum = -0.0f32;
+    let mut sums = [-0.0f32; N];
     for b in 0..nb {
         let blk = w.as_ptr().add(b * bytes);
         let qs = blk.add(if FIVE { 48 } else { 16 });
@@ -138,64 +179,157 @@ unsafe fn dot_q45_k<const FIVE: bool>(w: &[u8], x: &Q8Vec) -> f32 {
         } else {
             _mm256_setzero_si256()
         };
-        let mut v = [_mm256_setzero_si256(); 8];
-        for g in 0..4 {
-            let q = load(qs.add(32 * g));
-            let mut lo = _mm256_and_si256(q, low);
-            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
-            if FIVE {
-                lo = _mm256_or_si256(lo, fifth_bit(qh, 2 * g as i32, one));
-                hi = _mm256_or_si256(hi, fifth_bit(qh, 2 * g as i32 + 1, one));
+        let mut half = [[_mm_setzero_si128(); 2]; N];
+        for (h, g) in [(0, 0), (1, 2)] {
+            // Sub-blocks 4h..4h + 4: the low and high nibbles of groups g and g + 1.
+            let mut c = [_mm256_setzero_si256(); 4];
+            for k in 0..2 {
+                let q = load(qs.add(32 * (g + k)));
+                let mut lo = _mm256_and_si256(q, low);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+                if FIVE {
+                    let j = 2 * (g + k) as i32;
+                    lo = _mm256_or_si256(lo, fifth_bit(qh, j, one));
+                    hi = _mm256_or_si256(hi, fifth_bit(qh, j + 1, one));
+                }
+                c[2 * k] = lo;
+                c[2 * k + 1] = hi;
             }
-            let xq = xp.add(b * 256 + 64 * g);
-            v[2 * g] = isum32(lo, load(xq));
-            v[2 * g + 1] = isum32(hi, load(xq.add(32)));
+            for (i, x) in xs.iter().enumerate() {
+                let xq = (x.quants.as_ptr() as *const u8).add(b * 256 + 128 * h);
+                let v: [__m256i; 4] = std::array::from_fn(|k| isum32(c[k], load(xq.add(32 * k))));
+                half[i][h] = reduce4(v[0], v[1], v[2], v[3]);
+            }
         }
-        let isums = reduce8(v);
-        let r = K_SUB * b..K_SUB * (b + 1);
-        sum += finish_q45_k(&w[b * bytes..], &isums, &x.scales[r.clone()], &x.sums[r]);
+        let (sc, m) = scales_mins_k4(blk.add(4));
+        let dsc = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk)), sc);
+        let dmm = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk.add(2))), m);
+        for (i, x) in xs.iter().enumerate() {
+            let isums = _mm256_cvtepi32_ps(_mm256_set_m128i(half[i][1], half[i][0]));
+            let dx = _mm256_loadu_ps(x.scales.as_ptr().add(K_SUB * b));
+            let sx = _mm256_loadu_ps(x.sums.as_ptr().add(K_SUB * b));
+            let t = _mm256_sub_ps(
+                _mm256_mul_ps(dsc, _mm256_mul_ps(dx, isums)),
+                _mm256_mul_ps(dmm, sx),
+            );
+            sums[i] += ordered_sum(t);
+        }
     }
-    sum
+    sums
 }
 
-/// `Q6_K`, one super-block at a time: `(q − 32)` pair sums scaled by each 16-value sub-block's
-/// scale in `vpmaddwd`.
+/// `Q6_K` against `N` inputs, one super-block at a time: `(q − 32)` pair sums (`|q − 32|` times
+/// the activation with `q − 32`'s sign, at most 2·32·127 per pair) scaled by each 16-value
+/// sub-block's scale in `vpmaddwd`, the row decoded once for every input; per input the
+/// terms `d·(d_x·isum_j)` in eight float lanes, added in order ([`super::portable::finish_q6_k`]'s bits).
+#[allow(clippy::needless_range_loop)] // half h indexes the row and every input
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q6_k(w: &[u8], x: &Q8Vec) -> f32 {
-    let nb = (w.len() / Q6_K_BYTES)
-        .min(x.scales.len() / K_SUB)
-        .min(x.quants.len() / 256);
-    let xp = x.quants.as_ptr() as *const u8;
+unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
+    let nb = super_blocks(w, Q6_K_BYTES, &xs);
     let low = _mm256_set1_epi8(0x0f);
     let three = _mm256_set1_epi8(3);
     let offset = _mm256_set1_epi8(32);
-    let mut sum = -0.0f32;
+    let mut sums = [-0.0f32; N];
     for b in 0..nb {
         let blk = w.as_ptr().add(b * Q6_K_BYTES);
-        let mut v = [_mm256_setzero_si256(); 8];
-        for (j, v) in v.iter_mut().enumerate() {
-            let (h, k) = (j / 4, j % 4);
-            let ql = load(blk.add(64 * h + 32 * (k & 1)));
-            let nib = if k < 2 {
-                _mm256_and_si256(ql, low)
-            } else {
-                _mm256_and_si256(_mm256_srli_epi16::<4>(ql), low)
-            };
-            let qh = _mm256_srl_epi16(load(blk.add(128 + 32 * h)), _mm_cvtsi32_si128(2 * k as i32));
-            let q = _mm256_or_si256(nib, _mm256_slli_epi16::<4>(_mm256_and_si256(qh, three)));
-            let xv = load(xp.add(b * 256 + 32 * j));
-            let pairs = _mm256_sub_epi16(
-                _mm256_maddubs_epi16(q, xv),
-                _mm256_maddubs_epi16(offset, xv),
-            );
-            let s0 = *blk.add(192 + 2 * j) as i8 as i16;
-            let s1 = *blk.add(193 + 2 * j) as i8 as i16;
-            let scales = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
-            *v = _mm256_madd_epi16(pairs, scales);
+        let mut half = [[_mm_setzero_si128(); 2]; N];
+        for h in 0..2 {
+            // Sub-blocks j = 4h + k.
+            let qh = load(blk.add(128 + 32 * h));
+            let mut c = [_mm256_setzero_si256(); 4];
+            let mut a = [_mm256_setzero_si256(); 4];
+            let mut s = [_mm256_setzero_si256(); 4];
+            for k in 0..4 {
+                let ql = load(blk.add(64 * h + 32 * (k & 1)));
+                let nib = if k < 2 {
+                    _mm256_and_si256(ql, low)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql), low)
+                };
+                let hb = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32));
+                let q = _mm256_or_si256(nib, _mm256_slli_epi16::<4>(_mm256_and_si256(hb, three)));
+                c[k] = _mm256_sub_epi8(q, offset);
+                a[k] = _mm256_sign_epi8(c[k], c[k]);
+                let j = 4 * h + k;
+                let s0 = *blk.add(192 + 2 * j) as i8 as i16;
+                let s1 = *blk.add(193 + 2 * j) as i8 as i16;
+                s[k] = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+            }
+            for (i, x) in xs.iter().enumerate() {
+                let xq = (x.quants.as_ptr() as *const u8).add(b * 256 + 128 * h);
+                let v: [__m256i; 4] = std::array::from_fn(|k| {
+                    let xv = load(xq.add(32 * k));
+                    let pairs = _mm256_maddubs_epi16(a[k], _mm256_sign_epi8(xv, c[k]));
+                    _mm256_madd_epi16(pairs, s[k])
+                });
+                half[i][h] = reduce4(v[0], v[1], v[2], v[3]);
+            }
         }
-        let isums = reduce8(v);
-        let r = K_SUB * b..K_SUB * (b + 1);
-        sum += finish_q6_k(&w[b * Q6_K_BYTES..], &isums, &x.scales[r]);
+        let d = _mm256_set1_ps(f16_load(blk.add(208)));
+        for (i, x) in xs.iter().enumerate() {
+            let isums = _mm256_cvtepi32_ps(_mm256_set_m128i(half[i][1], half[i][0]));
+            let dx = _mm256_loadu_ps(x.scales.as_ptr().add(K_SUB * b));
+            sums[i] += ordered_sum(_mm256_mul_ps(d, _mm256_mul_ps(dx, isums)));
+        }
     }
-    sum
+    sums
+}
+
+/// The f16 at `p` as f32.
+#[inline(always)]
+unsafe fn f16_load(p: *const u8) -> f32 {
+    let h = (p as *const u16).read_unaligned();
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q45_k<const FIVE: bool>(w: &[u8], x: &Q8Vec) -> f32 {
+    q45_k::<FIVE, 1>(w, [x])[0]
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q6_k(w: &[u8], x: &Q8Vec) -> f32 {
+    q6_k::<1>(w, [x])[0]
+}
+
+/// One K-quant row against 1 to 4 inputs (`out[i]` the `dot` of the row and `xs[i]`), through
+/// `kernel` of the right width.
+macro_rules! by_inputs {
+    ($xs:expr, $out:expr, |$n:ident, $arr:ident| $call:expr) => {{
+        let (xs, out) = ($xs, $out);
+        match xs.len().min(out.len()) {
+            0 => {}
+            1 => {
+                const $n: usize = 1;
+                let $arr: [&Q8Vec; $n] = [xs[0]];
+                out[..$n].copy_from_slice(&$call);
+            }
+            2 => {
+                const $n: usize = 2;
+                let $arr: [&Q8Vec; $n] = [xs[0], xs[1]];
+                out[..$n].copy_from_slice(&$call);
+            }
+            3 => {
+                const $n: usize = 3;
+                let $arr: [&Q8Vec; $n] = [xs[0], xs[1], xs[2]];
+                out[..$n].copy_from_slice(&$call);
+            }
+            _ => {
+                const $n: usize = INPUTS;
+                let $arr: [&Q8Vec; $n] = std::array::from_fn(|i| xs[i]);
+                out[..$n].copy_from_slice(&$call);
+            }
+        }
+    }};
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn inputs_q45_k<const FIVE: bool>(w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
+    by_inputs!(xs, out, |N, arr| q45_k::<FIVE, N>(w, arr))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn inputs_q6_k(w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
+    by_inputs!(xs, out, |N, arr| q6_k::<N>(w, arr))
 }
