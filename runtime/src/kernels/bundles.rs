@@ -18,6 +18,7 @@ use leanstream_format::quant::QuantType;
 
 use super::operand::Operand;
 use super::rows::{Packed, RowKernels, DOT_ROWS, INPUTS};
+use crate::source::config::Activation;
 use crate::streaming::skip_rule::{Skip, SkipRule};
 
 /// Bundle bytes of a layer's needed clusters from which its FFN is split across threads (when
@@ -294,8 +295,29 @@ fn in_batches<'b, R: NeuronRows<'b>>(
     Ok(computed)
 }
 
-/// [`gate_pass`] over every neuron of `rows` with a slot in `scores`, then [`down_pass`] of the
-/// active ones into `out`; returns how many were active.
+/// Under dReLU, keeps, in order, the entries of `active` whose `coef` is positive (the others'
+/// `relu(g)·relu(u)` is 0) at the front of both; returns how many (all of them under any other
+/// activation).
+pub fn keep_positive(
+    act: crate::source::config::Activation,
+    active: &mut [u32],
+    coef: &mut [f32],
+) -> usize {
+    if act != Activation::DRelu {
+        return active.len();
+    }
+    let mut m = 0;
+    for j in 0..active.len() {
+        if coef[j] > 0.0 {
+            (active[m], coef[m]) = (active[j], coef[j]);
+            m += 1;
+        }
+    }
+    m
+}
+
+/// [`gate_pass`] over every neuron of `rows` with a slot in `scores`, then ([`keep_positive`])
+/// [`down_pass`] of the active ones into `out`; returns how many were added.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub fn gate_and_down<'b>(
@@ -321,6 +343,7 @@ pub fn gate_and_down<'b>(
         active,
         coef,
     );
+    let m = keep_positive(skip.act, &mut active[..m], &mut coef[..m]);
     down_pass(k, layout, rows, &active[..m], &coef[..m], out);
     m
 }
@@ -691,4 +714,21 @@ pub(super) fn prefetch(bytes: &[u8]) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;
+}
+
+#[cfg(test)]
+mod drelu_tests {
+    use super::keep_positive;
+    use super::Activation;
+
+    #[test]
+    fn keep_positive_drops_the_non_positive_in_order() {
+        let (mut a, mut c) = ([3u32, 5, 8, 9, 12], [0.5f32, -1.0, 0.0, 2.0, -0.0]);
+        assert_eq!(keep_positive(Activation::DRelu, &mut a, &mut c), 2);
+        assert_eq!((&a[..2], &c[..2]), (&[3u32, 9][..], &[0.5f32, 2.0][..]));
+        // Any other activation keeps every entry.
+        let (mut a, mut c) = ([3u32, 5], [0.5f32, -1.0]);
+        assert_eq!(keep_positive(Activation::Silu, &mut a, &mut c), 2);
+        assert_eq!(c, [0.5, -1.0]);
+    }
 }

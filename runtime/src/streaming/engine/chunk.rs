@@ -5,9 +5,10 @@ use std::sync::MutexGuard;
 
 use smallvec::SmallVec;
 
-use super::groups::keep_positive;
 use super::*;
-use crate::kernels::bundles::{gate_pass_inputs, gate_pass_inputs_fits, prefetch_head, InputPass};
+use crate::kernels::bundles::{
+    gate_pass_inputs, gate_pass_inputs_fits, keep_positive, prefetch_head, InputPass,
+};
 use crate::kernels::INPUTS;
 
 /// Neurons of a cluster whose down columns [`Share::rows_together`] adds for each of its rows

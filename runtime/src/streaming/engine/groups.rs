@@ -3,7 +3,6 @@
 //! order, so that the bits depend neither on the thread count nor on when reads land.
 
 use super::*;
-use crate::source::config::Activation;
 
 /// Where a cluster of the layer being computed stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -367,7 +366,7 @@ impl<'a> ClusterOps<'a> {
     /// The cluster's gates: its neurons' exact scores into `scores`, and its active neurons
     /// (offsets within it) and their coefficients into the first slots of `active` and `coef`
     /// (each as long as the cluster); returns how many are active. Under dReLU the gate pass's
-    /// coefficient is `relu(g)·relu(u)` ([`Activation::coef`]): a neuron whose up value is not
+    /// coefficient is `relu(g)·relu(u)` ([`Activation::coef`](crate::source::config::Activation::coef)): a neuron whose up value is not
     /// positive adds exactly nothing, so it leaves the list ([`keep_positive`]) and its down
     /// column is not computed — exact skipping by the up projection as well as the gate.
     pub(super) fn gate_into(
@@ -411,43 +410,5 @@ impl<'a> ClusterOps<'a> {
     pub(super) fn add_from(&self, active: &[u32], coef: &[f32], acc: &mut [f32]) {
         let rows = self.rows().expect("gate_into checked the cluster's size");
         down_pass(self.k, &self.plan.layout, &rows, active, coef, acc);
-    }
-}
-
-/// Under dReLU, keeps, in order, the entries of `active` whose `coef` is positive (the others'
-/// `relu(g)·relu(u)` is 0) at the front of both; returns how many (all of them under any other
-/// activation).
-pub(in crate::streaming) fn keep_positive(
-    act: Activation,
-    active: &mut [u32],
-    coef: &mut [f32],
-) -> usize {
-    if act != Activation::DRelu {
-        return active.len();
-    }
-    let mut m = 0;
-    for j in 0..active.len() {
-        if coef[j] > 0.0 {
-            (active[m], coef[m]) = (active[j], coef[j]);
-            m += 1;
-        }
-    }
-    m
-}
-
-#[cfg(test)]
-mod drelu_tests {
-    use super::keep_positive;
-    use leanstream_format::model_config::Activation;
-
-    #[test]
-    fn keep_positive_drops_the_non_positive_in_order() {
-        let (mut a, mut c) = ([3u32, 5, 8, 9, 12], [0.5f32, -1.0, 0.0, 2.0, -0.0]);
-        assert_eq!(keep_positive(Activation::DRelu, &mut a, &mut c), 2);
-        assert_eq!((&a[..2], &c[..2]), (&[3u32, 9][..], &[0.5f32, 2.0][..]));
-        // Any other activation keeps every entry.
-        let (mut a, mut c) = ([3u32, 5], [0.5f32, -1.0]);
-        assert_eq!(keep_positive(Activation::Silu, &mut a, &mut c), 2);
-        assert_eq!(c, [0.5, -1.0]);
     }
 }

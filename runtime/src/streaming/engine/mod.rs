@@ -18,8 +18,6 @@ mod chunk;
 mod groups;
 mod state;
 
-pub(super) use groups::keep_positive;
-
 use groups::*;
 pub(super) use state::{Core, Refine};
 
@@ -32,7 +30,9 @@ use leanstream_format::file::check_extent;
 use leanstream_format::quant::QuantType;
 use leanstream_format::FormatError;
 
-use crate::kernels::bundles::{down_pass, gate_pass, ClusterRows, PARALLEL_MIN_BYTES};
+use crate::kernels::bundles::{
+    down_pass, gate_pass, keep_positive, ClusterRows, PARALLEL_MIN_BYTES,
+};
 use crate::kernels::parallel;
 use crate::kernels::{Operand, RowKernels};
 use crate::model::FfnBackend;

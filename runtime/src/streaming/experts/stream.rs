@@ -18,12 +18,11 @@ use leanstream_format::file::check_extent;
 use super::cache::ExpertCache;
 use super::metrics::ExpertCounters;
 use super::oracle::Oracle;
-use crate::kernels::bundles::{down_pass, gate_pass, BundleLayout, ClusterRows};
+use crate::kernels::bundles::{gate_and_down, BundleLayout, ClusterRows};
 use crate::kernels::{Matrix, Operand, RowKernels, Weight};
 use crate::model::{rms_norm, route, Choice, DenseFfn, FfnBackend, MoeScratch};
 use crate::source::config::{Activation, MoeConfig};
 use crate::storage::{AlignedBuf, IoQueue, Ticket};
-use crate::streaming::engine::keep_positive;
 use crate::streaming::skip_rule::{Skip, SkipRule};
 
 /// Reads a layer waits for (the engine's urgent priority: ahead of the dense stream's reads of the
@@ -489,7 +488,8 @@ const GATE_BATCH: usize = 64;
 /// How an expert's neurons are skipped: none, except, for a ReLU-family activation (ReLU,
 /// FATReLU, dReLU: TurboSparse-Mixtral's experts), the neurons it zeroes: their up rows and down
 /// columns are skipped (threshold 0 on `|act(gate)|`, and under dReLU a non-positive
-/// `relu(g)·relu(u)` too, [`keep_positive`]), which leaves out exactly nothing.
+/// `relu(g)·relu(u)` too, [`keep_positive`](crate::kernels::bundles::keep_positive)), which
+/// leaves out exactly nothing.
 fn expert_skip(act: Activation) -> Skip {
     Skip {
         act,
@@ -526,21 +526,7 @@ fn run_bundles(
         for start in (0..rows.len()).step_by(GATE_BATCH) {
             let len = GATE_BATCH.min(rows.len() - start);
             let (scores, rows) = (&mut scores[..len], rows.from(start));
-            let m = gate_pass(
-                kernels,
-                layout,
-                &op,
-                &rows,
-                None,
-                |_| true,
-                skip,
-                scores,
-                active,
-                coef,
-            );
-            let m = keep_positive(skip.act, &mut active[..m], &mut coef[..m]);
-            down_pass(kernels, layout, &rows, &active[..m], &coef[..m], y);
-            computed += m;
+            computed += gate_and_down(kernels, layout, &op, &rows, skip, scores, active, coef, y);
         }
     }
     Ok(computed)
@@ -614,7 +600,7 @@ mod tests {
     use leanstream_format::quant::QuantType;
 
     use super::*;
-    use crate::kernels::bundles::gate_and_down;
+    use crate::kernels::bundles::{down_pass, gate_pass};
 
     /// A Q8_0 expert of `n` neurons over `hidden` values in one cluster: every block's scale
     /// 2^-7 and its codes drawn from a fixed sequence.
@@ -666,7 +652,8 @@ mod tests {
             Activation::DRelu,
             Activation::Silu,
         ] {
-            // Every neuron computed, as an expert ran before it skipped any.
+            // Every neuron computed (no dReLU filter either), as an expert ran before it skipped
+            // any.
             let every = Skip {
                 threshold: -1.0,
                 ..expert_skip(act)
@@ -677,18 +664,10 @@ mod tests {
             for start in (0..n).step_by(GATE_BATCH) {
                 let s = &mut scores[..GATE_BATCH.min(n - start)];
                 let (a, c) = (&mut active, &mut coef);
-                let m = gate_and_down(
-                    k,
-                    &layout,
-                    &op,
-                    &rows.from(start),
-                    every,
-                    s,
-                    a,
-                    c,
-                    &mut want,
-                );
+                let rows = rows.from(start);
+                let m = gate_pass(k, &layout, &op, &rows, None, |_| true, every, s, a, c);
                 assert_eq!(m, s.len());
+                down_pass(k, &layout, &rows, &a[..m], &c[..m], &mut want);
             }
             let mut got = vec![0.0f32; hidden];
             let (s, a, c) = (&mut scores, &mut active, &mut coef);
