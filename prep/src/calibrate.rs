@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use leanstream::kernels::{Matrix, Weight};
-use leanstream::model::DenseFfn;
+use leanstream::model::{Attention, DenseFfn};
 use leanstream::streaming::default_predictor_rank;
 use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream::tokenizer::Tokenizer;
@@ -525,8 +525,22 @@ pub(crate) fn install(
 ) -> Result<()> {
     let c = stored.config();
     let (h, n) = (c.hidden_size, c.intermediate_size);
+    // Attention in f32 while it is calibrated: the windows' products then run as one f32 `gemm`
+    // each ([`Profiler::new`]) instead of the encoded rows' kernels (the block's memory estimate
+    // counts attention in f32). The previous block's f32 buffers are reused: allocating and
+    // freeing them block after block fragmented the heap enough that the peak grew with depth.
+    let a = stored.attention(l)?;
+    let spare = profiler.attention_spare.take();
+    let mut spare = spare.map(|s| [s.wq, s.wk, s.wv, s.wo]).into_iter().flatten();
+    let mut f32 = |w: Weight| decoded(w, spare.next());
+    let attention = Attention {
+        wq: f32(a.wq),
+        wk: f32(a.wk),
+        wv: f32(a.wv),
+        wo: f32(a.wo),
+    };
     let model = &mut profiler.model;
-    model.set_attention(l, stored.attention(l)?);
+    model.set_attention(l, attention);
     model.set_ffn(
         l,
         Some(DenseFfn {
@@ -536,4 +550,21 @@ pub(crate) fn install(
         }),
     );
     Ok(())
+}
+
+/// `w` in f32, decoded into `spare`'s buffer where there is one (an f32 weight stays as it is).
+fn decoded(w: Weight, spare: Option<Weight>) -> Weight {
+    let Weight::Encoded(q) = w else {
+        return w;
+    };
+    let mut data = match spare {
+        Some(Weight::F32(m)) => m.data,
+        _ => Vec::new(),
+    };
+    data.clear();
+    data.resize(q.rows * q.cols, 0.0);
+    for (r, row) in data.chunks_exact_mut(q.cols).enumerate() {
+        q.dequantize_row(r, row);
+    }
+    Weight::F32(Matrix::new(q.rows, q.cols, data))
 }

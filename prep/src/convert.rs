@@ -291,7 +291,7 @@ pub(crate) fn uninstall(profiler: &mut Profiler, l: usize) {
         wv: placeholder(),
         wo: placeholder(),
     };
-    model.set_attention(l, empty);
+    profiler.attention_spare = Some(model.set_attention(l, empty));
 }
 
 /// Layer `l`'s gate, up and down weights as f32 (`n × h`, `n × h`, `h × n`), and the power of two

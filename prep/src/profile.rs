@@ -8,7 +8,7 @@
 
 use std::borrow::Cow;
 
-use leanstream::model::{FfnProbe, Model};
+use leanstream::model::{Attention, FfnProbe, Model};
 use leanstream::streaming::skip_rule::Skip;
 use leanstream::text::perplexity::{Comparison, ComparisonAccum};
 use rayon::prelude::*;
@@ -60,6 +60,8 @@ pub struct Profiler<'a> {
     /// from one call to the next while [`Profiler::keep_dense_logits`] says so (the `auto`
     /// search's rounds compare with the same dense output); empty until the first call.
     dense_logits: Option<Vec<f32>>,
+    /// The f32 attention of the block uninstalled last, whose buffers the next install reuses.
+    pub(crate) attention_spare: Option<Attention>,
 }
 
 /// Positions of a held-out window whose logits are compared at once: bounds the logits held
@@ -78,13 +80,19 @@ fn per_window<'s>(mut buf: &'s mut [f32], lens: &[usize], width: usize) -> Vec<&
 }
 
 impl<'a> Profiler<'a> {
-    pub fn new(model: Model, calib: &'a Calibration) -> anyhow::Result<Self> {
+    /// Profiles `model` on `calib`'s windows. Each window's FFN runs its f32 weights in one
+    /// product over the window ([`Model::set_whole_products`]): a window always has the same
+    /// tokens, so its bits do not change from pass to pass or with the thread count, and each
+    /// weight is read once a window, not once per 16 tokens.
+    pub fn new(mut model: Model, calib: &'a Calibration) -> anyhow::Result<Self> {
+        model.set_whole_products(true);
         let mut p = Self {
             model,
             calib,
             dense: Vec::new(),
             sparse: Vec::new(),
             dense_logits: None,
+            attention_spare: None,
         };
         p.restart()?;
         Ok(p)

@@ -129,6 +129,20 @@ pub fn matmul_t(w: &Matrix, x: &[f32], t: usize, out: &mut [f32]) {
     }
 }
 
+/// `out (t × rows) = X (t × cols) · Wᵀ` in one product over all `t` inputs: each token's bits then
+/// depend on `t` (`gemm`'s blocking follows its `m`), so a prompt's chunking would change them, but
+/// the weights are read once for every input instead of once per [`GEMM_MIN_TOKENS`]. For
+/// calibration passes over fixed windows ([`crate::model::Model::set_whole_products`]).
+pub fn matmul_t_whole(w: &Matrix, x: &[f32], t: usize, out: &mut [f32]) {
+    assert_eq!(x.len(), t * w.cols);
+    assert_eq!(out.len(), t * w.rows);
+    match t {
+        0 => {}
+        1 => matvec(w, x, out),
+        _ => gemm_t(&w.data, w.rows, w.cols, x, t, out, w.rows),
+    }
+}
+
 /// How many of `t` inputs go through `gemm`: all but a single input left after the whole blocks of
 /// [`GEMM_MIN_TOKENS`] (that one, or a lone decoded token, is a mat-vec). A token's result then
 /// depends only on its place in the input, not on the input's length: a prompt split into chunks of

@@ -3,7 +3,7 @@
 use anyhow::Result;
 use leanstream_format::quant::QuantType;
 
-use super::matrix::{matmul_t, Matrix};
+use super::matrix::{matmul_t, matmul_t_whole, Matrix};
 use super::qmatrix::QMatrix;
 
 #[derive(Debug, Clone)]
@@ -79,6 +79,15 @@ impl Weight {
     pub fn matmul_t(&self, x: &[f32], t: usize, out: &mut [f32]) {
         match self {
             Weight::F32(m) => matmul_t(m, x, t, out),
+            Weight::Encoded(q) => q.matmul_t(x, t, out),
+        }
+    }
+
+    /// [`Weight::matmul_t`] in one product over all `t` inputs where the weight is f32
+    /// ([`matmul_t_whole`]: its bits depend on `t`); an encoded weight multiplies as always.
+    pub fn matmul_t_whole(&self, x: &[f32], t: usize, out: &mut [f32]) {
+        match self {
+            Weight::F32(m) => matmul_t_whole(m, x, t, out),
             Weight::Encoded(q) => q.matmul_t(x, t, out),
         }
     }

@@ -37,9 +37,14 @@ impl Model {
         for (src, dst) in x.chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
             rms_norm(src, &layer.attn_norm, c.rms_norm_eps, dst);
         }
-        attn.wq.matmul_t(&s.xn, t, &mut s.q);
-        attn.wk.matmul_t(&s.xn, t, &mut s.k);
-        attn.wv.matmul_t(&s.xn, t, &mut s.v);
+        let whole = self.whole_products;
+        let product = |w: &Weight, x: &[f32], out: &mut [f32]| match whole {
+            true => w.matmul_t_whole(x, t, out),
+            false => w.matmul_t(x, t, out),
+        };
+        product(&attn.wq, &s.xn, &mut s.q);
+        product(&attn.wk, &s.xn, &mut s.k);
+        product(&attn.wv, &s.xn, &mut s.v);
         if let Some(b) = &layer.qkv_bias {
             let (bq, bkv) = b.split_at(qd);
             let (bk, bv) = bkv.split_at(kvd);
@@ -70,7 +75,7 @@ impl Model {
             cache.store(l, start + i, k, &s.v[i * kvd..(i + 1) * kvd]);
         }
         self.attend(l, start, t, &s.q, cache, &mut s.scores, &mut s.att);
-        attn.wo.matmul_t(&s.att, t, &mut s.proj);
+        product(&attn.wo, &s.att, &mut s.proj);
         add_output(
             layer.attn_post_norm.as_deref(),
             c.rms_norm_eps,

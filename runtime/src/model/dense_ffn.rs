@@ -18,19 +18,37 @@ pub struct DenseFfn {
 }
 
 impl DenseFfn {
-    /// Gate and up pre-activations of the `t` rows of `x` (`t × n` each).
-    fn project(&self, x: &[f32], t: usize, gate: &mut [f32], up: &mut [f32]) {
-        self.gate.matmul_t(x, t, gate);
-        self.up.matmul_t(x, t, up);
+    /// Gate and up pre-activations of the `t` rows of `x` (`t × n` each); `whole`: in one product
+    /// ([`Model::set_whole_products`]).
+    fn project(&self, x: &[f32], t: usize, gate: &mut [f32], up: &mut [f32], whole: bool) {
+        if whole {
+            self.gate.matmul_t_whole(x, t, gate);
+            self.up.matmul_t_whole(x, t, up);
+        } else {
+            self.gate.matmul_t(x, t, gate);
+            self.up.matmul_t(x, t, up);
+        }
     }
 
     /// `out = down · (act(gate) ⊙ up)` (dReLU: `relu(gate) ⊙ relu(up)`, [`Activation::coef`]),
     /// overwriting `gate` with the coefficients.
-    fn finish(&self, act: Activation, t: usize, gate: &mut [f32], up: &[f32], out: &mut [f32]) {
+    fn finish(
+        &self,
+        act: Activation,
+        t: usize,
+        gate: &mut [f32],
+        up: &[f32],
+        out: &mut [f32],
+        whole: bool,
+    ) {
         gate.iter_mut()
             .zip(up)
             .for_each(|(g, u)| *g = act.coef(act.apply(*g), *u));
-        self.down.matmul_t(gate, t, out);
+        if whole {
+            self.down.matmul_t_whole(gate, t, out);
+        } else {
+            self.down.matmul_t(gate, t, out);
+        }
     }
 
     /// The FFN of the `t` rows of `x` into `out` (`t × hidden`), with `gate` and `up` as scratch.
@@ -43,8 +61,8 @@ impl DenseFfn {
         up: &mut [f32],
         out: &mut [f32],
     ) {
-        self.project(x, t, gate, up);
-        self.finish(act, t, gate, up, out);
+        self.project(x, t, gate, up, false);
+        self.finish(act, t, gate, up, out, false);
     }
 
     pub(super) fn bytes(&self) -> usize {
@@ -160,7 +178,7 @@ impl Model {
         let (gate, up) = (&mut s.gate[..t * n], &mut s.up[..t * n]);
         // Only the call's rows: a batched step's scratch may hold more.
         let xn = &s.xn[..t * h];
-        weights.project(xn, t, gate, up);
+        weights.project(xn, t, gate, up, self.whole_products);
         if let Some(probe) = probe {
             probe(FfnProbe {
                 layer: l,
@@ -170,7 +188,14 @@ impl Model {
                 up,
             });
         }
-        weights.finish(c.activation, t, gate, up, &mut s.proj[..t * h]);
+        weights.finish(
+            c.activation,
+            t,
+            gate,
+            up,
+            &mut s.proj[..t * h],
+            self.whole_products,
+        );
         add_output(
             layer.ffn_post_norm.as_deref(),
             c.rms_norm_eps,

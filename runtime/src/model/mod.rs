@@ -86,6 +86,9 @@ pub struct Model {
     /// The same for a batch of decoded tokens ([`Model::forward_batch_with`]), sized for the
     /// largest batch so far: a step of that many rows or fewer allocates nothing.
     batch: Mutex<Option<BatchBuffers>>,
+    /// Whether a call's f32 weights multiply all its rows in one product
+    /// ([`Model::set_whole_products`]).
+    whole_products: bool,
 }
 
 /// A batched step's buffers: room for `rows` rows.
@@ -296,6 +299,7 @@ impl Model {
             kv: KvType::F32,
             decode: Mutex::new(None),
             batch: Mutex::new(None),
+            whole_products: false,
         })
     }
 
@@ -317,6 +321,14 @@ impl Model {
             .as_mut()
             .expect("set_attention() needs a model built with its projections");
         std::mem::replace(&mut projections.attention[l], attention)
+    }
+
+    /// With `whole`, a call's f32 weights (attention projections and FFN) multiply all its rows in
+    /// one product: each row's bits then depend on how many rows the call has (a prompt's
+    /// chunking would change them), but the weights are read once per call instead of once per
+    /// 16 rows. For calibration passes over fixed windows; off by default.
+    pub fn set_whole_products(&mut self, whole: bool) {
+        self.whole_products = whole;
     }
 
     /// Installs or drops layer `l`'s resident FFN (prep holds one layer's FFN at a time).
