@@ -85,6 +85,67 @@ pub fn decode_each<M: LanguageModel + ?Sized>(
     Ok(())
 }
 
+/// A model whose computing calls ([`forward_into`](LanguageModel::forward_into) and
+/// [`forward_batch`](LanguageModel::forward_batch)) each run inside `pool.install`, so their
+/// parallel loops use that pool's threads, while the caller's code between the calls (a token
+/// callback of [`generate_after`](crate::text::generate::generate_after)) stays on the calling
+/// thread: how the C API gives each model its own thread count. With no pool the calls run on the
+/// calling thread (their parallel loops on the shared pool).
+pub struct OnPool<'a, M: ?Sized> {
+    pub model: &'a mut M,
+    pub pool: Option<&'a rayon::ThreadPool>,
+}
+
+/// Runs `f` inside `pool.install` (its parallel loops on the pool's threads, the calling thread
+/// waiting), or with no pool on the calling thread (its parallel loops on the shared pool).
+pub fn install<R: Send>(pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> R + Send) -> R {
+    match pool {
+        Some(pool) => pool.install(f),
+        None => f(),
+    }
+}
+
+impl<M: LanguageModel + Send + ?Sized> LanguageModel for OnPool<'_, M> {
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn new_cache(&self, ctx: usize) -> KvCache {
+        self.model.new_cache(ctx)
+    }
+
+    fn scores_by_decoding(&self) -> bool {
+        self.model.scores_by_decoding()
+    }
+
+    fn prompt_chunk(&self) -> usize {
+        self.model.prompt_chunk()
+    }
+
+    fn forward_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let model = &mut *self.model;
+        install(self.pool, || {
+            model.forward_into(tokens, cache, all_logits, logits)
+        })
+    }
+
+    fn forward_batch(
+        &mut self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let model = &mut *self.model;
+        install(self.pool, || model.forward_batch(tokens, caches, logits))
+    }
+}
+
 impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {
     fn config(&self) -> &ModelConfig {
         (**self).config()

@@ -31,7 +31,7 @@ pub use attention::Attention;
 pub use batch::recycle;
 use dense_ffn::Ffn;
 pub use dense_ffn::{DenseFfn, FfnBackend, FfnProbe};
-pub use language_model::{decode_each, LanguageModel};
+pub use language_model::{decode_each, install, LanguageModel, OnPool};
 pub use moe::{expert_tensor_names, route, router_tensor_name, Choice, MoeFfn, MoeScratch};
 pub use norm::rms_norm;
 pub use projections::{DenseWeights, Projections};
