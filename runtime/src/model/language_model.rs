@@ -76,13 +76,25 @@ pub fn decode_each<M: LanguageModel + ?Sized>(
             caches.len()
         );
     }
-    let mut row = Vec::new();
+    // The row buffer is kept on this thread, so that a step allocates nothing once warm (taken,
+    // not borrowed: a model whose own step decoded rows this way would find it empty, not busy).
+    let mut row = ROW.take();
     logits.clear();
-    for (&tok, cache) in tokens.iter().zip(caches.iter_mut()) {
-        model.forward_into(&[tok], cache, false, &mut row)?;
-        logits.extend_from_slice(&row);
-    }
-    Ok(())
+    let result = tokens
+        .iter()
+        .zip(caches.iter_mut())
+        .try_for_each(|(&tok, cache)| {
+            model.forward_into(&[tok], cache, false, &mut row)?;
+            logits.extend_from_slice(&row);
+            Ok(())
+        });
+    ROW.set(row);
+    result
+}
+
+thread_local! {
+    /// [`decode_each`]'s row of logits, kept between steps.
+    static ROW: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// A model whose computing calls ([`forward_into`](LanguageModel::forward_into) and

@@ -94,6 +94,8 @@ struct BatchBuffers {
     x: Vec<f32>,
     s: Scratch,
     positions: Vec<usize>,
+    /// One row's logits, where a float head takes the rows one at a time.
+    row: Vec<f32>,
 }
 
 /// A forward call's residual stream and scratch space.
