@@ -12,7 +12,7 @@
 /**
  * The ABI this header describes: a library whose `ls_abi_version()` differs is not compatible.
  */
-#define LEANSTREAM_ABI_VERSION 2
+#define LEANSTREAM_ABI_VERSION 3
 
 /**
  * What a call did.
@@ -60,7 +60,9 @@ typedef enum LsStopReason {
 /**
  * An open model. Any thread may use it, one at a time (the caller orders the calls: the model
  * moves between threads but is not shared by them), except `ls_cancel` and
- * `ls_set_memory_budget`, which any thread may call at any time.
+ * `ls_set_memory_budget`, which any thread may call at any time. Each model computes on its own
+ * threads (`LsOpenOptions.threads`), so two models used from two threads at once do not share
+ * them.
  */
 typedef struct LsModel LsModel;
 
@@ -77,8 +79,9 @@ typedef struct LsOpenOptions {
    */
   uint32_t ctx;
   /**
-   * Compute threads for the whole process (the first `ls_open` that sets it decides); 0: all
-   * cores.
+   * Compute threads of this model: it computes on a pool of its own with this many threads,
+   * whichever thread calls it; 0: on the process's shared pool (all cores). Callbacks run on
+   * the calling thread, never on a compute thread.
    */
   uint32_t threads;
   /**
@@ -126,7 +129,9 @@ typedef struct LsGenerateOptions {
 
 /**
  * Receives each piece of generated text: `len` bytes of UTF-8 at `piece` (NUL-terminated too),
- * and the `user_data` given to `ls_generate`. Return false to stop the generation.
+ * and the `user_data` given to `ls_generate`. Return false to stop the generation. It runs on
+ * the thread that called `ls_generate` or `ls_chat` (between the compute steps, which run on
+ * the model's threads), so it may use that thread's state (a JNI environment, a UI loop).
  */
 typedef bool (*LsTokenCallback)(const char *piece, size_t len, void *user_data);
 
@@ -169,6 +174,10 @@ typedef struct LsMetrics {
    * The process's peak resident set size in bytes (0 where unknown).
    */
   uint64_t peak_rss_bytes;
+  /**
+   * The threads this model computes on (`options.threads`, or the shared pool's count).
+   */
+  uint32_t threads;
 } LsMetrics;
 
 #ifdef __cplusplus
@@ -176,7 +185,8 @@ extern "C" {
 #endif // __cplusplus
 
 /**
- * The command line's defaults: no budget, ctx 2048, all cores, the file's default policy.
+ * The command line's defaults: no budget, ctx 2048, the shared pool (all cores), the file's
+ * default policy.
  */
 struct LsOpenOptions ls_open_options_default(void);
 

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use leanstream::model::kv_cache::KvCache;
+use leanstream::model::{install, OnPool};
 use leanstream::platform::elastic::{BudgetHandle, BudgetWatch};
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
@@ -44,8 +45,9 @@ pub struct LsOpenOptions {
     pub memory_bytes: u64,
     /// Context length in tokens; 0: 2048, or the model's maximum if smaller.
     pub ctx: u32,
-    /// Compute threads for the whole process (the first `ls_open` that sets it decides); 0: all
-    /// cores.
+    /// Compute threads of this model: it computes on a pool of its own with this many threads,
+    /// whichever thread calls it; 0: on the process's shared pool (all cores). Callbacks run on
+    /// the calling thread, never on a compute thread.
     pub threads: u32,
     /// `leanstream`, `resident`, `dense`, `mmap`, `powerinfer2`, `llm-in-flash`; NULL: leanstream
     /// for converted files, dense otherwise.
@@ -107,16 +109,22 @@ pub struct LsMetrics {
     pub memory_budget_bytes: u64,
     /// The process's peak resident set size in bytes (0 where unknown).
     pub peak_rss_bytes: u64,
+    /// The threads this model computes on (`options.threads`, or the shared pool's count).
+    pub threads: u32,
 }
 
 /// Receives each piece of generated text: `len` bytes of UTF-8 at `piece` (NUL-terminated too),
-/// and the `user_data` given to `ls_generate`. Return false to stop the generation.
+/// and the `user_data` given to `ls_generate`. Return false to stop the generation. It runs on
+/// the thread that called `ls_generate` or `ls_chat` (between the compute steps, which run on
+/// the model's threads), so it may use that thread's state (a JNI environment, a UI loop).
 pub type LsTokenCallback =
     Option<extern "C" fn(piece: *const c_char, len: usize, user_data: *mut c_void) -> bool>;
 
 /// An open model. Any thread may use it, one at a time (the caller orders the calls: the model
 /// moves between threads but is not shared by them), except `ls_cancel` and
-/// `ls_set_memory_budget`, which any thread may call at any time.
+/// `ls_set_memory_budget`, which any thread may call at any time. Each model computes on its own
+/// threads (`LsOpenOptions.threads`), so two models used from two threads at once do not share
+/// them.
 pub struct LsModel {
     /// Locked by each call that uses it, so `ls_set_memory_budget` from another thread can tell
     /// whether it is in use.
@@ -127,6 +135,23 @@ pub struct LsModel {
     last: Cell<LsMetrics>,
     /// The token-level calls' sequence: `ls_eval`'s tokens, their KV cache and the last logits.
     sequence: RefCell<Sequence>,
+    /// The model's own compute threads (`None`: the process's shared pool).
+    pool: Option<rayon::ThreadPool>,
+}
+
+impl LsModel {
+    /// Runs `f`, a computation that calls nothing of the caller's, on the model's threads.
+    fn on_threads<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        install(self.pool.as_ref(), f)
+    }
+
+    /// How many threads the model computes on.
+    fn threads(&self) -> u32 {
+        self.pool.as_ref().map_or_else(
+            rayon::current_num_threads,
+            rayon::ThreadPool::current_num_threads,
+        ) as u32
+    }
 }
 
 // A model may move between threads (used by one at a time): checked at compile time.
@@ -142,8 +167,11 @@ struct Sequence {
     logits: Vec<f32>,
 }
 
+/// The most compute threads one model may ask for.
+const MAX_THREADS: u32 = 1024;
+
 /// The ABI this header describes: a library whose `ls_abi_version()` differs is not compatible.
-pub const LEANSTREAM_ABI_VERSION: u32 = 2;
+pub const LEANSTREAM_ABI_VERSION: u32 = 3;
 
 /// One message of a conversation: `role` is `system`, `user`, `assistant` or `tool`.
 #[repr(C)]
@@ -201,7 +229,8 @@ unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>, (LsS
         .map_err(|_| invalid(format!("{what} is not UTF-8 text")))
 }
 
-/// The command line's defaults: no budget, ctx 2048, all cores, the file's default policy.
+/// The command line's defaults: no budget, ctx 2048, the shared pool (all cores), the file's
+/// default policy.
 #[no_mangle]
 pub extern "C" fn ls_open_options_default() -> LsOpenOptions {
     LsOpenOptions {
@@ -268,20 +297,26 @@ pub unsafe extern "C" fn ls_open(
         let flash = unsafe { text(o.flash, "options.flash") }?.unwrap_or("none");
         let flash = FlashProfile::from_flash_arg(flash)
             .map_err(|e| invalid(format!("options.flash: {e:#}")))?;
-        if o.threads > 0 {
-            let n = o.threads as usize;
-            // The compute pool is the process's: built once, by the first call that asks.
-            let built = rayon::ThreadPoolBuilder::new()
-                .num_threads(n)
-                .build_global();
-            if built.is_err() && rayon::current_num_threads() != n {
+        let pool = match o.threads {
+            0 => None,
+            n if n > MAX_THREADS => {
                 return Err(invalid(format!(
-                    "options.threads {n}: the process already computes on {} threads (the \
-                     thread count is fixed by the first ls_open that sets it)",
-                    rayon::current_num_threads()
-                )));
+                    "options.threads {n}: at most {MAX_THREADS} (0: the shared pool, all cores)"
+                )))
             }
-        }
+            n => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n as usize)
+                    .thread_name(|i| format!("leanstream-{i}"))
+                    .build()
+                    .map_err(|e| {
+                        (
+                            LsStatus::Open,
+                            format!("options.threads {n}: cannot start the threads: {e}"),
+                        )
+                    })?,
+            ),
+        };
         leanstream::platform::memory::startup_rss_bytes();
         let options = SessionOptions {
             model: PathBuf::from(path),
@@ -294,8 +329,9 @@ pub unsafe extern "C" fn ls_open(
             kv: Default::default(),
             tuning: Tuning::default(),
         };
-        let mut session =
-            Session::open(&options).map_err(|e| (LsStatus::Open, format!("{e:#}")))?;
+        // Opening computes (a converted file's plan, dequantized weights): on the model's threads.
+        let mut session = install(pool.as_ref(), || Session::open(&options))
+            .map_err(|e| (LsStatus::Open, format!("{e:#}")))?;
         // A streaming model follows the budget `ls_set_memory_budget` sets, between tokens.
         let budget = match session.report()["memory_budget_bytes"].as_u64() {
             Some(bytes) => {
@@ -313,7 +349,12 @@ pub unsafe extern "C" fn ls_open(
             cancel: AtomicBool::new(false),
             last: Cell::new(metrics_of(None)),
             sequence: RefCell::new(Sequence::default()),
+            pool,
         };
+        model.last.set(LsMetrics {
+            threads: model.threads(),
+            ..model.last.get()
+        });
         // SAFETY: as above; ownership passes to the caller until `ls_close`.
         unsafe { *out = Box::into_raw(Box::new(model)) };
         Ok(())
@@ -461,24 +502,31 @@ fn generate(
     };
     let tokenizer = session.tokenizer.clone();
     let mut cache = session.model().new_cache(opts.ctx);
+    // Called on this thread: only the forward passes run on the model's threads.
+    let on_piece = |piece: &str| {
+        let Some(callback) = callback else { return };
+        let c = CString::new(piece.replace('\0', " ")).expect("NULs replaced");
+        if !callback(c.as_ptr(), piece.len(), user_data) {
+            model.cancel.store(true, Ordering::SeqCst);
+        }
+    };
+    let lm = OnPool {
+        model: session.model(),
+        pool: model.pool.as_ref(),
+    };
     let generation = generate_after(
-        session.model(),
+        lm,
         &tokenizer,
         &mut cache,
         &[],
         &ids,
         &opts,
         &model.cancel,
-        |piece| {
-            let Some(callback) = callback else { return };
-            let c = CString::new(piece.replace('\0', " ")).expect("NULs replaced");
-            if !callback(c.as_ptr(), piece.len(), user_data) {
-                model.cancel.store(true, Ordering::SeqCst);
-            }
-        },
+        on_piece,
     )
     .map_err(failed)?;
     let mut m = metrics_of(Some(&session));
+    m.threads = model.threads();
     let stats = &generation.stats;
     m.prompt_tokens = stats.prompt_tokens as u64;
     m.generated_tokens = stats.generated_tokens as u64;
@@ -669,10 +717,12 @@ pub unsafe extern "C" fn ls_eval(
         let m = session.model();
         let cache = cache.get_or_insert_with(|| m.new_cache(ctx));
         let chunk = m.prompt_chunk();
-        for part in ids.chunks(chunk) {
-            m.forward_into(part, cache, false, logits)
-                .map_err(|e| (LsStatus::Generate, format!("ls_eval: {e:#}")))?;
-        }
+        model
+            .on_threads(|| {
+                ids.chunks(chunk)
+                    .try_for_each(|part| m.forward_into(part, cache, false, logits))
+            })
+            .map_err(|e| (LsStatus::Generate, format!("ls_eval: {e:#}")))?;
         seq_tokens.extend_from_slice(ids);
         Ok(())
     })
@@ -912,6 +962,7 @@ fn metrics_of(session: Option<&Session>) -> LsMetrics {
         cache_hit_rate: number("cache_hit_rate"),
         memory_budget_bytes: number("memory_budget_bytes") as u64,
         peak_rss_bytes: leanstream::platform::memory::peak_rss_bytes().unwrap_or(0),
+        threads: 0,
     }
 }
 
@@ -1084,6 +1135,116 @@ mod tests {
                 ls_set_memory_budget(std::ptr::null(), 1 << 30),
                 LsStatus::InvalidArgument
             );
+        }
+    }
+
+    /// What a token callback saw: the text, how many calls, and how many of them ran elsewhere
+    /// than on the thread that called `ls_generate` (or on a compute thread).
+    struct Seen {
+        text: String,
+        caller: std::thread::ThreadId,
+        calls: usize,
+        elsewhere: usize,
+    }
+
+    extern "C" fn record(piece: *const c_char, len: usize, user_data: *mut c_void) -> bool {
+        // SAFETY: `user_data` is the `Seen` that `greedy` passes, `piece` has `len` bytes.
+        let (seen, bytes) = unsafe {
+            (
+                &mut *user_data.cast::<Seen>(),
+                std::slice::from_raw_parts(piece.cast::<u8>(), len),
+            )
+        };
+        seen.text.push_str(std::str::from_utf8(bytes).unwrap());
+        seen.calls += 1;
+        if std::thread::current().id() != seen.caller || rayon::current_thread_index().is_some() {
+            seen.elsewhere += 1;
+        }
+        true
+    }
+
+    /// 24 greedy tokens of austen-relu from `model` (an `LsModel` address) on this thread: the
+    /// text, the callback's calls, those made elsewhere, and the model's thread count.
+    fn greedy(model: usize) -> (String, usize, usize, u32) {
+        let model = model as *mut LsModel;
+        let prompt = CString::new("It is a truth universally").unwrap();
+        let options = LsGenerateOptions {
+            max_tokens: 24,
+            temperature: 0.0,
+            ..ls_generate_options_default()
+        };
+        let mut seen = Seen {
+            text: String::new(),
+            caller: std::thread::current().id(),
+            calls: 0,
+            elsewhere: 0,
+        };
+        let mut m = metrics_of(None);
+        // SAFETY: `model` is open and used by this thread alone during the call; `seen` outlives it.
+        unsafe {
+            let status = ls_generate(
+                model,
+                prompt.as_ptr(),
+                &options,
+                Some(record),
+                std::ptr::addr_of_mut!(seen).cast(),
+            );
+            assert_eq!(status, LsStatus::Ok, "{}", last_error());
+            assert_eq!(ls_metrics(model, &mut m), LsStatus::Ok);
+        }
+        assert_eq!(m.generated_tokens, 24);
+        (seen.text, seen.calls, seen.elsewhere, m.threads)
+    }
+
+    #[test]
+    fn models_with_their_own_threads_give_their_tokens_and_call_back_on_the_caller() {
+        let path = CString::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../models/austen-relu"
+        ))
+        .unwrap();
+        let open = |threads| {
+            let mut model = std::ptr::null_mut();
+            let options = LsOpenOptions {
+                threads,
+                ..ls_open_options_default()
+            };
+            // SAFETY: a valid path, options and out pointer.
+            let status = unsafe { ls_open(path.as_ptr(), &options, &mut model) };
+            assert_eq!(status, LsStatus::Ok, "{}", last_error());
+            model as usize
+        };
+        let (one, two) = (open(1), open(2));
+        let alone = [greedy(one), greedy(two)];
+        for ((text, calls, elsewhere, threads), want) in alone.iter().zip([1, 2]) {
+            assert!(*calls > 0 && !text.is_empty(), "{text:?}");
+            assert_eq!(*elsewhere, 0, "every callback on the calling thread");
+            assert_eq!(*threads, want);
+        }
+        assert_eq!(
+            alone[0].0, alone[1].0,
+            "the same greedy text on 1 and 2 threads"
+        );
+        // Both at once, each from a thread of its own: each gives what it gave alone.
+        let together = std::thread::scope(|s| {
+            let a = s.spawn(|| greedy(one));
+            let b = s.spawn(|| greedy(two));
+            [a.join().unwrap(), b.join().unwrap()]
+        });
+        assert_eq!(together, alone);
+        // A thread count no machine has is refused with a message, not tried.
+        let mut model = std::ptr::null_mut();
+        let options = LsOpenOptions {
+            threads: MAX_THREADS + 1,
+            ..ls_open_options_default()
+        };
+        // SAFETY: valid pointers; the models are closed once.
+        unsafe {
+            let status = ls_open(path.as_ptr(), &options, &mut model);
+            assert_eq!(status, LsStatus::InvalidArgument);
+            assert!(last_error().contains("at most 1024"), "{}", last_error());
+            ls_close(one as *mut LsModel);
+            ls_close(two as *mut LsModel);
         }
     }
 

@@ -174,6 +174,7 @@ fn the_c_example_writes_runs_text_and_reports_a_bad_path() {
 fn exported(src: &str) -> Vec<String> {
     let mut names: Vec<String> = src
         .lines()
+        .filter(|l| l.starts_with("pub "))
         .filter_map(|l| l.split("extern \"C\" fn ").nth(1))
         .filter(|rest| !rest.starts_with('('))
         .map(|rest| rest.split('(').next().unwrap().trim().to_string())

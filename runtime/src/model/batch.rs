@@ -64,6 +64,7 @@ impl Model {
             mut x,
             mut s,
             mut positions,
+            mut row,
         } = match kept {
             Some(b) if b.rows >= t => b,
             _ => BatchBuffers {
@@ -71,6 +72,7 @@ impl Model {
                 x: Vec::with_capacity(t * h),
                 s: Scratch::new(c, t),
                 positions: Vec::with_capacity(t),
+                row: Vec::new(),
             },
         };
         positions.clear();
@@ -116,7 +118,6 @@ impl Model {
             logits.resize(t * c.vocab_size, 0.0);
             // A float head sums several rows in another order: one row at a time (a streamed
             // one read for each).
-            let mut row = Vec::new();
             for (x, out) in x.chunks_exact(h).zip(logits.chunks_exact_mut(c.vocab_size)) {
                 self.logits_with(x, dense, &mut s.xn, &mut row)?;
                 out.copy_from_slice(&row);
@@ -127,6 +128,7 @@ impl Model {
             x,
             s,
             positions,
+            row,
         });
         Ok(())
     }

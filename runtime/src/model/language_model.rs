@@ -76,13 +76,86 @@ pub fn decode_each<M: LanguageModel + ?Sized>(
             caches.len()
         );
     }
-    let mut row = Vec::new();
+    // The row buffer is kept on this thread, so that a step allocates nothing once warm (taken,
+    // not borrowed: a model whose own step decoded rows this way would find it empty, not busy).
+    let mut row = ROW.take();
     logits.clear();
-    for (&tok, cache) in tokens.iter().zip(caches.iter_mut()) {
-        model.forward_into(&[tok], cache, false, &mut row)?;
-        logits.extend_from_slice(&row);
+    let result = tokens
+        .iter()
+        .zip(caches.iter_mut())
+        .try_for_each(|(&tok, cache)| {
+            model.forward_into(&[tok], cache, false, &mut row)?;
+            logits.extend_from_slice(&row);
+            Ok(())
+        });
+    ROW.set(row);
+    result
+}
+
+thread_local! {
+    /// [`decode_each`]'s row of logits, kept between steps.
+    static ROW: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// A model whose computing calls ([`forward_into`](LanguageModel::forward_into) and
+/// [`forward_batch`](LanguageModel::forward_batch)) each run inside `pool.install`, so their
+/// parallel loops use that pool's threads, while the caller's code between the calls (a token
+/// callback of [`generate_after`](crate::text::generate::generate_after)) stays on the calling
+/// thread: how the C API gives each model its own thread count. With no pool the calls run on the
+/// calling thread (their parallel loops on the shared pool).
+pub struct OnPool<'a, M: ?Sized> {
+    pub model: &'a mut M,
+    pub pool: Option<&'a rayon::ThreadPool>,
+}
+
+/// Runs `f` inside `pool.install` (its parallel loops on the pool's threads, the calling thread
+/// waiting), or with no pool on the calling thread (its parallel loops on the shared pool).
+pub fn install<R: Send>(pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> R + Send) -> R {
+    match pool {
+        Some(pool) => pool.install(f),
+        None => f(),
     }
-    Ok(())
+}
+
+impl<M: LanguageModel + Send + ?Sized> LanguageModel for OnPool<'_, M> {
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn new_cache(&self, ctx: usize) -> KvCache {
+        self.model.new_cache(ctx)
+    }
+
+    fn scores_by_decoding(&self) -> bool {
+        self.model.scores_by_decoding()
+    }
+
+    fn prompt_chunk(&self) -> usize {
+        self.model.prompt_chunk()
+    }
+
+    fn forward_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let model = &mut *self.model;
+        install(self.pool, || {
+            model.forward_into(tokens, cache, all_logits, logits)
+        })
+    }
+
+    fn forward_batch(
+        &mut self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let model = &mut *self.model;
+        install(self.pool, || model.forward_batch(tokens, caches, logits))
+    }
 }
 
 impl<T: LanguageModel + ?Sized> LanguageModel for &mut T {

@@ -31,7 +31,7 @@ pub use attention::Attention;
 pub use batch::recycle;
 use dense_ffn::Ffn;
 pub use dense_ffn::{DenseFfn, FfnBackend, FfnProbe};
-pub use language_model::{decode_each, LanguageModel};
+pub use language_model::{decode_each, install, LanguageModel, OnPool};
 pub use moe::{expert_tensor_names, route, router_tensor_name, Choice, MoeFfn, MoeScratch};
 pub use norm::rms_norm;
 pub use projections::{DenseWeights, Projections};
@@ -97,6 +97,8 @@ struct BatchBuffers {
     x: Vec<f32>,
     s: Scratch,
     positions: Vec<usize>,
+    /// One row's logits, where a float head takes the rows one at a time.
+    row: Vec<f32>,
 }
 
 /// A forward call's residual stream and scratch space.

@@ -329,7 +329,7 @@ impl Session {
         })
     }
 
-    pub fn model(&mut self) -> &mut dyn LanguageModel {
+    pub fn model(&mut self) -> &mut (dyn LanguageModel + Send) {
         match &mut self.engine {
             Engine::Dense(m) => m.as_mut(),
             Engine::Streaming(s) => s.as_mut(),
