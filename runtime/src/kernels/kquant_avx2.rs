@@ -149,6 +149,62 @@ unsafe fn ordered_sum(t: __m256) -> f32 {
     sum
 }
 
+/// [`ordered_sum`] of each of up to four inputs' terms (`t[i]`, zero vectors past the inputs) at
+/// once, lane `i` of the result input `i`'s: the four vectors transposed so that one vector add
+/// takes term `k` of every input, `0 + t_0 + … + t_7` in order in each lane, the same operations
+/// on the same values as four scalar sums (which wait on 32 dependent scalar additions and a
+/// store and reload of each vector).
+#[inline(always)]
+unsafe fn ordered_sums4(t: [__m256; 4]) -> __m128 {
+    // Lane j of row i is t[i][j]: after the unpacks and shuffles, `v[k]` holds term k of every
+    // input in its low half and term k + 4 in its high half.
+    let (a, b) = (
+        _mm256_unpacklo_ps(t[0], t[1]),
+        _mm256_unpacklo_ps(t[2], t[3]),
+    );
+    let (c, d) = (
+        _mm256_unpackhi_ps(t[0], t[1]),
+        _mm256_unpackhi_ps(t[2], t[3]),
+    );
+    let v = [
+        _mm256_shuffle_ps::<0x44>(a, b),
+        _mm256_shuffle_ps::<0xee>(a, b),
+        _mm256_shuffle_ps::<0x44>(c, d),
+        _mm256_shuffle_ps::<0xee>(c, d),
+    ];
+    let mut s = _mm_setzero_ps();
+    for v in v {
+        s = _mm_add_ps(s, _mm256_castps256_ps128(v));
+    }
+    for v in v {
+        s = _mm_add_ps(s, _mm256_extractf128_ps::<1>(v));
+    }
+    s
+}
+
+/// Adds each input's super-block sum to `sums` (input `i`'s terms in `t[i]`): [`ordered_sum`] one
+/// input at a time, or [`ordered_sums4`] of all of them.
+#[inline(always)]
+unsafe fn add_ordered<const N: usize>(sums: &mut [f32; N], all: &mut __m128, t: [__m256; N]) {
+    if N == 1 {
+        sums[0] += ordered_sum(t[0]);
+    } else {
+        let t4 = std::array::from_fn(|i| if i < N { t[i] } else { _mm256_setzero_ps() });
+        *all = _mm_add_ps(*all, ordered_sums4(t4));
+    }
+}
+
+/// The results of [`add_ordered`]: `sums` for one input, else the lanes of `all`.
+#[inline(always)]
+unsafe fn ordered_results<const N: usize>(sums: [f32; N], all: __m128) -> [f32; N] {
+    if N == 1 {
+        return sums;
+    }
+    let mut lanes = [0.0f32; 4];
+    _mm_storeu_ps(lanes.as_mut_ptr(), all);
+    std::array::from_fn(|i| lanes[i])
+}
+
 /// Whole super-blocks that the row (`bytes` each) and every input hold.
 #[inline(always)]
 fn super_blocks<const N: usize>(w: &[u8], bytes: usize, xs: &[&Q8Vec; N]) -> usize {
@@ -171,6 +227,7 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> 
     let low = _mm256_set1_epi8(0x0f);
     let one = _mm256_set1_epi8(1);
     let mut sums = [-0.0f32; N];
+    let mut all = _mm_set1_ps(-0.0);
     for b in 0..nb {
         let blk = w.as_ptr().add(b * bytes);
         let qs = blk.add(if FIVE { 48 } else { 16 });
@@ -204,18 +261,19 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> 
         let (sc, m) = scales_mins_k4(blk.add(4));
         let dsc = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk)), sc);
         let dmm = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk.add(2))), m);
-        for (i, x) in xs.iter().enumerate() {
+        let t = std::array::from_fn(|i| {
+            let x = xs[i];
             let isums = _mm256_cvtepi32_ps(_mm256_set_m128i(half[i][1], half[i][0]));
             let dx = _mm256_loadu_ps(x.scales.as_ptr().add(K_SUB * b));
             let sx = _mm256_loadu_ps(x.sums.as_ptr().add(K_SUB * b));
-            let t = _mm256_sub_ps(
+            _mm256_sub_ps(
                 _mm256_mul_ps(dsc, _mm256_mul_ps(dx, isums)),
                 _mm256_mul_ps(dmm, sx),
-            );
-            sums[i] += ordered_sum(t);
-        }
+            )
+        });
+        add_ordered(&mut sums, &mut all, t);
     }
-    sums
+    ordered_results(sums, all)
 }
 
 /// `Q6_K` against `N` inputs, one super-block at a time: `(q − 32)` pair sums (`|q − 32|` times
@@ -231,6 +289,7 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
     let three = _mm256_set1_epi8(3);
     let offset = _mm256_set1_epi8(32);
     let mut sums = [-0.0f32; N];
+    let mut all = _mm_set1_ps(-0.0);
     for b in 0..nb {
         let blk = w.as_ptr().add(b * Q6_K_BYTES);
         let mut half = [[_mm_setzero_si128(); 2]; N];
@@ -267,13 +326,14 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
             }
         }
         let d = _mm256_set1_ps(f16_load(blk.add(208)));
-        for (i, x) in xs.iter().enumerate() {
+        let t = std::array::from_fn(|i| {
             let isums = _mm256_cvtepi32_ps(_mm256_set_m128i(half[i][1], half[i][0]));
-            let dx = _mm256_loadu_ps(x.scales.as_ptr().add(K_SUB * b));
-            sums[i] += ordered_sum(_mm256_mul_ps(d, _mm256_mul_ps(dx, isums)));
-        }
+            let dx = _mm256_loadu_ps(xs[i].scales.as_ptr().add(K_SUB * b));
+            _mm256_mul_ps(d, _mm256_mul_ps(dx, isums))
+        });
+        add_ordered(&mut sums, &mut all, t);
     }
-    sums
+    ordered_results(sums, all)
 }
 
 /// The f16 at `p` as f32.
