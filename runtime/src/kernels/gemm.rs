@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use leanstream_format::quant::QuantType;
 
 use super::operand::Operand;
-use super::rows::{Packed, RowKernels, DOT_ROWS, INPUTS};
+use super::rows::{Packed, RowKernels, DOT_ROWS, WIDE_INPUTS};
 
 /// Rows per tile: 16 rows of a 4-bit 576-wide matrix are 5.8 KB, of a 4096-wide one 36 KB, both
 /// within a first-level data cache while every input passes over them.
@@ -98,9 +98,10 @@ unsafe fn tile(
     if k.has_dot_inputs(qtype) {
         // A few inputs at a time against every row of the tile: each row's codes decoded once
         // for all of them.
-        let mut group: [&Operand; INPUTS] = [&xs[0]; INPUTS];
-        let mut o = [0.0f32; INPUTS];
-        for (c, chunk) in xs.chunks(INPUTS).enumerate() {
+        let width = k.inputs_width(qtype);
+        let mut group: [&Operand; WIDE_INPUTS] = [&xs[0]; WIDE_INPUTS];
+        let mut o = [0.0f32; WIDE_INPUTS];
+        for (c, chunk) in xs.chunks(width).enumerate() {
             for (g, x) in group.iter_mut().zip(chunk) {
                 *g = x;
             }
@@ -113,7 +114,7 @@ unsafe fn tile(
                 }
                 for (i, &v) in o[..m].iter().enumerate() {
                     // SAFETY: the caller's promise.
-                    unsafe { *out.0.add((c * INPUTS + i) * stride + r0 + j) = v };
+                    unsafe { *out.0.add((c * width + i) * stride + r0 + j) = v };
                 }
             }
         }

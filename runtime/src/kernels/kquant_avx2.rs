@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 use super::avx2;
 use super::operand::Q8Vec;
 use super::portable::{K_SUB, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
-use super::rows::{MoreKernels, INPUTS, PORTABLE_MORE};
+use super::rows::{MoreKernels, INPUTS, PORTABLE_MORE, WIDE_INPUTS};
 
 /// The table for a CPU with AVX2 (the caller checked it).
 pub(super) fn table() -> MoreKernels {
@@ -32,12 +32,13 @@ pub(super) fn table() -> MoreKernels {
             |r, x, o| each(r, x, o, |w, x| unsafe { dot_q6_k(w, x) }),
         ],
         inputs: [
-            Some(|w, xs, o| unsafe { avx2::dot_inputs_block::<{ avx2::Q5_0 }>(w, xs, o) }),
-            Some(|w, xs, o| unsafe { avx2::dot_inputs_block::<{ avx2::Q5_1 }>(w, xs, o) }),
+            Some(|w, xs, o| unsafe { avx2::dot_inputs_wide::<{ avx2::Q5_0 }>(w, xs, o) }),
+            Some(|w, xs, o| unsafe { avx2::dot_inputs_wide::<{ avx2::Q5_1 }>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs_q45_k::<false>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs_q45_k::<true>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs_q6_k(w, xs, o) }),
         ],
+        inputs_width: [WIDE_INPUTS, WIDE_INPUTS, INPUTS, INPUTS, INPUTS],
         axpy: PORTABLE_MORE.axpy,
     }
 }
