@@ -293,9 +293,17 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
     let mut all = _mm_set1_ps(-0.0);
     for b in 0..nb {
         let blk = w.as_ptr().add(b * Q6_K_BYTES);
+        // The sixteen 16-value sub-blocks' scales as 16-bit words, 0–7 in the low half, 8–15 in
+        // the high half.
+        let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192) as *const __m128i));
         let mut half = [[_mm_setzero_si128(); 2]; N];
         for h in 0..2 {
-            // Sub-blocks j = 4h + k.
+            // Sub-blocks j = 4h + k; their scales (words 8h .. 8h + 8) in both halves.
+            let sh = if h == 0 {
+                _mm256_permute2x128_si256::<0x00>(scales, scales)
+            } else {
+                _mm256_permute2x128_si256::<0x11>(scales, scales)
+            };
             let qh = load(blk.add(128 + 32 * h));
             let mut c = [_mm256_setzero_si256(); 4];
             let mut a = [_mm256_setzero_si256(); 4];
@@ -311,10 +319,14 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
                 let q = _mm256_or_si256(nib, _mm256_slli_epi16::<4>(_mm256_and_si256(hb, three)));
                 c[k] = _mm256_sub_epi8(q, offset);
                 a[k] = _mm256_sign_epi8(c[k], c[k]);
-                let j = 4 * h + k;
-                let s0 = *blk.add(192 + 2 * j) as i8 as i16;
-                let s1 = *blk.add(193 + 2 * j) as i8 as i16;
-                s[k] = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                // Word 2k of the half (sub-block 2j's scale) in every word of the low half,
+                // word 2k + 1 in the high half.
+                let (w0, w1) = (4 * k as i16, 4 * k as i16 + 2);
+                let pick = _mm256_set_m128i(
+                    _mm_set1_epi16(w1 | (w1 + 1) << 8),
+                    _mm_set1_epi16(w0 | (w0 + 1) << 8),
+                );
+                s[k] = _mm256_shuffle_epi8(sh, pick);
             }
             for (i, x) in xs.iter().enumerate() {
                 let xq = (x.quants.as_ptr() as *const u8).add(b * 256 + 128 * h);
