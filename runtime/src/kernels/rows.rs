@@ -37,7 +37,7 @@ type BlockDot = fn(&[u8], &Q8Vec) -> f32;
 type BlockDots = fn(&[&[u8]], &Q8Vec, &mut [f32]);
 /// `out[i] = row · xs[i]` for 1 to [`INPUTS`] inputs, or to [`WIDE_INPUTS`] where the set says
 /// so ([`RowKernels::inputs_width`]) (`out` as long as `xs`).
-type BlockInputs = fn(&[u8], &[&Q8Vec], &mut [f32]);
+pub(crate) type BlockInputs = fn(&[u8], &[&Q8Vec], &mut [f32]);
 type Axpy = fn(f32, &[u8], &mut [f32]);
 /// `out[i] = row · xs[i]` for 1 to [`INPUTS`] inputs whose block scales and sums are also laid
 /// side by side in `packed` (`out` as long as `xs`).
@@ -396,7 +396,11 @@ impl RowKernels {
         }
     }
 
-    fn inputs(&self, qtype: QuantType) -> Option<BlockInputs> {
+    /// The set's kernel taking one row encoded as `qtype` against 1 to
+    /// [`inputs_width`](Self::inputs_width) inputs at once, where it has one: what
+    /// [`dot_inputs`](Self::dot_inputs) calls, for a caller that keeps its inputs' q8 forms and
+    /// their grouping across many rows.
+    pub(crate) fn inputs(&self, qtype: QuantType) -> Option<BlockInputs> {
         match qtype {
             QuantType::Q8_0 => self.inputs_q8_0,
             QuantType::Q4_0 => self.inputs_q4_0,
