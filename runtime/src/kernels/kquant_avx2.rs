@@ -3,7 +3,7 @@
 //! unsigned codes and the signed activation quants, which cannot overflow for codes below 64, then
 //! `vpmaddwd`), exact, and the float terms of a super-block formed in eight lanes with the portable
 //! finish's operations (unfused) and added in its order, so each result has the portable kernel's
-//! bits. `dot_inputs` decodes a row's super-block once for up to four inputs. `axpy` stays
+//! bits. `dot_inputs` decodes a row's super-block once for up to eight inputs. `axpy` stays
 //! portable.
 
 use std::arch::x86_64::*;
@@ -38,7 +38,7 @@ pub(super) fn table() -> MoreKernels {
             Some(|w, xs, o| unsafe { inputs_q45_k::<true>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs_q6_k(w, xs, o) }),
         ],
-        inputs_width: [WIDE_INPUTS, WIDE_INPUTS, INPUTS, INPUTS, INPUTS],
+        inputs_width: [WIDE_INPUTS; 5],
         axpy: PORTABLE_MORE.axpy,
     }
 }
@@ -183,26 +183,30 @@ unsafe fn ordered_sums4(t: [__m256; 4]) -> __m128 {
     s
 }
 
-/// Adds each input's super-block sum to `sums` (input `i`'s terms in `t[i]`): [`ordered_sum`] one
-/// input at a time, or [`ordered_sums4`] of all of them.
+/// Adds each input's super-block sum to its running sum (input `i`'s terms in `t[i]`):
+/// [`ordered_sum`] into `sums` for one input, else [`ordered_sums4`] of inputs `0..4` into
+/// `all[0]` and of `4..8` into `all[1]`.
 #[inline(always)]
-unsafe fn add_ordered<const N: usize>(sums: &mut [f32; N], all: &mut __m128, t: [__m256; N]) {
+unsafe fn add_ordered<const N: usize>(sums: &mut [f32; N], all: &mut [__m128; 2], t: [__m256; N]) {
     if N == 1 {
         sums[0] += ordered_sum(t[0]);
-    } else {
-        let t4 = std::array::from_fn(|i| if i < N { t[i] } else { _mm256_setzero_ps() });
+        return;
+    }
+    for (q, all) in all.iter_mut().enumerate().take(N.div_ceil(4)) {
+        let t4 = std::array::from_fn(|k| t.get(4 * q + k).copied().unwrap_or(_mm256_setzero_ps()));
         *all = _mm_add_ps(*all, ordered_sums4(t4));
     }
 }
 
 /// The results of [`add_ordered`]: `sums` for one input, else the lanes of `all`.
 #[inline(always)]
-unsafe fn ordered_results<const N: usize>(sums: [f32; N], all: __m128) -> [f32; N] {
+unsafe fn ordered_results<const N: usize>(sums: [f32; N], all: [__m128; 2]) -> [f32; N] {
     if N == 1 {
         return sums;
     }
-    let mut lanes = [0.0f32; 4];
-    _mm_storeu_ps(lanes.as_mut_ptr(), all);
+    let mut lanes = [0.0f32; 8];
+    _mm_storeu_ps(lanes.as_mut_ptr(), all[0]);
+    _mm_storeu_ps(lanes.as_mut_ptr().add(4), all[1]);
     std::array::from_fn(|i| lanes[i])
 }
 
@@ -228,7 +232,7 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> 
     let low = _mm256_set1_epi8(0x0f);
     let one = _mm256_set1_epi8(1);
     let mut sums = [-0.0f32; N];
-    let mut all = _mm_set1_ps(-0.0);
+    let mut all = [_mm_set1_ps(-0.0); 2];
     for b in 0..nb {
         let blk = w.as_ptr().add(b * bytes);
         let qs = blk.add(if FIVE { 48 } else { 16 });
@@ -290,7 +294,7 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
     let three = _mm256_set1_epi8(3);
     let offset = _mm256_set1_epi8(32);
     let mut sums = [-0.0f32; N];
-    let mut all = _mm_set1_ps(-0.0);
+    let mut all = [_mm_set1_ps(-0.0); 2];
     for b in 0..nb {
         let blk = w.as_ptr().add(b * Q6_K_BYTES);
         // The sixteen 16-value sub-blocks' scales as 16-bit words, 0–7 in the low half, 8–15 in
@@ -366,8 +370,9 @@ unsafe fn dot_q6_k(w: &[u8], x: &Q8Vec) -> f32 {
     q6_k::<1>(w, [x])[0]
 }
 
-/// One K-quant row against 1 to 4 inputs (`out[i]` the `dot` of the row and `xs[i]`), through
-/// `kernel` of the right width.
+/// One K-quant row against 1 to [`WIDE_INPUTS`] inputs (`out[i]` the `dot` of the row and
+/// `xs[i]`), through `kernel` of the right width: five to seven run as eight with the first
+/// input repeated, the extra results dropped.
 macro_rules! by_inputs {
     ($xs:expr, $out:expr, |$n:ident, $arr:ident| $call:expr) => {{
         let (xs, out) = ($xs, $out);
@@ -388,10 +393,16 @@ macro_rules! by_inputs {
                 let $arr: [&Q8Vec; $n] = [xs[0], xs[1], xs[2]];
                 out[..$n].copy_from_slice(&$call);
             }
-            _ => {
+            4 => {
                 const $n: usize = INPUTS;
                 let $arr: [&Q8Vec; $n] = std::array::from_fn(|i| xs[i]);
                 out[..$n].copy_from_slice(&$call);
+            }
+            m => {
+                const $n: usize = WIDE_INPUTS;
+                let m = m.min($n);
+                let $arr: [&Q8Vec; $n] = std::array::from_fn(|i| xs[if i < m { i } else { 0 }]);
+                out[..m].copy_from_slice(&$call[..m]);
             }
         }
     }};
