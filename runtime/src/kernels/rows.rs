@@ -14,7 +14,8 @@
 //! ([`super::matvec_rows`], which asks for the rows ahead itself: four rows read side by side stop
 //! the hardware prefetcher) and the bundle gate pass the gate and up rows of two bundles (the
 //! `gate_up` rule) or four gates (`gate`). `dot_inputs` is the other way round: one row against
-//! up to [`INPUTS`] inputs (a prompt chunk's tokens), the row's codes decoded once for all of them,
+//! up to [`INPUTS`] inputs (a prompt chunk's tokens; [`WIDE_INPUTS`] where a set's kernel for the
+//! type takes more, [`RowKernels::inputs_width`]), the row's codes decoded once for all of them,
 //! each result again bitwise its own `dot`.
 //!
 //! The environment variable `LEANSTREAM_KERNELS` forces one set by its name (`avx512`, `avx2`,
