@@ -17,7 +17,7 @@ use leanstream_format::quant::BLOCK_LEN;
 use super::kquant_avx2::q5_codes;
 use super::operand::Q8Vec;
 use super::portable::{self, Block, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
-use super::rows::{Packed, RowKernels, DOT_ROWS, INPUTS};
+use super::rows::{Packed, RowKernels, DOT_ROWS, INPUTS, WIDE_INPUTS};
 
 pub(super) fn detected() -> bool {
     is_x86_feature_detected!("avx2")
@@ -438,6 +438,21 @@ pub(super) unsafe fn dot_inputs_block<const KIND: u8>(w: &[u8], xs: &[&Q8Vec], o
         3 => inputs_block::<KIND, 3>(w, xs, out),
         _ => inputs_block::<KIND, INPUTS>(w, xs, out),
     }
+}
+
+/// [`dot_inputs_block`] for 1 to [`WIDE_INPUTS`] inputs (the 5-bit types'): eight inputs share
+/// each block's decoded codes and the row's scales, and five to seven run as eight with the
+/// first input repeated, the extra results dropped.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_inputs_wide<const KIND: u8>(w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
+    let m = xs.len().min(out.len());
+    if m <= INPUTS {
+        return dot_inputs_block::<KIND>(w, xs, out);
+    }
+    let padded: [&Q8Vec; WIDE_INPUTS] = std::array::from_fn(|i| xs[if i < m { i } else { 0 }]);
+    let mut all = [0.0f32; WIDE_INPUTS];
+    inputs_block::<KIND, WIDE_INPUTS>(w, &padded, &mut all);
+    out[..m].copy_from_slice(&all[..m]);
 }
 
 /// [`dot_inputs_block`] of the first `N` inputs.

@@ -10,8 +10,8 @@ use rayon::prelude::*;
 
 use leanstream_format::quant::QuantType;
 
-use super::operand::Operand;
-use super::rows::{Packed, RowKernels, DOT_ROWS, INPUTS};
+use super::operand::{Operand, Q8Vec};
+use super::rows::{Packed, RowKernels, DOT_ROWS, WIDE_INPUTS};
 
 /// Rows per tile: 16 rows of a 4-bit 576-wide matrix are 5.8 KB, of a 4096-wide one 36 KB, both
 /// within a first-level data cache while every input passes over them.
@@ -95,25 +95,29 @@ unsafe fn tile(
     for (j, v) in views[..n].iter_mut().enumerate() {
         *v = &data[j * row_bytes..(j + 1) * row_bytes];
     }
-    if k.has_dot_inputs(qtype) {
+    if let Some(kernel) = k.inputs(qtype) {
         // A few inputs at a time against every row of the tile: each row's codes decoded once
-        // for all of them.
-        let mut group: [&Operand; INPUTS] = [&xs[0]; INPUTS];
-        let mut o = [0.0f32; INPUTS];
-        for (c, chunk) in xs.chunks(INPUTS).enumerate() {
-            for (g, x) in group.iter_mut().zip(chunk) {
+        // for all of them (the set's kernel called directly, the group's q8 forms gathered once
+        // for the tile's rows).
+        let width = k.inputs_width(qtype);
+        let mut group: [&Operand; WIDE_INPUTS] = [&xs[0]; WIDE_INPUTS];
+        let mut q8: [&Q8Vec; WIDE_INPUTS] = [xs[0].q8(); WIDE_INPUTS];
+        let mut o = [0.0f32; WIDE_INPUTS];
+        for (c, chunk) in xs.chunks(width).enumerate() {
+            for ((g, q), x) in group.iter_mut().zip(q8.iter_mut()).zip(chunk) {
                 *g = x;
+                *q = x.q8();
             }
             let m = chunk.len();
             let packed = Packed::new(qtype, &group[..m]);
             for (j, row) in views[..n].iter().enumerate() {
                 match &packed {
                     Some(p) => k.dot_packed(qtype, row, &group[..m], p, &mut o[..m]),
-                    None => k.dot_inputs(qtype, row, &group[..m], &mut o[..m]),
+                    None => kernel(row, &q8[..m], &mut o[..m]),
                 }
                 for (i, &v) in o[..m].iter().enumerate() {
                     // SAFETY: the caller's promise.
-                    unsafe { *out.0.add((c * INPUTS + i) * stride + r0 + j) = v };
+                    unsafe { *out.0.add((c * width + i) * stride + r0 + j) = v };
                 }
             }
         }

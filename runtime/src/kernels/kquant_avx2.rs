@@ -3,7 +3,7 @@
 //! unsigned codes and the signed activation quants, which cannot overflow for codes below 64, then
 //! `vpmaddwd`), exact, and the float terms of a super-block formed in eight lanes with the portable
 //! finish's operations (unfused) and added in its order, so each result has the portable kernel's
-//! bits. `dot_inputs` decodes a row's super-block once for up to four inputs. `axpy` stays
+//! bits. `dot_inputs` decodes a row's super-block once for up to eight inputs. `axpy` stays
 //! portable.
 
 use std::arch::x86_64::*;
@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 use super::avx2;
 use super::operand::Q8Vec;
 use super::portable::{K_SUB, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
-use super::rows::{MoreKernels, INPUTS, PORTABLE_MORE};
+use super::rows::{MoreKernels, INPUTS, PORTABLE_MORE, WIDE_INPUTS};
 
 /// The table for a CPU with AVX2 (the caller checked it).
 pub(super) fn table() -> MoreKernels {
@@ -32,12 +32,13 @@ pub(super) fn table() -> MoreKernels {
             |r, x, o| each(r, x, o, |w, x| unsafe { dot_q6_k(w, x) }),
         ],
         inputs: [
-            Some(|w, xs, o| unsafe { avx2::dot_inputs_block::<{ avx2::Q5_0 }>(w, xs, o) }),
-            Some(|w, xs, o| unsafe { avx2::dot_inputs_block::<{ avx2::Q5_1 }>(w, xs, o) }),
+            Some(|w, xs, o| unsafe { avx2::dot_inputs_wide::<{ avx2::Q5_0 }>(w, xs, o) }),
+            Some(|w, xs, o| unsafe { avx2::dot_inputs_wide::<{ avx2::Q5_1 }>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs_q45_k::<false>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs_q45_k::<true>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs_q6_k(w, xs, o) }),
         ],
+        inputs_width: [WIDE_INPUTS; 5],
         axpy: PORTABLE_MORE.axpy,
     }
 }
@@ -149,6 +150,66 @@ unsafe fn ordered_sum(t: __m256) -> f32 {
     sum
 }
 
+/// [`ordered_sum`] of each of up to four inputs' terms (`t[i]`, zero vectors past the inputs) at
+/// once, lane `i` of the result input `i`'s: the four vectors transposed so that one vector add
+/// takes term `k` of every input, `0 + t_0 + … + t_7` in order in each lane, the same operations
+/// on the same values as four scalar sums (which wait on 32 dependent scalar additions and a
+/// store and reload of each vector).
+#[inline(always)]
+unsafe fn ordered_sums4(t: [__m256; 4]) -> __m128 {
+    // Lane j of row i is t[i][j]: after the unpacks and shuffles, `v[k]` holds term k of every
+    // input in its low half and term k + 4 in its high half.
+    let (a, b) = (
+        _mm256_unpacklo_ps(t[0], t[1]),
+        _mm256_unpacklo_ps(t[2], t[3]),
+    );
+    let (c, d) = (
+        _mm256_unpackhi_ps(t[0], t[1]),
+        _mm256_unpackhi_ps(t[2], t[3]),
+    );
+    let v = [
+        _mm256_shuffle_ps::<0x44>(a, b),
+        _mm256_shuffle_ps::<0xee>(a, b),
+        _mm256_shuffle_ps::<0x44>(c, d),
+        _mm256_shuffle_ps::<0xee>(c, d),
+    ];
+    let mut s = _mm_setzero_ps();
+    for v in v {
+        s = _mm_add_ps(s, _mm256_castps256_ps128(v));
+    }
+    for v in v {
+        s = _mm_add_ps(s, _mm256_extractf128_ps::<1>(v));
+    }
+    s
+}
+
+/// Adds each input's super-block sum to its running sum (input `i`'s terms in `t[i]`):
+/// [`ordered_sum`] into `sums` for one input, else [`ordered_sums4`] of inputs `0..4` into
+/// `all[0]` and of `4..8` into `all[1]`.
+#[inline(always)]
+unsafe fn add_ordered<const N: usize>(sums: &mut [f32; N], all: &mut [__m128; 2], t: [__m256; N]) {
+    if N == 1 {
+        sums[0] += ordered_sum(t[0]);
+        return;
+    }
+    for (q, all) in all.iter_mut().enumerate().take(N.div_ceil(4)) {
+        let t4 = std::array::from_fn(|k| t.get(4 * q + k).copied().unwrap_or(_mm256_setzero_ps()));
+        *all = _mm_add_ps(*all, ordered_sums4(t4));
+    }
+}
+
+/// The results of [`add_ordered`]: `sums` for one input, else the lanes of `all`.
+#[inline(always)]
+unsafe fn ordered_results<const N: usize>(sums: [f32; N], all: [__m128; 2]) -> [f32; N] {
+    if N == 1 {
+        return sums;
+    }
+    let mut lanes = [0.0f32; 8];
+    _mm_storeu_ps(lanes.as_mut_ptr(), all[0]);
+    _mm_storeu_ps(lanes.as_mut_ptr().add(4), all[1]);
+    std::array::from_fn(|i| lanes[i])
+}
+
 /// Whole super-blocks that the row (`bytes` each) and every input hold.
 #[inline(always)]
 fn super_blocks<const N: usize>(w: &[u8], bytes: usize, xs: &[&Q8Vec; N]) -> usize {
@@ -171,6 +232,7 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> 
     let low = _mm256_set1_epi8(0x0f);
     let one = _mm256_set1_epi8(1);
     let mut sums = [-0.0f32; N];
+    let mut all = [_mm_set1_ps(-0.0); 2];
     for b in 0..nb {
         let blk = w.as_ptr().add(b * bytes);
         let qs = blk.add(if FIVE { 48 } else { 16 });
@@ -204,18 +266,19 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> 
         let (sc, m) = scales_mins_k4(blk.add(4));
         let dsc = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk)), sc);
         let dmm = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk.add(2))), m);
-        for (i, x) in xs.iter().enumerate() {
+        let t = std::array::from_fn(|i| {
+            let x = xs[i];
             let isums = _mm256_cvtepi32_ps(_mm256_set_m128i(half[i][1], half[i][0]));
             let dx = _mm256_loadu_ps(x.scales.as_ptr().add(K_SUB * b));
             let sx = _mm256_loadu_ps(x.sums.as_ptr().add(K_SUB * b));
-            let t = _mm256_sub_ps(
+            _mm256_sub_ps(
                 _mm256_mul_ps(dsc, _mm256_mul_ps(dx, isums)),
                 _mm256_mul_ps(dmm, sx),
-            );
-            sums[i] += ordered_sum(t);
-        }
+            )
+        });
+        add_ordered(&mut sums, &mut all, t);
     }
-    sums
+    ordered_results(sums, all)
 }
 
 /// `Q6_K` against `N` inputs, one super-block at a time: `(q − 32)` pair sums (`|q − 32|` times
@@ -231,11 +294,20 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
     let three = _mm256_set1_epi8(3);
     let offset = _mm256_set1_epi8(32);
     let mut sums = [-0.0f32; N];
+    let mut all = [_mm_set1_ps(-0.0); 2];
     for b in 0..nb {
         let blk = w.as_ptr().add(b * Q6_K_BYTES);
+        // The sixteen 16-value sub-blocks' scales as 16-bit words, 0–7 in the low half, 8–15 in
+        // the high half.
+        let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192) as *const __m128i));
         let mut half = [[_mm_setzero_si128(); 2]; N];
         for h in 0..2 {
-            // Sub-blocks j = 4h + k.
+            // Sub-blocks j = 4h + k; their scales (words 8h .. 8h + 8) in both halves.
+            let sh = if h == 0 {
+                _mm256_permute2x128_si256::<0x00>(scales, scales)
+            } else {
+                _mm256_permute2x128_si256::<0x11>(scales, scales)
+            };
             let qh = load(blk.add(128 + 32 * h));
             let mut c = [_mm256_setzero_si256(); 4];
             let mut a = [_mm256_setzero_si256(); 4];
@@ -251,10 +323,14 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
                 let q = _mm256_or_si256(nib, _mm256_slli_epi16::<4>(_mm256_and_si256(hb, three)));
                 c[k] = _mm256_sub_epi8(q, offset);
                 a[k] = _mm256_sign_epi8(c[k], c[k]);
-                let j = 4 * h + k;
-                let s0 = *blk.add(192 + 2 * j) as i8 as i16;
-                let s1 = *blk.add(193 + 2 * j) as i8 as i16;
-                s[k] = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                // Word 2k of the half (sub-block 2j's scale) in every word of the low half,
+                // word 2k + 1 in the high half.
+                let (w0, w1) = (4 * k as i16, 4 * k as i16 + 2);
+                let pick = _mm256_set_m128i(
+                    _mm_set1_epi16(w1 | (w1 + 1) << 8),
+                    _mm_set1_epi16(w0 | (w0 + 1) << 8),
+                );
+                s[k] = _mm256_shuffle_epi8(sh, pick);
             }
             for (i, x) in xs.iter().enumerate() {
                 let xq = (x.quants.as_ptr() as *const u8).add(b * 256 + 128 * h);
@@ -267,13 +343,14 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
             }
         }
         let d = _mm256_set1_ps(f16_load(blk.add(208)));
-        for (i, x) in xs.iter().enumerate() {
+        let t = std::array::from_fn(|i| {
             let isums = _mm256_cvtepi32_ps(_mm256_set_m128i(half[i][1], half[i][0]));
-            let dx = _mm256_loadu_ps(x.scales.as_ptr().add(K_SUB * b));
-            sums[i] += ordered_sum(_mm256_mul_ps(d, _mm256_mul_ps(dx, isums)));
-        }
+            let dx = _mm256_loadu_ps(xs[i].scales.as_ptr().add(K_SUB * b));
+            _mm256_mul_ps(d, _mm256_mul_ps(dx, isums))
+        });
+        add_ordered(&mut sums, &mut all, t);
     }
-    sums
+    ordered_results(sums, all)
 }
 
 /// The f16 at `p` as f32.
@@ -293,8 +370,9 @@ unsafe fn dot_q6_k(w: &[u8], x: &Q8Vec) -> f32 {
     q6_k::<1>(w, [x])[0]
 }
 
-/// One K-quant row against 1 to 4 inputs (`out[i]` the `dot` of the row and `xs[i]`), through
-/// `kernel` of the right width.
+/// One K-quant row against 1 to [`WIDE_INPUTS`] inputs (`out[i]` the `dot` of the row and
+/// `xs[i]`), through `kernel` of the right width: five to seven run as eight with the first
+/// input repeated, the extra results dropped.
 macro_rules! by_inputs {
     ($xs:expr, $out:expr, |$n:ident, $arr:ident| $call:expr) => {{
         let (xs, out) = ($xs, $out);
@@ -315,10 +393,16 @@ macro_rules! by_inputs {
                 let $arr: [&Q8Vec; $n] = [xs[0], xs[1], xs[2]];
                 out[..$n].copy_from_slice(&$call);
             }
-            _ => {
+            4 => {
                 const $n: usize = INPUTS;
                 let $arr: [&Q8Vec; $n] = std::array::from_fn(|i| xs[i]);
                 out[..$n].copy_from_slice(&$call);
+            }
+            m => {
+                const $n: usize = WIDE_INPUTS;
+                let m = m.min($n);
+                let $arr: [&Q8Vec; $n] = std::array::from_fn(|i| xs[if i < m { i } else { 0 }]);
+                out[..m].copy_from_slice(&$call[..m]);
             }
         }
     }};

@@ -34,7 +34,7 @@ mod tests;
 pub use matrix::{dot, matmul_t, matvec, portable_dot, Matrix};
 pub use operand::{Operand, Q8Vec};
 pub use qmatrix::{matvec_rows, QMatrix, RowStream};
-pub use rows::{Packed, RowKernels, INPUTS};
+pub use rows::{Packed, RowKernels, INPUTS, WIDE_INPUTS};
 pub use weight::Weight;
 
 /// Below this many weights a mat-vec runs on the calling thread: splitting costs more than it saves.

@@ -37,24 +37,80 @@ impl Q8Vec {
         self.quants.resize(x.len(), 0);
         self.scales.clear();
         self.sums.clear();
+        self.scales.reserve(x.len() / BLOCK_LEN);
+        self.sums.reserve(x.len() / BLOCK_LEN);
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { self.quantize_avx2(x) };
+        }
         for (xb, qb) in x
             .chunks_exact(BLOCK_LEN)
             .zip(self.quants.chunks_exact_mut(BLOCK_LEN))
         {
-            let amax = xb.iter().fold(0.0f32, |m, a| m.max(a.abs()));
+            push_block(&mut self.scales, &mut self.sums, quantize_block(xb, qb));
+        }
+    }
+
+    /// [`quantize_into`](Self::quantize_into)'s blocks with AVX2, bit for bit: the same scale (the
+    /// maximum of the magnitudes is exact in any order), the same products, sums and rounding of
+    /// each value, eight at a time; a block holding a NaN or an infinity, or with a subnormal
+    /// scale, whose scalar maximum or saturating conversion a vector does not reproduce, goes to
+    /// [`quantize_block`].
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn quantize_avx2(&mut self, x: &[f32]) {
+        use std::arch::x86_64::*;
+        let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let finite = _mm256_set1_ps(f32::MAX);
+        let magic = _mm256_set1_ps(MAGIC);
+        // Bytes of the packed vector back in value order (see below).
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (xb, qb) in x
+            .chunks_exact(BLOCK_LEN)
+            .zip(self.quants.chunks_exact_mut(BLOCK_LEN))
+        {
+            let p = xb.as_ptr();
+            let v = [0, 8, 16, 24].map(|i| _mm256_loadu_ps(p.add(i)));
+            let a = v.map(|v| _mm256_and_ps(v, magnitude));
+            let ok = a.map(|a| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LE_OQ>(a, finite)));
+            if ok != [0xff; 4] {
+                push_block(&mut self.scales, &mut self.sums, quantize_block(xb, qb));
+                continue;
+            }
+            let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, a) in qb.iter_mut().zip(xb) {
-                // Round to nearest even by adding and removing 1.5·2²³ (exact for |v| < 2²²; the
-                // baseline target has no rounding instruction, so `round_ties_even` is a libm
-                // call). `as` saturates, so a value just past ±127 cannot wrap.
-                const MAGIC: f32 = 12_582_912.0;
-                *q = ((a * inv + MAGIC) - MAGIC) as i8;
-                sum += *q as i32;
+            if inv > f32::MAX {
+                // A subnormal scale: the products overflow where the scalar conversion saturates.
+                push_block(&mut self.scales, &mut self.sums, quantize_block(xb, qb));
+                continue;
             }
-            self.scales.push(d);
-            self.sums.push(d * sum as f32);
+            let inv = _mm256_set1_ps(inv);
+            // Integers in −127..=127, so the truncating conversion is exact.
+            let q = v.map(|v| {
+                let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v, inv), magic), magic);
+                _mm256_cvttps_epi32(r)
+            });
+            // Packing works within 128-bit halves: 4-byte group k of the result holds values
+            // 4·(k / 2) … of vector k % 4 in the low half order 0, 1, 2, 3 | 4 … 7 of the high.
+            let w = _mm256_packs_epi16(
+                _mm256_packs_epi32(q[0], q[1]),
+                _mm256_packs_epi32(q[2], q[3]),
+            );
+            let bytes = _mm256_permutevar8x32_epi32(w, order);
+            _mm256_storeu_si256(qb.as_mut_ptr() as *mut __m256i, bytes);
+            let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)));
+            push_block(&mut self.scales, &mut self.sums, (d, sum));
         }
     }
 
@@ -70,6 +126,32 @@ impl Q8Vec {
     pub fn value(&self, i: usize) -> f32 {
         self.scales[i / BLOCK_LEN] * self.quants[i] as f32
     }
+}
+
+/// Round to nearest even by adding and removing 1.5·2²³ (exact for |v| < 2²²; the baseline target
+/// has no rounding instruction, so `round_ties_even` is a libm call).
+const MAGIC: f32 = 12_582_912.0;
+
+/// One block of [`Q8Vec::quantize_into`]: `d = amax/127`, `q = round(x/d)`; returns `d` and `Σ q`.
+#[inline]
+fn quantize_block(xb: &[f32], qb: &mut [i8]) -> (f32, i32) {
+    let amax = xb.iter().fold(0.0f32, |m, a| m.max(a.abs()));
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (q, a) in qb.iter_mut().zip(xb) {
+        // `as` saturates, so a value just past ±127 cannot wrap.
+        *q = ((a * inv + MAGIC) - MAGIC) as i8;
+        sum += *q as i32;
+    }
+    (d, sum)
+}
+
+/// Appends a block's scale `d` and its `d·Σ q`.
+#[inline(always)]
+fn push_block(scales: &mut Vec<f32>, sums: &mut Vec<f32>, (d, sum): (f32, i32)) {
+    scales.push(d);
+    sums.push(d * sum as f32);
 }
 
 thread_local! {
@@ -122,6 +204,50 @@ impl Drop for Operand<'_> {
                     spare.push(v);
                 }
             });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The quantizer this CPU runs gives [`quantize_block`]'s bits block by block, on blocks of
+    /// every magnitude and on those it hands back to the scalar code (a NaN, an infinity, a
+    /// subnormal scale, zeros).
+    #[test]
+    fn quantize_into_is_the_scalar_blocks_bit_for_bit() {
+        let seed = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut x = Vec::new();
+        for b in 0..400 {
+            let scale = match b % 8 {
+                0 => 0.0,
+                1 => 1e-40,
+                2 => 1e-37,
+                3 => 1e30,
+                _ => 10f32.powi(rng.random_range(-6..6)),
+            };
+            let mut block: Vec<f32> = (0..BLOCK_LEN)
+                .map(|_| scale * rng.random_range(-1.0f32..1.0))
+                .collect();
+            match b % 16 {
+                5 => block[rng.random_range(0..BLOCK_LEN)] = f32::NAN,
+                6 => block[rng.random_range(0..BLOCK_LEN)] = f32::INFINITY,
+                7 => block[3] = -0.0,
+                _ => {}
+            }
+            x.extend(block);
+        }
+        let got = Q8Vec::quantize(&x);
+        for (b, xb) in x.chunks_exact(BLOCK_LEN).enumerate() {
+            let mut q = [0i8; BLOCK_LEN];
+            let (d, sum) = quantize_block(xb, &mut q);
+            let what = format!("seed {seed}: block {b}");
+            assert_eq!(&got.quants[b * BLOCK_LEN..][..BLOCK_LEN], &q, "{what}");
+            assert_eq!(got.scales[b].to_bits(), d.to_bits(), "{what}");
+            assert_eq!(got.sums[b].to_bits(), (d * sum as f32).to_bits(), "{what}");
         }
     }
 }

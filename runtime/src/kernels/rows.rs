@@ -14,7 +14,8 @@
 //! ([`super::matvec_rows`], which asks for the rows ahead itself: four rows read side by side stop
 //! the hardware prefetcher) and the bundle gate pass the gate and up rows of two bundles (the
 //! `gate_up` rule) or four gates (`gate`). `dot_inputs` is the other way round: one row against
-//! up to [`INPUTS`] inputs (a prompt chunk's tokens), the row's codes decoded once for all of them,
+//! up to [`INPUTS`] inputs (a prompt chunk's tokens; [`WIDE_INPUTS`] where a set's kernel for the
+//! type takes more, [`RowKernels::inputs_width`]), the row's codes decoded once for all of them,
 //! each result again bitwise its own `dot`.
 //!
 //! The environment variable `LEANSTREAM_KERNELS` forces one set by its name (`avx512`, `avx2`,
@@ -35,8 +36,9 @@ type FloatDot = fn(&[u8], &[f32]) -> f32;
 type BlockDot = fn(&[u8], &Q8Vec) -> f32;
 /// `out[j] = rows[j] · x` for 1 to [`DOT_ROWS`] rows (`out` as long as `rows`).
 type BlockDots = fn(&[&[u8]], &Q8Vec, &mut [f32]);
-/// `out[i] = row · xs[i]` for 1 to [`INPUTS`] inputs (`out` as long as `xs`).
-type BlockInputs = fn(&[u8], &[&Q8Vec], &mut [f32]);
+/// `out[i] = row · xs[i]` for 1 to [`INPUTS`] inputs, or to [`WIDE_INPUTS`] where the set says
+/// so ([`RowKernels::inputs_width`]) (`out` as long as `xs`).
+pub(crate) type BlockInputs = fn(&[u8], &[&Q8Vec], &mut [f32]);
 type Axpy = fn(f32, &[u8], &mut [f32]);
 /// `out[i] = row · xs[i]` for 1 to [`INPUTS`] inputs whose block scales and sums are also laid
 /// side by side in `packed` (`out` as long as `xs`).
@@ -103,6 +105,8 @@ pub(crate) struct MoreKernels {
     pub(crate) dots: [BlockDots; MORE],
     /// One row against several inputs, where the set has it (`dot_inputs`).
     pub(crate) inputs: [Option<BlockInputs>; MORE],
+    /// How many inputs each of those takes at once: [`INPUTS`], or [`WIDE_INPUTS`].
+    pub(crate) inputs_width: [usize; MORE],
     pub(crate) axpy: [Axpy; MORE],
 }
 
@@ -131,6 +135,7 @@ pub(crate) const PORTABLE_MORE: MoreKernels = MoreKernels {
         portable::dots_q6_k,
     ],
     inputs: [None; MORE],
+    inputs_width: [INPUTS; MORE],
     axpy: [
         portable::axpy_q5_0,
         portable::axpy_q5_1,
@@ -147,6 +152,11 @@ pub const DOT_ROWS: usize = 4;
 /// The most inputs a kernel's `dot_inputs` takes at once; [`RowKernels::dot_inputs`] takes any
 /// number, this many at a time.
 pub const INPUTS: usize = 4;
+
+/// The most inputs a wide `dot_inputs` kernel takes at once (the 5-bit types' on AVX2: their
+/// codes cost more to decode than a 4-bit block's, and a row's per-call work, its scales and
+/// the sums of its lanes, is shared by twice the inputs).
+pub const WIDE_INPUTS: usize = 8;
 
 /// The most blocks per input [`Packed`] holds (rows of up to 4096 values).
 pub const PACKED_BLOCKS: usize = 128;
@@ -373,7 +383,25 @@ impl RowKernels {
         self.inputs(qtype).is_some()
     }
 
-    fn inputs(&self, qtype: QuantType) -> Option<BlockInputs> {
+    /// How many inputs the set's [`dot_inputs`](Self::dot_inputs) kernel for `qtype` takes at
+    /// once ([`INPUTS`] or [`WIDE_INPUTS`]; a mat-mat takes its inputs in groups of this many).
+    pub fn inputs_width(&self, qtype: QuantType) -> usize {
+        match qtype {
+            QuantType::F32
+            | QuantType::F16
+            | QuantType::BF16
+            | QuantType::Q8_0
+            | QuantType::Q4_0
+            | QuantType::Q4_1 => INPUTS,
+            _ => self.more.inputs_width[more_index(qtype)],
+        }
+    }
+
+    /// The set's kernel taking one row encoded as `qtype` against 1 to
+    /// [`inputs_width`](Self::inputs_width) inputs at once, where it has one: what
+    /// [`dot_inputs`](Self::dot_inputs) calls, for a caller that keeps its inputs' q8 forms and
+    /// their grouping across many rows.
+    pub(crate) fn inputs(&self, qtype: QuantType) -> Option<BlockInputs> {
         match qtype {
             QuantType::Q8_0 => self.inputs_q8_0,
             QuantType::Q4_0 => self.inputs_q4_0,
@@ -384,8 +412,8 @@ impl RowKernels {
     }
 
     /// `out[i] = row · xs[i]` for a row encoded as `qtype` and any number of inputs: bitwise
-    /// [`dot`](Self::dot) of each, [`INPUTS`] inputs at a time through the set's kernel where it
-    /// has one for `qtype` (the row decoded once for all of them).
+    /// [`dot`](Self::dot) of each, [`inputs_width`](Self::inputs_width) inputs at a time through
+    /// the set's kernel where it has one for `qtype` (the row decoded once for all of them).
     #[inline]
     pub fn dot_inputs(&self, qtype: QuantType, row: &[u8], xs: &[&Operand], out: &mut [f32]) {
         assert_eq!(xs.len(), out.len());
@@ -395,8 +423,9 @@ impl RowKernels {
             }
             return;
         };
-        for (xs, out) in xs.chunks(INPUTS).zip(out.chunks_mut(INPUTS)) {
-            let mut q8: [&Q8Vec; INPUTS] = [xs[0].q8(); INPUTS];
+        let width = self.inputs_width(qtype);
+        for (xs, out) in xs.chunks(width).zip(out.chunks_mut(width)) {
+            let mut q8: [&Q8Vec; WIDE_INPUTS] = [xs[0].q8(); WIDE_INPUTS];
             for (q, x) in q8.iter_mut().zip(xs) {
                 *q = x.q8();
             }

@@ -193,10 +193,12 @@ fn every_set_is_portable_bit_for_bit() {
                             k.isa
                         );
                     }
-                    // One row against 1 to 6 inputs (the kernels take up to four at once).
+                    // One row against 1 to 10 inputs (the kernels take up to four or eight at
+                    // once).
                     if qtype.is_block() {
-                        let inputs: Vec<Vec<f32>> =
-                            (0..6).map(|_| random(n, 2.0, &mut rng)).collect();
+                        let inputs: Vec<Vec<f32>> = (0..super::WIDE_INPUTS + 2)
+                            .map(|_| random(n, 2.0, &mut rng))
+                            .collect();
                         let ops: Vec<Operand> =
                             inputs.iter().map(|v| Operand::new(v, qtype)).collect();
                         for m in 1..=ops.len() {
