@@ -531,7 +531,10 @@ pub(crate) fn install(
     // freeing them block after block fragmented the heap enough that the peak grew with depth.
     let a = stored.attention(l)?;
     let spare = profiler.attention_spare.take();
-    let mut spare = spare.map(|s| [s.wq, s.wk, s.wv, s.wo]).into_iter().flatten();
+    let mut spare = spare
+        .map(|s| [s.wq, s.wk, s.wv, s.wo])
+        .into_iter()
+        .flatten();
     let mut f32 = |w: Weight| decoded(w, spare.next());
     let attention = Attention {
         wq: f32(a.wq),

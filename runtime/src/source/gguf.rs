@@ -540,40 +540,98 @@ impl GgufFile {
 }
 
 /// Whether the metadata sets `general.alignment` to 0, which candle's reader divides by unchecked
-/// (a panic). The entry is found as the header stores it: the key with its length prefix (8 bytes
-/// in GGUF v2/v3, 4 in v1), then the value's integer type and the value.
+/// (a panic). The key-value pairs are walked as the header stores them (lengths and counts of 8
+/// bytes in GGUF v2/v3, 4 in v1), so only the metadata is read, never the tensor data: scanning the
+/// whole map read every page of a model file. A header this walk cannot follow is left to candle's
+/// reader, which refuses it.
 fn has_zero_alignment(bytes: &[u8]) -> bool {
-    const KEY: &[u8] = b"general.alignment";
-    let mut from = 0;
-    while let Some(i) = bytes[from..].windows(KEY.len()).position(|w| w == KEY) {
-        let at = from + i;
-        from = at + 1;
-        let prefixed = |n: usize| {
-            at >= n
-                && bytes[at - n..at]
-                    .iter()
-                    .eq(KEY.len().to_le_bytes()[..n].iter())
-        };
-        if !(prefixed(8) || prefixed(4)) {
-            continue;
+    zero_alignment(bytes).unwrap_or(false)
+}
+
+fn zero_alignment(bytes: &[u8]) -> Option<bool> {
+    let version = u32::from_le_bytes(bytes.get(4..8)?.try_into().ok()?);
+    let wide = version >= 2;
+    let mut r = Header { bytes, at: 8, wide };
+    let (_tensors, pairs) = (r.len()?, r.len()?);
+    for _ in 0..pairs {
+        let key = r.take_string()?;
+        let kind = r.u32()?;
+        if key == b"general.alignment" {
+            // GGUF value types 0-5: u8, i8, u16, i16, u32, i32; 10, 11: u64, i64.
+            let width = match kind {
+                0 | 1 => 1,
+                2 | 3 => 2,
+                4 | 5 => 4,
+                10 | 11 => 8,
+                _ => return Some(false),
+            };
+            return Some(r.take(width)?.iter().all(|&b| b == 0));
         }
-        let rest = &bytes[at + KEY.len()..];
-        let Some(kind) = rest.get(..4) else { break };
-        // GGUF value types 0-5: u8, i8, u16, i16, u32, i32.
-        let width = match u32::from_le_bytes(kind.try_into().expect("4 bytes")) {
-            0 | 1 => 1,
-            2 | 3 => 2,
-            4 | 5 => 4,
-            _ => continue,
-        };
-        if rest
-            .get(4..4 + width)
-            .is_some_and(|v| v.iter().all(|&b| b == 0))
-        {
-            return true;
+        r.skip_value(kind, 0)?;
+    }
+    Some(false)
+}
+
+/// A cursor over a GGUF header.
+struct Header<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    /// Lengths and counts are u64 (v2 and later), else u32.
+    wide: bool,
+}
+
+impl<'a> Header<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.at.checked_add(n)?;
+        let b = self.bytes.get(self.at..end)?;
+        self.at = end;
+        Some(b)
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+
+    fn len(&mut self) -> Option<usize> {
+        match self.wide {
+            true => usize::try_from(u64::from_le_bytes(self.take(8)?.try_into().ok()?)).ok(),
+            false => Some(self.u32()? as usize),
         }
     }
-    false
+
+    fn take_string(&mut self) -> Option<&'a [u8]> {
+        let n = self.len()?;
+        self.take(n)
+    }
+
+    /// Skips a value of GGUF type `kind` (arrays nest at most a few levels).
+    fn skip_value(&mut self, kind: u32, depth: usize) -> Option<()> {
+        let width = match kind {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            10..=12 => 8,
+            8 => return self.take_string().map(drop),
+            9 if depth < 4 => {
+                let (inner, count) = (self.u32()?, self.len()?);
+                return match inner {
+                    8 | 9 => (0..count).try_for_each(|_| self.skip_value(inner, depth + 1)),
+                    _ => {
+                        let w = match inner {
+                            0 | 1 | 7 => 1,
+                            2 | 3 => 2,
+                            4..=6 => 4,
+                            10..=12 => 8,
+                            _ => return None,
+                        };
+                        self.take(count.checked_mul(w)?).map(drop)
+                    }
+                };
+            }
+            _ => return None,
+        };
+        self.take(width).map(drop)
+    }
 }
 
 /// The file format's encoding of GGML type `dtype`, where the format has it (the kernels then
@@ -681,23 +739,51 @@ mod tests {
 
     #[test]
     fn a_zero_alignment_is_found() {
-        let entry = |version_prefix: &[u8], kind: u32, value: &[u8]| {
-            let mut b = b"GGUF....".to_vec();
-            b.extend(version_prefix);
-            b.extend(b"general.alignment");
+        // A v3 header (or v1: counts and lengths of 4 bytes): a string pair, an array of strings
+        // and one of u32, then `general.alignment` of type `kind`.
+        let file = |wide: bool, kind: u32, value: &[u8]| {
+            let len = |b: &mut Vec<u8>, n: usize| match wide {
+                true => b.extend((n as u64).to_le_bytes()),
+                false => b.extend((n as u32).to_le_bytes()),
+            };
+            let string = |b: &mut Vec<u8>, s: &[u8]| {
+                len(b, s.len());
+                b.extend(s);
+            };
+            let mut b = b"GGUF".to_vec();
+            b.extend(if wide { 3u32 } else { 1u32 }.to_le_bytes());
+            len(&mut b, 0);
+            len(&mut b, 4);
+            string(&mut b, b"general.name");
+            b.extend(8u32.to_le_bytes());
+            string(&mut b, b"general.alignment");
+            string(&mut b, b"tokenizer.ggml.tokens");
+            b.extend(9u32.to_le_bytes());
+            b.extend(8u32.to_le_bytes());
+            len(&mut b, 2);
+            string(&mut b, b"a");
+            string(&mut b, b"general.alignment");
+            string(&mut b, b"tokenizer.ggml.token_type");
+            b.extend(9u32.to_le_bytes());
+            b.extend(5u32.to_le_bytes());
+            len(&mut b, 3);
+            b.extend([0u8; 12]);
+            string(&mut b, b"general.alignment");
             b.extend(kind.to_le_bytes());
             b.extend(value);
+            // Tensor data after the header is never read.
+            b.extend(b"general.alignment");
             b
         };
-        assert!(has_zero_alignment(&entry(&17u64.to_le_bytes(), 4, &[0; 4])));
-        assert!(has_zero_alignment(&entry(&17u32.to_le_bytes(), 0, &[0])));
-        assert!(!has_zero_alignment(&entry(
-            &17u64.to_le_bytes(),
-            4,
-            &32u32.to_le_bytes()
-        )));
-        // The key inside a string value, not as a key: ignored.
-        assert!(!has_zero_alignment(&entry(&[b'x'; 8], 4, &[0; 4])));
+        for wide in [true, false] {
+            assert!(has_zero_alignment(&file(wide, 4, &[0; 4])));
+            assert!(has_zero_alignment(&file(wide, 0, &[0])));
+            assert!(has_zero_alignment(&file(wide, 10, &[0; 8])));
+            assert!(!has_zero_alignment(&file(wide, 4, &32u32.to_le_bytes())));
+        }
+        // Cut short: left to candle's reader.
+        let cut = file(true, 4, &[0; 4]);
+        assert!(!has_zero_alignment(&cut[..cut.len() - 24]));
         let fixture = include_bytes!("../../tests/fixtures/quant-types.gguf");
         assert!(!has_zero_alignment(fixture));
     }
