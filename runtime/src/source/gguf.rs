@@ -606,32 +606,30 @@ impl<'a> Header<'a> {
 
     /// Skips a value of GGUF type `kind` (arrays nest at most a few levels).
     fn skip_value(&mut self, kind: u32, depth: usize) -> Option<()> {
-        let width = match kind {
-            0 | 1 | 7 => 1,
-            2 | 3 => 2,
-            4..=6 => 4,
-            10..=12 => 8,
-            8 => return self.take_string().map(drop),
+        match kind {
+            8 => self.take_string().map(drop),
             9 if depth < 4 => {
                 let (inner, count) = (self.u32()?, self.len()?);
-                return match inner {
+                match inner {
                     8 | 9 => (0..count).try_for_each(|_| self.skip_value(inner, depth + 1)),
-                    _ => {
-                        let w = match inner {
-                            0 | 1 | 7 => 1,
-                            2 | 3 => 2,
-                            4..=6 => 4,
-                            10..=12 => 8,
-                            _ => return None,
-                        };
-                        self.take(count.checked_mul(w)?).map(drop)
-                    }
-                };
+                    _ => self.take(count.checked_mul(fixed_width(inner)?)?).map(drop),
+                }
             }
-            _ => return None,
-        };
-        self.take(width).map(drop)
+            _ => self.take(fixed_width(kind)?).map(drop),
+        }
     }
+}
+
+/// Bytes of a value of GGUF type `kind` where every value of it has the same size (not strings,
+/// arrays or unknown types).
+fn fixed_width(kind: u32) -> Option<usize> {
+    Some(match kind {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        10..=12 => 8,
+        _ => return None,
+    })
 }
 
 /// The file format's encoding of GGML type `dtype`, where the format has it (the kernels then
