@@ -15,7 +15,7 @@ use leanstream::storage::FlashProfile;
 use leanstream::streaming::neuron_cache::Retention;
 use leanstream::streaming::{Sparsity, Tuning};
 use leanstream::text::generate::{generate, GenerateOptions, StopReason};
-use leanstream::text::perplexity::{compare, perplexity};
+use leanstream::text::perplexity::{compare, perplexity_from};
 use leanstream::text::session::{policy_name, PolicyChoice, Session, SessionOptions};
 
 #[derive(Parser)]
@@ -235,6 +235,11 @@ struct PerplexityArgs {
     /// report KL(reference ‖ policy) per token and top-1 agreement.
     #[arg(long, value_enum)]
     reference: Option<ReferenceArg>,
+    /// Score each window's predictions from this position on (0: all of them). With N above 0
+    /// only whole windows count, as `llama-perplexity -c CTX` does from CTX/2: pass
+    /// `--score-from 256` at `--ctx 512` to score the positions it scores.
+    #[arg(long, default_value_t = 0)]
+    score_from: usize,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -482,12 +487,13 @@ fn run_perplexity(args: PerplexityArgs) -> Result<()> {
     let text = leanstream::tokenizer::read_text(&args.file)?;
     let ids = session.tokenizer.encode(&text, false)?;
     let Some(reference) = args.reference else {
-        let result = perplexity(session.model(), &ids, window, true)
+        let result = perplexity_from(session.model(), &ids, window, args.score_from, true)
             .with_context(|| format!("cannot score {}", args.file.display()))?;
         if args.common.json {
             let mut obj = session.report();
             merge(&mut obj, serde_json::to_value(&result)?);
             obj["ctx"] = window.into();
+            obj["score_from"] = args.score_from.into();
             obj["peak_rss_bytes"] = peak_rss_bytes().into();
             println!("{}", serde_json::to_string_pretty(&obj)?);
         } else {
@@ -514,6 +520,7 @@ fn run_perplexity(args: PerplexityArgs) -> Result<()> {
         reference_session.model(),
         &ids,
         window,
+        args.score_from,
         true,
     )?;
     let reference_name = policy_name(reference_session.policy);
@@ -522,6 +529,7 @@ fn run_perplexity(args: PerplexityArgs) -> Result<()> {
         merge(&mut obj, serde_json::to_value(&c)?);
         obj["reference"] = reference_name.into();
         obj["ctx"] = window.into();
+        obj["score_from"] = args.score_from.into();
         obj["peak_rss_bytes"] = peak_rss_bytes().into();
         println!("{}", serde_json::to_string_pretty(&obj)?);
     } else {

@@ -83,12 +83,13 @@ impl Weight {
         }
     }
 
-    /// [`Weight::matmul_t`] in one product over all `t` inputs where the weight is f32
-    /// ([`matmul_t_whole`]: its bits depend on `t`); an encoded weight multiplies as always.
-    pub fn matmul_t_whole(&self, x: &[f32], t: usize, out: &mut [f32]) {
+    /// [`Weight::matmul_t`], or with `whole` in one product over all `t` inputs where the weight
+    /// is f32 ([`matmul_t_whole`]: its bits depend on `t`; the profiler's choice,
+    /// `Model::set_whole_products`); an encoded weight multiplies as always.
+    pub fn matmul_t_with(&self, x: &[f32], t: usize, out: &mut [f32], whole: bool) {
         match self {
-            Weight::F32(m) => matmul_t_whole(m, x, t, out),
-            Weight::Encoded(q) => q.matmul_t(x, t, out),
+            Weight::F32(m) if whole => matmul_t_whole(m, x, t, out),
+            _ => self.matmul_t(x, t, out),
         }
     }
 }

@@ -38,13 +38,9 @@ impl Model {
             rms_norm(src, &layer.attn_norm, c.rms_norm_eps, dst);
         }
         let whole = self.whole_products;
-        let product = |w: &Weight, x: &[f32], out: &mut [f32]| match whole {
-            true => w.matmul_t_whole(x, t, out),
-            false => w.matmul_t(x, t, out),
-        };
-        product(&attn.wq, &s.xn, &mut s.q);
-        product(&attn.wk, &s.xn, &mut s.k);
-        product(&attn.wv, &s.xn, &mut s.v);
+        attn.wq.matmul_t_with(&s.xn, t, &mut s.q, whole);
+        attn.wk.matmul_t_with(&s.xn, t, &mut s.k, whole);
+        attn.wv.matmul_t_with(&s.xn, t, &mut s.v, whole);
         if let Some(b) = &layer.qkv_bias {
             let (bq, bkv) = b.split_at(qd);
             let (bk, bv) = bkv.split_at(kvd);
@@ -75,7 +71,7 @@ impl Model {
             cache.store(l, start + i, k, &s.v[i * kvd..(i + 1) * kvd]);
         }
         self.attend(l, start, t, &s.q, cache, &mut s.scores, &mut s.att);
-        product(&attn.wo, &s.att, &mut s.proj);
+        attn.wo.matmul_t_with(&s.att, t, &mut s.proj, whole);
         add_output(
             layer.attn_post_norm.as_deref(),
             c.rms_norm_eps,

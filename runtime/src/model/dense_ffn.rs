@@ -21,13 +21,8 @@ impl DenseFfn {
     /// Gate and up pre-activations of the `t` rows of `x` (`t × n` each); `whole`: in one product
     /// ([`Model::set_whole_products`]).
     fn project(&self, x: &[f32], t: usize, gate: &mut [f32], up: &mut [f32], whole: bool) {
-        if whole {
-            self.gate.matmul_t_whole(x, t, gate);
-            self.up.matmul_t_whole(x, t, up);
-        } else {
-            self.gate.matmul_t(x, t, gate);
-            self.up.matmul_t(x, t, up);
-        }
+        self.gate.matmul_t_with(x, t, gate, whole);
+        self.up.matmul_t_with(x, t, up, whole);
     }
 
     /// `out = down · (act(gate) ⊙ up)` (dReLU: `relu(gate) ⊙ relu(up)`, [`Activation::coef`]),
@@ -44,11 +39,7 @@ impl DenseFfn {
         gate.iter_mut()
             .zip(up)
             .for_each(|(g, u)| *g = act.coef(act.apply(*g), *u));
-        if whole {
-            self.down.matmul_t_whole(gate, t, out);
-        } else {
-            self.down.matmul_t(gate, t, out);
-        }
+        self.down.matmul_t_with(gate, t, out, whole);
     }
 
     /// The FFN of the `t` rows of `x` into `out` (`t × hidden`), with `gate` and `up` as scratch.

@@ -88,13 +88,29 @@ impl ComparisonAccum {
 
 /// Scores `ids` in windows of `window` tokens; a last window shorter than 2 tokens is dropped.
 pub fn perplexity(
-    mut model: impl LanguageModel,
+    model: impl LanguageModel,
     ids: &[u32],
     window: usize,
     progress: bool,
 ) -> Result<Perplexity> {
+    perplexity_from(model, ids, window, 0, progress)
+}
+
+/// Scores `ids` in windows of `window` tokens, each from position `score_from` on: the next-token
+/// predictions made at positions `score_from ..= window − 2` of each window. With `score_from` 0
+/// every window counts, a last one shorter than 2 tokens dropped; above 0, only whole windows count,
+/// as `llama-perplexity` does (it scores from `window / 2`), so that the two tools score the same
+/// positions.
+pub fn perplexity_from(
+    mut model: impl LanguageModel,
+    ids: &[u32],
+    window: usize,
+    score_from: usize,
+    progress: bool,
+) -> Result<Perplexity> {
     let (mut nll, mut scored) = (0.0f64, 0usize);
-    for_each_position(&mut [&mut model], ids, window, progress, |rows, target| {
+    let windows = Windows::new(window, score_from)?;
+    for_each_position(&mut [&mut model], ids, windows, progress, |rows, target| {
         nll -= log_softmax_at(rows[0], target);
         scored += 1;
         (nll / scored as f64).exp()
@@ -107,12 +123,14 @@ pub fn perplexity(
     })
 }
 
-/// Scores `ids` with `model` and `reference` in the same pass over the same windows.
+/// Scores `ids` with `model` and `reference` in the same pass over the same windows (positions
+/// chosen as [`perplexity_from`] does).
 pub fn compare(
     model: &mut dyn LanguageModel,
     reference: &mut dyn LanguageModel,
     ids: &[u32],
     window: usize,
+    score_from: usize,
     progress: bool,
 ) -> Result<Comparison> {
     if model.config().vocab_size != reference.config().vocab_size {
@@ -123,11 +141,58 @@ pub fn compare(
         );
     }
     let mut acc = ComparisonAccum::default();
-    for_each_position(&mut [model, reference], ids, window, progress, |rows, t| {
-        acc.add(rows[0], rows[1], t);
-        acc.perplexity()
-    })?;
+    let windows = Windows::new(window, score_from)?;
+    for_each_position(
+        &mut [model, reference],
+        ids,
+        windows,
+        progress,
+        |rows, t| {
+            acc.add(rows[0], rows[1], t);
+            acc.perplexity()
+        },
+    )?;
     Ok(acc.finish())
+}
+
+/// Which positions of a text are scored: windows of `len` tokens, each from an empty cache, and
+/// in each the predictions made at positions `score_from ..= len − 2`.
+#[derive(Debug, Clone, Copy)]
+struct Windows {
+    len: usize,
+    score_from: usize,
+}
+
+impl Windows {
+    fn new(len: usize, score_from: usize) -> Result<Self> {
+        if len < 2 {
+            bail!("the perplexity window must hold at least 2 tokens");
+        }
+        if score_from > len - 2 {
+            bail!(
+                "scoring from position {score_from} of a {len}-token window leaves nothing to \
+                 score: choose a position below {}",
+                len - 1
+            );
+        }
+        Ok(Self { len, score_from })
+    }
+
+    /// The windows of `ids` that are scored.
+    fn of<'a>(&self, ids: &'a [u32]) -> Result<Vec<&'a [u32]>> {
+        let min_len = if self.score_from == 0 { 2 } else { self.len };
+        let windows: Vec<&[u32]> = ids
+            .chunks(self.len)
+            .filter(|w| w.len() >= min_len)
+            .collect();
+        if windows.is_empty() {
+            bail!(
+                "the text has {} tokens, fewer than the {min_len} one window needs: nothing to score",
+                ids.len()
+            );
+        }
+        Ok(windows)
+    }
 }
 
 /// Runs every model over the windows of `ids` and hands `score` each scored position: one logits
@@ -135,17 +200,12 @@ pub fn compare(
 fn for_each_position(
     models: &mut [&mut dyn LanguageModel],
     ids: &[u32],
-    window: usize,
+    spec: Windows,
     progress: bool,
     mut score: impl FnMut(&[&[f32]], usize) -> f64,
 ) -> Result<()> {
-    if window < 2 {
-        bail!("the perplexity window must hold at least 2 tokens");
-    }
-    let windows: Vec<&[u32]> = ids.chunks(window).filter(|w| w.len() >= 2).collect();
-    if windows.is_empty() {
-        bail!("the text has fewer than 2 tokens: nothing to score");
-    }
+    let (window, score_from) = (spec.len, spec.score_from);
+    let windows = spec.of(ids)?;
     let bar = Progress::new(progress, windows.len() as u64);
     let vocab = models[0].config().vocab_size;
     let mut caches: Vec<KvCache> = models.iter().map(|m| m.new_cache(window)).collect();
@@ -170,7 +230,7 @@ fn for_each_position(
                 .collect::<Result<Vec<_>>>()?;
             for i in 0..chunk.len() {
                 let next = c * chunk_len + i + 1;
-                if next < w.len() {
+                if next < w.len() && next > score_from {
                     let rows: Vec<&[f32]> = logits
                         .iter()
                         .map(|l| &l[i * vocab..(i + 1) * vocab])

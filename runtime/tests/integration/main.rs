@@ -14,6 +14,7 @@ mod demo;
 mod gguf_model;
 mod gguf_quant_types;
 mod kv_cache;
+mod perplexity_positions;
 mod quantized;
 mod serve;
 mod serve_parallel;
