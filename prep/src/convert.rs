@@ -276,7 +276,7 @@ fn layout_summary(
 }
 
 /// An empty matrix: a block's attention projections while the calibration is elsewhere.
-fn placeholder() -> Weight {
+pub(crate) fn placeholder() -> Weight {
     Weight::F32(Matrix::new(0, 0, Vec::new()))
 }
 
@@ -587,7 +587,7 @@ mod tests {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
-            state % 5 == 0
+            state.is_multiple_of(5)
         };
         let mask: Vec<bool> = (0..rows * n).map(|_| bit()).collect();
         let score = vec![1.0f32; rows * n];

@@ -15,7 +15,7 @@ use leanstream::storage::FlashProfile;
 use leanstream::streaming::neuron_cache::Retention;
 use leanstream::streaming::{Sparsity, Tuning};
 use leanstream::text::generate::{generate, GenerateOptions, StopReason};
-use leanstream::text::perplexity::{compare, perplexity_from};
+use leanstream::text::perplexity::{compare_from, perplexity_from};
 use leanstream::text::session::{policy_name, PolicyChoice, Session, SessionOptions};
 
 #[derive(Parser)]
@@ -515,7 +515,7 @@ fn run_perplexity(args: PerplexityArgs) -> Result<()> {
         model: session.model_path.clone(),
         ..session_options(&args.common, 512)?
     })?;
-    let c = compare(
+    let c = compare_from(
         session.model(),
         reference_session.model(),
         &ids,

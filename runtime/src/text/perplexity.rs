@@ -123,9 +123,19 @@ pub fn perplexity_from(
     })
 }
 
-/// Scores `ids` with `model` and `reference` in the same pass over the same windows (positions
-/// chosen as [`perplexity_from`] does).
+/// Scores `ids` with `model` and `reference` in the same pass over the same windows.
 pub fn compare(
+    model: &mut dyn LanguageModel,
+    reference: &mut dyn LanguageModel,
+    ids: &[u32],
+    window: usize,
+    progress: bool,
+) -> Result<Comparison> {
+    compare_from(model, reference, ids, window, 0, progress)
+}
+
+/// [`compare`] on the positions [`perplexity_from`] scores.
+pub fn compare_from(
     model: &mut dyn LanguageModel,
     reference: &mut dyn LanguageModel,
     ids: &[u32],
