@@ -51,6 +51,7 @@ pub(super) fn kernels() -> RowKernels {
         dots_q4_0: |r, x, o| unsafe { dots::<false>(Block::Q4_0, r, x, o) },
         dots_q4_1: |r, x, o| unsafe { dots::<false>(Block::Q4_1, r, x, o) },
         dot_rows: DOT_ROWS,
+        more: super::kquant_neon::table(),
         ..PORTABLE
     }
 }
@@ -73,6 +74,7 @@ pub(super) unsafe fn dotprod_kernels() -> RowKernels {
         dots_q8_0: |r, x, o| unsafe { dots_sdot(Block::Q8_0, r, x, o) },
         dots_q4_0: |r, x, o| unsafe { dots_sdot(Block::Q4_0, r, x, o) },
         dots_q4_1: |r, x, o| unsafe { dots_sdot(Block::Q4_1, r, x, o) },
+        more: super::kquant_neon::dotprod_table(),
         ..kernels()
     }
 }
@@ -83,7 +85,7 @@ pub(super) unsafe fn dotprod_kernels() -> RowKernels {
 /// The CPU must have FEAT_DotProd.
 #[target_feature(enable = "dotprod")]
 #[inline]
-unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+pub(super) unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     // SAFETY: `sdot` reads and writes registers only; the caller guarantees the CPU runs it.
     asm!(
         "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
@@ -114,21 +116,26 @@ unsafe fn lane_isums<const DOT: bool>(w: [int8x16_t; 2], x: [int8x16_t; 2]) -> [
     })
 }
 
-/// The 32-value block types the NEON kernels take (the others run the portable code).
+/// The 32-value block types the NEON kernels take (all of them).
 fn block_of(kind: Block) -> portable::Block {
     match kind {
         Block::Q8_0 => portable::Block::Q8_0,
         Block::Q4_0 => portable::Block::Q4_0,
         Block::Q4_1 => portable::Block::Q4_1,
+        Block::Q5_0 => portable::Block::Q5_0,
+        Block::Q5_1 => portable::Block::Q5_1,
     }
 }
 
-/// A block encoding: `d·q` (`Q8_0`), `d·(q − 8)` (`Q4_0`) or `d·q + m` (`Q4_1`).
+/// A block encoding: `d·q` (`Q8_0`), `d·(q − 8)` (`Q4_0`), `d·q + m` (`Q4_1`), `d·(q − 16)`
+/// (`Q5_0`) or `d·q + m` with 5-bit `q` (`Q5_1`).
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Block {
+pub(super) enum Block {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
 }
 
 /// Block `blk`'s 32 codes in value order, offset taken off (`portable::Block::codes`).
@@ -152,12 +159,38 @@ unsafe fn codes(kind: Block, blk: *const u8) -> [int8x16_t; 2] {
                 c
             }
         }
+        Block::Q5_0 | Block::Q5_1 => {
+            // The fifth bits: the little-endian `u32` at 2 (`Q5_0`) or 4 (`Q5_1`), bit `k` value
+            // `k`'s, before the 16 nibble bytes (low nibbles values 0..16, high nibbles 16..32).
+            let at = if kind == Block::Q5_1 { 4 } else { 2 };
+            let qh =
+                vreinterpretq_u8_u32(vdupq_n_u32((blk.add(at) as *const u32).read_unaligned()));
+            let n = vld1q_u8(blk.add(at + 4));
+            let nib = [vandq_u8(n, vdupq_n_u8(0x0f)), vshrq_n_u8::<4>(n)];
+            // Byte `k` of half `h` 0xff where bit `16h + k` is set: qh's byte `2h + k / 8`
+            // spread over eight lanes, tested against bit `k % 8`.
+            let bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040_2010_0804_0201));
+            let spread = [
+                vcombine_u8(vdup_n_u8(0), vdup_n_u8(1)),
+                vcombine_u8(vdup_n_u8(2), vdup_n_u8(3)),
+            ];
+            std::array::from_fn(|h| {
+                let set = vtstq_u8(vqtbl1q_u8(qh, spread[h]), bit);
+                let high = if kind == Block::Q5_0 {
+                    // `q − 16` as `i8` in one operation: 0xf0 or'd in where the bit is clear.
+                    vbicq_u8(vdupq_n_u8(0xf0), set)
+                } else {
+                    vandq_u8(set, vdupq_n_u8(0x10))
+                };
+                vreinterpretq_s8_u8(vorrq_u8(nib[h], high))
+            })
+        }
     }
 }
 
 /// `row · x` for a block-encoded row: bit for bit the portable `dot_q8_0`/`dot_q4_0`/`dot_q4_1`.
 #[inline(always)]
-unsafe fn block_dot<const DOT: bool>(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
+pub(super) unsafe fn block_dot<const DOT: bool>(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
     block_dots::<DOT, 1>(kind, [w], x)[0]
 }
 
@@ -219,7 +252,12 @@ unsafe fn block_dots<const DOT: bool, const R: usize>(
 
 /// [`block_dots`] on 1 to `DOT_ROWS` rows.
 #[inline(always)]
-unsafe fn dots<const DOT: bool>(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+pub(super) unsafe fn dots<const DOT: bool>(
+    kind: Block,
+    rows: &[&[u8]],
+    x: &Q8Vec,
+    out: &mut [f32],
+) {
     dots_by_count!(rows, out, |r: R| block_dots::<DOT, R>(kind, r, x))
 }
 
@@ -228,7 +266,7 @@ unsafe fn dots<const DOT: bool>(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mu
 /// # Safety
 /// The CPU must have FEAT_DotProd.
 #[target_feature(enable = "dotprod")]
-unsafe fn dots_sdot(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+pub(super) unsafe fn dots_sdot(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
     dots::<true>(kind, rows, x, out)
 }
 
@@ -237,6 +275,6 @@ unsafe fn dots_sdot(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
 /// # Safety
 /// The CPU must have FEAT_DotProd.
 #[target_feature(enable = "dotprod")]
-unsafe fn dot_sdot(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
+pub(super) unsafe fn dot_sdot(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
     block_dot::<true>(kind, w, x)
 }
