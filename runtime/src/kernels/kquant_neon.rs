@@ -62,8 +62,8 @@ pub(super) fn table() -> MoreKernels {
             },
         ],
         inputs: [
-            None,
-            None,
+            Some(|w, xs, o| unsafe { neon::inputs::<false>(Block::Q5_0, w, xs, o) }),
+            Some(|w, xs, o| unsafe { neon::inputs::<false>(Block::Q5_1, w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs::<false, Q4_K>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs::<false, Q5_K>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs::<false, Q6_K>(w, xs, o) }),
@@ -95,8 +95,8 @@ pub(super) unsafe fn dotprod_table() -> MoreKernels {
             |r, x, o| unsafe { dots_sdot::<Q6_K>(r, x, o) },
         ],
         inputs: [
-            None,
-            None,
+            Some(|w, xs, o| unsafe { neon::inputs_sdot(Block::Q5_0, w, xs, o) }),
+            Some(|w, xs, o| unsafe { neon::inputs_sdot(Block::Q5_1, w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs_sdot::<Q4_K>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs_sdot::<Q5_K>(w, xs, o) }),
             Some(|w, xs, o| unsafe { inputs_sdot::<Q6_K>(w, xs, o) }),

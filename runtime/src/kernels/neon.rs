@@ -37,7 +37,7 @@ use leanstream_format::quant::BLOCK_LEN;
 
 use super::operand::Q8Vec;
 use super::portable::{self, f16_at};
-use super::rows::{dots_by_count, RowKernels, DOT_ROWS, PORTABLE};
+use super::rows::{by_inputs, dots_by_count, RowKernels, DOT_ROWS, PORTABLE};
 
 /// The plain NEON kernel table.
 pub(super) fn kernels() -> RowKernels {
@@ -194,60 +194,142 @@ pub(super) unsafe fn block_dot<const DOT: bool>(kind: Block, w: &[u8], x: &Q8Vec
     block_dots::<DOT, 1>(kind, [w], x)[0]
 }
 
+/// One row's running sum against one input: the eight float lanes (two vectors) and the
+/// minimum's terms (a scalar sum).
+#[derive(Clone, Copy)]
+struct RowSum {
+    acc: [float32x4_t; 2],
+    mins: f32,
+}
+
+impl RowSum {
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        RowSum {
+            acc: [vdupq_n_f32(0.0); 2],
+            mins: 0.0,
+        }
+    }
+
+    /// Adds block `b` (its bytes `blk`, its codes `c`) against input `x` (its block's quants
+    /// `xs`): the eight lane sums converted, multiplied by `d_w·d_x` and added to the lanes; the
+    /// minimum's term `m_w·sx` to `mins`.
+    #[inline(always)]
+    unsafe fn add<const DOT: bool>(
+        &mut self,
+        kind: Block,
+        blk: &[u8],
+        c: [int8x16_t; 2],
+        xs: [int8x16_t; 2],
+        x: &Q8Vec,
+        b: usize,
+    ) {
+        let lanes = lane_isums::<DOT>(c, xs);
+        let dd = vdupq_n_f32(f16_at(blk, 0) * x.scales[b]);
+        for (a, l) in self.acc.iter_mut().zip(lanes) {
+            *a = vaddq_f32(*a, vmulq_f32(dd, vcvtq_f32_s32(l)));
+        }
+        if block_of(kind).has_min() {
+            self.mins += f16_at(blk, 2) * x.sums[b];
+        }
+    }
+
+    /// The lanes in [`portable::lanes_total`]'s order (halves, then pairs), plus `mins`.
+    #[inline(always)]
+    unsafe fn total(self) -> f32 {
+        let s = vaddq_f32(self.acc[0], self.acc[1]);
+        let t = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+        (vget_lane_f32::<0>(t) + vget_lane_f32::<1>(t)) + self.mins
+    }
+}
+
+/// Block `b`'s 32 quants of input `x`.
+#[inline(always)]
+unsafe fn xblock(x: &Q8Vec, b: usize) -> [int8x16_t; 2] {
+    let q = x.quants.as_ptr().add(b * BLOCK_LEN);
+    [vld1q_s8(q), vld1q_s8(q.add(16))]
+}
+
+/// Whole blocks that input `x` holds.
+#[inline(always)]
+fn x_blocks(x: &Q8Vec) -> usize {
+    x.scales
+        .len()
+        .min(x.sums.len())
+        .min(x.quants.len() / BLOCK_LEN)
+}
+
 /// [`block_dot`] of `R` rows, each with one row's operations in its order (the same bits), each
-/// activation block and its scale loaded once for all of them: per block, the eight lane sums
-/// (two vectors) converted, multiplied by `d_w·d_x` and added to the row's lanes; the minimum's
-/// term in a scalar sum; at the end [`portable::lanes_total`]'s order (halves, then pairs).
+/// activation block and its scale loaded once for all of them ([`RowSum`]).
 #[inline(always)]
 unsafe fn block_dots<const DOT: bool, const R: usize>(
     kind: Block,
     rows: [&[u8]; R],
     x: &Q8Vec,
 ) -> [f32; R] {
-    let block = block_of(kind);
-    let bytes = block.bytes();
-    let nx = x
-        .scales
-        .len()
-        .min(x.sums.len())
-        .min(x.quants.len() / BLOCK_LEN);
+    let bytes = block_of(kind).bytes();
+    let nx = x_blocks(x);
     let nb = rows.iter().fold(nx, |n, w| n.min(w.len() / bytes));
-    let xq = x.quants.as_ptr();
-    let xblock = |b: usize| {
-        let q = xq.add(b * BLOCK_LEN);
-        [vld1q_s8(q), vld1q_s8(q.add(16))]
-    };
-    let mut acc = [[vdupq_n_f32(0.0); 2]; R];
-    let mut mins = [0.0f32; R];
-    let step = |acc: &mut [float32x4_t; 2], mins: &mut f32, w: &[u8], b: usize, xs| {
+    let mut sums = [RowSum::zero(); R];
+    let step = |sum: &mut RowSum, w: &[u8], b: usize, xs| {
         let blk = &w[b * bytes..(b + 1) * bytes];
-        let lanes = lane_isums::<DOT>(codes(kind, blk.as_ptr()), xs);
-        let dd = vdupq_n_f32(f16_at(blk, 0) * x.scales[b]);
-        for (a, l) in acc.iter_mut().zip(lanes) {
-            *a = vaddq_f32(*a, vmulq_f32(dd, vcvtq_f32_s32(l)));
-        }
-        if block.has_min() {
-            *mins += f16_at(blk, 2) * x.sums[b];
-        }
+        sum.add::<DOT>(kind, blk, codes(kind, blk.as_ptr()), xs, x, b);
     };
     for b in 0..nb {
-        let xs = xblock(b);
+        let xs = xblock(x, b);
         for r in 0..R {
-            step(&mut acc[r], &mut mins[r], rows[r], b, xs);
+            step(&mut sums[r], rows[r], b, xs);
         }
     }
     // Rows longer than the shortest (a caller's mistake the dispatcher asserts against) finish
     // alone.
     for r in 0..R {
         for b in nb..(rows[r].len() / bytes).min(nx) {
-            step(&mut acc[r], &mut mins[r], rows[r], b, xblock(b));
+            step(&mut sums[r], rows[r], b, xblock(x, b));
         }
     }
-    std::array::from_fn(|r| {
-        let s = vaddq_f32(acc[r][0], acc[r][1]);
-        let t = vadd_f32(vget_low_f32(s), vget_high_f32(s));
-        (vget_lane_f32::<0>(t) + vget_lane_f32::<1>(t)) + mins[r]
-    })
+    sums.map(|s| s.total())
+}
+
+/// One row against `N` inputs, each result [`block_dot`]'s bits: each block's codes decoded once
+/// for all of them ([`RowSum`] per input). The blocks every input holds.
+#[inline(always)]
+unsafe fn block_inputs<const DOT: bool, const N: usize>(
+    kind: Block,
+    w: &[u8],
+    xs: [&Q8Vec; N],
+) -> [f32; N] {
+    let bytes = block_of(kind).bytes();
+    let nb = xs.iter().fold(w.len() / bytes, |n, x| n.min(x_blocks(x)));
+    let mut sums = [RowSum::zero(); N];
+    for b in 0..nb {
+        let blk = &w[b * bytes..(b + 1) * bytes];
+        let c = codes(kind, blk.as_ptr());
+        for (sum, x) in sums.iter_mut().zip(xs) {
+            sum.add::<DOT>(kind, blk, c, xblock(x, b), x, b);
+        }
+    }
+    sums.map(|s| s.total())
+}
+
+/// [`block_inputs`] on 1 to [`super::WIDE_INPUTS`] inputs.
+#[inline(always)]
+pub(super) unsafe fn inputs<const DOT: bool>(
+    kind: Block,
+    w: &[u8],
+    xs: &[&Q8Vec],
+    out: &mut [f32],
+) {
+    by_inputs!(xs, out, |N, arr| block_inputs::<DOT, N>(kind, w, arr))
+}
+
+/// [`inputs`] through `sdot`.
+///
+/// # Safety
+/// The CPU must have FEAT_DotProd.
+#[target_feature(enable = "dotprod")]
+pub(super) unsafe fn inputs_sdot(kind: Block, w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
+    inputs::<true>(kind, w, xs, out)
 }
 
 /// [`block_dots`] on 1 to `DOT_ROWS` rows.
