@@ -22,6 +22,12 @@
 //! forms them. The float types and every `axpy` are the portable code itself (the compiler
 //! vectorizes it for NEON; a fused multiply-add would change its bits).
 //!
+//! Block types: `Q8_0`, `Q4_0`, `Q4_1` (`dot`, `dots`) and the 5-bit `Q5_0`, `Q5_1` (`dot`,
+//! `dots`, `dot_inputs` through [`block_inputs`]) here; the K-quants `Q4_K`, `Q5_K`, `Q6_K`
+//! (`dot`, `dots`, `dot_inputs`) in [`super::kquant_neon`], which also holds the table that wires
+//! the five newer types into both sets. Every one gives the portable bits; the kernel tests check
+//! it under qemu on a CPU model with dotprod (`-cpu max`) and one without (`-cpu cortex-a72`).
+//!
 //! Rust has no stable `sdot` intrinsic yet (`vdotq_s32` is unstable even in 1.95), so it is one
 //! instruction of inline assembly in a function compiled with the `dotprod` feature.
 //!
