@@ -10,8 +10,10 @@ use std::arch::x86_64::*;
 
 use super::avx2;
 use super::operand::Q8Vec;
-use super::portable::{K_SUB, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
-use super::rows::{MoreKernels, INPUTS, PORTABLE_MORE, WIDE_INPUTS};
+use super::portable::{
+    scales_mins_k4_bytes, super_blocks, K_SUB, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
+};
+use super::rows::{by_inputs, each_row as each, MoreKernels, PORTABLE_MORE, WIDE_INPUTS};
 
 /// The table for a CPU with AVX2 (the caller checked it).
 pub(super) fn table() -> MoreKernels {
@@ -40,14 +42,6 @@ pub(super) fn table() -> MoreKernels {
         ],
         inputs_width: [WIDE_INPUTS; 5],
         axpy: PORTABLE_MORE.axpy,
-    }
-}
-
-/// `dots` as one `dot` per row (each row streams its own bytes; the input is in cache).
-#[inline(always)]
-fn each(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32], dot: impl Fn(&[u8], &Q8Vec) -> f32) {
-    for (o, w) in out.iter_mut().zip(rows) {
-        *o = dot(w, x);
     }
 }
 
@@ -118,21 +112,11 @@ pub(super) unsafe fn q5_codes<const OFFSET: bool>(blk: *const u8, at: usize) -> 
     _mm256_or_si256(nib, high)
 }
 
-/// A `Q4_K`/`Q5_K` super-block's eight 6-bit scales and eight minimums (packed in the 12 bytes at
-/// `s` as [`leanstream_format::quant_k::scale_min_k4`] reads them), as f32 lanes `j = 0..8`.
+/// A `Q4_K`/`Q5_K` super-block's eight 6-bit scales and eight minimums (the 12 bytes at `s`,
+/// [`scales_mins_k4_bytes`]), as f32 lanes `j = 0..8`.
 #[inline(always)]
 unsafe fn scales_mins_k4(s: *const u8) -> (__m256, __m256) {
-    const K1: u32 = 0x3f3f_3f3f;
-    const K2: u32 = 0x0f0f_0f0f;
-    const K3: u32 = 0x0303_0303;
-    let p = s as *const u32;
-    let (u0, u1, u2) = (
-        p.read_unaligned(),
-        p.add(1).read_unaligned(),
-        p.add(2).read_unaligned(),
-    );
-    let sc = (u0 & K1) as u64 | (((u2 & K2) | (((u0 >> 6) & K3) << 4)) as u64) << 32;
-    let m = (u1 & K1) as u64 | ((((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4)) as u64) << 32;
+    let (sc, m) = scales_mins_k4_bytes(std::slice::from_raw_parts(s, 12));
     let lanes = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
     (lanes(sc), lanes(m))
 }
@@ -208,16 +192,6 @@ unsafe fn ordered_results<const N: usize>(sums: [f32; N], all: [__m128; 2]) -> [
     _mm_storeu_ps(lanes.as_mut_ptr(), all[0]);
     _mm_storeu_ps(lanes.as_mut_ptr().add(4), all[1]);
     std::array::from_fn(|i| lanes[i])
-}
-
-/// Whole super-blocks that the row (`bytes` each) and every input hold.
-#[inline(always)]
-fn super_blocks<const N: usize>(w: &[u8], bytes: usize, xs: &[&Q8Vec; N]) -> usize {
-    xs.iter().fold(w.len() / bytes, |nb, x| {
-        nb.min(x.scales.len() / K_SUB)
-            .min(x.sums.len() / K_SUB)
-            .min(x.quants.len() / 256)
-    })
 }
 
 /// `Q4_K` (`FIVE` false) or `Q5_K` against `N` inputs, one super-block (eight q8 blocks) at a
@@ -368,44 +342,6 @@ unsafe fn dot_q45_k<const FIVE: bool>(w: &[u8], x: &Q8Vec) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q6_k(w: &[u8], x: &Q8Vec) -> f32 {
     q6_k::<1>(w, [x])[0]
-}
-
-/// One K-quant row against 1 to [`WIDE_INPUTS`] inputs (`out[i]` the `dot` of the row and
-/// `xs[i]`), through `kernel` of the right width: five to seven run as eight with the first
-/// input repeated, the extra results dropped.
-macro_rules! by_inputs {
-    ($xs:expr, $out:expr, |$n:ident, $arr:ident| $call:expr) => {{
-        let (xs, out) = ($xs, $out);
-        match xs.len().min(out.len()) {
-            0 => {}
-            1 => {
-                const $n: usize = 1;
-                let $arr: [&Q8Vec; $n] = [xs[0]];
-                out[..$n].copy_from_slice(&$call);
-            }
-            2 => {
-                const $n: usize = 2;
-                let $arr: [&Q8Vec; $n] = [xs[0], xs[1]];
-                out[..$n].copy_from_slice(&$call);
-            }
-            3 => {
-                const $n: usize = 3;
-                let $arr: [&Q8Vec; $n] = [xs[0], xs[1], xs[2]];
-                out[..$n].copy_from_slice(&$call);
-            }
-            4 => {
-                const $n: usize = INPUTS;
-                let $arr: [&Q8Vec; $n] = std::array::from_fn(|i| xs[i]);
-                out[..$n].copy_from_slice(&$call);
-            }
-            m => {
-                const $n: usize = WIDE_INPUTS;
-                let m = m.min($n);
-                let $arr: [&Q8Vec; $n] = std::array::from_fn(|i| xs[if i < m { i } else { 0 }]);
-                out[..m].copy_from_slice(&$call[..m]);
-            }
-        }
-    }};
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -17,6 +17,8 @@ pub mod bundles;
 mod gemm;
 #[cfg(target_arch = "x86_64")]
 mod kquant_avx2;
+#[cfg(target_arch = "aarch64")]
+mod kquant_neon;
 mod matrix;
 #[cfg(target_arch = "aarch64")]
 mod neon;

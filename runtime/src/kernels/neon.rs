@@ -22,6 +22,12 @@
 //! forms them. The float types and every `axpy` are the portable code itself (the compiler
 //! vectorizes it for NEON; a fused multiply-add would change its bits).
 //!
+//! Block types: `Q8_0`, `Q4_0`, `Q4_1` (`dot`, `dots`) and the 5-bit `Q5_0`, `Q5_1` (`dot`,
+//! `dots`, `dot_inputs` through [`block_inputs`]) here; the K-quants `Q4_K`, `Q5_K`, `Q6_K`
+//! (`dot`, `dots`, `dot_inputs`) in [`super::kquant_neon`], which also holds the table that wires
+//! the five newer types into both sets. Every one gives the portable bits; the kernel tests check
+//! it under qemu on a CPU model with dotprod (`-cpu max`) and one without (`-cpu cortex-a72`).
+//!
 //! Rust has no stable `sdot` intrinsic yet (`vdotq_s32` is unstable even in 1.95), so it is one
 //! instruction of inline assembly in a function compiled with the `dotprod` feature.
 //!
@@ -37,7 +43,7 @@ use leanstream_format::quant::BLOCK_LEN;
 
 use super::operand::Q8Vec;
 use super::portable::{self, f16_at};
-use super::rows::{dots_by_count, RowKernels, DOT_ROWS, PORTABLE};
+use super::rows::{by_inputs, dots_by_count, RowKernels, DOT_ROWS, PORTABLE};
 
 /// The plain NEON kernel table.
 pub(super) fn kernels() -> RowKernels {
@@ -51,6 +57,7 @@ pub(super) fn kernels() -> RowKernels {
         dots_q4_0: |r, x, o| unsafe { dots::<false>(Block::Q4_0, r, x, o) },
         dots_q4_1: |r, x, o| unsafe { dots::<false>(Block::Q4_1, r, x, o) },
         dot_rows: DOT_ROWS,
+        more: super::kquant_neon::table(),
         ..PORTABLE
     }
 }
@@ -73,6 +80,7 @@ pub(super) unsafe fn dotprod_kernels() -> RowKernels {
         dots_q8_0: |r, x, o| unsafe { dots_sdot(Block::Q8_0, r, x, o) },
         dots_q4_0: |r, x, o| unsafe { dots_sdot(Block::Q4_0, r, x, o) },
         dots_q4_1: |r, x, o| unsafe { dots_sdot(Block::Q4_1, r, x, o) },
+        more: super::kquant_neon::dotprod_table(),
         ..kernels()
     }
 }
@@ -83,7 +91,7 @@ pub(super) unsafe fn dotprod_kernels() -> RowKernels {
 /// The CPU must have FEAT_DotProd.
 #[target_feature(enable = "dotprod")]
 #[inline]
-unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+pub(super) unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     // SAFETY: `sdot` reads and writes registers only; the caller guarantees the CPU runs it.
     asm!(
         "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
@@ -114,21 +122,26 @@ unsafe fn lane_isums<const DOT: bool>(w: [int8x16_t; 2], x: [int8x16_t; 2]) -> [
     })
 }
 
-/// The 32-value block types the NEON kernels take (the others run the portable code).
+/// The 32-value block types the NEON kernels take (all of them).
 fn block_of(kind: Block) -> portable::Block {
     match kind {
         Block::Q8_0 => portable::Block::Q8_0,
         Block::Q4_0 => portable::Block::Q4_0,
         Block::Q4_1 => portable::Block::Q4_1,
+        Block::Q5_0 => portable::Block::Q5_0,
+        Block::Q5_1 => portable::Block::Q5_1,
     }
 }
 
-/// A block encoding: `d·q` (`Q8_0`), `d·(q − 8)` (`Q4_0`) or `d·q + m` (`Q4_1`).
+/// A block encoding: `d·q` (`Q8_0`), `d·(q − 8)` (`Q4_0`), `d·q + m` (`Q4_1`), `d·(q − 16)`
+/// (`Q5_0`) or `d·q + m` with 5-bit `q` (`Q5_1`).
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Block {
+pub(super) enum Block {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
 }
 
 /// Block `blk`'s 32 codes in value order, offset taken off (`portable::Block::codes`).
@@ -152,74 +165,187 @@ unsafe fn codes(kind: Block, blk: *const u8) -> [int8x16_t; 2] {
                 c
             }
         }
+        Block::Q5_0 | Block::Q5_1 => {
+            // The fifth bits: the little-endian `u32` at 2 (`Q5_0`) or 4 (`Q5_1`), bit `k` value
+            // `k`'s, before the 16 nibble bytes (low nibbles values 0..16, high nibbles 16..32).
+            let at = if kind == Block::Q5_1 { 4 } else { 2 };
+            let qh =
+                vreinterpretq_u8_u32(vdupq_n_u32((blk.add(at) as *const u32).read_unaligned()));
+            let n = vld1q_u8(blk.add(at + 4));
+            let nib = [vandq_u8(n, vdupq_n_u8(0x0f)), vshrq_n_u8::<4>(n)];
+            // Byte `k` of half `h` 0xff where bit `16h + k` is set: qh's byte `2h + k / 8`
+            // spread over eight lanes, tested against bit `k % 8`.
+            let bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040_2010_0804_0201));
+            let spread = [
+                vcombine_u8(vdup_n_u8(0), vdup_n_u8(1)),
+                vcombine_u8(vdup_n_u8(2), vdup_n_u8(3)),
+            ];
+            std::array::from_fn(|h| {
+                let set = vtstq_u8(vqtbl1q_u8(qh, spread[h]), bit);
+                let high = if kind == Block::Q5_0 {
+                    // `q − 16` as `i8` in one operation: 0xf0 or'd in where the bit is clear.
+                    vbicq_u8(vdupq_n_u8(0xf0), set)
+                } else {
+                    vandq_u8(set, vdupq_n_u8(0x10))
+                };
+                vreinterpretq_s8_u8(vorrq_u8(nib[h], high))
+            })
+        }
     }
 }
 
 /// `row · x` for a block-encoded row: bit for bit the portable `dot_q8_0`/`dot_q4_0`/`dot_q4_1`.
 #[inline(always)]
-unsafe fn block_dot<const DOT: bool>(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
+pub(super) unsafe fn block_dot<const DOT: bool>(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
     block_dots::<DOT, 1>(kind, [w], x)[0]
 }
 
+/// One row's running sum against one input: the eight float lanes (two vectors) and the
+/// minimum's terms (a scalar sum).
+#[derive(Clone, Copy)]
+struct RowSum {
+    acc: [float32x4_t; 2],
+    mins: f32,
+}
+
+impl RowSum {
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        RowSum {
+            acc: [vdupq_n_f32(0.0); 2],
+            mins: 0.0,
+        }
+    }
+
+    /// Adds block `b` (its bytes `blk`, its codes `c`) against input `x` (its block's quants
+    /// `xs`): the eight lane sums converted, multiplied by `d_w·d_x` and added to the lanes; the
+    /// minimum's term `m_w·sx` to `mins`.
+    #[inline(always)]
+    unsafe fn add<const DOT: bool>(
+        &mut self,
+        kind: Block,
+        blk: &[u8],
+        c: [int8x16_t; 2],
+        xs: [int8x16_t; 2],
+        x: &Q8Vec,
+        b: usize,
+    ) {
+        let lanes = lane_isums::<DOT>(c, xs);
+        let dd = vdupq_n_f32(f16_at(blk, 0) * x.scales[b]);
+        for (a, l) in self.acc.iter_mut().zip(lanes) {
+            *a = vaddq_f32(*a, vmulq_f32(dd, vcvtq_f32_s32(l)));
+        }
+        if block_of(kind).has_min() {
+            self.mins += f16_at(blk, 2) * x.sums[b];
+        }
+    }
+
+    /// The lanes in [`portable::lanes_total`]'s order (halves, then pairs), plus `mins`.
+    #[inline(always)]
+    unsafe fn total(self) -> f32 {
+        let s = vaddq_f32(self.acc[0], self.acc[1]);
+        let t = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+        (vget_lane_f32::<0>(t) + vget_lane_f32::<1>(t)) + self.mins
+    }
+}
+
+/// Block `b`'s 32 quants of input `x`.
+#[inline(always)]
+unsafe fn xblock(x: &Q8Vec, b: usize) -> [int8x16_t; 2] {
+    let q = x.quants.as_ptr().add(b * BLOCK_LEN);
+    [vld1q_s8(q), vld1q_s8(q.add(16))]
+}
+
+/// Whole blocks that input `x` holds.
+#[inline(always)]
+fn x_blocks(x: &Q8Vec) -> usize {
+    x.scales
+        .len()
+        .min(x.sums.len())
+        .min(x.quants.len() / BLOCK_LEN)
+}
+
 /// [`block_dot`] of `R` rows, each with one row's operations in its order (the same bits), each
-/// activation block and its scale loaded once for all of them: per block, the eight lane sums
-/// (two vectors) converted, multiplied by `d_w·d_x` and added to the row's lanes; the minimum's
-/// term in a scalar sum; at the end [`portable::lanes_total`]'s order (halves, then pairs).
+/// activation block and its scale loaded once for all of them ([`RowSum`]).
 #[inline(always)]
 unsafe fn block_dots<const DOT: bool, const R: usize>(
     kind: Block,
     rows: [&[u8]; R],
     x: &Q8Vec,
 ) -> [f32; R] {
-    let block = block_of(kind);
-    let bytes = block.bytes();
-    let nx = x
-        .scales
-        .len()
-        .min(x.sums.len())
-        .min(x.quants.len() / BLOCK_LEN);
+    let bytes = block_of(kind).bytes();
+    let nx = x_blocks(x);
     let nb = rows.iter().fold(nx, |n, w| n.min(w.len() / bytes));
-    let xq = x.quants.as_ptr();
-    let xblock = |b: usize| {
-        let q = xq.add(b * BLOCK_LEN);
-        [vld1q_s8(q), vld1q_s8(q.add(16))]
-    };
-    let mut acc = [[vdupq_n_f32(0.0); 2]; R];
-    let mut mins = [0.0f32; R];
-    let step = |acc: &mut [float32x4_t; 2], mins: &mut f32, w: &[u8], b: usize, xs| {
+    let mut sums = [RowSum::zero(); R];
+    let step = |sum: &mut RowSum, w: &[u8], b: usize, xs| {
         let blk = &w[b * bytes..(b + 1) * bytes];
-        let lanes = lane_isums::<DOT>(codes(kind, blk.as_ptr()), xs);
-        let dd = vdupq_n_f32(f16_at(blk, 0) * x.scales[b]);
-        for (a, l) in acc.iter_mut().zip(lanes) {
-            *a = vaddq_f32(*a, vmulq_f32(dd, vcvtq_f32_s32(l)));
-        }
-        if block.has_min() {
-            *mins += f16_at(blk, 2) * x.sums[b];
-        }
+        sum.add::<DOT>(kind, blk, codes(kind, blk.as_ptr()), xs, x, b);
     };
     for b in 0..nb {
-        let xs = xblock(b);
+        let xs = xblock(x, b);
         for r in 0..R {
-            step(&mut acc[r], &mut mins[r], rows[r], b, xs);
+            step(&mut sums[r], rows[r], b, xs);
         }
     }
     // Rows longer than the shortest (a caller's mistake the dispatcher asserts against) finish
     // alone.
     for r in 0..R {
         for b in nb..(rows[r].len() / bytes).min(nx) {
-            step(&mut acc[r], &mut mins[r], rows[r], b, xblock(b));
+            step(&mut sums[r], rows[r], b, xblock(x, b));
         }
     }
-    std::array::from_fn(|r| {
-        let s = vaddq_f32(acc[r][0], acc[r][1]);
-        let t = vadd_f32(vget_low_f32(s), vget_high_f32(s));
-        (vget_lane_f32::<0>(t) + vget_lane_f32::<1>(t)) + mins[r]
-    })
+    sums.map(|s| s.total())
+}
+
+/// One row against `N` inputs, each result [`block_dot`]'s bits: each block's codes decoded once
+/// for all of them ([`RowSum`] per input). The blocks every input holds.
+#[inline(always)]
+unsafe fn block_inputs<const DOT: bool, const N: usize>(
+    kind: Block,
+    w: &[u8],
+    xs: [&Q8Vec; N],
+) -> [f32; N] {
+    let bytes = block_of(kind).bytes();
+    let nb = xs.iter().fold(w.len() / bytes, |n, x| n.min(x_blocks(x)));
+    let mut sums = [RowSum::zero(); N];
+    for b in 0..nb {
+        let blk = &w[b * bytes..(b + 1) * bytes];
+        let c = codes(kind, blk.as_ptr());
+        for (sum, x) in sums.iter_mut().zip(xs) {
+            sum.add::<DOT>(kind, blk, c, xblock(x, b), x, b);
+        }
+    }
+    sums.map(|s| s.total())
+}
+
+/// [`block_inputs`] on 1 to [`super::WIDE_INPUTS`] inputs.
+#[inline(always)]
+pub(super) unsafe fn inputs<const DOT: bool>(
+    kind: Block,
+    w: &[u8],
+    xs: &[&Q8Vec],
+    out: &mut [f32],
+) {
+    by_inputs!(xs, out, |N, arr| block_inputs::<DOT, N>(kind, w, arr))
+}
+
+/// [`inputs`] through `sdot`.
+///
+/// # Safety
+/// The CPU must have FEAT_DotProd.
+#[target_feature(enable = "dotprod")]
+pub(super) unsafe fn inputs_sdot(kind: Block, w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
+    inputs::<true>(kind, w, xs, out)
 }
 
 /// [`block_dots`] on 1 to `DOT_ROWS` rows.
 #[inline(always)]
-unsafe fn dots<const DOT: bool>(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+pub(super) unsafe fn dots<const DOT: bool>(
+    kind: Block,
+    rows: &[&[u8]],
+    x: &Q8Vec,
+    out: &mut [f32],
+) {
     dots_by_count!(rows, out, |r: R| block_dots::<DOT, R>(kind, r, x))
 }
 
@@ -228,7 +354,7 @@ unsafe fn dots<const DOT: bool>(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mu
 /// # Safety
 /// The CPU must have FEAT_DotProd.
 #[target_feature(enable = "dotprod")]
-unsafe fn dots_sdot(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+pub(super) unsafe fn dots_sdot(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
     dots::<true>(kind, rows, x, out)
 }
 
@@ -237,6 +363,6 @@ unsafe fn dots_sdot(kind: Block, rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
 /// # Safety
 /// The CPU must have FEAT_DotProd.
 #[target_feature(enable = "dotprod")]
-unsafe fn dot_sdot(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
+pub(super) unsafe fn dot_sdot(kind: Block, w: &[u8], x: &Q8Vec) -> f32 {
     block_dot::<true>(kind, w, x)
 }

@@ -427,6 +427,31 @@ pub(super) fn kblock_dots<const R: usize>(
     sums
 }
 
+/// A `Q4_K`/`Q5_K` super-block's eight 6-bit scales and eight minimums, unpacked from its 12
+/// bytes `s` as [`leanstream_format::quant_k::scale_min_k4`] reads them, as the bytes
+/// (little-endian, byte `j` sub-block `j`'s) of two `u64`: `(scales, minimums)`. The SIMD kernels
+/// widen them into float lanes.
+#[inline(always)]
+pub(super) fn scales_mins_k4_bytes(s: &[u8]) -> (u64, u64) {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    let (u0, u1, u2) = (u32_at(s, 0), u32_at(s, 4), u32_at(s, 8));
+    let sc = (u0 & K1) as u64 | (((u2 & K2) | (((u0 >> 6) & K3) << 4)) as u64) << 32;
+    let m = (u1 & K1) as u64 | ((((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4)) as u64) << 32;
+    (sc, m)
+}
+
+/// Whole super-blocks that the row (`bytes` each) and every input hold.
+#[inline(always)]
+pub(super) fn super_blocks<const N: usize>(w: &[u8], bytes: usize, xs: &[&Q8Vec; N]) -> usize {
+    xs.iter().fold(w.len() / bytes, |nb, x| {
+        nb.min(x.scales.len() / K_SUB)
+            .min(x.sums.len() / K_SUB)
+            .min(x.quants.len() / 256)
+    })
+}
+
 pub fn dot_q5_0(w: &[u8], x: &Q8Vec) -> f32 {
     block_dot(Block::Q5_0, w, x)
 }

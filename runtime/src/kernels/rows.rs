@@ -603,3 +603,57 @@ macro_rules! dots_by_count {
     }};
 }
 pub(super) use dots_by_count;
+
+/// `dots` as one `dot` per row (each row streams its own bytes; the input is in cache).
+#[inline(always)]
+pub(super) fn each_row(
+    rows: &[&[u8]],
+    x: &Q8Vec,
+    out: &mut [f32],
+    dot: impl Fn(&[u8], &Q8Vec) -> f32,
+) {
+    for (o, w) in out.iter_mut().zip(rows) {
+        *o = dot(w, x);
+    }
+}
+
+/// One row against 1 to [`WIDE_INPUTS`] inputs (`out[i]` the `dot` of the row and
+/// `xs[i]`), through `$call` generic over the input count `$n` (an array `$arr` of the inputs), of the right width: five to seven run as eight with the first
+/// input repeated, the extra results dropped.
+macro_rules! by_inputs {
+    ($xs:expr, $out:expr, |$n:ident, $arr:ident| $call:expr) => {{
+        let (xs, out) = ($xs, $out);
+        match xs.len().min(out.len()) {
+            0 => {}
+            1 => {
+                const $n: usize = 1;
+                let $arr: [&$crate::kernels::Q8Vec; $n] = [xs[0]];
+                out[..$n].copy_from_slice(&$call);
+            }
+            2 => {
+                const $n: usize = 2;
+                let $arr: [&$crate::kernels::Q8Vec; $n] = [xs[0], xs[1]];
+                out[..$n].copy_from_slice(&$call);
+            }
+            3 => {
+                const $n: usize = 3;
+                let $arr: [&$crate::kernels::Q8Vec; $n] = [xs[0], xs[1], xs[2]];
+                out[..$n].copy_from_slice(&$call);
+            }
+            4 => {
+                const $n: usize = $crate::kernels::INPUTS;
+                let $arr: [&$crate::kernels::Q8Vec; $n] = std::array::from_fn(|i| xs[i]);
+                out[..$n].copy_from_slice(&$call);
+            }
+            m => {
+                const $n: usize = $crate::kernels::WIDE_INPUTS;
+                let m = m.min($n);
+                let $arr: [&$crate::kernels::Q8Vec; $n] =
+                    std::array::from_fn(|i| xs[if i < m { i } else { 0 }]);
+                out[..m].copy_from_slice(&$call[..m]);
+            }
+        }
+    }};
+}
+
+pub(super) use by_inputs;
