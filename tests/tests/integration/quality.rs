@@ -49,7 +49,7 @@ fn a_policy_against_itself_agrees_completely() {
     let mut a = session(PolicyChoice::Resident, Sparsity::Certified);
     let mut b = session(PolicyChoice::Resident, Sparsity::Certified);
     let ids = ids(&a);
-    let c = compare(a.model(), b.model(), &ids, WINDOW, 0, false).unwrap();
+    let c = compare(a.model(), b.model(), &ids, WINDOW, false).unwrap();
     assert_eq!(c.tokens, 4 * (WINDOW - 1));
     assert_eq!(c.kl, 0.0);
     assert_eq!(c.top1_agreement, 1.0);
@@ -64,14 +64,14 @@ fn certified_relu_sparsity_matches_dense_and_predicted_does_not() {
     let mut dense = session(PolicyChoice::Dense, Sparsity::Certified);
     let ids = ids(&dense);
     let mut certified = session(PolicyChoice::Leanstream, Sparsity::Certified);
-    let c = compare(certified.model(), dense.model(), &ids, WINDOW, 0, false).unwrap();
+    let c = compare(certified.model(), dense.model(), &ids, WINDOW, false).unwrap();
     eprintln!("certified vs dense: {c:?}");
     assert!(c.kl <= 1e-6, "KL {}", c.kl);
     assert_eq!(c.top1_agreement, 1.0);
     assert!((c.perplexity / c.reference_perplexity - 1.0).abs() < 1e-5);
     // Predicted sparsity skips some active neurons: a real, bounded cost.
     let mut predicted = session(PolicyChoice::Leanstream, Sparsity::Predicted);
-    let p = compare(predicted.model(), dense.model(), &ids, WINDOW, 0, false).unwrap();
+    let p = compare(predicted.model(), dense.model(), &ids, WINDOW, false).unwrap();
     eprintln!("predicted vs dense: {p:?}");
     assert!(p.kl > 0.01 && p.kl.is_finite(), "KL {}", p.kl);
     assert!(p.top1_agreement < 0.99 && p.top1_agreement > 0.0);

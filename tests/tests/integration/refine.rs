@@ -45,7 +45,7 @@ fn refine_streaming_equals_resident_bit_for_bit() {
     let mut ids = resident.tokenizer.encode(&text, false).unwrap();
     ids.truncate(2 * WINDOW);
     let mut streaming = open(PolicyChoice::Leanstream, None);
-    let c = compare(streaming.model(), resident.model(), &ids, WINDOW, 0, false).unwrap();
+    let c = compare(streaming.model(), resident.model(), &ids, WINDOW, false).unwrap();
     assert_eq!(c.kl, 0.0);
     assert_eq!(c.top1_agreement, 1.0);
     assert_eq!(c.perplexity, c.reference_perplexity);
