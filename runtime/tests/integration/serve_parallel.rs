@@ -3,7 +3,8 @@
 //! streaming under a budget (where a step reads each cluster once for every slot). The batched
 //! forward pass itself gives every row the logits of decoding it alone, rows at different
 //! positions; a budget too small for every slot's KV cache serves fewer, saying so; and eight
-//! concurrent clients all get their solo text (latency and throughput printed).
+//! concurrent clients all get their solo text (latency and throughput printed), on the embedded
+//! model and on the real SmolLM2 streaming at half its file.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -205,18 +206,77 @@ fn argmax(x: &[f32]) -> u32 {
 #[test]
 fn eight_concurrent_clients_each_get_their_solo_text() {
     let server = Server::start(&embedded_model(), &["--parallel", "8", "--queue", "8"]);
-    let tokens = 32;
+    eight_clients("the embedded model", &server, &PROMPTS, 32);
+}
+
+/// SmolLM2's prompts for the load test: ones its greedy replies do not end early (every reply is
+/// checked for its full length).
+const SMOLLM2_PROMPTS: [&str; 8] = [
+    "It is a truth universally acknowledged",
+    "The history of the Roman empire",
+    "The old lighthouse keeper",
+    "Explain how a steam engine works.",
+    "The recipe for bread begins",
+    "Once upon a time, in a small village",
+    "The theory of relativity says",
+    "In the early twentieth century, the city",
+];
+
+/// The real SmolLM2 converted without calibration (`--layout-only`: its bundles streamed exactly),
+/// at a budget of half its file: eight clients each get their solo greedy text.
+#[test]
+fn eight_clients_on_smollm2_at_half_its_file_each_get_their_solo_text() {
+    let prep = Path::new(env!("CARGO_BIN_EXE_leanstream")).with_file_name("leanstream-prep");
+    let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("parallel-smollm2-{}.lsb", std::process::id()));
+    let o = Command::new(prep)
+        .arg("convert")
+        .arg(super::support::smollm2())
+        .arg("-o")
+        .arg(&file)
+        .args(["--layout-only", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let half = (std::fs::metadata(&file).unwrap().len() / 2).to_string();
+    // Eight slots' KV caches are counted in the budget: q8_0 caches of 128 positions fit.
+    let server = Server::start(
+        &file,
+        &[
+            "--parallel",
+            "8",
+            "--queue",
+            "8",
+            "--memory",
+            &half,
+            "--ctx",
+            "128",
+            "--kv",
+            "q8_0",
+        ],
+    );
+    assert_eq!(server.metric("leanstream_parallel_slots"), 8.0);
+    eight_clients("SmolLM2 at half its file", &server, &SMOLLM2_PROMPTS, 16);
+    drop(server);
+    std::fs::remove_file(&file).unwrap();
+}
+
+/// Eight clients at once on `server`, each reply its solo text (none lost); prints p50/p99
+/// latency and the aggregate tokens per second.
+fn eight_clients(what: &str, server: &Server, prompts: &[&str], tokens: usize) {
     let started = Instant::now();
-    let mut latencies = concurrent_replies_equal_solo(&server, &PROMPTS, tokens);
+    let mut latencies = concurrent_replies_equal_solo(server, prompts, tokens);
     let wall = latencies.iter().max().copied().unwrap_or_default();
     latencies.sort();
-    assert_eq!(latencies.len(), PROMPTS.len(), "a reply was lost");
+    assert_eq!(latencies.len(), prompts.len(), "a reply was lost");
     let p99 = latencies[(latencies.len() * 99 / 100).min(latencies.len() - 1)];
     println!(
-        "8 clients x {tokens} tokens on 8 slots: p50 {:.0} ms, p99 {:.0} ms, {:.1} tok/s aggregate",
+        "{what}: {} clients x {tokens} tokens on 8 slots: p50 {:.0} ms, p99 {:.0} ms, {:.1} tok/s \
+         aggregate",
+        prompts.len(),
         latencies[latencies.len() / 2].as_secs_f64() * 1e3,
         p99.as_secs_f64() * 1e3,
-        (PROMPTS.len() * tokens) as f64 / wall.as_secs_f64()
+        (prompts.len() * tokens) as f64 / wall.as_secs_f64()
     );
     assert!(started.elapsed() < Duration::from_secs(120));
 }
