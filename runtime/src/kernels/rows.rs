@@ -617,9 +617,10 @@ pub(super) fn each_row(
     }
 }
 
-/// One row against 1 to [`WIDE_INPUTS`] inputs (`out[i]` the `dot` of the row and
-/// `xs[i]`), through `$call` generic over the input count `$n` (an array `$arr` of the inputs), of the right width: five to seven run as eight with the first
-/// input repeated, the extra results dropped.
+/// One row against 1 to [`WIDE_INPUTS`] inputs (`out[i]` the `dot` of the row and `xs[i]`),
+/// through `$call`, generic over the input count `$n`, on an array `$arr` of the inputs of the
+/// right width: five to seven run as eight with the first input repeated, the extra results
+/// dropped.
 macro_rules! by_inputs {
     ($xs:expr, $out:expr, |$n:ident, $arr:ident| $call:expr) => {{
         let (xs, out) = ($xs, $out);
