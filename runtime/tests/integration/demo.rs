@@ -21,12 +21,8 @@ fn text(bytes: &[u8]) -> String {
 
 #[test]
 fn demo_converts_once_and_streams_the_dense_text() {
-    let prep = Path::new(env!("CARGO_BIN_EXE_leanstream")).with_file_name("leanstream-prep");
-    assert!(
-        prep.exists(),
-        "{} is missing: run the tests with `cargo test --workspace`",
-        prep.display()
-    );
+    // The demo converts with the leanstream-prep beside it: it must be built.
+    super::support::prep();
     let cache = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("demo-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&cache);

@@ -32,27 +32,40 @@ const PROMPTS: [&str; 8] = [
 fn converted() -> PathBuf {
     static FILE: OnceLock<PathBuf> = OnceLock::new();
     FILE.get_or_init(|| {
-        let prep = Path::new(env!("CARGO_BIN_EXE_leanstream")).with_file_name("leanstream-prep");
-        assert!(
-            prep.exists(),
-            "{} is missing: run the tests with `cargo test --workspace`",
-            prep.display()
-        );
-        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("parallel-{}.lsb", std::process::id()));
-        let o = Command::new(prep)
-            .arg("convert")
-            .arg(embedded_model())
-            .arg("-o")
-            .arg(&out)
-            .args(["--quant", "q8", "--calib-tokens", "2048", "--epochs", "2"])
-            .args(["--cluster-kib", "8", "--json"])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        out
+        convert(
+            &embedded_model(),
+            "parallel",
+            &[
+                "--quant",
+                "q8",
+                "--calib-tokens",
+                "2048",
+                "--epochs",
+                "2",
+                "--cluster-kib",
+                "8",
+            ],
+        )
     })
     .clone()
+}
+
+/// `model` converted by `leanstream-prep convert` with `args`, into a file named after `name` and
+/// this process.
+fn convert(model: &Path, name: &str, args: &[&str]) -> PathBuf {
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("{name}-{}.lsb", std::process::id()));
+    let o = Command::new(super::support::prep())
+        .arg("convert")
+        .arg(model)
+        .arg("-o")
+        .arg(&out)
+        .args(args)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    out
 }
 
 /// A greedy completion's text and how long it took.
@@ -226,18 +239,11 @@ const SMOLLM2_PROMPTS: [&str; 8] = [
 /// at a budget of half its file: eight clients each get their solo greedy text.
 #[test]
 fn eight_clients_on_smollm2_at_half_its_file_each_get_their_solo_text() {
-    let prep = Path::new(env!("CARGO_BIN_EXE_leanstream")).with_file_name("leanstream-prep");
-    let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("parallel-smollm2-{}.lsb", std::process::id()));
-    let o = Command::new(prep)
-        .arg("convert")
-        .arg(super::support::smollm2())
-        .arg("-o")
-        .arg(&file)
-        .args(["--layout-only", "--json"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let file = convert(
+        &super::support::smollm2(),
+        "parallel-smollm2",
+        &["--layout-only"],
+    );
     let half = (std::fs::metadata(&file).unwrap().len() / 2).to_string();
     // Eight slots' KV caches are counted in the budget: q8_0 caches of 128 positions fit.
     let server = Server::start(

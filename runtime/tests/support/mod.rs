@@ -33,3 +33,15 @@ pub fn fixture(name: &str) -> PathBuf {
         .join("tests/fixtures")
         .join(name)
 }
+
+/// The `leanstream-prep` binary built beside `leanstream` (`cargo test --workspace` builds both).
+pub fn prep() -> PathBuf {
+    let prep =
+        std::path::Path::new(env!("CARGO_BIN_EXE_leanstream")).with_file_name("leanstream-prep");
+    assert!(
+        prep.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`",
+        prep.display()
+    );
+    prep
+}
