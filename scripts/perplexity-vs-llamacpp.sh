@@ -24,7 +24,13 @@ leanstream="$root/target/release/leanstream"
 
 f32="${model%.gguf}-f32.gguf"
 if [[ ! -f "$f32" ]]; then
-    "$bin/llama-quantize" --allow-requantize "$model" "$f32" F32 >/dev/null 2>&1
+    log="$(mktemp)"
+    if ! "$bin/llama-quantize" --allow-requantize "$model" "$f32" F32 >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "llama-quantize could not write $f32 (its output above)" >&2
+        exit 1
+    fi
+    rm -f "$log"
 fi
 
 ours() { # MODEL -> PERPLEXITY TOKENS
@@ -43,6 +49,10 @@ read -r ours_q ours_tokens < <(ours "$model")
 read -r ours_f _ < <(ours "$f32")
 theirs_q="$(theirs "$model")"
 theirs_f="$(theirs "$f32")"
+if [[ -z "$theirs_q" || -z "$theirs_f" ]]; then
+    echo "llama-perplexity printed no final estimate (the text needs at least 2 × $ctx tokens)" >&2
+    exit 1
+fi
 python3 - "$ours_q" "$ours_f" "$theirs_q" "$theirs_f" "$ours_tokens" "$(basename "$model")" <<'EOF'
 import sys
 oq, of, tq, tf = map(float, sys.argv[1:5])
