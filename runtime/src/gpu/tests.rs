@@ -235,7 +235,11 @@ fn the_dense_path_with_its_head_on_the_gpu() {
     let cpu = crate::source::open(&path).unwrap().model;
     let p = cpu.projections().unwrap();
     let (gpu, head) = GpuModel::head_for(&cpu).unwrap();
-    let mut on_gpu = GpuModel::new(crate::source::open(&path).unwrap().model, gpu, head);
+    let mut on_gpu = GpuModel::new(
+        crate::source::open(&path).unwrap().model,
+        gpu,
+        Placement::Head(Box::new(head), "a test".into()),
+    );
     assert!(
         on_gpu.describe().starts_with("the output head ("),
         "{}",
