@@ -1,5 +1,6 @@
 //! Mat-vecs on a GPU through wgpu (Vulkan on Linux and Android, Metal on Apple), behind the `gpu`
-//! feature: docs/gpu.md.
+//! feature: docs/gpu.md. [`GpuLayers`] builds a resident model's whole decode step from them and
+//! a few more kernels; [`GpuModel`] is what the dense policy runs.
 //!
 //! A [`GpuMatrix`] is a [`Weight`]'s rows uploaded as they are stored (f32, f16, bf16, q8_0, q4_0,
 //! q4_1, q5_0, q5_1, q4_k, q5_k, q6_k: FORMAT.md §10), byte for byte, into one storage buffer; a
@@ -13,8 +14,10 @@
 //! to add their partial sums, so they run on any adapter, Mesa's lavapipe (a CPU Vulkan) included.
 
 mod head;
+mod layers;
 mod model;
 
+use std::collections::HashMap;
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,7 +28,8 @@ use wgpu::util::DeviceExt;
 use crate::kernels::{Q8Vec, Weight};
 
 pub use head::{GpuDense, GpuHead};
-pub use model::GpuModel;
+pub use layers::{unsupported, GpuLayers};
+pub use model::{GpuModel, Placement};
 
 const COMMON: &str = include_str!("shaders/common.wgsl");
 const UNITS: &str = include_str!("shaders/units.wgsl");
@@ -63,6 +67,8 @@ pub struct Gpu {
     info: wgpu::AdapterInfo,
     limits: wgpu::Limits,
     pipelines: Mutex<Vec<Option<wgpu::ComputePipeline>>>,
+    /// The decode step's other kernels (`layers.rs`), by name.
+    kernels: Mutex<HashMap<&'static str, wgpu::ComputePipeline>>,
 }
 
 impl Gpu {
@@ -106,6 +112,7 @@ impl Gpu {
             info,
             limits,
             pipelines: Mutex::new(vec![None; QuantType::ALL.len()]),
+            kernels: Mutex::new(HashMap::new()),
         })
     }
 
@@ -132,17 +139,41 @@ impl Gpu {
         if let Some(p) = &pipelines[qtype as usize] {
             return Ok(p.clone());
         }
+        let pipeline = self
+            .build_pipeline(qtype.name(), &shader_source(qtype))
+            .with_context(|| format!("{} rejected the {qtype} mat-vec shader", self.info.name))?;
+        pipelines[qtype as usize] = Some(pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// The pipeline of the kernel `name` whose WGSL is `source` (entry point `main`), built on
+    /// first use.
+    fn kernel(&self, name: &'static str, source: &str) -> Result<wgpu::ComputePipeline> {
+        let mut kernels = self.kernels.lock().expect("never poisoned");
+        if let Some(p) = kernels.get(name) {
+            return Ok(p.clone());
+        }
+        let pipeline = self
+            .build_pipeline(name, source)
+            .with_context(|| format!("{} rejected the {name} shader", self.info.name))?;
+        kernels.insert(name, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// A compute pipeline of `source`'s `main`, its layout taken from the shader; an error (not
+    /// wgpu's default panic) when the device rejects it.
+    fn build_pipeline(&self, label: &str, source: &str) -> Result<wgpu::ComputePipeline> {
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let module = self
             .device
             .create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(qtype.name()),
-                source: wgpu::ShaderSource::Wgsl(shader_source(qtype).into()),
+                label: Some(label),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
             });
         let pipeline = self
             .device
             .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(qtype.name()),
+                label: Some(label),
                 layout: None,
                 module: &module,
                 entry_point: Some("main"),
@@ -150,41 +181,17 @@ impl Gpu {
                 cache: None,
             });
         if let Some(e) = pollster::block_on(scope.pop()) {
-            bail!(
-                "{} rejected the {qtype} mat-vec shader: {e}",
-                self.info.name
-            );
+            bail!("{e}");
         }
-        pipelines[qtype as usize] = Some(pipeline.clone());
         Ok(pipeline)
     }
 
     /// Uploads `weight`'s rows as stored, with the buffers its mat-vecs need.
     pub fn upload(&self, weight: &Weight) -> Result<GpuMatrix> {
-        let (rows, cols, qtype) = (weight.rows(), weight.cols(), weight.qtype());
-        let bytes: &[u8] = match weight {
-            Weight::F32(m) => f32_bytes(&m.data),
-            Weight::Encoded(q) => q.encoded(),
-        };
-        let row_bytes = row_bytes(qtype, cols)?;
-        if rows == 0 || cols == 0 {
-            bail!("a {rows}×{cols} matrix has nothing to upload");
-        }
-        let max = self.max_matrix_bytes();
-        if bytes.len() as u64 > max || bytes.len() > u32::MAX as usize {
-            bail!(
-                "a {rows}×{cols} {qtype} matrix ({} bytes) is larger than the GPU's largest storage \
-                 buffer ({max} bytes)",
-                bytes.len()
-            );
-        }
+        let weights = self.upload_weights(weight)?;
+        let (rows, cols, qtype) = (weights.rows, weights.cols, weights.qtype);
         let d = &self.device;
         let storage = wgpu::BufferUsages::STORAGE;
-        let weights = d.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("weights"),
-            contents: bytes,
-            usage: storage,
-        });
         let x_words = input_words(qtype, cols);
         let input = d.create_buffer(&wgpu::BufferDescriptor {
             label: Some("input"),
@@ -205,6 +212,68 @@ impl Gpu {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
+        let dispatch = self.matvec_dispatch(&weights, &input, &output, false);
+        Ok(GpuMatrix {
+            rows,
+            cols,
+            qtype,
+            bytes: weights.bytes,
+            dispatch,
+            input,
+            output,
+            readback,
+            x_words: Mutex::new(Vec::with_capacity(x_words)),
+        })
+    }
+
+    /// Uploads `weight`'s rows as stored into one storage buffer: an error when it is larger than
+    /// the largest one the GPU binds.
+    pub fn upload_weights(&self, weight: &Weight) -> Result<GpuWeights> {
+        let (rows, cols, qtype) = (weight.rows(), weight.cols(), weight.qtype());
+        let bytes: &[u8] = match weight {
+            Weight::F32(m) => f32_bytes(&m.data),
+            Weight::Encoded(q) => q.encoded(),
+        };
+        let row_bytes = row_bytes(qtype, cols)?;
+        if rows == 0 || cols == 0 {
+            bail!("a {rows}×{cols} matrix has nothing to upload");
+        }
+        let max = self.max_matrix_bytes();
+        if bytes.len() as u64 > max || bytes.len() > u32::MAX as usize {
+            bail!(
+                "a {rows}×{cols} {qtype} matrix ({} bytes) is larger than the GPU's largest storage \
+                 buffer ({max} bytes)",
+                bytes.len()
+            );
+        }
+        let buffer = self
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("weights"),
+                contents: bytes,
+                usage: wgpu::BufferUsages::STORAGE,
+            });
+        Ok(GpuWeights {
+            rows,
+            cols,
+            qtype,
+            bytes: bytes.len(),
+            row_bytes,
+            buffer,
+            pipeline: self.pipeline(qtype)?,
+        })
+    }
+
+    /// The dispatch of `out = w · x` (or `out += w · x` with `accumulate`): `input` holds `x` as
+    /// `common.wgsl` reads it for `w`'s encoding, `output` gets one f32 a row.
+    fn matvec_dispatch(
+        &self,
+        w: &GpuWeights,
+        input: &wgpu::Buffer,
+        output: &wgpu::Buffer,
+        accumulate: bool,
+    ) -> Dispatch {
+        let (rows, cols, qtype) = (w.rows, w.cols, w.qtype);
         let (units, scales, sums) = if qtype.is_block() {
             let blocks = (cols / BLOCK_LEN) as u32;
             let q_words = (cols / 4) as u32;
@@ -212,39 +281,62 @@ impl Gpu {
         } else {
             (cols as u32, 0, 0)
         };
-        let params: [u32; 8] = [rows as u32, units, row_bytes as u32, scales, sums, 0, 0, 0];
-        let params = d.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("params"),
-            contents: &params.map(u32::to_le_bytes).concat(),
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
-        let pipeline = self.pipeline(qtype)?;
-        let bind = d.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some("matvec"),
-            layout: &pipeline.get_bind_group_layout(0),
-            entries: &[
-                entry(0, &weights),
-                entry(1, &input),
-                entry(2, &output),
-                entry(3, &params),
-            ],
-        });
+        let params = [
+            rows as u32,
+            units,
+            w.row_bytes as u32,
+            scales,
+            sums,
+            accumulate as u32,
+            0,
+            0,
+        ];
         let per_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
         let rows32 = rows as u32;
         let groups = (rows32.min(per_dim), rows32.div_ceil(per_dim));
-        Ok(GpuMatrix {
-            rows,
-            cols,
-            qtype,
-            bytes: bytes.len(),
-            pipeline,
-            bind,
-            input,
-            output,
-            readback,
+        self.dispatch(
+            "matvec",
+            &w.pipeline,
+            &[&w.buffer, input, output],
+            &params,
             groups,
-            x_words: Mutex::new(Vec::with_capacity(x_words)),
-        })
+        )
+    }
+
+    /// A dispatch of `pipeline` over `groups` workgroups with `buffers` at bindings 0, 1, … and a
+    /// uniform of `params` after them.
+    fn dispatch(
+        &self,
+        label: &str,
+        pipeline: &wgpu::ComputePipeline,
+        buffers: &[&wgpu::Buffer],
+        params: &[u32; 8],
+        groups: (u32, u32),
+    ) -> Dispatch {
+        let params = self
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("params"),
+                contents: &params.map(u32::to_le_bytes).concat(),
+                usage: wgpu::BufferUsages::UNIFORM,
+            });
+        let entries: Vec<_> = buffers
+            .iter()
+            .chain([&&params])
+            .enumerate()
+            .map(|(i, b)| entry(i as u32, b))
+            .collect();
+        let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(label),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        Dispatch {
+            pipeline: pipeline.clone(),
+            bind,
+            groups,
+            _params: params,
+        }
     }
 
     /// `out[r] = row r · x`, on the GPU. For block encodings `x` is quantized to q8 first, as the
@@ -282,10 +374,8 @@ impl Gpu {
             .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
-            pass.set_pipeline(&m.pipeline);
-            pass.set_bind_group(0, &m.bind, &[]);
             for _ in 0..times.max(1) {
-                pass.dispatch_workgroups(m.groups.0, m.groups.1, 1);
+                m.dispatch.record(&mut pass);
             }
         }
         enc.copy_buffer_to_buffer(&m.output, 0, &m.readback, 0, None);
@@ -330,15 +420,42 @@ pub struct GpuMatrix {
     pub qtype: QuantType,
     /// Bytes of its weights on the GPU (the encoded rows, as stored).
     pub bytes: usize,
-    pipeline: wgpu::ComputePipeline,
-    bind: wgpu::BindGroup,
+    dispatch: Dispatch,
     input: wgpu::Buffer,
     output: wgpu::Buffer,
     readback: wgpu::Buffer,
-    /// Workgroups dispatched (x, y): one per row, `x` within the adapter's limit.
-    groups: (u32, u32),
     /// The packed input's words, kept between calls; its lock serialises the buffers' use.
     x_words: Mutex<Vec<u32>>,
+}
+
+/// A weight matrix's rows on the GPU, as stored, and its encoding's mat-vec pipeline.
+pub struct GpuWeights {
+    pub rows: usize,
+    pub cols: usize,
+    pub qtype: QuantType,
+    /// Bytes on the GPU (the encoded rows, as stored).
+    pub bytes: usize,
+    row_bytes: usize,
+    buffer: wgpu::Buffer,
+    pipeline: wgpu::ComputePipeline,
+}
+
+/// One kernel's dispatch with its buffers bound: recorded into a compute pass as often as needed.
+struct Dispatch {
+    pipeline: wgpu::ComputePipeline,
+    bind: wgpu::BindGroup,
+    /// Workgroups (x, y): for a mat-vec one per row, `x` within the adapter's limit.
+    groups: (u32, u32),
+    /// Its uniform (held by the bind group too; kept here to say so).
+    _params: wgpu::Buffer,
+}
+
+impl Dispatch {
+    fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, &self.bind, &[]);
+        pass.dispatch_workgroups(self.groups.0, self.groups.1, 1);
+    }
 }
 
 /// Words of the input buffer: f32 values, or q8 quants (four a word), scales and scaled sums.

@@ -1,27 +1,55 @@
-//! A resident model whose output head runs on the GPU: what `LEANSTREAM_GPU=1` gives the dense
-//! policy (docs/gpu.md).
+//! A resident model on the GPU: what `LEANSTREAM_GPU=1` gives the dense policy (docs/gpu.md).
+//! Its whole decode step runs there ([`GpuLayers`]) when the GPU supports the model's block and
+//! holds its weights; otherwise its output head alone ([`GpuHead`]).
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
-use super::{Gpu, GpuHead};
+use super::{Gpu, GpuHead, GpuLayers};
 use crate::model::kv_cache::KvCache;
 use crate::model::{LanguageModel, Model};
 use crate::source::config::ModelConfig;
 
-/// [`Model`] with its logits computed by [`GpuHead`]; everything else on the CPU, unchanged.
+/// What of a model runs on the GPU.
+pub enum Placement {
+    /// Every layer of the decode step, the final norm and the head.
+    Layers(Box<GpuLayers>),
+    /// The output head alone, with why the layers stay on the CPU.
+    Head(Box<GpuHead>, String),
+}
+
+/// [`Model`] with its decode step, or its logits alone, computed on the GPU.
 pub struct GpuModel {
     model: Model,
-    head: GpuHead,
+    placement: Placement,
     gpu: Arc<Gpu>,
+    /// Set when the GPU could not hold a KV cache: the model then runs on the CPU.
+    on_cpu: Option<String>,
+    /// One token's logits.
+    row: Vec<f32>,
 }
 
 impl GpuModel {
-    /// Opens the first GPU and uploads `model`'s head; an error saying why when either fails (the
-    /// caller keeps `model` and runs it on the CPU).
-    pub fn head_for(model: &Model) -> Result<(Arc<Gpu>, GpuHead)> {
+    /// Opens the first GPU and uploads `model`'s decode step, or when the step cannot run there
+    /// (a feature it lacks, weights it cannot hold) its output head; an error saying why when the
+    /// head cannot go either (the caller keeps `model` and runs it on the CPU).
+    pub fn upload(model: &Model) -> Result<(Arc<Gpu>, Placement)> {
         let gpu = Arc::new(Gpu::new()?);
+        let why = match GpuLayers::upload(gpu.clone(), model) {
+            Ok(layers) => return Ok((gpu, Placement::Layers(Box::new(layers)))),
+            Err(e) => format!("{e:#}"),
+        };
+        let (gpu, head) = Self::head_on(gpu, model)?;
+        Ok((gpu, Placement::Head(Box::new(head), why)))
+    }
+
+    /// Opens the first GPU and uploads `model`'s output head alone.
+    pub fn head_for(model: &Model) -> Result<(Arc<Gpu>, GpuHead)> {
+        Self::head_on(Arc::new(Gpu::new()?), model)
+    }
+
+    fn head_on(gpu: Arc<Gpu>, model: &Model) -> Result<(Arc<Gpu>, GpuHead)> {
         let projections = model
             .projections()
             .context("the model holds no projections to upload")?;
@@ -30,18 +58,40 @@ impl GpuModel {
         Ok((gpu, head))
     }
 
-    /// `model` with `head` (from [`head_for`](Self::head_for) on the same model).
-    pub fn new(model: Model, gpu: Arc<Gpu>, head: GpuHead) -> Self {
-        Self { model, head, gpu }
+    /// `model` with `placement` (from [`upload`](Self::upload) or [`head_for`](Self::head_for) on
+    /// the same model).
+    pub fn new(model: Model, gpu: Arc<Gpu>, placement: Placement) -> Self {
+        Self {
+            model,
+            placement,
+            gpu,
+            on_cpu: None,
+            row: Vec::new(),
+        }
     }
 
-    /// The line that says where the head runs.
+    /// The line that says what runs on the GPU.
     pub fn describe(&self) -> String {
-        format!(
-            "the output head ({:.1} MiB) runs on {}",
-            self.head.bytes() as f64 / (1 << 20) as f64,
-            self.gpu.describe()
-        )
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        match &self.placement {
+            Placement::Layers(l) => format!(
+                "the decode step ({:.1} MiB of weights and buffers; the KV cache in f32 besides) \
+                 runs on {}",
+                mib(l.bytes()),
+                self.gpu.describe()
+            ),
+            Placement::Head(head, why) => format!(
+                "the output head ({:.1} MiB) runs on {}; the layers stay on the CPU: {why}",
+                mib(head.bytes()),
+                self.gpu.describe()
+            ),
+        }
+    }
+
+    /// Whether the whole decode step runs on the GPU (not the head alone, nor the CPU after a KV
+    /// cache the GPU could not hold).
+    pub fn runs_layers(&self) -> bool {
+        matches!(self.placement, Placement::Layers(_)) && self.on_cpu.is_none()
     }
 }
 
@@ -61,12 +111,65 @@ impl LanguageModel for GpuModel {
         all_logits: bool,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
-        let projections = self
-            .model
-            .projections()
-            .expect("checked when the head was uploaded");
-        let mut dense = self.head.dense(projections);
-        self.model
-            .forward_with(tokens, cache, all_logits, None, Some(&mut dense), logits)
+        let layers = match &mut self.placement {
+            Placement::Head(head, _) => {
+                let projections = self
+                    .model
+                    .projections()
+                    .expect("checked when the head was uploaded");
+                let mut dense = head.dense(projections);
+                return self.model.forward_with(
+                    tokens,
+                    cache,
+                    all_logits,
+                    None,
+                    Some(&mut dense),
+                    logits,
+                );
+            }
+            Placement::Layers(_) if self.on_cpu.is_some() => {
+                return self
+                    .model
+                    .forward_with(tokens, cache, all_logits, None, None, logits);
+            }
+            Placement::Layers(layers) => layers,
+        };
+        let c = self.model.config();
+        let (t, start) = (tokens.len(), cache.len());
+        if t == 0 {
+            bail!("forward needs at least one token");
+        }
+        if start + t > cache.capacity() {
+            bail!(
+                "context full: {} positions needed, the cache holds {}",
+                start + t,
+                cache.capacity()
+            );
+        }
+        if let Some(tok) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            bail!(
+                "token id {tok} is outside the vocabulary ({} entries)",
+                c.vocab_size
+            );
+        }
+        if let Err(e) = layers.sync(&self.model, cache) {
+            // The caller's cache holds every position: the CPU goes on from it.
+            let why = format!("{e:#}");
+            eprintln!("gpu: {why}; running on the CPU");
+            self.on_cpu = Some(why);
+            return self
+                .model
+                .forward_with(tokens, cache, all_logits, None, None, logits);
+        }
+        self.row.resize(c.vocab_size, 0.0);
+        logits.clear();
+        for (i, &token) in tokens.iter().enumerate() {
+            layers.step(&self.model, token, cache, &mut self.row)?;
+            cache.advance(1);
+            if all_logits || i + 1 == t {
+                logits.extend_from_slice(&self.row);
+            }
+        }
+        Ok(())
     }
 }

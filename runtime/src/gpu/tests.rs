@@ -235,7 +235,11 @@ fn the_dense_path_with_its_head_on_the_gpu() {
     let cpu = crate::source::open(&path).unwrap().model;
     let p = cpu.projections().unwrap();
     let (gpu, head) = GpuModel::head_for(&cpu).unwrap();
-    let mut on_gpu = GpuModel::new(crate::source::open(&path).unwrap().model, gpu, head);
+    let mut on_gpu = GpuModel::new(
+        crate::source::open(&path).unwrap().model,
+        gpu,
+        Placement::Head(Box::new(head), "a test".into()),
+    );
     assert!(
         on_gpu.describe().starts_with("the output head ("),
         "{}",
@@ -279,4 +283,269 @@ fn the_dense_path_with_its_head_on_the_gpu() {
         next_gpu = vec![*gpu_tokens.last().unwrap()];
     }
     assert_eq!(gpu_tokens, cpu_tokens);
+}
+
+#[test]
+fn q8_on_the_gpu_is_the_cpus_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(5);
+    // Blocks whose scales run from 1e-30 to 1e30, so the exactly rounded divisions see every kind
+    // of significand and exponent.
+    let mut x: Vec<f32> = (0..2048)
+        .flat_map(|_| {
+            let scale = 10f32.powi(rng.random_range(-30..=30));
+            let v: Vec<f32> = (0..BLOCK_LEN)
+                .map(|_| scale * rng.random_range(-1.0f32..1.0))
+                .collect();
+            v
+        })
+        .collect();
+    // A block of zeros; one whose scale is 1, so that x.5 rounds to the even neighbour; one
+    // value throughout.
+    x[..32].fill(0.0);
+    for (i, v) in x[32..64].iter_mut().enumerate() {
+        *v = if i == 0 { 127.0 } else { i as f32 - 16.5 };
+    }
+    x[64..96].fill(-3.0);
+    let on_gpu = layers::quantize_on(gpu(), &x).unwrap();
+    let mut on_cpu = Vec::new();
+    pack_input(QuantType::Q8_0, &x, &mut on_cpu);
+    assert_eq!(on_gpu.len(), on_cpu.len());
+    if let Some(i) = on_gpu.iter().zip(&on_cpu).position(|(g, c)| g != c) {
+        panic!(
+            "word {i} of {}: GPU {:#010x}, CPU {:#010x}",
+            on_cpu.len(),
+            on_gpu[i],
+            on_cpu[i]
+        );
+    }
+}
+
+/// A small random model of `arch` (Hugging Face's `config.json` keys in `extra` added), SwiGLU
+/// unless `extra` says otherwise: 2 layers, hidden 256, 4 query heads and 2 KV heads of 64, FFN
+/// 256, vocabulary 256 (256 columns: the K-quants' super-block). As tests/src/tiny.rs's models, its weights are far from a trained
+/// model's: norm weights random, attention peaked, logits spread over a few units, so that a
+/// wrong rope or a missing norm moves the logits far beyond the tolerance.
+fn tiny_model(arch: &str, extra: serde_json::Value, seed: u64) -> crate::model::Model {
+    let mut cfg = serde_json::json!({
+        "architectures": [arch],
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": false,
+        "max_position_embeddings": 64,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        cfg[k] = v.clone();
+    }
+    let config = crate::source::config::from_hf_json(&cfg.to_string()).unwrap();
+    let rng = std::cell::RefCell::new(StdRng::seed_from_u64(seed));
+    crate::model::Model::from_hf_tensors(config, |name, shape| {
+        let mut rng = rng.borrow_mut();
+        let n: usize = shape.iter().product();
+        let cols = *shape.last().unwrap() as f32;
+        let (center, spread) = if name.ends_with("norm.weight") {
+            (1.0, 0.5)
+        } else if name.ends_with("bias") {
+            (0.0, 0.5)
+        } else if name.contains("embed_tokens") {
+            (0.0, 1.0)
+        } else if name.contains("q_proj") || name.contains("k_proj") {
+            (0.0, 4.0 / cols.sqrt())
+        } else if name.contains("lm_head") {
+            (0.0, 6.0 / cols.sqrt())
+        } else {
+            (0.0, 2.0 / cols.sqrt())
+        };
+        Ok((0..n)
+            .map(|_| center + spread * rng.random_range(-1.0f32..1.0))
+            .collect())
+    })
+    .unwrap()
+}
+
+/// The largest difference between two logit rows over the largest magnitude of the CPU's.
+fn relative_difference(gpu: &[f32], cpu: &[f32]) -> f32 {
+    let top = cpu.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let diff = gpu
+        .iter()
+        .zip(cpu)
+        .fold(0.0f32, |m, (g, c)| m.max((g - c).abs()));
+    diff / top
+}
+
+/// How far one step's logits on the GPU may lie from the CPU's, relative to the largest CPU logit:
+/// an empirical bound (docs/gpu.md, "Tolerance"), about 40 times the largest difference seen on
+/// lavapipe, and below what the CPU itself changes with an f16 KV cache (which
+/// [`compare_steps`] checks, so that an error of that size would fail).
+const STEP_TOLERANCE: f32 = 1e-4;
+
+/// Runs `prompt` and six greedy tokens through the CPU (`cpu`, f32 KV cache) and the GPU
+/// (`on_gpu`, its whole step there): the same tokens, and each step's logits within
+/// [`STEP_TOLERANCE`]; then every logit of the prompt, and the GPU's KV cache following the
+/// caller's — cut back, and replaced by one the CPU filled. Also checks that the tolerance is
+/// tighter than the change an f16 KV cache makes on the CPU. Returns the largest relative
+/// difference seen.
+fn compare_steps(cpu: &crate::model::Model, on_gpu: &mut GpuModel, prompt: &[u32]) -> f32 {
+    assert!(on_gpu.runs_layers(), "{}", on_gpu.describe());
+    let mut cpu_model = cpu;
+    let (mut cpu_cache, mut gpu_cache) = (cpu.new_cache(32), on_gpu.new_cache(32));
+    let (mut cpu_logits, mut gpu_logits) = (Vec::new(), Vec::new());
+    let mut worst = 0.0f32;
+    let mut check = |what: &str, gpu: &[f32], cpu: &[f32]| {
+        assert_eq!(gpu.len(), cpu.len());
+        let d = relative_difference(gpu, cpu);
+        assert!(
+            d <= STEP_TOLERANCE,
+            "{what}: the GPU's logits differ from the CPU's by {d:e} of the largest"
+        );
+        assert_eq!(argmax(gpu), argmax(cpu), "{what}: another token");
+        worst = worst.max(d);
+    };
+    let mut next = prompt.to_vec();
+    let mut f16_cache =
+        crate::model::kv_cache::KvCache::new(cpu.config(), 32, crate::model::kv_cache::KvType::F16);
+    let mut f16_logits = Vec::new();
+    let mut f16_worst = 0.0f32;
+    for step in 0..6 {
+        cpu_model
+            .forward_into(&next, &mut cpu_cache, false, &mut cpu_logits)
+            .unwrap();
+        cpu_model
+            .forward_into(&next, &mut f16_cache, false, &mut f16_logits)
+            .unwrap();
+        f16_worst = f16_worst.max(relative_difference(&f16_logits, &cpu_logits));
+        on_gpu
+            .forward_into(&next, &mut gpu_cache, false, &mut gpu_logits)
+            .unwrap();
+        check(&format!("step {step}"), &gpu_logits, &cpu_logits);
+        next = vec![argmax(&cpu_logits)];
+    }
+    // Every logit of a prompt, as scoring asks for them.
+    cpu_cache.clear();
+    gpu_cache.clear();
+    cpu_model
+        .forward_into(prompt, &mut cpu_cache, true, &mut cpu_logits)
+        .unwrap();
+    on_gpu
+        .forward_into(prompt, &mut gpu_cache, true, &mut gpu_logits)
+        .unwrap();
+    check("all logits", &gpu_logits, &cpu_logits);
+    // A conversation cut back to 3 positions goes on from there.
+    cpu_cache.truncate(3);
+    gpu_cache.truncate(3);
+    cpu_model
+        .forward_into(&[7], &mut cpu_cache, false, &mut cpu_logits)
+        .unwrap();
+    on_gpu
+        .forward_into(&[7], &mut gpu_cache, false, &mut gpu_logits)
+        .unwrap();
+    check("after a cut", &gpu_logits, &cpu_logits);
+    // A cache the GPU has not seen (filled by the CPU) is uploaded before the step.
+    let mut other = cpu.new_cache(32);
+    cpu_model
+        .forward_into(&prompt[1..], &mut other, false, &mut cpu_logits)
+        .unwrap();
+    let mut copy = cpu.new_cache(32);
+    copy.restore(&other.save()).unwrap();
+    cpu_model
+        .forward_into(&[9], &mut other, false, &mut cpu_logits)
+        .unwrap();
+    on_gpu
+        .forward_into(&[9], &mut copy, false, &mut gpu_logits)
+        .unwrap();
+    check("another cache", &gpu_logits, &cpu_logits);
+    // Not a tolerance any error passes: rounding the KV cache to f16 fails it.
+    assert!(
+        f16_worst > STEP_TOLERANCE,
+        "an f16 KV cache changes the CPU's logits by {f16_worst:e} only"
+    );
+    worst
+}
+
+#[test]
+fn the_decode_step_on_the_gpu_embedded_model() {
+    // The embedded ReLU Llama, its weights f32 (stored bf16).
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/austen-relu");
+    let cpu = crate::source::open(&path).unwrap().model;
+    let (gpu, placement) = GpuModel::upload(&cpu).unwrap();
+    let mut on_gpu = GpuModel::new(crate::source::open(&path).unwrap().model, gpu, placement);
+    let worst = compare_steps(&cpu, &mut on_gpu, &[12, 345, 6, 789, 10]);
+    eprintln!("austen-relu f32: largest difference {worst:e} of the largest logit");
+}
+
+#[test]
+fn the_decode_step_on_the_gpu_small_swiglu_models() {
+    let cases = [
+        // Llama 3's rope scaling and a sliding window shorter than the sequence; q8_0 layers, a
+        // q6_k head.
+        (
+            "LlamaForCausalLM",
+            serde_json::json!({
+                "sliding_window": 4,
+                "rope_scaling": {
+                    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16
+                }
+            }),
+            QuantType::Q8_0,
+            QuantType::Q6_K,
+        ),
+        // Qwen3's q/k norms; q4_k layers, an f16 head.
+        (
+            "Qwen3ForCausalLM",
+            serde_json::json!({}),
+            QuantType::Q4_K,
+            QuantType::F16,
+        ),
+        // Qwen2's q/k/v biases; SmolLM3-style layers without rope are in the next case.
+        (
+            "Qwen2ForCausalLM",
+            serde_json::json!({}),
+            QuantType::Q5_1,
+            QuantType::Q4_0,
+        ),
+        (
+            "SmolLM3ForCausalLM",
+            serde_json::json!({"no_rope_layers": [1, 0]}),
+            QuantType::F32,
+            QuantType::F32,
+        ),
+    ];
+    for (seed, (arch, extra, layers, head)) in cases.into_iter().enumerate() {
+        let make = || {
+            tiny_model(arch, extra.clone(), seed as u64)
+                .quantize(layers, head)
+                .unwrap()
+        };
+        let cpu = make();
+        let (gpu, placement) = GpuModel::upload(&cpu).unwrap();
+        let mut on_gpu = GpuModel::new(make(), gpu, placement);
+        let worst = compare_steps(&cpu, &mut on_gpu, &[12, 145, 6, 89, 10]);
+        eprintln!("{arch} {layers}/{head}: largest difference {worst:e} of the largest logit");
+    }
+}
+
+#[test]
+fn unsupported_blocks_keep_the_layers_on_the_cpu() {
+    let gemma = tiny_model(
+        "Gemma2ForCausalLM",
+        serde_json::json!({"hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": 64}),
+        1,
+    );
+    let (gpu, placement) = GpuModel::upload(&gemma).unwrap();
+    let on_gpu = GpuModel::new(gemma, gpu, placement);
+    assert!(!on_gpu.runs_layers());
+    let line = on_gpu.describe();
+    assert!(
+        line.starts_with("the output head (")
+            && line.contains("the layers stay on the CPU: Gemma2"),
+        "{line}"
+    );
 }

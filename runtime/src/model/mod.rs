@@ -314,6 +314,33 @@ impl Model {
         self.projections.as_ref()
     }
 
+    /// Each block's norms and resident FFN weights (what the GPU backend uploads).
+    pub fn blocks(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    /// The weights of the norm before the output head.
+    pub fn final_norm(&self) -> &[f32] {
+        &self.norm
+    }
+
+    /// The storage of the caches [`Model::new_cache`] makes.
+    pub fn kv_type(&self) -> KvType {
+        self.kv
+    }
+
+    /// Layer `l`'s rotary table of position `pos` in a context of `ctx` into `table`
+    /// (`head_dim/2` cosines, then as many sines): what a decoded token's attention turns its
+    /// queries and keys by.
+    pub fn rope_table(&self, l: usize, pos: usize, ctx: usize, table: &mut [f32]) {
+        let rope = match (self.config.window(l), &self.rope_local) {
+            (Some(_), Some(local)) => local,
+            _ => &self.rope,
+        };
+        let (cos, sin) = table.split_at_mut(self.config.head_dim / 2);
+        rope.tables_into(pos, ctx, cos, sin);
+    }
+
     /// Replaces block `l`'s attention projections and returns the ones it had: the converter
     /// holds one block's in f32 at a time and empty placeholders for the others (a model built
     /// with projections; panics otherwise).

@@ -126,17 +126,17 @@ impl SessionOptions {
     }
 }
 
-/// The dense policy's model: on the CPU, or with its output head on the GPU when the environment
-/// sets `LEANSTREAM_GPU` (to anything but empty or `0`: docs/gpu.md); one line on standard error
-/// then says where it runs, or why it stays on the CPU.
+/// The dense policy's model: on the CPU, or with its decode step (or its output head alone) on the
+/// GPU when the environment sets `LEANSTREAM_GPU` (to anything but empty or `0`: docs/gpu.md); one
+/// line on standard error then says what runs where, or why it stays on the CPU.
 fn dense_engine(model: Model) -> Box<dyn LanguageModel + Send> {
     if !std::env::var_os("LEANSTREAM_GPU").is_some_and(|v| !v.is_empty() && v != "0") {
         return Box::new(model);
     }
     #[cfg(feature = "gpu")]
-    match crate::gpu::GpuModel::head_for(&model) {
-        Ok((gpu, head)) => {
-            let model = crate::gpu::GpuModel::new(model, gpu, head);
+    match crate::gpu::GpuModel::upload(&model) {
+        Ok((gpu, placement)) => {
+            let model = crate::gpu::GpuModel::new(model, gpu, placement);
             eprintln!("gpu: {}", model.describe());
             Box::new(model)
         }

@@ -9,6 +9,9 @@
 // `xin` holds the input: for the float encodings its f32 values; for the block encodings its q8
 // form (the CPU kernels' `Q8Vec`): the quants, four to a word, then one f32 scale per 32 values
 // from word `p.scales`, then one f32 `scale · Σ quants` per 32 values from word `p.sums`.
+//
+// With `p.accumulate` the row's result is added to `out[row]` (the decode step's residual adds:
+// one f32 addition, as the CPU's `x += proj`).
 
 struct Params {
     rows: u32,
@@ -16,7 +19,8 @@ struct Params {
     row_bytes: u32,
     scales: u32,
     sums: u32,
-    pad0: u32,
+    // 1: add the result to `out` (the residual stream) instead of writing it.
+    accumulate: u32,
     pad1: u32,
     pad2: u32,
 }
@@ -132,6 +136,10 @@ fn main(
         workgroupBarrier();
     }
     if lid == 0u {
-        out[row] = partial[0];
+        if p.accumulate != 0u {
+            out[row] += partial[0];
+        } else {
+            out[row] = partial[0];
+        }
     }
 }

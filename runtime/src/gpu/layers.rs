@@ -1,0 +1,754 @@
+//! A resident model's whole decode step on the GPU (docs/gpu.md): every block's norms, q/k/v/o
+//! projections (in their stored encodings, through the mat-vec shaders), Qwen3's q/k norms, the
+//! rotary embedding, attention over a KV cache held in GPU buffers (f32), the dense FFN, the
+//! residual adds, the final norm and the head, recorded into one compute pass per token; the
+//! logits and the token's keys and values come back in one read. The embedding row is looked up
+//! on the CPU and written with the position's rotary table before the pass.
+//!
+//! The caller's [`KvCache`] stays the reference: each token's keys and values are stored in it as
+//! the CPU would, and the GPU's copy follows the cache it was last given (a cache it has not seen,
+//! or one that changed behind its back, is uploaded again from [`KvCache::save`]).
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::{mpsc, Arc};
+
+use anyhow::{bail, Context, Result};
+use half::f16;
+use leanstream_format::quant::{QuantType, BLOCK_LEN};
+use wgpu::util::DeviceExt;
+
+use super::{f32_bytes, input_words, Dispatch, Gpu, GpuWeights};
+use crate::kernels::Weight;
+use crate::model::kv_cache::KvCache;
+use crate::model::{FfnWeights, Model};
+use crate::source::config::Activation;
+
+const NORM: &str = include_str!("shaders/norm.wgsl");
+const HEAD_NORM: &str = include_str!("shaders/headnorm.wgsl");
+const Q8: &str = include_str!("shaders/q8.wgsl");
+const ROPE: &str = include_str!("shaders/rope.wgsl");
+const ATTEND: &str = include_str!("shaders/attend.wgsl");
+const ACT: &str = include_str!("shaders/act.wgsl");
+const KERNELS: [(&str, &str); 6] = [
+    ("norm", NORM),
+    ("headnorm", HEAD_NORM),
+    ("q8", Q8),
+    ("rope", ROPE),
+    ("attend", ATTEND),
+    ("act", ACT),
+];
+
+/// Why `model`'s decode step cannot run on the GPU, or `None` when it can.
+pub fn unsupported(model: &Model) -> Option<String> {
+    let c = model.config();
+    let why = if c.architecture.is_gemma() {
+        format!(
+            "{:?}'s block (scaled embedding, norms after attention and FFN, soft-capping) is not \
+             on the GPU yet",
+            c.architecture
+        )
+    } else if c.moe.is_some() {
+        "a mixture of experts is not on the GPU yet".into()
+    } else if c.qkv_bias && c.qk_norm {
+        "q/k/v biases with q/k norms are not on the GPU".into()
+    } else if c.block.attn_logit_softcap.is_some() || c.block.final_logit_softcap.is_some() {
+        "soft-capping is not on the GPU yet".into()
+    } else if c.block.rope_local_theta.is_some() {
+        "a second rope for the sliding-window layers is not on the GPU yet".into()
+    } else if c.num_layers == 0
+        || !c.head_dim.is_multiple_of(2)
+        || c.num_kv_heads == 0
+        || !c.num_heads.is_multiple_of(c.num_kv_heads)
+    {
+        format!(
+            "{} heads of {} over {} KV heads cannot be laid out",
+            c.num_heads, c.head_dim, c.num_kv_heads
+        )
+    } else if model.projections().is_none() {
+        "the model holds no projections to upload".into()
+    } else if let Some(l) = model
+        .blocks()
+        .iter()
+        .position(|l| !matches!(l.ffn, Some(FfnWeights::Dense(_))))
+    {
+        format!("layer {l} has no resident dense FFN")
+    } else {
+        return None;
+    };
+    Some(why)
+}
+
+/// The activations' buffers of one token's step.
+struct Buffers {
+    /// The residual stream (hidden), written with the embedding row before each step.
+    x: wgpu::Buffer,
+    /// A norm's output (hidden).
+    xn: wgpu::Buffer,
+    q: wgpu::Buffer,
+    k: wgpu::Buffer,
+    v: wgpu::Buffer,
+    /// Attention's output (heads · d).
+    att: wgpu::Buffer,
+    gate: wgpu::Buffer,
+    up: wgpu::Buffer,
+    /// The q8 form of a block-encoded mat-vec's input (the longest input's words).
+    q8: wgpu::Buffer,
+    logits: wgpu::Buffer,
+    /// This token's keys and values of every layer (`[layer][k | v][kv_heads · d]`).
+    kv_out: wgpu::Buffer,
+    /// The position's rotary table (d/2 cosines, then d/2 sines).
+    table: wgpu::Buffer,
+    /// The position and the length attended over (`rope.wgsl`'s `Step`).
+    step: wgpu::Buffer,
+    /// The logits, then `kv_out`, read back once a token.
+    readback: wgpu::Buffer,
+}
+
+/// A layer's weights on the GPU.
+struct LayerWeights {
+    wq: GpuWeights,
+    wk: GpuWeights,
+    wv: GpuWeights,
+    wo: GpuWeights,
+    gate: GpuWeights,
+    up: GpuWeights,
+    down: GpuWeights,
+    attn_norm: wgpu::Buffer,
+    ffn_norm: wgpu::Buffer,
+    /// Qwen3's q and k norms.
+    qk_norm: Option<(wgpu::Buffer, wgpu::Buffer)>,
+    /// q, k and v biases (zeros without).
+    bias: wgpu::Buffer,
+}
+
+/// The KV cache on the GPU for contexts of `capacity` positions, with the step's dispatches that
+/// bind it.
+struct Cache {
+    capacity: usize,
+    /// Each layer's keys and values, `[kv_head][position][d]` f32.
+    keys_values: Vec<(wgpu::Buffer, wgpu::Buffer)>,
+    /// Every query head's scores (`heads × capacity`).
+    _scores: wgpu::Buffer,
+    /// The whole step, in order.
+    dispatches: Vec<Dispatch>,
+    /// Positions whose keys and values the buffers hold, and a fingerprint of each position's
+    /// last-layer values as the caller's cache stores them ([`fingerprint`]).
+    len: usize,
+    prints: Vec<u64>,
+}
+
+/// A model's decode step on the GPU: its weights, activation buffers and (once a cache has been
+/// seen) its KV cache.
+pub struct GpuLayers {
+    gpu: Arc<Gpu>,
+    layers: Vec<LayerWeights>,
+    head: GpuWeights,
+    final_norm: wgpu::Buffer,
+    b: Buffers,
+    cache: Option<Cache>,
+    /// Bytes on the GPU before the KV cache.
+    bytes: usize,
+    /// The host's copies of the embedding row, the rotary table and the read-back values.
+    x: Vec<f32>,
+    table: Vec<f32>,
+    kv: Vec<f32>,
+}
+
+impl GpuLayers {
+    /// Uploads `model`'s weights (each as stored) and makes the step's buffers; an error that says
+    /// why when the GPU cannot hold them or `model` has a feature the step lacks.
+    pub fn upload(gpu: Arc<Gpu>, model: &Model) -> Result<Self> {
+        if let Some(why) = unsupported(model) {
+            bail!("{why}");
+        }
+        let built = gpu.scoped(|| Self::build(gpu.clone(), model))?;
+        // Every kernel of the step, built now: an adapter that rejects one keeps the layers on
+        // the CPU from the start.
+        for (name, source) in KERNELS {
+            gpu.kernel(name, source)?;
+        }
+        Ok(built)
+    }
+
+    fn build(gpu: Arc<Gpu>, model: &Model) -> Result<Self> {
+        let c = model.config();
+        let p = model.projections().expect("checked by unsupported()");
+        let (h, hd, n) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let mut bytes = 0usize;
+        let mut up_w = |w: &Weight| -> Result<GpuWeights> {
+            let g = gpu.upload_weights(w)?;
+            bytes += g.bytes;
+            Ok(g)
+        };
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for (l, (layer, attn)) in model.blocks().iter().zip(&p.attention).enumerate() {
+            let Some(FfnWeights::Dense(ffn)) = &layer.ffn else {
+                bail!("layer {l} has no resident dense FFN");
+            };
+            let mut bias = layer.qkv_bias.clone().unwrap_or_default();
+            bias.resize(qd + 2 * kvd, 0.0);
+            layers.push(LayerWeights {
+                wq: up_w(&attn.wq)?,
+                wk: up_w(&attn.wk)?,
+                wv: up_w(&attn.wv)?,
+                wo: up_w(&attn.wo)?,
+                gate: up_w(&ffn.gate)?,
+                up: up_w(&ffn.up)?,
+                down: up_w(&ffn.down)?,
+                attn_norm: gpu.storage_init("attn_norm", &layer.attn_norm),
+                ffn_norm: gpu.storage_init("ffn_norm", &layer.ffn_norm),
+                qk_norm: match (&layer.q_norm, &layer.k_norm) {
+                    (Some(qn), Some(kn)) => Some((
+                        gpu.storage_init("q_norm", qn),
+                        gpu.storage_init("k_norm", kn),
+                    )),
+                    _ => None,
+                },
+                bias: gpu.storage_init("bias", &bias),
+            });
+        }
+        let head = up_w(p.lm_head.as_ref().unwrap_or(&p.embed))?;
+        let final_norm = gpu.storage_init("final_norm", model.final_norm());
+        let kv_words = 2 * c.num_layers * kvd;
+        let q8_words = [h, qd, n]
+            .into_iter()
+            .filter(|&len| len.is_multiple_of(BLOCK_LEN))
+            .map(|len| input_words(QuantType::Q8_0, len))
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let vocab = c.vocab_size;
+        let f = |label, words: usize| gpu.scratch(label, words);
+        let b = Buffers {
+            x: f("x", h),
+            xn: f("xn", h),
+            q: f("q", qd),
+            k: f("k", kvd),
+            v: f("v", kvd),
+            att: f("att", qd),
+            gate: f("gate", n),
+            up: f("up", n),
+            q8: f("q8", q8_words),
+            logits: f("logits", vocab),
+            kv_out: f("kv_out", kv_words),
+            table: f("table", hd),
+            step: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("step"),
+                size: 16,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+            readback: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                size: 4 * (vocab + kv_words) as u64,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+        };
+        let small = layers.iter().flat_map(|l| {
+            [&l.attn_norm, &l.ffn_norm, &l.bias]
+                .into_iter()
+                .chain(l.qk_norm.iter().flat_map(|(q, k)| [q, k]))
+        });
+        let activations = [
+            &b.x,
+            &b.xn,
+            &b.q,
+            &b.k,
+            &b.v,
+            &b.att,
+            &b.gate,
+            &b.up,
+            &b.q8,
+            &b.logits,
+            &b.kv_out,
+            &b.table,
+            &b.step,
+            &b.readback,
+            &final_norm,
+        ];
+        bytes += small
+            .chain(activations)
+            .map(|b| b.size() as usize)
+            .sum::<usize>();
+        Ok(Self {
+            gpu,
+            layers,
+            head,
+            final_norm,
+            b,
+            cache: None,
+            bytes,
+            x: vec![0.0; h],
+            table: vec![0.0; hd],
+            kv: vec![0.0; kv_words],
+        })
+    }
+
+    /// Bytes on the GPU, without the KV cache.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Makes the GPU's KV cache hold what `cache` holds: kept when it is the cache of the last
+    /// steps (or a prefix of it), uploaded again otherwise; new buffers when the capacity changes.
+    /// An error when the GPU cannot hold a cache of that capacity.
+    pub fn sync(&mut self, model: &Model, cache: &KvCache) -> Result<()> {
+        let capacity = cache.capacity();
+        if self.cache.as_ref().is_none_or(|c| c.capacity != capacity) {
+            self.cache = None;
+            let made = self
+                .gpu
+                .scoped(|| self.make_cache(model, capacity))
+                .with_context(|| format!("a KV cache of {capacity} positions on the GPU"))?;
+            self.cache = Some(made);
+        }
+        let gc = self.cache.as_mut().expect("made above");
+        let len = cache.len();
+        if len == 0 {
+            gc.len = 0;
+            return Ok(());
+        }
+        let (layers, hd) = (model.config().num_layers, model.config().head_dim);
+        if len <= gc.len && gc.prints[len - 1] == fingerprint(cache, layers, hd, len - 1) {
+            gc.len = len;
+            return Ok(());
+        }
+        self.upload_cache(model, cache)
+    }
+
+    /// Writes the positions of `cache` into the GPU's buffers (each decoded to f32).
+    fn upload_cache(&mut self, model: &Model, cache: &KvCache) -> Result<()> {
+        let c = model.config();
+        let hd = c.head_dim;
+        let gc = self.cache.as_mut().expect("synced");
+        let saved = cache.save();
+        let (name, len, data) = parse_saved(&saved, c.num_layers, c.num_kv_heads, hd)?;
+        let row = match name {
+            "f32" => 4 * hd,
+            "f16" => 2 * hd,
+            "q8_0" => hd / BLOCK_LEN * QuantType::Q8_0.block_bytes(),
+            other => bail!("a KV cache of {other} rows cannot go to the GPU"),
+        };
+        let mut rows = data.chunks_exact(row);
+        let mut vals = vec![0.0f32; len * hd];
+        for (keys, values) in &gc.keys_values {
+            for buf in [keys, values] {
+                for head in 0..c.num_kv_heads {
+                    for v in vals.chunks_exact_mut(hd) {
+                        decode_row(name, rows.next().context("a cut saved cache")?, v);
+                    }
+                    let at = 4 * (head * gc.capacity * hd) as u64;
+                    self.gpu.queue.write_buffer(buf, at, f32_bytes(&vals));
+                }
+            }
+        }
+        gc.len = len;
+        for pos in 0..len {
+            gc.prints[pos] = fingerprint(cache, c.num_layers, hd, pos);
+        }
+        Ok(())
+    }
+
+    /// The KV buffers for `capacity` positions and the step's dispatches over them.
+    fn make_cache(&self, model: &Model, capacity: usize) -> Result<Cache> {
+        let g = &*self.gpu;
+        let c = model.config();
+        let (h, hd, n) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (nh, nkv) = (c.num_heads, c.num_kv_heads);
+        let kvd = nkv * hd;
+        let layer_bytes = 4 * (nkv * capacity.max(1) * hd) as u64;
+        let scores_bytes = 4 * (nh * capacity.max(1)) as u64;
+        let max = g.max_matrix_bytes();
+        if layer_bytes.max(scores_bytes) > max {
+            bail!(
+                "a layer's keys for {capacity} positions ({layer_bytes} bytes) are larger than the \
+                 GPU's largest storage buffer ({max} bytes)"
+            );
+        }
+        let kv_buf = |label| {
+            g.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: layer_bytes,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        };
+        let keys: Vec<_> = (0..c.num_layers).map(|_| kv_buf("keys")).collect();
+        let values: Vec<_> = (0..c.num_layers).map(|_| kv_buf("values")).collect();
+        let scores = g.scratch("scores", nh * capacity.max(1));
+
+        let [norm, head_norm, q8, rope, attend, act] =
+            KERNELS.map(|(name, source)| g.kernel(name, source));
+        let (norm, head_norm, q8, rope, attend, act) =
+            (norm?, head_norm?, q8?, rope?, attend?, act?);
+        let b = &self.b;
+        let eps = c.rms_norm_eps.to_bits();
+        let per_dim = g.limits.max_compute_workgroups_per_dimension;
+        let groups = |invocations: usize| -> Result<(u32, u32)> {
+            let gx = invocations.div_ceil(64).max(1);
+            if gx > per_dim as usize {
+                bail!("{invocations} invocations are more than one dispatch takes here");
+            }
+            Ok((gx as u32, 1))
+        };
+        let mut d = Vec::new();
+        let norm_of = |x: &wgpu::Buffer, w: &wgpu::Buffer, len: usize| {
+            g.dispatch(
+                "norm",
+                &norm,
+                &[x, w, &b.xn],
+                &p8([len as u32, eps]),
+                (1, 1),
+            )
+        };
+        // `w · x` into `out` (added to it with `accumulate`), `x` quantized first for a block
+        // encoding; `quantized` says whether `b.q8` already holds this `x`.
+        let matvec = |d: &mut Vec<Dispatch>,
+                      w: &GpuWeights,
+                      x: &wgpu::Buffer,
+                      quantized: &mut bool,
+                      out: &wgpu::Buffer,
+                      accumulate: bool|
+         -> Result<()> {
+            let input = if w.qtype.is_block() {
+                if !*quantized {
+                    let blocks = (w.cols / BLOCK_LEN) as u32;
+                    let scales = (w.cols / 4) as u32;
+                    d.push(g.dispatch(
+                        "q8",
+                        &q8,
+                        &[x, &b.q8],
+                        &p8([blocks, scales, scales + blocks]),
+                        groups(blocks as usize)?,
+                    ));
+                    *quantized = true;
+                }
+                &b.q8
+            } else {
+                x
+            };
+            d.push(g.matvec_dispatch(w, input, out, accumulate));
+            Ok(())
+        };
+        let (act_kind, threshold) = match c.activation {
+            Activation::Silu => (0, 0.0f32),
+            Activation::Relu => (1, 0.0),
+            Activation::GeluTanh => (2, 0.0),
+            Activation::FatRelu { threshold } => (3, threshold),
+            Activation::DRelu => (4, 0.0),
+        };
+        let scale = match c.block.query_pre_attn_scalar {
+            Some(s) => (1.0 / (s as f64).sqrt()) as f32,
+            None => 1.0 / (hd as f32).sqrt(),
+        };
+        for (l, lw) in self.layers.iter().enumerate() {
+            d.push(norm_of(&b.x, &lw.attn_norm, h));
+            let mut quantized = false;
+            matvec(&mut d, &lw.wq, &b.xn, &mut quantized, &b.q, false)?;
+            matvec(&mut d, &lw.wk, &b.xn, &mut quantized, &b.k, false)?;
+            matvec(&mut d, &lw.wv, &b.xn, &mut quantized, &b.v, false)?;
+            if let Some((qn, kn)) = &lw.qk_norm {
+                d.push(g.dispatch(
+                    "headnorm",
+                    &head_norm,
+                    &[&b.q, &b.k, qn, kn],
+                    &p8([hd as u32, eps, nh as u32]),
+                    ((nh + nkv) as u32, 1),
+                ));
+            }
+            d.push(g.dispatch(
+                "rope",
+                &rope,
+                &[
+                    &b.q, &b.k, &b.v, &lw.bias, &b.table, &keys[l], &values[l], &b.kv_out, &b.step,
+                ],
+                &p8([
+                    nh as u32,
+                    nkv as u32,
+                    hd as u32,
+                    capacity as u32,
+                    c.uses_rope(l) as u32,
+                    (2 * l * kvd) as u32,
+                ]),
+                groups((nh + nkv) * hd / 2 + kvd)?,
+            ));
+            d.push(g.dispatch(
+                "attend",
+                &attend,
+                &[&b.q, &keys[l], &values[l], &scores, &b.att, &b.step],
+                &p8([
+                    nh as u32,
+                    (nh / nkv) as u32,
+                    hd as u32,
+                    capacity as u32,
+                    scale.to_bits(),
+                    c.window(l).map_or(0, |w| w.min(u32::MAX as usize) as u32),
+                ]),
+                (nh as u32, 1),
+            ));
+            matvec(&mut d, &lw.wo, &b.att, &mut false, &b.x, true)?;
+            d.push(norm_of(&b.x, &lw.ffn_norm, h));
+            let mut quantized = false;
+            matvec(&mut d, &lw.gate, &b.xn, &mut quantized, &b.gate, false)?;
+            matvec(&mut d, &lw.up, &b.xn, &mut quantized, &b.up, false)?;
+            d.push(g.dispatch(
+                "act",
+                &act,
+                &[&b.gate, &b.up],
+                &p8([n as u32, act_kind, threshold.to_bits()]),
+                groups(n)?,
+            ));
+            matvec(&mut d, &lw.down, &b.gate, &mut false, &b.x, true)?;
+        }
+        d.push(norm_of(&b.x, &self.final_norm, h));
+        matvec(&mut d, &self.head, &b.xn, &mut false, &b.logits, false)?;
+        Ok(Cache {
+            capacity,
+            keys_values: keys.into_iter().zip(values).collect(),
+            _scores: scores,
+            dispatches: d,
+            len: 0,
+            prints: vec![0; capacity],
+        })
+    }
+
+    /// One token at position `pos` (the synced cache's length): its logits into `logits`, its
+    /// keys and values of every layer stored in `cache` (whose length the caller advances).
+    pub fn step(
+        &mut self,
+        model: &Model,
+        token: u32,
+        cache: &mut KvCache,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        let c = model.config();
+        let pos = cache.len();
+        let gc = self
+            .cache
+            .as_ref()
+            .context("the GPU's KV cache is not synced")?;
+        if gc.len != pos || pos >= gc.capacity {
+            bail!(
+                "the GPU's KV cache holds {} positions of {}, the step is at {pos}",
+                gc.len,
+                gc.capacity
+            );
+        }
+        let p = model.projections().expect("checked by unsupported()");
+        p.embed.rows_f32(&[token], &mut self.x);
+        model.rope_table(0, pos, gc.capacity, &mut self.table);
+        let q = &self.gpu.queue;
+        q.write_buffer(&self.b.x, 0, f32_bytes(&self.x));
+        q.write_buffer(&self.b.table, 0, f32_bytes(&self.table));
+        let step = [pos as u32, pos as u32 + 1, 0, 0];
+        q.write_buffer(&self.b.step, 0, &step.map(u32::to_le_bytes).concat());
+        let mut enc = self
+            .gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+            for d in &gc.dispatches {
+                d.record(&mut pass);
+            }
+        }
+        let logit_bytes = self.b.logits.size();
+        enc.copy_buffer_to_buffer(&self.b.logits, 0, &self.b.readback, 0, None);
+        enc.copy_buffer_to_buffer(&self.b.kv_out, 0, &self.b.readback, logit_bytes, None);
+        q.submit([enc.finish()]);
+        let slice = self.b.readback.slice(..);
+        let (tx, rx) = mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        self.gpu
+            .device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .context("waiting for the GPU")?;
+        rx.recv()
+            .context("the GPU dropped a read-back")?
+            .context("reading the GPU's result back")?;
+        {
+            let view = slice
+                .get_mapped_range()
+                .context("mapping the GPU's result")?;
+            let (lb, kb) = view.split_at(logit_bytes as usize);
+            read_f32(lb, logits);
+            read_f32(kb, &mut self.kv);
+        }
+        self.b.readback.unmap();
+        let kvd = c.num_kv_heads * c.head_dim;
+        for (l, kv) in self.kv.chunks_exact(2 * kvd).enumerate() {
+            let (k, v) = kv.split_at(kvd);
+            cache.store(l, pos, k, v);
+        }
+        let gc = self.cache.as_mut().expect("checked above");
+        gc.prints[pos] = fingerprint(cache, c.num_layers, c.head_dim, pos);
+        gc.len = pos + 1;
+        Ok(())
+    }
+}
+
+/// Up to eight words of a kernel's uniform, zero after them.
+fn p8<const N: usize>(words: [u32; N]) -> [u32; 8] {
+    let mut p = [0; 8];
+    p[..N].copy_from_slice(&words);
+    p
+}
+
+fn read_f32(bytes: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+}
+
+/// A hash of the values `cache` stores for its last layer's first KV head at `pos` (read through
+/// attention over that one position, whose weight is exactly 1): it tells whether a cache still
+/// holds what the GPU's copy was made from.
+fn fingerprint(cache: &KvCache, layers: usize, hd: usize, pos: usize) -> u64 {
+    thread_local! {
+        static ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    ROW.with_borrow_mut(|row| {
+        row.clear();
+        row.resize(2 * hd, 0.0);
+        let (q, out) = row.split_at_mut(hd);
+        let mut score = [0.0];
+        cache.attend(layers - 1, 0, pos, pos + 1, q, 1.0, None, &mut score, out);
+        let mut h = DefaultHasher::new();
+        out.iter().for_each(|v| v.to_bits().hash(&mut h));
+        h.finish()
+    })
+}
+
+/// The storage name, length and rows of a [`KvCache::save`] of a cache of `layers` layers and
+/// `heads` KV heads of `hd`.
+fn parse_saved(
+    bytes: &[u8],
+    layers: usize,
+    heads: usize,
+    hd: usize,
+) -> Result<(&str, usize, &[u8])> {
+    let rest = bytes
+        .strip_prefix(b"LSKVST01")
+        .context("not a saved KV cache")?;
+    let word = |i: usize| -> Result<usize> {
+        let b = rest.get(4 * i..4 * i + 4).context("a cut saved cache")?;
+        Ok(u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
+    };
+    let (name_len, l, h, d, len) = (word(0)?, word(1)?, word(2)?, word(3)?, word(4)?);
+    if (l, h, d) != (layers, heads, hd) {
+        bail!("the KV cache is of another model ({l} layers, {h} KV heads of {d})");
+    }
+    let name = rest
+        .get(20..20 + name_len)
+        .and_then(|n| std::str::from_utf8(n).ok())
+        .context("a cut saved cache")?;
+    Ok((name, len, &rest[20 + name_len..]))
+}
+
+/// One saved cache row of `name`'s storage as f32.
+fn decode_row(name: &str, row: &[u8], out: &mut [f32]) {
+    match name {
+        "f32" => read_f32(row, out),
+        "f16" => {
+            for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        _ => {
+            let block = QuantType::Q8_0.block_bytes();
+            for (o, b) in out.chunks_exact_mut(BLOCK_LEN).zip(row.chunks_exact(block)) {
+                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                for (v, &q) in o.iter_mut().zip(&b[2..]) {
+                    *v = d * (q as i8) as f32;
+                }
+            }
+        }
+    }
+}
+
+impl Gpu {
+    /// `f` with the device's out-of-memory and validation errors caught: an error that says what
+    /// the GPU reported rather than wgpu's default panic.
+    fn scoped<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let memory = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let valid = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let out = f();
+        let invalid = pollster::block_on(valid.pop());
+        if let Some(e) = pollster::block_on(memory.pop()) {
+            bail!("the GPU ran out of memory: {e}");
+        }
+        if let Some(e) = invalid {
+            bail!("the GPU refused a buffer or binding: {e}");
+        }
+        out
+    }
+
+    /// A storage buffer holding `data`.
+    fn storage_init(&self, label: &str, data: &[f32]) -> wgpu::Buffer {
+        let data = if data.is_empty() { &[0.0][..] } else { data };
+        self.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents: f32_bytes(data),
+                usage: wgpu::BufferUsages::STORAGE,
+            })
+    }
+
+    /// A zeroed storage buffer of `words` f32s that can be written and copied from.
+    fn scratch(&self, label: &str, words: usize) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: 4 * words.max(1) as u64,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    }
+}
+
+/// `x`'s q8 form as `q8.wgsl` makes it on the GPU, in `common.wgsl`'s words: what a test compares
+/// with the CPU's.
+#[cfg(test)]
+pub(super) fn quantize_on(gpu: &Gpu, x: &[f32]) -> Result<Vec<u32>> {
+    let blocks = x.len() / BLOCK_LEN;
+    let words = input_words(QuantType::Q8_0, x.len());
+    let input = gpu.storage_init("x", x);
+    let out = gpu.scratch("q8", words);
+    let readback = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("readback"),
+        size: 4 * words as u64,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let q8 = gpu.kernel("q8", Q8)?;
+    let scales = (x.len() / 4) as u32;
+    let d = gpu.dispatch(
+        "q8",
+        &q8,
+        &[&input, &out],
+        &p8([blocks as u32, scales, scales + blocks as u32]),
+        (blocks.div_ceil(64) as u32, 1),
+    );
+    let mut enc = gpu
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+    {
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+        d.record(&mut pass);
+    }
+    enc.copy_buffer_to_buffer(&out, 0, &readback, 0, None);
+    gpu.queue.submit([enc.finish()]);
+    let slice = readback.slice(..);
+    slice.map_async(wgpu::MapMode::Read, |_| ());
+    gpu.device.poll(wgpu::PollType::wait_indefinitely())?;
+    let view = slice.get_mapped_range()?;
+    Ok(view
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
