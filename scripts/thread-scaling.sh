@@ -7,7 +7,7 @@
 # usage: scripts/thread-scaling.sh FILE.lsb MODEL.gguf [THREADS="1 2 4 8 16"] [PROMPT_TOKENS=512]
 #        [TOKENS=64]
 # A 7B-shaped pair: `leanstream-prep synth --shape llama2-7b --layers 4 --profile-from SMOLLM2.lsb
-#   --gguf 7b.gguf -o 7b.lsb`.
+#   --source-vocab --gguf 7b.gguf -o 7b.lsb` (SmolLM2's vocabulary is larger than the shape's).
 # llama.cpp comes from PyPI's llama-cpp-python (built from source when missing); LLAMACPP_DIR=DIR
 # takes it from DIR instead.
 set -euo pipefail

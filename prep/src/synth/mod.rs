@@ -82,6 +82,11 @@ pub struct SynthArgs {
     /// Also write the same weights as a GGUF file for llama.cpp (see `leanstream-prep gguf`).
     #[arg(long)]
     gguf: Option<PathBuf>,
+    /// Where the source's vocabulary is larger than the shape's (SmolLM2's 49,152 tokens against
+    /// llama2-7b's 32,000), give the embedding and the head the source's size instead of stopping
+    /// (dense shapes; the summary says so).
+    #[arg(long)]
+    source_vocab: bool,
     /// Also measure every candidate certificate design (bytes, reads per token) on the held-out
     /// rows, as `convert --certificate-study` does (`certificate_study` in --json).
     #[arg(long)]
@@ -114,16 +119,8 @@ pub fn run(args: SynthArgs) -> Result<()> {
     if let Some(l) = args.layers {
         config.num_layers = config.num_layers.min(l as usize);
     }
-    if m.vocab_size > config.vocab_size {
-        bail!(
-            "{src_path}: its vocabulary ({}) is larger than {}'s ({}); the synthetic file uses the \
-             source's tokenizer, so pick a source with at most {} tokens or a larger shape",
-            m.vocab_size,
-            args.shape.name(),
-            config.vocab_size,
-            config.vocab_size
-        );
-    }
+    let shape_vocab = config.vocab_size;
+    config.vocab_size = vocab_size(&args, shape_vocab, m.vocab_size, &src_path)?;
     check_block_shapes(&config, args.quant)?;
     let lay = Layout::new(&config)?;
     let tokenizer = Tokenizer::from_bytes(&src.tokenizer_json)
@@ -334,6 +331,8 @@ pub fn run(args: SynthArgs) -> Result<()> {
         "output": args.output,
         "gguf": gguf,
         "shape": args.shape.name(),
+        "vocab_size": config.vocab_size,
+        "shape_vocab_size": shape_vocab,
         "file_bytes": std::fs::metadata(&args.output)?.len(),
         "dense_bytes": dense.data_bytes(),
         "ffn_bytes": ffn.bundle_bytes(),
@@ -354,6 +353,12 @@ pub fn run(args: SynthArgs) -> Result<()> {
             summary["seconds"].as_f64().unwrap_or(0.0),
             summary["peak_rss_bytes"].as_f64().unwrap_or(0.0) / (1u64 << 20) as f64
         );
+        if config.vocab_size != shape_vocab {
+            println!(
+                "vocabulary: {} tokens, the source's (the shape's is {shape_vocab})",
+                config.vocab_size
+            );
+        }
         crate::inspect::print_comparison(&summary["comparison"]);
         if let Some(study) = &study {
             certificate_study::print(study);
@@ -363,6 +368,23 @@ pub fn run(args: SynthArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The synthetic file's vocabulary: the shape's, or with `--source-vocab` the source's where it
+/// is larger (the file carries the source's tokenizer, so it cannot be smaller).
+fn vocab_size(args: &SynthArgs, shape: usize, source: usize, src_path: &str) -> Result<usize> {
+    if source <= shape {
+        return Ok(shape);
+    }
+    if !args.source_vocab {
+        bail!(
+            "{src_path}: its vocabulary ({source}) is larger than {}'s ({shape}); the synthetic \
+             file uses the source's tokenizer, so pick a source with at most {shape} tokens, a \
+             larger shape, or --source-vocab (the embedding and head take the source's size)",
+            args.shape.name()
+        );
+    }
+    Ok(source)
 }
 
 /// `z` with `silu(z) = y` on the increasing branch (y > 0).
@@ -541,4 +563,50 @@ fn part_stats(
             0.0
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        synth: SynthArgs,
+    }
+
+    fn args(extra: &[&str]) -> SynthArgs {
+        let base = [
+            "synth",
+            "--shape",
+            "llama2-7b",
+            "--profile-from",
+            "s.lsb",
+            "-o",
+            "o.lsb",
+        ];
+        Cli::parse_from(base.iter().chain(extra)).synth
+    }
+
+    #[test]
+    fn a_larger_source_vocabulary_needs_the_flag() {
+        // A source within the shape's vocabulary keeps the shape's size.
+        assert_eq!(vocab_size(&args(&[]), 32000, 4096, "s.lsb").unwrap(), 32000);
+        assert_eq!(
+            vocab_size(&args(&["--source-vocab"]), 32000, 32000, "s.lsb").unwrap(),
+            32000
+        );
+        // SmolLM2's 49,152 tokens against llama2-7b's 32,000: an error that names the way out,
+        // or the source's size with `--source-vocab`.
+        let err = vocab_size(&args(&[]), 32000, 49152, "s.lsb")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("s.lsb") && err.contains("49152") && err.contains("--source-vocab"));
+        assert_eq!(
+            vocab_size(&args(&["--source-vocab"]), 32000, 49152, "s.lsb").unwrap(),
+            49152
+        );
+    }
 }
