@@ -13,8 +13,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::{mpsc, Arc};
 
 use anyhow::{bail, Context, Result};
-use half::f16;
-use leanstream_format::quant::{QuantType, BLOCK_LEN};
+use leanstream_format::quant::{dequantize_row, row_bytes, QuantType, BLOCK_LEN};
 use wgpu::util::DeviceExt;
 
 use super::{f32_bytes, input_words, Dispatch, Gpu, GpuWeights};
@@ -325,19 +324,18 @@ impl GpuLayers {
         let gc = self.cache.as_mut().expect("synced");
         let saved = cache.save();
         let (name, len, data) = parse_saved(&saved, c.num_layers, c.num_kv_heads, hd)?;
-        let row = match name {
-            "f32" => 4 * hd,
-            "f16" => 2 * hd,
-            "q8_0" => hd / BLOCK_LEN * QuantType::Q8_0.block_bytes(),
-            other => bail!("a KV cache of {other} rows cannot go to the GPU"),
+        let qtype = match name.parse::<QuantType>() {
+            Ok(q @ (QuantType::F32 | QuantType::F16 | QuantType::Q8_0)) => q,
+            _ => bail!("a KV cache of {name} rows cannot go to the GPU"),
         };
+        let row = row_bytes(qtype, hd)?;
         let mut rows = data.chunks_exact(row);
         let mut vals = vec![0.0f32; len * hd];
         for (keys, values) in &gc.keys_values {
             for buf in [keys, values] {
                 for head in 0..c.num_kv_heads {
                     for v in vals.chunks_exact_mut(hd) {
-                        decode_row(name, rows.next().context("a cut saved cache")?, v);
+                        dequantize_row(qtype, rows.next().context("a cut saved cache")?, v)?;
                     }
                     let at = 4 * (head * gc.capacity * hd) as u64;
                     self.gpu.queue.write_buffer(buf, at, f32_bytes(&vals));
@@ -647,27 +645,6 @@ fn parse_saved(
         .and_then(|n| std::str::from_utf8(n).ok())
         .context("a cut saved cache")?;
     Ok((name, len, &rest[20 + name_len..]))
-}
-
-/// One saved cache row of `name`'s storage as f32.
-fn decode_row(name: &str, row: &[u8], out: &mut [f32]) {
-    match name {
-        "f32" => read_f32(row, out),
-        "f16" => {
-            for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
-                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
-        _ => {
-            let block = QuantType::Q8_0.block_bytes();
-            for (o, b) in out.chunks_exact_mut(BLOCK_LEN).zip(row.chunks_exact(block)) {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                for (v, &q) in o.iter_mut().zip(&b[2..]) {
-                    *v = d * (q as i8) as f32;
-                }
-            }
-        }
-    }
 }
 
 impl Gpu {
