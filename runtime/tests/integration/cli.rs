@@ -114,7 +114,9 @@ fn full_context_stops_with_a_message() {
 #[test]
 fn heldout_perplexity_matches_the_model_card() {
     let model = embedded_model();
-    let file = workspace().join("data/heldout.txt");
+    // The card's second figure (its first, over the whole of data/heldout.txt, is 205 634 tokens
+    // and takes minutes of CPU for the same code path).
+    let file = workspace().join("data/heldout-head.txt");
     let v = json(&leanstream(&[
         "perplexity",
         "--model",
@@ -123,10 +125,10 @@ fn heldout_perplexity_matches_the_model_card() {
         file.to_str().unwrap(),
         "--json",
     ]));
-    // Model card: 57.892 over 205634 tokens, computed in f32 by Hugging Face transformers.
-    assert_eq!(v["tokens"], 205634);
+    // Model card: 55.370 over 16952 tokens, computed in f32 by Hugging Face transformers.
+    assert_eq!(v["tokens"], 16952);
     let ppl = v["perplexity"].as_f64().unwrap();
-    assert!((ppl / 57.892 - 1.0).abs() < 1e-4, "perplexity {ppl}");
+    assert!((ppl / 55.370 - 1.0).abs() < 1e-4, "perplexity {ppl}");
 }
 
 #[test]

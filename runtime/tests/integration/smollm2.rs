@@ -13,14 +13,8 @@ use crate::support;
 use support::{fixture, smollm2};
 
 fn leanstream(args: &[&str]) -> Output {
-    leanstream_with(args, &[])
-}
-
-/// [`leanstream`] with the environment variables `vars` set.
-fn leanstream_with(args: &[&str], vars: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_leanstream"))
         .args(args)
-        .envs(vars.iter().copied())
         .output()
         .expect("the leanstream binary runs")
 }
@@ -58,7 +52,7 @@ fn greedy_answer_names_paris() {
 /// tokens past it (what the llama.cpp comparison scripts time), the same tokens up to there.
 /// Where the greedy answer ends hangs on the last bits of the logits (between a few and 70 tokens
 /// with the kernels of the hosts seen so far), so the test finds the end first and then asks for
-/// a few tokens past it, with the `portable` kernels.
+/// a few tokens past it, with the host's fastest kernels (the `portable` ones take a minute here).
 #[test]
 fn ignore_eos_generates_every_token() {
     let model = smollm2();
@@ -77,8 +71,7 @@ fn ignore_eos_generates_every_token() {
             &n,
             "--json",
         ];
-        let portable = [("LEANSTREAM_KERNELS", "portable")];
-        let v = json(&leanstream_with(&[&args[..], extra].concat(), &portable));
+        let v = json(&leanstream(&[&args[..], extra].concat()));
         let tokens: Vec<u64> = v["tokens"]
             .as_array()
             .unwrap()
@@ -87,7 +80,7 @@ fn ignore_eos_generates_every_token() {
             .collect();
         (v["generated_tokens"].as_u64().unwrap(), tokens)
     };
-    let limit = 160;
+    let limit = 256;
     let (stopped, first) = answer(limit, &[]);
     assert!(
         stopped < limit,
@@ -100,7 +93,7 @@ fn ignore_eos_generates_every_token() {
 
 /// Perplexity over the first windows of `data/heldout-head.txt` (what llama.cpp scored: see
 /// `tests/fixtures/smollm2-perplexity.json` and the script named there), with the KV cache in f32
-/// as llama.cpp's was; f16 and q8_0 caches stay within 0.5 % and 1 % of it.
+/// as llama.cpp's was; the default f16 cache stays within 0.5 % of it.
 #[test]
 fn perplexity_matches_llama_cpp_on_the_same_weights() {
     let reference: serde_json::Value = serde_json::from_slice(
@@ -148,12 +141,12 @@ fn perplexity_matches_llama_cpp_on_the_same_weights() {
         (f32_ppl / f32_weights - 1.0).abs() < 6e-3,
         "perplexity {f32_ppl}, llama.cpp on the weights dequantized to f32 {f32_weights}"
     );
-    // The default f16 cache, and q8_0 (measured: -0.0003 % and -0.007 %).
-    let (f16_ppl, q8_ppl) = (ppl("f16"), ppl("q8_0"));
-    eprintln!("KV cache f32 {f32_ppl:.5}, f16 {f16_ppl:.5}, q8_0 {q8_ppl:.5}");
+    // The default f16 cache (measured: -0.0003 %; q8_0, -0.007 %, is checked on the embedded
+    // model by kv_cache.rs).
+    let f16_ppl = ppl("f16");
+    eprintln!("KV cache f32 {f32_ppl:.5}, f16 {f16_ppl:.5}");
     assert!((f16_ppl / f32_ppl - 1.0).abs() <= 0.005, "f16 {f16_ppl}");
-    assert!((q8_ppl / f32_ppl - 1.0).abs() <= 0.01, "q8_0 {q8_ppl}");
-    assert_ne!(q8_ppl, f32_ppl);
+    assert_ne!(f16_ppl, f32_ppl);
 }
 
 #[test]
