@@ -87,8 +87,17 @@ pub fn rng_for(seed: u64, a: u64, b: u64) -> StdRng {
     StdRng::seed_from_u64(z ^ (z >> 31))
 }
 
-/// Fills `out` with independent uniform values of variance `scale²`.
+/// Fills `out` with independent uniform values of variance `scale²` (zeros for a scale of zero:
+/// a planted share of 0 or 1 leaves one part of a vector empty).
 pub fn uniform(rng: &mut impl Rng, out: &mut [f32], scale: f32) {
+    assert!(
+        scale.is_finite() && scale >= 0.0,
+        "uniform: scale {scale} is not a finite non-negative number"
+    );
+    if scale == 0.0 {
+        out.fill(0.0);
+        return;
+    }
     let a = 3f32.sqrt() * scale;
     out.iter_mut().for_each(|v| *v = rng.random_range(-a..a));
 }
@@ -144,5 +153,22 @@ pub fn dense_row(
         }
         "o_proj" => {}
         _ => uniform(&mut rng(), out, 1.0 / (out.len() as f32).sqrt()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uniform_has_its_variance_and_zero_scale_gives_zeros() {
+        let mut rng = rng_for(7, 1, 2);
+        let mut v = vec![1.0f32; 20_000];
+        uniform(&mut rng, &mut v, 0.5);
+        let var = v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64;
+        assert!((var / 0.25 - 1.0).abs() < 0.05, "variance {var}");
+        // A planted share of 0 or 1 (a layer whose overlap needs no slow part) scales a part by 0.
+        uniform(&mut rng, &mut v, 0.0);
+        assert!(v.iter().all(|x| *x == 0.0));
     }
 }
