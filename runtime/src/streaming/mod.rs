@@ -373,6 +373,19 @@ impl StreamingModel {
         Ok(line)
     }
 
+    /// Starts recording the active neurons (stored positions) of each token and layer the CPU
+    /// computes: a test's reference for the GPU's.
+    #[cfg(all(test, feature = "gpu"))]
+    pub(crate) fn record_active(&mut self) {
+        self.engine.start_recording();
+    }
+
+    /// What was recorded since [`StreamingModel::record_active`], per (token, layer) in order.
+    #[cfg(all(test, feature = "gpu"))]
+    pub(crate) fn recorded_active(&mut self) -> Vec<Vec<u32>> {
+        self.engine.take_recording()
+    }
+
     /// The decode step on the GPU, where [`StreamingModel::use_gpu`] put it and it still runs.
     #[cfg(feature = "gpu")]
     pub fn gpu(&mut self) -> Option<&mut crate::gpu::GpuBundles> {
