@@ -711,7 +711,7 @@ fn converted(name: &str, source: &Path, extra: &[&str]) -> std::path::PathBuf {
         .join("leanstream-prep");
     assert!(
         prep.exists(),
-        "{} is missing: build it first (cargo build --release -p leanstream-prep; \
+        "{} is missing: build it first (cargo build --release --workspace --bins; \
          scripts/test-gpu.sh does)",
         prep.display()
     );
