@@ -842,7 +842,7 @@ fn compare_converted(path: &Path, prompt: &[u32]) -> (f32, usize, f64) {
                 }
             }
             active += cpu_set.len();
-            partial += usize::from(0 < cpu_set.len() && cpu_set.len() < n);
+            partial += usize::from(!cpu_set.is_empty() && cpu_set.len() < n);
         }
     }
     assert!(partial > 0, "the skip rule skipped nothing (or everything)");
