@@ -738,12 +738,17 @@ fn converted(name: &str, source: &Path, extra: &[&str]) -> std::path::PathBuf {
     out
 }
 
-/// `path` opened with the `resident` policy, a KV cache of `kv`.
-fn resident(path: &Path, kv: crate::model::kv_cache::KvType) -> crate::streaming::StreamingModel {
-    use crate::streaming::{Policy, Sparsity, StreamOptions, Tuning};
+/// `path` opened with `policy` and `sparsity`, no budget, a KV cache of `kv`.
+fn open_converted(
+    path: &Path,
+    policy: crate::streaming::Policy,
+    sparsity: crate::streaming::Sparsity,
+    kv: crate::model::kv_cache::KvType,
+) -> crate::streaming::StreamingModel {
+    use crate::streaming::{StreamOptions, Tuning};
     let opts = StreamOptions {
-        policy: Policy::Resident,
-        sparsity: Sparsity::Exact,
+        policy,
+        sparsity,
         memory: None,
         flash: None,
         ctx: 32,
@@ -761,22 +766,33 @@ fn resident(path: &Path, kv: crate::model::kv_cache::KvType) -> crate::streaming
 /// by the step's rounding, so a score at the threshold up to that may fall on either side.
 const TIE: f32 = 1e-4;
 
-/// The converted file at `path` with `--policy resident` on the GPU against the CPU's (both with
-/// an f32 KV cache), one token at a time: `prompt`, then six greedy tokens. Each step's logits
-/// within [`STEP_TOLERANCE`] and the same greedy token; each layer's active neurons (the GPU's:
-/// its scores above the layer's threshold, as many as it counted) the CPU's, except neurons whose
-/// score lies within [`TIE`] of the threshold; then every logit of the prompt at once. Checks
-/// that an f16 KV cache on the CPU would fail the tolerance and that the rule skips neurons (so
-/// that equal sets are not a vacuous pass). Returns the largest relative difference, the
-/// neurons decided differently at a tie, and the active share.
-fn compare_converted(path: &Path, prompt: &[u32]) -> (f32, usize, f64) {
+/// The converted file at `path` with `policy` (`resident` or `dense`) on the GPU against the
+/// CPU's (both with an f32 KV cache), one token at a time: `prompt`, then six greedy tokens. Each
+/// step's logits within [`STEP_TOLERANCE`] and the same greedy token; each layer's active neurons
+/// (the GPU's: its scores above the layer's threshold) the CPU's, except neurons whose score lies
+/// within [`TIE`] of the threshold, and as many as the GPU counted (`dense`: every neuron; its
+/// CPU records the scores' decisions all the same); then every logit of the prompt at once.
+/// Checks that an f16 KV cache on the CPU would fail the tolerance and that the rule skips
+/// neurons (so that equal sets are not a vacuous pass). Returns the largest relative difference,
+/// the neurons decided differently at a tie, and the active share.
+fn compare_converted(
+    path: &Path,
+    policy: crate::streaming::Policy,
+    prompt: &[u32],
+) -> (f32, usize, f64) {
     use crate::model::kv_cache::KvType;
+    use crate::streaming::{Policy, Sparsity};
     let meta = leanstream_format::LsbFile::open(path).unwrap().meta;
     let (layers, n) = (meta.model.num_layers, meta.model.intermediate_size);
     let thresholds: Vec<f32> = meta.layers.iter().map(|l| l.threshold).collect();
-    let mut cpu = resident(path, KvType::F32);
-    let mut f16 = resident(path, KvType::F16);
-    let mut on_gpu = resident(path, KvType::F32);
+    let dense = policy == Policy::Dense;
+    let sparsity = if dense {
+        Sparsity::Dense
+    } else {
+        Sparsity::Exact
+    };
+    let open = |kv| open_converted(path, policy, sparsity, kv);
+    let (mut cpu, mut f16, mut on_gpu) = (open(KvType::F32), open(KvType::F16), open(KvType::F32));
     let line = on_gpu.use_gpu().unwrap();
     assert!(line.contains("bundles"), "{line}");
     on_gpu.gpu().unwrap().layers().record_scores(true);
@@ -813,7 +829,8 @@ fn compare_converted(path: &Path, prompt: &[u32]) -> (f32, usize, f64) {
             })
             .collect();
         for l in 0..layers {
-            assert_eq!(active[l] as usize, sets[l].len(), "step {step} layer {l}");
+            let want = if dense { n } else { sets[l].len() };
+            assert_eq!(active[l] as usize, want, "step {step} layer {l}");
         }
         gpu_sets.push((sets, scores));
         token = match prompt.get(step + 1) {
@@ -864,6 +881,8 @@ fn compare_converted(path: &Path, prompt: &[u32]) -> (f32, usize, f64) {
 
 #[test]
 fn resident_on_the_gpu_converted_embedded_model() {
+    use crate::model::kv_cache::KvType;
+    use crate::streaming::{Policy, Sparsity};
     // The embedded ReLU Llama converted to q8 bundles: the `gate` rule, threshold 0.
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let path = converted(
@@ -871,11 +890,32 @@ fn resident_on_the_gpu_converted_embedded_model() {
         &root.join("models/austen-relu"),
         &["--quant", "q8"],
     );
-    let (worst, ties, share) = compare_converted(&path, &[12, 345, 6, 789, 10]);
-    eprintln!(
-        "austen-relu q8 bundles: largest difference {worst:e} of the largest logit; {ties} \
-         neurons decided differently at a tie; {share:.3} of the neurons active"
-    );
+    for policy in [Policy::Resident, Policy::Dense] {
+        let (worst, ties, share) = compare_converted(&path, policy, &[12, 345, 6, 789, 10]);
+        eprintln!(
+            "austen-relu q8 bundles, {policy:?}: largest difference {worst:e} of the largest \
+             logit; {ties} neurons decided differently at a tie; {share:.3} of the neurons active"
+        );
+    }
+    // What the GPU does not run stays on the CPU, saying why.
+    let refused = [
+        (
+            Policy::Leanstream,
+            Sparsity::Certified,
+            "not on the GPU yet",
+        ),
+        (
+            Policy::Resident,
+            Sparsity::Refine { keep_permille: 500 },
+            "Refine",
+        ),
+    ];
+    for (policy, sparsity, why) in refused {
+        let mut m = open_converted(&path, policy, sparsity, KvType::F32);
+        let e = format!("{:#}", m.use_gpu().unwrap_err());
+        assert!(e.contains(why), "{policy:?}: {e}");
+        assert!(m.gpu().is_none());
+    }
     std::fs::remove_file(path).unwrap();
 }
 
@@ -891,7 +931,8 @@ fn resident_on_the_gpu_converted_swiglu_k_quants() {
     );
     let meta = leanstream_format::LsbFile::open(&path).unwrap().meta;
     assert_eq!(meta.sparsity_rule.as_deref(), Some("gate_up"));
-    let (worst, ties, share) = compare_converted(&path, &[12, 145, 6, 89, 10]);
+    let policy = crate::streaming::Policy::Resident;
+    let (worst, ties, share) = compare_converted(&path, policy, &[12, 145, 6, 89, 10]);
     eprintln!(
         "llama-k q4_k_m bundles: largest difference {worst:e} of the largest logit; {ties} \
          neurons decided differently at a tie; {share:.3} of the neurons active"
