@@ -939,3 +939,21 @@ fn resident_on_the_gpu_converted_swiglu_k_quants() {
     );
     std::fs::remove_file(path).unwrap();
 }
+
+#[test]
+fn resident_on_the_gpu_converted_relu_family() {
+    // ProSparse's FATReLU (threshold 0.25) and Bamboo's dReLU (ReLU on the up value too, its
+    // coefficient `max(a·u, 0)` made by the listed up rows' kernel): q8 bundles, the `gate` rule.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for name in ["prosparse", "bamboo"] {
+        let source = root.join("tests/fixtures/arch").join(name);
+        let path = converted(&format!("{name}.lsb"), &source, &[]);
+        let policy = crate::streaming::Policy::Resident;
+        let (worst, ties, share) = compare_converted(&path, policy, &[12, 145, 6, 89, 10]);
+        eprintln!(
+            "{name} bundles: largest difference {worst:e} of the largest logit; {ties} neurons \
+             decided differently at a tie; {share:.3} of the neurons active"
+        );
+        std::fs::remove_file(path).unwrap();
+    }
+}
