@@ -907,7 +907,7 @@ fn resident_on_the_gpu_converted_embedded_model() {
         (
             Policy::Resident,
             Sparsity::Refine { keep_permille: 500 },
-            "Refine",
+            "--sparsity refine is not on the GPU yet",
         ),
     ];
     for (policy, sparsity, why) in refused {

@@ -357,9 +357,14 @@ impl StreamingModel {
                  and dense run there)"
             ),
         };
-        match self.engine.sparsity() {
-            Sparsity::Exact | Sparsity::Dense => {}
-            other => bail!("--policy {name} with {other:?} sparsity is not on the GPU yet"),
+        let sparsity = match self.engine.sparsity() {
+            Sparsity::Exact | Sparsity::Dense => None,
+            Sparsity::Refine { .. } => Some("refine"),
+            Sparsity::Certified => Some("certified"),
+            Sparsity::Predicted => Some("predicted"),
+        };
+        if let Some(sparsity) = sparsity {
+            bail!("--policy {name} with --sparsity {sparsity} is not on the GPU yet");
         }
         let (attention, head) = self.dense.resident().context(
             "the dense weights stream from flash under this budget; the GPU needs them in memory",

@@ -528,9 +528,10 @@ impl StreamEngine {
                 .with_context(|| format!("layer {l}'s cluster {ci} is not in memory"))?;
             let rows = ClusterRows::new(&layout, bytes, cl.count)?;
             for k in 0..cl.count {
-                parts[0].extend_from_slice(crate::kernels::bundles::NeuronRows::gate(&rows, k));
-                parts[1].extend_from_slice(crate::kernels::bundles::NeuronRows::up(&rows, k));
-                parts[2].extend_from_slice(crate::kernels::bundles::NeuronRows::down(&rows, k));
+                use crate::kernels::bundles::NeuronRows;
+                parts[0].extend_from_slice(rows.gate(k));
+                parts[1].extend_from_slice(rows.up(k));
+                parts[2].extend_from_slice(rows.down(k));
             }
         }
         Ok(crate::gpu::BundleParts {
