@@ -15,4 +15,6 @@ export VK_DRIVER_FILES="$(icd)" VK_ICD_FILENAMES="$(icd)"
 # `--workspace`, as CI's test step: the dependencies' features are then the ones that step built
 # (`-p leanstream` alone would resolve some differently and rebuild most of them); only wgpu's crates
 # and the crates above the runtime are built again. Its GPU tests are named `gpu::`.
+# The converted-file tests convert with `leanstream-prep`, found beside the test binary's folder.
+cargo build --release --workspace --bins
 cargo test --release --workspace --features leanstream/gpu --lib -- gpu::

@@ -13,14 +13,16 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::{mpsc, Arc};
 
 use anyhow::{bail, Context, Result};
+use leanstream_format::ffn::PartTypes;
 use leanstream_format::quant::{dequantize_row, row_bytes, QuantType, BLOCK_LEN};
 use wgpu::util::DeviceExt;
 
 use super::{f32_bytes, input_words, Dispatch, Gpu, GpuWeights};
 use crate::kernels::Weight;
 use crate::model::kv_cache::KvCache;
-use crate::model::{FfnWeights, Model};
-use crate::source::config::Activation;
+use crate::model::{Attention, DenseFfn, FfnWeights, Model};
+use crate::source::config::{Activation, ModelConfig};
+use crate::streaming::skip_rule::{Skip, SkipRule};
 
 const NORM: &str = include_str!("shaders/norm.wgsl");
 const HEAD_NORM: &str = include_str!("shaders/headnorm.wgsl");
@@ -28,18 +30,63 @@ const Q8: &str = include_str!("shaders/q8.wgsl");
 const ROPE: &str = include_str!("shaders/rope.wgsl");
 const ATTEND: &str = include_str!("shaders/attend.wgsl");
 const ACT: &str = include_str!("shaders/act.wgsl");
-const KERNELS: [(&str, &str); 6] = [
+const SELECT: &str = include_str!("shaders/select.wgsl");
+const REDUCE: &str = include_str!("shaders/reduce.wgsl");
+const KERNELS: [(&str, &str); 8] = [
     ("norm", NORM),
     ("headnorm", HEAD_NORM),
     ("q8", Q8),
     ("rope", ROPE),
     ("attend", ATTEND),
     ("act", ACT),
+    ("select", SELECT),
+    ("reduce", REDUCE),
 ];
+
+/// Runs of the active-neuron list a bundle FFN's down update sums apart, then adds in order
+/// (`down.wgsl`): enough workgroups to fill a GPU on a narrow model.
+const DOWN_SLICES: usize = 16;
+
+/// One layer's FFN as a converted file stores it, for [`GpuLayers::upload_bundles`]: every
+/// neuron's gate row, up row and down column (`hidden` values each, in the layer's encodings),
+/// each part's rows end to end in stored order, and the file's skip rule.
+pub struct BundleParts {
+    pub qtypes: PartTypes,
+    pub neurons: usize,
+    pub hidden: usize,
+    /// Gate rows, up rows, down columns.
+    pub parts: [Vec<u8>; 3],
+    pub skip: Skip,
+}
+
+/// One layer's FFN weights, to upload.
+enum FfnSource<'a> {
+    Dense(&'a DenseFfn),
+    Bundles(BundleParts),
+}
 
 /// Why `model`'s decode step cannot run on the GPU, or `None` when it can.
 pub fn unsupported(model: &Model) -> Option<String> {
-    let c = model.config();
+    if let Some(why) = unsupported_config(model.config()) {
+        return Some(why);
+    }
+    let why = if model.projections().is_none() {
+        "the model holds no projections to upload".into()
+    } else if let Some(l) = model
+        .blocks()
+        .iter()
+        .position(|l| !matches!(l.ffn, Some(FfnWeights::Dense(_))))
+    {
+        format!("layer {l} has no resident dense FFN")
+    } else {
+        return None;
+    };
+    Some(why)
+}
+
+/// Why a decode step of a model configured as `c` cannot run on the GPU, whatever holds its
+/// weights, or `None` when it can.
+pub fn unsupported_config(c: &ModelConfig) -> Option<String> {
     let why = if c.architecture.is_gemma() {
         format!(
             "{:?}'s block (scaled embedding, norms after attention and FFN, soft-capping) is not \
@@ -63,14 +110,6 @@ pub fn unsupported(model: &Model) -> Option<String> {
             "{} heads of {} over {} KV heads cannot be laid out",
             c.num_heads, c.head_dim, c.num_kv_heads
         )
-    } else if model.projections().is_none() {
-        "the model holds no projections to upload".into()
-    } else if let Some(l) = model
-        .blocks()
-        .iter()
-        .position(|l| !matches!(l.ffn, Some(FfnWeights::Dense(_))))
-    {
-        format!("layer {l} has no resident dense FFN")
     } else {
         return None;
     };
@@ -90,6 +129,16 @@ struct Buffers {
     att: wgpu::Buffer,
     gate: wgpu::Buffer,
     up: wgpu::Buffer,
+    /// A bundle FFN's active neurons (stored positions) and their coefficients, in stored order
+    /// (`select.wgsl`).
+    idx: wgpu::Buffer,
+    vals: wgpu::Buffer,
+    /// Every bundle layer's neuron scores (`[layer][neuron]`).
+    scores: wgpu::Buffer,
+    /// Per layer: its active neurons' count, 1, 1 (the indirect dispatches' workgroups).
+    ind: wgpu::Buffer,
+    /// The down update's runs (`DOWN_SLICES × hidden`).
+    partial: wgpu::Buffer,
     /// The q8 form of a block-encoded mat-vec's input (the longest input's words).
     q8: wgpu::Buffer,
     logits: wgpu::Buffer,
@@ -99,7 +148,8 @@ struct Buffers {
     table: wgpu::Buffer,
     /// The position and the length attended over (`rope.wgsl`'s `Step`).
     step: wgpu::Buffer,
-    /// The logits, then `kv_out`, read back once a token.
+    /// The logits, then `kv_out`, then (with bundle layers) `ind` and, when recorded, `scores`,
+    /// read back once a token.
     readback: wgpu::Buffer,
 }
 
@@ -109,15 +159,29 @@ struct LayerWeights {
     wk: GpuWeights,
     wv: GpuWeights,
     wo: GpuWeights,
-    gate: GpuWeights,
-    up: GpuWeights,
-    down: GpuWeights,
+    ffn: GpuFfn,
     attn_norm: wgpu::Buffer,
     ffn_norm: wgpu::Buffer,
     /// Qwen3's q and k norms.
     qk_norm: Option<(wgpu::Buffer, wgpu::Buffer)>,
     /// q, k and v biases (zeros without).
     bias: wgpu::Buffer,
+}
+
+/// A layer's FFN on the GPU: matrices, or a converted file's bundles as three matrices of rows
+/// (gate rows, up rows, down columns, in stored order) with the file's skip rule.
+enum GpuFfn {
+    Dense {
+        gate: GpuWeights,
+        up: GpuWeights,
+        down: GpuWeights,
+    },
+    Bundles {
+        gate: GpuWeights,
+        up: GpuWeights,
+        down: GpuWeights,
+        skip: Skip,
+    },
 }
 
 /// The KV cache on the GPU for contexts of `capacity` positions, with the step's dispatches that
@@ -147,10 +211,16 @@ pub struct GpuLayers {
     cache: Option<Cache>,
     /// Bytes on the GPU before the KV cache.
     bytes: usize,
-    /// The host's copies of the embedding row, the rotary table and the read-back values.
-    x: Vec<f32>,
+    /// The host's copies of the rotary table and the read-back values.
     table: Vec<f32>,
     kv: Vec<f32>,
+    /// Whether the layers' FFNs are bundles (their counts are read back).
+    bundles: bool,
+    /// The last step's active neurons per layer (bundle layers; empty otherwise).
+    active: Vec<u32>,
+    /// Whether each step's neuron scores are read back, and the last step's (`[layer][neuron]`).
+    record: bool,
+    scores: Vec<f32>,
 }
 
 impl GpuLayers {
@@ -160,30 +230,109 @@ impl GpuLayers {
         if let Some(why) = unsupported(model) {
             bail!("{why}");
         }
-        let built = gpu.scoped(|| Self::build(gpu.clone(), model))?;
+        let p = model.projections().expect("checked by unsupported()");
+        let head = p.lm_head.as_ref().unwrap_or(&p.embed);
+        Self::upload_from(gpu, model, &p.attention, head, |l| {
+            match &model.blocks()[l].ffn {
+                Some(FfnWeights::Dense(ffn)) => Ok(FfnSource::Dense(ffn)),
+                _ => bail!("layer {l} has no resident dense FFN"),
+            }
+        })
+    }
+
+    /// Uploads a converted file's decode step: `model`'s norms (a model of norms only), the
+    /// `attention` projections and the output `head`, and each layer's FFN as `bundles(l)` gives
+    /// it, in its stored encodings. Each token's FFN runs the file's skip rule over every neuron
+    /// on the GPU and computes the up rows and down columns of the active ones only.
+    pub fn upload_bundles(
+        gpu: Arc<Gpu>,
+        model: &Model,
+        attention: &[Attention],
+        head: &Weight,
+        mut bundles: impl FnMut(usize) -> Result<BundleParts>,
+    ) -> Result<Self> {
+        if let Some(why) = unsupported_config(model.config()) {
+            bail!("{why}");
+        }
+        Self::upload_from(gpu, model, attention, head, |l| {
+            bundles(l).map(FfnSource::Bundles)
+        })
+    }
+
+    fn upload_from<'a>(
+        gpu: Arc<Gpu>,
+        model: &Model,
+        attention: &[Attention],
+        head: &Weight,
+        ffn: impl FnMut(usize) -> Result<FfnSource<'a>>,
+    ) -> Result<Self> {
+        let built = gpu.scoped(|| Self::build(gpu.clone(), model, attention, head, ffn))?;
         // Every kernel of the step, built now: an adapter that rejects one keeps the layers on
         // the CPU from the start.
         for (name, source) in KERNELS {
             gpu.kernel(name, source)?;
         }
+        for lw in &built.layers {
+            if let GpuFfn::Bundles { up, down, .. } = &lw.ffn {
+                gpu.gather_pipeline(up.qtype)?;
+                gpu.down_pipeline(down.qtype)?;
+            }
+        }
         Ok(built)
     }
 
-    fn build(gpu: Arc<Gpu>, model: &Model) -> Result<Self> {
+    fn build<'a>(
+        gpu: Arc<Gpu>,
+        model: &Model,
+        attention: &[Attention],
+        head: &Weight,
+        mut ffn_of: impl FnMut(usize) -> Result<FfnSource<'a>>,
+    ) -> Result<Self> {
         let c = model.config();
-        let p = model.projections().expect("checked by unsupported()");
         let (h, hd, n) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
-        let mut bytes = 0usize;
-        let mut up_w = |w: &Weight| -> Result<GpuWeights> {
-            let g = gpu.upload_weights(w)?;
-            bytes += g.bytes;
-            Ok(g)
-        };
+        let up_w = |w: &Weight| gpu.upload_weights(w);
+        if attention.len() != c.num_layers || model.blocks().len() != c.num_layers {
+            bail!(
+                "{} layers of attention for a model of {} layers",
+                attention.len(),
+                c.num_layers
+            );
+        }
+        let per_dim = gpu.limits.max_compute_workgroups_per_dimension as usize;
         let mut layers = Vec::with_capacity(c.num_layers);
-        for (l, (layer, attn)) in model.blocks().iter().zip(&p.attention).enumerate() {
-            let Some(FfnWeights::Dense(ffn)) = &layer.ffn else {
-                bail!("layer {l} has no resident dense FFN");
+        for (l, (layer, attn)) in model.blocks().iter().zip(attention).enumerate() {
+            let ffn = match ffn_of(l)? {
+                FfnSource::Dense(ffn) => GpuFfn::Dense {
+                    gate: up_w(&ffn.gate)?,
+                    up: up_w(&ffn.up)?,
+                    down: up_w(&ffn.down)?,
+                },
+                FfnSource::Bundles(b) => {
+                    if b.neurons != n || b.hidden != h {
+                        bail!(
+                            "layer {l} has {} neurons of {} values, the model {n} of {h}",
+                            b.neurons,
+                            b.hidden
+                        );
+                    }
+                    if n > per_dim {
+                        bail!(
+                            "layer {l}'s {n} neurons are more than one dispatch takes here                              ({per_dim} workgroups)"
+                        );
+                    }
+                    if b.skip.threshold.is_nan() {
+                        bail!("layer {l}'s skip threshold is not a number");
+                    }
+                    let [g, u, d] = &b.parts;
+                    let rows = |bytes: &[u8], qtype| gpu.upload_rows(bytes, n, h, qtype);
+                    GpuFfn::Bundles {
+                        gate: rows(g, b.qtypes.gate)?,
+                        up: rows(u, b.qtypes.up)?,
+                        down: rows(d, b.qtypes.down)?,
+                        skip: b.skip,
+                    }
+                }
             };
             let mut bias = layer.qkv_bias.clone().unwrap_or_default();
             bias.resize(qd + 2 * kvd, 0.0);
@@ -192,9 +341,7 @@ impl GpuLayers {
                 wk: up_w(&attn.wk)?,
                 wv: up_w(&attn.wv)?,
                 wo: up_w(&attn.wo)?,
-                gate: up_w(&ffn.gate)?,
-                up: up_w(&ffn.up)?,
-                down: up_w(&ffn.down)?,
+                ffn,
                 attn_norm: gpu.storage_init("attn_norm", &layer.attn_norm),
                 ffn_norm: gpu.storage_init("ffn_norm", &layer.ffn_norm),
                 qk_norm: match (&layer.q_norm, &layer.k_norm) {
@@ -207,7 +354,10 @@ impl GpuLayers {
                 bias: gpu.storage_init("bias", &bias),
             });
         }
-        let head = up_w(p.lm_head.as_ref().unwrap_or(&p.embed))?;
+        let head = up_w(head)?;
+        let bundles = layers
+            .iter()
+            .any(|l| matches!(l.ffn, GpuFfn::Bundles { .. }));
         let final_norm = gpu.storage_init("final_norm", model.final_norm());
         let kv_words = 2 * c.num_layers * kvd;
         let q8_words = [h, qd, n]
@@ -219,6 +369,12 @@ impl GpuLayers {
             .max(1);
         let vocab = c.vocab_size;
         let f = |label, words: usize| gpu.scratch(label, words);
+        // The bundle layers' buffers (one word each without).
+        let (list, score_words, ind_words, partial_words) = match bundles {
+            true => (n, c.num_layers * n, 3 * c.num_layers, DOWN_SLICES * h),
+            false => (1, 1, 3, 1),
+        };
+        let readback_words = vocab + kv_words + if bundles { ind_words + score_words } else { 0 };
         let b = Buffers {
             x: f("x", h),
             xn: f("xn", h),
@@ -228,6 +384,18 @@ impl GpuLayers {
             att: f("att", qd),
             gate: f("gate", n),
             up: f("up", n),
+            idx: f("idx", list),
+            vals: f("vals", list),
+            scores: f("scores", score_words),
+            ind: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("ind"),
+                size: 4 * ind_words as u64,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::INDIRECT
+                    | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            }),
+            partial: f("partial", partial_words),
             q8: f("q8", q8_words),
             logits: f("logits", vocab),
             kv_out: f("kv_out", kv_words),
@@ -240,7 +408,7 @@ impl GpuLayers {
             }),
             readback: gpu.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("readback"),
-                size: 4 * (vocab + kv_words) as u64,
+                size: 4 * readback_words as u64,
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             }),
@@ -259,6 +427,11 @@ impl GpuLayers {
             &b.att,
             &b.gate,
             &b.up,
+            &b.idx,
+            &b.vals,
+            &b.scores,
+            &b.ind,
+            &b.partial,
             &b.q8,
             &b.logits,
             &b.kv_out,
@@ -267,10 +440,19 @@ impl GpuLayers {
             &b.readback,
             &final_norm,
         ];
-        bytes += small
-            .chain(activations)
-            .map(|b| b.size() as usize)
-            .sum::<usize>();
+        let weights = layers.iter().flat_map(|l| {
+            let ffn = match &l.ffn {
+                GpuFfn::Dense { gate, up, down } | GpuFfn::Bundles { gate, up, down, .. } => {
+                    [gate, up, down]
+                }
+            };
+            [&l.wq, &l.wk, &l.wv, &l.wo].into_iter().chain(ffn)
+        });
+        let bytes = weights.chain([&head]).map(|w| w.bytes).sum::<usize>()
+            + small
+                .chain(activations)
+                .map(|b| b.size() as usize)
+                .sum::<usize>();
         Ok(Self {
             gpu,
             layers,
@@ -279,15 +461,36 @@ impl GpuLayers {
             b,
             cache: None,
             bytes,
-            x: vec![0.0; h],
             table: vec![0.0; hd],
             kv: vec![0.0; kv_words],
+            bundles,
+            active: Vec::new(),
+            record: false,
+            scores: Vec::new(),
         })
     }
 
     /// Bytes on the GPU, without the KV cache.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// The last step's active neurons per layer, where the layers' FFNs are bundles (empty
+    /// otherwise).
+    pub fn active(&self) -> &[u32] {
+        &self.active
+    }
+
+    /// Whether each step reads back every neuron's score besides (for a test: the GPU's decisions
+    /// and how near each was to the threshold).
+    pub fn record_scores(&mut self, on: bool) {
+        self.record = on && self.bundles;
+    }
+
+    /// The last step's neuron scores (`[layer][neuron]`, stored order) while
+    /// [`record_scores`](Self::record_scores) is on; empty otherwise.
+    pub fn scores(&self) -> &[f32] {
+        &self.scores
     }
 
     /// Makes the GPU's KV cache hold what `cache` holds: kept when it is the cache of the last
@@ -377,10 +580,11 @@ impl GpuLayers {
         let values: Vec<_> = (0..c.num_layers).map(|_| kv_buf("values")).collect();
         let scores = g.scratch("scores", nh * capacity.max(1));
 
-        let [norm, head_norm, q8, rope, attend, act] =
+        let [norm, head_norm, q8, rope, attend, act, select, reduce] =
             KERNELS.map(|(name, source)| g.kernel(name, source));
-        let (norm, head_norm, q8, rope, attend, act) =
-            (norm?, head_norm?, q8?, rope?, attend?, act?);
+        let (norm, head_norm, q8, rope, attend, act, select, reduce) = (
+            norm?, head_norm?, q8?, rope?, attend?, act?, select?, reduce?,
+        );
         let b = &self.b;
         let eps = c.rms_norm_eps.to_bits();
         let per_dim = g.limits.max_compute_workgroups_per_dimension;
@@ -401,6 +605,26 @@ impl GpuLayers {
                 (1, 1),
             )
         };
+        // `x` (of `cols` values) quantized into `b.q8`, unless `quantized` says it holds it.
+        let quantize = |d: &mut Vec<Dispatch>,
+                        cols: usize,
+                        x: &wgpu::Buffer,
+                        quantized: &mut bool|
+         -> Result<()> {
+            if !*quantized {
+                let blocks = (cols / BLOCK_LEN) as u32;
+                let scales = (cols / 4) as u32;
+                d.push(g.dispatch(
+                    "q8",
+                    &q8,
+                    &[x, &b.q8],
+                    &p8([blocks, scales, scales + blocks]),
+                    groups(blocks as usize)?,
+                ));
+                *quantized = true;
+            }
+            Ok(())
+        };
         // `w · x` into `out` (added to it with `accumulate`), `x` quantized first for a block
         // encoding; `quantized` says whether `b.q8` already holds this `x`.
         let matvec = |d: &mut Vec<Dispatch>,
@@ -411,18 +635,7 @@ impl GpuLayers {
                       accumulate: bool|
          -> Result<()> {
             let input = if w.qtype.is_block() {
-                if !*quantized {
-                    let blocks = (w.cols / BLOCK_LEN) as u32;
-                    let scales = (w.cols / 4) as u32;
-                    d.push(g.dispatch(
-                        "q8",
-                        &q8,
-                        &[x, &b.q8],
-                        &p8([blocks, scales, scales + blocks]),
-                        groups(blocks as usize)?,
-                    ));
-                    *quantized = true;
-                }
+                quantize(d, w.cols, x, quantized)?;
                 &b.q8
             } else {
                 x
@@ -430,13 +643,7 @@ impl GpuLayers {
             d.push(g.matvec_dispatch(w, input, out, accumulate));
             Ok(())
         };
-        let (act_kind, threshold) = match c.activation {
-            Activation::Silu => (0, 0.0f32),
-            Activation::Relu => (1, 0.0),
-            Activation::GeluTanh => (2, 0.0),
-            Activation::FatRelu { threshold } => (3, threshold),
-            Activation::DRelu => (4, 0.0),
-        };
+        let (act_kind, threshold) = act_params(c.activation);
         let scale = match c.block.query_pre_attn_scalar {
             Some(s) => (1.0 / (s as f64).sqrt()) as f32,
             None => 1.0 / (hd as f32).sqrt(),
@@ -489,16 +696,84 @@ impl GpuLayers {
             matvec(&mut d, &lw.wo, &b.att, &mut false, &b.x, true)?;
             d.push(norm_of(&b.x, &lw.ffn_norm, h));
             let mut quantized = false;
-            matvec(&mut d, &lw.gate, &b.xn, &mut quantized, &b.gate, false)?;
-            matvec(&mut d, &lw.up, &b.xn, &mut quantized, &b.up, false)?;
+            let (gate, up, down, skip) = match &lw.ffn {
+                GpuFfn::Dense { gate, up, down } => {
+                    matvec(&mut d, gate, &b.xn, &mut quantized, &b.gate, false)?;
+                    matvec(&mut d, up, &b.xn, &mut quantized, &b.up, false)?;
+                    d.push(g.dispatch(
+                        "act",
+                        &act,
+                        &[&b.gate, &b.up],
+                        &p8([n as u32, act_kind, threshold.to_bits()]),
+                        groups(n)?,
+                    ));
+                    matvec(&mut d, down, &b.gate, &mut false, &b.x, true)?;
+                    continue;
+                }
+                GpuFfn::Bundles {
+                    gate,
+                    up,
+                    down,
+                    skip,
+                } => (gate, up, down, skip),
+            };
+            // The bundles: every neuron's gate (and under `gate_up` its up value), the skip
+            // rule listing the active neurons, their up rows (under `gate`) and down columns.
+            let gate_up = skip.rule == SkipRule::GateUp;
+            matvec(&mut d, gate, &b.xn, &mut quantized, &b.gate, false)?;
+            if gate_up {
+                matvec(&mut d, up, &b.xn, &mut quantized, &b.up, false)?;
+            }
+            let (kind, fat) = act_params(skip.act);
             d.push(g.dispatch(
-                "act",
-                &act,
-                &[&b.gate, &b.up],
-                &p8([n as u32, act_kind, threshold.to_bits()]),
-                groups(n)?,
+                "select",
+                &select,
+                &[&b.gate, &b.up, &b.idx, &b.vals, &b.scores, &b.ind],
+                &p8([
+                    n as u32,
+                    kind,
+                    fat.to_bits(),
+                    gate_up as u32,
+                    skip.threshold.to_bits(),
+                    l as u32,
+                ]),
+                (1, 1),
             ));
-            matvec(&mut d, &lw.down, &b.gate, &mut false, &b.x, true)?;
+            if !gate_up {
+                let input = if up.qtype.is_block() {
+                    quantize(&mut d, up.cols, &b.xn, &mut quantized)?;
+                    &b.q8
+                } else {
+                    &b.xn
+                };
+                d.push(g.gather_dispatch(
+                    up,
+                    input,
+                    &b.vals,
+                    &b.idx,
+                    skip.act == Activation::DRelu,
+                    (&b.ind, 12 * l as u64),
+                )?);
+            }
+            d.push(g.dispatch(
+                "down",
+                &g.down_pipeline(down.qtype)?,
+                &[&down.buffer, &b.idx, &b.vals, &b.ind, &b.partial],
+                &p8([
+                    h as u32,
+                    down.row_bytes as u32,
+                    DOWN_SLICES as u32,
+                    l as u32,
+                ]),
+                (h.div_ceil(64) as u32, DOWN_SLICES as u32),
+            ));
+            d.push(g.dispatch(
+                "reduce",
+                &reduce,
+                &[&b.x, &b.partial],
+                &p8([h as u32, DOWN_SLICES as u32]),
+                groups(h)?,
+            ));
         }
         d.push(norm_of(&b.x, &self.final_norm, h));
         matvec(&mut d, &self.head, &b.xn, &mut false, &b.logits, false)?;
@@ -512,12 +787,13 @@ impl GpuLayers {
         })
     }
 
-    /// One token at position `pos` (the synced cache's length): its logits into `logits`, its
-    /// keys and values of every layer stored in `cache` (whose length the caller advances).
+    /// One token at position `pos` (the synced cache's length), whose embedding row is
+    /// `embedding`: its logits into `logits`, its keys and values of every layer stored in
+    /// `cache` (whose length the caller advances).
     pub fn step(
         &mut self,
         model: &Model,
-        token: u32,
+        embedding: &[f32],
         cache: &mut KvCache,
         logits: &mut [f32],
     ) -> Result<()> {
@@ -534,11 +810,16 @@ impl GpuLayers {
                 gc.capacity
             );
         }
-        let p = model.projections().expect("checked by unsupported()");
-        p.embed.rows_f32(&[token], &mut self.x);
+        if embedding.len() != c.hidden_size {
+            bail!(
+                "an embedding row of {} values for a model of {}",
+                embedding.len(),
+                c.hidden_size
+            );
+        }
         model.rope_table(0, pos, gc.capacity, &mut self.table);
         let q = &self.gpu.queue;
-        q.write_buffer(&self.b.x, 0, f32_bytes(&self.x));
+        q.write_buffer(&self.b.x, 0, f32_bytes(embedding));
         q.write_buffer(&self.b.table, 0, f32_bytes(&self.table));
         let step = [pos as u32, pos as u32 + 1, 0, 0];
         q.write_buffer(&self.b.step, 0, &step.map(u32::to_le_bytes).concat());
@@ -553,10 +834,21 @@ impl GpuLayers {
             }
         }
         let logit_bytes = self.b.logits.size();
+        let kv_bytes = self.b.kv_out.size();
+        let ind_bytes = self.b.ind.size();
+        let mut read = logit_bytes + kv_bytes;
         enc.copy_buffer_to_buffer(&self.b.logits, 0, &self.b.readback, 0, None);
         enc.copy_buffer_to_buffer(&self.b.kv_out, 0, &self.b.readback, logit_bytes, None);
+        if self.bundles {
+            enc.copy_buffer_to_buffer(&self.b.ind, 0, &self.b.readback, read, None);
+            read += ind_bytes;
+            if self.record {
+                enc.copy_buffer_to_buffer(&self.b.scores, 0, &self.b.readback, read, None);
+                read += self.b.scores.size();
+            }
+        }
         q.submit([enc.finish()]);
-        let slice = self.b.readback.slice(..);
+        let slice = self.b.readback.slice(..read);
         let (tx, rx) = mpsc::channel();
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
@@ -572,9 +864,23 @@ impl GpuLayers {
             let view = slice
                 .get_mapped_range()
                 .context("mapping the GPU's result")?;
-            let (lb, kb) = view.split_at(logit_bytes as usize);
+            let (lb, rest) = view.split_at(logit_bytes as usize);
+            let (kb, rest) = rest.split_at(kv_bytes as usize);
             read_f32(lb, logits);
             read_f32(kb, &mut self.kv);
+            if self.bundles {
+                let (ib, sb) = rest.split_at(ind_bytes as usize);
+                self.active.clear();
+                self.active.extend(
+                    ib.chunks_exact(12)
+                        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])),
+                );
+                self.scores.clear();
+                if self.record {
+                    self.scores.resize(sb.len() / 4, 0.0);
+                    read_f32(sb, &mut self.scores);
+                }
+            }
         }
         self.b.readback.unmap();
         let kvd = c.num_kv_heads * c.head_dim;
@@ -586,6 +892,17 @@ impl GpuLayers {
         gc.prints[pos] = fingerprint(cache, c.num_layers, c.head_dim, pos);
         gc.len = pos + 1;
         Ok(())
+    }
+}
+
+/// `act.wgsl`'s and `select.wgsl`'s number for `act`, and its FATReLU threshold.
+fn act_params(act: Activation) -> (u32, f32) {
+    match act {
+        Activation::Silu => (0, 0.0),
+        Activation::Relu => (1, 0.0),
+        Activation::GeluTanh => (2, 0.0),
+        Activation::FatRelu { threshold } => (3, threshold),
+        Activation::DRelu => (4, 0.0),
     }
 }
 

@@ -13,6 +13,7 @@
 //! The shaders use no subgroup operations: one workgroup of 64 invocations per row, a fixed tree
 //! to add their partial sums, so they run on any adapter, Mesa's lavapipe (a CPU Vulkan) included.
 
+mod bundles;
 mod head;
 mod layers;
 mod model;
@@ -27,37 +28,65 @@ use wgpu::util::DeviceExt;
 
 use crate::kernels::{Q8Vec, Weight};
 
+pub use bundles::GpuBundles;
 pub use head::{GpuDense, GpuHead};
-pub use layers::{unsupported, GpuLayers};
+pub use layers::{unsupported, unsupported_config, BundleParts, GpuLayers};
 pub use model::{GpuModel, Placement};
 
+const BYTES: &str = include_str!("shaders/bytes.wgsl");
 const COMMON: &str = include_str!("shaders/common.wgsl");
+const MATVEC: &str = include_str!("shaders/matvec.wgsl");
+const GATHER: &str = include_str!("shaders/gather.wgsl");
 const UNITS: &str = include_str!("shaders/units.wgsl");
+const DOWN: &str = include_str!("shaders/down.wgsl");
+const ELEMS: &str = include_str!("shaders/elems.wgsl");
 
-/// The `unit_dot` of `qtype` from `units.wgsl` (the text after its `//@name` marker, up to the
-/// next), with the K-quants' shared function.
+/// The text after the marker `//@name` in `text`, up to the next marker.
+fn section<'a>(text: &'a str, file: &str, name: &str) -> &'a str {
+    let marker = format!("//@{name}\n");
+    let start = text
+        .find(&marker)
+        .unwrap_or_else(|| panic!("{file} has no {name}"))
+        + marker.len();
+    let end = text[start..].find("//@").map_or(text.len(), |e| start + e);
+    &text[start..end]
+}
+
+/// The `unit_dot` of `qtype` from `units.wgsl`, with the K-quants' shared function.
 fn unit_source(qtype: QuantType) -> String {
-    let section = |name: &str| -> &str {
-        let marker = format!("//@{name}\n");
-        let start = UNITS
-            .find(&marker)
-            .unwrap_or_else(|| panic!("units.wgsl has no {name}"))
-            + marker.len();
-        let end = UNITS[start..]
-            .find("//@")
-            .map_or(UNITS.len(), |e| start + e);
-        &UNITS[start..end]
-    };
-    let mut s = section(qtype.name()).to_string();
+    let mut s = section(UNITS, "units.wgsl", qtype.name()).to_string();
     if matches!(qtype, QuantType::Q4_K | QuantType::Q5_K) {
-        s.push_str(section("k45"));
+        s.push_str(section(UNITS, "units.wgsl", "k45"));
     }
     s
 }
 
-/// The whole shader of `qtype`.
+/// The whole mat-vec shader of `qtype`.
 fn shader_source(qtype: QuantType) -> String {
-    format!("{COMMON}\n{}", unit_source(qtype))
+    format!("{BYTES}\n{COMMON}\n{MATVEC}\n{}", unit_source(qtype))
+}
+
+/// The mat-vec over listed rows (`gather.wgsl`) of `qtype`.
+fn gather_source(qtype: QuantType) -> String {
+    format!("{BYTES}\n{COMMON}\n{GATHER}\n{}", unit_source(qtype))
+}
+
+/// The down update (`down.wgsl`) over columns of `qtype`, with its `elem` (`elems.wgsl`).
+fn down_source(qtype: QuantType) -> String {
+    let mut s = format!(
+        "{BYTES}\n{DOWN}\n{}",
+        section(ELEMS, "elems.wgsl", qtype.name())
+    );
+    if matches!(qtype, QuantType::Q4_K | QuantType::Q5_K) {
+        s.push_str(section(ELEMS, "elems.wgsl", "k45"));
+    }
+    if matches!(
+        qtype,
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1
+    ) {
+        s.push_str(section(ELEMS, "elems.wgsl", "nibble"));
+    }
+    s
 }
 
 /// A GPU device and one compute pipeline per encoding (built when first used).
@@ -68,7 +97,7 @@ pub struct Gpu {
     limits: wgpu::Limits,
     pipelines: Mutex<Vec<Option<wgpu::ComputePipeline>>>,
     /// The decode step's other kernels (`layers.rs`), by name.
-    kernels: Mutex<HashMap<&'static str, wgpu::ComputePipeline>>,
+    kernels: Mutex<HashMap<String, wgpu::ComputePipeline>>,
 }
 
 impl Gpu {
@@ -148,16 +177,35 @@ impl Gpu {
 
     /// The pipeline of the kernel `name` whose WGSL is `source` (entry point `main`), built on
     /// first use.
-    fn kernel(&self, name: &'static str, source: &str) -> Result<wgpu::ComputePipeline> {
+    fn kernel(&self, name: &str, source: &str) -> Result<wgpu::ComputePipeline> {
+        self.kernel_with(name, || source.to_string())
+    }
+
+    /// [`kernel`](Self::kernel) with its source made only when it is first built.
+    fn kernel_with(
+        &self,
+        name: &str,
+        source: impl FnOnce() -> String,
+    ) -> Result<wgpu::ComputePipeline> {
         let mut kernels = self.kernels.lock().expect("never poisoned");
         if let Some(p) = kernels.get(name) {
             return Ok(p.clone());
         }
         let pipeline = self
-            .build_pipeline(name, source)
+            .build_pipeline(name, &source())
             .with_context(|| format!("{} rejected the {name} shader", self.info.name))?;
-        kernels.insert(name, pipeline.clone());
+        kernels.insert(name.to_string(), pipeline.clone());
         Ok(pipeline)
+    }
+
+    /// The pipeline of the mat-vec over listed rows of `qtype` (`gather.wgsl`).
+    fn gather_pipeline(&self, qtype: QuantType) -> Result<wgpu::ComputePipeline> {
+        self.kernel_with(&format!("gather {qtype}"), || gather_source(qtype))
+    }
+
+    /// The pipeline of the down update over columns of `qtype` (`down.wgsl`).
+    fn down_pipeline(&self, qtype: QuantType) -> Result<wgpu::ComputePipeline> {
+        self.kernel_with(&format!("down {qtype}"), || down_source(qtype))
     }
 
     /// A compute pipeline of `source`'s `main`, its layout taken from the shader; an error (not
@@ -229,12 +277,30 @@ impl Gpu {
     /// Uploads `weight`'s rows as stored into one storage buffer: an error when it is larger than
     /// the largest one the GPU binds.
     pub fn upload_weights(&self, weight: &Weight) -> Result<GpuWeights> {
-        let (rows, cols, qtype) = (weight.rows(), weight.cols(), weight.qtype());
         let bytes: &[u8] = match weight {
             Weight::F32(m) => f32_bytes(&m.data),
             Weight::Encoded(q) => q.encoded(),
         };
+        self.upload_rows(bytes, weight.rows(), weight.cols(), weight.qtype())
+    }
+
+    /// Uploads `rows` rows of `cols` values encoded as `qtype`, end to end in `bytes`, as they
+    /// are: an error when `bytes` is not their length or is larger than the largest storage
+    /// buffer the GPU binds.
+    pub fn upload_rows(
+        &self,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+        qtype: QuantType,
+    ) -> Result<GpuWeights> {
         let row_bytes = row_bytes(qtype, cols)?;
+        if bytes.len() != rows * row_bytes {
+            bail!(
+                "{} bytes are not {rows} rows of {cols} {qtype} values ({row_bytes} bytes each)",
+                bytes.len()
+            );
+        }
         if rows == 0 || cols == 0 {
             bail!("a {rows}×{cols} matrix has nothing to upload");
         }
@@ -303,6 +369,37 @@ impl Gpu {
         )
     }
 
+    /// The mat-vec of `w`'s rows that `idx` lists (`gather.wgsl`), as many as the indirect
+    /// counts at `indirect` say: `vals[k]`, an activation, becomes its coefficient with row
+    /// `idx[k]`'s dot product (`max(·, 0)` too with `drelu`).
+    fn gather_dispatch(
+        &self,
+        w: &GpuWeights,
+        input: &wgpu::Buffer,
+        vals: &wgpu::Buffer,
+        idx: &wgpu::Buffer,
+        drelu: bool,
+        indirect: (&wgpu::Buffer, u64),
+    ) -> Result<Dispatch> {
+        let pipeline = self.gather_pipeline(w.qtype)?;
+        let mut d = self.matvec_dispatch(w, input, vals, drelu);
+        let entries = [
+            entry(0, &w.buffer),
+            entry(1, input),
+            entry(2, vals),
+            entry(3, &d._params),
+            entry(4, idx),
+        ];
+        d.bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("gather"),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        d.pipeline = pipeline;
+        d.indirect = Some((indirect.0.clone(), indirect.1));
+        Ok(d)
+    }
+
     /// A dispatch of `pipeline` over `groups` workgroups with `buffers` at bindings 0, 1, … and a
     /// uniform of `params` after them.
     fn dispatch(
@@ -335,6 +432,7 @@ impl Gpu {
             pipeline: pipeline.clone(),
             bind,
             groups,
+            indirect: None,
             _params: params,
         }
     }
@@ -446,6 +544,9 @@ struct Dispatch {
     bind: wgpu::BindGroup,
     /// Workgroups (x, y): for a mat-vec one per row, `x` within the adapter's limit.
     groups: (u32, u32),
+    /// Where the GPU wrote the workgroups instead (a buffer and the byte offset of its three
+    /// counts): an indirect dispatch.
+    indirect: Option<(wgpu::Buffer, u64)>,
     /// Its uniform (held by the bind group too; kept here to say so).
     _params: wgpu::Buffer,
 }
@@ -454,7 +555,10 @@ impl Dispatch {
     fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind, &[]);
-        pass.dispatch_workgroups(self.groups.0, self.groups.1, 1);
+        match &self.indirect {
+            Some((buffer, offset)) => pass.dispatch_workgroups_indirect(buffer, *offset),
+            None => pass.dispatch_workgroups(self.groups.0, self.groups.1, 1),
+        }
     }
 }
 

@@ -26,8 +26,14 @@ pub struct GpuModel {
     gpu: Arc<Gpu>,
     /// Set when the GPU could not hold a KV cache: the model then runs on the CPU.
     on_cpu: Option<String>,
-    /// One token's logits.
-    row: Vec<f32>,
+    rows: Rows,
+}
+
+/// One token's logits and embedding row, kept between calls.
+#[derive(Default)]
+pub(super) struct Rows {
+    logits: Vec<f32>,
+    embedding: Vec<f32>,
 }
 
 impl GpuModel {
@@ -66,7 +72,7 @@ impl GpuModel {
             placement,
             gpu,
             on_cpu: None,
-            row: Vec::new(),
+            rows: Rows::default(),
         }
     }
 
@@ -134,42 +140,83 @@ impl LanguageModel for GpuModel {
             }
             Placement::Layers(layers) => layers,
         };
-        let c = self.model.config();
-        let (t, start) = (tokens.len(), cache.len());
-        if t == 0 {
-            bail!("forward needs at least one token");
-        }
-        if start + t > cache.capacity() {
-            bail!(
-                "context full: {} positions needed, the cache holds {}",
-                start + t,
-                cache.capacity()
-            );
-        }
-        if let Some(tok) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            bail!(
-                "token id {tok} is outside the vocabulary ({} entries)",
-                c.vocab_size
-            );
-        }
-        if let Err(e) = layers.sync(&self.model, cache) {
-            // The caller's cache holds every position: the CPU goes on from it.
-            let why = format!("{e:#}");
-            eprintln!("gpu: {why}; running on the CPU");
+        let embed = &self
+            .model
+            .projections()
+            .expect("checked when the layers were uploaded")
+            .embed;
+        let on_gpu = forward_layers(
+            layers,
+            &self.model,
+            |token, row| {
+                embed.rows_f32(&[token], row);
+                Ok(())
+            },
+            tokens,
+            cache,
+            all_logits,
+            logits,
+            &mut self.rows,
+        )?;
+        if let Err(why) = on_gpu {
             self.on_cpu = Some(why);
             return self
                 .model
                 .forward_with(tokens, cache, all_logits, None, None, logits);
         }
-        self.row.resize(c.vocab_size, 0.0);
-        logits.clear();
-        for (i, &token) in tokens.iter().enumerate() {
-            layers.step(&self.model, token, cache, &mut self.row)?;
-            cache.advance(1);
-            if all_logits || i + 1 == t {
-                logits.extend_from_slice(&self.row);
-            }
-        }
         Ok(())
     }
+}
+
+/// `tokens` through `layers`, one at a time, each embedding row from `embed`: the logits of
+/// the last (or with `all_logits` of every one) into `logits`, the keys and values into
+/// `cache`. `Ok(Err(why))`, with one `gpu:` line on standard error, when the GPU cannot hold
+/// the KV cache: nothing was computed and `cache` is as it was, for the CPU to go on from.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward_layers(
+    layers: &mut GpuLayers,
+    model: &Model,
+    mut embed: impl FnMut(u32, &mut [f32]) -> Result<()>,
+    tokens: &[u32],
+    cache: &mut KvCache,
+    all_logits: bool,
+    logits: &mut Vec<f32>,
+    rows: &mut Rows,
+) -> Result<Result<(), String>> {
+    let c = model.config();
+    let (t, start) = (tokens.len(), cache.len());
+    if t == 0 {
+        bail!("forward needs at least one token");
+    }
+    if start + t > cache.capacity() {
+        bail!(
+            "context full: {} positions needed, the cache holds {}",
+            start + t,
+            cache.capacity()
+        );
+    }
+    if let Some(tok) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        bail!(
+            "token id {tok} is outside the vocabulary ({} entries)",
+            c.vocab_size
+        );
+    }
+    if let Err(e) = layers.sync(model, cache) {
+        // The caller's cache holds every position: the CPU goes on from it.
+        let why = format!("{e:#}");
+        eprintln!("gpu: {why}; running on the CPU");
+        return Ok(Err(why));
+    }
+    rows.logits.resize(c.vocab_size, 0.0);
+    rows.embedding.resize(c.hidden_size, 0.0);
+    logits.clear();
+    for (i, &token) in tokens.iter().enumerate() {
+        embed(token, &mut rows.embedding)?;
+        layers.step(model, &rows.embedding, cache, &mut rows.logits)?;
+        cache.advance(1);
+        if all_logits || i + 1 == t {
+            logits.extend_from_slice(&rows.logits);
+        }
+    }
+    Ok(Ok(()))
 }

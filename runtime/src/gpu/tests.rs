@@ -326,6 +326,17 @@ fn q8_on_the_gpu_is_the_cpus_bit_for_bit() {
 /// model's: norm weights random, attention peaked, logits spread over a few units, so that a
 /// wrong rope or a missing norm moves the logits far beyond the tolerance.
 fn tiny_model(arch: &str, extra: serde_json::Value, seed: u64) -> crate::model::Model {
+    tiny_model_with(arch, extra, seed, |_, _| {})
+}
+
+/// [`tiny_model`] with `edit(name, values)` applied to each tensor as it is made.
+fn tiny_model_with(
+    arch: &str,
+    extra: serde_json::Value,
+    seed: u64,
+    edit: impl FnMut(&str, &mut Vec<f32>),
+) -> crate::model::Model {
+    let edit = std::cell::RefCell::new(edit);
     let mut cfg = serde_json::json!({
         "architectures": [arch],
         "hidden_act": "silu",
@@ -363,9 +374,11 @@ fn tiny_model(arch: &str, extra: serde_json::Value, seed: u64) -> crate::model::
         } else {
             (0.0, 2.0 / cols.sqrt())
         };
-        Ok((0..n)
+        let mut values = (0..n)
             .map(|_| center + spread * rng.random_range(-1.0f32..1.0))
-            .collect())
+            .collect();
+        (edit.borrow_mut())(name, &mut values);
+        Ok(values)
     })
     .unwrap()
 }
@@ -392,8 +405,7 @@ const STEP_TOLERANCE: f32 = 1e-4;
 /// caller's — cut back, and replaced by one the CPU filled. Also checks that the tolerance is
 /// tighter than the change an f16 KV cache makes on the CPU. Returns the largest relative
 /// difference seen.
-fn compare_steps(cpu: &crate::model::Model, on_gpu: &mut GpuModel, prompt: &[u32]) -> f32 {
-    assert!(on_gpu.runs_layers(), "{}", on_gpu.describe());
+fn compare_steps(cpu: &crate::model::Model, on_gpu: &mut dyn LanguageModel, prompt: &[u32]) -> f32 {
     let mut cpu_model = cpu;
     let (mut cpu_cache, mut gpu_cache) = (cpu.new_cache(32), on_gpu.new_cache(32));
     let (mut cpu_logits, mut gpu_logits) = (Vec::new(), Vec::new());
@@ -476,6 +488,7 @@ fn the_decode_step_on_the_gpu_embedded_model() {
     let cpu = crate::source::open(&path).unwrap().model;
     let (gpu, placement) = GpuModel::upload(&cpu).unwrap();
     let mut on_gpu = GpuModel::new(crate::source::open(&path).unwrap().model, gpu, placement);
+    assert!(on_gpu.runs_layers(), "{}", on_gpu.describe());
     let worst = compare_steps(&cpu, &mut on_gpu, &[12, 345, 6, 789, 10]);
     eprintln!("austen-relu f32: largest difference {worst:e} of the largest logit");
 }
@@ -527,6 +540,7 @@ fn the_decode_step_on_the_gpu_small_swiglu_models() {
         let cpu = make();
         let (gpu, placement) = GpuModel::upload(&cpu).unwrap();
         let mut on_gpu = GpuModel::new(make(), gpu, placement);
+        assert!(on_gpu.runs_layers(), "{}", on_gpu.describe());
         let worst = compare_steps(&cpu, &mut on_gpu, &[12, 145, 6, 89, 10]);
         eprintln!("{arch} {layers}/{head}: largest difference {worst:e} of the largest logit");
     }
@@ -548,4 +562,398 @@ fn unsupported_blocks_keep_the_layers_on_the_cpu() {
             && line.contains("the layers stay on the CPU: Gemma2"),
         "{line}"
     );
+}
+
+/// A model on the CPU with its decode step on the GPU from bundles ([`GpuBundles`]): the CPU
+/// model's norms, attention and head, `bundles` its FFN.
+struct OnGpuBundles<'a> {
+    model: &'a crate::model::Model,
+    gpu: GpuBundles,
+}
+
+impl LanguageModel for OnGpuBundles<'_> {
+    fn config(&self) -> &crate::source::config::ModelConfig {
+        self.model.config()
+    }
+
+    fn new_cache(&self, ctx: usize) -> crate::model::kv_cache::KvCache {
+        self.model.new_cache(ctx)
+    }
+
+    fn forward_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut crate::model::kv_cache::KvCache,
+        all_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> anyhow::Result<()> {
+        let embed = &self.model.projections().unwrap().embed;
+        let embed = |t: u32, row: &mut [f32]| {
+            embed.rows_f32(&[t], row);
+            Ok(())
+        };
+        assert!(self
+            .gpu
+            .forward(self.model, embed, tokens, cache, all_logits, logits)?);
+        Ok(())
+    }
+}
+
+fn f32_weight_bytes(w: &Weight) -> Vec<u8> {
+    match w {
+        Weight::F32(m) => f32_bytes(&m.data).to_vec(),
+        Weight::Encoded(_) => panic!("an f32 weight"),
+    }
+}
+
+/// The bundle FFN's kernels against the CPU's dense FFN, with the down columns in every encoding:
+/// a small random model (2 layers, hidden 256, 256 neurons) whose down matrix holds exactly the
+/// values its columns decode to, and as bundles its f32 gate and up rows and those encoded
+/// columns. Under ReLU with threshold 0 the skipped neurons are those whose activation is 0 (the
+/// rest the GPU computes from its list); under SiLU with threshold −∞ every neuron is listed, by
+/// both rules. Each step within the step tolerance of the CPU, the same greedy tokens.
+#[test]
+fn the_bundle_ffn_with_every_down_encoding() {
+    use crate::streaming::skip_rule::{Skip, SkipRule};
+    use leanstream_format::ffn::PartTypes;
+    use leanstream_format::quant::{dequantize_row, quantize_row};
+    for (seed, down) in QuantType::ALL.into_iter().enumerate() {
+        let cases = [
+            ("relu", SkipRule::Gate, 0.0f32),
+            ("silu", SkipRule::GateUp, f32::NEG_INFINITY),
+            ("silu", SkipRule::Gate, f32::NEG_INFINITY),
+        ];
+        // Every encoding under ReLU; SiLU's two rules on two of them.
+        let take = if matches!(down, QuantType::Q8_0 | QuantType::Q4_K) {
+            3
+        } else {
+            1
+        };
+        for (act, rule, threshold) in cases.into_iter().take(take) {
+            let mut columns: Vec<Vec<u8>> = Vec::new();
+            let cpu = tiny_model_with(
+                "LlamaForCausalLM",
+                serde_json::json!({ "hidden_act": act }),
+                100 + seed as u64,
+                |name, values| {
+                    if !name.ends_with("down_proj.weight") {
+                        return;
+                    }
+                    // [hidden][neuron]: each neuron's column encoded, and decoded in place.
+                    let (h, n) = (256, values.len() / 256);
+                    let mut bytes = Vec::new();
+                    let mut col = vec![0.0f32; h];
+                    for i in 0..n {
+                        (0..h).for_each(|r| col[r] = values[r * n + i]);
+                        let row = quantize_row(down, &col).unwrap();
+                        dequantize_row(down, &row, &mut col).unwrap();
+                        (0..h).for_each(|r| values[r * n + i] = col[r]);
+                        bytes.extend_from_slice(&row);
+                    }
+                    columns.push(bytes);
+                },
+            );
+            let p = cpu.projections().unwrap();
+            let head = p.lm_head.as_ref().unwrap_or(&p.embed);
+            let gpu = GpuBundles::upload(&cpu, &p.attention, head, |l| {
+                let Some(crate::model::FfnWeights::Dense(ffn)) = &cpu.blocks()[l].ffn else {
+                    unreachable!("a dense model");
+                };
+                Ok(BundleParts {
+                    qtypes: PartTypes {
+                        gate: QuantType::F32,
+                        up: QuantType::F32,
+                        down,
+                    },
+                    neurons: 256,
+                    hidden: 256,
+                    parts: [
+                        f32_weight_bytes(&ffn.gate),
+                        f32_weight_bytes(&ffn.up),
+                        columns[l].clone(),
+                    ],
+                    skip: Skip {
+                        act: cpu.config().activation,
+                        rule,
+                        threshold,
+                    },
+                })
+            })
+            .unwrap();
+            let mut on_gpu = OnGpuBundles { model: &cpu, gpu };
+            let worst = compare_steps(&cpu, &mut on_gpu, &[12, 145, 6, 89, 10]);
+            let active = on_gpu.gpu.layers().active().to_vec();
+            assert_eq!(active.len(), 2);
+            if threshold == 0.0 {
+                // ReLU skips some neurons and keeps others.
+                assert!(active.iter().all(|&a| 0 < a && a < 256), "{active:?}");
+            } else {
+                assert_eq!(active, [256, 256]);
+            }
+            eprintln!(
+                "down {down}, {act} {rule:?}: largest difference {worst:e} of the largest logit, \
+                 active {active:?} of 256"
+            );
+        }
+    }
+}
+
+/// `source` converted by `leanstream-prep` (beside the test binary's folder, as the workspace
+/// builds it) as the end-to-end tests convert (tests/src/converted.rs: 2048 calibration tokens,
+/// 2 epochs, 8 KiB clusters), with `extra`, into a fresh temporary folder.
+fn converted(name: &str, source: &Path, extra: &[&str]) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let prep = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("leanstream-prep");
+    assert!(
+        prep.exists(),
+        "{} is missing: build it first (cargo build --release --workspace --bins; \
+         scripts/test-gpu.sh does)",
+        prep.display()
+    );
+    let dir = std::env::temp_dir().join(format!("leanstream-gpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join(name);
+    let o = std::process::Command::new(&prep)
+        .arg("convert")
+        .arg(source)
+        .arg("-o")
+        .arg(&out)
+        .args([
+            "--calib-tokens",
+            "2048",
+            "--epochs",
+            "2",
+            "--cluster-kib",
+            "8",
+        ])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+/// `path` opened with `policy` and `sparsity`, no budget, a KV cache of `kv`.
+fn open_converted(
+    path: &Path,
+    policy: crate::streaming::Policy,
+    sparsity: crate::streaming::Sparsity,
+    kv: crate::model::kv_cache::KvType,
+) -> crate::streaming::StreamingModel {
+    use crate::streaming::{StreamOptions, Tuning};
+    let opts = StreamOptions {
+        policy,
+        sparsity,
+        memory: None,
+        flash: None,
+        ctx: 32,
+        ctx_floor: None,
+        kv,
+        tokenizer_bytes: None,
+        tuning: Tuning::default(),
+    };
+    let file = leanstream_format::LsbFile::open(path).unwrap();
+    crate::streaming::StreamingModel::open(path, file, &opts).unwrap()
+}
+
+/// How near a neuron's score may lie to its layer's threshold, relative to the layer's largest
+/// score at that token, for the GPU and the CPU to decide it differently: their FFN inputs differ
+/// by the step's rounding, so a score at the threshold up to that may fall on either side.
+const TIE: f32 = 1e-4;
+
+/// The converted file at `path` with `policy` (`resident` or `dense`) on the GPU against the
+/// CPU's (both with an f32 KV cache), one token at a time: `prompt`, then six greedy tokens. Each
+/// step's logits within [`STEP_TOLERANCE`] and the same greedy token; each layer's active neurons
+/// (the GPU's: its scores above the layer's threshold) the CPU's, except neurons whose score lies
+/// within [`TIE`] of the threshold, and as many as the GPU counted (`dense`: every neuron; its
+/// CPU records the scores' decisions all the same); then every logit of the prompt at once.
+/// Checks that an f16 KV cache on the CPU would fail the tolerance and that the rule skips
+/// neurons (so that equal sets are not a vacuous pass). Returns the largest relative difference,
+/// the neurons decided differently at a tie, and the active share.
+fn compare_converted(
+    path: &Path,
+    policy: crate::streaming::Policy,
+    prompt: &[u32],
+) -> (f32, usize, f64) {
+    use crate::model::kv_cache::KvType;
+    use crate::streaming::{Policy, Sparsity};
+    let meta = leanstream_format::LsbFile::open(path).unwrap().meta;
+    let (layers, n) = (meta.model.num_layers, meta.model.intermediate_size);
+    let thresholds: Vec<f32> = meta.layers.iter().map(|l| l.threshold).collect();
+    let dense = policy == Policy::Dense;
+    let sparsity = if dense {
+        Sparsity::Dense
+    } else {
+        Sparsity::Exact
+    };
+    let open = |kv| open_converted(path, policy, sparsity, kv);
+    let (mut cpu, mut f16, mut on_gpu) = (open(KvType::F32), open(KvType::F16), open(KvType::F32));
+    let line = on_gpu.use_gpu().unwrap();
+    assert!(line.contains("bundles"), "{line}");
+    on_gpu.gpu().unwrap().layers().record_scores(true);
+    cpu.record_active();
+    let (mut cc, mut fc, mut gc) = (cpu.new_cache(32), f16.new_cache(32), on_gpu.new_cache(32));
+    let (mut cl, mut fl, mut gl) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut worst, mut f16_worst) = (0.0f32, 0.0f32);
+    // Per token: the GPU's active set of each layer, and its scores.
+    let mut gpu_sets: Vec<(Vec<Vec<u32>>, Vec<f32>)> = Vec::new();
+    let mut token = prompt[0];
+    for step in 0..prompt.len() + 6 {
+        cpu.forward_into(&[token], &mut cc, false, &mut cl).unwrap();
+        f16.forward_into(&[token], &mut fc, false, &mut fl).unwrap();
+        on_gpu
+            .forward_into(&[token], &mut gc, false, &mut gl)
+            .unwrap();
+        let d = relative_difference(&gl, &cl);
+        assert!(
+            d <= STEP_TOLERANCE,
+            "step {step}: the GPU's logits differ from the CPU's by {d:e} of the largest"
+        );
+        assert_eq!(argmax(&gl), argmax(&cl), "step {step}: another token");
+        worst = worst.max(d);
+        f16_worst = f16_worst.max(relative_difference(&fl, &cl));
+        let g = on_gpu.gpu().unwrap().layers();
+        let (active, scores) = (g.active().to_vec(), g.scores().to_vec());
+        assert_eq!((active.len(), scores.len()), (layers, layers * n));
+        let sets: Vec<Vec<u32>> = (0..layers)
+            .map(|l| {
+                let s = &scores[l * n..(l + 1) * n];
+                (0..n as u32)
+                    .filter(|&p| s[p as usize] > thresholds[l])
+                    .collect()
+            })
+            .collect();
+        for l in 0..layers {
+            let want = if dense { n } else { sets[l].len() };
+            assert_eq!(active[l] as usize, want, "step {step} layer {l}");
+        }
+        gpu_sets.push((sets, scores));
+        token = match prompt.get(step + 1) {
+            Some(&t) => t,
+            None => argmax(&cl),
+        };
+    }
+    let recorded = cpu.recorded_active();
+    assert_eq!(recorded.len(), gpu_sets.len() * layers);
+    let (mut ties, mut active, mut partial) = (0, 0usize, 0);
+    for (t, (sets, scores)) in gpu_sets.iter().enumerate() {
+        for l in 0..layers {
+            let (cpu_set, gpu_set) = (&recorded[t * layers + l], &sets[l]);
+            let s = &scores[l * n..(l + 1) * n];
+            let top = s.iter().fold(0.0f32, |m, v| m.max(*v));
+            for p in 0..n as u32 {
+                if cpu_set.binary_search(&p).is_ok() != gpu_set.binary_search(&p).is_ok() {
+                    let score = s[p as usize];
+                    assert!(
+                        (score - thresholds[l]).abs() <= TIE * top,
+                        "token {t} layer {l} neuron {p}: the GPU and the CPU decide differently \
+                         with score {score} against the threshold {} (largest {top})",
+                        thresholds[l]
+                    );
+                    ties += 1;
+                }
+            }
+            active += cpu_set.len();
+            partial += usize::from(!cpu_set.is_empty() && cpu_set.len() < n);
+        }
+    }
+    assert!(partial > 0, "the skip rule skipped nothing (or everything)");
+    // Every logit of the prompt at once (the CPU's prompt path, the GPU a token at a time).
+    cc.clear();
+    gc.clear();
+    cpu.forward_into(prompt, &mut cc, true, &mut cl).unwrap();
+    on_gpu.forward_into(prompt, &mut gc, true, &mut gl).unwrap();
+    let d = relative_difference(&gl, &cl);
+    assert!(d <= STEP_TOLERANCE, "the prompt's logits: {d:e}");
+    worst = worst.max(d);
+    assert!(
+        f16_worst > STEP_TOLERANCE,
+        "an f16 KV cache changes the CPU's logits by {f16_worst:e} only"
+    );
+    let share = active as f64 / (gpu_sets.len() * layers * n) as f64;
+    (worst, ties, share)
+}
+
+#[test]
+fn resident_on_the_gpu_converted_embedded_model() {
+    use crate::model::kv_cache::KvType;
+    use crate::streaming::{Policy, Sparsity};
+    // The embedded ReLU Llama converted to q8 bundles: the `gate` rule, threshold 0.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let path = converted(
+        "austen-q8.lsb",
+        &root.join("models/austen-relu"),
+        &["--quant", "q8"],
+    );
+    for policy in [Policy::Resident, Policy::Dense] {
+        let (worst, ties, share) = compare_converted(&path, policy, &[12, 345, 6, 789, 10]);
+        eprintln!(
+            "austen-relu q8 bundles, {policy:?}: largest difference {worst:e} of the largest \
+             logit; {ties} neurons decided differently at a tie; {share:.3} of the neurons active"
+        );
+    }
+    // What the GPU does not run stays on the CPU, saying why.
+    let refused = [
+        (
+            Policy::Leanstream,
+            Sparsity::Certified,
+            "not on the GPU yet",
+        ),
+        (
+            Policy::Resident,
+            Sparsity::Refine { keep_permille: 500 },
+            "--sparsity refine is not on the GPU yet",
+        ),
+    ];
+    for (policy, sparsity, why) in refused {
+        let mut m = open_converted(&path, policy, sparsity, KvType::F32);
+        let e = format!("{:#}", m.use_gpu().unwrap_err());
+        assert!(e.contains(why), "{policy:?}: {e}");
+        assert!(m.gpu().is_none());
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn resident_on_the_gpu_converted_swiglu_k_quants() {
+    // A tiny Llama 3 (SiLU) in llama.cpp's Q4_K_M, converted keeping its q4_k gate and up rows
+    // (down columns q6_k and q8_0): the `gate_up` rule with calibrated thresholds.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let path = converted(
+        "llama-k-q4_k_m.lsb",
+        &root.join("tests/fixtures/arch/llama-k.q4_k_m.gguf"),
+        &[],
+    );
+    let meta = leanstream_format::LsbFile::open(&path).unwrap().meta;
+    assert_eq!(meta.sparsity_rule.as_deref(), Some("gate_up"));
+    let policy = crate::streaming::Policy::Resident;
+    let (worst, ties, share) = compare_converted(&path, policy, &[12, 145, 6, 89, 10]);
+    eprintln!(
+        "llama-k q4_k_m bundles: largest difference {worst:e} of the largest logit; {ties} \
+         neurons decided differently at a tie; {share:.3} of the neurons active"
+    );
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn resident_on_the_gpu_converted_relu_family() {
+    // ProSparse's FATReLU (threshold 0.25) and Bamboo's dReLU (ReLU on the up value too, its
+    // coefficient `max(a·u, 0)` made by the listed up rows' kernel): q8 bundles, the `gate` rule.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for name in ["prosparse", "bamboo"] {
+        let source = root.join("tests/fixtures/arch").join(name);
+        let path = converted(&format!("{name}.lsb"), &source, &[]);
+        let policy = crate::streaming::Policy::Resident;
+        let (worst, ties, share) = compare_converted(&path, policy, &[12, 145, 6, 89, 10]);
+        eprintln!(
+            "{name} bundles: largest difference {worst:e} of the largest logit; {ties} neurons \
+             decided differently at a tie; {share:.3} of the neurons active"
+        );
+        std::fs::remove_file(path).unwrap();
+    }
 }

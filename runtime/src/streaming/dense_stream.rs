@@ -690,6 +690,19 @@ impl DenseStream {
         Ok(())
     }
 
+    /// The attention projections and the output head, where both are resident (for the GPU).
+    #[cfg(feature = "gpu")]
+    pub fn resident(&self) -> Option<(&[Attention], &Weight)> {
+        let attention = match &self.attention {
+            Layers::Resident(layers) => layers.as_slice(),
+            _ => return None,
+        };
+        match self.head.as_ref().unwrap_or(&self.embed) {
+            Table::Resident(head) => Some((attention, head)),
+            _ => None,
+        }
+    }
+
     /// Bytes and reads of dense weights submitted so far.
     pub fn counters(&self) -> (u64, u64) {
         (self.io.bytes, self.io.reads)

@@ -109,6 +109,9 @@ pub struct StreamingModel {
     tokens: u64,
     /// I/O counters at the start of the measured run (start-up reads excluded).
     io_base: IoCounters,
+    /// The decode step on the GPU, where [`StreamingModel::use_gpu`] put it.
+    #[cfg(feature = "gpu")]
+    gpu: Option<Box<crate::gpu::GpuBundles>>,
 }
 
 /// What was read: all of it (FFN and dense), and the dense weights' part.
@@ -335,7 +338,63 @@ impl StreamingModel {
             started: Instant::now(),
             tokens: 0,
             io_base: IoCounters::default(),
+            #[cfg(feature = "gpu")]
+            gpu: None,
         })
+    }
+
+    /// Moves the decode step to the GPU, its FFN from the resident bundles in their stored
+    /// encodings under the file's skip rule ([`crate::gpu::GpuBundles`]; docs/gpu.md): for
+    /// `resident` (exact sparsity) and `dense` with every dense weight in memory. Returns the
+    /// line that says what runs where, or an error saying why the model stays on the CPU.
+    #[cfg(feature = "gpu")]
+    pub fn use_gpu(&mut self) -> Result<String> {
+        let name = match self.policy {
+            Policy::Resident => "resident",
+            Policy::Dense => "dense",
+            _ => bail!(
+                "this policy's FFN is not on the GPU yet (on a converted file --policy resident \
+                 and dense run there)"
+            ),
+        };
+        let sparsity = match self.engine.sparsity() {
+            Sparsity::Exact | Sparsity::Dense => None,
+            Sparsity::Refine { .. } => Some("refine"),
+            Sparsity::Certified => Some("certified"),
+            Sparsity::Predicted => Some("predicted"),
+        };
+        if let Some(sparsity) = sparsity {
+            bail!("--policy {name} with --sparsity {sparsity} is not on the GPU yet");
+        }
+        let (attention, head) = self.dense.resident().context(
+            "the dense weights stream from flash under this budget; the GPU needs them in memory",
+        )?;
+        let engine = &self.engine;
+        let gpu = crate::gpu::GpuBundles::upload(&self.model, attention, head, |l| {
+            engine.bundle_parts(l)
+        })?;
+        let line = gpu.describe();
+        self.gpu = Some(Box::new(gpu));
+        Ok(line)
+    }
+
+    /// Starts recording the active neurons (stored positions) of each token and layer the CPU
+    /// computes: a test's reference for the GPU's.
+    #[cfg(all(test, feature = "gpu"))]
+    pub(crate) fn record_active(&mut self) {
+        self.engine.start_recording();
+    }
+
+    /// What was recorded since [`StreamingModel::record_active`], per (token, layer) in order.
+    #[cfg(all(test, feature = "gpu"))]
+    pub(crate) fn recorded_active(&mut self) -> Vec<Vec<u32>> {
+        self.engine.take_recording()
+    }
+
+    /// The decode step on the GPU, where [`StreamingModel::use_gpu`] put it and it still runs.
+    #[cfg(feature = "gpu")]
+    pub fn gpu(&mut self) -> Option<&mut crate::gpu::GpuBundles> {
+        self.gpu.as_deref_mut().filter(|g| g.runs())
     }
 
     /// A new budget, taken between tokens and planned as at start-up ([`planner::replan`]).
@@ -503,6 +562,20 @@ impl crate::model::LanguageModel for StreamingModel {
         all_logits: bool,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
+        #[cfg(feature = "gpu")]
+        if self.gpu.is_some() {
+            self.take_watched_budget();
+            let gpu = self.gpu.as_deref_mut().expect("checked above");
+            let dense = &mut self.dense;
+            let embed =
+                |token, row: &mut [f32]| crate::model::DenseWeights::embed(dense, &[token], row);
+            if gpu.forward(&self.model, embed, tokens, cache, all_logits, logits)? {
+                self.tokens += tokens.len() as u64;
+                return Ok(());
+            }
+            // The GPU could not hold the KV cache: the CPU from now on.
+            self.gpu = None;
+        }
         // A trace was recorded one token at a time (a chunk would round differently); otherwise
         // no more tokens at once than the scratch was planned for.
         let most = if self.engine.decode_only() {
@@ -537,7 +610,11 @@ impl crate::model::LanguageModel for StreamingModel {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         // A recorded trace is replayed one token at a time; a batch beyond the planned scratch
-        // is decoded row by row.
+        // is decoded row by row, as is every batch on the GPU.
+        #[cfg(feature = "gpu")]
+        if self.gpu.is_some() {
+            return crate::model::decode_each(self, tokens, caches, logits);
+        }
         if tokens.len() < 2 || tokens.len() > self.prompt_chunk || self.engine.decode_only() {
             return crate::model::decode_each(self, tokens, caches, logits);
         }

@@ -130,7 +130,7 @@ impl SessionOptions {
 /// GPU when the environment sets `LEANSTREAM_GPU` (to anything but empty or `0`: docs/gpu.md); one
 /// line on standard error then says what runs where, or why it stays on the CPU.
 fn dense_engine(model: Model) -> Box<dyn LanguageModel + Send> {
-    if !std::env::var_os("LEANSTREAM_GPU").is_some_and(|v| !v.is_empty() && v != "0") {
+    if !gpu_requested() {
         return Box::new(model);
     }
     #[cfg(feature = "gpu")]
@@ -150,6 +150,11 @@ fn dense_engine(model: Model) -> Box<dyn LanguageModel + Send> {
         eprintln!("gpu: this build has no GPU support (the `gpu` feature); running on the CPU");
         Box::new(model)
     }
+}
+
+/// Whether the environment asks for the GPU: `LEANSTREAM_GPU` set to anything but empty or `0`.
+fn gpu_requested() -> bool {
+    std::env::var_os("LEANSTREAM_GPU").is_some_and(|v| !v.is_empty() && v != "0")
 }
 
 enum Engine {
@@ -253,6 +258,17 @@ impl Session {
         let eos_token_ids = file.meta.model.eos_token_ids.clone();
         let chat_template = file.meta.chat_template.clone();
         let mut model = StreamingModel::open(&o.model, file, &stream)?;
+        // A converted file's decode step on the GPU (docs/gpu.md): one line says where it runs.
+        #[cfg(feature = "gpu")]
+        if gpu_requested() {
+            match model.use_gpu() {
+                Ok(line) => eprintln!("gpu: {line}"),
+                Err(e) => eprintln!(
+                    "gpu: --policy {} on a converted file: {e:#}; running on the CPU",
+                    policy_name(policy)
+                ),
+            }
+        }
         model.reset_clock();
         let context_note = (model.ctx < ctx).then(|| {
             format!(
@@ -280,6 +296,10 @@ impl Session {
     /// expert (the two compute the same: no sparsity is calibrated inside experts yet): the dense
     /// weights as stored, every expert read once and kept, exactly the model the file holds.
     fn open_mixture(o: &SessionOptions, policy: PolicyChoice) -> Result<Self> {
+        #[cfg(feature = "gpu")]
+        if gpu_requested() {
+            eprintln!("gpu: a mixture of experts is not on the GPU yet; running on the CPU");
+        }
         if policy == PolicyChoice::Leanstream {
             return Self::open_streamed_mixture(o, policy);
         }

@@ -4,7 +4,8 @@
 // turn, each summing its own in order, and add their sums in a fixed tree. No subgroup operations,
 // so that every Vulkan or Metal device runs it, Mesa's lavapipe (a CPU) included.
 //
-// The encoding's `unit_dot(row_byte_offset, unit)` is appended to this text by the host.
+// The host appends bytes.wgsl, an entry point (matvec.wgsl: every row; gather.wgsl: the rows a
+// list names) and the encoding's `unit_dot(row_byte_offset, unit)` to this text.
 //
 // `xin` holds the input: for the float encodings its f32 values; for the block encodings its q8
 // form (the CPU kernels' `Q8Vec`): the quants, four to a word, then one f32 scale per 32 values
@@ -32,29 +33,6 @@ struct Params {
 
 const WG: u32 = 64u;
 var<workgroup> partial: array<f32, WG>;
-
-// The byte of `w` at byte offset `off`.
-fn ld8(off: u32) -> u32 {
-    return (w[off >> 2u] >> ((off & 3u) * 8u)) & 0xffu;
-}
-
-// The little-endian u16 at an even byte offset.
-fn ld16(off: u32) -> u32 {
-    return (w[off >> 2u] >> ((off & 2u) * 8u)) & 0xffffu;
-}
-
-// The little-endian u32 at an even byte offset (block layouts keep 2-byte alignment only).
-fn ld32(off: u32) -> u32 {
-    let i = off >> 2u;
-    if (off & 2u) == 0u {
-        return w[i];
-    }
-    return (w[i] >> 16u) | (w[i + 1u] << 16u);
-}
-
-fn f16_at(off: u32) -> f32 {
-    return unpack2x16float(ld16(off)).x;
-}
 
 fn xf(i: u32) -> f32 {
     return bitcast<f32>(xin[i]);
@@ -110,36 +88,4 @@ fn isum_q45(nib: u32, qh: u32, five: bool, b: u32) -> i32 {
         isum += dot_us(lo, xin[8u * b + i]) + dot_us(hi, xin[8u * b + 4u + i]);
     }
     return isum;
-}
-
-@compute @workgroup_size(64)
-fn main(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let row = wid.x + wid.y * nwg.x;
-    if row >= p.rows {
-        return;
-    }
-    let rb = row * p.row_bytes;
-    var acc = 0.0;
-    for (var u = lid; u < p.units; u += WG) {
-        acc += unit_dot(rb, u);
-    }
-    partial[lid] = acc;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if lid < s {
-            partial[lid] += partial[lid + s];
-        }
-        workgroupBarrier();
-    }
-    if lid == 0u {
-        if p.accumulate != 0u {
-            out[row] += partial[0];
-        } else {
-            out[row] = partial[0];
-        }
-    }
 }

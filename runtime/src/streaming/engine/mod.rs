@@ -504,6 +504,45 @@ impl StreamEngine {
         Ok(())
     }
 
+    /// How neurons are chosen.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn sparsity(&self) -> Sparsity {
+        self.core.sparsity
+    }
+
+    /// Layer `l`'s bundles for the GPU ([`crate::gpu::GpuBundles`]): each part's rows of every
+    /// neuron end to end in stored order, copied from the resident clusters as stored, and the
+    /// layer's skip rule as this engine applies it. An error when a cluster is not in memory.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn bundle_parts(&self, l: usize) -> Result<crate::gpu::BundleParts> {
+        let plan = &self.core.plans[l];
+        let layout = plan.layout;
+        let neurons = plan.cluster_of.len();
+        let rb = layout.row_bytes();
+        let mut parts = rb.map(|b| Vec::with_capacity(neurons * b));
+        for (ci, cl) in plan.clusters.iter().enumerate() {
+            let bytes = self
+                .core
+                .cache
+                .get((l as u32, ci as u32))
+                .with_context(|| format!("layer {l}'s cluster {ci} is not in memory"))?;
+            let rows = ClusterRows::new(&layout, bytes, cl.count)?;
+            for k in 0..cl.count {
+                use crate::kernels::bundles::NeuronRows;
+                parts[0].extend_from_slice(rows.gate(k));
+                parts[1].extend_from_slice(rows.up(k));
+                parts[2].extend_from_slice(rows.down(k));
+            }
+        }
+        Ok(crate::gpu::BundleParts {
+            qtypes: layout.qtypes,
+            neurons,
+            hidden: layout.hidden,
+            parts,
+            skip: self.skip(l),
+        })
+    }
+
     /// The skip rule of layer `l`'s neurons: none skipped in dense mode.
     fn skip(&self, l: usize) -> Skip {
         let skip = self.core.plans[l].skip;
