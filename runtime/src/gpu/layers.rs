@@ -14,7 +14,7 @@ use std::sync::{mpsc, Arc};
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::ffn::PartTypes;
-use leanstream_format::quant::{dequantize_row, row_bytes, QuantType, BLOCK_LEN};
+use leanstream_format::quant::{QuantType, BLOCK_LEN};
 use wgpu::util::DeviceExt;
 
 use super::{f32_bytes, input_words, Dispatch, Gpu, GpuWeights};
@@ -525,21 +525,12 @@ impl GpuLayers {
         let c = model.config();
         let hd = c.head_dim;
         let gc = self.cache.as_mut().expect("synced");
-        let saved = cache.save();
-        let (name, len, data) = parse_saved(&saved, c.num_layers, c.num_kv_heads, hd)?;
-        let qtype = match name.parse::<QuantType>() {
-            Ok(q @ (QuantType::F32 | QuantType::F16 | QuantType::Q8_0)) => q,
-            _ => bail!("a KV cache of {name} rows cannot go to the GPU"),
-        };
-        let row = row_bytes(qtype, hd)?;
-        let mut rows = data.chunks_exact(row);
+        let len = cache.len();
         let mut vals = vec![0.0f32; len * hd];
-        for (keys, values) in &gc.keys_values {
-            for buf in [keys, values] {
+        for (l, (keys, values)) in gc.keys_values.iter().enumerate() {
+            for (is_keys, buf) in [(true, keys), (false, values)] {
                 for head in 0..c.num_kv_heads {
-                    for v in vals.chunks_exact_mut(hd) {
-                        dequantize_row(qtype, rows.next().context("a cut saved cache")?, v)?;
-                    }
+                    cache.decode_head(l, is_keys, head, &mut vals);
                     let at = 4 * (head * gc.capacity * hd) as u64;
                     self.gpu.queue.write_buffer(buf, at, f32_bytes(&vals));
                 }
@@ -936,32 +927,6 @@ fn fingerprint(cache: &KvCache, layers: usize, hd: usize, pos: usize) -> u64 {
         out.iter().for_each(|v| v.to_bits().hash(&mut h));
         h.finish()
     })
-}
-
-/// The storage name, length and rows of a [`KvCache::save`] of a cache of `layers` layers and
-/// `heads` KV heads of `hd`.
-fn parse_saved(
-    bytes: &[u8],
-    layers: usize,
-    heads: usize,
-    hd: usize,
-) -> Result<(&str, usize, &[u8])> {
-    let rest = bytes
-        .strip_prefix(b"LSKVST01")
-        .context("not a saved KV cache")?;
-    let word = |i: usize| -> Result<usize> {
-        let b = rest.get(4 * i..4 * i + 4).context("a cut saved cache")?;
-        Ok(u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
-    };
-    let (name_len, l, h, d, len) = (word(0)?, word(1)?, word(2)?, word(3)?, word(4)?);
-    if (l, h, d) != (layers, heads, hd) {
-        bail!("the KV cache is of another model ({l} layers, {h} KV heads of {d})");
-    }
-    let name = rest
-        .get(20..20 + name_len)
-        .and_then(|n| std::str::from_utf8(n).ok())
-        .context("a cut saved cache")?;
-    Ok((name, len, &rest[20 + name_len..]))
 }
 
 impl Gpu {

@@ -9,7 +9,7 @@
 //! kernels — so no step converts the cache to f32.
 
 use half::f16;
-use leanstream_format::quant::{row_bytes, QuantType, BLOCK_LEN};
+use leanstream_format::quant::{dequantize_row, row_bytes, QuantType, BLOCK_LEN};
 use serde::Serialize;
 
 use crate::kernels::{dot, RowKernels};
@@ -245,6 +245,22 @@ impl KvCache {
         Ok(())
     }
 
+    /// `kv_head`'s keys (`keys`) or values of `layer` at positions `0..len()`, decoded to f32 into
+    /// `out` (`len() × head_dim` values, position by position): what a copy of the cache kept
+    /// elsewhere (the GPU's) is filled from.
+    pub fn decode_head(&self, layer: usize, keys: bool, kv_head: usize, out: &mut [f32]) {
+        let buf = if keys {
+            &self.keys[layer]
+        } else {
+            &self.values[layer]
+        };
+        let rows = &buf[self.rows(kv_head, 0, self.len)];
+        let hd = self.head_dim;
+        for (row, o) in rows.chunks_exact(self.row).zip(out.chunks_exact_mut(hd)) {
+            dequantize_row(self.kv.qtype(), row, o).expect("rows of this cache's own storage");
+        }
+    }
+
     /// Byte range of `kv_head`'s rows for positions `start..end` within a layer's buffer.
     fn rows(&self, kv_head: usize, start: usize, end: usize) -> std::ops::Range<usize> {
         let base = kv_head * self.capacity;
@@ -451,6 +467,12 @@ mod tests {
                     }
                 }
                 cache.advance(1);
+            }
+            // Each head's rows decoded at once are the rows stored, decoded one by one.
+            for (h, rows) in stored.iter().enumerate() {
+                let mut all = vec![f32::NAN; len * hd];
+                cache.decode_head(1, h < kvh, h % kvh, &mut all);
+                assert_eq!(all, rows.concat(), "{kv:?} decode_head of row set {h}");
             }
             let q = noise(hd, 99, 1.0);
             let scale = 1.0 / (hd as f32).sqrt();
