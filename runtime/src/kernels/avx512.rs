@@ -71,6 +71,10 @@ fn common_blocks(rows: &[&[u8]], bytes: usize, out: &[f32]) -> usize {
 
 /// `out += a[j] · row_j` for each `Q8_0` row in turn (the portable `axpy_q8_0`'s `out + s·q` per
 /// value), `B` output blocks at a time kept in registers across the rows.
+///
+/// # Safety
+/// The CPU has AVX-512 F (the callers' target features); blocks `b .. b + B` lie within every row
+/// (`Q8_0_BYTES` each) and within the output at `op`.
 #[inline(always)]
 unsafe fn q8_0_blocks<const B: usize>(a: &[f32], rows: &[&[u8]], b: usize, op: *mut f32) {
     let dst = op.add(b * BLOCK_LEN);
@@ -103,10 +107,12 @@ unsafe fn axpy_rows_q8_0(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
     let op = out.as_mut_ptr();
     let mut b = 0;
     while b + 2 <= nb {
+        // SAFETY: `b + 2 <= nb`, the whole blocks every row and `out` hold; our features.
         q8_0_blocks::<2>(a, rows, b, op);
         b += 2;
     }
     if b < nb {
+        // SAFETY: `b < nb`, as above.
         q8_0_blocks::<1>(a, rows, b, op);
     }
 }
@@ -114,6 +120,9 @@ unsafe fn axpy_rows_q8_0(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
 /// `out += a[j] · row_j` for each 4-bit row in turn (the portable `out + (s·q + c)` per value:
 /// `Q4_0` has `c = −8s`, `Q4_1` `c = a·m`), `B` output blocks at a time kept in registers across
 /// the rows.
+///
+/// # Safety
+/// As [`q8_0_blocks`], for blocks of the 4-bit type.
 #[inline(always)]
 unsafe fn q4_blocks<const WITH_MIN: bool, const B: usize>(
     a: &[f32],
@@ -168,10 +177,12 @@ unsafe fn axpy_rows_q4<const WITH_MIN: bool>(a: &[f32], rows: &[&[u8]], out: &mu
     let op = out.as_mut_ptr();
     let mut b = 0;
     while b + 2 <= nb {
+        // SAFETY: `b + 2 <= nb`, the whole blocks every row and `out` hold; our features.
         q4_blocks::<WITH_MIN, 2>(a, rows, b, op);
         b += 2;
     }
     if b < nb {
+        // SAFETY: `b < nb`, as above.
         q4_blocks::<WITH_MIN, 1>(a, rows, b, op);
     }
 }
