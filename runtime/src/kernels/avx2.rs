@@ -276,7 +276,7 @@ unsafe fn axpy_float(a: f32, w: &[u8], out: &mut [f32], unit: Float) {
 
 /// The f16 at `p` as f32.
 #[inline(always)]
-unsafe fn f16_load(p: *const u8) -> f32 {
+pub(super) unsafe fn f16_load(p: *const u8) -> f32 {
     let h = (p as *const u16).read_unaligned();
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
@@ -639,7 +639,7 @@ unsafe fn axpy_q4<const WITH_MIN: bool>(a: f32, w: &[u8], out: &mut [f32]) {
 
 /// Whole blocks that `out` and every row hold (each row `bytes` per block).
 #[inline(always)]
-fn common_blocks(rows: &[&[u8]], bytes: usize, out: &[f32]) -> usize {
+pub(super) fn common_blocks(rows: &[&[u8]], bytes: usize, out: &[f32]) -> usize {
     rows.iter()
         .map(|r| r.len() / bytes)
         .fold(out.len() / BLOCK_LEN, usize::min)

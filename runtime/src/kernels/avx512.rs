@@ -24,6 +24,7 @@ use std::arch::x86_64::*;
 
 use leanstream_format::quant::BLOCK_LEN;
 
+use super::avx2::{common_blocks, f16_load};
 use super::portable::{Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
 use super::rows::RowKernels;
 
@@ -52,21 +53,6 @@ pub(super) unsafe fn kernels() -> RowKernels {
         // SAFETY: the caller checked the CPU features, AVX2's among them.
         ..unsafe { super::avx2::kernels() }
     }
-}
-
-/// The f16 at `p` as f32.
-#[inline(always)]
-unsafe fn f16_load(p: *const u8) -> f32 {
-    let h = (p as *const u16).read_unaligned();
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
-}
-
-/// Whole blocks that `out` and every row hold (each row `bytes` per block).
-#[inline(always)]
-fn common_blocks(rows: &[&[u8]], bytes: usize, out: &[f32]) -> usize {
-    rows.iter()
-        .map(|r| r.len() / bytes)
-        .fold(out.len() / BLOCK_LEN, usize::min)
 }
 
 /// `out += a[j] · row_j` for each `Q8_0` row in turn (the portable `axpy_q8_0`'s `out + s·q` per
