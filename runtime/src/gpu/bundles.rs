@@ -18,8 +18,6 @@ use crate::model::{Attention, Model};
 pub struct GpuBundles {
     gpu: Arc<Gpu>,
     layers: GpuLayers,
-    /// Set when the GPU could not hold a KV cache: the model then runs on the CPU.
-    on_cpu: Option<String>,
     rows: Rows,
 }
 
@@ -39,7 +37,6 @@ impl GpuBundles {
         Ok(Self {
             gpu,
             layers,
-            on_cpu: None,
             rows: Rows::default(),
         })
     }
@@ -54,11 +51,6 @@ impl GpuBundles {
         )
     }
 
-    /// Whether the step runs on the GPU (not on the CPU after a KV cache the GPU could not hold).
-    pub fn runs(&self) -> bool {
-        self.on_cpu.is_none()
-    }
-
     /// The step on the GPU: its last token's active neurons per layer, and the scores a test
     /// records.
     pub fn layers(&mut self) -> &mut GpuLayers {
@@ -67,8 +59,8 @@ impl GpuBundles {
 
     /// `tokens` through the GPU's step (as [`crate::model::LanguageModel::forward_into`]), each
     /// embedding row from `embed`. `Ok(false)`: the GPU cannot hold the KV cache (said once on
-    /// standard error), nothing was computed, and the caller computes on the CPU from now on.
-    #[allow(clippy::too_many_arguments)]
+    /// standard error), nothing was computed, and the caller computes on the CPU from now on (the
+    /// streaming model drops this step then).
     pub fn forward(
         &mut self,
         model: &Model,
@@ -78,9 +70,6 @@ impl GpuBundles {
         all_logits: bool,
         logits: &mut Vec<f32>,
     ) -> Result<bool> {
-        if self.on_cpu.is_some() {
-            return Ok(false);
-        }
         let done = forward_layers(
             &mut self.layers,
             model,
@@ -91,10 +80,6 @@ impl GpuBundles {
             logits,
             &mut self.rows,
         )?;
-        if let Err(why) = done {
-            self.on_cpu = Some(why);
-            return Ok(false);
-        }
-        Ok(true)
+        Ok(done.is_ok())
     }
 }

@@ -168,20 +168,14 @@ struct LayerWeights {
     bias: wgpu::Buffer,
 }
 
-/// A layer's FFN on the GPU: matrices, or a converted file's bundles as three matrices of rows
-/// (gate rows, up rows, down columns, in stored order) with the file's skip rule.
-enum GpuFfn {
-    Dense {
-        gate: GpuWeights,
-        up: GpuWeights,
-        down: GpuWeights,
-    },
-    Bundles {
-        gate: GpuWeights,
-        up: GpuWeights,
-        down: GpuWeights,
-        skip: Skip,
-    },
+/// A layer's FFN on the GPU: its gate, up and down matrices, or a converted file's bundles as
+/// three matrices of rows (gate rows, up rows, down columns, in stored order) with the file's
+/// skip rule (`skip`).
+struct GpuFfn {
+    gate: GpuWeights,
+    up: GpuWeights,
+    down: GpuWeights,
+    skip: Option<Skip>,
 }
 
 /// The KV cache on the GPU for contexts of `capacity` positions, with the step's dispatches that
@@ -273,9 +267,9 @@ impl GpuLayers {
             gpu.kernel(name, source)?;
         }
         for lw in &built.layers {
-            if let GpuFfn::Bundles { up, down, .. } = &lw.ffn {
-                gpu.gather_pipeline(up.qtype)?;
-                gpu.down_pipeline(down.qtype)?;
+            if lw.ffn.skip.is_some() {
+                gpu.gather_pipeline(lw.ffn.up.qtype)?;
+                gpu.down_pipeline(lw.ffn.down.qtype)?;
             }
         }
         Ok(built)
@@ -303,10 +297,11 @@ impl GpuLayers {
         let mut layers = Vec::with_capacity(c.num_layers);
         for (l, (layer, attn)) in model.blocks().iter().zip(attention).enumerate() {
             let ffn = match ffn_of(l)? {
-                FfnSource::Dense(ffn) => GpuFfn::Dense {
+                FfnSource::Dense(ffn) => GpuFfn {
                     gate: up_w(&ffn.gate)?,
                     up: up_w(&ffn.up)?,
                     down: up_w(&ffn.down)?,
+                    skip: None,
                 },
                 FfnSource::Bundles(b) => {
                     if b.neurons != n || b.hidden != h {
@@ -318,7 +313,8 @@ impl GpuLayers {
                     }
                     if n > per_dim {
                         bail!(
-                            "layer {l}'s {n} neurons are more than one dispatch takes here                              ({per_dim} workgroups)"
+                            "layer {l}'s {n} neurons are more than one dispatch takes here \
+                             ({per_dim} workgroups)"
                         );
                     }
                     if b.skip.threshold.is_nan() {
@@ -326,11 +322,11 @@ impl GpuLayers {
                     }
                     let [g, u, d] = &b.parts;
                     let rows = |bytes: &[u8], qtype| gpu.upload_rows(bytes, n, h, qtype);
-                    GpuFfn::Bundles {
+                    GpuFfn {
                         gate: rows(g, b.qtypes.gate)?,
                         up: rows(u, b.qtypes.up)?,
                         down: rows(d, b.qtypes.down)?,
-                        skip: b.skip,
+                        skip: Some(b.skip),
                     }
                 }
             };
@@ -355,9 +351,7 @@ impl GpuLayers {
             });
         }
         let head = up_w(head)?;
-        let bundles = layers
-            .iter()
-            .any(|l| matches!(l.ffn, GpuFfn::Bundles { .. }));
+        let bundles = layers.iter().any(|l| l.ffn.skip.is_some());
         let final_norm = gpu.storage_init("final_norm", model.final_norm());
         let kv_words = 2 * c.num_layers * kvd;
         let q8_words = [h, qd, n]
@@ -441,12 +435,8 @@ impl GpuLayers {
             &final_norm,
         ];
         let weights = layers.iter().flat_map(|l| {
-            let ffn = match &l.ffn {
-                GpuFfn::Dense { gate, up, down } | GpuFfn::Bundles { gate, up, down, .. } => {
-                    [gate, up, down]
-                }
-            };
-            [&l.wq, &l.wk, &l.wv, &l.wo].into_iter().chain(ffn)
+            let f = &l.ffn;
+            [&l.wq, &l.wk, &l.wv, &l.wo, &f.gate, &f.up, &f.down]
         });
         let bytes = weights.chain([&head]).map(|w| w.bytes).sum::<usize>()
             + small
@@ -687,26 +677,24 @@ impl GpuLayers {
             matvec(&mut d, &lw.wo, &b.att, &mut false, &b.x, true)?;
             d.push(norm_of(&b.x, &lw.ffn_norm, h));
             let mut quantized = false;
-            let (gate, up, down, skip) = match &lw.ffn {
-                GpuFfn::Dense { gate, up, down } => {
-                    matvec(&mut d, gate, &b.xn, &mut quantized, &b.gate, false)?;
-                    matvec(&mut d, up, &b.xn, &mut quantized, &b.up, false)?;
-                    d.push(g.dispatch(
-                        "act",
-                        &act,
-                        &[&b.gate, &b.up],
-                        &p8([n as u32, act_kind, threshold.to_bits()]),
-                        groups(n)?,
-                    ));
-                    matvec(&mut d, down, &b.gate, &mut false, &b.x, true)?;
-                    continue;
-                }
-                GpuFfn::Bundles {
-                    gate,
-                    up,
-                    down,
-                    skip,
-                } => (gate, up, down, skip),
+            let GpuFfn {
+                gate,
+                up,
+                down,
+                skip,
+            } = &lw.ffn;
+            let Some(skip) = skip else {
+                matvec(&mut d, gate, &b.xn, &mut quantized, &b.gate, false)?;
+                matvec(&mut d, up, &b.xn, &mut quantized, &b.up, false)?;
+                d.push(g.dispatch(
+                    "act",
+                    &act,
+                    &[&b.gate, &b.up],
+                    &p8([n as u32, act_kind, threshold.to_bits()]),
+                    groups(n)?,
+                ));
+                matvec(&mut d, down, &b.gate, &mut false, &b.x, true)?;
+                continue;
             };
             // The bundles: every neuron's gate (and under `gate_up` its up value), the skip
             // rule listing the active neurons, their up rows (under `gate`) and down columns.

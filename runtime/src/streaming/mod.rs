@@ -391,10 +391,11 @@ impl StreamingModel {
         self.engine.take_recording()
     }
 
-    /// The decode step on the GPU, where [`StreamingModel::use_gpu`] put it and it still runs.
+    /// The decode step on the GPU, where [`StreamingModel::use_gpu`] put it and it still runs (a
+    /// KV cache the GPU cannot hold drops it).
     #[cfg(feature = "gpu")]
     pub fn gpu(&mut self) -> Option<&mut crate::gpu::GpuBundles> {
-        self.gpu.as_deref_mut().filter(|g| g.runs())
+        self.gpu.as_deref_mut()
     }
 
     /// A new budget, taken between tokens and planned as at start-up ([`planner::replan`]).
