@@ -465,7 +465,7 @@ fn every_kernel_set_scores_the_fixtures_bit_for_bit() {
     let text = scratch().join("llama-k-kernel-sets.txt");
     let words = "the quick brown fox jumps over the lazy dog while seven wizards quietly box \
                  and judge a sphinx of black quartz; ";
-    std::fs::write(&text, words.repeat(12)).unwrap();
+    std::fs::write(&text, words.repeat(4)).unwrap();
     let sets: Vec<&str> = leanstream::kernels::RowKernels::available()
         .iter()
         .map(|k| k.isa)
