@@ -700,7 +700,8 @@ fn the_bundle_ffn_with_every_down_encoding() {
 
 /// `source` converted by `leanstream-prep` (beside the test binary's folder, as the workspace
 /// builds it) as the end-to-end tests convert (tests/src/converted.rs: 2048 calibration tokens,
-/// 2 epochs, 8 KiB clusters), with `extra`, into a fresh temporary folder.
+/// 2 epochs, 8 KiB clusters), with `extra`, into a file of the temporary folder named after `name`
+/// and this process (each test removes its file).
 fn converted(name: &str, source: &Path, extra: &[&str]) -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
     let prep = exe
@@ -711,13 +712,11 @@ fn converted(name: &str, source: &Path, extra: &[&str]) -> std::path::PathBuf {
         .join("leanstream-prep");
     assert!(
         prep.exists(),
-        "{} is missing: build it first (cargo build --release --workspace --bins; \
+        "{} is missing: build it first (cargo test --release --workspace --no-run; \
          scripts/test-gpu.sh does)",
         prep.display()
     );
-    let dir = std::env::temp_dir().join(format!("leanstream-gpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = dir.join(name);
+    let out = std::env::temp_dir().join(format!("leanstream-gpu-{}-{name}", std::process::id()));
     let o = std::process::Command::new(&prep)
         .arg("convert")
         .arg(source)

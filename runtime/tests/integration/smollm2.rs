@@ -2,7 +2,7 @@
 //! cache; CI runs that first): a greedy answer, perplexity against llama.cpp on the same weights,
 //! tokenizer ids equal to llama.cpp's, and errors for a damaged file.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use leanstream::source::gguf::GgufFile;
@@ -10,7 +10,7 @@ use leanstream::tokenizer::gguf as gguf_tokenizer;
 
 use crate::support;
 
-use support::{fixture, smollm2};
+use support::{fixture, prep, smollm2};
 
 fn leanstream(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_leanstream"))
@@ -195,29 +195,13 @@ fn damaged_files_are_clear_errors() {
     }
 }
 
-/// `leanstream-prep`, built by `cargo test --workspace` next to this test's binary.
-fn prep_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let p = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .join("leanstream-prep");
-    assert!(
-        p.exists(),
-        "{} is missing: run the tests with `cargo test --workspace`",
-        p.display()
-    );
-    p
-}
-
 /// The real model through the whole product: convert the GGUF (q8, threshold sparsity, a few
 /// thousand calibration tokens), then run it with a quarter of the FFN affordable on an emulated
 /// UFS 4.0 device; certified streaming answers exactly as the resident model does.
 #[test]
 fn converted_smollm2_streams_under_a_budget() {
     let out = std::env::temp_dir().join(format!("smollm2-{}.lsb", std::process::id()));
-    let o = Command::new(prep_binary())
+    let o = Command::new(prep())
         .arg("convert")
         .arg(smollm2())
         .arg("-o")
