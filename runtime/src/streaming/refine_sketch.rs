@@ -6,9 +6,11 @@
 //! this trades quality for reads (measured with `leanstream perplexity`).
 //!
 //! A neuron's contribution is `act(g)·u·d`; the score estimates `|act(g)·u|` as `|act(ĝ)·û|`,
-//! `ĝ` and `û` the one-bit sketches' gate and up values ([`SignSketch`]). The choice depends only on the layer's input
+//! `ĝ` and `û` the one-bit sketches' gate and up values ([`SignSketch`]: the signs of the rows
+//! after a fixed rotation, which the input gets too). The choice depends only on the layer's input
 //! and the file, so every policy — `resident` included — computes the same neurons, and streaming
-//! output in this mode equals `resident`'s in this mode bit for bit.
+//! output in this mode equals `resident`'s in this mode bit for bit. The layer's skip rule then
+//! applies to the neurons kept, as in every mode.
 //!
 //! The sketch is built when the model opens, from one pass over the FFN bundles (what the resident
 //! sketch costs is counted in the memory plan): one bit per gate and up value, 2/13.5 (15 %) of a
@@ -23,7 +25,7 @@ use leanstream_format::model_config::Activation;
 use leanstream_format::quant::dequantize_row;
 
 use crate::kernels::bundles::{ClusterRows, NeuronRows};
-use crate::kernels::sketch::SignSketch;
+use crate::kernels::sketch::{SignSketch, SketchInput};
 
 use super::plan::LayerPlan;
 
@@ -38,7 +40,7 @@ pub struct RefineSketch {
 /// allocate it).
 #[derive(Default)]
 pub struct RefineScratch {
-    table: Vec<f32>,
+    input: SketchInput,
     scores: Vec<f32>,
     order: Vec<u32>,
 }
@@ -107,12 +109,12 @@ impl RefineSketch {
         candidate: &mut Vec<bool>,
     ) {
         let n = self.gate.rows();
-        self.gate.prepare(x, &mut scratch.table);
+        self.gate.prepare(x, &mut scratch.input);
         let scores = &mut scratch.scores;
         scores.clear();
         scores.extend((0..n).map(|p| {
-            let g = self.gate.dot(p, &scratch.table);
-            let u = self.up.dot(p, &scratch.table);
+            let g = self.gate.dot(p, &scratch.input);
+            let u = self.up.dot(p, &scratch.input);
             self.act.coef(self.act.apply(g), u).abs()
         }));
         let order = &mut scratch.order;
