@@ -285,7 +285,16 @@ impl GpuLayers {
         let c = model.config();
         let (h, hd, n) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
-        let up_w = |w: &Weight| gpu.upload_weights(w);
+        // Every buffer is charged against the budget before it is made.
+        let charge = gpu.charge("the decode step's weights and buffers");
+        let up_w = |w: &Weight| {
+            charge.take(super::weight_bytes(w) as u64)?;
+            gpu.upload_weights(w)
+        };
+        let init = |label, data: &[f32]| {
+            charge.take(4 * data.len().max(1) as u64)?;
+            Ok::<_, anyhow::Error>(gpu.storage_init(label, data))
+        };
         if attention.len() != c.num_layers || model.blocks().len() != c.num_layers {
             bail!(
                 "{} layers of attention for a model of {} layers",
@@ -321,7 +330,10 @@ impl GpuLayers {
                         bail!("layer {l}'s skip threshold is not a number");
                     }
                     let [g, u, d] = &b.parts;
-                    let rows = |bytes: &[u8], qtype| gpu.upload_rows(bytes, n, h, qtype);
+                    let rows = |bytes: &[u8], qtype| {
+                        charge.take(bytes.len() as u64)?;
+                        gpu.upload_rows(bytes, n, h, qtype)
+                    };
                     GpuFfn {
                         gate: rows(g, b.qtypes.gate)?,
                         up: rows(u, b.qtypes.up)?,
@@ -338,21 +350,18 @@ impl GpuLayers {
                 wv: up_w(&attn.wv)?,
                 wo: up_w(&attn.wo)?,
                 ffn,
-                attn_norm: gpu.storage_init("attn_norm", &layer.attn_norm),
-                ffn_norm: gpu.storage_init("ffn_norm", &layer.ffn_norm),
+                attn_norm: init("attn_norm", &layer.attn_norm)?,
+                ffn_norm: init("ffn_norm", &layer.ffn_norm)?,
                 qk_norm: match (&layer.q_norm, &layer.k_norm) {
-                    (Some(qn), Some(kn)) => Some((
-                        gpu.storage_init("q_norm", qn),
-                        gpu.storage_init("k_norm", kn),
-                    )),
+                    (Some(qn), Some(kn)) => Some((init("q_norm", qn)?, init("k_norm", kn)?)),
                     _ => None,
                 },
-                bias: gpu.storage_init("bias", &bias),
+                bias: init("bias", &bias)?,
             });
         }
         let head = up_w(head)?;
         let bundles = layers.iter().any(|l| l.ffn.skip.is_some());
-        let final_norm = gpu.storage_init("final_norm", model.final_norm());
+        let final_norm = init("final_norm", model.final_norm())?;
         let kv_words = 2 * c.num_layers * kvd;
         let q8_words = [h, qd, n]
             .into_iter()
@@ -362,7 +371,19 @@ impl GpuLayers {
             .unwrap_or(0)
             .max(1);
         let vocab = c.vocab_size;
-        let f = |label, words: usize| gpu.scratch(label, words);
+        let f = |label, words: usize| {
+            charge.take(4 * words.max(1) as u64)?;
+            Ok::<_, anyhow::Error>(gpu.scratch(label, words))
+        };
+        let raw = |label, bytes: u64, usage| {
+            charge.take(bytes)?;
+            Ok::<_, anyhow::Error>(gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: bytes,
+                usage,
+                mapped_at_creation: false,
+            }))
+        };
         // The bundle layers' buffers (one word each without).
         let (list, score_words, ind_words, partial_words) = match bundles {
             true => (n, c.num_layers * n, 3 * c.num_layers, DOWN_SLICES * h),
@@ -370,42 +391,39 @@ impl GpuLayers {
         };
         let readback_words = vocab + kv_words + if bundles { ind_words + score_words } else { 0 };
         let b = Buffers {
-            x: f("x", h),
-            xn: f("xn", h),
-            q: f("q", qd),
-            k: f("k", kvd),
-            v: f("v", kvd),
-            att: f("att", qd),
-            gate: f("gate", n),
-            up: f("up", n),
-            idx: f("idx", list),
-            vals: f("vals", list),
-            scores: f("scores", score_words),
-            ind: gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("ind"),
-                size: 4 * ind_words as u64,
-                usage: wgpu::BufferUsages::STORAGE
+            x: f("x", h)?,
+            xn: f("xn", h)?,
+            q: f("q", qd)?,
+            k: f("k", kvd)?,
+            v: f("v", kvd)?,
+            att: f("att", qd)?,
+            gate: f("gate", n)?,
+            up: f("up", n)?,
+            idx: f("idx", list)?,
+            vals: f("vals", list)?,
+            scores: f("scores", score_words)?,
+            ind: raw(
+                "ind",
+                4 * ind_words as u64,
+                wgpu::BufferUsages::STORAGE
                     | wgpu::BufferUsages::INDIRECT
                     | wgpu::BufferUsages::COPY_SRC,
-                mapped_at_creation: false,
-            }),
-            partial: f("partial", partial_words),
-            q8: f("q8", q8_words),
-            logits: f("logits", vocab),
-            kv_out: f("kv_out", kv_words),
-            table: f("table", hd),
-            step: gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("step"),
-                size: 16,
-                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }),
-            readback: gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("readback"),
-                size: 4 * readback_words as u64,
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }),
+            )?,
+            partial: f("partial", partial_words)?,
+            q8: f("q8", q8_words)?,
+            logits: f("logits", vocab)?,
+            kv_out: f("kv_out", kv_words)?,
+            table: f("table", hd)?,
+            step: raw(
+                "step",
+                16,
+                wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            )?,
+            readback: raw(
+                "readback",
+                4 * readback_words as u64,
+                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            )?,
         };
         let small = layers.iter().flat_map(|l| {
             [&l.attn_norm, &l.ffn_norm, &l.bias]
@@ -443,6 +461,7 @@ impl GpuLayers {
                 .chain(activations)
                 .map(|b| b.size() as usize)
                 .sum::<usize>();
+        debug_assert_eq!(charge.held(), bytes as u64, "every buffer charged");
         Ok(Self {
             gpu,
             layers,
@@ -542,6 +561,10 @@ impl GpuLayers {
         let kvd = nkv * hd;
         let layer_bytes = 4 * (nkv * capacity.max(1) * hd) as u64;
         let scores_bytes = 4 * (nh * capacity.max(1)) as u64;
+        // The cache's buffers, charged after the step's own.
+        let charge = g.charge("the decode step and its KV cache");
+        charge.take(self.bytes as u64)?;
+        charge.take(2 * c.num_layers as u64 * layer_bytes + scores_bytes)?;
         let max = g.max_matrix_bytes();
         if layer_bytes.max(scores_bytes) > max {
             bail!(

@@ -18,6 +18,7 @@ mod head;
 mod layers;
 mod model;
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,6 +28,7 @@ use leanstream_format::quant::{row_bytes, QuantType, BLOCK_LEN, K_BLOCK_LEN};
 use wgpu::util::DeviceExt;
 
 use crate::kernels::{Q8Vec, Weight};
+use crate::platform::memory_size::{format_size, parse_budget};
 
 pub use bundles::GpuBundles;
 pub use head::{GpuDense, GpuHead};
@@ -98,15 +100,92 @@ pub struct Gpu {
     pipelines: Mutex<Vec<Option<wgpu::ComputePipeline>>>,
     /// The decode step's other kernels (`layers.rs`), by name.
     kernels: Mutex<HashMap<String, wgpu::ComputePipeline>>,
+    /// The most bytes a model's weights, buffers and KV cache may take on this GPU
+    /// ([`GPU_MEMORY`]); `None`: as much as the adapter allocates.
+    budget: Option<u64>,
+}
+
+/// The environment variable that caps the GPU memory a model takes (docs/gpu.md): a size as
+/// `--memory` takes it (`512MiB`, `1.5GiB`, `300MB`, bytes).
+pub const GPU_MEMORY: &str = "LEANSTREAM_GPU_MEMORY";
+
+/// The budget [`GPU_MEMORY`]'s value asks for: `None` when it is unset or empty; an error that
+/// names the variable when it is not a positive size.
+pub fn budget_from(value: Option<&str>) -> Result<Option<u64>> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(v) => parse_budget(v)
+            .map(Some)
+            .map_err(|e| anyhow!("{GPU_MEMORY}={v}: {e}")),
+    }
+}
+
+/// What one upload has taken from [`Gpu`]'s budget so far: each buffer is charged before it is
+/// made, so that an upload the budget cannot hold stops before it allocates past it.
+pub(crate) struct Charge<'g> {
+    gpu: &'g Gpu,
+    what: &'static str,
+    held: Cell<u64>,
+}
+
+impl Charge<'_> {
+    /// Charges a buffer of `bytes`; an error that names the budget when it does not fit.
+    pub(crate) fn take(&self, bytes: u64) -> Result<()> {
+        let held = self.held.get() + bytes;
+        if let Some(budget) = self.gpu.budget {
+            if held > budget {
+                bail!(
+                    "{} need more than the {} that {GPU_MEMORY} allows on the GPU ({} taken when \
+                     {} more was asked for)",
+                    self.what,
+                    format_size(budget),
+                    format_size(self.held.get()),
+                    format_size(bytes)
+                );
+            }
+        }
+        self.held.set(held);
+        Ok(())
+    }
+
+    /// Bytes charged so far.
+    pub(crate) fn held(&self) -> u64 {
+        self.held.get()
+    }
 }
 
 impl Gpu {
     /// The first Vulkan or Metal adapter wgpu finds (a discrete GPU before an integrated one, and
     /// either before a CPU implementation such as lavapipe); an error that says why when there is
     /// none or its device cannot be opened. `WGPU_BACKEND` and `WGPU_ADAPTER_NAME` narrow the
-    /// choice as wgpu documents.
+    /// choice as wgpu documents; [`GPU_MEMORY`] sets its budget.
     pub fn new() -> Result<Self> {
-        Self::with_backends((wgpu::Backends::VULKAN | wgpu::Backends::METAL).with_env())
+        let budget = budget_from(std::env::var(GPU_MEMORY).ok().as_deref())?;
+        Ok(
+            Self::with_backends((wgpu::Backends::VULKAN | wgpu::Backends::METAL).with_env())?
+                .with_budget(budget),
+        )
+    }
+
+    /// This GPU with at most `budget` bytes for a model's weights, buffers and KV cache (`None`:
+    /// no limit but the adapter's).
+    pub fn with_budget(mut self, budget: Option<u64>) -> Self {
+        self.budget = budget;
+        self
+    }
+
+    /// The budget [`with_budget`](Self::with_budget) set.
+    pub fn budget(&self) -> Option<u64> {
+        self.budget
+    }
+
+    /// A new [`Charge`] against the budget for an upload of `what` (for its error message).
+    pub(crate) fn charge(&self, what: &'static str) -> Charge<'_> {
+        Charge {
+            gpu: self,
+            what,
+            held: Cell::new(0),
+        }
     }
 
     /// [`new`](Self::new) among the adapters of `backends` only (those built in: Vulkan, Metal).
@@ -142,6 +221,7 @@ impl Gpu {
             limits,
             pipelines: Mutex::new(vec![None; QuantType::ALL.len()]),
             kernels: Mutex::new(HashMap::new()),
+            budget: None,
         })
     }
 
@@ -234,13 +314,16 @@ impl Gpu {
         Ok(pipeline)
     }
 
-    /// Uploads `weight`'s rows as stored, with the buffers its mat-vecs need.
+    /// Uploads `weight`'s rows as stored, with the buffers its mat-vecs need; an error when they
+    /// do not fit the budget ([`GPU_MEMORY`]) or the GPU's largest buffer.
     pub fn upload(&self, weight: &Weight) -> Result<GpuMatrix> {
+        let (rows, cols, qtype) = (weight.rows(), weight.cols(), weight.qtype());
+        let x_words = input_words(qtype, cols);
+        let charge = self.charge("the matrix and its buffers");
+        charge.take(weight_bytes(weight) as u64 + 4 * x_words as u64 + 8 * rows as u64)?;
         let weights = self.upload_weights(weight)?;
-        let (rows, cols, qtype) = (weights.rows, weights.cols, weights.qtype);
         let d = &self.device;
         let storage = wgpu::BufferUsages::STORAGE;
-        let x_words = input_words(qtype, cols);
         let input = d.create_buffer(&wgpu::BufferDescriptor {
             label: Some("input"),
             size: 4 * x_words as u64,
@@ -277,11 +360,12 @@ impl Gpu {
     /// Uploads `weight`'s rows as stored into one storage buffer: an error when it is larger than
     /// the largest one the GPU binds.
     pub fn upload_weights(&self, weight: &Weight) -> Result<GpuWeights> {
-        let bytes: &[u8] = match weight {
-            Weight::F32(m) => f32_bytes(&m.data),
-            Weight::Encoded(q) => q.encoded(),
-        };
-        self.upload_rows(bytes, weight.rows(), weight.cols(), weight.qtype())
+        self.upload_rows(
+            stored_bytes(weight),
+            weight.rows(),
+            weight.cols(),
+            weight.qtype(),
+        )
     }
 
     /// Uploads `rows` rows of `cols` values encoded as `qtype`, end to end in `bytes`, as they
@@ -563,6 +647,19 @@ impl Dispatch {
 }
 
 /// Words of the input buffer: f32 values, or q8 quants (four a word), scales and scaled sums.
+/// `weight`'s rows as stored (what [`Gpu::upload_weights`] uploads).
+fn stored_bytes(weight: &Weight) -> &[u8] {
+    match weight {
+        Weight::F32(m) => f32_bytes(&m.data),
+        Weight::Encoded(q) => q.encoded(),
+    }
+}
+
+/// Bytes [`Gpu::upload_weights`] puts on the GPU for `weight`.
+fn weight_bytes(weight: &Weight) -> usize {
+    stored_bytes(weight).len()
+}
+
 fn input_words(qtype: QuantType, cols: usize) -> usize {
     if qtype.is_block() {
         cols / 4 + 2 * (cols / BLOCK_LEN)

@@ -41,7 +41,11 @@ impl GpuModel {
     /// (a feature it lacks, weights it cannot hold) its output head; an error saying why when the
     /// head cannot go either (the caller keeps `model` and runs it on the CPU).
     pub fn upload(model: &Model) -> Result<(Arc<Gpu>, Placement)> {
-        let gpu = Arc::new(Gpu::new()?);
+        Self::upload_on(Arc::new(Gpu::new()?), model)
+    }
+
+    /// [`upload`](Self::upload) to `gpu` (with its budget).
+    pub fn upload_on(gpu: Arc<Gpu>, model: &Model) -> Result<(Arc<Gpu>, Placement)> {
         let why = match GpuLayers::upload(gpu.clone(), model) {
             Ok(layers) => return Ok((gpu, Placement::Layers(Box::new(layers)))),
             Err(e) => format!("{e:#}"),

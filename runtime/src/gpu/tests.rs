@@ -2,7 +2,7 @@
 //! machine without a GPU, Mesa's lavapipe (`mesa-vulkan-drivers`) is one.
 
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use leanstream_format::quant::{QuantType, BLOCK_LEN};
 use rand::rngs::StdRng;
@@ -491,6 +491,74 @@ fn the_decode_step_on_the_gpu_embedded_model() {
     assert!(on_gpu.runs_layers(), "{}", on_gpu.describe());
     let worst = compare_steps(&cpu, &mut on_gpu, &[12, 345, 6, 789, 10]);
     eprintln!("austen-relu f32: largest difference {worst:e} of the largest logit");
+}
+
+#[test]
+fn the_budget_is_a_size_named_in_its_errors() {
+    assert_eq!(budget_from(None).unwrap(), None);
+    assert_eq!(budget_from(Some(" ")).unwrap(), None);
+    assert_eq!(budget_from(Some("512MiB")).unwrap(), Some(512 << 20));
+    assert_eq!(budget_from(Some("2G")).unwrap(), Some(2_000_000_000));
+    for bad in ["0", "lots", "-1G"] {
+        let e = budget_from(Some(bad)).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("LEANSTREAM_GPU_MEMORY={bad}: ")),
+            "{e}"
+        );
+    }
+}
+
+/// A budget decides what goes to the GPU: the whole step with its KV cache, the step without
+/// room for the cache (the model goes on on the CPU at the first token), the head alone, or
+/// nothing; every buffer is charged, so the budget the step reports is the least that takes it.
+#[test]
+fn the_gpu_memory_budget_decides_what_goes_there() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/austen-relu");
+    let cpu = crate::source::open(&path).unwrap().model;
+    let open = |budget: u64| {
+        let gpu = Gpu::new().unwrap().with_budget(Some(budget));
+        GpuModel::upload_on(Arc::new(gpu), &cpu)
+    };
+    let (_, placement) = GpuModel::upload_on(Arc::new(Gpu::new().unwrap()), &cpu).unwrap();
+    let Placement::Layers(layers) = placement else {
+        panic!("the embedded model's step runs on the GPU")
+    };
+    let step = layers.bytes() as u64;
+    let c = cpu.config();
+    let ctx = 32;
+    let kv = 2 * c.num_layers * 4 * c.num_kv_heads * ctx * c.head_dim + 4 * c.num_heads * ctx;
+    let prompt = [12u32, 345, 6];
+    let run = |budget: u64| {
+        let (gpu, placement) = open(budget).unwrap();
+        let mut model = GpuModel::new(crate::source::open(&path).unwrap().model, gpu, placement);
+        let (mut cache, mut logits) = (model.new_cache(ctx), Vec::new());
+        model
+            .forward_into(&prompt, &mut cache, false, &mut logits)
+            .unwrap();
+        (model.runs_layers(), model.describe(), logits)
+    };
+    let mut cpu_logits = Vec::new();
+    let mut cache = cpu.new_cache(ctx);
+    (&cpu)
+        .forward_into(&prompt, &mut cache, false, &mut cpu_logits)
+        .unwrap();
+    // Room for the step and its cache: everything on the GPU.
+    let (layers_run, line, logits) = run(step + kv as u64);
+    assert!(layers_run, "{line}");
+    assert!(relative_difference(&logits, &cpu_logits) <= STEP_TOLERANCE);
+    // The step fits, its cache does not: the first token goes on on the CPU, the same logits.
+    let (layers_run, line, logits) = run(step + kv as u64 - 1);
+    assert!(!layers_run, "{line}");
+    assert_eq!(logits, cpu_logits, "the CPU's own logits");
+    // One byte short of the step: the head alone, saying why.
+    let (_, placement) = open(step - 1).unwrap();
+    let Placement::Head(_, why) = placement else {
+        panic!("a budget below the step keeps the layers on the CPU")
+    };
+    assert!(why.contains("LEANSTREAM_GPU_MEMORY"), "{why}");
+    // Below the head: an error, the model stays on the CPU.
+    let e = format!("{:#}", open(1 << 10).err().expect("nothing fits 1 KiB"));
+    assert!(e.contains("LEANSTREAM_GPU_MEMORY"), "{e}");
 }
 
 #[test]
