@@ -10,13 +10,14 @@ use clap::{Args, Parser, Subcommand};
 use leanstream::model::kv_cache::KvType;
 use leanstream::platform::elastic::{BudgetSource, BudgetWatch};
 use leanstream::platform::memory::peak_rss_bytes;
+use leanstream::platform::memory_size::parse_budget;
 use leanstream::source::conversion_cache::model_to_open;
 use leanstream::storage::FlashProfile;
 use leanstream::streaming::neuron_cache::Retention;
 use leanstream::streaming::{Sparsity, Tuning};
 use leanstream::text::generate::{generate, GenerateOptions, StopReason};
 use leanstream::text::perplexity::{compare_from, perplexity_from};
-use leanstream::text::session::{policy_name, PolicyChoice, Session, SessionOptions};
+use leanstream::text::session::{policy_name, GpuChoice, PolicyChoice, Session, SessionOptions};
 
 #[derive(Parser)]
 #[command(
@@ -108,6 +109,14 @@ struct CommonArgs {
     /// Flash device: none (the real disk, direct I/O), ufs4, ufs31, nvme, or a profile FILE.toml.
     #[arg(long, default_value = "none")]
     flash: String,
+    /// Run the decode step on the GPU (a build with the `gpu` feature; docs/gpu.md), as
+    /// LEANSTREAM_GPU=1 does; what does not fit stays on the CPU, one line says why.
+    #[arg(long)]
+    gpu: bool,
+    /// The most GPU memory the model takes (weights, buffers, KV cache), as --memory's sizes;
+    /// implies --gpu. Default: LEANSTREAM_GPU_MEMORY, else as much as the GPU gives.
+    #[arg(long, value_parser = parse_budget)]
+    gpu_memory: Option<u64>,
     /// certified (skip only neurons proven inactive: output equals resident), predicted (trust
     /// the predictors, like prior systems), or refine (compute only the --refine-keep share of
     /// each layer's neurons that a resident one-bit gate sketch scores highest, skip the rest
@@ -408,6 +417,10 @@ fn session_options(common: &CommonArgs, default_ctx: usize) -> Result<SessionOpt
             oracle: None,
             oracle_exact_compute: false,
             expert_oracle: None,
+        },
+        gpu: GpuChoice {
+            on: common.gpu || common.gpu_memory.is_some() || GpuChoice::from_env().on,
+            memory: common.gpu_memory,
         },
     })
 }

@@ -274,6 +274,7 @@ fn embedded_model_profile_is_realistic_and_predictors_beat_frequency() {
             default_ctx: ctx,
             kv: Default::default(),
             tuning: Default::default(),
+            gpu: Default::default(),
         })
         .map(|_| ())
     };

@@ -19,7 +19,7 @@ use leanstream::storage::FlashProfile;
 use leanstream::streaming::{Sparsity, Tuning};
 use leanstream::text::generate::{generate_after, GenerateOptions, StopReason};
 use leanstream::text::sampler::{Sampler, SamplerConfig};
-use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
+use leanstream::text::session::{GpuChoice, PolicyChoice, Session, SessionOptions};
 use leanstream::tokenizer::chat_template::Message;
 
 /// What a call did.
@@ -328,6 +328,8 @@ pub unsafe extern "C" fn ls_open(
             default_ctx: 2048,
             kv: Default::default(),
             tuning: Tuning::default(),
+            // As the environment asks (LEANSTREAM_GPU, LEANSTREAM_GPU_MEMORY): docs/gpu.md.
+            gpu: GpuChoice::from_env(),
         };
         // Opening computes (a converted file's plan, dequantized weights): on the model's threads.
         let mut session = install(pool.as_ref(), || Session::open(&options))

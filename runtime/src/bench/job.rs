@@ -16,7 +16,7 @@ use crate::streaming::neuron_cache::Retention;
 use crate::streaming::{ActiveTrace, Sparsity, Tuning};
 use crate::text::perplexity::log_softmax;
 use crate::text::sampler::argmax;
-use crate::text::session::{PolicyChoice, Session, SessionOptions};
+use crate::text::session::{GpuChoice, PolicyChoice, Session, SessionOptions};
 
 /// Everything a worker needs; written by the orchestrator as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -213,6 +213,7 @@ fn session_options(job: &Job) -> Result<SessionOptions> {
                 _ => None,
             },
         },
+        gpu: GpuChoice::from_env(),
     })
 }
 

@@ -22,7 +22,7 @@ use crate::storage::FlashProfile;
 use crate::streaming::{memory_split, Sparsity, Tuning};
 use crate::text::generate::{generate, GenerateOptions, Generation};
 use crate::text::sampler::SamplerConfig;
-use crate::text::session::{PolicyChoice, Session, SessionOptions};
+use crate::text::session::{GpuChoice, PolicyChoice, Session, SessionOptions};
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
@@ -87,6 +87,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         default_ctx: CTX,
         kv: Default::default(),
         tuning: Tuning::default(),
+        gpu: GpuChoice::from_env(),
     })?;
     let opts = GenerateOptions {
         max_tokens: args.n_tokens as usize,

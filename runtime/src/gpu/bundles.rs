@@ -22,16 +22,17 @@ pub struct GpuBundles {
 }
 
 impl GpuBundles {
-    /// Opens the first GPU and uploads the step: `model`'s norms (a model of norms only), the
-    /// `attention` projections, the output `head`, and each layer's bundles as `bundles(l)`
-    /// gives them; an error that says why when the GPU lacks something the step needs.
+    /// Uploads the step to `gpu`: `model`'s norms (a model of norms only), the `attention`
+    /// projections, the output `head`, and each layer's bundles as `bundles(l)` gives them; an
+    /// error that says why when the GPU lacks something the step needs.
     pub fn upload(
+        gpu: Gpu,
         model: &Model,
         attention: &[Attention],
         head: &Weight,
         bundles: impl FnMut(usize) -> Result<BundleParts>,
     ) -> Result<Self> {
-        let gpu = Arc::new(Gpu::new()?);
+        let gpu = Arc::new(gpu);
         let layers = GpuLayers::upload_bundles(gpu.clone(), model, attention, head, bundles)
             .with_context(|| format!("uploading the decode step to {}", gpu.describe()))?;
         Ok(Self {

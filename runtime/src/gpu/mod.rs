@@ -103,6 +103,8 @@ pub struct Gpu {
     /// The most bytes a model's weights, buffers and KV cache may take on this GPU
     /// ([`GPU_MEMORY`]); `None`: as much as the adapter allocates.
     budget: Option<u64>,
+    /// Where the budget came from, for the errors: `--gpu-memory` or [`GPU_MEMORY`].
+    budget_from: &'static str,
 }
 
 /// The environment variable that caps the GPU memory a model takes (docs/gpu.md): a size as
@@ -135,10 +137,11 @@ impl Charge<'_> {
         if let Some(budget) = self.gpu.budget {
             if held > budget {
                 bail!(
-                    "{} need more than the {} that {GPU_MEMORY} allows on the GPU ({} taken when \
+                    "{} need more than the {} that {} allows on the GPU ({} taken when \
                      {} more was asked for)",
                     self.what,
                     format_size(budget),
+                    self.gpu.budget_from,
                     format_size(self.held.get()),
                     format_size(bytes)
                 );
@@ -161,16 +164,29 @@ impl Gpu {
     /// choice as wgpu documents; [`GPU_MEMORY`] sets its budget.
     pub fn new() -> Result<Self> {
         let budget = budget_from(std::env::var(GPU_MEMORY).ok().as_deref())?;
-        Ok(
-            Self::with_backends((wgpu::Backends::VULKAN | wgpu::Backends::METAL).with_env())?
-                .with_budget(budget),
-        )
+        let backends = (wgpu::Backends::VULKAN | wgpu::Backends::METAL).with_env();
+        let mut gpu = Self::with_backends(backends)?.with_budget(budget);
+        gpu.budget_from = GPU_MEMORY;
+        Ok(gpu)
+    }
+
+    /// [`new`](Self::new) with `budget` (`--gpu-memory`) in place of [`GPU_MEMORY`]'s when it
+    /// is set.
+    pub fn open(budget: Option<u64>) -> Result<Self> {
+        match budget {
+            Some(_) => Ok(Self::with_backends(
+                (wgpu::Backends::VULKAN | wgpu::Backends::METAL).with_env(),
+            )?
+            .with_budget(budget)),
+            None => Self::new(),
+        }
     }
 
     /// This GPU with at most `budget` bytes for a model's weights, buffers and KV cache (`None`:
-    /// no limit but the adapter's).
+    /// no limit but the adapter's), as `--gpu-memory` sets it.
     pub fn with_budget(mut self, budget: Option<u64>) -> Self {
         self.budget = budget;
+        self.budget_from = "--gpu-memory";
         self
     }
 
@@ -222,6 +238,7 @@ impl Gpu {
             pipelines: Mutex::new(vec![None; QuantType::ALL.len()]),
             kernels: Mutex::new(HashMap::new()),
             budget: None,
+            budget_from: GPU_MEMORY,
         })
     }
 

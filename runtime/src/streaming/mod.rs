@@ -348,7 +348,7 @@ impl StreamingModel {
     /// `resident` (exact sparsity) and `dense` with every dense weight in memory. Returns the
     /// line that says what runs where, or an error saying why the model stays on the CPU.
     #[cfg(feature = "gpu")]
-    pub fn use_gpu(&mut self) -> Result<String> {
+    pub fn use_gpu(&mut self, gpu_memory: Option<u64>) -> Result<String> {
         let name = match self.policy {
             Policy::Resident => "resident",
             Policy::Dense => "dense",
@@ -370,9 +370,13 @@ impl StreamingModel {
             "the dense weights stream from flash under this budget; the GPU needs them in memory",
         )?;
         let engine = &self.engine;
-        let gpu = crate::gpu::GpuBundles::upload(&self.model, attention, head, |l| {
-            engine.bundle_parts(l)
-        })?;
+        let gpu = crate::gpu::GpuBundles::upload(
+            crate::gpu::Gpu::open(gpu_memory)?,
+            &self.model,
+            attention,
+            head,
+            |l| engine.bundle_parts(l),
+        )?;
         let line = gpu.describe();
         self.gpu = Some(Box::new(gpu));
         Ok(line)

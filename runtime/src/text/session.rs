@@ -54,6 +54,28 @@ impl PolicyChoice {
     }
 }
 
+/// The GPU's part in a session (docs/gpu.md; a build without the `gpu` feature says it has none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuChoice {
+    /// Run the decode step on the GPU (`--gpu`, or `LEANSTREAM_GPU` set to anything but empty or
+    /// `0`).
+    pub on: bool,
+    /// The most bytes of GPU memory the model takes (`--gpu-memory`); `None`: what
+    /// `LEANSTREAM_GPU_MEMORY` says, or no limit.
+    pub memory: Option<u64>,
+}
+
+impl GpuChoice {
+    /// What the environment asks for: `LEANSTREAM_GPU` (its budget, `LEANSTREAM_GPU_MEMORY`, is
+    /// read when the GPU opens).
+    pub fn from_env() -> Self {
+        Self {
+            on: std::env::var_os("LEANSTREAM_GPU").is_some_and(|v| !v.is_empty() && v != "0"),
+            memory: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SessionOptions {
     pub model: PathBuf,
@@ -66,6 +88,7 @@ pub struct SessionOptions {
     pub default_ctx: usize,
     pub kv: KvType,
     pub tuning: Tuning,
+    pub gpu: GpuChoice,
 }
 
 impl SessionOptions {
@@ -75,7 +98,8 @@ impl SessionOptions {
 
     /// Options for `model` with `policy` (`None`: chosen by the file, see [`SessionOptions::policy`]):
     /// no memory budget, no emulated flash, certified sparsity, the default KV cache and tuning,
-    /// context [`SessionOptions::DEFAULT_CTX`]. Change the rest with the setters below or with
+    /// context [`SessionOptions::DEFAULT_CTX`], the GPU as the environment asks
+    /// ([`GpuChoice::from_env`]). Change the rest with the setters below or with
     /// `..SessionOptions::new(model, policy)`.
     pub fn new(model: impl Into<PathBuf>, policy: Option<PolicyChoice>) -> Self {
         Self {
@@ -88,6 +112,7 @@ impl SessionOptions {
             default_ctx: Self::DEFAULT_CTX,
             kv: KvType::default(),
             tuning: Tuning::default(),
+            gpu: GpuChoice::from_env(),
         }
     }
 
@@ -124,17 +149,24 @@ impl SessionOptions {
         self.tuning = tuning;
         self
     }
+
+    pub fn gpu(mut self, gpu: GpuChoice) -> Self {
+        self.gpu = gpu;
+        self
+    }
 }
 
 /// The dense policy's model: on the CPU, or with its decode step (or its output head alone) on the
-/// GPU when the environment sets `LEANSTREAM_GPU` (to anything but empty or `0`: docs/gpu.md); one
-/// line on standard error then says what runs where, or why it stays on the CPU.
-fn dense_engine(model: Model) -> Box<dyn LanguageModel + Send> {
-    if !gpu_requested() {
+/// GPU when `gpu` asks for it (docs/gpu.md); one line on standard error then says what runs where,
+/// or why it stays on the CPU.
+fn dense_engine(model: Model, gpu: GpuChoice) -> Box<dyn LanguageModel + Send> {
+    if !gpu.on {
         return Box::new(model);
     }
     #[cfg(feature = "gpu")]
-    match crate::gpu::GpuModel::upload(&model) {
+    match crate::gpu::Gpu::open(gpu.memory)
+        .and_then(|g| crate::gpu::GpuModel::upload_on(std::sync::Arc::new(g), &model))
+    {
         Ok((gpu, placement)) => {
             let model = crate::gpu::GpuModel::new(model, gpu, placement);
             eprintln!("gpu: {}", model.describe());
@@ -147,14 +179,15 @@ fn dense_engine(model: Model) -> Box<dyn LanguageModel + Send> {
     }
     #[cfg(not(feature = "gpu"))]
     {
-        eprintln!("gpu: this build has no GPU support (the `gpu` feature); running on the CPU");
+        say_no_gpu_support();
         Box::new(model)
     }
 }
 
-/// Whether the environment asks for the GPU: `LEANSTREAM_GPU` set to anything but empty or `0`.
-fn gpu_requested() -> bool {
-    std::env::var_os("LEANSTREAM_GPU").is_some_and(|v| !v.is_empty() && v != "0")
+/// The line a build without the `gpu` feature prints when the GPU is asked for.
+#[cfg(not(feature = "gpu"))]
+fn say_no_gpu_support() {
+    eprintln!("gpu: this build has no GPU support (the `gpu` feature); running on the CPU");
 }
 
 enum Engine {
@@ -216,7 +249,7 @@ impl Session {
             let ctx = cap_ctx(o, loaded.model.config().max_position_embeddings)?;
             check_kv(o, loaded.model.config().head_dim)?;
             return Ok(Self {
-                engine: Engine::Dense(dense_engine(loaded.model.with_kv(o.kv))),
+                engine: Engine::Dense(dense_engine(loaded.model.with_kv(o.kv), o.gpu)),
                 model_path: o.model.clone(),
                 tokenizer: loaded.tokenizer,
                 eos_token_ids: loaded.eos_token_ids,
@@ -260,14 +293,18 @@ impl Session {
         let mut model = StreamingModel::open(&o.model, file, &stream)?;
         // A converted file's decode step on the GPU (docs/gpu.md): one line says where it runs.
         #[cfg(feature = "gpu")]
-        if gpu_requested() {
-            match model.use_gpu() {
+        if o.gpu.on {
+            match model.use_gpu(o.gpu.memory) {
                 Ok(line) => eprintln!("gpu: {line}"),
                 Err(e) => eprintln!(
                     "gpu: --policy {} on a converted file: {e:#}; running on the CPU",
                     policy_name(policy)
                 ),
             }
+        }
+        #[cfg(not(feature = "gpu"))]
+        if o.gpu.on {
+            say_no_gpu_support();
         }
         model.reset_clock();
         let context_note = (model.ctx < ctx).then(|| {
@@ -297,8 +334,12 @@ impl Session {
     /// weights as stored, every expert read once and kept, exactly the model the file holds.
     fn open_mixture(o: &SessionOptions, policy: PolicyChoice) -> Result<Self> {
         #[cfg(feature = "gpu")]
-        if gpu_requested() {
+        if o.gpu.on {
             eprintln!("gpu: a mixture of experts is not on the GPU yet; running on the CPU");
+        }
+        #[cfg(not(feature = "gpu"))]
+        if o.gpu.on {
+            say_no_gpu_support();
         }
         if policy == PolicyChoice::Leanstream {
             return Self::open_streamed_mixture(o, policy);

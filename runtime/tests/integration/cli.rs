@@ -178,3 +178,50 @@ fn directory_without_config_is_a_clear_error() {
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("config.json"), "{}", stderr(&out));
 }
+
+/// `--gpu` and `--gpu-memory`: a build without the `gpu` feature says so in one line and runs the
+/// same model on the CPU; a size the flag cannot read is the command's error.
+#[test]
+fn gpu_flags_say_what_runs_where() {
+    let model = embedded_model();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "-p",
+            "Emma",
+            "--temp",
+            "0",
+            "-n",
+            "8",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        leanstream(&args)
+    };
+    let cpu = run(&[]);
+    assert!(!stderr(&cpu).contains("gpu:"), "{}", stderr(&cpu));
+    for flags in [&["--gpu"][..], &["--gpu-memory", "64MiB"]] {
+        let out = run(flags);
+        let line = stderr(&out);
+        if cfg!(feature = "gpu") {
+            assert!(line.contains("gpu: "), "{flags:?}: {line}");
+        } else {
+            assert!(
+                line.contains(
+                    "gpu: this build has no GPU support (the `gpu` feature); running on the CPU"
+                ),
+                "{flags:?}: {line}"
+            );
+            assert_eq!(json(&out)["text"], json(&cpu)["text"], "{flags:?}");
+        }
+    }
+    let bad = run(&["--gpu-memory", "lots"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr(&bad).contains("invalid value 'lots' for '--gpu-memory"),
+        "{}",
+        stderr(&bad)
+    );
+}

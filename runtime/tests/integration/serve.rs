@@ -475,6 +475,7 @@ fn reference_logprobs(prompt: &str) -> Vec<f64> {
         default_ctx: 1024,
         kv: Default::default(),
         tuning: Tuning::default(),
+        gpu: Default::default(),
     })
     .unwrap();
     let ids = session.tokenizer.encode(prompt, true).unwrap();

@@ -158,6 +158,7 @@ fn converted_matches(name: &str) {
             default_ctx: r.ids.len(),
             kv: KvType::F32,
             tuning: Tuning::default(),
+            gpu: Default::default(),
         })
         .unwrap_or_else(|e| panic!("{name} {policy:?}: {e:#}"));
         let got = log_probs(s.model(), &r.ids);
