@@ -81,9 +81,20 @@ fn hadamard_blocks(v: &mut [f32], block: usize) {
     let norm = 1.0 / (block as f32).sqrt();
     for b in v.chunks_exact_mut(block) {
         let mut len = 1;
+        if block >= 8 {
+            // The first three levels within each eight values, unrolled (the same additions).
+            for c in b.chunks_exact_mut(8) {
+                for (step, starts) in [(1, [0, 2, 4, 6]), (2, [0, 1, 4, 5]), (4, [0, 1, 2, 3])] {
+                    for j in starts {
+                        (c[j], c[j + step]) = (c[j] + c[j + step], c[j] - c[j + step]);
+                    }
+                }
+            }
+            len = 8;
+        }
         while len < block {
-            for i in (0..block).step_by(2 * len) {
-                let (lo, hi) = b[i..i + 2 * len].split_at_mut(len);
+            for pair in b.chunks_exact_mut(2 * len) {
+                let (lo, hi) = pair.split_at_mut(len);
                 for (a, c) in lo.iter_mut().zip(hi) {
                     (*a, *c) = (*a + *c, *a - *c);
                 }
@@ -140,18 +151,27 @@ impl SignSketch {
 
     /// Sets row `p` to the sketch of `w` (`hidden` values).
     pub fn set_row(&mut self, p: usize, w: &[f32]) {
+        self.set_row_with(p, w, &mut SketchInput::default());
+    }
+
+    /// [`set_row`](Self::set_row) with `scratch`'s buffers for the rotation (reused over a
+    /// sketch's rows: no allocation per row).
+    pub fn set_row_with(&mut self, p: usize, w: &[f32], scratch: &mut SketchInput) {
         assert_eq!(w.len(), self.hidden, "sketch row width");
-        let (mut rotated, mut tmp) = (Vec::new(), Vec::new());
-        self.rotation.apply(w, &mut rotated, &mut tmp);
+        let (rotated, tmp) = (&mut scratch.rotated, &mut scratch.tmp);
+        self.rotation.apply(w, rotated, tmp);
         let out = &mut self.bits[p * self.row_bytes..(p + 1) * self.row_bytes];
-        out.fill(0);
-        let mut sum = 0.0f64;
-        for (i, &v) in rotated.iter().enumerate() {
-            sum += v.abs() as f64;
-            if v > 0.0 {
-                out[i / 8] |= 1 << (i % 8);
+        // Eight partial sums of the magnitudes (one per bit position), added at the end.
+        let mut sums = [0.0f64; 8];
+        for (byte, chunk) in out.iter_mut().zip(rotated.chunks(8)) {
+            let mut bits = 0u8;
+            for (k, &v) in chunk.iter().enumerate() {
+                sums[k] += v.abs() as f64;
+                bits |= u8::from(v > 0.0) << k;
             }
+            *byte = bits;
         }
+        let sum: f64 = sums.iter().sum();
         self.scale[p] = (sum / self.hidden.max(1) as f64) as f32;
     }
 

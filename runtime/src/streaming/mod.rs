@@ -159,9 +159,13 @@ impl StreamingModel {
         };
         let mut plans = plan::LayerPlan::all(&mut file, uses)?;
         if let Sparsity::Refine { .. } = sparsity {
-            for p in plans.iter_mut() {
+            // One layer per thread: each reads its own bundles (positional reads) and rotates
+            // its rows.
+            use rayon::prelude::*;
+            plans.par_iter_mut().try_for_each(|p| {
                 p.refine_sketch = Some(refine_sketch::RefineSketch::build(path, p)?);
-            }
+                anyhow::Ok(())
+            })?;
         }
         // Decoding the file's indexes and plans freed more than the plans keep: give it back
         // to the OS, or the allocator keeps it resident beside the budgeted parts.

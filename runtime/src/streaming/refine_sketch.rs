@@ -60,6 +60,7 @@ impl RefineSketch {
         let mut up_sketch = SignSketch::zeros(n, h);
         let mut buf = Vec::new();
         let mut up = vec![0.0f32; h];
+        let mut scratch = SketchInput::default();
         for cl in &plan.clusters {
             buf.resize(cl.size as usize, 0);
             file.read_exact_at(&mut buf, cl.offset).with_context(|| {
@@ -74,10 +75,10 @@ impl RefineSketch {
                 let p = cl.first + i;
                 dequantize_row(gq, rows.gate(i), &mut row)
                     .with_context(|| format!("{}: gate row {p}", path.display()))?;
-                gate.set_row(p, &row);
+                gate.set_row_with(p, &row, &mut scratch);
                 dequantize_row(uq, rows.up(i), &mut up)
                     .with_context(|| format!("{}: up row {p}", path.display()))?;
-                up_sketch.set_row(p, &up);
+                up_sketch.set_row_with(p, &up, &mut scratch);
             }
         }
         ensure!(n > 0, "{}: a layer without FFN neurons", path.display());
