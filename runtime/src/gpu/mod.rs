@@ -163,23 +163,23 @@ impl Gpu {
     /// none or its device cannot be opened. `WGPU_BACKEND` and `WGPU_ADAPTER_NAME` narrow the
     /// choice as wgpu documents; [`GPU_MEMORY`] sets its budget.
     pub fn new() -> Result<Self> {
-        let budget = budget_from(std::env::var(GPU_MEMORY).ok().as_deref())?;
-        let backends = (wgpu::Backends::VULKAN | wgpu::Backends::METAL).with_env();
-        let mut gpu = Self::with_backends(backends)?.with_budget(budget);
-        gpu.budget_from = GPU_MEMORY;
-        Ok(gpu)
+        Self::open(None)
     }
 
     /// [`new`](Self::new) with `budget` (`--gpu-memory`) in place of [`GPU_MEMORY`]'s when it
     /// is set.
     pub fn open(budget: Option<u64>) -> Result<Self> {
-        match budget {
-            Some(_) => Ok(Self::with_backends(
-                (wgpu::Backends::VULKAN | wgpu::Backends::METAL).with_env(),
-            )?
-            .with_budget(budget)),
-            None => Self::new(),
-        }
+        let (budget, from) = match budget {
+            Some(b) => (Some(b), "--gpu-memory"),
+            None => (
+                budget_from(std::env::var(GPU_MEMORY).ok().as_deref())?,
+                GPU_MEMORY,
+            ),
+        };
+        let mut gpu =
+            Self::with_backends((wgpu::Backends::VULKAN | wgpu::Backends::METAL).with_env())?;
+        (gpu.budget, gpu.budget_from) = (budget, from);
+        Ok(gpu)
     }
 
     /// This GPU with at most `budget` bytes for a model's weights, buffers and KV cache (`None`:
@@ -188,11 +188,6 @@ impl Gpu {
         self.budget = budget;
         self.budget_from = "--gpu-memory";
         self
-    }
-
-    /// The budget [`with_budget`](Self::with_budget) set.
-    pub fn budget(&self) -> Option<u64> {
-        self.budget
     }
 
     /// A new [`Charge`] against the budget for an upload of `what` (for its error message).
@@ -663,7 +658,6 @@ impl Dispatch {
     }
 }
 
-/// Words of the input buffer: f32 values, or q8 quants (four a word), scales and scaled sums.
 /// `weight`'s rows as stored (what [`Gpu::upload_weights`] uploads).
 fn stored_bytes(weight: &Weight) -> &[u8] {
     match weight {
@@ -677,6 +671,7 @@ fn weight_bytes(weight: &Weight) -> usize {
     stored_bytes(weight).len()
 }
 
+/// Words of the input buffer: f32 values, or q8 quants (four a word), scales and scaled sums.
 fn input_words(qtype: QuantType, cols: usize) -> usize {
     if qtype.is_block() {
         cols / 4 + 2 * (cols / BLOCK_LEN)
