@@ -42,6 +42,11 @@ pub(super) unsafe fn kernels() -> RowKernels {
         dots_q8_0: |r, x, o| unsafe { dots_block::<Q8_0>(r, x, o) },
         dots_q4_0: |r, x, o| unsafe { dots_block::<Q4_0>(r, x, o) },
         dots_q4_1: |r, x, o| unsafe { dots_block::<Q4_1>(r, x, o) },
+        dots_ahead: Some([
+            |r, x, o| unsafe { dots_block_ahead::<Q8_0>(r, x, o) },
+            |r, x, o| unsafe { dots_block_ahead::<Q4_0>(r, x, o) },
+            |r, x, o| unsafe { dots_block_ahead::<Q4_1>(r, x, o) },
+        ]),
         inputs_q8_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q8_0>(w, xs, o) }),
         inputs_q4_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_0>(w, xs, o) }),
         inputs_q4_1: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_1>(w, xs, o) }),
@@ -315,9 +320,9 @@ unsafe fn unpack(nibbles: *const u8) -> __m256i {
 }
 
 /// The 32-value block types by number (a const parameter; see [`block_kind`]).
-const Q8_0: u8 = 0;
-const Q4_0: u8 = 1;
-const Q4_1: u8 = 2;
+pub(super) const Q8_0: u8 = 0;
+pub(super) const Q4_0: u8 = 1;
+pub(super) const Q4_1: u8 = 2;
 pub(super) const Q5_0: u8 = 3;
 pub(super) const Q5_1: u8 = 4;
 
@@ -374,25 +379,183 @@ unsafe fn lanes_total(v: __m256) -> f32 {
 /// Rows of a 32-value block type against `x`, each with the bits of the portable `dot`
 /// ([`portable::block_dots`]), one row after another: a row is read as one sequential stream,
 /// which the hardware prefetcher follows (four rows read side by side, sharing the activation's
-/// loads, ran at 0.88× this speed on AMD EPYC Zen 2).
+/// loads, ran at 0.88× this speed on AMD EPYC Zen 2; the `avx512` set, for CPUs with more
+/// streams to follow, takes them in pairs: [`rows_dot`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dots_block<const KIND: u8>(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
     for (o, w) in out.iter_mut().zip(rows) {
-        *o = dot_block::<KIND>(w, x);
+        *o = row_dot::<KIND, false, false>(w, x);
+    }
+}
+
+/// [`dots_block`] on consecutive rows of one matrix (a dense mat-vec), each block asking for the
+/// bytes [`AHEAD_BYTES`] past it ([`read_ahead`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dots_block_ahead<const KIND: u8>(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    for (o, w) in out.iter_mut().zip(rows) {
+        *o = row_dot::<KIND, false, true>(w, x);
+    }
+}
+
+/// How far ahead of the block it reads a mat-vec asks for its rows' bytes: the hardware
+/// prefetcher alone left one core's `Q4_0` mat-vec from DRAM at half the bandwidth a plain read
+/// reaches (docs/results.md, "Reading ahead").
+pub(super) const AHEAD_BYTES: usize = 16 << 10;
+
+/// Asks for the cache line [`AHEAD_BYTES`] past `p` (a hint: an address past the matrix is never
+/// read, and a prefetch does not fault).
+#[inline(always)]
+pub(super) unsafe fn read_ahead(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(AHEAD_BYTES) as *const i8);
+}
+
+/// Rows in pairs ([`row_dot2`]), an odd last row alone.
+#[inline(always)]
+pub(super) unsafe fn rows_dot<const KIND: u8, const VNNI: bool, const AHEAD: bool>(
+    rows: &[&[u8]],
+    x: &Q8Vec,
+    out: &mut [f32],
+) {
+    let n = out.len().min(rows.len());
+    let mut i = 0;
+    while i + 2 <= n {
+        let (a, b) = row_dot2::<KIND, VNNI, AHEAD>(rows[i], rows[i + 1], x);
+        out[i] = a;
+        out[i + 1] = b;
+        i += 2;
+    }
+    if i < n {
+        out[i] = row_dot::<KIND, VNNI, AHEAD>(rows[i], x);
+    }
+}
+
+/// [`row_dot`] of two rows side by side (two chains of sums, the input's loads shared), each
+/// with its own bits.
+#[inline(always)]
+unsafe fn row_dot2<const KIND: u8, const VNNI: bool, const AHEAD: bool>(
+    w0: &[u8],
+    w1: &[u8],
+    x: &Q8Vec,
+) -> (f32, f32) {
+    let kind = block_kind(KIND);
+    let bytes = kind.bytes();
+    if w0.len() != w1.len() {
+        return (
+            row_dot::<KIND, VNNI, AHEAD>(w0, x),
+            row_dot::<KIND, VNNI, AHEAD>(w1, x),
+        );
+    }
+    let nb = (w0.len() / bytes)
+        .min(x.scales.len())
+        .min(x.sums.len())
+        .min(x.quants.len() / BLOCK_LEN)
+        .min(x.offsets.len() / 8);
+    let (p0, p1, scales, sums) = (w0.as_ptr(), w1.as_ptr(), x.scales.as_ptr(), x.sums.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut mins = [0.0f32; 2];
+    let mut dd = [[0.0f32; 8]; 2];
+    let mut b = 0;
+    while b < nb {
+        let group = (nb - b).min(8);
+        if group == 8 {
+            let dx = _mm256_loadu_ps(scales.add(b));
+            for (dd, p) in dd.iter_mut().zip([p0, p1]) {
+                _mm256_storeu_ps(
+                    dd.as_mut_ptr(),
+                    _mm256_mul_ps(f16_scales8(p.add(b * bytes), bytes), dx),
+                );
+            }
+        } else {
+            for (dd, p) in dd.iter_mut().zip([p0, p1]) {
+                for (k, dd) in dd[..group].iter_mut().enumerate() {
+                    *dd = f16_load(p.add((b + k) * bytes)) * *scales.add(b + k);
+                }
+            }
+        }
+        let [d0, d1] = &dd;
+        for (k, (d0, d1)) in d0[..group].iter().zip(&d1[..group]).enumerate() {
+            for (r, (p, d)) in [(p0, d0), (p1, d1)].into_iter().enumerate() {
+                let blk = p.add((b + k) * bytes);
+                if AHEAD {
+                    read_ahead(blk);
+                }
+                let lanes = _mm256_cvtepi32_ps(row_isums::<KIND, VNNI>(blk, x, b + k));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_broadcast_ss(d), lanes));
+                if kind.has_min() {
+                    mins[r] += f16_load(blk.add(2)) * *sums.add(b + k);
+                }
+            }
+        }
+        b += group;
+    }
+    (lanes_total(acc[0]) + mins[0], lanes_total(acc[1]) + mins[1])
+}
+
+/// One row of a 32-value block type against `x`, with the bits of the portable `dot`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_block<const KIND: u8>(w: &[u8], x: &Q8Vec) -> f32 {
+    row_dot::<KIND, false, false>(w, x)
+}
+
+/// A 4-bit block's 16 nibble bytes as 32 codes in element order: one load into both halves of
+/// the vector, the high half shifted right by four, then masked.
+#[inline(always)]
+unsafe fn unpack_wide(nibbles: *const u8) -> __m256i {
+    let n = _mm256_broadcastsi128_si256(_mm_loadu_si128(nibbles as *const __m128i));
+    let n = _mm256_srlv_epi64(n, _mm256_setr_epi64x(0, 0, 4, 4));
+    _mm256_and_si256(n, _mm256_set1_epi8(0x0f))
+}
+
+/// Block `b`'s eight exact lane sums (lane `j`: values `4j..4j + 4`) for the mat-vec rows: the
+/// 4-bit codes multiplied unsigned (`Q4_0`'s offset from [`Q8Vec::offsets`]), with one VNNI
+/// `vpdpbusd` in place of `vpmaddubsw` and `vpmaddwd` where `VNNI` (the caller's target then has
+/// AVX-512 VNNI and VL). The same integers as [`lane_isums`].
+#[inline(always)]
+unsafe fn row_isums<const KIND: u8, const VNNI: bool>(
+    blk: *const u8,
+    x: &Q8Vec,
+    b: usize,
+) -> __m256i {
+    let xv = x_block(x, b);
+    let (c, start) = match KIND {
+        Q4_0 => (
+            unpack_wide(blk.add(2)),
+            _mm256_loadu_si256(x.offsets.as_ptr().add(8 * b) as *const __m256i),
+        ),
+        Q4_1 => (unpack_wide(blk.add(4)), _mm256_setzero_si256()),
+        Q8_0 => {
+            let c = codes::<KIND>(blk);
+            let xs = _mm256_sign_epi8(xv, c);
+            let c = _mm256_sign_epi8(c, c);
+            if VNNI {
+                return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xs);
+            }
+            return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xs), _mm256_set1_epi16(1));
+        }
+        _ => return lane_isums::<KIND>(blk, xv),
+    };
+    if VNNI {
+        _mm256_dpbusd_epi32(start, c, xv)
+    } else {
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, xv), _mm256_set1_epi16(1));
+        _mm256_add_epi32(p, start)
     }
 }
 
 /// One row: per block, the eight lane sums in a vector, converted, multiplied by the broadcast
 /// `d_w·d_x` and added to the row's lanes; the minimum's term in a scalar sum.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_block<const KIND: u8>(w: &[u8], x: &Q8Vec) -> f32 {
+#[inline(always)]
+pub(super) unsafe fn row_dot<const KIND: u8, const VNNI: bool, const AHEAD: bool>(
+    w: &[u8],
+    x: &Q8Vec,
+) -> f32 {
     let kind = block_kind(KIND);
     let bytes = kind.bytes();
     let nb = (w.len() / bytes)
         .min(x.scales.len())
         .min(x.sums.len())
-        .min(x.quants.len() / BLOCK_LEN);
+        .min(x.quants.len() / BLOCK_LEN)
+        .min(x.offsets.len() / 8);
     let (wp, scales, sums) = (w.as_ptr(), x.scales.as_ptr(), x.sums.as_ptr());
     let mut acc = _mm256_setzero_ps();
     let mut mins = 0.0f32;
@@ -415,7 +578,10 @@ pub(super) unsafe fn dot_block<const KIND: u8>(w: &[u8], x: &Q8Vec) -> f32 {
         }
         for (k, dd) in dd[..group].iter().enumerate() {
             let blk = wp.add((b + k) * bytes);
-            let lanes = _mm256_cvtepi32_ps(lane_isums::<KIND>(blk, x_block(x, b + k)));
+            if AHEAD {
+                read_ahead(blk);
+            }
+            let lanes = _mm256_cvtepi32_ps(row_isums::<KIND, VNNI>(blk, x, b + k));
             acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(dd), lanes));
             if kind.has_min() {
                 mins += f16_load(blk.add(2)) * *sums.add(b + k);

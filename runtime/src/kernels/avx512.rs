@@ -1,14 +1,20 @@
 //! The `avx512` kernel set (x86-64 with AVX-512 F, BW, VL and VNNI): the AVX2 kernels, with the
-//! down columns' updates (`axpy` and `axpy_rows` of `Q8_0`, `Q4_0` and `Q4_1`) in sixteen lanes.
+//! `Q8_0`, `Q4_0` and `Q4_1` mat-vec rows on VNNI and the down columns' updates (`axpy` and
+//! `axpy_rows` of the same types) in sixteen lanes.
 //!
 //! Every kernel set must compute the portable set's bits (the activation is quantized to q8 before
 //! each mat-vec, and rounding is discontinuous, so a last-bit difference moves a value across a
 //! rounding boundary now and then: the Q6_K fixture's perplexity differed by 1.5e-4 between this
 //! set and the portable one). The earlier AVX-512 kernels added their float terms in their own
-//! order (sixteen lanes with fused multiply-adds), so they were taken out. AVX-512 mat-vec rows
-//! that keep the portable order (VNNI for the exact integer sums) were measured no faster than
-//! the AVX2 ones on an Intel Xeon (docs/results.md, "AVX-512 VNNI rows: tried"), so the `dot`
-//! kernels are AVX2's.
+//! order (sixteen lanes with fused multiply-adds), so they were taken out.
+//!
+//! The mat-vec rows keep AVX2's 256-bit vectors and the portable order (each block's eight exact
+//! lane sums, converted, times `d_w·d_x`, added to the row's lanes), with one `vpdpbusd` for a
+//! block's lane sums where AVX2 needs `vpmaddubsw` and `vpmaddwd` (and, for `Q4_0`, two sign
+//! operations and a subtraction: its offset starts the sums, [`Q8Vec::offsets`]), and two rows side
+//! by side, so that two chains of float sums overlap and the input's loads are shared. 512-bit
+//! rows (two blocks or two rows per vector) were measured no faster on an Intel Xeon
+//! (docs/results.md, "AVX-512 VNNI rows: tried").
 //!
 //! The updates here do per output value exactly what the portable ones do, in the same order
 //! (`out + s·q` for `Q8_0`, `out + (s·q + c)` for the 4-bit types: a product, then a sum, never
@@ -24,7 +30,8 @@ use std::arch::x86_64::*;
 
 use leanstream_format::quant::BLOCK_LEN;
 
-use super::avx2::{common_blocks, f16_load};
+use super::avx2::{common_blocks, f16_load, row_dot, rows_dot, Q4_0, Q4_1, Q8_0};
+use super::operand::Q8Vec;
 use super::portable::{Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
 use super::rows::RowKernels;
 
@@ -44,6 +51,17 @@ pub(super) unsafe fn kernels() -> RowKernels {
     // SAFETY (every entry): the caller checked the CPU features.
     RowKernels {
         isa: "avx512",
+        dot_q8_0: |w, x| unsafe { dot_block::<Q8_0>(w, x) },
+        dot_q4_0: |w, x| unsafe { dot_block::<Q4_0>(w, x) },
+        dot_q4_1: |w, x| unsafe { dot_block::<Q4_1>(w, x) },
+        dots_q8_0: |r, x, o| unsafe { dots_block::<Q8_0>(r, x, o) },
+        dots_q4_0: |r, x, o| unsafe { dots_block::<Q4_0>(r, x, o) },
+        dots_q4_1: |r, x, o| unsafe { dots_block::<Q4_1>(r, x, o) },
+        dots_ahead: Some([
+            |r, x, o| unsafe { dots_block_ahead::<Q8_0>(r, x, o) },
+            |r, x, o| unsafe { dots_block_ahead::<Q4_0>(r, x, o) },
+            |r, x, o| unsafe { dots_block_ahead::<Q4_1>(r, x, o) },
+        ]),
         axpy_q8_0: |a, w, o| unsafe { axpy_rows_q8_0(&[a], &[w], o) },
         axpy_q4_0: |a, w, o| unsafe { axpy_rows_q4::<false>(&[a], &[w], o) },
         axpy_q4_1: |a, w, o| unsafe { axpy_rows_q4::<true>(&[a], &[w], o) },
@@ -53,6 +71,24 @@ pub(super) unsafe fn kernels() -> RowKernels {
         // SAFETY: the caller checked the CPU features, AVX2's among them.
         ..unsafe { super::avx2::kernels() }
     }
+}
+
+/// [`super::avx2::dots_block`] with VNNI's `vpdpbusd` for each block's exact lane sums.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn dots_block<const KIND: u8>(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    rows_dot::<KIND, true, false>(rows, x, out)
+}
+
+/// [`dots_block`] reading ahead ([`super::avx2::dots_block_ahead`]).
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn dots_block_ahead<const KIND: u8>(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
+    rows_dot::<KIND, true, true>(rows, x, out)
+}
+
+/// [`super::avx2::dot_block`] with VNNI's `vpdpbusd`.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn dot_block<const KIND: u8>(w: &[u8], x: &Q8Vec) -> f32 {
+    row_dot::<KIND, true, false>(w, x)
 }
 
 /// `out += a[j] · row_j` for each `Q8_0` row in turn (the portable `axpy_q8_0`'s `out + s·q` per

@@ -14,6 +14,10 @@ pub struct Q8Vec {
     /// `scales[b] · Σ quants` of each block: the term that `Q4_0`'s offset (−8) and `Q4_1`'s minimum
     /// multiply.
     pub(crate) sums: Vec<f32>,
+    /// `−8 ·` the sum of each four consecutive quants (eight per block): `Q4_0`'s offset term in
+    /// the lanes of the exact integer sums, so that a kernel can start a block's lanes from it and
+    /// multiply the codes unsigned (`Σ (c − 8)·x = Σ c·x − 8·Σ x`, the same integers).
+    pub(crate) offsets: Vec<i32>,
 }
 
 impl Q8Vec {
@@ -42,7 +46,9 @@ impl Q8Vec {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2.
-            return unsafe { self.quantize_avx2(x) };
+            unsafe { self.quantize_avx2(x) };
+            self.offsets_from_quants();
+            return;
         }
         for (xb, qb) in x
             .chunks_exact(BLOCK_LEN)
@@ -50,6 +56,17 @@ impl Q8Vec {
         {
             push_block(&mut self.scales, &mut self.sums, quantize_block(xb, qb));
         }
+        self.offsets_from_quants();
+    }
+
+    /// Fills [`offsets`](Self::offsets) from the quants.
+    fn offsets_from_quants(&mut self) {
+        self.offsets.clear();
+        self.offsets.extend(
+            self.quants
+                .chunks_exact(4)
+                .map(|q| -8 * q.iter().map(|&v| v as i32).sum::<i32>()),
+        );
     }
 
     /// [`quantize_into`](Self::quantize_into)'s blocks with AVX2, bit for bit: the same scale (the
@@ -248,6 +265,10 @@ mod tests {
             assert_eq!(&got.quants[b * BLOCK_LEN..][..BLOCK_LEN], &q, "{what}");
             assert_eq!(got.scales[b].to_bits(), d.to_bits(), "{what}");
             assert_eq!(got.sums[b].to_bits(), (d * sum as f32).to_bits(), "{what}");
+            for (j, four) in q.chunks_exact(4).enumerate() {
+                let want = -8 * four.iter().map(|&v| v as i32).sum::<i32>();
+                assert_eq!(got.offsets[8 * b + j], want, "{what}, lane {j}");
+            }
         }
     }
 }

@@ -86,7 +86,7 @@ pub fn matvec_rows(k: &RowKernels, qtype: QuantType, data: &[u8], x: &Operand, o
             for (j, v) in views[..o.len()].iter_mut().enumerate() {
                 *v = &data[(r + j) * row_bytes..(r + j + 1) * row_bytes];
             }
-            k.dots(qtype, &views[..o.len()], x, o);
+            k.dots_ahead(qtype, &views[..o.len()], x, o);
         }
     };
     if data.len() >= PARALLEL_MIN_BYTES && rayon::current_num_threads() > 1 {

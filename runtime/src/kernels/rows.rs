@@ -65,6 +65,10 @@ pub struct RowKernels {
     pub(crate) dots_q8_0: BlockDots,
     pub(crate) dots_q4_0: BlockDots,
     pub(crate) dots_q4_1: BlockDots,
+    /// [`dots_q8_0`](Self::dots_q8_0), `Q4_0`'s and `Q4_1`'s for rows that lie one after another
+    /// in one matrix (a dense mat-vec, [`RowKernels::dots_ahead`]), reading ahead in them, where
+    /// the set has such kernels.
+    pub(crate) dots_ahead: Option<[BlockDots; 3]>,
     /// Rows [`RowKernels::dots`] gives these kernels at once: [`DOT_ROWS`], or 1 where sharing the
     /// input was measured slower in the token loop (AVX-512: SmolLM2 q4 `resident` 8.7–8.9 against
     /// 7.8–8.2 ms of CPU per token; AVX2 gained about 5 %).
@@ -238,6 +242,7 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     dots_q8_0: portable::dots_q8_0,
     dots_q4_0: portable::dots_q4_0,
     dots_q4_1: portable::dots_q4_1,
+    dots_ahead: None,
     dot_rows: DOT_ROWS,
     inputs_q8_0: None,
     inputs_q4_0: None,
@@ -329,6 +334,23 @@ impl RowKernels {
     #[inline]
     pub fn dots(&self, qtype: QuantType, rows: &[&[u8]], x: &Operand, out: &mut [f32]) {
         self.dots_by(qtype, rows, x, out, self.dot_rows)
+    }
+
+    /// [`dots`](Self::dots) of consecutive rows of one matrix, in order (a dense mat-vec's rows):
+    /// the same bits, with the set's kernels that read ahead in the matrix where it has them.
+    #[inline]
+    pub fn dots_ahead(&self, qtype: QuantType, rows: &[&[u8]], x: &Operand, out: &mut [f32]) {
+        let kernel = match (qtype, &self.dots_ahead) {
+            (QuantType::Q8_0, Some(k)) => k[0],
+            (QuantType::Q4_0, Some(k)) => k[1],
+            (QuantType::Q4_1, Some(k)) => k[2],
+            _ => return self.dots(qtype, rows, x, out),
+        };
+        assert_eq!(rows.len(), out.len());
+        let q8 = x.q8();
+        for (rows, out) in rows.chunks(DOT_ROWS).zip(out.chunks_mut(DOT_ROWS)) {
+            kernel(rows, q8, out);
+        }
     }
 
     /// [`dots`](Self::dots) with `at_once` rows (1 to [`DOT_ROWS`]) per call of the multi-row
