@@ -33,6 +33,13 @@ pub(super) fn table() -> MoreKernels {
             |r, x, o| each(r, x, o, |w, x| unsafe { dot_q45_k::<true>(w, x) }),
             |r, x, o| each(r, x, o, |w, x| unsafe { dot_q6_k(w, x) }),
         ],
+        dots_ahead: [
+            Some(|r, x, o| unsafe { avx2::dots_block_ahead::<{ avx2::Q5_0 }>(r, x, o) }),
+            Some(|r, x, o| unsafe { avx2::dots_block_ahead::<{ avx2::Q5_1 }>(r, x, o) }),
+            Some(|r, x, o| each(r, x, o, |w, x| unsafe { dot_q45_k_ahead::<false>(w, x) })),
+            Some(|r, x, o| each(r, x, o, |w, x| unsafe { dot_q45_k_ahead::<true>(w, x) })),
+            Some(|r, x, o| each(r, x, o, |w, x| unsafe { dot_q6_k_ahead(w, x) })),
+        ],
         inputs: [
             Some(|w, xs, o| unsafe { avx2::dot_inputs_wide::<{ avx2::Q5_0 }>(w, xs, o) }),
             Some(|w, xs, o| unsafe { avx2::dot_inputs_wide::<{ avx2::Q5_1 }>(w, xs, o) }),
@@ -200,7 +207,10 @@ unsafe fn ordered_results<const N: usize>(sums: [f32; N], all: [__m128; 2]) -> [
 /// eight float lanes, added in order. Each result has the bits of [`super::portable::finish_q45_k`]'s order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
+unsafe fn q45_k<const FIVE: bool, const N: usize, const AHEAD: bool>(
+    w: &[u8],
+    xs: [&Q8Vec; N],
+) -> [f32; N] {
     let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
     let nb = super_blocks(w, bytes, &xs);
     let low = _mm256_set1_epi8(0x0f);
@@ -209,6 +219,9 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> 
     let mut all = [_mm_set1_ps(-0.0); 2];
     for b in 0..nb {
         let blk = w.as_ptr().add(b * bytes);
+        if AHEAD {
+            read_ahead(blk, bytes);
+        }
         let qs = blk.add(if FIVE { 48 } else { 16 });
         let qh = if FIVE {
             load(blk.add(16))
@@ -262,7 +275,7 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> 
 #[allow(clippy::needless_range_loop)] // half h indexes the row and every input
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
+unsafe fn q6_k<const N: usize, const AHEAD: bool>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
     let nb = super_blocks(w, Q6_K_BYTES, &xs);
     let low = _mm256_set1_epi8(0x0f);
     let three = _mm256_set1_epi8(3);
@@ -271,6 +284,9 @@ unsafe fn q6_k<const N: usize>(w: &[u8], xs: [&Q8Vec; N]) -> [f32; N] {
     let mut all = [_mm_set1_ps(-0.0); 2];
     for b in 0..nb {
         let blk = w.as_ptr().add(b * Q6_K_BYTES);
+        if AHEAD {
+            read_ahead(blk, Q6_K_BYTES);
+        }
         // The sixteen 16-value sub-blocks' scales as 16-bit words, 0–7 in the low half, 8–15 in
         // the high half.
         let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192) as *const __m128i));
@@ -336,20 +352,40 @@ unsafe fn f16_load(p: *const u8) -> f32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q45_k<const FIVE: bool>(w: &[u8], x: &Q8Vec) -> f32 {
-    q45_k::<FIVE, 1>(w, [x])[0]
+    q45_k::<FIVE, 1, false>(w, [x])[0]
+}
+
+/// [`dot_q45_k`] reading ahead in its matrix (a dense mat-vec's rows, [`read_ahead`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q45_k_ahead<const FIVE: bool>(w: &[u8], x: &Q8Vec) -> f32 {
+    q45_k::<FIVE, 1, true>(w, [x])[0]
+}
+
+/// [`dot_q6_k`] reading ahead in its matrix.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q6_k_ahead(w: &[u8], x: &Q8Vec) -> f32 {
+    q6_k::<1, true>(w, [x])[0]
+}
+
+/// Asks for the lines of a super-block of `bytes` at `blk` [`avx2::AHEAD_BYTES`] ahead.
+#[inline(always)]
+unsafe fn read_ahead(blk: *const u8, bytes: usize) {
+    for line in (0..bytes).step_by(64) {
+        avx2::read_ahead(blk.add(line));
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q6_k(w: &[u8], x: &Q8Vec) -> f32 {
-    q6_k::<1>(w, [x])[0]
+    q6_k::<1, false>(w, [x])[0]
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn inputs_q45_k<const FIVE: bool>(w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
-    by_inputs!(xs, out, |N, arr| q45_k::<FIVE, N>(w, arr))
+    by_inputs!(xs, out, |N, arr| q45_k::<FIVE, N, false>(w, arr))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn inputs_q6_k(w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
-    by_inputs!(xs, out, |N, arr| q6_k::<N>(w, arr))
+    by_inputs!(xs, out, |N, arr| q6_k::<N, false>(w, arr))
 }

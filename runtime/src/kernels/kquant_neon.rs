@@ -72,6 +72,7 @@ pub(super) fn table() -> MoreKernels {
             Some(|w, xs, o| unsafe { inputs::<false, Q6_K>(w, xs, o) }),
         ],
         inputs_width: [WIDE_INPUTS; 5],
+        dots_ahead: PORTABLE_MORE.dots_ahead,
         axpy: PORTABLE_MORE.axpy,
     }
 }

@@ -107,6 +107,8 @@ pub struct RowKernels {
 pub(crate) struct MoreKernels {
     pub(crate) dot: [BlockDot; MORE],
     pub(crate) dots: [BlockDots; MORE],
+    /// `dots` of consecutive rows reading ahead, where the set has it ([`RowKernels::dots_ahead`]).
+    pub(crate) dots_ahead: [Option<BlockDots>; MORE],
     /// One row against several inputs, where the set has it (`dot_inputs`).
     pub(crate) inputs: [Option<BlockInputs>; MORE],
     /// How many inputs each of those takes at once: [`INPUTS`], or [`WIDE_INPUTS`].
@@ -138,6 +140,7 @@ pub(crate) const PORTABLE_MORE: MoreKernels = MoreKernels {
         portable::dots_q5_k,
         portable::dots_q6_k,
     ],
+    dots_ahead: [None; MORE],
     inputs: [None; MORE],
     inputs_width: [INPUTS; MORE],
     axpy: [
@@ -344,7 +347,14 @@ impl RowKernels {
             (QuantType::Q8_0, Some(k)) => k[0],
             (QuantType::Q4_0, Some(k)) => k[1],
             (QuantType::Q4_1, Some(k)) => k[2],
-            _ => return self.dots(qtype, rows, x, out),
+            (QuantType::F32 | QuantType::F16 | QuantType::BF16, _)
+            | (QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1, None) => {
+                return self.dots(qtype, rows, x, out)
+            }
+            _ => match self.more.dots_ahead[more_index(qtype)] {
+                Some(k) => k,
+                None => return self.dots(qtype, rows, x, out),
+            },
         };
         assert_eq!(rows.len(), out.len());
         let q8 = x.q8();
