@@ -16,7 +16,10 @@
 //! `gate_up` rule) or four gates (`gate`). `dot_inputs` is the other way round: one row against
 //! up to [`INPUTS`] inputs (a prompt chunk's tokens; [`WIDE_INPUTS`] where a set's kernel for the
 //! type takes more, [`RowKernels::inputs_width`]), the row's codes decoded once for all of them,
-//! each result again bitwise its own `dot`.
+//! each result again bitwise its own `dot`. `dots_ahead` is `dots` for a dense mat-vec's rows, which
+//! lie one after another in one matrix: its kernels ask for the bytes a fixed distance ahead as they
+//! go (the hardware prefetcher alone left one core's mat-vec from DRAM at half a plain read's
+//! bandwidth), with the same bits.
 //!
 //! The environment variable `LEANSTREAM_KERNELS` forces one set by its name (`avx512`, `avx2`,
 //! `neon-dotprod`, `neon`, `portable`), so that every path can be run and compared on a CPU that
