@@ -117,8 +117,9 @@ pub(super) fn advance(
     group.advance(core, l, k, skip, next);
 }
 
-/// The resident clusters of layer `l` among the `needed`: their gates, then each group's down
-/// columns in cluster order as far as the first cluster still waiting for its bytes (`next`).
+/// The resident clusters of layer `l` among the `needed`: each one's gates, then its group's down
+/// columns in cluster order as far as the first cluster still waiting for its bytes (`next`), so
+/// that a cluster's down columns are added right after its gates while they are still in cache.
 /// The groups are independent (each its own clusters, neurons and partial sum), so with more than
 /// one thread (`--threads`, the size of rayon's pool) and [`PARALLEL_MIN_BYTES`] of bundles or
 /// more they are shared out among this thread and parked helpers ([`parallel::for_each`], which
@@ -161,6 +162,10 @@ pub(super) fn resident_groups(
                     _ => None,
                 };
                 group.gates(&ops, then.as_ref(), candidate, operand)?;
+                // Its down columns at once, while the gate pass's requests for them still
+                // hold them in cache (unless an earlier cluster of the group is still being
+                // read: then they wait for it, and the order of the sums stays the same).
+                group.advance(core, l, k, skip, next);
             }
         }
         group.advance(core, l, k, skip, next);
