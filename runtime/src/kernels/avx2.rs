@@ -288,7 +288,7 @@ pub(super) unsafe fn f16_load(p: *const u8) -> f32 {
 
 /// The f16 scales at the start of eight consecutive blocks (`bytes` apart) from `p`, as f32 lanes.
 #[inline(always)]
-unsafe fn f16_scales8(p: *const u8, bytes: usize) -> __m256 {
+pub(super) unsafe fn f16_scales8(p: *const u8, bytes: usize) -> __m256 {
     let h = |k: usize| (p.add(k * bytes) as *const i16).read_unaligned();
     _mm256_cvtph_ps(_mm_setr_epi16(
         h(0),
