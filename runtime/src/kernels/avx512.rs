@@ -122,6 +122,43 @@ unsafe fn q8_0_blocks<const B: usize>(a: &[f32], rows: &[&[u8]], b: usize, op: *
     }
 }
 
+/// [`q8_0_blocks`] for eight output blocks, each row's eight scales converted and multiplied at
+/// once, eight rows at a time, as in [`q4_blocks8`].
+///
+/// # Safety
+/// As [`q8_0_blocks`] with `B` = 8.
+#[inline(always)]
+unsafe fn q8_0_blocks8(a: &[f32], rows: &[&[u8]], b: usize, op: *mut f32) {
+    const B: usize = 8;
+    let dst = op.add(b * BLOCK_LEN);
+    let mut acc: [[__m512; 2]; B] =
+        core::array::from_fn(|i| [0, 16].map(|k| _mm512_loadu_ps(dst.add(i * BLOCK_LEN + k))));
+    let mut s = [[0.0f32; B]; 8];
+    for (a, rows) in a.chunks(8).zip(rows.chunks(8)) {
+        for ((&a, w), s) in a.iter().zip(rows).zip(s.iter_mut()) {
+            let p = w.as_ptr().add(b * Q8_0_BYTES);
+            let sv = _mm256_mul_ps(_mm256_set1_ps(a), f16_scales8(p, Q8_0_BYTES));
+            _mm256_storeu_ps(s.as_mut_ptr(), sv);
+        }
+        for (w, s) in rows.iter().zip(&s) {
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let blk = w.as_ptr().add((b + i) * Q8_0_BYTES);
+                let s = _mm512_set1_ps(s[i]);
+                for (k, acc) in acc.iter_mut().enumerate() {
+                    let q = _mm_loadu_si128(blk.add(2 + 16 * k) as *const __m128i);
+                    let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+                    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(s, v));
+                }
+            }
+        }
+    }
+    for (i, acc) in acc.into_iter().enumerate() {
+        for (k, v) in acc.into_iter().enumerate() {
+            _mm512_storeu_ps(dst.add(i * BLOCK_LEN + 16 * k), v);
+        }
+    }
+}
+
 /// The portable `axpy_q8_0` of each row in turn.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn axpy_rows_q8_0(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
@@ -130,6 +167,11 @@ unsafe fn axpy_rows_q8_0(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
     let nb = common_blocks(rows, Q8_0_BYTES, out);
     let op = out.as_mut_ptr();
     let mut b = 0;
+    while b + 8 <= nb {
+        // SAFETY: `b + 8 <= nb`, the whole blocks every row and `out` hold; our features.
+        q8_0_blocks8(a, rows, b, op);
+        b += 8;
+    }
     while b + 2 <= nb {
         // SAFETY: `b + 2 <= nb`, the whole blocks every row and `out` hold; our features.
         q8_0_blocks::<2>(a, rows, b, op);
