@@ -32,10 +32,13 @@ use std::arch::x86_64::*;
 
 use leanstream_format::quant::BLOCK_LEN;
 
-use super::avx2::{common_blocks, f16_load, f16_scales8, row_dot, rows_dot, Q4_0, Q4_1, Q8_0};
+use super::avx2::{
+    block_kind, common_blocks, f16_load, f16_scales8, input_codes, inputs_by_count, lanes_total,
+    packed_by_count, row_dot, rows_dot, x_block, Q4_0, Q4_1, Q8_0,
+};
 use super::operand::Q8Vec;
 use super::portable::{Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
-use super::rows::RowKernels;
+use super::rows::{Packed, RowKernels, INPUTS};
 
 pub(super) fn detected() -> bool {
     is_x86_feature_detected!("avx512f")
@@ -64,6 +67,14 @@ pub(super) unsafe fn kernels() -> RowKernels {
             |r, x, o| unsafe { dots_block_ahead::<Q4_0>(r, x, o) },
             |r, x, o| unsafe { dots_block_ahead::<Q4_1>(r, x, o) },
         ]),
+        inputs_q8_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q8_0>(w, xs, o) }),
+        inputs_q4_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_0>(w, xs, o) }),
+        inputs_q4_1: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_1>(w, xs, o) }),
+        packed_inputs: Some([
+            |w, xs, p, o| unsafe { dot_packed_block::<Q8_0>(w, xs, p, o) },
+            |w, xs, p, o| unsafe { dot_packed_block::<Q4_0>(w, xs, p, o) },
+            |w, xs, p, o| unsafe { dot_packed_block::<Q4_1>(w, xs, p, o) },
+        ]),
         axpy_q8_0: |a, w, o| unsafe { axpy_rows_q8_0(&[a], &[w], o) },
         axpy_q4_0: |a, w, o| unsafe { axpy_rows_q4::<false>(&[a], &[w], o) },
         axpy_q4_1: |a, w, o| unsafe { axpy_rows_q4::<true>(&[a], &[w], o) },
@@ -85,6 +96,122 @@ unsafe fn dots_block<const KIND: u8>(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32])
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
 unsafe fn dots_block_ahead<const KIND: u8>(rows: &[&[u8]], x: &Q8Vec, out: &mut [f32]) {
     rows_dot::<KIND, true, true>(rows, x, out)
+}
+
+/// [`super::avx2::dot_inputs_block`] (a row against a prompt chunk's inputs) with VNNI's
+/// `vpdpbusd` for each block's exact lane sums.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn dot_inputs_block<const KIND: u8>(w: &[u8], xs: &[&Q8Vec], out: &mut [f32]) {
+    inputs_by_count::<KIND, true>(w, xs, out)
+}
+
+/// [`dot_inputs_block`] with the inputs' scales and sums packed side by side
+/// (`super::avx2::dot_packed_block`).
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn dot_packed_block<const KIND: u8>(w: &[u8], xs: &[&Q8Vec], p: &Packed, out: &mut [f32]) {
+    match xs.len().min(out.len()).min(p.inputs) {
+        2 => packed_pairs::<KIND, 1>(w, xs, p, out),
+        4 => packed_pairs::<KIND, 2>(w, xs, p, out),
+        _ => packed_by_count::<KIND, true>(w, xs, p, out),
+    }
+}
+
+/// [`dot_packed_block`] of `2·P` inputs, two to a 512-bit vector: input `2j`'s eight lanes in the
+/// low half, input `2j + 1`'s in the high half, so that one `vpdpbusd`, one conversion, one
+/// multiply and one add serve both. Each lane does what the 256-bit kernel's lane does for its
+/// input (the block's exact lane sum, converted, times `d_w·d_x`, added), so every result keeps
+/// its bits.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW, VL and VNNI; `xs` has `2·P` inputs, `p` packs them.
+#[inline(always)]
+unsafe fn packed_pairs<const KIND: u8, const P: usize>(
+    w: &[u8],
+    xs: &[&Q8Vec],
+    p: &Packed,
+    out: &mut [f32],
+) {
+    let kind = block_kind(KIND);
+    let bytes = kind.bytes();
+    let xs: [[&Q8Vec; 2]; P] = std::array::from_fn(|j| [xs[2 * j], xs[2 * j + 1]]);
+    let nb = xs
+        .iter()
+        .flatten()
+        .fold((w.len() / bytes).min(p.blocks), |nb, x| {
+            nb.min(x.scales.len())
+                .min(x.sums.len())
+                .min(x.quants.len() / BLOCK_LEN)
+                .min(x.offsets.len() / 8)
+        });
+    let (wp, sp, mp) = (
+        w.as_ptr(),
+        p.scales.as_ptr() as *const f32,
+        p.sums.as_ptr() as *const f32,
+    );
+    // Lanes 0–7 take element 2j of the four products, lanes 8–15 element 2j + 1.
+    let pick: [__m512i; P] = std::array::from_fn(|j| {
+        _mm512_setr_epi32(
+            2 * j as i32,
+            2 * j as i32,
+            2 * j as i32,
+            2 * j as i32,
+            2 * j as i32,
+            2 * j as i32,
+            2 * j as i32,
+            2 * j as i32,
+            2 * j as i32 + 1,
+            2 * j as i32 + 1,
+            2 * j as i32 + 1,
+            2 * j as i32 + 1,
+            2 * j as i32 + 1,
+            2 * j as i32 + 1,
+            2 * j as i32 + 1,
+            2 * j as i32 + 1,
+        )
+    });
+    let both = |x: [&Q8Vec; 2], b: usize, of: fn(&Q8Vec, usize) -> __m256i| {
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(of(x[0], b)), of(x[1], b))
+    };
+    let offsets =
+        |x: &Q8Vec, b: usize| _mm256_loadu_si256(x.offsets.as_ptr().add(8 * b) as *const __m256i);
+    let mut acc = [_mm512_setzero_ps(); P];
+    let mut mins = _mm_setzero_ps();
+    for b in 0..nb {
+        let blk = wp.add(b * bytes);
+        let c = _mm512_broadcast_i64x4(input_codes::<KIND, true>(blk));
+        // Element i: d_w times input i's scale (the 256-bit kernel's products).
+        let dd = _mm512_castps128_ps512(_mm_mul_ps(
+            _mm_set1_ps(f16_load(blk)),
+            _mm_loadu_ps(sp.add(b * INPUTS)),
+        ));
+        if kind.has_min() {
+            let m = _mm_set1_ps(f16_load(blk.add(2)));
+            mins = _mm_add_ps(mins, _mm_mul_ps(m, _mm_loadu_ps(mp.add(b * INPUTS))));
+        }
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let xv = both(xs[j], b, |x, b| x_block(x, b));
+            let isums = match KIND {
+                Q4_0 => _mm512_dpbusd_epi32(both(xs[j], b, offsets), c, xv),
+                Q8_0 => {
+                    // `vpsignb` has no 512-bit form: |c| times x negated where c is negative.
+                    let neg = _mm512_movepi8_mask(c);
+                    let xs = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(c), xs)
+                }
+                _ => _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv),
+            };
+            let ddj = _mm512_permutexvar_ps(pick[j], dd);
+            *acc = _mm512_add_ps(*acc, _mm512_mul_ps(ddj, _mm512_cvtepi32_ps(isums)));
+        }
+    }
+    let mut m = [0.0f32; 4];
+    _mm_storeu_ps(m.as_mut_ptr(), mins);
+    for (j, acc) in acc.into_iter().enumerate() {
+        out[2 * j] = lanes_total(_mm512_castps512_ps256(acc)) + m[2 * j];
+        out[2 * j + 1] = lanes_total(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+            _mm512_castps_pd(acc),
+        ))) + m[2 * j + 1];
+    }
 }
 
 /// [`super::avx2::dot_block`] with VNNI's `vpdpbusd`.

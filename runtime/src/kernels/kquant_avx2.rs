@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2;
+use super::avx2::{self, f16_load};
 use super::operand::Q8Vec;
 use super::portable::{
     scales_mins_k4_bytes, super_blocks, K_SUB, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
@@ -341,13 +341,6 @@ unsafe fn q6_k<const N: usize, const AHEAD: bool>(w: &[u8], xs: [&Q8Vec; N]) -> 
         add_ordered(&mut sums, &mut all, t);
     }
     ordered_results(sums, all)
-}
-
-/// The f16 at `p` as f32.
-#[inline(always)]
-unsafe fn f16_load(p: *const u8) -> f32 {
-    let h = (p as *const u16).read_unaligned();
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
