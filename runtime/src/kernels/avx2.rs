@@ -283,13 +283,18 @@ unsafe fn axpy_float(a: f32, w: &[u8], out: &mut [f32], unit: Float) {
 #[inline(always)]
 pub(super) unsafe fn f16_load(p: *const u8) -> f32 {
     let h = (p as *const u16).read_unaligned();
-    let mut v = _mm_cvtsi32_si128(h as i32);
-    // Only the low 16 bits are converted and used, so the compiler would load them with an
-    // insert into whatever register it picks, whose other lanes it keeps: the conversion then
-    // waits on that register's last writer, a chain from block to block when that is an
-    // accumulator (a packed prompt kernel ran at 0.55–0.65× its speed). The empty statement takes
-    // the whole register, so it is written whole (`vmovd`, which zeroes the rest) and depends on
-    // nothing before it.
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// [`f16_load`] of an f16 that two more bytes of its block follow (a block's leading scale, or
+/// `Q4_1`'s minimum): one 32-bit load straight into a vector register. Of a 16-bit load the
+/// compiler makes an insert into whatever register it picks, keeping that register's other lanes,
+/// so the conversion waits on the register's last writer: a chain from block to block when that
+/// is an accumulator (a prompt kernel ran at 0.55–0.65× its speed). The empty statement takes the
+/// whole register, so it is written whole (`vmovd`, which zeroes the rest) and waits on nothing.
+#[inline(always)]
+pub(super) unsafe fn f16_lead(p: *const u8) -> f32 {
+    let mut v = _mm_cvtsi32_si128((p as *const i32).read_unaligned());
     std::arch::asm!("/* {0} */", inout(xmm_reg) v, options(pure, nomem, nostack, preserves_flags));
     _mm_cvtss_f32(_mm_cvtph_ps(v))
 }
@@ -516,7 +521,7 @@ unsafe fn row_dot2<const KIND: u8, const VNNI: bool, const AHEAD: bool>(
         } else {
             for (dd, p) in dd.iter_mut().zip([p0, p1]) {
                 for (k, dd) in dd[..group].iter_mut().enumerate() {
-                    *dd = f16_load(p.add((b + k) * bytes)) * *scales.add(b + k);
+                    *dd = f16_lead(p.add((b + k) * bytes)) * *scales.add(b + k);
                 }
             }
         }
@@ -530,7 +535,7 @@ unsafe fn row_dot2<const KIND: u8, const VNNI: bool, const AHEAD: bool>(
                 let lanes = _mm256_cvtepi32_ps(row_isums::<KIND, VNNI>(blk, x, b + k));
                 acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_broadcast_ss(d), lanes));
                 if kind.has_min() {
-                    mins[r] += f16_load(blk.add(2)) * *sums.add(b + k);
+                    mins[r] += f16_lead(blk.add(2)) * *sums.add(b + k);
                 }
             }
         }
@@ -621,7 +626,7 @@ pub(super) unsafe fn row_dot<const KIND: u8, const VNNI: bool, const AHEAD: bool
             );
         } else {
             for (k, dd) in dd[..group].iter_mut().enumerate() {
-                *dd = f16_load(wp.add((b + k) * bytes)) * *scales.add(b + k);
+                *dd = f16_lead(wp.add((b + k) * bytes)) * *scales.add(b + k);
             }
         }
         for (k, dd) in dd[..group].iter().enumerate() {
@@ -632,7 +637,7 @@ pub(super) unsafe fn row_dot<const KIND: u8, const VNNI: bool, const AHEAD: bool
             let lanes = _mm256_cvtepi32_ps(row_isums::<KIND, VNNI>(blk, x, b + k));
             acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(dd), lanes));
             if kind.has_min() {
-                mins += f16_load(blk.add(2)) * *sums.add(b + k);
+                mins += f16_lead(blk.add(2)) * *sums.add(b + k);
             }
         }
         b += group;
@@ -714,7 +719,7 @@ unsafe fn inputs_block<const KIND: u8, const N: usize, const VNNI: bool>(
             }
         } else {
             for k in 0..group {
-                let d = f16_load(wp.add((b + k) * bytes));
+                let d = f16_lead(wp.add((b + k) * bytes));
                 for i in 0..N {
                     dd[i][k] = d * *xs[i].scales.get_unchecked(b + k);
                 }
@@ -724,7 +729,7 @@ unsafe fn inputs_block<const KIND: u8, const N: usize, const VNNI: bool>(
             let blk = wp.add((b + k) * bytes);
             let c = input_codes::<KIND, VNNI>(blk);
             let m = if kind.has_min() {
-                f16_load(blk.add(2))
+                f16_lead(blk.add(2))
             } else {
                 0.0
             };
@@ -801,9 +806,9 @@ unsafe fn packed_block<const KIND: u8, const N: usize, const VNNI: bool>(
         let c = input_codes::<KIND, VNNI>(blk);
         // Lane i (of each half): d_w times input i's scale.
         let s = _mm_loadu_ps(sp.add(b * INPUTS));
-        let dd = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk)), _mm256_set_m128(s, s));
+        let dd = _mm256_mul_ps(_mm256_set1_ps(f16_lead(blk)), _mm256_set_m128(s, s));
         if kind.has_min() {
-            let m = _mm_set1_ps(f16_load(blk.add(2)));
+            let m = _mm_set1_ps(f16_lead(blk.add(2)));
             mins = _mm_add_ps(mins, _mm_mul_ps(m, _mm_loadu_ps(mp.add(b * INPUTS))));
         }
         for (i, acc) in acc.iter_mut().enumerate() {
@@ -830,7 +835,7 @@ unsafe fn axpy_q8_0(a: f32, w: &[u8], out: &mut [f32]) {
     let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
     for b in 0..nb {
         let blk = wp.add(b * Q8_0_BYTES);
-        let s = _mm256_set1_ps(a * f16_load(blk));
+        let s = _mm256_set1_ps(a * f16_lead(blk));
         for k in 0..4 {
             let q = _mm_loadl_epi64(blk.add(2 + 8 * k) as *const __m128i);
             let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
@@ -855,9 +860,9 @@ unsafe fn axpy_q4<const WITH_MIN: bool>(a: f32, w: &[u8], out: &mut [f32]) {
     let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
     for b in 0..nb {
         let blk = wp.add(b * bytes);
-        let s = a * f16_load(blk);
+        let s = a * f16_lead(blk);
         let c = if WITH_MIN {
-            a * f16_load(blk.add(2))
+            a * f16_lead(blk.add(2))
         } else {
             -8.0 * s
         };
@@ -910,7 +915,7 @@ unsafe fn axpy_rows_q8_0(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
         let mut acc = load_block(dst);
         for (&a, w) in a[..n].iter().zip(&rows[..n]) {
             let blk = w.as_ptr().add(b * Q8_0_BYTES);
-            let s = _mm256_set1_ps(a * f16_load(blk));
+            let s = _mm256_set1_ps(a * f16_lead(blk));
             for (k, acc) in acc.iter_mut().enumerate() {
                 let q = _mm_loadl_epi64(blk.add(2 + 8 * k) as *const __m128i);
                 let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
@@ -937,9 +942,9 @@ unsafe fn axpy_rows_q4<const WITH_MIN: bool>(a: &[f32], rows: &[&[u8]], out: &mu
         let mut acc = load_block(dst);
         for (&a, w) in a[..n].iter().zip(&rows[..n]) {
             let blk = w.as_ptr().add(b * bytes);
-            let s = a * f16_load(blk);
+            let s = a * f16_lead(blk);
             let c = if WITH_MIN {
-                a * f16_load(blk.add(2))
+                a * f16_lead(blk.add(2))
             } else {
                 -8.0 * s
             };

@@ -33,7 +33,7 @@ use std::arch::x86_64::*;
 use leanstream_format::quant::BLOCK_LEN;
 
 use super::avx2::{
-    block_kind, common_blocks, f16_load, f16_scales8, input_codes, inputs_by_count, lanes_total,
+    block_kind, common_blocks, f16_lead, f16_scales8, input_codes, inputs_by_count, lanes_total,
     packed_by_count, row_dot, rows_dot, x_block, Q4_0, Q4_1, Q8_0,
 };
 use super::operand::Q8Vec;
@@ -181,11 +181,11 @@ unsafe fn packed_pairs<const KIND: u8, const P: usize>(
         let c = _mm512_broadcast_i64x4(input_codes::<KIND, true>(blk));
         // Element i: d_w times input i's scale (the 256-bit kernel's products).
         let dd = _mm512_castps128_ps512(_mm_mul_ps(
-            _mm_set1_ps(f16_load(blk)),
+            _mm_set1_ps(f16_lead(blk)),
             _mm_loadu_ps(sp.add(b * INPUTS)),
         ));
         if kind.has_min() {
-            let m = _mm_set1_ps(f16_load(blk.add(2)));
+            let m = _mm_set1_ps(f16_lead(blk.add(2)));
             mins = _mm_add_ps(mins, _mm_mul_ps(m, _mm_loadu_ps(mp.add(b * INPUTS))));
         }
         for (j, acc) in acc.iter_mut().enumerate() {
@@ -234,7 +234,7 @@ unsafe fn q8_0_blocks<const B: usize>(a: &[f32], rows: &[&[u8]], b: usize, op: *
     for (&a, w) in a.iter().zip(rows) {
         for (i, acc) in acc.iter_mut().enumerate() {
             let blk = w.as_ptr().add((b + i) * Q8_0_BYTES);
-            let s = _mm512_set1_ps(a * f16_load(blk));
+            let s = _mm512_set1_ps(a * f16_lead(blk));
             for (k, acc) in acc.iter_mut().enumerate() {
                 let q = _mm_loadu_si128(blk.add(2 + 16 * k) as *const __m128i);
                 let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
@@ -337,9 +337,9 @@ unsafe fn q4_blocks<const WITH_MIN: bool, const B: usize>(
     for (&a, w) in a.iter().zip(rows) {
         for (i, acc) in acc.iter_mut().enumerate() {
             let blk = w.as_ptr().add((b + i) * bytes);
-            let s = a * f16_load(blk);
+            let s = a * f16_lead(blk);
             let c = if WITH_MIN {
-                a * f16_load(blk.add(2))
+                a * f16_lead(blk.add(2))
             } else {
                 -8.0 * s
             };

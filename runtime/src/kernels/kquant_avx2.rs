@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{self, f16_load};
+use super::avx2::{self, f16_lead, f16_load};
 use super::operand::Q8Vec;
 use super::portable::{
     scales_mins_k4_bytes, super_blocks, K_SUB, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
@@ -251,8 +251,8 @@ unsafe fn q45_k<const FIVE: bool, const N: usize, const AHEAD: bool>(
             }
         }
         let (sc, m) = scales_mins_k4(blk.add(4));
-        let dsc = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk)), sc);
-        let dmm = _mm256_mul_ps(_mm256_set1_ps(f16_load(blk.add(2))), m);
+        let dsc = _mm256_mul_ps(_mm256_set1_ps(f16_lead(blk)), sc);
+        let dmm = _mm256_mul_ps(_mm256_set1_ps(f16_lead(blk.add(2))), m);
         let t = std::array::from_fn(|i| {
             let x = xs[i];
             let isums = _mm256_cvtepi32_ps(_mm256_set_m128i(half[i][1], half[i][0]));
