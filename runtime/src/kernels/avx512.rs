@@ -26,7 +26,7 @@
 //! a multiply and an add per sixteen values. Eight output blocks are updated side by side
 //! (two at the end of a row), so that sixteen chains of sums wait on the adder's latency, each
 //! column is read in runs of eight blocks, and the scales of eight blocks are converted at once
-//! ([`q4_blocks8`]): 1.5× the updates' speed on columns in cache (docs/results.md).
+//! ([`block_scales`]): 1.5× the updates' speed on columns in cache (docs/results.md).
 
 use std::arch::x86_64::*;
 
@@ -150,24 +150,8 @@ unsafe fn packed_pairs<const KIND: u8, const P: usize>(
     );
     // Lanes 0–7 take element 2j of the four products, lanes 8–15 element 2j + 1.
     let pick: [__m512i; P] = std::array::from_fn(|j| {
-        _mm512_setr_epi32(
-            2 * j as i32,
-            2 * j as i32,
-            2 * j as i32,
-            2 * j as i32,
-            2 * j as i32,
-            2 * j as i32,
-            2 * j as i32,
-            2 * j as i32,
-            2 * j as i32 + 1,
-            2 * j as i32 + 1,
-            2 * j as i32 + 1,
-            2 * j as i32 + 1,
-            2 * j as i32 + 1,
-            2 * j as i32 + 1,
-            2 * j as i32 + 1,
-            2 * j as i32 + 1,
-        )
+        let low = _mm512_set1_epi32(2 * j as i32);
+        _mm512_inserti64x4::<1>(low, _mm256_set1_epi32(2 * j as i32 + 1))
     });
     let both = |x: [&Q8Vec; 2], b: usize, of: fn(&Q8Vec, usize) -> __m256i| {
         _mm512_inserti64x4::<1>(_mm512_castsi256_si512(of(x[0], b)), of(x[1], b))
@@ -231,41 +215,10 @@ unsafe fn q8_0_blocks<const B: usize>(a: &[f32], rows: &[&[u8]], b: usize, op: *
     let dst = op.add(b * BLOCK_LEN);
     let mut acc: [[__m512; 2]; B] =
         core::array::from_fn(|i| [0, 16].map(|k| _mm512_loadu_ps(dst.add(i * BLOCK_LEN + k))));
-    for (&a, w) in a.iter().zip(rows) {
-        for (i, acc) in acc.iter_mut().enumerate() {
-            let blk = w.as_ptr().add((b + i) * Q8_0_BYTES);
-            let s = _mm512_set1_ps(a * f16_lead(blk));
-            for (k, acc) in acc.iter_mut().enumerate() {
-                let q = _mm_loadu_si128(blk.add(2 + 16 * k) as *const __m128i);
-                let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-                *acc = _mm512_add_ps(*acc, _mm512_mul_ps(s, v));
-            }
-        }
-    }
-    for (i, acc) in acc.into_iter().enumerate() {
-        for (k, v) in acc.into_iter().enumerate() {
-            _mm512_storeu_ps(dst.add(i * BLOCK_LEN + 16 * k), v);
-        }
-    }
-}
-
-/// [`q8_0_blocks`] for eight output blocks, each row's eight scales converted and multiplied at
-/// once, eight rows at a time, as in [`q4_blocks8`].
-///
-/// # Safety
-/// As [`q8_0_blocks`] with `B` = 8.
-#[inline(always)]
-unsafe fn q8_0_blocks8(a: &[f32], rows: &[&[u8]], b: usize, op: *mut f32) {
-    const B: usize = 8;
-    let dst = op.add(b * BLOCK_LEN);
-    let mut acc: [[__m512; 2]; B] =
-        core::array::from_fn(|i| [0, 16].map(|k| _mm512_loadu_ps(dst.add(i * BLOCK_LEN + k))));
-    let mut s = [[0.0f32; B]; 8];
+    let mut s = [[0.0f32; 8]; 8];
     for (a, rows) in a.chunks(8).zip(rows.chunks(8)) {
         for ((&a, w), s) in a.iter().zip(rows).zip(s.iter_mut()) {
-            let p = w.as_ptr().add(b * Q8_0_BYTES);
-            let sv = _mm256_mul_ps(_mm256_set1_ps(a), f16_scales8(p, Q8_0_BYTES));
-            _mm256_storeu_ps(s.as_mut_ptr(), sv);
+            *s = block_scales::<B>(a, w.as_ptr().add(b * Q8_0_BYTES), Q8_0_BYTES);
         }
         for (w, s) in rows.iter().zip(&s) {
             for (i, acc) in acc.iter_mut().enumerate() {
@@ -286,6 +239,30 @@ unsafe fn q8_0_blocks8(a: &[f32], rows: &[&[u8]], b: usize, op: *mut f32) {
     }
 }
 
+/// `a` times the f16 scales at the start of `B` (at most eight) consecutive blocks, `bytes` apart,
+/// from `p` (the portable kernels' `a · d`, the same products): eight converted and multiplied
+/// at once, fewer one at a time. Kept in an array, each reaches its block's sixteen values by a
+/// broadcast load rather than through the shuffle unit, which the 4-bit updates' permutes keep
+/// busy (docs/results.md, "Down columns while they are in cache").
+///
+/// # Safety
+/// AVX2 and F16C; blocks `0 .. B` from `p` lie within the row.
+#[inline(always)]
+unsafe fn block_scales<const B: usize>(a: f32, p: *const u8, bytes: usize) -> [f32; 8] {
+    let mut s = [0.0f32; 8];
+    if B == 8 {
+        _mm256_storeu_ps(
+            s.as_mut_ptr(),
+            _mm256_mul_ps(_mm256_set1_ps(a), f16_scales8(p, bytes)),
+        );
+    } else {
+        for (i, s) in s.iter_mut().enumerate().take(B) {
+            *s = a * f16_lead(p.add(i * bytes));
+        }
+    }
+    s
+}
+
 /// The portable `axpy_q8_0` of each row in turn.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn axpy_rows_q8_0(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
@@ -296,7 +273,7 @@ unsafe fn axpy_rows_q8_0(a: &[f32], rows: &[&[u8]], out: &mut [f32]) {
     let mut b = 0;
     while b + 8 <= nb {
         // SAFETY: `b + 8 <= nb`, the whole blocks every row and `out` hold; our features.
-        q8_0_blocks8(a, rows, b, op);
+        q8_0_blocks::<8>(a, rows, b, op);
         b += 8;
     }
     while b + 2 <= nb {
@@ -334,74 +311,26 @@ unsafe fn q4_blocks<const WITH_MIN: bool, const B: usize>(
     let dst = op.add(b * BLOCK_LEN);
     let mut acc: [[__m512; 2]; B] =
         core::array::from_fn(|i| [0, 16].map(|k| _mm512_loadu_ps(dst.add(i * BLOCK_LEN + k))));
-    for (&a, w) in a.iter().zip(rows) {
-        for (i, acc) in acc.iter_mut().enumerate() {
-            let blk = w.as_ptr().add((b + i) * bytes);
-            let s = a * f16_lead(blk);
-            let c = if WITH_MIN {
-                a * f16_lead(blk.add(2))
-            } else {
-                -8.0 * s
-            };
-            // Lane k: s·k + c, the value of code k (a product, then a sum, as for each value).
-            let table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(s), codes), _mm512_set1_ps(c));
-            // Byte j of the block as lane j: its low nibble is value j, its high one value 16 + j.
-            let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(nib) as *const __m128i));
-            let lo = _mm512_permutexvar_ps(q, table);
-            let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table);
-            acc[0] = _mm512_add_ps(acc[0], lo);
-            acc[1] = _mm512_add_ps(acc[1], hi);
-        }
-    }
-    for (i, acc) in acc.into_iter().enumerate() {
-        for (k, v) in acc.into_iter().enumerate() {
-            _mm512_storeu_ps(dst.add(i * BLOCK_LEN + 16 * k), v);
-        }
-    }
-}
-
-/// [`q4_blocks`] for eight output blocks, with each row's eight scales (and `Q4_1`'s minimums)
-/// converted and multiplied at once, eight rows at a time, before the rows' updates: each block's
-/// `s` and `c` then come to its sixteen values from memory (a broadcast load) rather than through
-/// the shuffle unit, which the permutes keep busy.
-///
-/// # Safety
-/// As [`q4_blocks`] with `B` = 8.
-#[inline(always)]
-unsafe fn q4_blocks8<const WITH_MIN: bool>(a: &[f32], rows: &[&[u8]], b: usize, op: *mut f32) {
-    const B: usize = 8;
-    let (bytes, nib) = if WITH_MIN {
-        (Q4_1_BYTES, 4)
-    } else {
-        (Q4_0_BYTES, 2)
-    };
-    let codes = _mm512_setr_ps(
-        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
-    );
-    let dst = op.add(b * BLOCK_LEN);
-    let mut acc: [[__m512; 2]; B] =
-        core::array::from_fn(|i| [0, 16].map(|k| _mm512_loadu_ps(dst.add(i * BLOCK_LEN + k))));
-    let (mut s, mut c) = ([[0.0f32; B]; 8], [[0.0f32; B]; 8]);
+    let (mut s, mut c) = ([[0.0f32; 8]; 8], [[0.0f32; 8]; 8]);
     for (a, rows) in a.chunks(8).zip(rows.chunks(8)) {
         for ((&a, w), (s, c)) in a.iter().zip(rows).zip(s.iter_mut().zip(&mut c)) {
             let p = w.as_ptr().add(b * bytes);
-            let sv = _mm256_mul_ps(_mm256_set1_ps(a), f16_scales8(p, bytes));
-            let cv = if WITH_MIN {
-                _mm256_mul_ps(_mm256_set1_ps(a), f16_scales8(p.add(2), bytes))
+            *s = block_scales::<B>(a, p, bytes);
+            *c = if WITH_MIN {
+                block_scales::<B>(a, p.add(2), bytes)
             } else {
-                _mm256_mul_ps(_mm256_set1_ps(-8.0), sv)
+                s.map(|s| -8.0 * s)
             };
-            _mm256_storeu_ps(s.as_mut_ptr(), sv);
-            _mm256_storeu_ps(c.as_mut_ptr(), cv);
         }
         for (w, (s, c)) in rows.iter().zip(s.iter().zip(&c)) {
             for (i, acc) in acc.iter_mut().enumerate() {
                 let blk = w.as_ptr().add((b + i) * bytes);
-                // Lane k: s·k + c, as in `q4_blocks`.
+                // Lane k: s·k + c, the value of code k (a product, then a sum, as for each value).
                 let table = _mm512_add_ps(
                     _mm512_mul_ps(_mm512_set1_ps(s[i]), codes),
                     _mm512_set1_ps(c[i]),
                 );
+                // Byte j of the block as lane j: its low nibble is value j, its high one 16 + j.
                 let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(nib) as *const __m128i));
                 let lo = _mm512_permutexvar_ps(q, table);
                 let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table);
@@ -428,7 +357,7 @@ unsafe fn axpy_rows_q4<const WITH_MIN: bool>(a: &[f32], rows: &[&[u8]], out: &mu
     let mut b = 0;
     while b + 8 <= nb {
         // SAFETY: `b + 8 <= nb`, the whole blocks every row and `out` hold; our features.
-        q4_blocks8::<WITH_MIN>(a, rows, b, op);
+        q4_blocks::<WITH_MIN, 8>(a, rows, b, op);
         b += 8;
     }
     while b + 2 <= nb {
