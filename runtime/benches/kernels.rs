@@ -20,6 +20,12 @@
 //!   cache after the first pass: this is the compute side of the down projection);
 //! - `matmul/<type>`: a 64-token prompt chunk (mat-mat), in multiply-adds per second.
 //!
+//! The filter `ffn` instead prints one table: a whole SwiGLU FFN of SmolLM2's shape (30 layers of
+//! 1536 × 576: 61 MB, more than a last-level cache) as a converted Q4_1 GGUF stores it — `q4_1`
+//! gate and up rows, `q8_0` down columns, split 32 KiB clusters, the `gate_up` rule with 60 % of
+//! the neurons active — through the bundle engine's [`ffn_cluster`], against the same layer as
+//! three dense `q4_1` mat-vecs (gate, up, down), interleaved, fastest and median of 40 passes.
+//!
 //! A filter argument works as for any criterion bench (`cargo bench -p leanstream --bench kernels --
 //! matvec/avx512`). The filter `table` instead prints the GB/s table of the report: mat-vec of
 //! every encoding and the bundle FFN over the same rows (10 % of the neurons active, counted in the
@@ -37,7 +43,7 @@ use leanstream::kernels::{Matrix, Operand, QMatrix, RowKernels};
 use leanstream::source::config::Activation;
 use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream_format::container::page_align;
-use leanstream_format::ffn::ClusterLayout;
+use leanstream_format::ffn::{ClusterLayout, PartTypes};
 use leanstream_format::quant::QuantType;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -447,6 +453,130 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
     }
 }
 
+/// The `ffn` table (see the module's documentation): the bundle pass of a SmolLM2-shaped FFN
+/// against its dense mat-vecs.
+fn ffn_table() {
+    const H: usize = 576;
+    const N: usize = 1536;
+    const LAYERS: usize = 30;
+    const PASSES: usize = 40;
+    const ACTIVE: f64 = 0.6;
+    let mut rng = StdRng::seed_from_u64(3);
+    let parts = PartTypes {
+        gate: QuantType::Q4_1,
+        up: QuantType::Q4_1,
+        down: QuantType::Q8_0,
+    };
+    let layout = BundleLayout::with_parts(parts, H, ClusterLayout::Split).expect("whole blocks");
+    let (rb, bb) = (layout.row_bytes(), layout.bundle_bytes());
+    let per_cluster = CLUSTER_KIB * 1024 / bb;
+    let matrix = |rows, cols, q, rng: &mut StdRng| {
+        QMatrix::quantize(&Matrix::new(rows, cols, random(rows * cols, rng)), q)
+            .expect("whole blocks")
+    };
+    let (mut layers, mut dense, mut clusters) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..LAYERS {
+        let (gate, up) = (
+            matrix(N, H, QuantType::Q4_1, &mut rng),
+            matrix(N, H, QuantType::Q4_1, &mut rng),
+        );
+        let columns = matrix(N, H, QuantType::Q8_0, &mut rng);
+        let mut bundles = Vec::with_capacity(N * bb);
+        for r in 0..N {
+            for part in [gate.row(r), up.row(r), columns.row(r)] {
+                bundles.extend_from_slice(part);
+            }
+        }
+        let mut buf = Vec::new();
+        clusters.clear();
+        for chunk in bundles.chunks(per_cluster * bb) {
+            clusters.push((buf.len(), chunk.len() / bb));
+            buf.extend(ClusterLayout::Split.arrange(chunk, rb));
+            buf.resize(page_align(buf.len() as u64) as usize, 0);
+        }
+        layers.push(buf);
+        dense.push([gate, up, matrix(H, N, QuantType::Q4_1, &mut rng)]);
+    }
+    let x = random(H, &mut rng);
+    let operand = Operand::new(&x, layout.operand_type());
+    let mut skip = Skip {
+        act: Activation::Silu,
+        rule: SkipRule::GateUp,
+        threshold: 0.0,
+    };
+    let (mut out, mut scores) = (vec![0.0f32; H], vec![0.0f32; N]);
+    let pass = |skip: Skip, buf: &[u8], out: &mut [f32], scores: &mut [f32]| {
+        let mut first = 0;
+        for (j, &(at, count)) in clusters.iter().enumerate() {
+            // As the engine does: the next cluster's first rows while this one is computed.
+            if let Some(&(at, count)) = clusters.get(j + 1) {
+                if let Ok(rows) = ClusterRows::new(&layout, &buf[at..], count) {
+                    prefetch_head(&rows, skip);
+                }
+            }
+            let scores = &mut scores[first..first + count];
+            ffn_cluster(&layout, &operand, &buf[at..], skip, out, scores).expect("valid clusters");
+            first += count;
+        }
+    };
+    // The threshold that leaves ACTIVE of the first layer's neurons active.
+    pass(skip, &layers[0], &mut out, &mut scores);
+    let mut sorted = scores.clone();
+    sorted.sort_by(f32::total_cmp);
+    skip.threshold = sorted[((1.0 - ACTIVE) * N as f64) as usize];
+    let (mut g, mut u, mut d) = (vec![0.0f32; N], vec![0.0f32; N], vec![0.0f32; H]);
+    let dense_x = Operand::new(&x, QuantType::Q4_1);
+    let (mut bundle_s, mut dense_s) = (Vec::new(), Vec::new());
+    for _ in 0..PASSES {
+        let start = std::time::Instant::now();
+        for buf in &layers {
+            pass(skip, buf, &mut out, &mut scores);
+        }
+        bundle_s.push(start.elapsed().as_secs_f64());
+        let start = std::time::Instant::now();
+        for [gate, up, down] in &dense {
+            gate.matvec(&dense_x, &mut g);
+            up.matvec(&dense_x, &mut u);
+            for (g, u) in g.iter_mut().zip(&u) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+            down.matvec(&Operand::new(&g, QuantType::Q4_1), &mut d);
+        }
+        dense_s.push(start.elapsed().as_secs_f64());
+        black_box((&out, &d));
+    }
+    for v in [&mut bundle_s, &mut dense_s] {
+        v.sort_by(f64::total_cmp);
+    }
+    let touched = LAYERS as f64 * N as f64 * (rb[0] + rb[1]) as f64
+        + LAYERS as f64 * N as f64 * ACTIVE * rb[2] as f64;
+    let dense_bytes = LAYERS * dense[0].iter().map(QMatrix::bytes).sum::<usize>();
+    println!(
+        "\nSmolLM2-shaped FFN, {LAYERS} layers, kernels {}, {PASSES} interleaved passes, 1 thread",
+        RowKernels::best().isa
+    );
+    println!(
+        "{:<40} {:>10} {:>10} {:>10} {:>14}",
+        "", "MB read", "fastest ms", "median ms", "GB/s (fastest)"
+    );
+    for (name, bytes, s) in [
+        ("bundles (32 KiB split, 60 % active)", touched, &bundle_s),
+        ("dense q4_1 mat-vecs", dense_bytes as f64, &dense_s),
+    ] {
+        println!(
+            "{name:<40} {:>10.1} {:>10.3} {:>10.3} {:>14.1}",
+            bytes / 1e6,
+            s[0] * 1e3,
+            s[PASSES / 2] * 1e3,
+            bytes / s[0] / 1e9
+        );
+    }
+    println!(
+        "bundles / dense, time of the fastest pass: {:.2}",
+        bundle_s[0] / dense_s[0]
+    );
+}
+
 fn sum(v: &[f32]) -> f32 {
     let mut acc = [0.0f32; 32];
     for chunk in v.chunks_exact(32) {
@@ -462,6 +592,9 @@ fn main() {
     // minute building gigabytes of matrices.
     if !std::env::args().any(|a| a == "--bench") {
         return;
+    }
+    if std::env::args().any(|a| a == "ffn") {
+        return ffn_table();
     }
     let mut rng = StdRng::seed_from_u64(1);
     let m = Matrix::new(ROWS, COLS, random(ROWS * COLS, &mut rng));
