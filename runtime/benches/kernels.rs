@@ -25,6 +25,8 @@
 //! gate and up rows, `q8_0` down columns, split 32 KiB clusters, the `gate_up` rule with 60 % of
 //! the neurons active — through the bundle engine's [`ffn_cluster`], against the same layer as
 //! three dense `q4_1` mat-vecs (gate, up, down), interleaved, fastest and median of 40 passes.
+//! `LEANSTREAM_BENCH_ACTIVE=F` leaves the fraction F of the neurons active instead (0: none, so
+//! the bundle pass reads only the gate and up rows).
 //!
 //! A filter argument works as for any criterion bench (`cargo bench -p leanstream --bench kernels --
 //! matvec/avx512`). The filter `table` instead prints the GB/s table of the report: mat-vec of
@@ -460,7 +462,11 @@ fn ffn_table() {
     const N: usize = 1536;
     const LAYERS: usize = 30;
     const PASSES: usize = 40;
-    const ACTIVE: f64 = 0.6;
+    let active = std::env::var("LEANSTREAM_BENCH_ACTIVE")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|f| (0.0..=1.0).contains(f))
+        .unwrap_or(0.6);
     let mut rng = StdRng::seed_from_u64(3);
     let parts = PartTypes {
         gate: QuantType::Q4_1,
@@ -519,11 +525,14 @@ fn ffn_table() {
             first += count;
         }
     };
-    // The threshold that leaves ACTIVE of the first layer's neurons active.
+    // The threshold that leaves `active` of the first layer's neurons active.
     pass(skip, &layers[0], &mut out, &mut scores);
     let mut sorted = scores.clone();
     sorted.sort_by(f32::total_cmp);
-    skip.threshold = sorted[((1.0 - ACTIVE) * N as f64) as usize];
+    skip.threshold = match ((1.0 - active) * N as f64) as usize {
+        i if i < N => sorted[i],
+        _ => f32::INFINITY,
+    };
     let (mut g, mut u, mut d) = (vec![0.0f32; N], vec![0.0f32; N], vec![0.0f32; H]);
     let dense_x = Operand::new(&x, QuantType::Q4_1);
     let (mut bundle_s, mut dense_s) = (Vec::new(), Vec::new());
@@ -549,7 +558,7 @@ fn ffn_table() {
         v.sort_by(f64::total_cmp);
     }
     let touched = LAYERS as f64 * N as f64 * (rb[0] + rb[1]) as f64
-        + LAYERS as f64 * N as f64 * ACTIVE * rb[2] as f64;
+        + LAYERS as f64 * N as f64 * active * rb[2] as f64;
     let dense_bytes = LAYERS * dense[0].iter().map(QMatrix::bytes).sum::<usize>();
     println!(
         "\nSmolLM2-shaped FFN, {LAYERS} layers, kernels {}, {PASSES} interleaved passes, 1 thread",
@@ -559,8 +568,9 @@ fn ffn_table() {
         "{:<40} {:>10} {:>10} {:>10} {:>14}",
         "", "MB read", "fastest ms", "median ms", "GB/s (fastest)"
     );
+    let bundles = format!("bundles (32 KiB split, {:.0} % active)", 100.0 * active);
     for (name, bytes, s) in [
-        ("bundles (32 KiB split, 60 % active)", touched, &bundle_s),
+        (bundles.as_str(), touched, &bundle_s),
         ("dense q4_1 mat-vecs", dense_bytes as f64, &dense_s),
     ] {
         println!(
