@@ -26,7 +26,8 @@
 //! the neurons active — through the bundle engine's [`ffn_cluster`], against the same layer as
 //! three dense `q4_1` mat-vecs (gate, up, down), interleaved, fastest and median of 40 passes.
 //! `LEANSTREAM_BENCH_ACTIVE=F` leaves the fraction F of the neurons active instead (0: none, so
-//! the bundle pass reads only the gate and up rows).
+//! the bundle pass reads only the gate and up rows); `LEANSTREAM_BENCH_CLUSTER_KIB` sets its
+//! cluster size too.
 //!
 //! A filter argument works as for any criterion bench (`cargo bench -p leanstream --bench kernels --
 //! matvec/avx512`). The filter `table` instead prints the GB/s table of the report: mat-vec of
@@ -67,6 +68,14 @@ fn random(n: usize, rng: &mut StdRng) -> Vec<f32> {
 /// Enough copies of `m` to fill the working set.
 fn copies<T: Clone>(m: T, bytes: usize) -> Vec<T> {
     vec![m; WORKING_SET.div_ceil(bytes)]
+}
+
+/// The bundles' cluster size in KiB: `LEANSTREAM_BENCH_CLUSTER_KIB`, else [`CLUSTER_KIB`].
+fn cluster_kib() -> usize {
+    std::env::var("LEANSTREAM_BENCH_CLUSTER_KIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(CLUSTER_KIB)
 }
 
 fn pool(threads: usize) -> rayon::ThreadPool {
@@ -231,11 +240,7 @@ impl Bundles {
         let down = QMatrix::quantize(&Matrix::new(1, COLS, random(COLS, rng)), qtype)
             .expect("a whole number of blocks");
         let (rb, bb) = (layout.row_bytes(), layout.bundle_bytes());
-        let kib = std::env::var("LEANSTREAM_BENCH_CLUSTER_KIB")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(CLUSTER_KIB);
-        let per_cluster = (kib * 1024 / bb).clamp(1, ROWS);
+        let per_cluster = (cluster_kib() * 1024 / bb).clamp(1, ROWS);
         let mut bundles = Vec::with_capacity(ROWS * bb);
         for r in 0..ROWS {
             bundles.extend_from_slice(m.row(r));
@@ -475,7 +480,7 @@ fn ffn_table() {
     };
     let layout = BundleLayout::with_parts(parts, H, ClusterLayout::Split).expect("whole blocks");
     let (rb, bb) = (layout.row_bytes(), layout.bundle_bytes());
-    let per_cluster = CLUSTER_KIB * 1024 / bb;
+    let per_cluster = (cluster_kib() * 1024 / bb).clamp(1, N);
     let matrix = |rows, cols, q, rng: &mut StdRng| {
         QMatrix::quantize(&Matrix::new(rows, cols, random(rows * cols, rng)), q)
             .expect("whole blocks")
@@ -568,7 +573,11 @@ fn ffn_table() {
         "{:<40} {:>10} {:>10} {:>10} {:>14}",
         "", "MB read", "fastest ms", "median ms", "GB/s (fastest)"
     );
-    let bundles = format!("bundles (32 KiB split, {:.0} % active)", 100.0 * active);
+    let bundles = format!(
+        "bundles ({} KiB split, {:.0} % active)",
+        cluster_kib(),
+        100.0 * active
+    );
     for (name, bytes, s) in [
         (bundles.as_str(), touched, &bundle_s),
         ("dense q4_1 mat-vecs", dense_bytes as f64, &dense_s),
