@@ -249,14 +249,8 @@ impl Bundles {
         }
         let mut clusters = Vec::new();
         let bufs = LAYOUTS.map(|cluster| {
-            let mut buf = Vec::new();
-            clusters.clear();
-            for (ci, chunk) in bundles.chunks(per_cluster * bb).enumerate() {
-                clusters.push((buf.len(), chunk.len() / bb));
-                buf.extend(cluster.arrange(chunk, rb));
-                buf.resize(page_align(buf.len() as u64) as usize, 0);
-                debug_assert_eq!(clusters[ci].1 * bb, chunk.len());
-            }
+            let buf;
+            (buf, clusters) = in_clusters(&bundles, rb, per_cluster, cluster);
             let bytes = buf.len();
             copies(buf, bytes)
         });
@@ -288,22 +282,59 @@ impl Bundles {
 
     /// The FFN over copy `copy` of the layer in layout `LAYOUTS[which]`, cluster after cluster.
     fn run(&self, which: usize, copy: usize, x: &Operand, out: &mut [f32], scores: &mut [f32]) {
-        let (layout, buf) = (
-            self.layout.with_cluster(LAYOUTS[which]),
+        let layout = self.layout.with_cluster(LAYOUTS[which]);
+        run_clusters(
+            &layout,
+            &self.clusters,
             &self.bufs[which][copy],
+            x,
+            self.skip,
+            out,
+            scores,
         );
-        let mut first = 0;
-        for (j, &(at, count)) in self.clusters.iter().enumerate() {
-            // As the engine does: the next cluster's first rows while this one is computed.
-            if let Some(&(at, count)) = self.clusters.get(j + 1) {
-                if let Ok(rows) = ClusterRows::new(&layout, &buf[at..], count) {
-                    prefetch_head(&rows, self.skip);
-                }
+    }
+}
+
+/// `bundles` (`[gate | up | down]` each, parts of `rb` bytes) stored as a file stores them:
+/// clusters of `per_cluster` neurons in layout `cluster`, each padded to whole pages. Returns the
+/// bytes and each cluster's offset in them and neuron count.
+fn in_clusters(
+    bundles: &[u8],
+    rb: [usize; 3],
+    per_cluster: usize,
+    cluster: ClusterLayout,
+) -> (Vec<u8>, Vec<(usize, usize)>) {
+    let bb: usize = rb.iter().sum();
+    let (mut buf, mut clusters) = (Vec::new(), Vec::new());
+    for chunk in bundles.chunks(per_cluster * bb) {
+        clusters.push((buf.len(), chunk.len() / bb));
+        buf.extend(cluster.arrange(chunk, rb));
+        buf.resize(page_align(buf.len() as u64) as usize, 0);
+    }
+    (buf, clusters)
+}
+
+/// The FFN over the clusters of one layer ([`in_clusters`]) in `buf`, cluster after cluster, as
+/// the engine computes them: the next cluster's first rows asked for while one is computed.
+fn run_clusters(
+    layout: &BundleLayout,
+    clusters: &[(usize, usize)],
+    buf: &[u8],
+    x: &Operand,
+    skip: Skip,
+    out: &mut [f32],
+    scores: &mut [f32],
+) {
+    let mut first = 0;
+    for (j, &(at, count)) in clusters.iter().enumerate() {
+        if let Some(&(at, count)) = clusters.get(j + 1) {
+            if let Ok(rows) = ClusterRows::new(layout, &buf[at..], count) {
+                prefetch_head(&rows, skip);
             }
-            let scores = &mut scores[first..first + count];
-            ffn_cluster(&layout, x, &buf[at..], self.skip, out, scores).expect("valid clusters");
-            first += count;
         }
+        let scores = &mut scores[first..first + count];
+        ffn_cluster(layout, x, &buf[at..], skip, out, scores).expect("valid clusters");
+        first += count;
     }
 }
 
@@ -498,13 +529,8 @@ fn ffn_table() {
                 bundles.extend_from_slice(part);
             }
         }
-        let mut buf = Vec::new();
-        clusters.clear();
-        for chunk in bundles.chunks(per_cluster * bb) {
-            clusters.push((buf.len(), chunk.len() / bb));
-            buf.extend(ClusterLayout::Split.arrange(chunk, rb));
-            buf.resize(page_align(buf.len() as u64) as usize, 0);
-        }
+        let buf;
+        (buf, clusters) = in_clusters(&bundles, rb, per_cluster, ClusterLayout::Split);
         layers.push(buf);
         dense.push([gate, up, matrix(H, N, QuantType::Q4_1, &mut rng)]);
     }
@@ -517,18 +543,7 @@ fn ffn_table() {
     };
     let (mut out, mut scores) = (vec![0.0f32; H], vec![0.0f32; N]);
     let pass = |skip: Skip, buf: &[u8], out: &mut [f32], scores: &mut [f32]| {
-        let mut first = 0;
-        for (j, &(at, count)) in clusters.iter().enumerate() {
-            // As the engine does: the next cluster's first rows while this one is computed.
-            if let Some(&(at, count)) = clusters.get(j + 1) {
-                if let Ok(rows) = ClusterRows::new(&layout, &buf[at..], count) {
-                    prefetch_head(&rows, skip);
-                }
-            }
-            let scores = &mut scores[first..first + count];
-            ffn_cluster(&layout, &operand, &buf[at..], skip, out, scores).expect("valid clusters");
-            first += count;
-        }
+        run_clusters(&layout, &clusters, buf, &operand, skip, out, scores)
     };
     // The threshold that leaves `active` of the first layer's neurons active.
     pass(skip, &layers[0], &mut out, &mut scores);
