@@ -41,7 +41,9 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
-use leanstream::kernels::bundles::{ffn_cluster, prefetch_head, BundleLayout, ClusterRows};
+use leanstream::kernels::bundles::{
+    ffn_cluster, ffn_rows, prefetch_head, BundleLayout, ClusterRows,
+};
 use leanstream::kernels::{Matrix, Operand, QMatrix, RowKernels};
 use leanstream::source::config::Activation;
 use leanstream::streaming::skip_rule::{Skip, SkipRule};
@@ -338,6 +340,54 @@ fn run_clusters(
     }
 }
 
+/// One layer's bundles held as three runs (every gate row, then every up row, then every down
+/// column), as a layer held whole in memory could be; returns the buffer and each run's start.
+fn in_runs(bundles: &[u8], rb: [usize; 3]) -> (Vec<u8>, [usize; 3]) {
+    let bb: usize = rb.iter().sum();
+    let n = bundles.len() / bb;
+    let mut buf = Vec::with_capacity(bundles.len());
+    let mut start = [0; 3];
+    let mut at = 0;
+    for (p, s) in start.iter_mut().enumerate() {
+        *s = buf.len();
+        for bundle in bundles.chunks(bb) {
+            buf.extend_from_slice(&bundle[at..at + rb[p]]);
+        }
+        at += rb[p];
+    }
+    debug_assert_eq!(buf.len(), n * bb);
+    (buf, start)
+}
+
+/// [`run_clusters`] over a layer held in runs ([`in_runs`]): the same clusters, computed in the
+/// same order, their rows in the layer's runs.
+#[allow(clippy::too_many_arguments)]
+fn run_in_runs(
+    layout: &BundleLayout,
+    clusters: &[(usize, usize)],
+    buf: &[u8],
+    start: [usize; 3],
+    x: &Operand,
+    skip: Skip,
+    out: &mut [f32],
+    scores: &mut [f32],
+) {
+    let rb = layout.row_bytes();
+    let rows = |first: usize, count: usize| {
+        let at = std::array::from_fn(|p| start[p] + first * rb[p]);
+        ClusterRows::in_runs(layout, buf, at, count).expect("runs within the layer")
+    };
+    let mut first = 0;
+    for (j, &(_, count)) in clusters.iter().enumerate() {
+        if let Some(&(_, next)) = clusters.get(j + 1) {
+            prefetch_head(&rows(first + count, next), skip);
+        }
+        let scores = &mut scores[first..first + count];
+        ffn_rows(layout, x, rows(first, count), skip, out, scores).expect("valid clusters");
+        first += count;
+    }
+}
+
 /// The down projection of a tenth of a 7B layer's neurons: per neuron against blocked.
 fn bench_down(c: &mut Criterion, f32_matrix: &Matrix) {
     const ACTIVE: usize = ROWS / 10;
@@ -517,6 +567,7 @@ fn ffn_table() {
             .expect("whole blocks")
     };
     let (mut layers, mut dense, mut clusters) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut runs, mut run_start) = (Vec::new(), [0; 3]);
     for _ in 0..LAYERS {
         let (gate, up) = (
             matrix(N, H, QuantType::Q4_1, &mut rng),
@@ -532,6 +583,9 @@ fn ffn_table() {
         let buf;
         (buf, clusters) = in_clusters(&bundles, rb, per_cluster, ClusterLayout::Split);
         layers.push(buf);
+        let run;
+        (run, run_start) = in_runs(&bundles, rb);
+        runs.push(run);
         dense.push([gate, up, matrix(H, N, QuantType::Q4_1, &mut rng)]);
     }
     let x = random(H, &mut rng);
@@ -555,13 +609,28 @@ fn ffn_table() {
     };
     let (mut g, mut u, mut d) = (vec![0.0f32; N], vec![0.0f32; N], vec![0.0f32; H]);
     let dense_x = Operand::new(&x, QuantType::Q4_1);
-    let (mut bundle_s, mut dense_s) = (Vec::new(), Vec::new());
+    let (mut bundle_s, mut runs_s, mut dense_s) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut out_runs, mut scores_runs) = (vec![0.0f32; H], vec![0.0f32; N]);
     for _ in 0..PASSES {
         let start = std::time::Instant::now();
         for buf in &layers {
             pass(skip, buf, &mut out, &mut scores);
         }
         bundle_s.push(start.elapsed().as_secs_f64());
+        let start = std::time::Instant::now();
+        for buf in &runs {
+            run_in_runs(
+                &layout,
+                &clusters,
+                buf,
+                run_start,
+                &operand,
+                skip,
+                &mut out_runs,
+                &mut scores_runs,
+            );
+        }
+        runs_s.push(start.elapsed().as_secs_f64());
         let start = std::time::Instant::now();
         for [gate, up, down] in &dense {
             gate.matvec(&dense_x, &mut g);
@@ -574,7 +643,22 @@ fn ffn_table() {
         dense_s.push(start.elapsed().as_secs_f64());
         black_box((&out, &d));
     }
-    for v in [&mut bundle_s, &mut dense_s] {
+    // The same sums in the same order, wherever the rows lie.
+    out.fill(0.0);
+    out_runs.fill(0.0);
+    pass(skip, &layers[0], &mut out, &mut scores);
+    run_in_runs(
+        &layout,
+        &clusters,
+        &runs[0],
+        run_start,
+        &operand,
+        skip,
+        &mut out_runs,
+        &mut scores_runs,
+    );
+    assert_eq!(out, out_runs, "clusters and runs give the same bits");
+    for v in [&mut bundle_s, &mut runs_s, &mut dense_s] {
         v.sort_by(f64::total_cmp);
     }
     let touched = LAYERS as f64 * N as f64 * (rb[0] + rb[1]) as f64
@@ -595,6 +679,7 @@ fn ffn_table() {
     );
     for (name, bytes, s) in [
         (bundles.as_str(), touched, &bundle_s),
+        ("the same, layer in three runs", touched, &runs_s),
         ("dense q4_1 mat-vecs", dense_bytes as f64, &dense_s),
     ] {
         println!(
@@ -606,8 +691,9 @@ fn ffn_table() {
         );
     }
     println!(
-        "bundles / dense, time of the fastest pass: {:.2}",
-        bundle_s[0] / dense_s[0]
+        "bundles / dense, time of the fastest pass: {:.2} (clusters), {:.2} (runs)",
+        bundle_s[0] / dense_s[0],
+        runs_s[0] / dense_s[0]
     );
 }
 

@@ -129,6 +129,34 @@ impl<'b> ClusterRows<'b> {
         })
     }
 
+    /// `count` neurons whose parts each lie in a run of their own within `bytes`: part `p` of
+    /// neuron `i` at `start[p] + i · row_bytes[p]` (a layer held as one run of gate rows, one of
+    /// up rows and one of down columns). An error if a run ends past `bytes`.
+    pub fn in_runs(
+        layout: &BundleLayout,
+        bytes: &'b [u8],
+        start: [usize; 3],
+        count: usize,
+    ) -> Result<Self> {
+        let rb = layout.row_bytes;
+        for p in 0..3 {
+            ensure!(
+                start[p] + count * rb[p] <= bytes.len(),
+                "a run of {count} rows of {} bytes at {} passes the end of {} bytes",
+                rb[p],
+                start[p],
+                bytes.len()
+            );
+        }
+        Ok(Self {
+            bytes,
+            start,
+            stride: rb,
+            row_bytes: rb,
+            count,
+        })
+    }
+
     /// Neurons in the cluster.
     pub fn len(&self) -> usize {
         self.count
@@ -265,6 +293,24 @@ pub fn ffn_cluster(
     scores: &mut [f32],
 ) -> Result<usize> {
     let rows = ClusterRows::new(layout, bytes, scores.len())?;
+    ffn_rows(layout, x, rows, skip, out, scores)
+}
+
+/// [`ffn_cluster`] over neurons wherever their rows lie.
+pub fn ffn_rows(
+    layout: &BundleLayout,
+    x: &Operand,
+    rows: ClusterRows,
+    skip: Skip,
+    out: &mut [f32],
+    scores: &mut [f32],
+) -> Result<usize> {
+    ensure!(
+        rows.len() >= scores.len(),
+        "{} neurons' scores for {} neurons",
+        scores.len(),
+        rows.len()
+    );
     in_batches(layout, x, skip, out, scores, |start| rows.from(start))
 }
 
