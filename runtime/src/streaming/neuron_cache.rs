@@ -221,6 +221,12 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
     /// Pins a cluster of the profile's hot set. Fails (returns false) when it does not fit.
     pub fn pin(&mut self, key: ClusterKey, data: B, prior_freq: f32) -> bool {
         let bytes = data.len() as u64;
+        self.pin_sized(key, data, bytes, prior_freq)
+    }
+
+    /// [`NeuronCache::pin`] of a cluster counted as `bytes` whatever `data` holds: its bytes are
+    /// held elsewhere (a layer kept whole in runs), `data` standing in for them.
+    pub fn pin_sized(&mut self, key: ClusterKey, data: B, bytes: u64, prior_freq: f32) -> bool {
         if self.used + bytes > self.capacity {
             return false;
         }

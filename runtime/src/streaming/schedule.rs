@@ -83,11 +83,20 @@ pub(super) trait Schedule {
 pub(super) struct Resident;
 
 impl Schedule for Resident {
+    /// Every layer held whole, as runs ([`Core::pin_layer_in_runs`]).
     fn warm(&mut self, core: &mut Core) -> Result<()> {
-        let all = hot_order(core);
-        let capacity = core.cache.capacity();
-        if pin_hottest(core, &all, capacity)? < all.len() {
-            bail!("the resident policy needs every bundle in DRAM; raise --memory");
+        let mut freq: Vec<Vec<f32>> = core
+            .plans
+            .iter()
+            .map(|p| vec![0.0; p.clusters.len()])
+            .collect();
+        for (f, (l, c)) in hot_order(core) {
+            freq[l as usize][c as usize] = f;
+        }
+        for (l, freq) in freq.iter().enumerate() {
+            if !core.pin_layer_in_runs(l, freq)? {
+                bail!("the resident policy needs every bundle in DRAM; raise --memory");
+            }
         }
         Ok(())
     }

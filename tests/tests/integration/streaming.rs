@@ -58,6 +58,36 @@ fn certified_streaming_equals_resident_at_every_budget() {
     }
 }
 
+/// The resident policy holds each layer whole, its bundles as three runs (gate rows, up rows,
+/// down columns) computed a reduction group at a time; certified streaming at the minimum budget
+/// computes cluster after cluster as reads land. Decoding is bitwise the same, on one thread and
+/// on three.
+#[test]
+fn resident_layers_in_runs_decode_as_streamed_clusters_do() {
+    let file = embedded("q8");
+    let ids = text_ids(&session(&file, PolicyChoice::Resident, None), 32);
+    let decode = |s: &mut Session| -> Vec<f32> {
+        let model = s.model();
+        let mut cache = model.new_cache(128);
+        ids.iter()
+            .flat_map(|&t| model.forward(&[t], &mut cache, true).unwrap())
+            .collect()
+    };
+    let min = leanstream::streaming::minimum_memory(&file, 128).unwrap();
+    let streamed = decode(&mut session(&file, PolicyChoice::Leanstream, Some(min)));
+    for threads in [1, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let resident = pool.install(|| decode(&mut session(&file, PolicyChoice::Resident, None)));
+        assert!(
+            resident == streamed,
+            "{threads} threads: the resident layers in runs differ from streamed clusters"
+        );
+    }
+}
+
 /// Logits of `ids` fed as one prompt chunk, or one token at a time; and the bytes read.
 fn prefill(file: &Path, memory: Option<u64>, ids: &[u32], chunked: bool) -> (Vec<f32>, u64) {
     let mut s = session(file, PolicyChoice::Leanstream, memory);

@@ -82,7 +82,7 @@ impl Share<'_> {
     ) -> Result<()> {
         let cl = ops.plan.clusters[ops.ci];
         let span = cl.first..cl.first + cl.count;
-        let cluster_rows = ops.rows()?;
+        let cluster_rows = ops.rows;
         let mut scores = self.scores.chunks_exact_mut(n).enumerate();
         let mut passes: SmallVec<[InputPass; INPUTS]> = SmallVec::new();
         for (&r, lists) in group.iter().zip(self.lists.iter_mut()) {
@@ -248,18 +248,17 @@ impl StreamEngine {
                     }
                 };
                 let core = &self.core;
-                let bytes = match &read {
-                    Some(buf) => &buf[..],
-                    None => core.resident(key).expect("resident"),
+                let ops = match &read {
+                    Some(buf) => ClusterOps::new(&core.plans[l], k, skip, ci, buf)?,
+                    None => ClusterOps {
+                        plan: &core.plans[l],
+                        k,
+                        skip,
+                        ci,
+                        rows: core.resident(key).expect("resident")?,
+                    },
                 };
                 let t = Instant::now();
-                let ops = ClusterOps {
-                    plan: &core.plans[l],
-                    k,
-                    skip,
-                    ci,
-                    bytes,
-                };
                 parallel::for_each(threads, cells.len(), &|i| {
                     let mut share = lock(&cells[i]);
                     if share.result.is_ok() {

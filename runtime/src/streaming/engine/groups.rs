@@ -4,6 +4,10 @@
 
 use super::*;
 
+/// Neurons whose gates [`GroupWork::whole`] computes before adding their active neurons' down
+/// columns, while the gate pass's requests for those still hold them in cache.
+const RUN_BATCH: usize = 64;
+
 /// Where a cluster of the layer being computed stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Stage {
@@ -143,22 +147,33 @@ pub(super) fn resident_groups(
     let one = |g: usize, group: &mut GroupWork, next: &mut usize| -> Result<()> {
         let lo = needed.partition_point(|&c| c < bounds[g]);
         let hi = needed.partition_point(|&c| c < bounds[g + 1]);
-        let resident = |ci: usize| {
-            let bytes = core.resident((l as u32, ci as u32))?;
-            Some(ClusterOps {
+        if let Some(runs) = core.layer_runs(l) {
+            if hi - lo == bounds[g + 1] - bounds[g] {
+                // Every cluster of the group needed, and the layer whole in runs: one pass.
+                let rows = runs.rows(&plan.layout, group.n0, group.scores.len());
+                group.whole(plan, k, skip, rows, candidate, operand);
+                *next = group.end;
+                return Ok(());
+            }
+        }
+        let resident = |ci: usize| -> Result<Option<ClusterOps>> {
+            let Some(rows) = core.resident((l as u32, ci as u32)).transpose()? else {
+                return Ok(None);
+            };
+            Ok(Some(ClusterOps {
                 plan,
                 k,
                 skip,
                 ci,
-                bytes,
-            })
+                rows,
+            }))
         };
         let mut ahead = needed[lo..hi].iter().map(|&ci| resident(ci)).peekable();
         while let Some(ops) = ahead.next() {
-            if let Some(ops) = ops {
+            if let Some(ops) = ops? {
                 // The gate pass asks for the next cluster's first rows as it nears its end.
                 let then = match ahead.peek() {
-                    Some(Some(next)) => next.rows().ok(),
+                    Some(Ok(Some(next))) => Some(next.rows),
                     _ => None,
                 };
                 group.gates(&ops, then.as_ref(), candidate, operand)?;
@@ -286,6 +301,51 @@ impl GroupWork<'_> {
         Ok(())
     }
 
+    /// Every cluster of the group at once, its neurons `rows` (a layer held in runs): gates and
+    /// down columns [`RUN_BATCH`] neurons at a time. The active neurons' down columns are added
+    /// in neuron order, as cluster after cluster adds them ([`RowKernels::axpy_rows`] is bitwise
+    /// one row after another), so the sum is bitwise the same.
+    pub(super) fn whole(
+        &mut self,
+        plan: &LayerPlan,
+        k: &RowKernels,
+        skip: Skip,
+        rows: ClusterRows,
+        candidate: &[bool],
+        x: &Operand,
+    ) {
+        let n = self.scores.len();
+        let mut start = 0;
+        while start < n {
+            let end = (start + RUN_BATCH).min(n);
+            let (here, then) = (rows.from(start), rows.from(end));
+            let n0 = self.n0 + start;
+            let m = gate_pass(
+                k,
+                &plan.layout,
+                x,
+                &here,
+                (end < n).then_some(&then),
+                |i| candidate[n0 + i],
+                skip,
+                &mut self.scores[start..end],
+                self.active,
+                self.coef,
+            );
+            let m = keep_positive(skip.act, &mut self.active[..m], &mut self.coef[..m]);
+            down_pass(
+                k,
+                &plan.layout,
+                &here,
+                &self.active[..m],
+                &self.coef[..m],
+                self.acc,
+            );
+            start = end;
+        }
+        self.stage.fill(Stage::Added);
+    }
+
     /// Adds, in cluster order, the down columns of the group's clusters whose gates are computed,
     /// from `next` up to the first whose bytes have not come yet.
     pub(super) fn advance(
@@ -302,18 +362,20 @@ impl GroupWork<'_> {
                 Stage::Waiting => return,
                 Stage::Skipped | Stage::Added => {}
                 Stage::Gated => {
-                    let bytes = match &self.held[i] {
-                        Some(buf) => &buf[..],
+                    let plan = &core.plans[l];
+                    let rows = match &self.held[i] {
+                        Some(buf) => ClusterRows::new(&plan.layout, buf, plan.clusters[ci].count),
                         None => core
                             .resident((l as u32, ci as u32))
                             .expect("a gated cluster stays resident until its layer is done"),
-                    };
+                    }
+                    .expect("the gate pass checked the cluster's size");
                     let ops = ClusterOps {
-                        plan: &core.plans[l],
+                        plan,
                         k,
                         skip,
                         ci,
-                        bytes,
+                        rows,
                     };
                     let first = ops.plan.clusters[ci].first - self.n0;
                     let r = first..first + self.n_active[i] as usize;
@@ -326,22 +388,34 @@ impl GroupWork<'_> {
     }
 }
 
-/// One cluster's bytes and what computing it takes.
+/// One cluster's rows and what computing it takes.
 pub(super) struct ClusterOps<'a> {
     pub(super) plan: &'a LayerPlan,
     pub(super) k: &'a RowKernels,
     /// A neuron is computed when its score under this rule exceeds the threshold.
     pub(super) skip: Skip,
     pub(super) ci: usize,
-    pub(super) bytes: &'a [u8],
+    pub(super) rows: ClusterRows<'a>,
 }
 
 impl<'a> ClusterOps<'a> {
-    /// The cluster's neurons' rows where its bytes lie; an error if they are too few.
-    pub(super) fn rows(&self) -> Result<ClusterRows<'a>> {
-        let count = self.plan.clusters[self.ci].count;
-        ClusterRows::new(&self.plan.layout, self.bytes, count)
-            .with_context(|| format!("cluster {}", self.ci))
+    /// Cluster `ci` of `plan` in `bytes` (read, or cached); an error if they are too few.
+    pub(super) fn new(
+        plan: &'a LayerPlan,
+        k: &'a RowKernels,
+        skip: Skip,
+        ci: usize,
+        bytes: &'a [u8],
+    ) -> Result<Self> {
+        let rows = ClusterRows::new(&plan.layout, bytes, plan.clusters[ci].count)
+            .with_context(|| format!("cluster {ci}"))?;
+        Ok(Self {
+            plan,
+            k,
+            skip,
+            ci,
+            rows,
+        })
     }
 
     /// Computes the exact scores of the cluster's candidate neurons into `scores` (the layer's)
@@ -388,7 +462,7 @@ impl<'a> ClusterOps<'a> {
             self.k,
             &self.plan.layout,
             x,
-            &self.rows()?,
+            &self.rows,
             then,
             |i| candidate[cl.first + i],
             self.skip,
@@ -413,7 +487,6 @@ impl<'a> ClusterOps<'a> {
     /// Adds `coef[j] · down(active[j])` for the cluster's neurons `active`, in order, to `acc`.
     /// The cluster's gates were computed ([`Self::gate_into`] checked its size).
     pub(super) fn add_from(&self, active: &[u32], coef: &[f32], acc: &mut [f32]) {
-        let rows = self.rows().expect("gate_into checked the cluster's size");
-        down_pass(self.k, &self.plan.layout, &rows, active, coef, acc);
+        down_pass(self.k, &self.plan.layout, &self.rows, active, coef, acc);
     }
 }

@@ -16,9 +16,11 @@
 
 mod chunk;
 mod groups;
+mod runs;
 mod state;
 
 use groups::*;
+use runs::LayerRuns;
 pub(super) use state::{Core, Refine};
 
 use std::ops::Deref;
@@ -181,6 +183,7 @@ impl StreamEngine {
                 io,
                 cache,
                 mapping,
+                runs: Vec::new(),
                 slots: slots.clone(),
                 pending: vec![None; slots.len()],
                 in_batch: vec![false; slots.len()],
@@ -451,13 +454,7 @@ impl StreamEngine {
         // A cluster whose bytes came: its gates now, its down columns when its group gets to it.
         let landed =
             |core: &Core, work: &mut Work, next: &mut [usize; GROUPS], ci, buf: AlignedBuf| {
-                let ops = ClusterOps {
-                    plan: &core.plans[l],
-                    k,
-                    skip,
-                    ci,
-                    bytes: &buf,
-                };
+                let ops = ClusterOps::new(&core.plans[l], k, skip, ci, &buf)?;
                 ops.gates(candidate, operand, &mut work.scores, &mut work.lists)?;
                 work.held[ci] = Some(buf);
                 let g = group_of(&bounds, ci);
@@ -521,12 +518,10 @@ impl StreamEngine {
         let rb = layout.row_bytes();
         let mut parts = rb.map(|b| Vec::with_capacity(neurons * b));
         for (ci, cl) in plan.clusters.iter().enumerate() {
-            let bytes = self
+            let rows = self
                 .core
-                .cache
-                .get((l as u32, ci as u32))
-                .with_context(|| format!("layer {l}'s cluster {ci} is not in memory"))?;
-            let rows = ClusterRows::new(&layout, bytes, cl.count)?;
+                .resident((l as u32, ci as u32))
+                .with_context(|| format!("layer {l}'s cluster {ci} is not in memory"))??;
             for k in 0..cl.count {
                 use crate::kernels::bundles::NeuronRows;
                 parts[0].extend_from_slice(rows.gate(k));

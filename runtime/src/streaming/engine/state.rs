@@ -27,6 +27,11 @@ pub(in crate::streaming) struct Core {
     pub cache: NeuronCache<Bytes>,
     /// The file mapped into memory (`mmap` policy): every cluster is addressable, the OS pages.
     pub mapping: Option<Mapping>,
+    /// Per layer: its bundles held whole as runs ([`Core::pin_layer_in_runs`]); empty when no
+    /// layer is. The cache still counts such a layer's clusters, pinned, its entries empty. Only
+    /// the resident policy holds layers so, and it refuses any budget below all its bundles, so
+    /// none of their clusters is evicted (were one, its rows would still come from the runs).
+    pub(super) runs: Vec<Option<LayerRuns>>,
     /// The file's clusters numbered densely, shared with the cache: lookups are indexes.
     pub(super) slots: ClusterSlots,
     /// The queued read of each cluster (by slot) and its size.
@@ -235,12 +240,56 @@ impl Core {
         Ok((ci, buf))
     }
 
-    /// The bytes of a cluster that need no read: cached, or in the mapping.
-    pub(super) fn resident(&self, key: ClusterKey) -> Option<&[u8]> {
-        self.cache.get(key).or_else(|| {
-            let cl = &self.plans[key.0 as usize].clusters[key.1 as usize];
-            self.mapping.as_ref().map(|m| m.cluster(cl))
-        })
+    /// The rows of a cluster that need no read: in a layer held in runs, cached, or in the
+    /// mapping; an error if its bytes are too few for its neurons.
+    pub(super) fn resident(&self, key: ClusterKey) -> Option<Result<ClusterRows<'_>>> {
+        let (l, ci) = (key.0 as usize, key.1 as usize);
+        let plan = &self.plans[l];
+        let cl = &plan.clusters[ci];
+        if let Some(runs) = self.layer_runs(l) {
+            return Some(Ok(runs.rows(&plan.layout, cl.first, cl.count)));
+        }
+        let bytes = self
+            .cache
+            .get(key)
+            .or_else(|| self.mapping.as_ref().map(|m| m.cluster(cl)))?;
+        Some(
+            ClusterRows::new(&plan.layout, bytes, cl.count)
+                .with_context(|| format!("cluster {ci}")),
+        )
+    }
+
+    /// Layer `l`'s runs, if it is held in runs.
+    pub(super) fn layer_runs(&self, l: usize) -> Option<&LayerRuns> {
+        self.runs.get(l).and_then(Option::as_ref)
+    }
+
+    /// Reads every cluster of layer `l` (checking each) into one [`LayerRuns`] and pins the
+    /// clusters, counted at their stored sizes; false, nothing pinned, if they do not all fit.
+    /// One cluster's read buffer at a time besides the runs: the layer is never held twice.
+    pub fn pin_layer_in_runs(&mut self, l: usize, freq: &[f32]) -> Result<bool> {
+        let plan = &self.plans[l];
+        let size: u64 = plan.clusters.iter().map(|cl| cl.size).sum();
+        if self.cache.used() + size > self.cache.capacity() {
+            return Ok(false);
+        }
+        let mut runs = LayerRuns::for_layer(plan);
+        for ci in 0..plan.clusters.len() {
+            let stored = self.read_now((l as u32, ci as u32))?;
+            runs.put(&self.plans[l], ci, &stored)?;
+        }
+        for (ci, cl) in self.plans[l].clusters.iter().enumerate() {
+            let key = (l as u32, ci as u32);
+            let pinned = self
+                .cache
+                .pin_sized(key, Bytes::Vec(Vec::new()), cl.size, freq[ci]);
+            debug_assert!(pinned, "the layer was checked to fit");
+        }
+        if self.runs.len() <= l {
+            self.runs.resize_with(self.plans.len(), || None);
+        }
+        self.runs[l] = Some(runs);
+        Ok(true)
     }
 
     /// Whether a cluster is in memory now: cached, or (mapping) its pages are in the page cache.
