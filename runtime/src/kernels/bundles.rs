@@ -394,6 +394,80 @@ pub fn gate_and_down<'b>(
     m
 }
 
+/// Neurons [`gate_pass_runs`] takes at most.
+pub const RUN_PASS: usize = 64;
+
+/// [`gate_pass`] over the first `scores.len()` (at most [`RUN_PASS`]) neurons of a layer held in
+/// runs ([`ClusterRows::in_runs`]), every one a candidate: their gate rows, and under `gate_up`
+/// their up rows, lie end to end, so they are read as a dense mat-vec reads its rows
+/// ([`RowKernels::dots_ahead`], bitwise [`RowKernels::dots`]); under `gate` the up rows of the
+/// active neurons follow. Scores, active list and coefficients are bitwise [`gate_pass`]'s.
+#[allow(clippy::too_many_arguments)]
+pub fn gate_pass_runs(
+    k: &RowKernels,
+    layout: &BundleLayout,
+    x: &Operand,
+    rows: &ClusterRows,
+    skip: Skip,
+    scores: &mut [f32],
+    active: &mut [u32],
+    coef: &mut [f32],
+) -> usize {
+    let (gq, uq) = (layout.qtypes.gate, layout.qtypes.up);
+    let n = scores.len();
+    assert!(n <= RUN_PASS && n <= rows.len() && active.len() >= n && coef.len() >= n);
+    let up_always = matches!(skip.rule, SkipRule::GateUp);
+    let mut batch: [&[u8]; RUN_PASS] = [&[]; RUN_PASS];
+    let (mut gates, mut ups) = ([0.0f32; RUN_PASS], [0.0f32; RUN_PASS]);
+    for (i, r) in batch[..n].iter_mut().enumerate() {
+        *r = rows.gate(i);
+    }
+    k.dots_ahead(gq, &batch[..n], x, &mut gates[..n]);
+    if up_always {
+        for (i, r) in batch[..n].iter_mut().enumerate() {
+            *r = rows.up(i);
+        }
+        k.dots_ahead(uq, &batch[..n], x, &mut ups[..n]);
+    }
+    // Under `gate`: the gates decide, then the up rows of the active neurons only.
+    let mut m = 0;
+    for i in 0..n {
+        let a = skip.act.apply(gates[i]);
+        let c = match skip.gate_score(a) {
+            Some(s) => {
+                scores[i] = s;
+                if !skip.active(s) {
+                    continue;
+                }
+                a
+            }
+            None => {
+                let c = skip.act.coef(a, ups[i]);
+                scores[i] = c.abs();
+                if !skip.active(scores[i]) {
+                    continue;
+                }
+                c
+            }
+        };
+        prefetch(rows.down(i));
+        active[m] = i as u32;
+        coef[m] = c;
+        m += 1;
+    }
+    if !up_always {
+        for (j, r) in batch[..m].iter_mut().enumerate() {
+            *r = rows.up(active[j] as usize);
+        }
+        // Ascending rows of one run: reading ahead in it fetches the next ones, mostly active.
+        k.dots_ahead(uq, &batch[..m], x, &mut ups[..m]);
+        for j in 0..m {
+            coef[j] = skip.act.coef(coef[j], ups[j]);
+        }
+    }
+    m
+}
+
 /// The first half of the FFN over the first `scores.len()` neurons of `rows`: for each `i` that is a `candidate`, `g = gate·x`, `a = act(g)`, the
 /// rule's score goes to `scores[i]` (`|a|` under `gate`, `|a·(up·x)|` under `gate_up`), and if it
 /// exceeds the threshold (active), `i` to the next slot of `active` and `a · (up·x)` to the same

@@ -429,10 +429,11 @@ fn dots_are_dot_row_by_row_bit_for_bit() {
 
 /// The gate pass, which takes its candidates' gate (and up) rows several at a time, gives the
 /// scores, active neurons and coefficients of one `dot` per row, neuron after neuron, under both
-/// rules, with candidates left out and odd counts.
+/// rules, with candidates left out and odd counts; so does the pass over a layer held in runs
+/// (every neuron a candidate), which reads them as a mat-vec does.
 #[test]
 fn gate_pass_is_one_dot_per_row_bit_for_bit() {
-    use super::bundles::{gate_pass, ClusterRows};
+    use super::bundles::{gate_pass, gate_pass_runs, ClusterRows, RUN_PASS};
     let (seed, mut rng) = rng();
     let mut layouts: Vec<BundleLayout> = [
         QuantType::Q8_0,
@@ -443,10 +444,11 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
     .map(|q| BundleLayout::new(q, 96, ClusterLayout::Split).unwrap())
     .into();
     layouts.extend(mixed_layouts());
+    let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
     for k in RowKernels::available() {
         for &layout in &layouts {
             let (qtype, hidden) = (layout.qtypes, layout.hidden);
-            for n in [1, 2, 3, 5, 8, 11, 37] {
+            for n in [1, 2, 3, 5, 8, 11, 37, RUN_PASS] {
                 let (buf, _) = random_bundles(&layout, n, &mut rng);
                 let bb = layout.bundle_bytes();
                 let rb = layout.row_bytes();
@@ -460,6 +462,22 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                 let layout = layout.with_cluster(cluster);
                 let stored = cluster.arrange(&buf, rb);
                 let rows = ClusterRows::new(&layout, &stored, n).unwrap();
+                // The same neurons as a layer's runs, after a neuron of another cluster.
+                let (before, _) = random_bundles(&layout, 1, &mut rng);
+                let mut runs = Vec::new();
+                for p in 0..3 {
+                    let at = rb[..p].iter().sum::<usize>();
+                    runs.extend_from_slice(&before[at..at + rb[p]]);
+                    for i in 0..n {
+                        runs.extend_from_slice(&bundle(i)[at..at + rb[p]]);
+                    }
+                }
+                let start = [
+                    rb[0],
+                    (n + 1) * rb[0] + rb[1],
+                    (n + 1) * (rb[0] + rb[1]) + rb[2],
+                ];
+                let in_runs = ClusterRows::in_runs(&layout, &runs, start, n).unwrap();
                 let xs = random(hidden, 1.0, &mut rng);
                 let x = Operand::new(&xs, layout.operand_type());
                 let skipped = rng.random_range(0..3usize);
@@ -470,6 +488,39 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                         rule,
                         threshold,
                     } = skip;
+                    // One `dot` per row, neuron after neuron.
+                    let want = |candidate: &dyn Fn(usize) -> bool| {
+                        let mut scores = vec![-1.0f32; n];
+                        let (mut active, mut coef) = (Vec::new(), Vec::new());
+                        for (i, score) in scores.iter_mut().enumerate() {
+                            if !candidate(i) {
+                                continue;
+                            }
+                            let b = bundle(i);
+                            let a = act.apply(k.dot(qtype.gate, &b[..rb[0]], &x));
+                            let u = || a * k.dot(qtype.up, &b[rb[0]..rb[0] + rb[1]], &x);
+                            let c = match rule {
+                                SkipRule::Gate => {
+                                    *score = a.abs();
+                                    (*score > threshold).then(u)
+                                }
+                                SkipRule::GateUp => {
+                                    let c = u();
+                                    *score = c.abs();
+                                    (*score > threshold).then_some(c)
+                                }
+                            };
+                            if let Some(c) = c {
+                                active.push(i as u32);
+                                coef.push(c);
+                            }
+                        }
+                        (bits(&scores), active, bits(&coef))
+                    };
+                    let what = format!(
+                        "seed {seed}: {} {qtype} n={n} {cluster:?} {act:?} {rule:?}",
+                        k.isa
+                    );
                     let mut scores = vec![-1.0f32; n];
                     let (mut active, mut coef) = (vec![0u32; n], vec![0.0f32; n]);
                     let m = gate_pass(
@@ -484,43 +535,22 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                         &mut active,
                         &mut coef,
                     );
-                    let mut want_scores = vec![-1.0f32; n];
-                    let (mut want_active, mut want_coef) = (Vec::new(), Vec::new());
-                    for (i, score) in want_scores.iter_mut().enumerate() {
-                        if !candidate(i) {
-                            continue;
-                        }
-                        let b = bundle(i);
-                        let a = act.apply(k.dot(qtype.gate, &b[..rb[0]], &x));
-                        let u = || a * k.dot(qtype.up, &b[rb[0]..rb[0] + rb[1]], &x);
-                        let c = match rule {
-                            SkipRule::Gate => {
-                                *score = a.abs();
-                                (*score > threshold).then(u)
-                            }
-                            SkipRule::GateUp => {
-                                let c = u();
-                                *score = c.abs();
-                                (*score > threshold).then_some(c)
-                            }
-                        };
-                        if let Some(c) = c {
-                            want_active.push(i as u32);
-                            want_coef.push(c.to_bits());
-                        }
-                    }
-                    let what = format!(
-                        "seed {seed}: {} {qtype} n={n} {cluster:?} {act:?} {rule:?}",
-                        k.isa
+                    let got = (bits(&scores), active[..m].to_vec(), bits(&coef[..m]));
+                    assert_eq!(got, want(&candidate), "{what}");
+
+                    scores.fill(-1.0);
+                    let m = gate_pass_runs(
+                        &k,
+                        &layout,
+                        &x,
+                        &in_runs,
+                        skip,
+                        &mut scores,
+                        &mut active,
+                        &mut coef,
                     );
-                    assert_eq!(
-                        scores.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
-                        want_scores.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
-                        "{what}"
-                    );
-                    assert_eq!(&active[..m], &want_active[..], "{what}");
-                    let coef: Vec<u32> = coef[..m].iter().map(|c| c.to_bits()).collect();
-                    assert_eq!(coef, want_coef, "{what}");
+                    let got = (bits(&scores), active[..m].to_vec(), bits(&coef[..m]));
+                    assert_eq!(got, want(&|_| true), "{what}, in runs");
                 }
             }
         }

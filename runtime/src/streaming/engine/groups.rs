@@ -4,10 +4,6 @@
 
 use super::*;
 
-/// Neurons whose gates [`GroupWork::whole`] computes before adding their active neurons' down
-/// columns, while the gate pass's requests for those still hold them in cache.
-const RUN_BATCH: usize = 64;
-
 /// Where a cluster of the layer being computed stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Stage {
@@ -302,9 +298,11 @@ impl GroupWork<'_> {
     }
 
     /// Every cluster of the group at once, its neurons `rows` (a layer held in runs): gates and
-    /// down columns [`RUN_BATCH`] neurons at a time. The active neurons' down columns are added
-    /// in neuron order, as cluster after cluster adds them ([`RowKernels::axpy_rows`] is bitwise
-    /// one row after another), so the sum is bitwise the same.
+    /// down columns [`RUN_PASS`] neurons at a time, whose down columns are still in cache when
+    /// added; where all of them are candidates, their gate rows read as a mat-vec reads its rows
+    /// ([`gate_pass_runs`]). The active neurons' down columns are added in neuron order, as
+    /// cluster after cluster adds them ([`RowKernels::axpy_rows`] is bitwise one row after
+    /// another), so the sum is bitwise the same.
     pub(super) fn whole(
         &mut self,
         plan: &LayerPlan,
@@ -317,21 +315,34 @@ impl GroupWork<'_> {
         let n = self.scores.len();
         let mut start = 0;
         while start < n {
-            let end = (start + RUN_BATCH).min(n);
+            let end = (start + RUN_PASS).min(n);
             let (here, then) = (rows.from(start), rows.from(end));
-            let n0 = self.n0 + start;
-            let m = gate_pass(
-                k,
-                &plan.layout,
-                x,
-                &here,
-                (end < n).then_some(&then),
-                |i| candidate[n0 + i],
-                skip,
-                &mut self.scores[start..end],
-                self.active,
-                self.coef,
-            );
+            let (n0, scores) = (self.n0 + start, &mut self.scores[start..end]);
+            let m = if candidate[n0..self.n0 + end].iter().all(|&c| c) {
+                gate_pass_runs(
+                    k,
+                    &plan.layout,
+                    x,
+                    &here,
+                    skip,
+                    scores,
+                    self.active,
+                    self.coef,
+                )
+            } else {
+                gate_pass(
+                    k,
+                    &plan.layout,
+                    x,
+                    &here,
+                    (end < n).then_some(&then),
+                    |i| candidate[n0 + i],
+                    skip,
+                    scores,
+                    self.active,
+                    self.coef,
+                )
+            };
             let m = keep_positive(skip.act, &mut self.active[..m], &mut self.coef[..m]);
             down_pass(
                 k,

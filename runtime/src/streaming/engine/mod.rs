@@ -33,7 +33,7 @@ use leanstream_format::quant::QuantType;
 use leanstream_format::FormatError;
 
 use crate::kernels::bundles::{
-    down_pass, gate_pass, keep_positive, ClusterRows, PARALLEL_MIN_BYTES,
+    down_pass, gate_pass, gate_pass_runs, keep_positive, ClusterRows, PARALLEL_MIN_BYTES, RUN_PASS,
 };
 use crate::kernels::parallel;
 use crate::kernels::{Operand, RowKernels};
