@@ -14,7 +14,7 @@ use anyhow::Result;
 
 use super::engine::{Core, Refine, SPECULATIVE_MAX, URGENT};
 use super::predict::above_into;
-use super::schedule::{hot_order, pin_hottest, Schedule};
+use super::schedule::{hot_order, pin_all_in_runs, pin_hottest, Schedule};
 use super::speculation_gate::SpeculationGate;
 use super::tuning::Tuning;
 
@@ -202,6 +202,11 @@ impl Schedule for Leanstream {
         let order = hot_order(core);
         for &(freq, key) in &order {
             core.cache.set_prior(key, freq);
+        }
+        // A cache that holds the whole file keeps every layer whole, as `resident` does (a
+        // smaller budget later gives the runs up, `StreamEngine::set_cache_capacity`).
+        if pin_all_in_runs(core)? {
+            return Ok(());
         }
         let limit = (core.cache.capacity() as f64 * self.hot_fraction as f64) as u64;
         pin_hottest(core, &order, limit)?;

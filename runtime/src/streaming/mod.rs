@@ -429,13 +429,13 @@ impl StreamingModel {
         // Room is made before anything is read: the cache shrinks first, and a part of the dense
         // weights is dropped before it is read again in its new form.
         self.engine
-            .set_cache_capacity(split.neuron_cache.min(self.split.neuron_cache));
+            .set_cache_capacity(split.neuron_cache.min(self.split.neuron_cache))?;
         if split.dense_streamed != self.split.dense_streamed {
             self.dense
                 .set_streamed(split.dense_streamed)
                 .context("cannot move the dense weights for the new budget")?;
         }
-        self.engine.set_cache_capacity(split.neuron_cache);
+        self.engine.set_cache_capacity(split.neuron_cache)?;
         crate::platform::memory::release_freed_memory();
         self.split = split;
         self.budget = Some(budget);

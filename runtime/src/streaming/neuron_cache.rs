@@ -196,6 +196,13 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
         self.entries[self.slots.of(key)].as_ref().map(|e| &*e.data)
     }
 
+    /// Gives a resident cluster new data, counted as before; returns the old (`None`, `data`
+    /// dropped, where the cluster is not resident).
+    pub fn replace(&mut self, key: ClusterKey, data: B) -> Option<B> {
+        let e = self.entries[self.slots.of(key)].as_mut()?;
+        Some(std::mem::replace(&mut e.data, data))
+    }
+
     /// Advances the clock: call once per token. A window drops what fell out of it.
     pub fn tick(&mut self) {
         self.clock += 1;

@@ -83,23 +83,35 @@ pub(super) trait Schedule {
 pub(super) struct Resident;
 
 impl Schedule for Resident {
-    /// Every layer held whole, as runs ([`Core::pin_layer_in_runs`]).
     fn warm(&mut self, core: &mut Core) -> Result<()> {
-        let mut freq: Vec<Vec<f32>> = core
-            .plans
-            .iter()
-            .map(|p| vec![0.0; p.clusters.len()])
-            .collect();
-        for (f, (l, c)) in hot_order(core) {
-            freq[l as usize][c as usize] = f;
-        }
-        for (l, freq) in freq.iter().enumerate() {
-            if !core.pin_layer_in_runs(l, freq)? {
-                bail!("the resident policy needs every bundle in DRAM; raise --memory");
-            }
+        if !pin_all_in_runs(core)? {
+            bail!("the resident policy needs every bundle in DRAM; raise --memory");
         }
         Ok(())
     }
+}
+
+/// Where the neuron cache holds every bundle of the file: every layer pinned whole, as runs
+/// ([`Core::pin_layer_in_runs`]), each cluster's prior its value in [`hot_order`]; false, nothing
+/// pinned, where it does not hold them all.
+pub(super) fn pin_all_in_runs(core: &mut Core) -> Result<bool> {
+    let all: u64 = (core.plans.iter())
+        .flat_map(|p| p.clusters.iter().map(|cl| cl.size))
+        .sum();
+    if core.cache.used() + all > core.cache.capacity() {
+        return Ok(false);
+    }
+    let mut freq: Vec<Vec<f32>> = (core.plans.iter())
+        .map(|p| vec![0.0; p.clusters.len()])
+        .collect();
+    for (f, (l, c)) in hot_order(core) {
+        freq[l as usize][c as usize] = f;
+    }
+    for (l, freq) in freq.iter().enumerate() {
+        let pinned = core.pin_layer_in_runs(l, freq)?;
+        debug_assert!(pinned, "every layer was checked to fit");
+    }
+    Ok(true)
 }
 
 /// `mmap`: the mapping holds every cluster; the OS pages them in on first touch.

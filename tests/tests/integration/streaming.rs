@@ -61,9 +61,9 @@ fn certified_streaming_equals_resident_at_every_budget() {
 /// The resident policy holds each layer whole, its bundles as three runs (gate rows, up rows,
 /// down columns) computed a reduction group at a time; certified streaming at the minimum budget
 /// computes cluster after cluster as reads land. Decoding is bitwise the same, on one thread and
-/// on three.
+/// on three, and across a budget that shrinks under a cache that held every layer in runs.
 #[test]
-fn resident_layers_in_runs_decode_as_streamed_clusters_do() {
+fn layers_in_runs_decode_as_streamed_clusters_do() {
     let file = embedded("q8");
     let ids = text_ids(&session(&file, PolicyChoice::Resident, None), 32);
     let decode = |s: &mut Session| -> Vec<f32> {
@@ -75,6 +75,28 @@ fn resident_layers_in_runs_decode_as_streamed_clusters_do() {
     };
     let min = leanstream::streaming::minimum_memory(&file, 128).unwrap();
     let streamed = decode(&mut session(&file, PolicyChoice::Leanstream, Some(min)));
+    // The default policy whose cache holds the whole file keeps its layers in runs too; a smaller
+    // budget then takes clusters out of them: those layers give their runs up, their clusters
+    // still cached read again (checked) into entries of their own.
+    let mut shrunk = session(&file, PolicyChoice::Leanstream, None);
+    let model = shrunk.model();
+    let mut cache = model.new_cache(128);
+    let mut logits: Vec<f32> = (ids[..16].iter())
+        .flat_map(|&t| model.forward(&[t], &mut cache, true).unwrap())
+        .collect();
+    let split = leanstream::streaming::memory_split(&file, 128).unwrap();
+    shrunk.set_memory_budget(min + split.ffn_total / 2).unwrap();
+    let model = shrunk.model();
+    logits.extend((ids[16..].iter()).flat_map(|&t| model.forward(&[t], &mut cache, true).unwrap()));
+    assert!(
+        logits == streamed,
+        "decoding across the smaller budget differs"
+    );
+    let report = shrunk.report();
+    assert!(
+        report["bytes_read_per_token"].as_f64().unwrap() > 0.0,
+        "the evicted clusters are read: {report}"
+    );
     for threads in [1, 3] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

@@ -224,16 +224,30 @@ impl StreamEngine {
     /// smaller one evicts is freed, not kept as spare read buffers, and remembered so that
     /// reading it again counts as re-read. A larger one is refilled from the profile's hottest
     /// clusters in the background ([`super::refill`]).
-    pub(super) fn set_cache_capacity(&mut self, bytes: u64) {
+    ///
+    /// A layer held whole in runs that loses a cluster gives the runs up, its clusters still
+    /// cached read again into entries of their own ([`Core::unpack_runs`]).
+    pub(super) fn set_cache_capacity(&mut self, bytes: u64) -> Result<()> {
         let grows = bytes > self.core.cache.capacity();
         for s in self.core.cache.set_capacity(bytes) {
             self.core.shrunk[s] = true;
         }
         self.core.cache.drain_evicted().for_each(drop);
+        for l in 0..self.core.runs.len() {
+            let cache = &self.core.cache;
+            let clusters = self.core.plans[l].clusters.len() as u32;
+            if self.core.runs[l].is_some() && (0..clusters).any(|c| !cache.contains((l as u32, c)))
+            {
+                self.core
+                    .unpack_runs(l)
+                    .with_context(|| format!("reading layer {l}'s bundles for the new budget"))?;
+            }
+        }
         if grows && self.core.mapping.is_none() {
             let order = super::schedule::hot_order(&self.core);
             self.refill = Some(Refill::new(order.into_iter().map(|(_, k)| k).collect()));
         }
+        Ok(())
     }
 
     pub(super) fn mapping(&self) -> Option<&Mapping> {

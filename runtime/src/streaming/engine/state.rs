@@ -28,9 +28,9 @@ pub(in crate::streaming) struct Core {
     /// The file mapped into memory (`mmap` policy): every cluster is addressable, the OS pages.
     pub mapping: Option<Mapping>,
     /// Per layer: its bundles held whole as runs ([`Core::pin_layer_in_runs`]); empty when no
-    /// layer is. The cache still counts such a layer's clusters, pinned, its entries empty. Only
-    /// the resident policy holds layers so, and it refuses any budget below all its bundles, so
-    /// none of their clusters is evicted (were one, its rows would still come from the runs).
+    /// layer is. The cache still counts such a layer's clusters, pinned (so only a smaller budget
+    /// evicts them, and then the layer gives its runs up: [`Core::unpack_runs`]), their entries
+    /// empty.
     pub(super) runs: Vec<Option<LayerRuns>>,
     /// The file's clusters numbered densely, shared with the cache: lookups are indexes.
     pub(super) slots: ClusterSlots,
@@ -290,6 +290,23 @@ impl Core {
         }
         self.runs[l] = Some(runs);
         Ok(true)
+    }
+
+    /// Gives up layer `l`'s runs (the cache evicted some of its clusters: the budget shrank).
+    /// The runs are freed first, then each cluster still cached is read again from the file
+    /// (checked) into an entry of its own, so that memory never holds the layer twice.
+    pub(super) fn unpack_runs(&mut self, l: usize) -> Result<()> {
+        if self.runs.get_mut(l).and_then(Option::take).is_none() {
+            return Ok(());
+        }
+        for ci in 0..self.plans[l].clusters.len() {
+            let key = (l as u32, ci as u32);
+            if self.cache.contains(key) {
+                let bytes = self.read_now(key)?;
+                self.cache.replace(key, bytes);
+            }
+        }
+        Ok(())
     }
 
     /// Whether a cluster is in memory now: cached, or (mapping) its pages are in the page cache.
