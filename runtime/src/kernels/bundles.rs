@@ -473,7 +473,7 @@ pub fn gate_pass_runs(
 /// exceeds the threshold (active), `i` to the next slot of `active` and `a · (up·x)` to the same
 /// slot of `coef`. Returns how many are active. Scores of non-candidates are left as they were.
 /// `active` and `coef` must have a slot for every bundle. `then`, the cluster computed next if
-/// the caller knows it, has its first rows asked for as the pass nears its end (`Window`).
+/// the caller knows it, has its first rows asked for as the pass nears its end ([`Window`]).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub fn gate_pass<'b>(
@@ -763,7 +763,7 @@ impl<'r, 'b> Window<'r, 'b> {
 }
 
 /// The second half: `out += coef[j] · rows.down(active[j])` for each `j` in order,
-/// `DOWN_BATCH` neurons at a time.
+/// [`DOWN_BATCH`] neurons at a time.
 #[inline]
 pub fn down_pass<'b>(
     k: &RowKernels,
@@ -794,7 +794,7 @@ pub fn down_pass<'b>(
 
 /// Asks for the rows [`gate_pass`] reads first in a cluster, one cluster ahead, at once (the
 /// engine instead passes the next cluster as `then`, which spreads these requests):
-/// the pass's own requests start `PREFETCH_AHEAD` neurons in, so a caller that knows which
+/// the pass's own requests start [`PREFETCH_AHEAD`] neurons in, so a caller that knows which
 /// cluster comes next calls this while it computes the one before. Without it the first rows of
 /// every cluster are read cold: most of a cluster on a wide model, where 32 KiB hold 4 neurons of
 /// a 7B layer. The up rows (with the down columns) only under the `gate_up` rule, which reads

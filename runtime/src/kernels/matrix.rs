@@ -116,7 +116,7 @@ pub fn matvec(w: &Matrix, x: &[f32], out: &mut [f32]) {
 }
 
 /// `out (t × rows) = X (t × cols) · Wᵀ` for `t` row-major input vectors, by the rule of
-/// `gemm_inputs` (as [`super::qmatrix::RowStream`]).
+/// [`gemm_inputs`] (as [`super::qmatrix::RowStream`]).
 pub fn matmul_t(w: &Matrix, x: &[f32], t: usize, out: &mut [f32]) {
     assert_eq!(x.len(), t * w.cols);
     assert_eq!(out.len(), t * w.rows);

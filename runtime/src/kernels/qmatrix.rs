@@ -197,8 +197,8 @@ const INLINE_INPUTS: usize = 16;
 
 /// [`QMatrix::matmul_t`] over rows that arrive in order, a block at a time (a matrix streamed from
 /// flash): the same kernels on the same bytes, so the same result. Block types multiply every input
-/// on the integer kernels (`gemm_rows`: each result bitwise a decoded token's mat-vec). Float
-/// types: the inputs `gemm_inputs` names multiply tiles of rows decoded to f32 (a tile gathered
+/// on the integer kernels ([`gemm_rows`]: each result bitwise a decoded token's mat-vec). Float
+/// types: the inputs [`gemm_inputs`] names multiply tiles of rows decoded to f32 (a tile gathered
 /// across blocks); a single one left is a mat-vec.
 pub struct RowStream<'x> {
     qtype: QuantType,

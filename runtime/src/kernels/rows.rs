@@ -185,7 +185,7 @@ pub struct Packed {
 
 impl Packed {
     /// The scales and sums of `xs` (1 to [`INPUTS`] operands made for `qtype`, of the same
-    /// length, at most `PACKED_BLOCKS` blocks: else `None`).
+    /// length, at most [`PACKED_BLOCKS`] blocks: else `None`).
     /// Only the types with a packed kernel are packed (`Q8_0`, `Q4_0`, `Q4_1`).
     pub fn new(qtype: QuantType, xs: &[&Operand]) -> Option<Self> {
         if !matches!(qtype, QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1) {
@@ -335,7 +335,7 @@ impl RowKernels {
     }
 
     /// `out[j] = rows[j] · x` for rows of `x.x.len()` values encoded as `qtype`: bitwise
-    /// [`dot`](Self::dot) of each row, with the block types' input shared by `DOT_ROWS` rows
+    /// [`dot`](Self::dot) of each row, with the block types' input shared by [`DOT_ROWS`] rows
     /// at a time.
     #[inline]
     pub fn dots(&self, qtype: QuantType, rows: &[&[u8]], x: &Operand, out: &mut [f32]) {
@@ -366,7 +366,7 @@ impl RowKernels {
         }
     }
 
-    /// [`dots`](Self::dots) with `at_once` rows (1 to `DOT_ROWS`) per call of the multi-row
+    /// [`dots`](Self::dots) with `at_once` rows (1 to [`DOT_ROWS`]) per call of the multi-row
     /// kernel whatever this set's own choice (tests and benches compare them); 1 is each row's
     /// `dot`.
     #[inline]

@@ -18,9 +18,9 @@ const ROUNDS: usize = 2;
 /// The largest Walsh–Hadamard block [`Rotation`] uses.
 const MAX_BLOCK: usize = 512;
 
-/// A fixed orthogonal map of `ℝʰ`: `ROUNDS` rounds of random signs, a random permutation and a
+/// A fixed orthogonal map of `ℝʰ`: [`ROUNDS`] rounds of random signs, a random permutation and a
 /// normalised Walsh–Hadamard transform over each block of `block` consecutive values (`block` the
-/// largest power of two that divides `h`, at most `MAX_BLOCK`). The signs and permutations come
+/// largest power of two that divides `h`, at most [`MAX_BLOCK`]). The signs and permutations come
 /// from a fixed seed: every sketch of width `h` uses the same map, so one prepared input serves
 /// the gate and up sketches of a layer alike. It is the runtime's own choice (sketches are built
 /// when a model opens), not part of the file format.

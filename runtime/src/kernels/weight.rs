@@ -84,7 +84,7 @@ impl Weight {
     }
 
     /// [`Weight::matmul_t`], or with `whole` in one product over all `t` inputs where the weight
-    /// is f32 (`matmul_t_whole`: its bits depend on `t`; the profiler's choice,
+    /// is f32 ([`matmul_t_whole`]: its bits depend on `t`; the profiler's choice,
     /// `Model::set_whole_products`); an encoded weight multiplies as always.
     pub fn matmul_t_with(&self, x: &[f32], t: usize, out: &mut [f32], whole: bool) {
         match self {

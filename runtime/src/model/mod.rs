@@ -1,7 +1,7 @@
 //! The dense f32 transformer: Llama-family block (RMSNorm, rotary GQA attention, SwiGLU or ReLU
 //! FFN) with Qwen3's q/k norms and Mistral's sliding window. This is the reference path every
-//! streaming policy must reproduce. One file per block type: `attention`, the FFN (`dense_ffn`)
-//! and the mixture of experts that may replace it (`moe`); this file loads the weights and runs
+//! streaming policy must reproduce. One file per block type: [`attention`], the FFN ([`dense_ffn`])
+//! and the mixture of experts that may replace it ([`moe`]); this file loads the weights and runs
 //! the layer loop.
 
 pub mod kv_cache;

@@ -299,7 +299,7 @@ pub fn fit_chunk(input: impl Fn(usize) -> PlanInput) -> Result<(usize, MemorySpl
 const CONTEXT_STEP: usize = 64;
 
 /// The longest context in `floor..=ctx` whose plan fits the budget, and that plan: `ctx` itself
-/// when it fits, else the longest multiple of `CONTEXT_STEP` that does (the plan's fixed needs
+/// when it fits, else the longest multiple of [`CONTEXT_STEP`] that does (the plan's fixed needs
 /// grow with the context, so the answer is found by bisection). Below the floor, the error states
 /// the floor's minimum.
 pub fn fit_context(
@@ -329,8 +329,8 @@ pub fn fit_context(
 
 /// The flags that make a refused budget fit, for the refusal to name: a leaner KV cache at the
 /// same context (`--kv q8_0`), else the longest shorter context — a multiple of
-/// `CONTEXT_STEP` — with whichever KV storage gives the longest (`--ctx 320`,
-/// `--ctx 192 --kv q8_0`). `None` when not even `CONTEXT_STEP` tokens fit with the leanest.
+/// [`CONTEXT_STEP`] — with whichever KV storage gives the longest (`--ctx 320`,
+/// `--ctx 192 --kv q8_0`). `None` when not even [`CONTEXT_STEP`] tokens fit with the leanest.
 /// `input(ctx, kv)` is the plan input for the budget that was refused.
 pub fn what_fits(
     ctx: usize,

@@ -16,7 +16,7 @@ use crate::storage::{AlignedBuf, IoQueue, Ticket};
 /// The share of a layer's FFN bundle bytes its two predictors may hold resident by default.
 pub const PREDICTOR_SHARE: f64 = 0.03;
 
-/// Bytes an int8 predictor of this shape holds resident (`QuantPredictor::bytes`).
+/// Bytes an int8 predictor of this shape holds resident ([`QuantPredictor::bytes`]).
 pub fn predictor_bytes(input_dim: usize, rank: usize, outputs: usize) -> u64 {
     (rank * (input_dim + outputs) + 8 * rank + 2 * (rank + outputs)) as u64
 }

@@ -1,5 +1,5 @@
 //! The model's tokenizer and streaming detokenization. A converted file's compact BPE tables
-//! (BPE_VOCAB, `byte_bpe`) when it has them; otherwise `tokenizer.json`, or one rebuilt from GGUF
+//! (BPE_VOCAB, [`byte_bpe`]) when it has them; otherwise `tokenizer.json`, or one rebuilt from GGUF
 //! metadata, through the `tokenizers` crate (about ten times the JSON's size in memory).
 
 pub mod chat_template;

@@ -65,7 +65,7 @@ pub struct IoStats {
     pub merged: u64,
     /// Reads cancelled before they were issued.
     pub cancelled: u64,
-    /// Device reads retried after a failure (see `MAX_RETRIES`).
+    /// Device reads retried after a failure (see [`MAX_RETRIES`]).
     pub retries: u64,
     /// Submitted reads that ended in an error.
     pub failed: u64,

@@ -1,9 +1,9 @@
 //! A converted mixture of experts run under `--memory` (and, with room for every expert, as
 //! `--policy resident`): the embeddings and attention resident as stored (their encoded bytes, run
 //! by the quantized kernels; f32 files as f32), the norms, routers and any dense FFN layer as f32,
-//! the experts on flash, read whole through the read queue into an expert cache (`cache`) as the exact
-//! routing needs them and speculatively from the next layer's router (`stream`); the budget
-//! sets the cache's slots (`budget`).
+//! the experts on flash, read whole through the read queue into an expert cache ([`cache`]) as the exact
+//! routing needs them and speculatively from the next layer's router ([`stream`]); the budget
+//! sets the cache's slots ([`budget`]).
 
 mod budget;
 mod cache;
