@@ -340,26 +340,8 @@ fn run_clusters(
     }
 }
 
-/// One layer's bundles held as three runs (every gate row, then every up row, then every down
-/// column), as a layer held whole in memory could be; returns the buffer and each run's start.
-fn in_runs(bundles: &[u8], rb: [usize; 3]) -> (Vec<u8>, [usize; 3]) {
-    let bb: usize = rb.iter().sum();
-    let n = bundles.len() / bb;
-    let mut buf = Vec::with_capacity(bundles.len());
-    let mut start = [0; 3];
-    let mut at = 0;
-    for (p, s) in start.iter_mut().enumerate() {
-        *s = buf.len();
-        for bundle in bundles.chunks(bb) {
-            buf.extend_from_slice(&bundle[at..at + rb[p]]);
-        }
-        at += rb[p];
-    }
-    debug_assert_eq!(buf.len(), n * bb);
-    (buf, start)
-}
-
-/// [`run_clusters`] over a layer held in runs ([`in_runs`]): the same clusters, computed in the
+/// [`run_clusters`] over a layer held in runs (every gate row, then every up row, then every down
+/// column: the layer's bundles arranged as one split cluster): the same clusters, computed in the
 /// same order, their rows in the layer's runs.
 #[allow(clippy::too_many_arguments)]
 fn run_in_runs(
@@ -567,7 +549,8 @@ fn ffn_table() {
             .expect("whole blocks")
     };
     let (mut layers, mut dense, mut clusters) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut runs, mut run_start) = (Vec::new(), [0; 3]);
+    let mut runs = Vec::new();
+    let run_start = [0, N * rb[0], N * (rb[0] + rb[1])];
     for _ in 0..LAYERS {
         let (gate, up) = (
             matrix(N, H, QuantType::Q4_1, &mut rng),
@@ -583,9 +566,7 @@ fn ffn_table() {
         let buf;
         (buf, clusters) = in_clusters(&bundles, rb, per_cluster, ClusterLayout::Split);
         layers.push(buf);
-        let run;
-        (run, run_start) = in_runs(&bundles, rb);
-        runs.push(run);
+        runs.push(ClusterLayout::Split.arrange(&bundles, rb));
         dense.push([gate, up, matrix(H, N, QuantType::Q4_1, &mut rng)]);
     }
     let x = random(H, &mut rng);

@@ -463,15 +463,9 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                 let stored = cluster.arrange(&buf, rb);
                 let rows = ClusterRows::new(&layout, &stored, n).unwrap();
                 // The same neurons as a layer's runs, after a neuron of another cluster.
-                let (before, _) = random_bundles(&layout, 1, &mut rng);
-                let mut runs = Vec::new();
-                for p in 0..3 {
-                    let at = rb[..p].iter().sum::<usize>();
-                    runs.extend_from_slice(&before[at..at + rb[p]]);
-                    for i in 0..n {
-                        runs.extend_from_slice(&bundle(i)[at..at + rb[p]]);
-                    }
-                }
+                let (mut runs, _) = random_bundles(&layout, 1, &mut rng);
+                runs.extend_from_slice(&buf);
+                let runs = ClusterLayout::Split.arrange(&runs, rb);
                 let start = [
                     rb[0],
                     (n + 1) * rb[0] + rb[1],

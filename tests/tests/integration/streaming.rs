@@ -4,6 +4,8 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+use leanstream::model::kv_cache::KvCache;
+use leanstream::model::LanguageModel;
 use leanstream::text::perplexity::perplexity;
 use leanstream::text::session::{PolicyChoice, Session, SessionOptions};
 use leanstream_format::quant::QuantType;
@@ -58,6 +60,17 @@ fn certified_streaming_equals_resident_at_every_budget() {
     }
 }
 
+/// The logits of `ids` decoded one token at a time after `cache`.
+fn decode_steps(
+    model: &mut (dyn LanguageModel + Send),
+    ids: &[u32],
+    cache: &mut KvCache,
+) -> Vec<f32> {
+    ids.iter()
+        .flat_map(|&t| model.forward(&[t], cache, true).unwrap())
+        .collect()
+}
+
 /// The resident policy holds each layer whole, its bundles as three runs (gate rows, up rows,
 /// down columns) computed a reduction group at a time; certified streaming at the minimum budget
 /// computes cluster after cluster as reads land. Decoding is bitwise the same, on one thread and
@@ -67,11 +80,8 @@ fn layers_in_runs_decode_as_streamed_clusters_do() {
     let file = embedded("q8");
     let ids = text_ids(&session(&file, PolicyChoice::Resident, None), 32);
     let decode = |s: &mut Session| -> Vec<f32> {
-        let model = s.model();
-        let mut cache = model.new_cache(128);
-        ids.iter()
-            .flat_map(|&t| model.forward(&[t], &mut cache, true).unwrap())
-            .collect()
+        let mut cache = s.model().new_cache(128);
+        decode_steps(s.model(), &ids, &mut cache)
     };
     let min = leanstream::streaming::minimum_memory(&file, 128).unwrap();
     let streamed = decode(&mut session(&file, PolicyChoice::Leanstream, Some(min)));
@@ -79,15 +89,11 @@ fn layers_in_runs_decode_as_streamed_clusters_do() {
     // budget then takes clusters out of them: those layers give their runs up, their clusters
     // still cached read again (checked) into entries of their own.
     let mut shrunk = session(&file, PolicyChoice::Leanstream, None);
-    let model = shrunk.model();
-    let mut cache = model.new_cache(128);
-    let mut logits: Vec<f32> = (ids[..16].iter())
-        .flat_map(|&t| model.forward(&[t], &mut cache, true).unwrap())
-        .collect();
+    let mut cache = shrunk.model().new_cache(128);
+    let mut logits = decode_steps(shrunk.model(), &ids[..16], &mut cache);
     let split = leanstream::streaming::memory_split(&file, 128).unwrap();
     shrunk.set_memory_budget(min + split.ffn_total / 2).unwrap();
-    let model = shrunk.model();
-    logits.extend((ids[16..].iter()).flat_map(|&t| model.forward(&[t], &mut cache, true).unwrap()));
+    logits.extend(decode_steps(shrunk.model(), &ids[16..], &mut cache));
     assert!(
         logits == streamed,
         "decoding across the smaller budget differs"
@@ -119,9 +125,7 @@ fn prefill(file: &Path, memory: Option<u64>, ids: &[u32], chunked: bool) -> (Vec
     let logits = if chunked {
         model.forward(ids, &mut cache, true).unwrap()
     } else {
-        ids.iter()
-            .flat_map(|&t| model.forward(&[t], &mut cache, true).unwrap())
-            .collect()
+        decode_steps(model, ids, &mut cache)
     };
     (logits, s.io().unwrap().stats().bytes_read - read_before)
 }
