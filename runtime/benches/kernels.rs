@@ -34,7 +34,9 @@
 //! every encoding and the bundle FFN over the same rows (10 % of the neurons active, counted in the
 //! bytes it touches; clusters in both layouts) against the read bandwidth, measured interleaved.
 //! `LEANSTREAM_BENCH_CLUSTER_KIB=N` makes the bundles' clusters N KiB (default 32, the
-//! converter's: 2 to 6 neurons of this width). `LEANSTREAM_KERNELS=avx2` runs
+//! converter's: 2 to 6 neurons of this width). Its last column is the same mat-vec over the
+//! matrix in row groups ([`QMatrix::in_groups`]), where the kernels have them.
+//! `LEANSTREAM_BENCH_TYPES=q4_0,q4_1` limits it to those encodings. `LEANSTREAM_KERNELS=avx2` runs
 //! the engine's kernels (`best`) as on an AVX2-only CPU.
 
 use std::hint::black_box;
@@ -98,7 +100,10 @@ fn bench_read(c: &mut Criterion) {
 fn bench_matvec(c: &mut Criterion, f32_matrix: &Matrix, x: &[f32]) {
     let mut g = c.benchmark_group("matvec");
     let mut out = vec![0.0f32; ROWS];
-    for qtype in QuantType::ALL {
+    for qtype in QuantType::ALL.into_iter().filter(|t| {
+        std::env::var("LEANSTREAM_BENCH_TYPES")
+            .map_or(true, |o| o.split(',').any(|o| o == t.name()))
+    }) {
         let m = QMatrix::quantize(f32_matrix, qtype).expect("a whole number of blocks");
         let bytes = m.bytes();
         let ms = copies(m, bytes);
@@ -451,14 +456,15 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
         RowKernels::best().isa
     );
     println!(
-        "{:<6} {:>8} {:>10} {:>18} {:>18} {:>48} {:>22}",
+        "{:<6} {:>8} {:>10} {:>18} {:>18} {:>48} {:>22} {:>28}",
         "type",
         "MB",
         "read GB/s",
         "1 thread GB/s",
         "2 threads GB/s",
         "bundles 1.6 split, 1 thread GB/s",
-        "bundles 1.5 GB/s"
+        "bundles 1.5 GB/s",
+        "row groups, 1 thread GB/s"
     );
     let mut rng = StdRng::seed_from_u64(2);
     for qtype in QuantType::ALL {
@@ -468,9 +474,16 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
         let operand = Operand::new(x, qtype);
         let bundles = Bundles::new(&ms[0], qtype, x, &mut rng);
         let (mut scores, mut ffn_out) = (vec![0.0f32; ROWS], vec![0.0f32; COLS]);
+        // The same rows in groups of eight, where the type has that layout.
+        let grouped = ms[0].clone().in_groups();
+        let grouped = if grouped.is_grouped() {
+            copies(grouped, bytes)
+        } else {
+            Vec::new()
+        };
         // Fastest seconds per call: read, 1 thread, 2 threads, bundles split (1.6), a read of
-        // their touched bytes, bundles interleaved (1.5).
-        let mut best = [f64::MAX; 6];
+        // their touched bytes, bundles interleaved (1.5), row groups.
+        let mut best = [f64::MAX; 7];
         let mut timed = |slot: usize, f: &mut dyn FnMut()| {
             let start = std::time::Instant::now();
             f();
@@ -501,12 +514,15 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
                     black_box(sum(black_box(slice)));
                 });
             }
+            for g in &grouped {
+                timed(6, &mut || pools[0].install(|| g.matvec(&operand, &mut out)));
+            }
         }
         let gbs = |s: f64| bytes as f64 / s / 1e9;
         let read = gbs(best[0]);
         let touched = |s: f64| bundles.touched as f64 / s / 1e9;
         println!(
-            "{:<6} {:>8.1} {:>10.1} {:>11.1} ({:>3.0} %) {:>11.1} ({:>3.0} %) {:>8.1} ({:>3.0} % of mat-vec, {:>3.0} % of read) {:>8.1} ({:>3.0} % of mat-vec)",
+            "{:<6} {:>8.1} {:>10.1} {:>11.1} ({:>3.0} %) {:>11.1} ({:>3.0} %) {:>8.1} ({:>3.0} % of mat-vec, {:>3.0} % of read) {:>8.1} ({:>3.0} % of mat-vec) {:>14}",
             qtype.name(),
             bytes as f64 / 1e6,
             read,
@@ -519,6 +535,11 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
             100.0 * touched(best[3]) / touched(best[4]),
             touched(best[5]),
             100.0 * touched(best[5]) / gbs(best[1]),
+            if grouped.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.1} ({:.0} %)", gbs(best[6]), 100.0 * gbs(best[6]) / read)
+            },
         );
     }
 }

@@ -373,7 +373,7 @@ impl Gpu {
     /// the largest one the GPU binds.
     pub fn upload_weights(&self, weight: &Weight) -> Result<GpuWeights> {
         self.upload_rows(
-            stored_bytes(weight),
+            &stored_bytes(weight),
             weight.rows(),
             weight.cols(),
             weight.qtype(),
@@ -658,17 +658,17 @@ impl Dispatch {
     }
 }
 
-/// `weight`'s rows as stored (what [`Gpu::upload_weights`] uploads).
-fn stored_bytes(weight: &Weight) -> &[u8] {
+/// `weight`'s rows as stored, out of any row groups (what [`Gpu::upload_weights`] uploads).
+fn stored_bytes(weight: &Weight) -> std::borrow::Cow<'_, [u8]> {
     match weight {
-        Weight::F32(m) => f32_bytes(&m.data),
+        Weight::F32(m) => std::borrow::Cow::Borrowed(f32_bytes(&m.data)),
         Weight::Encoded(q) => q.encoded(),
     }
 }
 
 /// Bytes [`Gpu::upload_weights`] puts on the GPU for `weight`.
 fn weight_bytes(weight: &Weight) -> usize {
-    stored_bytes(weight).len()
+    weight.bytes()
 }
 
 /// Words of the input buffer: f32 values, or q8 quants (four a word), scales and scaled sums.

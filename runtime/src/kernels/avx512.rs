@@ -33,8 +33,8 @@ use std::arch::x86_64::*;
 use leanstream_format::quant::BLOCK_LEN;
 
 use super::avx2::{
-    block_kind, common_blocks, f16_lead, f16_scales8, input_codes, inputs_by_count, lanes_total,
-    packed_by_count, row_dot, rows_dot, x_block, Q4_0, Q4_1, Q8_0,
+    block_kind, common_blocks, f16_lead, f16_scales8, groups_dot_with, input_codes,
+    inputs_by_count, lanes_total, packed_by_count, row_dot, rows_dot, x_block, Q4_0, Q4_1, Q8_0,
 };
 use super::operand::Q8Vec;
 use super::portable::{Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
@@ -66,6 +66,10 @@ pub(super) unsafe fn kernels() -> RowKernels {
             |r, x, o| unsafe { dots_block_ahead::<Q8_0>(r, x, o) },
             |r, x, o| unsafe { dots_block_ahead::<Q4_0>(r, x, o) },
             |r, x, o| unsafe { dots_block_ahead::<Q4_1>(r, x, o) },
+        ]),
+        groups_dot: Some([
+            |d, x, o| unsafe { groups_dot::<Q4_0>(d, x, o) },
+            |d, x, o| unsafe { groups_dot::<Q4_1>(d, x, o) },
         ]),
         inputs_q8_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q8_0>(w, xs, o) }),
         inputs_q4_0: Some(|w, xs, o| unsafe { dot_inputs_block::<Q4_0>(w, xs, o) }),
@@ -196,6 +200,12 @@ unsafe fn packed_pairs<const KIND: u8, const P: usize>(
             _mm512_castps_pd(acc),
         ))) + m[2 * j + 1];
     }
+}
+
+/// [`super::avx2::groups_dot`] with VNNI's `vpdpbusd` for each lane's sums of eight rows.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn groups_dot<const KIND: u8>(data: &[u8], x: &Q8Vec, out: &mut [f32]) {
+    groups_dot_with::<KIND, true>(data, x, out)
 }
 
 /// [`super::avx2::dot_block`] with VNNI's `vpdpbusd`.

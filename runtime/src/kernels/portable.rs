@@ -113,7 +113,7 @@ impl Block {
     /// The block's 32 codes in value order, offset taken off (they fit `i8`: `Q8_0` codes are
     /// stored as `i8`, the others are below 32).
     #[inline(always)]
-    fn codes(self, blk: &[u8]) -> [i8; BLOCK_LEN] {
+    pub(super) fn codes(self, blk: &[u8]) -> [i8; BLOCK_LEN] {
         // 4-bit codes: byte `k` holds value `k` (low nibble) and value `k + 16` (high nibble); the
         // 5-bit types keep each value's fifth bit in the little-endian `u32` before the nibbles.
         let (at, qh) = match self {
@@ -138,7 +138,7 @@ impl Block {
 
 /// The eight lane sums of one block's codes against its 32 activation quants.
 #[inline(always)]
-fn lane_isums(codes: &[i8; BLOCK_LEN], qx: &[i8]) -> [i32; BLOCK_LANES] {
+pub(super) fn lane_isums(codes: &[i8; BLOCK_LEN], qx: &[i8]) -> [i32; BLOCK_LANES] {
     std::array::from_fn(|j| {
         (4 * j..4 * j + 4)
             .map(|k| codes[k] as i32 * qx[k] as i32)

@@ -43,6 +43,9 @@ type BlockDots = fn(&[&[u8]], &Q8Vec, &mut [f32]);
 /// so ([`RowKernels::inputs_width`]) (`out` as long as `xs`).
 pub(crate) type BlockInputs = fn(&[u8], &[&Q8Vec], &mut [f32]);
 type Axpy = fn(f32, &[u8], &mut [f32]);
+/// `out[8g + r] = row r of group g · x` over the row groups laid one after another in the bytes
+/// ([`super::groups`]; `out.len() / 8` groups).
+type GroupsDot = fn(&[u8], &Q8Vec, &mut [f32]);
 /// `out[i] = row · xs[i]` for 1 to [`INPUTS`] inputs whose block scales and sums are also laid
 /// side by side in `packed` (`out` as long as `xs`).
 type PackedInputs = fn(&[u8], &[&Q8Vec], &Packed, &mut [f32]);
@@ -72,6 +75,9 @@ pub struct RowKernels {
     /// in one matrix (a dense mat-vec, [`RowKernels::dots_ahead`]), reading ahead in them, where
     /// the set has such kernels.
     pub(crate) dots_ahead: Option<[BlockDots; 3]>,
+    /// `Q4_0`'s and `Q4_1`'s mat-vec over row groups ([`super::groups`]), bitwise each row's
+    /// `dot`, where the set has a kernel that gains from the layout (else rows stay plain).
+    pub(crate) groups_dot: Option<[GroupsDot; 2]>,
     /// Rows [`RowKernels::dots`] gives these kernels at once: [`DOT_ROWS`], or 1 where sharing the
     /// input was measured slower in the token loop (AVX-512: SmolLM2 q4 `resident` 8.7–8.9 against
     /// 7.8–8.2 ms of CPU per token; AVX2 gained about 5 %).
@@ -249,6 +255,7 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     dots_q4_0: portable::dots_q4_0,
     dots_q4_1: portable::dots_q4_1,
     dots_ahead: None,
+    groups_dot: None,
     dot_rows: DOT_ROWS,
     inputs_q8_0: None,
     inputs_q4_0: None,
@@ -363,6 +370,40 @@ impl RowKernels {
         let q8 = x.q8();
         for (rows, out) in rows.chunks(DOT_ROWS).zip(out.chunks_mut(DOT_ROWS)) {
             kernel(rows, q8, out);
+        }
+    }
+
+    /// Whether this set computes `qtype`'s mat-vec over row groups ([`super::groups`]) with a
+    /// kernel of its own: where it does not, a matrix is better kept in plain rows.
+    pub fn has_groups(&self, qtype: QuantType) -> bool {
+        self.groups_dot.is_some() && super::groups::groupable(qtype)
+    }
+
+    /// `out[8g + r] = row r of group g · x` over the row groups of a [`groupable`] type laid one
+    /// after another in `data` (`out.len()` a multiple of 8): bitwise each row's
+    /// [`dot`](Self::dot). A set without its own kernel runs the portable one.
+    ///
+    /// [`groupable`]: super::groups::groupable
+    pub fn groups_dot(&self, qtype: QuantType, data: &[u8], x: &Operand, out: &mut [f32]) {
+        assert!(
+            super::groups::groupable(qtype),
+            "{} has no groups",
+            qtype.name()
+        );
+        assert!(out.len().is_multiple_of(super::groups::GROUP_ROWS));
+        if out.is_empty() {
+            return;
+        }
+        let row = row_bytes(qtype, x.x.len()).expect("a whole number of blocks");
+        assert_eq!(
+            data.len(),
+            out.len() * row,
+            "groups of rows of {} values",
+            x.x.len()
+        );
+        match self.groups_dot {
+            Some(k) => k[(qtype == QuantType::Q4_1) as usize](data, x.q8(), out),
+            None => super::groups::groups_dot(qtype, data, x.q8(), out),
         }
     }
 

@@ -427,6 +427,69 @@ fn dots_are_dot_row_by_row_bit_for_bit() {
     }
 }
 
+/// Row groups ([`super::groups`]) give each row's `dot` bit for bit, through every kernel set and
+/// the portable reference, for both 4-bit types, every length, several groups, and zero inputs;
+/// a row comes back from its group unchanged.
+#[test]
+fn row_groups_are_dot_row_by_row_bit_for_bit() {
+    use super::groups::{group_rows, groups_dot, ungroup_row, GROUP_ROWS};
+    let (seed, mut rng) = rng();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for qtype in [QuantType::Q4_0, QuantType::Q4_1] {
+        for n in lengths(qtype) {
+            for (groups, zeros) in [(1, false), (2, true), (3, false)] {
+                let count = groups * GROUP_ROWS;
+                let rows: Vec<Vec<u8>> = (0..count)
+                    .map(|_| encoded_row(qtype, n, &mut rng).0)
+                    .collect();
+                let plain = rows.concat();
+                let row = plain.len() / count;
+                let mut grouped = vec![0u8; plain.len()];
+                group_rows(qtype, &plain, row, &mut grouped);
+                let mut back = vec![0u8; row];
+                for (i, want) in rows.iter().enumerate() {
+                    let g = &grouped[(i / GROUP_ROWS) * GROUP_ROWS * row..][..GROUP_ROWS * row];
+                    ungroup_row(qtype, g, i % GROUP_ROWS, &mut back);
+                    assert_eq!(&back, want, "{qtype} n={n}: row {i} of its group");
+                }
+                let mut xs = random(n, 2.0, &mut rng);
+                if zeros {
+                    xs.fill(0.0);
+                }
+                let x = Operand::new(&xs, qtype);
+                let want: Vec<f32> = rows
+                    .iter()
+                    .map(|r| super::portable::dot_q4_0(r, x.q8()))
+                    .collect();
+                let want = if qtype == QuantType::Q4_0 {
+                    want
+                } else {
+                    rows.iter()
+                        .map(|r| super::portable::dot_q4_1(r, x.q8()))
+                        .collect()
+                };
+                let mut got = vec![f32::NAN; count];
+                groups_dot(qtype, &grouped, x.q8(), &mut got);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "seed {seed}: portable {qtype} n={n}"
+                );
+                for k in RowKernels::available() {
+                    let mut got = vec![f32::NAN; count];
+                    k.groups_dot(qtype, &grouped, &x, &mut got);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "seed {seed}: {} {qtype} n={n} groups={groups}: {got:?} vs {want:?}",
+                        k.isa
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The gate pass, which takes its candidates' gate (and up) rows several at a time, gives the
 /// scores, active neurons and coefficients of one `dot` per row, neuron after neuron, under both
 /// rules, with candidates left out and odd counts; so does the pass over a layer held in runs
@@ -965,6 +1028,47 @@ fn row_stream_in_blocks_equals_matmul_bit_for_bit() {
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "seed {seed}: {qtype} t={t}"
             );
+        }
+    }
+}
+
+/// A matrix in row groups ([`QMatrix::in_groups`]) computes what its plain rows do, bit for bit,
+/// with every kernel set: mat-vecs (rows not a multiple of eight, so a plain tail), prompt chunks
+/// (taken out of the groups a slice at a time), row decoding and its stored bytes.
+#[test]
+fn a_grouped_matrix_equals_its_plain_rows_bit_for_bit() {
+    let (seed, mut rng) = rng();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (rows, cols) in [(8, 64), (301, 96), (610, 256)] {
+        let m = Matrix::new(rows, cols, random(rows * cols, 1.0, &mut rng));
+        for qtype in [QuantType::Q4_0, QuantType::Q4_1] {
+            let plain = QMatrix::quantize(&m, qtype).unwrap();
+            for k in RowKernels::available() {
+                let grouped = plain.clone().in_groups_for(&k);
+                assert_eq!(grouped.is_grouped(), k.has_groups(qtype), "{}", k.isa);
+                assert_eq!(grouped.encoded(), plain.encoded(), "{} {qtype}", k.isa);
+                let mut row = vec![0.0f32; cols];
+                let mut want_row = vec![0.0f32; cols];
+                for r in [0, 7, rows / 2, rows - 1] {
+                    grouped.dequantize_row(r, &mut row);
+                    plain.dequantize_row(r, &mut want_row);
+                    assert_eq!(bits(&row), bits(&want_row), "{} {qtype} row {r}", k.isa);
+                }
+                let xs = random(cols, 1.0, &mut rng);
+                let x = Operand::new(&xs, qtype);
+                let (mut want, mut got) = (vec![0.0; rows], vec![f32::NAN; rows]);
+                plain.matvec_with(&k, &x, &mut want);
+                grouped.matvec_with(&k, &x, &mut got);
+                let what = format!("seed {seed}: {} {qtype} {rows}×{cols}", k.isa);
+                assert_eq!(bits(&got), bits(&want), "{what} mat-vec");
+                for t in [1, 3, GEMM_MIN_TOKENS + 1] {
+                    let xs = random(t * cols, 1.0, &mut rng);
+                    let (mut want, mut got) = (vec![0.0; t * rows], vec![f32::NAN; t * rows]);
+                    plain.matmul_t(&xs, t, &mut want);
+                    grouped.matmul_t(&xs, t, &mut got);
+                    assert_eq!(bits(&got), bits(&want), "{what} t={t}");
+                }
+            }
         }
     }
 }

@@ -134,7 +134,7 @@ impl GgufFile {
         };
         let q = QMatrix::new(rows, cols, qtype, raw.data.into_owned())
             .with_context(|| format!("{}: tensor {name}", self.path.display()))?;
-        Ok(Weight::Encoded(q))
+        Ok(Weight::Encoded(q.in_groups()))
     }
 
     /// The model configuration from the `{architecture}.*` and `tokenizer.ggml.*` metadata.

@@ -508,9 +508,9 @@ fn resident(io: &mut Reader, e: &Extent) -> Result<Weight> {
     let mut data = Vec::with_capacity(e.len);
     read_checked(io, e, |chunk| data.extend_from_slice(chunk))?;
     data.truncate(e.size);
-    Ok(Weight::Encoded(QMatrix::new(
-        e.rows, e.cols, e.qtype, data,
-    )?))
+    Ok(Weight::Encoded(
+        QMatrix::new(e.rows, e.cols, e.qtype, data)?.in_groups(),
+    ))
 }
 
 /// An embedding or an output head: resident, or streamed.

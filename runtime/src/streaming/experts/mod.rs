@@ -281,7 +281,9 @@ impl ExpertModel {
                         [rows, cols]
                     );
                 }
-                return Ok(Weight::Encoded(QMatrix::new(rows, cols, qtype, bytes)?));
+                return Ok(Weight::Encoded(
+                    QMatrix::new(rows, cols, qtype, bytes)?.in_groups(),
+                ));
             }
             Ok(Weight::F32(Matrix::new(
                 rows,
