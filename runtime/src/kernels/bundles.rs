@@ -430,31 +430,16 @@ pub fn gate_pass_runs(
         k.dots_ahead(uq, &batch[..n], x, &mut ups[..n]);
     }
     // Under `gate`: the gates decide, then the up rows of the active neurons only.
-    let mut m = 0;
-    for i in 0..n {
-        let a = skip.act.apply(gates[i]);
-        let c = match skip.gate_score(a) {
-            Some(s) => {
-                scores[i] = s;
-                if !skip.active(s) {
-                    continue;
-                }
-                a
-            }
-            None => {
-                let c = skip.act.coef(a, ups[i]);
-                scores[i] = c.abs();
-                if !skip.active(scores[i]) {
-                    continue;
-                }
-                c
-            }
-        };
-        prefetch(rows.down(i));
-        active[m] = i as u32;
-        coef[m] = c;
-        m += 1;
-    }
+    let m = verdicts(
+        skip,
+        &gates[..n],
+        &ups[..n],
+        |_| true,
+        rows,
+        scores,
+        active,
+        coef,
+    );
     if !up_always {
         for (j, r) in batch[..m].iter_mut().enumerate() {
             *r = rows.up(active[j] as usize);
@@ -463,6 +448,110 @@ pub fn gate_pass_runs(
         k.dots_ahead(uq, &batch[..m], x, &mut ups[..m]);
         for j in 0..m {
             coef[j] = skip.act.coef(coef[j], ups[j]);
+        }
+    }
+    m
+}
+
+/// The verdicts on the neurons whose gate dots are `gates` (and, under `gate_up`, up dots
+/// `ups`), each `candidate` one scored into `scores`; the active ones go to `active` with `a`
+/// under `gate` (their up rows are read after: the caller finishes the coefficients) or their
+/// coefficient under `gate_up`, and their down columns (in `down`) are asked for. Returns how
+/// many are active.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn verdicts<'b>(
+    skip: Skip,
+    gates: &[f32],
+    ups: &[f32],
+    candidate: impl Fn(usize) -> bool,
+    down: &impl NeuronRows<'b>,
+    scores: &mut [f32],
+    active: &mut [u32],
+    coef: &mut [f32],
+) -> usize {
+    let mut m = 0;
+    for (i, (&g, &u)) in gates.iter().zip(ups).enumerate() {
+        if !candidate(i) {
+            continue;
+        }
+        let a = skip.act.apply(g);
+        let (s, c) = match skip.gate_score(a) {
+            Some(s) => (s, a),
+            None => {
+                let c = skip.act.coef(a, u);
+                (c.abs(), c)
+            }
+        };
+        scores[i] = s;
+        if skip.active(s) {
+            prefetch(down.down(i));
+            active[m] = i as u32;
+            coef[m] = c;
+            m += 1;
+        }
+    }
+    m
+}
+
+/// A layer's gate and up runs laid out in row groups ([`super::groups`]): neuron `n`'s rows are
+/// row `n % 8` of group `n / 8`.
+#[derive(Clone, Copy)]
+pub struct GroupedRuns<'b> {
+    pub gate: &'b [u8],
+    pub up: &'b [u8],
+}
+
+/// [`gate_pass`] over `scores.len()` (at most [`RUN_PASS`]) neurons of a layer whose gate and
+/// up runs lie in row groups, from neuron `first` on: the groups that hold them go through
+/// [`RowKernels::groups_dot`] (bitwise each row's `dot`), the gates of all, then under
+/// `gate_up` the up rows of all, under `gate` those of the groups with an active neuron. Neuron
+/// `first + i` is computed where `candidate(i)`; its score, activity and coefficient are
+/// bitwise [`gate_pass`]'s, and a non-candidate's score is left as it was. `down` holds the
+/// neurons' down columns (only those are read: the active ones are asked for).
+#[allow(clippy::too_many_arguments)]
+pub fn gate_pass_groups<'b>(
+    k: &RowKernels,
+    layout: &BundleLayout,
+    x: &Operand,
+    runs: GroupedRuns<'b>,
+    first: usize,
+    down: &impl NeuronRows<'b>,
+    candidate: impl Fn(usize) -> bool,
+    skip: Skip,
+    scores: &mut [f32],
+    active: &mut [u32],
+    coef: &mut [f32],
+) -> usize {
+    const G: usize = super::groups::GROUP_ROWS;
+    let (gq, uq) = (layout.qtypes.gate, layout.qtypes.up);
+    let rb = layout.row_bytes();
+    let n = scores.len();
+    assert!(n <= RUN_PASS && active.len() >= n && coef.len() >= n);
+    let up_always = matches!(skip.rule, SkipRule::GateUp);
+    // The groups that hold neurons `first .. first + n`; `off` is neuron `first`'s row in them.
+    let (g0, g1) = (first / G, (first + n).div_ceil(G));
+    let off = first - g0 * G;
+    let rows = (g1 - g0) * G;
+    let (mut gates, mut ups) = ([0.0f32; RUN_PASS + 2 * G], [0.0f32; RUN_PASS + 2 * G]);
+    let part = |run: &'b [u8], p: usize| &run[g0 * G * rb[p]..g1 * G * rb[p]];
+    k.groups_dot(gq, part(runs.gate, 0), x, &mut gates[..rows]);
+    if up_always {
+        k.groups_dot(uq, part(runs.up, 1), x, &mut ups[..rows]);
+    }
+    let (g, u) = (&gates[off..off + n], &ups[off..off + n]);
+    let m = verdicts(skip, g, u, candidate, down, scores, active, coef);
+    if !up_always {
+        // The up rows of each group with an active neuron, once.
+        let mut done = usize::MAX;
+        for j in 0..m {
+            let g = (off + active[j] as usize) / G;
+            if g != done {
+                let bytes = &runs.up[(g0 + g) * G * rb[1]..(g0 + g + 1) * G * rb[1]];
+                k.groups_dot(uq, bytes, x, &mut ups[g * G..(g + 1) * G]);
+                done = g;
+            }
+            coef[j] = skip.act.coef(coef[j], ups[off + active[j] as usize]);
         }
     }
     m

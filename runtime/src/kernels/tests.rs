@@ -496,7 +496,10 @@ fn row_groups_are_dot_row_by_row_bit_for_bit() {
 /// (every neuron a candidate), which reads them as a mat-vec does.
 #[test]
 fn gate_pass_is_one_dot_per_row_bit_for_bit() {
-    use super::bundles::{gate_pass, gate_pass_runs, ClusterRows, RUN_PASS};
+    use super::bundles::{
+        gate_pass, gate_pass_groups, gate_pass_runs, ClusterRows, GroupedRuns, RUN_PASS,
+    };
+    use super::groups::{group_rows, groupable, GROUP_ROWS};
     let (seed, mut rng) = rng();
     let mut layouts: Vec<BundleLayout> = [
         QuantType::Q8_0,
@@ -535,6 +538,23 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                     (n + 1) * (rb[0] + rb[1]) + rb[2],
                 ];
                 let in_runs = ClusterRows::in_runs(&layout, &runs, start, n).unwrap();
+                // Gate and up runs in row groups: `pre` random neurons, these, then as many as
+                // make whole groups.
+                let pre = rng.random_range(0..GROUP_ROWS);
+                let total = (pre + n).div_ceil(GROUP_ROWS) * GROUP_ROWS;
+                let grouped = (groupable(qtype.gate) && groupable(qtype.up)).then(|| {
+                    let (other, _) = random_bundles(&layout, total - n, &mut rng);
+                    let mut all = other[..pre * bb].to_vec();
+                    all.extend_from_slice(&buf);
+                    all.extend_from_slice(&other[pre * bb..]);
+                    let runs = ClusterLayout::Split.arrange(&all, rb);
+                    [(0, qtype.gate, 0), (1, qtype.up, total * rb[0])].map(|(p, q, at)| {
+                        let plain = &runs[at..at + total * rb[p]];
+                        let mut g = vec![0u8; plain.len()];
+                        group_rows(q, plain, rb[p], &mut g);
+                        g
+                    })
+                });
                 let xs = random(hidden, 1.0, &mut rng);
                 let x = Operand::new(&xs, layout.operand_type());
                 let skipped = rng.random_range(0..3usize);
@@ -592,8 +612,10 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                         &mut active,
                         &mut coef,
                     );
-                    let got = (bits(&scores), active[..m].to_vec(), bits(&coef[..m]));
-                    assert_eq!(got, want(&candidate), "{what}");
+                    let got = |m: usize, scores: &[f32], active: &[u32], coef: &[f32]| {
+                        (bits(scores), active[..m].to_vec(), bits(&coef[..m]))
+                    };
+                    assert_eq!(got(m, &scores, &active, &coef), want(&candidate), "{what}");
 
                     scores.fill(-1.0);
                     let m = gate_pass_runs(
@@ -606,8 +628,33 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
                         &mut active,
                         &mut coef,
                     );
-                    let got = (bits(&scores), active[..m].to_vec(), bits(&coef[..m]));
-                    assert_eq!(got, want(&|_| true), "{what}, in runs");
+                    let all = want(&|_| true);
+                    assert_eq!(got(m, &scores, &active, &coef), all, "{what}, in runs");
+
+                    // The same neurons in runs laid out in row groups, from a neuron inside a
+                    // group (`pre` neurons of other clusters before them).
+                    if let Some(grouped) = &grouped {
+                        scores.fill(-1.0);
+                        let runs = GroupedRuns {
+                            gate: &grouped[0],
+                            up: &grouped[1],
+                        };
+                        let m = gate_pass_groups(
+                            &k,
+                            &layout,
+                            &x,
+                            runs,
+                            pre,
+                            &rows,
+                            candidate,
+                            skip,
+                            &mut scores,
+                            &mut active,
+                            &mut coef,
+                        );
+                        let what = format!("{what}, in row groups after {pre}");
+                        assert_eq!(got(m, &scores, &active, &coef), want(&candidate), "{what}");
+                    }
                 }
             }
         }

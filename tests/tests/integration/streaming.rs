@@ -79,39 +79,72 @@ fn decode_steps(
 fn layers_in_runs_decode_as_streamed_clusters_do() {
     let file = embedded("q8");
     let ids = text_ids(&session(&file, PolicyChoice::Resident, None), 32);
+    runs_decode_as_streamed_clusters(&file, &ids);
+}
+
+/// The same with `Q4_0` and `Q4_1` gate and up rows, whose runs lie in row groups of eight
+/// neurons where the kernels have them (x86-64), under both skip rules: `gate` (the active
+/// neurons' up rows, a group at a time) and `gate_up` (every up row).
+#[test]
+fn layers_in_row_groups_decode_as_streamed_clusters_do() {
+    let spec = TinySpec {
+        hidden: 128,
+        intermediate: 1024,
+        heads: 8,
+        kv_heads: 4,
+        ..TinySpec::llama()
+    };
+    for (name, quant, sparsity) in [
+        ("tiny-runs-q4_0-gate", "q4_0", "threshold:0.5"),
+        ("tiny-runs-q4_1-gate-up", "q4_1", "target:0.5"),
+    ] {
+        let dir = scratch().join(name);
+        write_tiny_model(&dir, &spec).unwrap();
+        let file = scratch().join(format!("{name}.lsb"));
+        convert(&dir, &file, &["--quant", quant, "--sparsity", sparsity]);
+        let ids: Vec<u32> = (0..24u32)
+            .map(|i| (i * 7919 + 3) % spec.vocab as u32)
+            .collect();
+        runs_decode_as_streamed_clusters(&file, &ids);
+    }
+}
+
+fn runs_decode_as_streamed_clusters(file: &Path, ids: &[u32]) {
+    let half = ids.len() / 2;
     let decode = |s: &mut Session| -> Vec<f32> {
         let mut cache = s.model().new_cache(128);
-        decode_steps(s.model(), &ids, &mut cache)
+        decode_steps(s.model(), ids, &mut cache)
     };
-    let min = leanstream::streaming::minimum_memory(&file, 128).unwrap();
-    let streamed = decode(&mut session(&file, PolicyChoice::Leanstream, Some(min)));
+    let min = leanstream::streaming::minimum_memory(file, 128).unwrap();
+    let streamed = decode(&mut session(file, PolicyChoice::Leanstream, Some(min)));
     // The default policy whose cache holds the whole file keeps its layers in runs too; a smaller
     // budget then takes clusters out of them: those layers give their runs up, their clusters
     // still cached read again (checked) into entries of their own.
-    let mut shrunk = session(&file, PolicyChoice::Leanstream, None);
+    let mut shrunk = session(file, PolicyChoice::Leanstream, None);
     let mut cache = shrunk.model().new_cache(128);
-    let mut logits = decode_steps(shrunk.model(), &ids[..16], &mut cache);
-    let split = leanstream::streaming::memory_split(&file, 128).unwrap();
+    let mut logits = decode_steps(shrunk.model(), &ids[..half], &mut cache);
+    let split = leanstream::streaming::memory_split(file, 128).unwrap();
     shrunk.set_memory_budget(min + split.ffn_total / 2).unwrap();
-    logits.extend(decode_steps(shrunk.model(), &ids[16..], &mut cache));
+    logits.extend(decode_steps(shrunk.model(), &ids[half..], &mut cache));
+    let name = file.display();
     assert!(
         logits == streamed,
-        "decoding across the smaller budget differs"
+        "{name}: decoding across the smaller budget differs"
     );
     let report = shrunk.report();
     assert!(
         report["bytes_read_per_token"].as_f64().unwrap() > 0.0,
-        "the evicted clusters are read: {report}"
+        "{name}: the evicted clusters are read: {report}"
     );
     for threads in [1, 3] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
             .unwrap();
-        let resident = pool.install(|| decode(&mut session(&file, PolicyChoice::Resident, None)));
+        let resident = pool.install(|| decode(&mut session(file, PolicyChoice::Resident, None)));
         assert!(
             resident == streamed,
-            "{threads} threads: the resident layers in runs differ from streamed clusters"
+            "{name}, {threads} threads: the resident layers in runs differ from streamed clusters"
         );
     }
 }

@@ -231,13 +231,14 @@ impl StreamEngine {
                     })
                 }),
         );
+        let mut scratch = std::mem::take(&mut self.work.chunk_rows);
         for g in 0..GROUPS {
             cells.iter().for_each(|c| lock(c).acc.fill(0.0));
             for ci in (bounds[g]..bounds[g + 1]).filter(|&ci| is_needed[ci]) {
                 let key = (l as u32, ci as u32);
-                let read = match self.core.resident(key) {
-                    Some(_) => None,
-                    None => {
+                let read = match self.core.has_resident(key) {
+                    true => None,
+                    false => {
                         if !self.core.is_pending(key) {
                             // Resident when the chunk was refined, then evicted by a read offered
                             // to the cache since (this chunk's, or a speculative one): read again.
@@ -255,7 +256,7 @@ impl StreamEngine {
                         k,
                         skip,
                         ci,
-                        rows: core.resident(key).expect("resident")?,
+                        rows: core.resident_into(key, &mut scratch).expect("resident")?,
                     },
                 };
                 let t = Instant::now();
@@ -286,6 +287,7 @@ impl StreamEngine {
             }
         }
         self.work.chunk_cells = crate::model::recycle(cells);
+        self.work.chunk_rows = scratch;
         failed?;
         self.work.chunk_lists = lists;
         for (r, (sel, g)) in selections.iter().zip(scores.chunks_exact(n)).enumerate() {

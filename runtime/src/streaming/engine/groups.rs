@@ -40,6 +40,8 @@ pub(super) struct Work {
     /// shares, reused ([`crate::model::recycle`]) so that a batched step allocates nothing.
     pub(super) chunk_operands: Vec<Operand<'static>>,
     pub(super) chunk_cells: Vec<Mutex<super::chunk::Share<'static>>>,
+    /// A prompt chunk's cluster copied out of its layer's row groups ([`Core::resident_into`]).
+    pub(super) chunk_rows: Vec<u8>,
 }
 
 /// What the gates of a layer's clusters decided.
@@ -144,10 +146,18 @@ pub(super) fn resident_groups(
         let lo = needed.partition_point(|&c| c < bounds[g]);
         let hi = needed.partition_point(|&c| c < bounds[g + 1]);
         if let Some(runs) = core.layer_runs(l) {
-            if hi - lo == bounds[g + 1] - bounds[g] {
-                // Every cluster of the group needed, and the layer whole in runs: one pass.
+            let all = hi - lo == bounds[g + 1] - bounds[g];
+            if all || runs.is_grouped() {
+                // Every cluster of the group needed, and the layer whole in runs: one pass. In
+                // row groups, the pass over the group takes the needed clusters' neurons.
                 let rows = runs.rows(&plan.layout, group.n0, group.scores.len());
-                group.whole(plan, k, skip, rows, candidate, operand);
+                let needed = &needed[lo..hi];
+                let cand = |n: usize| {
+                    candidate[n]
+                        && (all || needed.binary_search(&(plan.cluster_of[n] as usize)).is_ok())
+                };
+                let grouped = runs.groups(&plan.layout);
+                group.whole(plan, k, skip, rows, grouped, &cand, operand);
                 *next = group.end;
                 return Ok(());
             }
@@ -303,13 +313,15 @@ impl GroupWork<'_> {
     /// ([`gate_pass_runs`]). The active neurons' down columns are added in neuron order, as
     /// cluster after cluster adds them ([`RowKernels::axpy_rows`] is bitwise one row after
     /// another), so the sum is bitwise the same.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn whole(
         &mut self,
         plan: &LayerPlan,
         k: &RowKernels,
         skip: Skip,
         rows: ClusterRows,
-        candidate: &[bool],
+        grouped: Option<GroupedRuns>,
+        candidate: &dyn Fn(usize) -> bool,
         x: &Operand,
     ) {
         let n = self.scores.len();
@@ -318,7 +330,21 @@ impl GroupWork<'_> {
             let end = (start + RUN_PASS).min(n);
             let (here, then) = (rows.from(start), rows.from(end));
             let (n0, scores) = (self.n0 + start, &mut self.scores[start..end]);
-            let m = if candidate[n0..self.n0 + end].iter().all(|&c| c) {
+            let m = if let Some(runs) = grouped {
+                gate_pass_groups(
+                    k,
+                    &plan.layout,
+                    x,
+                    runs,
+                    n0,
+                    &here,
+                    |i| candidate(n0 + i),
+                    skip,
+                    scores,
+                    self.active,
+                    self.coef,
+                )
+            } else if (n0..self.n0 + end).all(candidate) {
                 gate_pass_runs(
                     k,
                     &plan.layout,
@@ -336,7 +362,7 @@ impl GroupWork<'_> {
                     x,
                     &here,
                     (end < n).then_some(&then),
-                    |i| candidate[n0 + i],
+                    |i| candidate(n0 + i),
                     skip,
                     scores,
                     self.active,

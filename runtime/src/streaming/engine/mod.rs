@@ -33,7 +33,8 @@ use leanstream_format::quant::QuantType;
 use leanstream_format::FormatError;
 
 use crate::kernels::bundles::{
-    down_pass, gate_pass, gate_pass_runs, keep_positive, ClusterRows, PARALLEL_MIN_BYTES, RUN_PASS,
+    down_pass, gate_pass, gate_pass_groups, gate_pass_runs, keep_positive, ClusterRows,
+    GroupedRuns, PARALLEL_MIN_BYTES, RUN_PASS,
 };
 use crate::kernels::parallel;
 use crate::kernels::{Operand, RowKernels};
@@ -531,10 +532,11 @@ impl StreamEngine {
         let neurons = plan.cluster_of.len();
         let rb = layout.row_bytes();
         let mut parts = rb.map(|b| Vec::with_capacity(neurons * b));
+        let mut scratch = Vec::new();
         for (ci, cl) in plan.clusters.iter().enumerate() {
             let rows = self
                 .core
-                .resident((l as u32, ci as u32))
+                .resident_into((l as u32, ci as u32), &mut scratch)
                 .with_context(|| format!("layer {l}'s cluster {ci} is not in memory"))??;
             for k in 0..cl.count {
                 use crate::kernels::bundles::NeuronRows;

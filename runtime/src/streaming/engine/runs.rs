@@ -4,16 +4,27 @@
 //! `resident` policy), the engine computes each reduction group's neurons in one pass over these
 //! runs instead of cluster after cluster: three long streams for the prefetchers and no per-cluster
 //! start-up. The rows, the order of the sums and so the bits are the clusters' own.
+//!
+//! Where the kernels have row groups for the gate and up rows' encodings ([`group_rows`]: `Q4_0`,
+//! `Q4_1`), those two runs are laid out in groups of eight neurons once filled
+//! ([`LayerRuns::into_groups`]), so that the gate pass computes eight neurons per vector operation
+//! ([`crate::kernels::bundles::gate_pass_groups`]); a cluster's plain rows are then copied out of
+//! the groups where a caller needs them ([`LayerRuns::rows_into`]: a prompt chunk's pass).
 
 use anyhow::Result;
 
-use crate::kernels::bundles::{BundleLayout, ClusterRows, NeuronRows};
+use crate::kernels::bundles::{BundleLayout, ClusterRows, GroupedRuns, NeuronRows};
+use crate::kernels::groups::{group_rows, ungroup_row, GROUP_ROWS};
+use crate::kernels::RowKernels;
 use crate::streaming::plan::LayerPlan;
 
 pub(in crate::streaming) struct LayerRuns {
     bytes: Vec<u8>,
-    /// Where each part's run starts: part `p` of neuron `n` at `start[p] + n · row_bytes[p]`.
+    /// Where each part's run starts: part `p` of neuron `n` at `start[p] + n · row_bytes[p]`
+    /// (in plain rows; the same bytes in groups).
     start: [usize; 3],
+    /// Whether the gate and up runs lie in row groups.
+    grouped: bool,
 }
 
 impl LayerRuns {
@@ -25,7 +36,53 @@ impl LayerRuns {
         Self {
             bytes: vec![0; n * plan.layout.bundle_bytes()],
             start,
+            grouped: false,
         }
+    }
+
+    /// Lays the filled gate and up runs out in groups of eight neurons where `k` has row groups
+    /// for both parts' encodings and the layer's neurons are whole groups; else unchanged. One
+    /// group's rows at a time are copied aside, so the layer is not held twice.
+    pub(in crate::streaming) fn into_groups(mut self, plan: &LayerPlan, k: &RowKernels) -> Self {
+        let q = plan.layout.qtypes;
+        let n = plan.cluster_of.len();
+        if self.grouped
+            || n == 0
+            || !n.is_multiple_of(GROUP_ROWS)
+            || !k.has_groups(q.gate)
+            || !k.has_groups(q.up)
+        {
+            return self;
+        }
+        let rb = plan.layout.row_bytes();
+        for (p, qtype) in [(0, q.gate), (1, q.up)] {
+            let size = GROUP_ROWS * rb[p];
+            let mut plain = vec![0u8; size];
+            for g in 0..n / GROUP_ROWS {
+                let at = self.start[p] + g * size;
+                plain.copy_from_slice(&self.bytes[at..at + size]);
+                group_rows(qtype, &plain, rb[p], &mut self.bytes[at..at + size]);
+            }
+        }
+        self.grouped = true;
+        self
+    }
+
+    /// Whether the gate and up runs lie in row groups ([`LayerRuns::into_groups`]).
+    pub(in crate::streaming) fn is_grouped(&self) -> bool {
+        self.grouped
+    }
+
+    /// The whole layer's gate and up runs in groups, where they are.
+    pub(in crate::streaming) fn groups(&self, layout: &BundleLayout) -> Option<GroupedRuns<'_>> {
+        if !self.grouped {
+            return None;
+        }
+        let n = (self.start[1] - self.start[0]) / layout.row_bytes()[0];
+        Some(GroupedRuns {
+            gate: &self.bytes[self.start[0]..self.start[1]],
+            up: &self.bytes[self.start[1]..self.start[1] + n * layout.row_bytes()[1]],
+        })
     }
 
     /// Copies cluster `ci`'s rows, its bytes as stored in the file, into place.
@@ -50,7 +107,40 @@ impl LayerRuns {
         Ok(())
     }
 
-    /// Neurons `first .. first + count` of the layer.
+    /// Neurons `first .. first + count` of the layer as plain rows, in `scratch` where the gate
+    /// and up runs lie in groups (their rows copied out, and the down columns with them), else
+    /// where they lie ([`LayerRuns::rows`]).
+    pub(in crate::streaming) fn rows_into<'a>(
+        &'a self,
+        layout: &BundleLayout,
+        first: usize,
+        count: usize,
+        scratch: &'a mut Vec<u8>,
+    ) -> ClusterRows<'a> {
+        if !self.grouped {
+            return self.rows(layout, first, count);
+        }
+        let rb = layout.row_bytes();
+        let q = layout.qtypes;
+        scratch.clear();
+        scratch.resize(count * (rb[0] + rb[1] + rb[2]), 0);
+        let at = [0, count * rb[0], count * (rb[0] + rb[1])];
+        for (p, qtype) in [(0, q.gate), (1, q.up)] {
+            let size = GROUP_ROWS * rb[p];
+            for i in 0..count {
+                let n = first + i;
+                let group = &self.bytes[self.start[p] + (n / GROUP_ROWS) * size..][..size];
+                let out = &mut scratch[at[p] + i * rb[p]..][..rb[p]];
+                ungroup_row(qtype, group, n % GROUP_ROWS, out);
+            }
+        }
+        let down = self.start[2] + first * rb[2];
+        scratch[at[2]..].copy_from_slice(&self.bytes[down..down + count * rb[2]]);
+        ClusterRows::in_runs(layout, scratch, at, count).expect("rows laid out to fit")
+    }
+
+    /// Neurons `first .. first + count` of the layer, where they lie: their down columns only
+    /// where the gate and up runs lie in groups ([`LayerRuns::rows_into`] for all three).
     pub(in crate::streaming) fn rows(
         &self,
         layout: &BundleLayout,

@@ -241,14 +241,56 @@ impl Core {
     }
 
     /// The rows of a cluster that need no read: in a layer held in runs, cached, or in the
-    /// mapping; an error if its bytes are too few for its neurons.
+    /// mapping; an error if its bytes are too few for its neurons, or if its layer's runs lie
+    /// in row groups ([`Core::resident_into`] takes those).
     pub(super) fn resident(&self, key: ClusterKey) -> Option<Result<ClusterRows<'_>>> {
         let (l, ci) = (key.0 as usize, key.1 as usize);
         let plan = &self.plans[l];
         let cl = &plan.clusters[ci];
         if let Some(runs) = self.layer_runs(l) {
+            if runs.is_grouped() {
+                return Some(Err(anyhow::anyhow!(
+                    "layer {l}'s cluster {ci}: its rows lie in row groups (resident_into)"
+                )));
+            }
             return Some(Ok(runs.rows(&plan.layout, cl.first, cl.count)));
         }
+        self.resident_elsewhere(key)
+    }
+
+    /// [`Core::resident`], with a cluster of a layer whose runs lie in row groups copied out of
+    /// them into `scratch`.
+    pub(super) fn resident_into<'a>(
+        &'a self,
+        key: ClusterKey,
+        scratch: &'a mut Vec<u8>,
+    ) -> Option<Result<ClusterRows<'a>>> {
+        let (l, ci) = (key.0 as usize, key.1 as usize);
+        let plan = &self.plans[l];
+        let cl = &plan.clusters[ci];
+        if let Some(runs) = self.layer_runs(l) {
+            return Some(Ok(runs.rows_into(
+                &plan.layout,
+                cl.first,
+                cl.count,
+                scratch,
+            )));
+        }
+        self.resident_elsewhere(key)
+    }
+
+    /// Whether [`Core::resident`] (or [`Core::resident_into`]) has the cluster's rows.
+    pub(super) fn has_resident(&self, key: ClusterKey) -> bool {
+        self.layer_runs(key.0 as usize).is_some()
+            || self.cache.get(key).is_some()
+            || self.mapping.is_some()
+    }
+
+    /// A cluster cached or in the mapping.
+    fn resident_elsewhere(&self, key: ClusterKey) -> Option<Result<ClusterRows<'_>>> {
+        let (l, ci) = (key.0 as usize, key.1 as usize);
+        let plan = &self.plans[l];
+        let cl = &plan.clusters[ci];
         let bytes = self
             .cache
             .get(key)
@@ -288,7 +330,7 @@ impl Core {
         if self.runs.len() <= l {
             self.runs.resize_with(self.plans.len(), || None);
         }
-        self.runs[l] = Some(runs);
+        self.runs[l] = Some(runs.into_groups(&self.plans[l], RowKernels::best()));
         Ok(true)
     }
 
