@@ -48,6 +48,7 @@ pub(super) unsafe fn kernels() -> RowKernels {
             |r, x, o| unsafe { dots_block_ahead::<Q4_1>(r, x, o) },
         ]),
         groups_dot: Some([
+            |d, x, o| unsafe { groups_dot::<Q8_0>(d, x, o) },
             |d, x, o| unsafe { groups_dot::<Q4_0>(d, x, o) },
             |d, x, o| unsafe { groups_dot::<Q4_1>(d, x, o) },
         ]),
@@ -710,6 +711,21 @@ pub(super) unsafe fn groups_dot_with<const KIND: u8, const VNNI: bool>(
             if kind.has_min() {
                 let m = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i));
                 mins = _mm256_add_ps(mins, _mm256_mul_ps(m, _mm256_set1_ps(*sums.add(b))));
+            }
+            if KIND == Q8_0 {
+                // Signed codes: their magnitudes against the input's values given their signs.
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let c = _mm256_loadu_si256(blk.add(head + 32 * j) as *const __m256i);
+                    let xv = _mm256_set1_epi32(quants.add(8 * b + j).read_unaligned());
+                    let (a, xs) = (_mm256_sign_epi8(c, c), _mm256_sign_epi8(xv, c));
+                    let isums = if VNNI {
+                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, xs)
+                    } else {
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), _mm256_set1_epi16(1))
+                    };
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isums)));
+                }
+                continue;
             }
             for c in 0..4 {
                 let v = _mm256_loadu_si256(blk.add(head + 32 * c) as *const __m256i);

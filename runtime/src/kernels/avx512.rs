@@ -68,6 +68,7 @@ pub(super) unsafe fn kernels() -> RowKernels {
             |r, x, o| unsafe { dots_block_ahead::<Q4_1>(r, x, o) },
         ]),
         groups_dot: Some([
+            |d, x, o| unsafe { groups_dot::<Q8_0>(d, x, o) },
             |d, x, o| unsafe { groups_dot::<Q4_0>(d, x, o) },
             |d, x, o| unsafe { groups_dot::<Q4_1>(d, x, o) },
         ]),

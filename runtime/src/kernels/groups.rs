@@ -1,5 +1,5 @@
-//! Row groups: eight rows of a `Q4_0` or `Q4_1` matrix laid block by block side by side, so that
-//! a mat-vec's vector operations each serve eight rows instead of one.
+//! Row groups: eight rows of a `Q4_0`, `Q4_1` or `Q8_0` matrix laid block by block side by side,
+//! so that a mat-vec's vector operations each serve eight rows instead of one.
 //!
 //! A row's dot product keeps its eight lanes (lane `j`: the exact integer sum over values
 //! `4j..4j + 4` of a block, converted, times `d_w·d_x`, added block after block: the portable
@@ -7,10 +7,10 @@
 //! of the eight rows. Each block of a group is laid out so that this transposition costs nothing:
 //!
 //! - the eight rows' f16 scales (16 bytes), then for `Q4_1` their eight f16 minimums (16 bytes);
-//! - then four chunks of 32 bytes: chunk `c` holds bytes `4c..4c + 4` of each row's 16 nibble
-//!   bytes, row after row. Byte `k` of a block holds value `k` in its low nibble and value
+//! - then chunks of 32 bytes: chunk `c` holds bytes `4c..4c + 4` of each row's codes, row after
+//!   row. A 4-bit block has four: byte `k` of its 16 holds value `k` in its low nibble and value
 //!   `k + 16` in its high one, so the low nibbles of chunk `c` are lane `c` of the eight rows and
-//!   the high nibbles lane `c + 4`.
+//!   the high nibbles lane `c + 4`. A `Q8_0` block has eight, chunk `c` lane `c`.
 //!
 //! So per block, one 256-bit load and three operations give two lanes' codes of eight rows, one
 //! VNNI `vpdpbusd` against the input's four values broadcast gives a lane's exact sums for eight
@@ -28,7 +28,7 @@ pub const GROUP_ROWS: usize = 8;
 
 /// The block types that have a grouped layout.
 pub fn groupable(qtype: QuantType) -> bool {
-    matches!(qtype, QuantType::Q4_0 | QuantType::Q4_1)
+    matches!(qtype, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
 }
 
 /// Bytes of a grouped block's head: the eight scales, and the eight minimums where the type has
@@ -41,11 +41,12 @@ pub(super) const fn head_bytes(has_min: bool) -> usize {
     }
 }
 
-/// The nibble bytes of a 4-bit block (16), and where they start in a plain block.
-fn nibbles_at(qtype: QuantType) -> usize {
+/// Where a plain block's code bytes start, and how many 4-byte chunks they make.
+fn codes_at(qtype: QuantType) -> (usize, usize) {
     match qtype {
-        QuantType::Q4_0 => 2,
-        _ => 4,
+        QuantType::Q4_0 => (2, 4),
+        QuantType::Q4_1 => (4, 4),
+        _ => (2, 8),
     }
 }
 
@@ -60,7 +61,7 @@ pub fn group_rows(qtype: QuantType, rows: &[u8], row_bytes: usize, out: &mut [u8
     assert!(row_bytes > 0 && row_bytes.is_multiple_of(bytes));
     assert!(rows.len().is_multiple_of(GROUP_ROWS * row_bytes));
     assert_eq!(rows.len(), out.len());
-    let (at, head) = (nibbles_at(qtype), head_bytes(qtype == QuantType::Q4_1));
+    let ((at, chunks), head) = (codes_at(qtype), head_bytes(qtype == QuantType::Q4_1));
     for (src, dst) in rows
         .chunks_exact(GROUP_ROWS * row_bytes)
         .zip(out.chunks_exact_mut(GROUP_ROWS * row_bytes))
@@ -72,7 +73,7 @@ pub fn group_rows(qtype: QuantType, rows: &[u8], row_bytes: usize, out: &mut [u8
                 if at == 4 {
                     dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&blk[2..4]);
                 }
-                for c in 0..4 {
+                for c in 0..chunks {
                     let to = head + 32 * c + 4 * r;
                     dst[to..to + 4].copy_from_slice(&blk[at + 4 * c..at + 4 * c + 4]);
                 }
@@ -85,7 +86,7 @@ pub fn group_rows(qtype: QuantType, rows: &[u8], row_bytes: usize, out: &mut [u8
 /// (`row_bytes`).
 pub fn ungroup_row(qtype: QuantType, group: &[u8], r: usize, out: &mut [u8]) {
     let bytes = qtype.block_bytes();
-    let (at, head) = (nibbles_at(qtype), head_bytes(qtype == QuantType::Q4_1));
+    let ((at, chunks), head) = (codes_at(qtype), head_bytes(qtype == QuantType::Q4_1));
     for (src, blk) in group
         .chunks_exact(GROUP_ROWS * bytes)
         .zip(out.chunks_exact_mut(bytes))
@@ -94,7 +95,7 @@ pub fn ungroup_row(qtype: QuantType, group: &[u8], r: usize, out: &mut [u8]) {
         if at == 4 {
             blk[2..4].copy_from_slice(&src[16 + 2 * r..16 + 2 * r + 2]);
         }
-        for c in 0..4 {
+        for c in 0..chunks {
             let from = head + 32 * c + 4 * r;
             blk[at + 4 * c..at + 4 * c + 4].copy_from_slice(&src[from..from + 4]);
         }
@@ -107,7 +108,8 @@ pub fn ungroup_row(qtype: QuantType, group: &[u8], r: usize, out: &mut [u8]) {
 pub(super) fn groups_dot(qtype: QuantType, data: &[u8], x: &Q8Vec, out: &mut [f32]) {
     let kind = match qtype {
         QuantType::Q4_0 => Block::Q4_0,
-        _ => Block::Q4_1,
+        QuantType::Q4_1 => Block::Q4_1,
+        _ => Block::Q8_0,
     };
     let bytes = kind.bytes();
     let groups = out.len() / GROUP_ROWS;
@@ -121,7 +123,7 @@ pub(super) fn groups_dot(qtype: QuantType, data: &[u8], x: &Q8Vec, out: &mut [f3
         .min(x.sums.len())
         .min(x.quants.len() / BLOCK_LEN);
     let nb = (group_bytes / (GROUP_ROWS * bytes)).min(nx);
-    let mut blk = [0u8; portable::Q4_1_BYTES];
+    let mut blk = [0u8; portable::Q8_0_BYTES];
     let blk = &mut blk[..bytes];
     for (g, out) in out.chunks_exact_mut(GROUP_ROWS).enumerate() {
         let group = &data[g * group_bytes..(g + 1) * group_bytes];

@@ -12,6 +12,7 @@ use super::gemm::gemm_rows;
 use super::groups::{group_rows, ungroup_row, GROUP_ROWS};
 use super::matrix::{gemm_inputs, gemm_t_blocked, Matrix};
 use super::operand::Operand;
+use super::portable::Q8_0_BYTES;
 use super::rows::{RowKernels, DOT_ROWS};
 use crate::storage::AlignedBuf;
 
@@ -253,10 +254,11 @@ impl QMatrix {
         if r >= self.grouped {
             return k.dequantize(self.qtype, self.row(r), out);
         }
-        // One block at a time out of its group: no allocation (an embedding lookup per token).
+        // One block at a time out of its group (`Q8_0`'s the largest): no allocation (an
+        // embedding lookup per token).
         let bytes = self.qtype.block_bytes();
         let group = &self.data[(r / GROUP_ROWS) * GROUP_ROWS * self.row_bytes..];
-        let mut blk = [0u8; 32];
+        let mut blk = [0u8; Q8_0_BYTES];
         for (b, out) in out.chunks_exact_mut(self.qtype.block_len()).enumerate() {
             let g = &group[b * GROUP_ROWS * bytes..][..GROUP_ROWS * bytes];
             ungroup_row(self.qtype, g, r % GROUP_ROWS, &mut blk[..bytes]);

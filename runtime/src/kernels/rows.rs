@@ -75,9 +75,10 @@ pub struct RowKernels {
     /// in one matrix (a dense mat-vec, [`RowKernels::dots_ahead`]), reading ahead in them, where
     /// the set has such kernels.
     pub(crate) dots_ahead: Option<[BlockDots; 3]>,
-    /// `Q4_0`'s and `Q4_1`'s mat-vec over row groups ([`super::groups`]), bitwise each row's
-    /// `dot`, where the set has a kernel that gains from the layout (else rows stay plain).
-    pub(crate) groups_dot: Option<[GroupsDot; 2]>,
+    /// `Q8_0`'s, `Q4_0`'s and `Q4_1`'s mat-vec over row groups ([`super::groups`]), bitwise
+    /// each row's `dot`, where the set has a kernel that gains from the layout (else rows stay
+    /// plain).
+    pub(crate) groups_dot: Option<[GroupsDot; 3]>,
     /// Rows [`RowKernels::dots`] gives these kernels at once: [`DOT_ROWS`], or 1 where sharing the
     /// input was measured slower in the token loop (AVX-512: SmolLM2 q4 `resident` 8.7–8.9 against
     /// 7.8–8.2 ms of CPU per token; AVX2 gained about 5 %).
@@ -401,8 +402,13 @@ impl RowKernels {
             "groups of rows of {} values",
             x.x.len()
         );
+        let which = match qtype {
+            QuantType::Q8_0 => 0,
+            QuantType::Q4_0 => 1,
+            _ => 2,
+        };
         match self.groups_dot {
-            Some(k) => k[(qtype == QuantType::Q4_1) as usize](data, x.q8(), out),
+            Some(k) => k[which](data, x.q8(), out),
             None => super::groups::groups_dot(qtype, data, x.q8(), out),
         }
     }

@@ -435,7 +435,7 @@ fn row_groups_are_dot_row_by_row_bit_for_bit() {
     use super::groups::{group_rows, groups_dot, ungroup_row, GROUP_ROWS};
     let (seed, mut rng) = rng();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for qtype in [QuantType::Q4_0, QuantType::Q4_1] {
+    for qtype in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0] {
         for n in lengths(qtype) {
             for (groups, zeros) in [(1, false), (2, true), (3, false)] {
                 let count = groups * GROUP_ROWS;
@@ -457,17 +457,12 @@ fn row_groups_are_dot_row_by_row_bit_for_bit() {
                     xs.fill(0.0);
                 }
                 let x = Operand::new(&xs, qtype);
-                let want: Vec<f32> = rows
-                    .iter()
-                    .map(|r| super::portable::dot_q4_0(r, x.q8()))
-                    .collect();
-                let want = if qtype == QuantType::Q4_0 {
-                    want
-                } else {
-                    rows.iter()
-                        .map(|r| super::portable::dot_q4_1(r, x.q8()))
-                        .collect()
+                let dot = match qtype {
+                    QuantType::Q4_0 => super::portable::dot_q4_0,
+                    QuantType::Q4_1 => super::portable::dot_q4_1,
+                    _ => super::portable::dot_q8_0,
                 };
+                let want: Vec<f32> = rows.iter().map(|r| dot(r, x.q8())).collect();
                 let mut got = vec![f32::NAN; count];
                 groups_dot(qtype, &grouped, x.q8(), &mut got);
                 assert_eq!(
@@ -1088,7 +1083,7 @@ fn a_grouped_matrix_equals_its_plain_rows_bit_for_bit() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for (rows, cols) in [(8, 64), (301, 96), (610, 256)] {
         let m = Matrix::new(rows, cols, random(rows * cols, 1.0, &mut rng));
-        for qtype in [QuantType::Q4_0, QuantType::Q4_1] {
+        for qtype in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0] {
             let plain = QMatrix::quantize(&m, qtype).unwrap();
             for k in RowKernels::available() {
                 let grouped = plain.clone().in_groups_for(&k);
