@@ -304,7 +304,7 @@ impl QMatrix {
         // Several inputs: the rows out of their groups a slice at a time, multiplied as plain
         // rows (the same kernels, so the same bits).
         let mut stream = RowStream::new(self.qtype, self.rows, self.cols, self.row_bytes, x, t);
-        UNGROUPED.with_borrow_mut(|plain| {
+        let mut push = |plain: &mut Vec<u8>| {
             for r0 in (0..self.rows).step_by(UNGROUP_ROWS) {
                 let n = UNGROUP_ROWS.min(self.rows - r0);
                 plain.resize(n * self.row_bytes, 0);
@@ -313,6 +313,12 @@ impl QMatrix {
                 }
                 stream.push(plain, out);
             }
+        };
+        // The thread's buffer, or one of its own where a product that this thread took up while
+        // waiting on its pool's workers holds it already.
+        UNGROUPED.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut plain) => push(&mut plain),
+            Err(_) => push(&mut Vec::new()),
         });
     }
 }
