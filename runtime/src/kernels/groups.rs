@@ -82,6 +82,17 @@ pub fn group_rows(qtype: QuantType, rows: &[u8], row_bytes: usize, out: &mut [u8
     }
 }
 
+/// [`group_rows`] in place over `rows`, a group at a time through a buffer of one group's rows
+/// (a matrix or a layer's run is never held twice).
+pub fn group_in_place(qtype: QuantType, rows: &mut [u8], row_bytes: usize) {
+    let size = GROUP_ROWS * row_bytes;
+    let mut plain = vec![0u8; size];
+    for group in rows.chunks_exact_mut(size) {
+        plain.copy_from_slice(group);
+        group_rows(qtype, &plain, row_bytes, group);
+    }
+}
+
 /// Row `r` of a group (`GROUP_ROWS · row_bytes` bytes) back in its plain layout, into `out`
 /// (`row_bytes`).
 pub fn ungroup_row(qtype: QuantType, group: &[u8], r: usize, out: &mut [u8]) {

@@ -5,8 +5,8 @@
 //! runs instead of cluster after cluster: three long streams for the prefetchers and no per-cluster
 //! start-up. The rows, the order of the sums and so the bits are the clusters' own.
 //!
-//! Where the kernels have row groups for the gate and up rows' encodings ([`group_rows`]: `Q4_0`,
-//! `Q4_1`), those two runs are laid out in groups of eight neurons once filled
+//! Where the kernels have row groups for the gate and up rows' encodings
+//! ([`crate::kernels::groups`]: `Q8_0`, `Q4_0`, `Q4_1`), those two runs are laid out in groups of eight neurons once filled
 //! ([`LayerRuns::into_groups`]), so that the gate pass computes eight neurons per vector operation
 //! ([`crate::kernels::bundles::gate_pass_groups`]); a cluster's plain rows are then copied out of
 //! the groups where a caller needs them ([`LayerRuns::rows_into`]: a prompt chunk's pass).
@@ -14,7 +14,7 @@
 use anyhow::Result;
 
 use crate::kernels::bundles::{BundleLayout, ClusterRows, GroupedRuns, NeuronRows};
-use crate::kernels::groups::{group_rows, ungroup_row, GROUP_ROWS};
+use crate::kernels::groups::{group_in_place, ungroup_row, GROUP_ROWS};
 use crate::kernels::RowKernels;
 use crate::streaming::plan::LayerPlan;
 
@@ -42,7 +42,7 @@ impl LayerRuns {
 
     /// Lays the filled gate and up runs out in groups of eight neurons where `k` has row groups
     /// for both parts' encodings and the layer's neurons are whole groups; else unchanged. One
-    /// group's rows at a time are copied aside, so the layer is not held twice.
+    /// group's rows at a time are copied aside ([`group_in_place`]).
     pub(in crate::streaming) fn into_groups(mut self, plan: &LayerPlan, k: &RowKernels) -> Self {
         let q = plan.layout.qtypes;
         let n = plan.cluster_of.len();
@@ -56,13 +56,8 @@ impl LayerRuns {
         }
         let rb = plan.layout.row_bytes();
         for (p, qtype) in [(0, q.gate), (1, q.up)] {
-            let size = GROUP_ROWS * rb[p];
-            let mut plain = vec![0u8; size];
-            for g in 0..n / GROUP_ROWS {
-                let at = self.start[p] + g * size;
-                plain.copy_from_slice(&self.bytes[at..at + size]);
-                group_rows(qtype, &plain, rb[p], &mut self.bytes[at..at + size]);
-            }
+            let run = &mut self.bytes[self.start[p]..self.start[p] + n * rb[p]];
+            group_in_place(qtype, run, rb[p]);
         }
         self.grouped = true;
         self
