@@ -85,11 +85,20 @@ pub fn group_rows(qtype: QuantType, rows: &[u8], row_bytes: usize, out: &mut [u8
 /// [`group_rows`] in place over `rows`, a group at a time through a buffer of one group's rows
 /// (a matrix or a layer's run is never held twice).
 pub fn group_in_place(qtype: QuantType, rows: &mut [u8], row_bytes: usize) {
+    group_in_place_with(qtype, rows, row_bytes, &mut Vec::new());
+}
+
+/// [`group_in_place`] through `buf` (grown to one group's rows if it is shorter, then reused):
+/// a cluster entering the cache is grouped without allocating.
+pub fn group_in_place_with(qtype: QuantType, rows: &mut [u8], row_bytes: usize, buf: &mut Vec<u8>) {
     let size = GROUP_ROWS * row_bytes;
-    let mut plain = vec![0u8; size];
+    if buf.len() < size {
+        buf.resize(size, 0);
+    }
+    let plain = &mut buf[..size];
     for group in rows.chunks_exact_mut(size) {
         plain.copy_from_slice(group);
-        group_rows(qtype, &plain, row_bytes, group);
+        group_rows(qtype, plain, row_bytes, group);
     }
 }
 

@@ -15,6 +15,7 @@ mod avx2;
 mod avx512;
 pub mod bundles;
 mod gemm;
+pub mod grouped_cluster;
 pub mod groups;
 #[cfg(target_arch = "x86_64")]
 mod kquant_avx2;

@@ -656,6 +656,83 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
     }
 }
 
+/// A cluster the cache keeps in row groups computes bitwise what the stored cluster does, for
+/// every kernel set with group kernels, with and without rows after the last group, over more
+/// than one pass of groups, and gives its stored bytes back.
+#[test]
+fn a_grouped_cluster_gates_as_stored_bit_for_bit() {
+    use super::bundles::{gate_pass, ClusterRows};
+    use super::grouped_cluster::{
+        gate_pass_grouped_cluster, group_cluster, groupable_cluster, ungroup_cluster_into,
+    };
+    use leanstream_format::ffn::PartTypes;
+    let (seed, mut rng) = rng();
+    let mut layouts: Vec<BundleLayout> = [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1]
+        .map(|q| BundleLayout::new(q, 96, ClusterLayout::Split).unwrap())
+        .into();
+    // A converted GGUF's parts: q4 gate and up rows, q8 down columns.
+    let parts = PartTypes {
+        gate: QuantType::Q4_1,
+        up: QuantType::Q4_1,
+        down: QuantType::Q8_0,
+    };
+    layouts.push(BundleLayout::with_parts(parts, 64, ClusterLayout::Split).unwrap());
+    let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+    let mut tested = 0;
+    for k in RowKernels::available() {
+        for &layout in &layouts {
+            // Not grouped: an interleaved cluster, fewer than eight neurons.
+            let interleaved = layout.with_cluster(ClusterLayout::Interleaved);
+            assert!(!groupable_cluster(&k, &interleaved, 64));
+            assert!(!groupable_cluster(&k, &layout, 7));
+            for n in [8, 11, 37, 64, 77, 150] {
+                if !groupable_cluster(&k, &layout, n) {
+                    continue;
+                }
+                let (buf, _) = random_bundles(&layout, n, &mut rng);
+                let stored = ClusterLayout::Split.arrange(&buf, layout.row_bytes());
+                let mut grouped = stored.clone();
+                group_cluster(&layout, &mut grouped, n, &mut Vec::new());
+                assert_ne!(grouped, stored, "seed {seed}: grouping moves the codes");
+                let mut back = Vec::new();
+                ungroup_cluster_into(&layout, &grouped, n, &mut back);
+                assert_eq!(back, stored, "seed {seed}: ungrouped");
+                let plain = ClusterRows::new(&layout, &stored, n).unwrap();
+                let rows = ClusterRows::new(&layout, &grouped, n).unwrap();
+                let xs = random(layout.hidden, 1.0, &mut rng);
+                let x = Operand::new(&xs, layout.operand_type());
+                let skipped = rng.random_range(0..3usize);
+                let candidate = |i: usize| skipped == 0 || i % 3 != skipped;
+                for skip in three_rules() {
+                    let what = format!("seed {seed}: {} {} n={n} {skip:?}", k.isa, layout.qtypes);
+                    let run = |in_groups: bool| {
+                        let mut scores = vec![-1.0f32; n];
+                        let (mut active, mut coef) = (vec![0u32; n], vec![0.0f32; n]);
+                        let (s, a, c) = (&mut scores[..], &mut active[..], &mut coef[..]);
+                        let m = if in_groups {
+                            gate_pass_grouped_cluster(
+                                &k, &layout, &x, &grouped, &rows, candidate, skip, s, a, c,
+                            )
+                        } else {
+                            gate_pass(&k, &layout, &x, &plain, None, candidate, skip, s, a, c)
+                        };
+                        (bits(&scores), active[..m].to_vec(), bits(&coef[..m]))
+                    };
+                    let want = run(false);
+                    assert!(!want.1.is_empty(), "{what}: some neuron is active");
+                    assert_eq!(run(true), want, "{what}");
+                    tested += 1;
+                }
+            }
+        }
+    }
+    // Where a kernel set has group kernels (x86-64's), clusters were tested.
+    let grouping = RowKernels::available()
+        .iter()
+        .any(|k| k.has_groups(QuantType::Q4_0));
+    assert_eq!(tested > 0, grouping, "seed {seed}");
+}
+
 #[test]
 fn matvec_and_matmul_match_f64() {
     let (seed, mut rng) = rng();

@@ -196,6 +196,13 @@ impl<B: Deref<Target = [u8]>> NeuronCache<B> {
         self.entries[self.slots.of(key)].as_ref().map(|e| &*e.data)
     }
 
+    /// The cluster's data, if resident, to change in place (the same bytes laid out otherwise:
+    /// its size as counted stays).
+    pub fn get_mut(&mut self, key: ClusterKey) -> Option<&mut B> {
+        let s = self.slots.of(key);
+        self.entries[s].as_mut().map(|e| &mut e.data)
+    }
+
     /// Gives a resident cluster new data, counted as before; returns the old (`None`, `data`
     /// dropped, where the cluster is not resident).
     pub fn replace(&mut self, key: ClusterKey, data: B) -> Option<B> {

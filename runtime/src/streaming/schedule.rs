@@ -159,7 +159,7 @@ pub(super) fn pin_hottest(
         let bytes = core.read_now(key)?;
         used += size;
         pinned += 1;
-        core.cache.pin(key, bytes, freq);
+        core.pin(key, bytes, freq);
     }
     Ok(pinned)
 }

@@ -84,7 +84,8 @@ fn layers_in_runs_decode_as_streamed_clusters_do() {
 
 /// The same with `Q4_0` and `Q4_1` gate and up rows, whose runs lie in row groups of eight
 /// neurons where the kernels have them (x86-64), under both skip rules: `gate` (the active
-/// neurons' up rows, a group at a time) and `gate_up` (every up row).
+/// neurons' up rows, a group at a time) and `gate_up` (every up row); so do the clusters a
+/// smaller cache keeps in row groups.
 #[test]
 fn layers_in_row_groups_decode_as_streamed_clusters_do() {
     let spec = TinySpec {
@@ -135,6 +136,25 @@ fn runs_decode_as_streamed_clusters(file: &Path, ids: &[u32]) {
     assert!(
         report["bytes_read_per_token"].as_f64().unwrap() > 0.0,
         "{name}: the evicted clusters are read: {report}"
+    );
+    // A cache holding half the bundles lays the clusters it keeps out in row groups where the
+    // kernels have them (x86-64): computed from there, the same bits as read from the file.
+    let mut half = session(
+        file,
+        PolicyChoice::Leanstream,
+        Some(min + split.ffn_total / 2),
+    );
+    assert!(
+        decode(&mut half) == streamed,
+        "{name}: clusters kept in row groups differ from clusters as read"
+    );
+    let report = half.report();
+    let grouping = leanstream::kernels::RowKernels::best().has_groups(QuantType::Q4_0);
+    let fraction = report["grouped_hit_fraction"].as_f64().unwrap();
+    assert_eq!(
+        fraction > 0.0,
+        grouping,
+        "{name}: the kept clusters' gates ran in row groups: {report}"
     );
     for threads in [1, 3] {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -227,8 +247,9 @@ fn certified_streaming_of_an_f32_file_equals_dense() {
 /// its certificate (q8 bundles: the Q8_0 sketch is the exact gates): exact output equals `resident`
 /// bit for bit at three budgets either way, the planner keeps the certificate at the minimum where
 /// it saves reads, and the same certificate with its rows negated (bounds kept) is caught. Hidden
-/// 512 makes a bundle 1632 bytes, so an 8 KiB cluster holds 5 neurons and at 80 % sparsity about
-/// a third of the clusters hold none the rule keeps.
+/// 512 makes a bundle 1632 bytes, so a 5 KiB cluster holds 3 neurons and at 80 % sparsity about
+/// half of the clusters hold none the rule keeps (8 KiB would make clusters of 8, a row group,
+/// of which few hold none).
 #[test]
 fn certified_threshold_model_equals_resident_with_and_without_its_certificate() {
     let dir = leanstream_tests::fresh_dir(&scratch(), "tiny-silu");
@@ -241,7 +262,14 @@ fn certified_threshold_model_equals_resident_with_and_without_its_certificate() 
     write_tiny_model(&dir, &spec).unwrap();
     let with = scratch().join("tiny-silu.lsb");
     let without = scratch().join("tiny-silu-no-certificate.lsb");
-    let args = ["--quant", "q8", "--sparsity", "threshold:0.8"];
+    let args = [
+        "--quant",
+        "q8",
+        "--sparsity",
+        "threshold:0.8",
+        "--cluster-kib",
+        "5",
+    ];
     convert(&dir, &with, &[&args[..], &["--certificate", "q8"]].concat());
     convert(
         &dir,

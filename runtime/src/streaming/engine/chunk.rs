@@ -257,6 +257,7 @@ impl StreamEngine {
                         skip,
                         ci,
                         rows: core.resident_into(key, &mut scratch).expect("resident")?,
+                        grouped: None,
                     },
                 };
                 let t = Instant::now();

@@ -139,10 +139,11 @@ pub(super) fn resident_groups(
     operand: &Operand,
     bounds: &[usize; GROUPS + 1],
     next: &mut [usize; GROUPS],
-) -> Result<()> {
+) -> Result<u64> {
     let plan = &core.plans[l];
     let start = *next;
-    let one = |g: usize, group: &mut GroupWork, next: &mut usize| -> Result<()> {
+    // Each group's work; returns how many of its clusters' gates ran in row groups.
+    let one = |g: usize, group: &mut GroupWork, next: &mut usize| -> Result<u64> {
         let lo = needed.partition_point(|&c| c < bounds[g]);
         let hi = needed.partition_point(|&c| c < bounds[g + 1]);
         if let Some(runs) = core.layer_runs(l) {
@@ -159,11 +160,17 @@ pub(super) fn resident_groups(
                 let grouped = runs.groups(&plan.layout);
                 group.whole(plan, k, skip, rows, grouped, &cand, operand);
                 *next = group.end;
-                return Ok(());
+                return Ok(if grouped.is_some() {
+                    (hi - lo) as u64
+                } else {
+                    0
+                });
             }
         }
         let resident = |ci: usize| -> Result<Option<ClusterOps>> {
-            let Some(rows) = core.resident((l as u32, ci as u32)).transpose()? else {
+            let Some(Resident { rows, grouped }) =
+                core.resident((l as u32, ci as u32)).transpose()?
+            else {
                 return Ok(None);
             };
             Ok(Some(ClusterOps {
@@ -172,11 +179,14 @@ pub(super) fn resident_groups(
                 skip,
                 ci,
                 rows,
+                grouped,
             }))
         };
         let mut ahead = needed[lo..hi].iter().map(|&ci| resident(ci)).peekable();
+        let mut in_groups = 0;
         while let Some(ops) = ahead.next() {
             if let Some(ops) = ops? {
+                in_groups += ops.grouped.is_some() as u64;
                 // The gate pass asks for the next cluster's first rows as it nears its end.
                 let then = match ahead.peek() {
                     Some(Ok(Some(next))) => Some(next.rows),
@@ -190,7 +200,7 @@ pub(super) fn resident_groups(
             }
         }
         group.advance(core, l, k, skip, next);
-        Ok(())
+        Ok(in_groups)
     };
     let groups: [GroupWork; GROUPS] = work.groups(plan, bounds, 0..GROUPS);
     let bytes = needed.len() * plan.cluster_of.len() / plan.clusters.len().max(1)
@@ -201,19 +211,20 @@ pub(super) fn resident_groups(
         1
     };
     // Each group behind its own (uncontended) lock: whichever thread takes it has it alone.
-    let cells = groups.map(|group| Mutex::new((group, 0, anyhow::Ok(()))));
+    let cells = groups.map(|group| Mutex::new((group, 0, anyhow::Ok(0u64))));
     parallel::for_each(threads, GROUPS, &|g| {
         let mut cell = cells[g].lock().unwrap_or_else(|e| e.into_inner());
         let (group, next, result) = &mut *cell;
         *next = start[g];
         *result = one(g, group, next);
     });
+    let mut in_groups = 0;
     for (cell, next) in cells.into_iter().zip(next) {
         let (_, n, result) = cell.into_inner().unwrap_or_else(|e| e.into_inner());
         *next = n;
-        result?;
+        in_groups += result?;
     }
-    Ok(())
+    Ok(in_groups)
 }
 
 /// One reduction group's share of a layer's working state ([`Work::groups`]): its clusters'
@@ -400,11 +411,13 @@ impl GroupWork<'_> {
                 Stage::Skipped | Stage::Added => {}
                 Stage::Gated => {
                     let plan = &core.plans[l];
+                    // Only the down columns are read: they lie as stored in a grouped cluster too.
                     let rows = match &self.held[i] {
                         Some(buf) => ClusterRows::new(&plan.layout, buf, plan.clusters[ci].count),
                         None => core
                             .resident((l as u32, ci as u32))
-                            .expect("a gated cluster stays resident until its layer is done"),
+                            .expect("a gated cluster stays resident until its layer is done")
+                            .map(|r| r.rows),
                     }
                     .expect("the gate pass checked the cluster's size");
                     let ops = ClusterOps {
@@ -413,6 +426,7 @@ impl GroupWork<'_> {
                         skip,
                         ci,
                         rows,
+                        grouped: None,
                     };
                     let first = ops.plan.clusters[ci].first - self.n0;
                     let r = first..first + self.n_active[i] as usize;
@@ -433,6 +447,8 @@ pub(super) struct ClusterOps<'a> {
     pub(super) skip: Skip,
     pub(super) ci: usize,
     pub(super) rows: ClusterRows<'a>,
+    /// The cluster's bytes where its gate and up rows lie in row groups ([`Resident::grouped`]).
+    pub(super) grouped: Option<&'a [u8]>,
 }
 
 impl<'a> ClusterOps<'a> {
@@ -452,6 +468,7 @@ impl<'a> ClusterOps<'a> {
             skip,
             ci,
             rows,
+            grouped: None,
         })
     }
 
@@ -495,18 +512,32 @@ impl<'a> ClusterOps<'a> {
         coef: &mut [f32],
     ) -> Result<usize> {
         let cl = self.plan.clusters[self.ci];
-        let m = gate_pass(
-            self.k,
-            &self.plan.layout,
-            x,
-            &self.rows,
-            then,
-            |i| candidate[cl.first + i],
-            self.skip,
-            scores,
-            active,
-            coef,
-        );
+        let m = match self.grouped {
+            Some(bytes) => gate_pass_grouped_cluster(
+                self.k,
+                &self.plan.layout,
+                x,
+                bytes,
+                &self.rows,
+                |i| candidate[cl.first + i],
+                self.skip,
+                scores,
+                active,
+                coef,
+            ),
+            None => gate_pass(
+                self.k,
+                &self.plan.layout,
+                x,
+                &self.rows,
+                then,
+                |i| candidate[cl.first + i],
+                self.skip,
+                scores,
+                active,
+                coef,
+            ),
+        };
         Ok(keep_positive(
             self.skip.act,
             &mut active[..m],

@@ -21,6 +21,7 @@ mod state;
 
 use groups::*;
 use runs::LayerRuns;
+use state::Resident;
 pub(super) use state::{Core, Refine};
 
 use std::ops::Deref;
@@ -35,6 +36,9 @@ use leanstream_format::FormatError;
 use crate::kernels::bundles::{
     down_pass, gate_pass, gate_pass_groups, gate_pass_runs, keep_positive, ClusterRows,
     GroupedRuns, PARALLEL_MIN_BYTES, RUN_PASS,
+};
+use crate::kernels::grouped_cluster::{
+    gate_pass_grouped_cluster, group_cluster, groupable_cluster, ungroup_cluster_into,
 };
 use crate::kernels::parallel;
 use crate::kernels::{Operand, RowKernels};
@@ -97,6 +101,15 @@ pub enum Bytes {
 impl Deref for Bytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Read(b) => b,
+            Bytes::Vec(v) => v,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Bytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
         match self {
             Bytes::Read(b) => b,
             Bytes::Vec(v) => v,
@@ -196,6 +209,7 @@ impl StreamEngine {
                 in_flight: 0,
                 io_budget,
                 spare: SpareBuffers::new(io_budget as usize),
+                group_buf: Vec::new(),
                 metrics: Metrics::default(),
             },
             schedule,
@@ -455,7 +469,7 @@ impl StreamEngine {
         let bounds = group_bounds(clusters);
         let mut next: [usize; GROUPS] = std::array::from_fn(|g| bounds[g]);
         let k = RowKernels::best();
-        resident_groups(
+        core.metrics.grouped_hits += resident_groups(
             core, work, l, k, skip, needed, candidate, operand, &bounds, &mut next,
         )?;
         let waiting = |w: &Work, ci: usize| w.lists.stage[ci] == Stage::Waiting;

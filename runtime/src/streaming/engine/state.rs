@@ -53,7 +53,19 @@ pub(in crate::streaming) struct Core {
     pub io_budget: u64,
     /// Read buffers done with (up to `io_budget` bytes), for the next reads of their size.
     pub(super) spare: SpareBuffers,
+    /// Scratch of [`Core::group_kept`]: one row group's plain rows.
+    pub(super) group_buf: Vec<u8>,
     pub metrics: Metrics,
+}
+
+/// A cluster's rows where they lie in memory ([`Core::resident`]).
+pub(super) struct Resident<'a> {
+    pub rows: ClusterRows<'a>,
+    /// The cluster's bytes where the cache laid its gate and up rows out in row groups
+    /// ([`Core::group_kept`]): its gate pass reads them through
+    /// [`crate::kernels::grouped_cluster::gate_pass_grouped_cluster`]; `rows` then serves for
+    /// the down columns and the rows after the last group only.
+    pub grouped: Option<&'a [u8]>,
 }
 
 impl Core {
@@ -147,6 +159,9 @@ impl Core {
     pub fn offer(&mut self, key: ClusterKey, bytes: Bytes) -> bool {
         let declined = self.cache.offer(key, bytes);
         let kept = declined.is_none();
+        if kept {
+            self.group_kept(key);
+        }
         let spare = &mut self.spare;
         for b in declined.into_iter().chain(self.cache.drain_evicted()) {
             if let Bytes::Read(buf) = b {
@@ -154,6 +169,40 @@ impl Core {
             }
         }
         kept
+    }
+
+    /// Pins a cluster in the cache ([`NeuronCache::pin`]); true if it fit.
+    pub fn pin(&mut self, key: ClusterKey, bytes: Bytes, freq: f32) -> bool {
+        let pinned = self.cache.pin(key, bytes, freq);
+        if pinned {
+            self.group_kept(key);
+        }
+        pinned
+    }
+
+    /// Whether the cache holds cluster `key` in row groups ([`Core::group_kept`]).
+    fn kept_in_groups(&self, key: ClusterKey) -> bool {
+        let plan = &self.plans[key.0 as usize];
+        groupable_cluster(
+            RowKernels::best(),
+            &plan.layout,
+            plan.clusters[key.1 as usize].count,
+        )
+    }
+
+    /// Lays the gate and up rows of a cluster the cache has just kept out in row groups, where
+    /// the kernels have them ([`group_cluster`]): done once, it makes the gate pass of every
+    /// later token that finds the cluster cached compute eight neurons per vector operation
+    /// (the same bits). A read computed at once and not kept is never regrouped.
+    fn group_kept(&mut self, key: ClusterKey) {
+        if !self.kept_in_groups(key) {
+            return;
+        }
+        let plan = &self.plans[key.0 as usize];
+        let count = plan.clusters[key.1 as usize].count;
+        if let Some(bytes) = self.cache.get_mut(key) {
+            group_cluster(&plan.layout, bytes, count, &mut self.group_buf);
+        }
     }
 
     /// Reads a cluster now (warming the cache at start-up), checking its checksum.
@@ -243,7 +292,7 @@ impl Core {
     /// The rows of a cluster that need no read: in a layer held in runs, cached, or in the
     /// mapping; an error if its bytes are too few for its neurons, or if its layer's runs lie
     /// in row groups ([`Core::resident_into`] takes those).
-    pub(super) fn resident(&self, key: ClusterKey) -> Option<Result<ClusterRows<'_>>> {
+    pub(super) fn resident(&self, key: ClusterKey) -> Option<Result<Resident<'_>>> {
         let (l, ci) = (key.0 as usize, key.1 as usize);
         let plan = &self.plans[l];
         let cl = &plan.clusters[ci];
@@ -253,7 +302,11 @@ impl Core {
                     "layer {l}'s cluster {ci}: its rows lie in row groups (resident_into)"
                 )));
             }
-            return Some(Ok(runs.rows(&plan.layout, cl.first, cl.count)));
+            let rows = runs.rows(&plan.layout, cl.first, cl.count);
+            return Some(Ok(Resident {
+                rows,
+                grouped: None,
+            }));
         }
         self.resident_elsewhere(key)
     }
@@ -276,7 +329,19 @@ impl Core {
                 scratch,
             )));
         }
-        self.resident_elsewhere(key)
+        match self.resident_elsewhere(key)? {
+            Ok(Resident {
+                grouped: Some(bytes),
+                ..
+            }) => {
+                ungroup_cluster_into(&plan.layout, bytes, cl.count, scratch);
+                Some(
+                    ClusterRows::new(&plan.layout, scratch, cl.count)
+                        .with_context(|| format!("cluster {ci}")),
+                )
+            }
+            other => Some(other.map(|r| r.rows)),
+        }
     }
 
     /// Whether [`Core::resident`] (or [`Core::resident_into`]) has the cluster's rows.
@@ -286,18 +351,23 @@ impl Core {
             || self.mapping.is_some()
     }
 
-    /// A cluster cached or in the mapping.
-    fn resident_elsewhere(&self, key: ClusterKey) -> Option<Result<ClusterRows<'_>>> {
+    /// A cluster cached (in row groups where [`Core::group_kept`] laid it out) or in the
+    /// mapping.
+    fn resident_elsewhere(&self, key: ClusterKey) -> Option<Result<Resident<'_>>> {
         let (l, ci) = (key.0 as usize, key.1 as usize);
         let plan = &self.plans[l];
         let cl = &plan.clusters[ci];
-        let bytes = self
-            .cache
-            .get(key)
-            .or_else(|| self.mapping.as_ref().map(|m| m.cluster(cl)))?;
+        let (bytes, grouped) = match self.cache.get(key) {
+            Some(bytes) => (bytes, self.kept_in_groups(key)),
+            None => (self.mapping.as_ref()?.cluster(cl), false),
+        };
         Some(
             ClusterRows::new(&plan.layout, bytes, cl.count)
-                .with_context(|| format!("cluster {ci}")),
+                .with_context(|| format!("cluster {ci}"))
+                .map(|rows| Resident {
+                    rows,
+                    grouped: grouped.then_some(bytes),
+                }),
         )
     }
 
@@ -346,6 +416,7 @@ impl Core {
             if self.cache.contains(key) {
                 let bytes = self.read_now(key)?;
                 self.cache.replace(key, bytes);
+                self.group_kept(key);
             }
         }
         Ok(())
