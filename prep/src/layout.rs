@@ -28,9 +28,21 @@ use crate::sparsity::SparsityMode;
 use crate::tensors::BundleRows;
 
 /// Neurons per cluster: as many bundles of `bundle_bytes` as fill `cluster_kib`, at least one, at
-/// most the layer's `n`.
+/// most the layer's `n`; where that is less than one row group (the runtime computes eight rows
+/// per vector operation in a cluster it keeps, [`leanstream::kernels::groups::GROUP_ROWS`]) and a
+/// group's bundles fit in twice the target, one group. A 7B layer's q4 bundles (6,912 bytes)
+/// fill the default 32 KiB with 4 neurons, none of which would be computed in groups; 8 make
+/// 56 KiB clusters (read in one request as well).
 pub fn cluster_size(cluster_kib: u32, bundle_bytes: usize, n: usize) -> usize {
-    (cluster_kib as usize * 1024 / bundle_bytes.max(1)).clamp(1, n.max(1))
+    use leanstream::kernels::groups::GROUP_ROWS;
+    let (target, bundle) = (cluster_kib as usize * 1024, bundle_bytes.max(1));
+    let fit = target / bundle;
+    let fit = if fit < GROUP_ROWS && GROUP_ROWS * bundle <= 2 * target {
+        GROUP_ROWS
+    } else {
+        fit
+    };
+    fit.clamp(1, n.max(1))
 }
 
 /// Writes `source` to `output` as a layout-only file with `opts`' encoding, cluster size and the

@@ -25,22 +25,21 @@ pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// Converts `model` to `out` with small, fast settings (8 KiB clusters) plus `extra`.
+/// Converts `model` to `out` with small, fast settings (8 KiB clusters unless `extra` names a
+/// size) plus `extra`.
 pub fn convert(model: &Path, out: &Path, extra: &[&str]) {
+    let sized = extra.contains(&"--cluster-kib");
     let o = Command::new(bin("leanstream-prep"))
         .arg("convert")
         .arg(model)
         .arg("-o")
         .arg(out)
-        .args([
-            "--calib-tokens",
-            "2048",
-            "--epochs",
-            "2",
-            "--cluster-kib",
-            "8",
-            "--json",
-        ])
+        .args(["--calib-tokens", "2048", "--epochs", "2", "--json"])
+        .args(if sized {
+            &[][..]
+        } else {
+            &["--cluster-kib", "8"][..]
+        })
         .args(extra)
         .output()
         .unwrap();
