@@ -30,7 +30,6 @@ use crate::convert::{
     PredictedLayer, Summary, ALWAYS_LOGIT, LAYOUT, MIN_PREDICTOR_RANK,
 };
 use crate::convert_moe::write_clusters;
-use crate::layout::cluster_size;
 use crate::memory_plan;
 use crate::placement::{cluster_fill, place};
 use crate::profile::{LayerProfile, Profiler, StreamRule};
@@ -42,6 +41,7 @@ use crate::train::{
     at_threshold, energies, massive, miss_threshold, normalise_rows, score_threshold, targets,
     top_k_quality, train, TrainConfig,
 };
+use leanstream::kernels::grouped_cluster;
 
 /// Predicted-active budget, as a multiple of the true active fraction, at which recall is judged
 /// (and, under the `gate` rule, the own predictor's threshold).
@@ -204,7 +204,7 @@ pub fn calibrate(
         let t = Instant::now();
         let ([gate, up, down], bundles) = stored.ffn(l)?;
         let (row_bytes, bundle_bytes) = (bundles.row_bytes, bundles.bundle_bytes());
-        let cluster_size = cluster_size(file_meta.cluster_kib, bundle_bytes, n);
+        let cluster_size = grouped_cluster::cluster_neurons(file_meta.cluster_kib, bundle_bytes, n);
         let parts = stored.file.ffn.layers[l].qtypes;
         install(&mut profiler, &stored, l, [gate, up, down])?;
         // What the layer's FFN saw (computed, or as the dense pass computed it); the gate

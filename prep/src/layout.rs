@@ -8,6 +8,7 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
+use leanstream::kernels::grouped_cluster::cluster_neurons;
 use leanstream::streaming::skip_rule::SkipRule;
 use leanstream_format::container::ContainerWriter;
 use leanstream_format::ffn::FfnIndex;
@@ -26,24 +27,6 @@ use crate::progress::Phase;
 use crate::source::Source;
 use crate::sparsity::SparsityMode;
 use crate::tensors::BundleRows;
-
-/// Neurons per cluster: as many bundles of `bundle_bytes` as fill `cluster_kib`, at least one, at
-/// most the layer's `n`; where that is less than one row group (the runtime computes eight rows
-/// per vector operation in a cluster it keeps, [`leanstream::kernels::groups::GROUP_ROWS`]) and a
-/// group's bundles fit in twice the target, one group. A 7B layer's q4 bundles (6,912 bytes)
-/// fill the default 32 KiB with 4 neurons, none of which would be computed in groups; 8 make
-/// 56 KiB clusters (read in one request as well).
-pub fn cluster_size(cluster_kib: u32, bundle_bytes: usize, n: usize) -> usize {
-    use leanstream::kernels::groups::GROUP_ROWS;
-    let (target, bundle) = (cluster_kib as usize * 1024, bundle_bytes.max(1));
-    let fit = target / bundle;
-    let fit = if fit < GROUP_ROWS && GROUP_ROWS * bundle <= 2 * target {
-        GROUP_ROWS
-    } else {
-        fit
-    };
-    fit.clamp(1, n.max(1))
-}
 
 /// Writes `source` to `output` as a layout-only file with `opts`' encoding, cluster size and the
 /// skip rule of `opts.sparsity` (under `gate_up` the up rows and down columns are rescaled by the
@@ -85,7 +68,7 @@ pub fn write_layout(opts: &ConvertOptions, source: &Source, output: &Path) -> Re
             false => BundleRows::uniform(opts.quant, h),
         };
         let row_bytes = rows.row_bytes()?;
-        let cluster = cluster_size(opts.cluster_kib, row_bytes.iter().sum(), n);
+        let cluster = cluster_neurons(opts.cluster_kib, row_bytes.iter().sum(), n);
         let mut extents = Vec::with_capacity(n.div_ceil(cluster));
         for first in (0..n).step_by(cluster) {
             let last = (first + cluster).min(n);

@@ -33,9 +33,11 @@
 //! matvec/avx512`). The filter `table` instead prints the GB/s table of the report: mat-vec of
 //! every encoding and the bundle FFN over the same rows (10 % of the neurons active, counted in the
 //! bytes it touches; clusters in both layouts) against the read bandwidth, measured interleaved.
-//! `LEANSTREAM_BENCH_CLUSTER_KIB=N` makes the bundles' clusters N KiB (default 32, the
-//! converter's: 2 to 6 neurons of this width). Its last column is the same mat-vec over the
-//! matrix in row groups ([`QMatrix::in_groups`]), where the kernels have them.
+//! `LEANSTREAM_BENCH_CLUSTER_KIB=N` sets the converter's target for the bundles' clusters
+//! (default 32 KiB; the count as the converter makes it, `cluster_neurons`: 8 neurons of this
+//! width for the 4-bit types, 2 to 4 for the others). Its last columns are the same mat-vec over
+//! the matrix in row groups ([`QMatrix::in_groups`]), where the kernels have them, and the bundle
+//! FFN over the clusters kept in row groups as the cache keeps them (against that mat-vec).
 //! `LEANSTREAM_BENCH_TYPES=q4_0,q4_1` limits it to those encodings. `LEANSTREAM_KERNELS=avx2` runs
 //! the engine's kernels (`best`) as on an AVX2-only CPU.
 
@@ -44,7 +46,10 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
 use leanstream::kernels::bundles::{
-    ffn_cluster, ffn_rows, prefetch_head, BundleLayout, ClusterRows,
+    down_pass, ffn_cluster, ffn_rows, keep_positive, prefetch_head, BundleLayout, ClusterRows,
+};
+use leanstream::kernels::grouped_cluster::{
+    cluster_neurons, gate_pass_grouped_cluster, group_cluster, groupable_cluster,
 };
 use leanstream::kernels::{Matrix, Operand, QMatrix, RowKernels};
 use leanstream::source::config::Activation;
@@ -97,13 +102,19 @@ fn bench_read(c: &mut Criterion) {
     g.finish();
 }
 
+/// Every encoding, or those `LEANSTREAM_BENCH_TYPES` lists (`q4_0,q4_1`).
+fn bench_types() -> impl Iterator<Item = QuantType> {
+    let only = std::env::var("LEANSTREAM_BENCH_TYPES").ok();
+    QuantType::ALL.into_iter().filter(move |t| {
+        only.as_ref()
+            .is_none_or(|o| o.split(',').any(|o| o == t.name()))
+    })
+}
+
 fn bench_matvec(c: &mut Criterion, f32_matrix: &Matrix, x: &[f32]) {
     let mut g = c.benchmark_group("matvec");
     let mut out = vec![0.0f32; ROWS];
-    for qtype in QuantType::ALL.into_iter().filter(|t| {
-        std::env::var("LEANSTREAM_BENCH_TYPES")
-            .map_or(true, |o| o.split(',').any(|o| o == t.name()))
-    }) {
+    for qtype in bench_types() {
         let m = QMatrix::quantize(f32_matrix, qtype).expect("a whole number of blocks");
         let bytes = m.bytes();
         let ms = copies(m, bytes);
@@ -233,6 +244,9 @@ struct Bundles {
     layout: BundleLayout,
     /// Per layout, the copies of the layer.
     bufs: [Vec<Vec<u8>>; 2],
+    /// The split copies with each cluster's gate and up rows in row groups, as the cache keeps
+    /// them ([`group_cluster`]); empty where the kernels do not group these clusters.
+    grouped: Vec<Vec<u8>>,
     /// Each cluster's offset in a copy and its neurons.
     clusters: Vec<(usize, usize)>,
     skip: Skip,
@@ -247,7 +261,7 @@ impl Bundles {
         let down = QMatrix::quantize(&Matrix::new(1, COLS, random(COLS, rng)), qtype)
             .expect("a whole number of blocks");
         let (rb, bb) = (layout.row_bytes(), layout.bundle_bytes());
-        let per_cluster = (cluster_kib() * 1024 / bb).clamp(1, ROWS);
+        let per_cluster = cluster_neurons(cluster_kib() as u32, bb, ROWS);
         let mut bundles = Vec::with_capacity(ROWS * bb);
         for r in 0..ROWS {
             bundles.extend_from_slice(m.row(r));
@@ -266,9 +280,20 @@ impl Bundles {
             rule: SkipRule::Gate,
             threshold: f32::INFINITY,
         };
+        let grouped = if groupable_cluster(RowKernels::best(), &layout, per_cluster) {
+            let mut buf = bufs[0][0].clone();
+            for &(at, count) in &clusters {
+                group_cluster(&layout, &mut buf[at..], count, &mut Vec::new());
+            }
+            let bytes = buf.len();
+            copies(buf, bytes)
+        } else {
+            Vec::new()
+        };
         let mut this = Self {
             layout,
             bufs,
+            grouped,
             clusters,
             skip: relu,
             touched: ROWS * rb[0] + ROWS / 10 * (rb[1] + rb[2]),
@@ -299,6 +324,39 @@ impl Bundles {
             out,
             scores,
         );
+    }
+}
+
+impl Bundles {
+    /// [`Bundles::run`] over copy `copy` of the clusters kept in row groups: each cluster's
+    /// gates eight neurons per vector operation, then its active neurons' down columns.
+    fn run_grouped(&self, copy: usize, x: &Operand, out: &mut [f32], scores: &mut [f32]) {
+        let (k, layout, buf) = (RowKernels::best(), &self.layout, &self.grouped[copy]);
+        let (mut active, mut coef) = (vec![0u32; ROWS], vec![0.0f32; ROWS]);
+        let mut first = 0;
+        for &(at, count) in &self.clusters {
+            let rows = ClusterRows::new(layout, &buf[at..], count).expect("valid clusters");
+            let (scores, active, coef) = (
+                &mut scores[first..first + count],
+                &mut active[..count],
+                &mut coef[..count],
+            );
+            let m = gate_pass_grouped_cluster(
+                k,
+                layout,
+                x,
+                &buf[at..],
+                &rows,
+                |_| true,
+                self.skip,
+                scores,
+                active,
+                coef,
+            );
+            let m = keep_positive(self.skip.act, &mut active[..m], &mut coef[..m]);
+            down_pass(k, layout, &rows, &active[..m], &coef[..m], out);
+            first += count;
+        }
     }
 }
 
@@ -456,7 +514,7 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
         RowKernels::best().isa
     );
     println!(
-        "{:<6} {:>8} {:>10} {:>18} {:>18} {:>48} {:>22} {:>28}",
+        "{:<6} {:>8} {:>10} {:>18} {:>18} {:>48} {:>22} {:>28} {:>38}",
         "type",
         "MB",
         "read GB/s",
@@ -464,10 +522,11 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
         "2 threads GB/s",
         "bundles 1.6 split, 1 thread GB/s",
         "bundles 1.5 GB/s",
-        "row groups, 1 thread GB/s"
+        "row groups, 1 thread GB/s",
+        "bundles in row groups, 1 thread GB/s"
     );
     let mut rng = StdRng::seed_from_u64(2);
-    for qtype in QuantType::ALL {
+    for qtype in bench_types() {
         let m = QMatrix::quantize(f32_matrix, qtype).expect("a whole number of blocks");
         let bytes = m.bytes();
         let ms = copies(m, bytes);
@@ -482,8 +541,8 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
             Vec::new()
         };
         // Fastest seconds per call: read, 1 thread, 2 threads, bundles split (1.6), a read of
-        // their touched bytes, bundles interleaved (1.5), row groups.
-        let mut best = [f64::MAX; 7];
+        // their touched bytes, bundles interleaved (1.5), row groups, bundles in row groups.
+        let mut best = [f64::MAX; 8];
         let mut timed = |slot: usize, f: &mut dyn FnMut()| {
             let start = std::time::Instant::now();
             f();
@@ -517,12 +576,18 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
             for g in &grouped {
                 timed(6, &mut || pools[0].install(|| g.matvec(&operand, &mut out)));
             }
+            for copy in 0..bundles.grouped.len() {
+                timed(7, &mut || {
+                    pools[0]
+                        .install(|| bundles.run_grouped(copy, &operand, &mut ffn_out, &mut scores))
+                });
+            }
         }
         let gbs = |s: f64| bytes as f64 / s / 1e9;
         let read = gbs(best[0]);
         let touched = |s: f64| bundles.touched as f64 / s / 1e9;
         println!(
-            "{:<6} {:>8.1} {:>10.1} {:>11.1} ({:>3.0} %) {:>11.1} ({:>3.0} %) {:>8.1} ({:>3.0} % of mat-vec, {:>3.0} % of read) {:>8.1} ({:>3.0} % of mat-vec) {:>14}",
+            "{:<6} {:>8.1} {:>10.1} {:>11.1} ({:>3.0} %) {:>11.1} ({:>3.0} %) {:>8.1} ({:>3.0} % of mat-vec, {:>3.0} % of read) {:>8.1} ({:>3.0} % of mat-vec) {:>14} {:>30}",
             qtype.name(),
             bytes as f64 / 1e6,
             read,
@@ -539,6 +604,17 @@ fn bandwidth_table(f32_matrix: &Matrix, x: &[f32]) {
                 "-".to_string()
             } else {
                 format!("{:.1} ({:.0} %)", gbs(best[6]), 100.0 * gbs(best[6]) / read)
+            },
+            if bundles.grouped.is_empty() {
+                "-".to_string()
+            } else {
+                // Against the mat-vec in row groups where there is one.
+                let dense = if grouped.is_empty() { best[1] } else { best[6] };
+                format!(
+                    "{:.1} ({:.0} % of mat-vec)",
+                    touched(best[7]),
+                    100.0 * touched(best[7]) / gbs(dense)
+                )
             },
         );
     }

@@ -17,6 +17,22 @@ use super::operand::Operand;
 use super::rows::RowKernels;
 use crate::streaming::skip_rule::Skip;
 
+/// Neurons per cluster for a converter's target of `cluster_kib` KiB: as many bundles of
+/// `bundle_bytes` as fill it, at least one, at most the layer's `n`; where that is less than one
+/// row group and a group's bundles fit in twice the target, one group ([`GROUP_ROWS`]), so that
+/// the cache can compute the cluster in groups. A 7B layer's q4 bundles (6,912 bytes) fill the
+/// default 32 KiB with 4 neurons; 8 make 56 KiB clusters (read in one request as well).
+pub fn cluster_neurons(cluster_kib: u32, bundle_bytes: usize, n: usize) -> usize {
+    let (target, bundle) = (cluster_kib as usize * 1024, bundle_bytes.max(1));
+    let fit = target / bundle;
+    let fit = if fit < GROUP_ROWS && GROUP_ROWS * bundle <= 2 * target {
+        GROUP_ROWS
+    } else {
+        fit
+    };
+    fit.clamp(1, n.max(1))
+}
+
 /// Whether clusters of `layout` with `count` neurons are laid out in row groups when kept, by
 /// kernels `k`: a split layout, gate and up encodings the kernels group, and one group at least.
 pub fn groupable_cluster(k: &RowKernels, layout: &BundleLayout, count: usize) -> bool {
