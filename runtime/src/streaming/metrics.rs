@@ -20,9 +20,11 @@ pub struct Metrics {
     pub lookahead_active: u64,
     pub cluster_hits: u64,
     pub cluster_misses: u64,
-    /// Needed clusters found in memory whose gates ran in row groups (eight neurons per vector
-    /// operation): kept by the cache in groups, or of a resident layer's grouped runs.
-    pub grouped_hits: u64,
+    /// Clusters whose gates a decoded token computed from memory, and those of them computed in
+    /// row groups (eight neurons per vector operation): kept by the cache in groups, or of a
+    /// resident layer's grouped runs. (A prompt chunk copies its clusters' rows out as stored.)
+    pub resident_gates: u64,
+    pub grouped_gates: u64,
     pub clusters_needed: u64,
     pub clusters_total: u64,
     pub speculative_reads: u64,
@@ -108,7 +110,7 @@ impl Metrics {
             dense_bytes_read_per_token: 0.0,
             budget_changes: Vec::new(),
             cache_hit_rate: ratio(self.cluster_hits, self.cluster_hits + self.cluster_misses),
-            grouped_hit_fraction: ratio(self.grouped_hits, self.cluster_hits),
+            grouped_hit_fraction: ratio(self.grouped_gates, self.resident_gates),
             predictor_recall: ratio(self.own_hits, self.own_active),
             predictor_precision: ratio(self.own_hits, self.own_predicted),
             lookahead_recall: ratio(self.lookahead_hits, self.lookahead_active),
@@ -171,8 +173,9 @@ pub struct Summary {
     /// the sum.
     pub dense_bytes_read_per_token: f64,
     pub cache_hit_rate: f64,
-    /// Of the needed clusters found in memory, the share whose gate pass ran in row groups (0
-    /// where the kernels have none, for the interleaved layout, or clusters of fewer than 8).
+    /// Of the clusters whose gates decoded tokens computed from memory, the share computed in row
+    /// groups (0 where the kernels have none, for the interleaved layout, or clusters of fewer
+    /// than 8 neurons).
     pub grouped_hit_fraction: f64,
     pub predictor_recall: f64,
     pub predictor_precision: f64,

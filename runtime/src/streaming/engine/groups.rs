@@ -139,11 +139,12 @@ pub(super) fn resident_groups(
     operand: &Operand,
     bounds: &[usize; GROUPS + 1],
     next: &mut [usize; GROUPS],
-) -> Result<u64> {
+) -> Result<[u64; 2]> {
     let plan = &core.plans[l];
     let start = *next;
-    // Each group's work; returns how many of its clusters' gates ran in row groups.
-    let one = |g: usize, group: &mut GroupWork, next: &mut usize| -> Result<u64> {
+    // Each group's work; returns how many of its clusters were found in memory, and how many
+    // of those had their gates computed in row groups.
+    let one = |g: usize, group: &mut GroupWork, next: &mut usize| -> Result<[u64; 2]> {
         let lo = needed.partition_point(|&c| c < bounds[g]);
         let hi = needed.partition_point(|&c| c < bounds[g + 1]);
         if let Some(runs) = core.layer_runs(l) {
@@ -160,11 +161,8 @@ pub(super) fn resident_groups(
                 let grouped = runs.groups(&plan.layout);
                 group.whole(plan, k, skip, rows, grouped, &cand, operand);
                 *next = group.end;
-                return Ok(if grouped.is_some() {
-                    (hi - lo) as u64
-                } else {
-                    0
-                });
+                let found = (hi - lo) as u64;
+                return Ok([found, if grouped.is_some() { found } else { 0 }]);
             }
         }
         let resident = |ci: usize| -> Result<Option<ClusterOps>> {
@@ -183,10 +181,11 @@ pub(super) fn resident_groups(
             }))
         };
         let mut ahead = needed[lo..hi].iter().map(|&ci| resident(ci)).peekable();
-        let mut in_groups = 0;
+        let mut counts = [0; 2];
         while let Some(ops) = ahead.next() {
             if let Some(ops) = ops? {
-                in_groups += ops.grouped.is_some() as u64;
+                counts[0] += 1;
+                counts[1] += ops.grouped.is_some() as u64;
                 // The gate pass asks for the next cluster's first rows as it nears its end.
                 let then = match ahead.peek() {
                     Some(Ok(Some(next))) => Some(next.rows),
@@ -200,7 +199,7 @@ pub(super) fn resident_groups(
             }
         }
         group.advance(core, l, k, skip, next);
-        Ok(in_groups)
+        Ok(counts)
     };
     let groups: [GroupWork; GROUPS] = work.groups(plan, bounds, 0..GROUPS);
     let bytes = needed.len() * plan.cluster_of.len() / plan.clusters.len().max(1)
@@ -211,20 +210,21 @@ pub(super) fn resident_groups(
         1
     };
     // Each group behind its own (uncontended) lock: whichever thread takes it has it alone.
-    let cells = groups.map(|group| Mutex::new((group, 0, anyhow::Ok(0u64))));
+    let cells = groups.map(|group| Mutex::new((group, 0, anyhow::Ok([0u64; 2]))));
     parallel::for_each(threads, GROUPS, &|g| {
         let mut cell = cells[g].lock().unwrap_or_else(|e| e.into_inner());
         let (group, next, result) = &mut *cell;
         *next = start[g];
         *result = one(g, group, next);
     });
-    let mut in_groups = 0;
+    let mut counts = [0; 2];
     for (cell, next) in cells.into_iter().zip(next) {
         let (_, n, result) = cell.into_inner().unwrap_or_else(|e| e.into_inner());
         *next = n;
-        in_groups += result?;
+        let [found, grouped] = result?;
+        counts = [counts[0] + found, counts[1] + grouped];
     }
-    Ok(in_groups)
+    Ok(counts)
 }
 
 /// One reduction group's share of a layer's working state ([`Work::groups`]): its clusters'

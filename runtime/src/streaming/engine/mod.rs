@@ -469,9 +469,11 @@ impl StreamEngine {
         let bounds = group_bounds(clusters);
         let mut next: [usize; GROUPS] = std::array::from_fn(|g| bounds[g]);
         let k = RowKernels::best();
-        core.metrics.grouped_hits += resident_groups(
+        let [found, grouped] = resident_groups(
             core, work, l, k, skip, needed, candidate, operand, &bounds, &mut next,
         )?;
+        core.metrics.resident_gates += found;
+        core.metrics.grouped_gates += grouped;
         let waiting = |w: &Work, ci: usize| w.lists.stage[ci] == Stage::Waiting;
         if self.schedule.load_then_compute() {
             for &ci in needed {
