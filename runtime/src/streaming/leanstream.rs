@@ -14,7 +14,7 @@ use anyhow::Result;
 
 use super::engine::{Core, Refine, SPECULATIVE_MAX, URGENT};
 use super::predict::above_into;
-use super::schedule::{hot_order, pin_all_in_runs, pin_hottest, Schedule};
+use super::schedule::{hot_order, pin_all_in_runs, pin_hottest, pin_layers_in_runs, Schedule};
 use super::speculation_gate::SpeculationGate;
 use super::tuning::Tuning;
 
@@ -208,6 +208,7 @@ impl Schedule for Leanstream {
         if pin_all_in_runs(core)? {
             return Ok(());
         }
+        pin_layers_in_runs(core)?;
         let limit = (core.cache.capacity() as f64 * self.hot_fraction as f64) as u64;
         pin_hottest(core, &order, limit)?;
         // The rest of the cache starts with the next hottest, unpinned: use may replace them.

@@ -111,6 +111,7 @@ impl Metrics {
             budget_changes: Vec::new(),
             cache_hit_rate: ratio(self.cluster_hits, self.cluster_hits + self.cluster_misses),
             grouped_hit_fraction: ratio(self.grouped_gates, self.resident_gates),
+            whole_layers: 0,
             predictor_recall: ratio(self.own_hits, self.own_active),
             predictor_precision: ratio(self.own_hits, self.own_predicted),
             lookahead_recall: ratio(self.lookahead_hits, self.lookahead_active),
@@ -173,6 +174,9 @@ pub struct Summary {
     /// the sum.
     pub dense_bytes_read_per_token: f64,
     pub cache_hit_rate: f64,
+    /// Layers whose bundles the cache holds whole, computed as one run each (the rest are kept
+    /// cluster by cluster, or read).
+    pub whole_layers: usize,
     /// Of the clusters whose gates decoded tokens computed from memory, the share computed in row
     /// groups (0 where the kernels have none, for the interleaved layout, or clusters of fewer
     /// than 8 neurons).

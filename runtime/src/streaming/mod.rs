@@ -505,6 +505,7 @@ impl StreamingModel {
         );
         summary.dense_bytes_read_per_token = dense_bytes as f64 / self.tokens.max(1) as f64;
         summary.budget_changes = self.budget_changes.clone();
+        summary.whole_layers = self.engine.whole_layers();
         summary
     }
 

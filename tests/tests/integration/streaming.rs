@@ -156,6 +156,33 @@ fn runs_decode_as_streamed_clusters(file: &Path, ids: &[u32]) {
         grouping,
         "{name}: the kept clusters' gates ran in row groups: {report}"
     );
+    // A cache that leaves out a little of the file holds the layers it can whole, as runs, and
+    // keeps or reads the rest cluster by cluster: the same bits. (The first of these budgets at
+    // which some layers but not all are whole: how much the minimum already caches depends on
+    // the file.)
+    let layers = leanstream_format::LsbFile::open(file)
+        .unwrap()
+        .ffn
+        .layers
+        .len();
+    let partly = [2, 3, 4, 5, 6, 7].into_iter().find_map(|eighths| {
+        let mut s = session(
+            file,
+            PolicyChoice::Leanstream,
+            Some(min + split.ffn_total * eighths / 8),
+        );
+        let got = decode(&mut s);
+        let report = s.report();
+        let whole = report["whole_layers"].as_u64().unwrap() as usize;
+        let read = report["bytes_read_per_token"].as_f64().unwrap();
+        ((1..layers).contains(&whole) && read > 0.0).then_some((got, eighths))
+    });
+    let (got, eighths) =
+        partly.unwrap_or_else(|| panic!("{name}: no budget held some of {layers} layers whole"));
+    assert!(
+        got == streamed,
+        "{name}: layers held whole beside streamed ones differ ({eighths}/8 of the bundles)"
+    );
     for threads in [1, 3] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

@@ -231,6 +231,11 @@ impl StreamEngine {
         &self.core.metrics
     }
 
+    /// Layers whose bundles the cache holds whole, as runs ([`Core::pin_layer_in_runs`]).
+    pub fn whole_layers(&self) -> usize {
+        self.core.runs.iter().filter(|r| r.is_some()).count()
+    }
+
     pub fn reset_metrics(&mut self) {
         self.core.metrics = Metrics::default();
     }
