@@ -204,8 +204,9 @@ pub fn calibrate(
         let t = Instant::now();
         let ([gate, up, down], bundles) = stored.ffn(l)?;
         let (row_bytes, bundle_bytes) = (bundles.row_bytes, bundles.bundle_bytes());
-        let cluster_size = grouped_cluster::cluster_neurons(file_meta.cluster_kib, bundle_bytes, n);
         let parts = stored.file.ffn.layers[l].qtypes;
+        let cluster_size =
+            grouped_cluster::cluster_neurons(file_meta.cluster_kib, bundle_bytes, n, parts);
         install(&mut profiler, &stored, l, [gate, up, down])?;
         // What the layer's FFN saw (computed, or as the dense pass computed it); the gate
         // pre-activations only give the scores, so they go at once (each `rows × n` array of f32

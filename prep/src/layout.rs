@@ -68,7 +68,7 @@ pub fn write_layout(opts: &ConvertOptions, source: &Source, output: &Path) -> Re
             false => BundleRows::uniform(opts.quant, h),
         };
         let row_bytes = rows.row_bytes()?;
-        let cluster = cluster_neurons(opts.cluster_kib, row_bytes.iter().sum(), n);
+        let cluster = cluster_neurons(opts.cluster_kib, row_bytes.iter().sum(), n, rows.parts);
         let mut extents = Vec::with_capacity(n.div_ceil(cluster));
         for first in (0..n).step_by(cluster) {
             let last = (first + cluster).min(n);

@@ -261,7 +261,7 @@ impl Bundles {
         let down = QMatrix::quantize(&Matrix::new(1, COLS, random(COLS, rng)), qtype)
             .expect("a whole number of blocks");
         let (rb, bb) = (layout.row_bytes(), layout.bundle_bytes());
-        let per_cluster = cluster_neurons(cluster_kib() as u32, bb, ROWS);
+        let per_cluster = cluster_neurons(cluster_kib() as u32, bb, ROWS, layout.qtypes);
         let mut bundles = Vec::with_capacity(ROWS * bb);
         for r in 0..ROWS {
             bundles.extend_from_slice(m.row(r));

@@ -152,8 +152,12 @@ pub fn run(args: SynthArgs) -> Result<()> {
     bar.inc(1);
 
     let bundle_bytes = 3 * row_bytes(args.quant, h)?;
-    let cluster_size =
-        leanstream::kernels::grouped_cluster::cluster_neurons(args.cluster_kib, bundle_bytes, n);
+    let cluster_size = leanstream::kernels::grouped_cluster::cluster_neurons(
+        args.cluster_kib,
+        bundle_bytes,
+        n,
+        PartTypes::uniform(args.quant),
+    );
     let sketch_q = match args.quant {
         QuantType::Q4_0 | QuantType::Q4_1 => QuantType::Q4_0,
         _ => QuantType::Q8_0,

@@ -9,23 +9,25 @@
 //! The cluster must be in the split layout (format 1.6 on: each part's rows end to end); a file
 //! in the interleaved layout keeps its clusters as stored ([`groupable_cluster`]).
 
-use leanstream_format::ffn::ClusterLayout;
+use leanstream_format::ffn::{ClusterLayout, PartTypes};
 
 use super::bundles::{gate_pass, gate_pass_groups, BundleLayout, ClusterRows, RUN_PASS};
-use super::groups::{group_in_place_with, ungroup_row, GROUP_ROWS};
+use super::groups::{group_in_place_with, groupable, ungroup_row, GROUP_ROWS};
 use super::operand::Operand;
 use super::rows::RowKernels;
 use crate::streaming::skip_rule::Skip;
 
 /// Neurons per cluster for a converter's target of `cluster_kib` KiB: as many bundles of
-/// `bundle_bytes` as fill it, at least one, at most the layer's `n`; where that is less than one
-/// row group and a group's bundles fit in twice the target, one group ([`GROUP_ROWS`]), so that
-/// the cache can compute the cluster in groups. A 7B layer's q4 bundles (6,912 bytes) fill the
-/// default 32 KiB with 4 neurons; 8 make 56 KiB clusters (read in one request as well).
-pub fn cluster_neurons(cluster_kib: u32, bundle_bytes: usize, n: usize) -> usize {
+/// `bundle_bytes` as fill it, at least one, at most the layer's `n`; where the gate and up rows
+/// have a grouped layout (`parts`), that is less than one row group and a group's bundles fit in
+/// twice the target, one group ([`GROUP_ROWS`]), so that the cache can compute the cluster in
+/// groups. A 7B layer's q4 bundles (6,912 bytes) fill the default 32 KiB with 4 neurons; 8 make
+/// 56 KiB clusters (read in one request as well).
+pub fn cluster_neurons(cluster_kib: u32, bundle_bytes: usize, n: usize, parts: PartTypes) -> usize {
     let (target, bundle) = (cluster_kib as usize * 1024, bundle_bytes.max(1));
     let fit = target / bundle;
-    let fit = if fit < GROUP_ROWS && GROUP_ROWS * bundle <= 2 * target {
+    let grouped = groupable(parts.gate) && groupable(parts.up);
+    let fit = if grouped && fit < GROUP_ROWS && GROUP_ROWS * bundle <= 2 * target {
         GROUP_ROWS
     } else {
         fit

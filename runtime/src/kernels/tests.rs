@@ -656,6 +656,25 @@ fn gate_pass_is_one_dot_per_row_bit_for_bit() {
     }
 }
 
+/// Clusters are one row group at least where the width would leave fewer neurons and the gate
+/// and up rows have a grouped layout; otherwise as many bundles as fill the target.
+#[test]
+fn clusters_hold_a_row_group_where_it_fits() {
+    use super::grouped_cluster::cluster_neurons;
+    use leanstream_format::ffn::PartTypes;
+    use QuantType::*;
+    let q = |t: QuantType| PartTypes::uniform(t);
+    // The 7B width: 4,096 values a row.
+    assert_eq!(cluster_neurons(32, 3 * 2304, 11008, q(Q4_0)), 8);
+    assert_eq!(cluster_neurons(32, 3 * 2560, 11008, q(Q4_1)), 8);
+    // No grouped layout for K-quant rows; q8 bundles are too big for a group in 64 KiB.
+    assert_eq!(cluster_neurons(32, 3 * 2304, 11008, q(Q4_K)), 4);
+    assert_eq!(cluster_neurons(32, 3 * 4352, 11008, q(Q8_0)), 2);
+    // SmolLM2's q4_1 bundles fill 32 KiB with 30 neurons; a layer bounds the count.
+    assert_eq!(cluster_neurons(32, 1080, 1536, q(Q4_1)), 30);
+    assert_eq!(cluster_neurons(32, 3 * 2304, 6, q(Q4_0)), 6);
+}
+
 /// A cluster the cache keeps in row groups computes bitwise what the stored cluster does, for
 /// every kernel set with group kernels, with and without rows after the last group, over more
 /// than one pass of groups, and gives its stored bytes back.
