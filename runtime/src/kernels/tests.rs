@@ -697,7 +697,7 @@ fn a_grouped_cluster_gates_as_stored_bit_for_bit() {
     };
     layouts.push(BundleLayout::with_parts(parts, 64, ClusterLayout::Split).unwrap());
     let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
-    let mut tested = 0;
+    let (mut tested, mut active) = (0, 0);
     for k in RowKernels::available() {
         for &layout in &layouts {
             // Not grouped: an interleaved cluster, fewer than eight neurons.
@@ -738,9 +738,9 @@ fn a_grouped_cluster_gates_as_stored_bit_for_bit() {
                         (bits(&scores), active[..m].to_vec(), bits(&coef[..m]))
                     };
                     let want = run(false);
-                    assert!(!want.1.is_empty(), "{what}: some neuron is active");
                     assert_eq!(run(true), want, "{what}");
                     tested += 1;
+                    active += want.1.len();
                 }
             }
         }
@@ -750,6 +750,8 @@ fn a_grouped_cluster_gates_as_stored_bit_for_bit() {
         .iter()
         .any(|k| k.has_groups(QuantType::Q4_0));
     assert_eq!(tested > 0, grouping, "seed {seed}");
+    // The cases compared active lists, not only scores (a case may have none active).
+    assert_eq!(active > 0, grouping, "seed {seed}");
 }
 
 #[test]
