@@ -25,10 +25,8 @@ leanstream="${5:-$root/target/release/leanstream}"
 bench="$("$root/scripts/build-llamacpp.sh")/llama-bench"
 prompt="The capital of France is"
 
-mount="$(awk '{ for (i = 7; i < NF; i++) if ($i == "-") { if ($(i + 1) == "cgroup" && $NF ~ /(^|,)memory(,|$)/) print $5; break } }' /proc/self/mountinfo | head -1)"
-own="$(awk -F: '$2 ~ /(^|,)memory(,|$)/ { print $3; exit }' /proc/self/cgroup)"
-parent="$mount$own"
-[[ -n "$mount" && -w "$parent" ]] || { echo "no writable cgroup v1 memory controller" >&2; exit 1; }
+# shellcheck source=lib/cgroup.sh
+source "$root/scripts/lib/cgroup.sh"
 
 # in_group BYTES CMD...: runs CMD in a fresh group limited to BYTES, removed after it.
 in_group() {
@@ -41,11 +39,6 @@ in_group() {
     (echo "$BASHPID" > "$g/cgroup.procs" && "$@") || status=$?
     rmdir "$g" 2>/dev/null || true
     return "$status"
-}
-
-# cold FILE: drop FILE's pages from the page cache.
-cold() {
-    python3 -c 'import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)' "$1"
 }
 
 # tg BYTES REPACK N: llama-bench's tg rate of N tokens, run cold in a group of BYTES ("killed" if

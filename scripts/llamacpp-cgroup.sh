@@ -39,11 +39,8 @@ trap cleanup EXIT
 lsb="${LSB:-$tmp/model.lsb}"
 [[ -n "${LSB:-}" ]] || "$root/target/release/leanstream-prep" convert "$model" -o "$lsb" "${convert_args[@]}" >&2
 
-# This process's v1 memory group, under which the limited groups are made.
-mount="$(awk '{ for (i = 7; i < NF; i++) if ($i == "-") { if ($(i + 1) == "cgroup" && $NF ~ /(^|,)memory(,|$)/) print $5; break } }' /proc/self/mountinfo | head -1)"
-own="$(awk -F: '$2 ~ /(^|,)memory(,|$)/ { print $3; exit }' /proc/self/cgroup)"
-parent="$mount$own"
-[[ -n "$mount" && -w "$parent" ]] || { echo "no writable cgroup v1 memory controller" >&2; exit 1; }
+# shellcheck source=lib/cgroup.sh
+source "$root/scripts/lib/cgroup.sh"
 
 # new_group LIMIT: a fresh group with that limit (0 = none); prints its path.
 new_group() {
@@ -54,11 +51,6 @@ new_group() {
         [[ -e "$g/memory.memsw.limit_in_bytes" ]] && echo "$1" > "$g/memory.memsw.limit_in_bytes"
     fi
     echo "$g"
-}
-
-# cold FILE: drop FILE's pages from the page cache.
-cold() {
-    python3 -c 'import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)' "$1"
 }
 
 # in_group GROUP CMD...: runs CMD inside GROUP.
