@@ -12,7 +12,7 @@
 use leanstream_format::ffn::{ClusterLayout, PartTypes};
 
 use super::bundles::{gate_pass, gate_pass_groups, BundleLayout, ClusterRows, RUN_PASS};
-use super::groups::{group_in_place_with, groupable, ungroup_row, GROUP_ROWS};
+use super::groups::{group_in_place_with, groupable, ungroup_rows, GROUP_ROWS};
 use super::operand::Operand;
 use super::rows::RowKernels;
 use crate::streaming::skip_rule::Skip;
@@ -67,17 +67,10 @@ pub fn ungroup_cluster_into(layout: &BundleLayout, bytes: &[u8], count: usize, o
     out.clear();
     out.extend_from_slice(bytes);
     let rb = layout.row_bytes();
-    let groups = count / GROUP_ROWS;
+    let grouped = count / GROUP_ROWS * GROUP_ROWS;
     for (p, qtype) in [(0, layout.qtypes.gate), (1, layout.qtypes.up)] {
-        let at = part_start(layout, p, count);
-        let size = GROUP_ROWS * rb[p];
-        for g in 0..groups {
-            let group = &bytes[at + g * size..at + (g + 1) * size];
-            for r in 0..GROUP_ROWS {
-                let row = at + (g * GROUP_ROWS + r) * rb[p];
-                ungroup_row(qtype, group, r, &mut out[row..row + rb[p]]);
-            }
-        }
+        let run = part_start(layout, p, count)..part_start(layout, p, count) + grouped * rb[p];
+        ungroup_rows(qtype, &bytes[run.clone()], rb[p], 0, &mut out[run]);
     }
 }
 

@@ -102,6 +102,17 @@ pub fn group_in_place_with(qtype: QuantType, rows: &mut [u8], row_bytes: usize, 
     }
 }
 
+/// Rows `first ..` of `run` (rows of `row_bytes` laid out in groups from its start, [`group_rows`])
+/// back in their plain layout, as many as `out` holds.
+pub fn ungroup_rows(qtype: QuantType, run: &[u8], row_bytes: usize, first: usize, out: &mut [u8]) {
+    let size = GROUP_ROWS * row_bytes;
+    for (i, row) in out.chunks_exact_mut(row_bytes).enumerate() {
+        let n = first + i;
+        let group = &run[(n / GROUP_ROWS) * size..][..size];
+        ungroup_row(qtype, group, n % GROUP_ROWS, row);
+    }
+}
+
 /// Row `r` of a group (`GROUP_ROWS · row_bytes` bytes) back in its plain layout, into `out`
 /// (`row_bytes`).
 pub fn ungroup_row(qtype: QuantType, group: &[u8], r: usize, out: &mut [u8]) {

@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 use std::borrow::Cow;
 
 use super::gemm::gemm_rows;
-use super::groups::{group_in_place, ungroup_row, GROUP_ROWS};
+use super::groups::{group_in_place, ungroup_row, ungroup_rows, GROUP_ROWS};
 use super::matrix::{gemm_inputs, gemm_t_blocked, Matrix};
 use super::operand::Operand;
 use super::portable::Q8_0_BYTES;
@@ -242,9 +242,7 @@ impl QMatrix {
             out.copy_from_slice(self.row(r));
             return;
         }
-        let group = GROUP_ROWS * self.row_bytes;
-        let g = &self.data[(r / GROUP_ROWS) * group..][..group];
-        ungroup_row(self.qtype, g, r % GROUP_ROWS, out);
+        ungroup_rows(self.qtype, &self.data, self.row_bytes, r, out);
     }
 
     pub fn bytes(&self) -> usize {

@@ -95,10 +95,7 @@ impl Schedule for Resident {
 /// ([`Core::pin_layer_in_runs`]), each cluster's prior its value in [`hot_order`]; false, nothing
 /// pinned, where it does not hold them all.
 pub(super) fn pin_all_in_runs(core: &mut Core) -> Result<bool> {
-    let all: u64 = (core.plans.iter())
-        .flat_map(|p| p.clusters.iter().map(|cl| cl.size))
-        .sum();
-    if core.cache.used() + all > core.cache.capacity() {
+    if core.cache.used() + all_bundles(core) > core.cache.capacity() {
         return Ok(false);
     }
     let mut freq: Vec<Vec<f32>> = (core.plans.iter())
@@ -112,6 +109,13 @@ pub(super) fn pin_all_in_runs(core: &mut Core) -> Result<bool> {
         debug_assert!(pinned, "every layer was checked to fit");
     }
     Ok(true)
+}
+
+/// Bytes of every cluster extent of the file.
+fn all_bundles(core: &Core) -> u64 {
+    (core.plans.iter())
+        .flat_map(|p| p.clusters.iter().map(|cl| cl.size))
+        .sum()
 }
 
 /// How many times the reads in flight the cache may leave out for [`pin_layers_in_runs`] to hold
@@ -132,9 +136,7 @@ pub(super) fn pin_layers_in_runs(core: &mut Core) -> Result<usize> {
     if !(0..layers).all(|l| core.needs_every_cluster(l)) {
         return Ok(0);
     }
-    let size = |p: &super::plan::LayerPlan| p.clusters.iter().map(|cl| cl.size).sum::<u64>();
-    let all: u64 = core.plans.iter().map(size).sum();
-    let left = all.saturating_sub(core.cache.capacity() - core.cache.used());
+    let left = all_bundles(core).saturating_sub(core.cache.capacity() - core.cache.used());
     if left > WHOLE_LAYERS_LEFT * core.io_budget {
         return Ok(0);
     }

@@ -14,7 +14,7 @@
 use anyhow::Result;
 
 use crate::kernels::bundles::{BundleLayout, ClusterRows, GroupedRuns, NeuronRows};
-use crate::kernels::groups::{group_in_place, ungroup_row, GROUP_ROWS};
+use crate::kernels::groups::{group_in_place, ungroup_rows, GROUP_ROWS};
 use crate::kernels::RowKernels;
 use crate::streaming::plan::LayerPlan;
 
@@ -121,13 +121,8 @@ impl LayerRuns {
         scratch.resize(count * (rb[0] + rb[1] + rb[2]), 0);
         let at = [0, count * rb[0], count * (rb[0] + rb[1])];
         for (p, qtype) in [(0, q.gate), (1, q.up)] {
-            let size = GROUP_ROWS * rb[p];
-            for i in 0..count {
-                let n = first + i;
-                let group = &self.bytes[self.start[p] + (n / GROUP_ROWS) * size..][..size];
-                let out = &mut scratch[at[p] + i * rb[p]..][..rb[p]];
-                ungroup_row(qtype, group, n % GROUP_ROWS, out);
-            }
+            let out = &mut scratch[at[p]..at[p] + count * rb[p]];
+            ungroup_rows(qtype, &self.bytes[self.start[p]..], rb[p], first, out);
         }
         let down = self.start[2] + first * rb[2];
         scratch[at[2]..].copy_from_slice(&self.bytes[down..down + count * rb[2]]);
