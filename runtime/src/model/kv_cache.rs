@@ -8,6 +8,9 @@
 //! as stored — the dot products and weighted sums decode f16 or Q8_0 in registers through the row
 //! kernels — so no step converts the cache to f32.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use half::f16;
 use leanstream_format::quant::{dequantize_row, row_bytes, QuantType, BLOCK_LEN};
 use serde::Serialize;
@@ -74,6 +77,26 @@ pub struct KvCache {
     keys: Vec<AlignedBuf>,
     values: Vec<AlignedBuf>,
     kernels: &'static RowKernels,
+    /// Positions whose pages are counted in `ledger` (all that were written, and more).
+    counted: usize,
+    ledger: Option<Arc<KvLedger>>,
+}
+
+/// Positions a cache counts at a time in its [`KvLedger`] ([`KvCache::reserve`]): a reservation
+/// changes once every this many tokens, not every token.
+pub const RESERVE_STEP: usize = 64;
+
+/// The bytes of KV pages that the caches of one model may have committed, counted before they are
+/// written: the streaming engine lends the neuron cache the part of the KV cache's planned bytes
+/// that no cache has reached yet, and takes it back before a cache reaches it.
+#[derive(Debug, Default)]
+pub struct KvLedger(AtomicU64);
+
+impl KvLedger {
+    /// Bytes counted by the live caches that share this ledger.
+    pub fn committed(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
 }
 
 impl KvCache {
@@ -101,7 +124,88 @@ impl KvCache {
                 .map(|_| AlignedBuf::new(layer))
                 .collect(),
             kernels: RowKernels::best(),
+            counted: 0,
+            ledger: None,
         }
+    }
+
+    /// This (new) cache, counting the pages it will commit in `ledger` ([`KvCache::reserve`]).
+    pub fn with_ledger(mut self, ledger: Arc<KvLedger>) -> Self {
+        debug_assert_eq!(self.counted, 0);
+        self.ledger = Some(ledger);
+        self
+    }
+
+    /// Whether this cache counts its pages in `ledger`.
+    pub fn counts_in(&self, ledger: &Arc<KvLedger>) -> bool {
+        self.ledger.as_ref().is_some_and(|l| Arc::ptr_eq(l, ledger))
+    }
+
+    /// Counts in the ledger the pages that writing positions `0..positions` commits, before they
+    /// are written: a whole [`RESERVE_STEP`] of positions at a time, at most the capacity.
+    /// Storing a position beyond the count reserves it first, so the ledger never holds less
+    /// than the pages written.
+    pub fn reserve(&mut self, positions: usize) {
+        if positions <= self.counted {
+            return;
+        }
+        let to = positions
+            .next_multiple_of(RESERVE_STEP)
+            .min(self.capacity.max(1));
+        if let Some(ledger) = &self.ledger {
+            let more = self.pages_bytes(to) - self.pages_bytes(self.counted);
+            ledger.0.fetch_add(more, Ordering::AcqRel);
+        }
+        self.counted = to;
+    }
+
+    /// Bytes of the pages that positions `0..positions` of every layer, head, keys and values
+    /// touch (a head's rows may start inside a page: that page counts).
+    fn pages_bytes(&self, positions: usize) -> u64 {
+        Self::pages_for(
+            self.keys.len(),
+            self.kv_heads,
+            self.capacity,
+            self.row,
+            positions,
+        )
+    }
+
+    fn pages_for(
+        layers: usize,
+        heads: usize,
+        capacity: usize,
+        row: usize,
+        positions: usize,
+    ) -> u64 {
+        if positions == 0 {
+            return 0;
+        }
+        let page = AlignedBuf::ALIGN;
+        let per_layer: usize = (0..heads)
+            .map(|h| {
+                let start = h * capacity.max(1) * row;
+                (start + positions * row).div_ceil(page) - start / page
+            })
+            .sum();
+        (2 * layers * per_layer * page) as u64
+    }
+
+    /// What [`KvCache::reserve`] counts for the first `positions` positions of a cache of
+    /// `capacity`: the start of a run, before any cache exists, reserves the first step.
+    pub fn reserved_for(
+        config: &ModelConfig,
+        capacity: usize,
+        kv: KvType,
+        positions: usize,
+    ) -> u64 {
+        let row = kv
+            .row_bytes(config.head_dim)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let to = positions
+            .next_multiple_of(RESERVE_STEP)
+            .min(capacity.max(1));
+        Self::pages_for(config.num_layers, config.num_kv_heads, capacity, row, to)
     }
 
     /// Gives layer `l`'s pages back to the OS (fresh, uncommitted buffers take their place): the
@@ -221,6 +325,7 @@ impl KvCache {
             ));
         }
         let data = &rest[20 + name_len..];
+        self.reserve(len);
         let span = len * self.row;
         if data.len() != 2 * layers * heads * span {
             return Err("the saved KV cache has the wrong size".into());
@@ -270,6 +375,9 @@ impl KvCache {
     /// Stores keys and values (`kv_heads × head_dim` each) of layer `layer` at position `pos`.
     pub fn store(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
         debug_assert!(pos < self.capacity);
+        if pos >= self.counted {
+            self.reserve(pos + 1);
+        }
         let hd = self.head_dim;
         for h in 0..self.kv_heads {
             let at = self.rows(h, pos, pos + 1);
@@ -357,6 +465,16 @@ impl KvCache {
     pub fn advance(&mut self, n: usize) {
         self.len += n;
         debug_assert!(self.len <= self.capacity);
+    }
+}
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        if let Some(ledger) = &self.ledger {
+            ledger
+                .0
+                .fetch_sub(self.pages_bytes(self.counted), Ordering::AcqRel);
+        }
     }
 }
 
@@ -502,6 +620,60 @@ mod tests {
                 assert!(err > 0.0, "{kv:?} stored exactly: not the encoding claimed");
             }
         }
+    }
+
+    #[test]
+    fn the_ledger_counts_pages_before_they_are_written_and_forgets_a_dropped_cache() {
+        let c = config(64);
+        let ledger = Arc::new(KvLedger::default());
+        // 2 heads of 512 positions of 128 B (f16): a head's rows start on a page, 32 to a page.
+        let mut a = KvCache::new(&c, 512, KvType::F16).with_ledger(Arc::clone(&ledger));
+        let page = AlignedBuf::ALIGN as u64;
+        let per_step = 2 * c.num_layers as u64 * 2 * 2 * page; // 64 positions: 2 pages a head
+        assert_eq!(ledger.committed(), 0);
+        a.reserve(5);
+        assert_eq!(ledger.committed(), per_step);
+        assert_eq!(
+            KvCache::reserved_for(&c, 512, KvType::F16, 5),
+            ledger.committed()
+        );
+        a.reserve(64);
+        assert_eq!(ledger.committed(), per_step, "within the step: no change");
+        // Storing past the count reserves the next step first.
+        let (k, v) = (noise(128, 1, 1.0), noise(128, 2, 1.0));
+        a.store(0, 64, &k, &v);
+        assert_eq!(ledger.committed(), 2 * per_step);
+        // A second cache counts in the same ledger; dropping one takes its pages out.
+        let mut b = KvCache::new(&c, 512, KvType::F16).with_ledger(Arc::clone(&ledger));
+        b.reserve(1);
+        assert_eq!(ledger.committed(), 3 * per_step);
+        assert!(a.counts_in(&ledger) && b.counts_in(&ledger));
+        assert!(!KvCache::new(&c, 512, KvType::F16).counts_in(&ledger));
+        drop(a);
+        assert_eq!(ledger.committed(), per_step);
+        // Never past the capacity; a head whose rows start inside a page counts that page too.
+        let mut small = KvCache::new(&c, 40, KvType::F16).with_ledger(Arc::clone(&ledger));
+        small.reserve(40);
+        // Head 0: 40 × 128 B = 2 pages; head 1 starts at 5,120 B: pages 1 and 2.
+        assert_eq!(
+            ledger.committed(),
+            per_step + 2 * c.num_layers as u64 * 4 * page
+        );
+        // A restored state is counted before it is copied in.
+        drop(small);
+        let mut src = KvCache::new(&c, 512, KvType::F16);
+        for pos in 0..100 {
+            for l in 0..c.num_layers {
+                src.store(l, pos, &k, &v);
+            }
+        }
+        src.advance(100);
+        drop(b);
+        let mut restored = KvCache::new(&c, 512, KvType::F16).with_ledger(Arc::clone(&ledger));
+        restored.restore(&src.save()).unwrap();
+        assert_eq!(ledger.committed(), 2 * per_step);
+        drop(restored);
+        assert_eq!(ledger.committed(), 0);
     }
 
     #[test]

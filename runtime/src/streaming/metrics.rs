@@ -112,6 +112,7 @@ impl Metrics {
             cache_hit_rate: ratio(self.cluster_hits, self.cluster_hits + self.cluster_misses),
             grouped_hit_fraction: ratio(self.grouped_gates, self.resident_gates),
             whole_layers: 0,
+            kv_lent_bytes: 0,
             predictor_recall: ratio(self.own_hits, self.own_active),
             predictor_precision: ratio(self.own_hits, self.own_predicted),
             lookahead_recall: ratio(self.lookahead_hits, self.lookahead_active),
@@ -177,6 +178,9 @@ pub struct Summary {
     /// Layers whose bundles the cache holds whole, computed as one run each (the rest are kept
     /// cluster by cluster, or read).
     pub whole_layers: usize,
+    /// Bytes of the KV cache's planned share that no sequence had reached at the end, which the
+    /// neuron cache held clusters in (0 where nothing was lent).
+    pub kv_lent_bytes: u64,
     /// Of the clusters whose gates decoded tokens computed from memory, the share computed in row
     /// groups (0 where the kernels have none, for the interleaved layout, or clusters of fewer
     /// than 8 neurons).

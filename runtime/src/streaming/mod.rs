@@ -33,7 +33,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use leanstream_format::LsbFile;
 
-use crate::model::kv_cache::{KvCache, KvType};
+use crate::model::kv_cache::{KvCache, KvLedger, KvType, RESERVE_STEP};
 use crate::model::Model;
 use crate::platform::elastic::BudgetWatch;
 use crate::source::config::ModelConfig;
@@ -105,6 +105,14 @@ pub struct StreamingModel {
     /// The most prompt tokens a forward call computes at once (its scratch is planned for it).
     prompt_chunk: usize,
     kv: KvType,
+    /// The pages the caches this model made ([`StreamingModel::new_cache`]) may have committed.
+    kv_ledger: Arc<KvLedger>,
+    /// The planned KV bytes no cache has reached, lent to the neuron cache beside its planned
+    /// share ([`StreamingModel::lend_kv`]); 0 where nothing is lent.
+    kv_lent: u64,
+    /// Whether the KV cache's unreached bytes are lent: a streaming cache that cannot hold every
+    /// cluster, and every cache this model has run with counted in `kv_ledger`.
+    kv_lending: bool,
     started: Instant,
     tokens: u64,
     /// I/O counters at the start of the measured run (start-up reads excluded).
@@ -308,11 +316,22 @@ impl StreamingModel {
             )),
         };
         let slots = ClusterSlots::new(plans.iter().map(|p| p.clusters.len()));
+        // Until a cache reaches them, the KV cache's planned pages hold clusters: all but the
+        // first step of positions, which the first call reserves.
+        let kv_lending = policy != Policy::Mmap && split.neuron_cache < split.ffn_total;
+        let kv_lent = if kv_lending {
+            lendable(
+                &split,
+                KvCache::reserved_for(&config, shape.ctx, opts.kv, RESERVE_STEP),
+            )
+        } else {
+            0
+        };
         let mut engine = StreamEngine::new(
             plans,
             sparsity,
             io,
-            NeuronCache::new(split.neuron_cache, retention, slots),
+            NeuronCache::new(split.neuron_cache + kv_lent, retention, slots),
             mapping,
             io_budget,
             schedule,
@@ -339,6 +358,9 @@ impl StreamingModel {
             ctx: shape.ctx,
             prompt_chunk: shape.chunk,
             kv: opts.kv,
+            kv_ledger: Arc::new(KvLedger::default()),
+            kv_lent,
+            kv_lending,
             started: Instant::now(),
             tokens: 0,
             io_base: IoCounters::default(),
@@ -426,16 +448,23 @@ impl StreamingModel {
         };
         let split = planner::replan(input, &self.split)?;
         let from = self.budget;
+        let lent = if self.kv_lending {
+            lendable(&split, self.kv_ledger.committed())
+        } else {
+            0
+        };
         // Room is made before anything is read: the cache shrinks first, and a part of the dense
         // weights is dropped before it is read again in its new form.
-        self.engine
-            .set_cache_capacity(split.neuron_cache.min(self.split.neuron_cache))?;
+        self.engine.set_cache_capacity(
+            (split.neuron_cache + lent).min(self.split.neuron_cache + self.kv_lent),
+        )?;
         if split.dense_streamed != self.split.dense_streamed {
             self.dense
                 .set_streamed(split.dense_streamed)
                 .context("cannot move the dense weights for the new budget")?;
         }
-        self.engine.set_cache_capacity(split.neuron_cache)?;
+        self.engine.set_cache_capacity(split.neuron_cache + lent)?;
+        self.kv_lent = lent;
         crate::platform::memory::release_freed_memory();
         self.split = split;
         self.budget = Some(budget);
@@ -506,7 +535,41 @@ impl StreamingModel {
         summary.dense_bytes_read_per_token = dense_bytes as f64 / self.tokens.max(1) as f64;
         summary.budget_changes = self.budget_changes.clone();
         summary.whole_layers = self.engine.whole_layers();
+        summary.kv_lent_bytes = self.kv_lent;
         summary
+    }
+
+    /// Reserves in `caches` the positions `0..positions` the next call writes, then gives the
+    /// neuron cache the KV cache's planned bytes that no cache has reached: shrinking evicts
+    /// clusters and returns their memory to the OS before the pages are written. A cache this
+    /// model did not make ends the lending for good (its pages are not counted).
+    fn lend_kv<'a>(
+        &mut self,
+        caches: impl IntoIterator<Item = (&'a mut KvCache, usize)>,
+    ) -> Result<()> {
+        if !self.kv_lending {
+            return Ok(());
+        }
+        for (cache, positions) in caches {
+            if !cache.counts_in(&self.kv_ledger) {
+                self.kv_lending = false;
+            }
+            cache.reserve(positions);
+        }
+        let lent = if self.kv_lending {
+            lendable(&self.split, self.kv_ledger.committed())
+        } else {
+            0
+        };
+        if lent != self.kv_lent {
+            self.engine
+                .set_cache_capacity(self.split.neuron_cache + lent)?;
+            if lent < self.kv_lent {
+                crate::platform::memory::release_freed_memory();
+            }
+            self.kv_lent = lent;
+        }
+        Ok(())
     }
 
     /// Starts counting tokens, time and I/O afresh (after the start-up reads).
@@ -554,7 +617,7 @@ impl crate::model::LanguageModel for StreamingModel {
     }
 
     fn new_cache(&self, ctx: usize) -> KvCache {
-        KvCache::new(self.config(), ctx, self.kv)
+        KvCache::new(self.config(), ctx, self.kv).with_ledger(Arc::clone(&self.kv_ledger))
     }
 
     fn prompt_chunk(&self) -> usize {
@@ -599,6 +662,8 @@ impl crate::model::LanguageModel for StreamingModel {
             });
         }
         self.take_watched_budget();
+        let positions = cache.len() + tokens.len();
+        self.lend_kv([(&mut *cache, positions)])?;
         self.engine.begin_call(tokens, cache.len())?;
         self.tokens += tokens.len() as u64;
         let done = self.model.forward_with(
@@ -629,6 +694,10 @@ impl crate::model::LanguageModel for StreamingModel {
             return crate::model::decode_each(self, tokens, caches, logits);
         }
         self.take_watched_budget();
+        self.lend_kv(caches.iter_mut().map(|c| {
+            let positions = c.len() + 1;
+            (&mut **c, positions)
+        }))?;
         self.engine.begin_call(tokens, 0)?;
         self.tokens += tokens.len() as u64;
         let done = self.model.forward_batch_with(
@@ -641,6 +710,15 @@ impl crate::model::LanguageModel for StreamingModel {
         self.engine.end_call(tokens.len());
         done
     }
+}
+
+/// What the neuron cache may borrow of `split`'s KV bytes when `committed` of them are counted: the
+/// rest, up to what the cache lacks of the FFN.
+fn lendable(split: &planner::MemorySplit, committed: u64) -> u64 {
+    split
+        .kv_cache
+        .saturating_sub(committed)
+        .min(split.ffn_total.saturating_sub(split.neuron_cache))
 }
 
 /// Runs `tokens` through `step` in pieces of at most `most`, keeping every piece's logits when

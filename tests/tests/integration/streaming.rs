@@ -682,3 +682,64 @@ fn a_long_prompt_with_a_partly_cached_ffn_equals_resident() {
     );
     assert_eq!(text, resident, "budget {floor}");
 }
+
+/// The KV cache's planned bytes that no position has reached hold clusters until the sequence
+/// gets there: a run at `--ctx 1024` lends the neuron cache all of them but the pages of its
+/// written positions, counted 64 at a time; the lent bytes shrink by the pages of the next 64 as
+/// the sequence crosses them; each run gives `resident`'s tokens within its budget.
+#[test]
+fn the_kv_cache_lends_the_positions_it_has_not_reached_to_the_neuron_cache() {
+    let file = embedded("q8");
+    let config = leanstream_format::LsbFile::open(&file)
+        .unwrap()
+        .meta
+        .model
+        .clone();
+    let ctx = 1024;
+    let kv = leanstream::model::kv_cache::KvType::F16;
+    let min = stated_minimum(&run(&file, &["--memory", "1MiB"]).stderr) + (1 << 20);
+    let split = leanstream::streaming::memory_split(&file, ctx).unwrap();
+    let budget = min + split.ffn_total / 4 + (split.kv_cache - split.kv_cache * 128 / ctx as u64);
+    let go = |n: &str, policy: &[&str]| {
+        let o = Command::new(bin("leanstream"))
+            .arg("run")
+            .arg("--model")
+            .arg(&file)
+            .args(["-p", "It was a fine morning, and Emma", "--temp", "0"])
+            .args(["-n", n, "--ignore-eos", "--ctx", "1024", "--json"])
+            .args(["--flash", "ufs4"])
+            .args(policy)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let memory = budget.to_string();
+    let mut lent_before = u64::MAX;
+    for n in ["40", "100"] {
+        let want = go(n, &["--policy", "resident"]);
+        assert_eq!(want["kv_lent_bytes"], 0, "resident holds every cluster");
+        let v = go(n, &["--memory", &memory]);
+        assert_eq!(v["text"], want["text"], "-n {n}");
+        // The last token generated is not fed back: the cache holds the others.
+        let positions =
+            v["prompt_tokens"].as_u64().unwrap() + v["generated_tokens"].as_u64().unwrap() - 1;
+        let s = &v["memory_split"];
+        let (planned, cache, ffn) = (
+            s["kv_cache"].as_u64().unwrap(),
+            s["neuron_cache"].as_u64().unwrap(),
+            s["ffn_total"].as_u64().unwrap(),
+        );
+        assert!(cache < ffn, "the budget streams: {s}");
+        let reached = KvCache::reserved_for(&config, ctx, kv, positions as usize);
+        let lent = v["kv_lent_bytes"].as_u64().unwrap();
+        assert_eq!(lent, (planned - reached).min(ffn - cache), "-n {n}: {s}");
+        assert!(lent > 0 && lent < lent_before, "-n {n}: lent {lent}");
+        lent_before = lent;
+        let rss = v["peak_rss_bytes"].as_u64().unwrap();
+        assert!(
+            rss as f64 <= budget as f64 * 1.05,
+            "peak RSS {rss} over {budget}"
+        );
+    }
+}
