@@ -11,7 +11,9 @@
 # nonsense (a negative or impossible rate), so tg16 is printed beside it. At 2 GiB the repacked
 # default is not run (it is killed while loading a 7B: it copies the weights).
 #
-# usage: scripts/llamabench-cgroup.sh FILE.lsb MODEL.gguf [LIMITS="2G 4G"] [ROUNDS=2] [LEANSTREAM=target/release/leanstream]
+# usage: scripts/llamabench-cgroup.sh FILE.lsb MODEL.gguf [LIMITS="2G 4G"] [ROUNDS=2] [LEANSTREAM=target/release/leanstream] [MODES=certified]
+# MODES: the --sparsity values leanstream runs with, each in every round; `refine:F` runs
+# `--sparsity refine --refine-keep F` (it trades quality: docs/cli.md).
 # Needs a writable cgroup v1 memory controller (as the test suite's memory_cgroup test does).
 set -euo pipefail
 
@@ -21,6 +23,7 @@ gguf="$2"
 limits="${3:-2G 4G}"
 rounds="${4:-2}"
 leanstream="${5:-$root/target/release/leanstream}"
+modes="${6:-certified}"
 [[ -n "${5:-}" ]] || (cd "$root" && cargo build --release -q -p leanstream)
 bench="$("$root/scripts/build-llamacpp.sh")/llama-bench"
 prompt="The capital of France is"
@@ -61,15 +64,20 @@ for round in $(seq "$rounds"); do
             rate="$(python3 -c "import sys; a, b = map(float, sys.argv[1:]); print(f'{12 / (16 / b - 4 / a):.2f}')" "$r4" "$r16" 2>/dev/null || echo -)"
             echo "round $round, $limit: llama.cpp repack=$repack: $rate tok/s (tg4 $r4, tg16 $r16)"
         done
-        cold "$lsb"
-        in_group "$bytes" "$leanstream" run --model "$lsb" -p "$prompt" -n 16 --ignore-eos --temp 0 \
-            --ctx 512 --threads 1 --flash none --memory "$bytes" --sparsity certified --json 2>/dev/null |
-            python3 -c '
+        for mode in $modes; do
+            sparsity=(--sparsity "${mode%%:*}")
+            [[ "$mode" == *:* ]] && sparsity+=(--refine-keep "${mode#*:}")
+            cold "$lsb"
+            in_group "$bytes" "$leanstream" run --model "$lsb" -p "$prompt" -n 16 --ignore-eos --temp 0 \
+                --ctx 512 --threads 1 --flash none --memory "$bytes" "${sparsity[@]}" --json 2>/dev/null |
+                python3 -c '
 import json, sys
 d = json.load(sys.stdin)
-print("round %s, %s: leanstream: %.2f tok/s, %.0f MB read per token in %.0f reads, cache hits %.2f, %d layers whole, I/O waited %.0f %%" % (
-    sys.argv[1], sys.argv[2], d["tokens_per_s"], d["bytes_read_per_token"] / 1e6, d["reads_per_token"],
-    d["cache_hit_rate"], d["whole_layers"], 100 * d["io_wait_fraction"]))' "$round" "$limit" ||
-            echo "round $round, $limit: leanstream failed"
+print("round %s, %s: leanstream %s: %.2f tok/s, %.0f MB read per token in %.0f reads (dense %.0f MB), cache hits %.2f (%d MiB lent by the KV cache), %d layers whole, I/O waited %.0f %%" % (
+    sys.argv[1], sys.argv[2], sys.argv[3], d["tokens_per_s"], d["bytes_read_per_token"] / 1e6, d["reads_per_token"],
+    d["dense_bytes_read_per_token"] / 1e6, d["cache_hit_rate"], d.get("kv_lent_bytes", 0) >> 20, d["whole_layers"],
+    100 * d["io_wait_fraction"]))' "$round" "$limit" "$mode" ||
+                echo "round $round, $limit: leanstream $mode failed"
+        done
     done
 done

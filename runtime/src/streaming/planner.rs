@@ -3,12 +3,15 @@
 //! (sketch, predictors, statistics), I/O buffers, scratch — and the neuron cache, which gets the
 //! rest. When the fixed needs with every dense weight resident exceed the budget, dense weights
 //! stream too: the attention projections first (the least used per byte: each is read once per
-//! token, as the output head is, but the head is computed as it lands), then the output head, then
-//! the embedding (one row per token); norms always stay. Two floors follow, named as `inspect
+//! token, as the output head is, but the head is computed as it lands), then an untied embedding
+//! (one row per token), then the output head; norms always stay. An untied embedding also streams
+//! wherever the neuron cache cannot hold the whole FFN: a row a token costs less than the reads its
+//! bytes save as cache. Two floors follow, named as `inspect
 //! --json` names them: the *minimum* (`min_memory_bytes`), the fixed needs with every dense weight
 //! the planner may stream streaming — the least budget a run accepts; a budget below it is refused,
 //! stating it — and the *dense-resident minimum* (`min_memory_dense_resident_bytes`), the fixed
-//! needs with every dense weight resident, below which dense weights start to stream.
+//! needs with every dense weight resident, below which dense weights start to stream (an untied
+//! embedding from the budget that holds every cluster down).
 
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -80,11 +83,11 @@ impl DenseStreamed {
         if tied {
             vec![Self::default(), attention, all]
         } else {
-            let head = Self {
-                head: true,
+            let embedding = Self {
+                embedding: true,
                 ..attention
             };
-            vec![Self::default(), attention, head, all]
+            vec![Self::default(), attention, embedding, all]
         }
     }
 
@@ -261,6 +264,22 @@ pub fn plan(p: PlanInput) -> Result<MemorySplit> {
         );
     };
     split.neuron_cache = (budget - split.fixed()).min(p.ffn);
+    // Streamed, an untied embedding costs one row a token; its bytes in the cache save as many
+    // bytes of reads a token as the cache lacks of the FFN. So where the cache cannot hold the
+    // FFN, the embedding streams (with its few rows of buffers).
+    if !p.dense.tied && !split.dense_streamed.embedding && split.neuron_cache < p.ffn {
+        let mut leaner = fixed_split(
+            &p,
+            DenseStreamed {
+                embedding: true,
+                ..split.dense_streamed
+            },
+        );
+        if leaner.fixed() < split.fixed() {
+            leaner.neuron_cache = (budget - leaner.fixed()).min(p.ffn);
+            split = leaner;
+        }
+    }
     Ok(split)
 }
 
@@ -491,36 +510,64 @@ mod tests {
 
     #[test]
     fn dense_weights_stream_only_below_them_attention_first() {
-        for tied in [false, true] {
-            let choose = |budget: u64| plan(input(Some(budget), tied)).unwrap();
-            // Everything resident fits: nothing streams, the rest is cache.
-            let s = choose(OTHERS + 100 * MIB + 5 * MIB);
-            assert_eq!(s.dense_streamed, DenseStreamed::default());
-            assert_eq!(
-                (s.dense, s.dense_buffers, s.neuron_cache),
-                (100 * MIB, 0, 5 * MIB)
-            );
-            // Attention streams (64 MiB with its buffers).
-            let s = choose(OTHERS + 99 * MIB);
-            assert_eq!(s.dense_streamed, streamed(true, false, false));
-            assert_eq!((s.dense, s.dense_buffers), (60 * MIB, 4 * MIB));
-            assert_eq!(s.neuron_cache, 35 * MIB);
-            assert_eq!(s.fixed() + s.neuron_cache, OTHERS + 99 * MIB);
-        }
-        // Untied: the head next (38 MiB), then the embedding (9 MiB).
-        let s = plan(input(Some(OTHERS + 38 * MIB), false)).unwrap();
-        assert_eq!(s.dense_streamed, streamed(true, true, false));
+        // Tied (head and embedding one table).
+        let choose = |budget: u64| plan(input(Some(budget), true)).unwrap();
+        // Everything resident fits: nothing streams, the rest is cache.
+        let s = choose(OTHERS + 100 * MIB + 5 * MIB);
+        assert_eq!(s.dense_streamed, DenseStreamed::default());
         assert_eq!(
             (s.dense, s.dense_buffers, s.neuron_cache),
-            (30 * MIB, 8 * MIB, 0)
+            (100 * MIB, 0, 5 * MIB)
         );
-        let s = plan(input(Some(OTHERS + 37 * MIB), false)).unwrap();
+        // Attention streams (64 MiB with its buffers).
+        let s = choose(OTHERS + 99 * MIB);
+        assert_eq!(s.dense_streamed, streamed(true, false, false));
+        assert_eq!((s.dense, s.dense_buffers), (60 * MIB, 4 * MIB));
+        assert_eq!(s.neuron_cache, 35 * MIB);
+        assert_eq!(s.fixed() + s.neuron_cache, OTHERS + 99 * MIB);
+        // Head and embedding stream together.
+        let s = choose(OTHERS + 63 * MIB);
         assert_eq!(s.dense_streamed, streamed(true, true, true));
         assert_eq!((s.dense, s.dense_buffers), (0, 9 * MIB));
-        // Tied: head and embedding are one table and stream together.
-        let s = plan(input(Some(OTHERS + 63 * MIB), true)).unwrap();
+
+        // Untied: the embedding (30 MiB; 1 MiB of buffers streamed) streams wherever the cache
+        // cannot hold the 200 MiB of FFN, its bytes going to the cache.
+        let choose = |budget: u64| plan(input(Some(budget), false)).unwrap();
+        let s = choose(OTHERS + 100 * MIB + 200 * MIB);
+        assert_eq!(s.dense_streamed, DenseStreamed::default());
+        assert_eq!((s.dense, s.neuron_cache), (100 * MIB, 200 * MIB));
+        let s = choose(OTHERS + 100 * MIB + 199 * MIB);
+        assert_eq!(s.dense_streamed, streamed(false, false, true));
+        assert_eq!((s.dense, s.neuron_cache), (70 * MIB, 200 * MIB));
+        let s = choose(OTHERS + 100 * MIB + 5 * MIB);
+        assert_eq!(s.dense_streamed, streamed(false, false, true));
+        assert_eq!(
+            (s.dense, s.dense_buffers, s.neuron_cache),
+            (70 * MIB, MIB, 34 * MIB)
+        );
+        // Below every dense weight: attention streams, then the head too.
+        let s = choose(OTHERS + 99 * MIB);
+        assert_eq!(s.dense_streamed, streamed(true, false, true));
+        assert_eq!(
+            (s.dense, s.dense_buffers, s.neuron_cache),
+            (30 * MIB, 5 * MIB, 64 * MIB)
+        );
+        let s = choose(OTHERS + 38 * MIB);
+        assert_eq!(s.dense_streamed, streamed(true, false, true));
+        assert_eq!(
+            (s.dense, s.dense_buffers, s.neuron_cache),
+            (30 * MIB, 5 * MIB, 3 * MIB)
+        );
+        let s = choose(OTHERS + 34 * MIB);
         assert_eq!(s.dense_streamed, streamed(true, true, true));
-        assert_eq!((s.dense, s.dense_buffers), (0, 9 * MIB));
+        assert_eq!(
+            (s.dense, s.dense_buffers, s.neuron_cache),
+            (0, 9 * MIB, 25 * MIB)
+        );
+        // A policy that keeps every cluster keeps the embedding.
+        let mut p = input(Some(OTHERS + 100 * MIB + 200 * MIB), false);
+        p.needs_all_ffn = true;
+        assert_eq!(plan(p).unwrap().dense_streamed, DenseStreamed::default());
     }
 
     #[test]
@@ -618,10 +665,11 @@ mod tests {
 
     #[test]
     fn a_running_model_streams_dense_weights_below_them_and_takes_them_back() {
-        let mut opened = plan(input(Some(OTHERS + 100 * MIB + 50 * MIB), false)).unwrap();
+        // Tied: an untied embedding streams at any budget short of the FFN.
+        let mut opened = plan(input(Some(OTHERS + 100 * MIB + 50 * MIB), true)).unwrap();
         opened.certified_layers = vec![1, 3];
         assert_eq!(opened.dense_streamed, DenseStreamed::default());
-        let to = |budget, current: &MemorySplit| replan(input(Some(budget), false), current);
+        let to = |budget, current: &MemorySplit| replan(input(Some(budget), true), current);
         // Shrinking empties the cache first…
         let s = to(OTHERS + 100 * MIB + 10 * MIB, &opened).unwrap();
         assert_eq!(
@@ -647,7 +695,7 @@ mod tests {
         // Below the minimum: refused, stating it.
         let err = to(OTHERS + 9 * MIB - 1, &s).unwrap_err().to_string();
         assert!(err.contains("below the minimum of 29.00 MiB"), "{err}");
-        assert_eq!(minimum(&input(None, false)), OTHERS + 9 * MIB);
+        assert_eq!(minimum(&input(None, true)), OTHERS + 9 * MIB);
     }
 
     #[test]
