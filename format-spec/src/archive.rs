@@ -7,8 +7,8 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, ErrorKind, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
+use crate::container::Checksum;
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::atomic::{exists_error, AtomicFile};
 use crate::container::{checksum, read_at, Header, PAGE};
@@ -250,7 +250,7 @@ pub fn write_archive(
     encoder
         .set_pledged_src_size(Some(manifest.size))
         .map_err(write_err)?;
-    let mut hasher = Xxh3::new();
+    let mut hasher = Checksum::new();
     let mut buf = vec![0u8; CHUNK];
     let mut done = 0u64;
     loop {
@@ -344,7 +344,7 @@ pub fn read_body(
         ))
     };
     let size = manifest.size;
-    let mut hasher = Xxh3::new();
+    let mut hasher = Checksum::new();
     let mut decoder = zstd::stream::read::Decoder::with_buffer(&mut *r)
         .map_err(corrupted)?
         .single_frame();

@@ -3,7 +3,7 @@
 
 use std::io::Read;
 
-use xxhash_rust::xxh3::Xxh3;
+use crate::container::Checksum;
 
 use crate::FormatError;
 
@@ -108,7 +108,7 @@ impl<'a> Dec<'a> {
     /// part of the section read again later can be checked against what was checksummed now.
     pub fn skip_hashed(&mut self, n: usize) -> Result<u64, FormatError> {
         self.advance(n)?;
-        let mut hash = Xxh3::new();
+        let mut hash = Checksum::new();
         let mut chunk = [0u8; 1 << 14];
         let mut left = n;
         while left > 0 {

@@ -5,7 +5,7 @@ use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use xxhash_rust::xxh3::Xxh3;
+use crate::container::Checksum;
 
 use crate::bpe_vocab::BpeVocab;
 use crate::codec::Dec;
@@ -402,7 +402,7 @@ fn read_section<T, R: Read + Seek>(
     /// Hashes what passes through it.
     struct Hashed<R> {
         inner: R,
-        hash: Xxh3,
+        hash: Checksum,
     }
     impl<R: Read> Read for Hashed<R> {
         fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -416,7 +416,7 @@ fn read_section<T, R: Read + Seek>(
     file.seek(SeekFrom::Start(s.offset)).map_err(io)?;
     let mut stored = Hashed {
         inner: BufReader::with_capacity(1 << 16, Read::take(&mut *file, s.stored_size)),
-        hash: Xxh3::new(),
+        hash: Checksum::new(),
     };
     let decoded = (|| {
         let content;
@@ -538,7 +538,7 @@ pub fn verify_reader<R: Read + Seek>(
         } else {
             pieces.push(((s.offset, s.stored_size), None));
         }
-        let mut section = Xxh3::new();
+        let mut section = Checksum::new();
         for ((offset, size), check) in pieces {
             let own = reader.hash(offset, size, &mut section)?;
             if let Some((what, _)) = check.filter(|(_, expected)| *expected != own) {
@@ -567,10 +567,10 @@ struct ChunkReader<'a, R> {
 
 impl<R: Read + Seek> ChunkReader<'_, R> {
     /// Hashes `size` bytes at `offset`, feeding them to `also` as well; returns their own XXH3.
-    fn hash(&mut self, offset: u64, size: u64, also: &mut Xxh3) -> Result<u64, FormatError> {
+    fn hash(&mut self, offset: u64, size: u64, also: &mut Checksum) -> Result<u64, FormatError> {
         let io = |e| FormatError::io(self.path, e);
         self.file.seek(SeekFrom::Start(offset)).map_err(io)?;
-        let mut own = Xxh3::new();
+        let mut own = Checksum::new();
         let mut left = size;
         while left > 0 {
             let n = left.min(self.buf.len() as u64) as usize;

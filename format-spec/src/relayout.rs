@@ -9,7 +9,7 @@ use std::fs::File;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
 
-use xxhash_rust::xxh3::Xxh3;
+use crate::container::Checksum;
 
 use crate::atomic::AtomicFile;
 use crate::container::{checksum, read_at, Encoding, SectionKind};
@@ -63,7 +63,7 @@ pub fn relayout(src: &Path, dst: &Path, to: ClusterLayout) -> Result<(), FormatE
         let (d, i) = (slot(data)?, slot(index)?);
         let base = header.sections[d].offset;
         // The extents tile the data section in order (§6.2, §6.5): its checksum is theirs in turn.
-        let mut section = Xxh3::new();
+        let mut section = Checksum::new();
         let ffn = index == SectionKind::FfnIndex;
         let layers: Vec<(String, &mut FfnLayer)> = if ffn {
             let named = f.ffn.layers.iter_mut().enumerate();

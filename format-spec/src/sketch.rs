@@ -161,7 +161,7 @@ impl SketchEntry {
         let rows_len = self.bytes() - 4 * n;
         let rows = read(offset, rows_len)?;
         let err = read(offset + rows_len, 4 * n)?;
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut h = crate::container::Checksum::new();
         h.update(&rows);
         h.update(&err);
         if h.digest() != hash {

@@ -9,7 +9,7 @@ use std::path::Path;
 use leanstream_format::archive::{
     read_body, read_manifest, write_archive, Manifest, PackOptions, ARCHIVE_VERSION,
 };
-use xxhash_rust::xxh3::Xxh3;
+use leanstream_format::container::Checksum;
 
 const SIZE: u64 = 96 << 20;
 
@@ -34,7 +34,7 @@ impl Read for Synthetic {
 }
 
 /// Hashes what is written, keeping nothing.
-struct HashSink(Xxh3, u64);
+struct HashSink(Checksum, u64);
 
 impl Write for HashSink {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -101,7 +101,7 @@ fn a_stream_much_larger_than_the_buffers_packs_and_unpacks_in_bounded_memory() {
     let mut r = BufReader::new(File::open(&path).unwrap());
     let m = read_manifest(&mut r, &path).unwrap();
     assert_eq!(m, manifest);
-    let mut sink = HashSink(Xxh3::new(), 0);
+    let mut sink = HashSink(Checksum::new(), 0);
     read_body((&mut r, &path), (&mut sink, mem), &m, |_, _| {}).unwrap();
     assert_eq!((sink.0.digest(), sink.1), (sum, SIZE));
     let archive_bytes = std::fs::metadata(&path).unwrap().len();

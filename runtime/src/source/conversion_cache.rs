@@ -218,7 +218,7 @@ fn cache_dir() -> Result<PathBuf> {
 
 /// xxh3 of the conversion flags and of a hub id.
 fn hub_id_key(id: &str, flags: &[&str]) -> u64 {
-    let mut hash = xxhash_rust::xxh3::Xxh3Default::new();
+    let mut hash = leanstream_format::container::Checksum::new();
     hash.update(flags.join(" ").as_bytes());
     hash.update(b"\0hub:");
     hash.update(id.as_bytes());
@@ -242,7 +242,7 @@ fn files_key(model: &Path, flags: &[&str]) -> Result<u64> {
     } else {
         files.push(model.to_path_buf());
     }
-    let mut hash = xxhash_rust::xxh3::Xxh3Default::new();
+    let mut hash = leanstream_format::container::Checksum::new();
     hash.update(flags.join(" ").as_bytes());
     let mut buf = vec![0u8; 1 << 20];
     for path in files {

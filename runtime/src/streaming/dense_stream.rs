@@ -26,11 +26,11 @@ use std::fs::File;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use leanstream_format::container::{checksum, Checksum};
 use leanstream_format::dense::DenseTensor;
 use leanstream_format::file::check_extent;
 use leanstream_format::quant::{dequantize_row, QuantType};
 use leanstream_format::{FormatError, LsbFile};
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use super::engine::{SPECULATIVE_MAX, URGENT};
 use super::planner::{DenseSizes, DenseStreamed};
@@ -346,7 +346,7 @@ impl TableStream {
     fn open(io: &mut Reader, e: Extent) -> Result<Self> {
         let mut pages = Vec::with_capacity(e.len / PAGE);
         read_checked(io, &e, |chunk| {
-            pages.extend(chunk.chunks(PAGE).map(xxh3_64))
+            pages.extend(chunk.chunks(PAGE).map(checksum))
         })?;
         let block_rows = block_rows(&e);
         // One block's read: its rows' pages, one more where they straddle a page boundary.
@@ -389,7 +389,7 @@ impl TableStream {
         let b = buf.insert(io.wait(ticket, &self.e.name)?);
         let (first, _) = self.pages_of(r0, r1);
         for (i, page) in b.chunks(PAGE).enumerate() {
-            if xxh3_64(page) != self.pages[first + i] {
+            if checksum(page) != self.pages[first + i] {
                 return Err(FormatError::Checksum {
                     what: format!(
                         "{}: tensor {} page {}",
@@ -481,7 +481,7 @@ impl TableStream {
 /// Reads extent `e` whole, in chunks of [`CHECK_CHUNK`] bytes handed to `each` as they land, and
 /// checks it against its index checksum.
 fn read_checked(io: &mut Reader, e: &Extent, mut each: impl FnMut(&[u8])) -> Result<()> {
-    let mut whole = Xxh3::new();
+    let mut whole = Checksum::new();
     for start in (0..e.len).step_by(CHECK_CHUNK) {
         let len = CHECK_CHUNK.min(e.len - start);
         let ticket = io.submit(
