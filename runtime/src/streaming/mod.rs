@@ -105,7 +105,8 @@ pub struct StreamingModel {
     /// The most prompt tokens a forward call computes at once (its scratch is planned for it).
     prompt_chunk: usize,
     kv: KvType,
-    /// The pages the caches this model made ([`StreamingModel::new_cache`]) may have committed.
+    /// The pages the caches this model made ([`crate::model::LanguageModel::new_cache`]) may have
+    /// committed.
     kv_ledger: Arc<KvLedger>,
     /// The planned KV bytes no cache has reached, lent to the neuron cache beside its planned
     /// share ([`StreamingModel::lend_kv`]); 0 where nothing is lent.
