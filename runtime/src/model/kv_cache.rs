@@ -149,9 +149,7 @@ impl KvCache {
         if positions <= self.counted {
             return;
         }
-        let to = positions
-            .next_multiple_of(RESERVE_STEP)
-            .min(self.capacity.max(1));
+        let to = reserve_end(positions, self.capacity);
         if let Some(ledger) = &self.ledger {
             let more = self.pages_bytes(to) - self.pages_bytes(self.counted);
             ledger.0.fetch_add(more, Ordering::AcqRel);
@@ -202,9 +200,7 @@ impl KvCache {
         let row = kv
             .row_bytes(config.head_dim)
             .unwrap_or_else(|e| panic!("{e}"));
-        let to = positions
-            .next_multiple_of(RESERVE_STEP)
-            .min(capacity.max(1));
+        let to = reserve_end(positions, capacity);
         Self::pages_for(config.num_layers, config.num_kv_heads, capacity, row, to)
     }
 
@@ -466,6 +462,14 @@ impl KvCache {
         self.len += n;
         debug_assert!(self.len <= self.capacity);
     }
+}
+
+/// Where a reservation of positions `0..positions` ends: the next whole [`RESERVE_STEP`], at most
+/// the capacity.
+fn reserve_end(positions: usize, capacity: usize) -> usize {
+    positions
+        .next_multiple_of(RESERVE_STEP)
+        .min(capacity.max(1))
 }
 
 impl Drop for KvCache {

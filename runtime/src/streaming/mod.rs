@@ -449,11 +449,7 @@ impl StreamingModel {
         };
         let split = planner::replan(input, &self.split)?;
         let from = self.budget;
-        let lent = if self.kv_lending {
-            lendable(&split, self.kv_ledger.committed())
-        } else {
-            0
-        };
+        let lent = self.kv_lendable(&split);
         // Room is made before anything is read: the cache shrinks first, and a part of the dense
         // weights is dropped before it is read again in its new form.
         self.engine.set_cache_capacity(
@@ -540,6 +536,16 @@ impl StreamingModel {
         summary
     }
 
+    /// What the neuron cache may borrow of `split`'s KV bytes now ([`lendable`]; 0 where nothing
+    /// is lent).
+    fn kv_lendable(&self, split: &planner::MemorySplit) -> u64 {
+        if self.kv_lending {
+            lendable(split, self.kv_ledger.committed())
+        } else {
+            0
+        }
+    }
+
     /// Reserves in `caches` the positions `0..positions` the next call writes, then gives the
     /// neuron cache the KV cache's planned bytes that no cache has reached: shrinking evicts
     /// clusters and returns their memory to the OS before the pages are written. A cache this
@@ -557,11 +563,7 @@ impl StreamingModel {
             }
             cache.reserve(positions);
         }
-        let lent = if self.kv_lending {
-            lendable(&self.split, self.kv_ledger.committed())
-        } else {
-            0
-        };
+        let lent = self.kv_lendable(&self.split);
         if lent != self.kv_lent {
             self.engine
                 .set_cache_capacity(self.split.neuron_cache + lent)?;
