@@ -13,7 +13,7 @@ pub const MAGIC: [u8; 8] = *b"LEANSTRM";
 pub const VERSION_MAJOR: u16 = 1;
 /// The highest minor version this build knows; a writer writes the lowest one its features need
 /// ([`SectionKind::since_minor`], [`ContainerWriter::require_minor`]).
-pub const VERSION_MINOR: u16 = 9;
+pub const VERSION_MINOR: u16 = 10;
 /// The minor version of a file that uses no later feature.
 const BASE_MINOR: u16 = 1;
 const SECTION_TABLE_OFFSET: usize = 32;
@@ -78,10 +78,12 @@ pub enum SectionKind {
     FfnDataSplit = 13,
     /// EXPERT_DATA with its clusters split (since 1.6), for the same reason.
     ExpertDataSplit = 14,
+    /// Optional (since 1.10): each layer's FFN input's principal directions.
+    InputBasis = 15,
 }
 
 impl SectionKind {
-    pub const ALL: [SectionKind; 14] = [
+    pub const ALL: [SectionKind; 15] = [
         SectionKind::Meta,
         SectionKind::Tokenizer,
         SectionKind::DenseIndex,
@@ -96,6 +98,7 @@ impl SectionKind {
         SectionKind::ExpertData,
         SectionKind::FfnDataSplit,
         SectionKind::ExpertDataSplit,
+        SectionKind::InputBasis,
     ];
 
     pub fn from_u32(v: u32) -> Option<Self> {
@@ -118,6 +121,7 @@ impl SectionKind {
             SectionKind::ExpertData => "EXPERT_DATA",
             SectionKind::FfnDataSplit => "FFN_DATA_SPLIT",
             SectionKind::ExpertDataSplit => "EXPERT_DATA_SPLIT",
+            SectionKind::InputBasis => "INPUT_BASIS",
         }
     }
 
@@ -129,6 +133,7 @@ impl SectionKind {
             SectionKind::FfnDataSplit | SectionKind::ExpertDataSplit => {
                 crate::ffn::SPLIT_SINCE_MINOR
             }
+            SectionKind::InputBasis => crate::input_basis::INPUT_BASIS_SINCE_MINOR,
             _ => BASE_MINOR,
         }
     }

@@ -13,6 +13,7 @@ use crate::container::{checksum, read_at, Encoding, Header, SectionEntry, Sectio
 use crate::dense::{DenseIndex, DenseTensor};
 use crate::expert::ExpertIndex;
 use crate::ffn::{ClusterLayout, FfnIndex};
+use crate::input_basis::InputBasis;
 use crate::meta::Meta;
 use crate::predictor::{PredictorInput, Predictors};
 use crate::refine::Refine;
@@ -64,21 +65,15 @@ impl LsbFile {
         .map_err(|e| naming(path, e))
     }
 
+    /// Reads each layer's FFN input directions (checked), if the file has them (FORMAT.md §9.1):
+    /// only refine sparsity uses them, so they are not part of an open file.
+    pub fn read_input_basis(path: &Path) -> Result<Option<InputBasis>, FormatError> {
+        read_optional(path, SectionKind::InputBasis, InputBasis::decode)
+    }
+
     /// Reads the compact tokenizer (checked), if the file has one (FORMAT.md §4.5).
     pub fn read_bpe_vocab(path: &Path) -> Result<Option<BpeVocab>, FormatError> {
-        let (mut file, header) = open_header(path).map_err(|e| naming(path, e))?;
-        if header.section(SectionKind::BpeVocab).is_none() {
-            return Ok(None);
-        }
-        read_section(
-            &mut file,
-            path,
-            &header,
-            SectionKind::BpeVocab,
-            BpeVocab::decode,
-        )
-        .map(Some)
-        .map_err(|e| naming(path, e))
+        read_optional(path, SectionKind::BpeVocab, BpeVocab::decode)
     }
 
     /// How the file's cluster extents order their rows (FORMAT.md §6.3): split in a file whose
@@ -392,6 +387,22 @@ fn read_header<R: Read + Seek>(reader: &mut R, path: &Path) -> Result<Header, Fo
 /// Reads, checks and decodes one section. A raw section streams through `decode` and is never
 /// held whole (see [`Dec`]); a zstd one is decompressed first. Every byte must be decoded, and
 /// damage is reported as a checksum mismatch even where it also breaks decoding.
+/// An optional section of the file at `path`, read and checked apart from the others: `None`
+/// where the file has none.
+fn read_optional<T>(
+    path: &Path,
+    kind: SectionKind,
+    decode: impl FnOnce(&mut Dec) -> Result<T, FormatError>,
+) -> Result<Option<T>, FormatError> {
+    let (mut file, header) = open_header(path).map_err(|e| naming(path, e))?;
+    if header.section(kind).is_none() {
+        return Ok(None);
+    }
+    read_section(&mut file, path, &header, kind, decode)
+        .map(Some)
+        .map_err(|e| naming(path, e))
+}
+
 fn read_section<T, R: Read + Seek>(
     file: &mut R,
     path: &Path,

@@ -11,6 +11,7 @@ pub mod error;
 pub mod expert;
 pub mod ffn;
 pub mod file;
+pub mod input_basis;
 pub mod meta;
 pub mod model_config;
 pub mod predictor;

@@ -113,9 +113,22 @@ pub fn relayout(src: &Path, dst: &Path, to: ClusterLayout) -> Result<(), FormatE
         out.file().write_all(&stored).map_err(io)?;
         entry.checksum = checksum(&stored);
     }
+    // Interleaved clusters go back below 1.6 unless another section kind needs more (INPUT_BASIS:
+    // 1.10, whose layout the section kinds then name, §12).
+    let other_kinds = header
+        .sections
+        .iter()
+        .filter_map(|s| SectionKind::from_u32(s.kind))
+        .filter(|k| !matches!(k, SectionKind::FfnDataSplit | SectionKind::ExpertDataSplit))
+        .map(SectionKind::since_minor)
+        .max()
+        .unwrap_or(1);
     header.version_minor = match to {
         ClusterLayout::Split => header.version_minor.max(SPLIT_SINCE_MINOR),
-        ClusterLayout::Interleaved => header.version_minor.min(SPLIT_SINCE_MINOR - 1),
+        ClusterLayout::Interleaved => header
+            .version_minor
+            .min(SPLIT_SINCE_MINOR - 1)
+            .max(other_kinds),
     };
     out.file().seek(SeekFrom::Start(0)).map_err(io)?;
     out.file().write_all(&header.encode()).map_err(io)?;

@@ -13,9 +13,10 @@ use leanstream::model::{Attention, DenseFfn};
 use leanstream::streaming::default_predictor_rank;
 use leanstream::streaming::skip_rule::{Skip, SkipRule};
 use leanstream::tokenizer::Tokenizer;
-use leanstream_format::container::ContainerWriter;
+use leanstream_format::container::{ContainerWriter, SectionKind};
 use leanstream_format::dense::DenseIndex;
 use leanstream_format::ffn::{FfnIndex, FfnLayer};
+use leanstream_format::input_basis::InputBasis;
 use leanstream_format::meta::{LayerMeta, Meta};
 use leanstream_format::predictor::{PredictorInput, Predictors};
 use leanstream_format::refine::Refine;
@@ -30,6 +31,7 @@ use crate::convert::{
     PredictedLayer, Summary, ALWAYS_LOGIT, LAYOUT, MIN_PREDICTOR_RANK,
 };
 use crate::convert_moe::write_clusters;
+use crate::input_basis;
 use crate::memory_plan;
 use crate::placement::{cluster_fill, place};
 use crate::profile::{LayerProfile, Profiler, StreamRule};
@@ -193,6 +195,7 @@ pub fn calibrate(
     let mut ffn = FfnIndex::default();
     let (mut predictors, mut sketch, mut refine) =
         (Predictors::default(), Sketch::default(), Refine::default());
+    let mut basis = InputBasis::default();
     let mut layer_meta = Vec::new();
     let mut predicted = Vec::new();
     let mut cluster_neurons = Vec::new();
@@ -397,6 +400,12 @@ pub fn calibrate(
             &perm,
             cluster_size,
         ));
+        basis.layers.push(input_basis::principal_directions(
+            &ffn_input,
+            h,
+            &train_rows,
+            input_basis::rank_for(h),
+        ));
         ffn.layers.push(FfnLayer {
             qtypes: parts,
             hidden: h as u32,
@@ -471,6 +480,7 @@ pub fn calibrate(
         &ffn,
         &side,
     )?;
+    writer.add_section(SectionKind::InputBasis, &basis.encode(), false)?;
     writer.finish()?;
     phases.finish += t.elapsed().as_secs_f64();
     Ok(Summary {

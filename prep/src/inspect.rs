@@ -187,6 +187,11 @@ pub fn describe(f: &LsbFile) -> Value {
         "ffn_bytes": f.ffn.bundle_bytes(),
         "sketch_bytes": f.sketch.bytes(),
         "predictor_bytes": predictor_bytes,
+        // Each layer's FFN input directions (INPUT_BASIS, format 1.10), where the file has them.
+        "input_basis": LsbFile::read_input_basis(&f.path).ok().flatten().map(|b| json!({
+            "rank": b.layers.iter().map(|l| l.rank()).collect::<Vec<_>>(),
+            "captured": b.layers.iter().map(|l| l.captured).collect::<Vec<_>>(),
+        })),
         "cluster_bytes": extents.iter().sum::<u64>() / extents.len().max(1) as u64,
         // At ctx 512: the least `--memory` a run accepts (the dense weights the planner may stream
         // streaming), and the least with every dense weight resident (the neuron cache empty).
@@ -294,6 +299,29 @@ pub fn print(v: &Value) {
         "cluster_bytes",
     ] {
         println!("  {key:<16} {:>14}", v[key]);
+    }
+    if let Some(b) = v["input_basis"].as_object() {
+        let ranks: Vec<u64> = b["rank"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_u64)
+            .collect();
+        let held: Vec<f64> = b["captured"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_f64)
+            .collect();
+        let (lo, hi) = held
+            .iter()
+            .fold((f64::INFINITY, 0.0f64), |(l, h), &c| (l.min(c), h.max(c)));
+        println!(
+            "  input directions: {} per layer, holding {:.0}–{:.0} % of the calibration inputs' energy (refine sparsity scores that part exactly)",
+            ranks.iter().max().copied().unwrap_or(0),
+            100.0 * lo,
+            100.0 * hi
+        );
     }
     if let (Some(least), Some(resident)) = (
         v["min_memory_bytes"].as_u64(),

@@ -10,6 +10,7 @@ mod convert;
 mod convert_moe;
 mod gguf_export;
 mod hub;
+mod input_basis;
 mod inspect;
 mod layout;
 mod memory_plan;

@@ -30,7 +30,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use leanstream_format::LsbFile;
 
 use crate::model::kv_cache::{KvCache, KvLedger, KvType, RESERVE_STEP};
@@ -171,8 +171,17 @@ impl StreamingModel {
             // One layer per thread: each reads its own bundles (positional reads) and rotates
             // its rows.
             use rayon::prelude::*;
-            plans.par_iter_mut().try_for_each(|p| {
-                p.refine_sketch = Some(refine_sketch::RefineSketch::build(path, p)?);
+            let basis = LsbFile::read_input_basis(path)?.unwrap_or_default();
+            ensure!(
+                basis.layers.is_empty() || basis.layers.len() == plans.len(),
+                "{}: INPUT_BASIS has {} layers, the model {}; convert the model again",
+                path.display(),
+                basis.layers.len(),
+                plans.len()
+            );
+            plans.par_iter_mut().enumerate().try_for_each(|(l, p)| {
+                let directions = basis.layers.get(l);
+                p.refine_sketch = Some(refine_sketch::RefineSketch::build(path, p, directions)?);
                 anyhow::Ok(())
             })?;
         }

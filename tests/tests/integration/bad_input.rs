@@ -171,16 +171,22 @@ fn damage_sites(f: &LsbFile) -> Vec<(String, u64)> {
 }
 
 /// Whatever is damaged, `verify` names it; the runtime either stops with an error naming the file
-/// or — when the damage lies in a bundle this prompt never reads — gives the clean run's text.
+/// or — when the damage lies in a bundle this prompt never reads, or in the input directions only
+/// refine sparsity reads — gives the clean run's text; refine sparsity stops at damaged directions.
 fn damage_is_caught(name: &str, site: &str, path: &Path) {
     let o = prep(&[OsStr::new("verify"), path.as_os_str()]);
     assert_clean_failure(&format!("verify, {site}"), &o, 1, &[name]);
+    let directions = site == "input_basis";
+    if directions {
+        let o = run(path, &["--policy", "resident", "--sparsity", "refine"]);
+        assert_clean_failure(&format!("run --sparsity refine, {site}"), &o, 1, &[name]);
+    }
     for policy in ["resident", "leanstream"] {
         let o = run(path, &["--policy", policy]);
         let what = format!("run --policy {policy}, {site}");
         if o.status.success() {
             assert!(
-                policy == "leanstream" && site.contains("cluster"),
+                (policy == "leanstream" && site.contains("cluster")) || directions,
                 "{what}: damage went unnoticed"
             );
             let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();

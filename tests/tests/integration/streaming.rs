@@ -388,8 +388,13 @@ fn gate_up_rule_hits_its_target_and_streams_exactly_without_a_certificate() {
     convert(&dir, &file, &["--quant", "q8", "--sparsity", "target:0.5"]);
     let f = leanstream_format::LsbFile::open(&file).unwrap();
     assert_eq!(f.meta.sparsity_rule.as_deref(), Some("gate_up"));
-    // Empty SKETCH layers need 1.3; the converter's split clusters make it 1.6.
-    assert_eq!(f.header.version_minor, 6);
+    // Empty SKETCH layers need 1.3; the converter's split clusters make it 1.6, its INPUT_BASIS
+    // 1.10.
+    assert_eq!(
+        f.cluster_layout(),
+        leanstream_format::ffn::ClusterLayout::Split
+    );
+    assert_eq!(f.header.version_minor, 10);
     assert!(f.sketch.layers.iter().all(|l| l.neurons == 0));
     let held_out: f32 =
         f.meta.layers.iter().map(|l| l.sparsity).sum::<f32>() / f.meta.layers.len() as f32;
