@@ -79,6 +79,7 @@ pub(super) unsafe fn kernels() -> RowKernels {
             |a, r, b, o| unsafe { axpy_float_next(a, r, b, o, Float::F16) },
         ]),
         more: super::kquant_avx2::table(),
+        sign_sum: |bits, q| unsafe { sign_sum(bits, q) },
     }
 }
 
@@ -1073,4 +1074,33 @@ unsafe fn axpy_rows_q4<const WITH_MIN: bool>(a: &[f32], rows: &[&[u8]], out: &mu
         }
         store_block(dst, acc);
     }
+}
+
+/// [`super::sketch::sign_sum`] 32 values at a time: each value's bit spread to a byte mask
+/// (a byte shuffle, an AND with the bit's place, a compare), the masked codes summed in pairs
+/// (`vpmaddubsw` by ones: at most 2·127, no saturation) and in fours (`vpmaddwd`): exact integers.
+#[target_feature(enable = "avx2")]
+unsafe fn sign_sum(bits: &[u8], q: &[i8]) -> i32 {
+    let n = q.len();
+    assert!(bits.len() * 8 >= n, "a sign for every value");
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let place = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let (ones8, ones16) = (_mm256_set1_epi8(1), _mm256_set1_epi16(1));
+    let mut acc = _mm256_setzero_si256();
+    let blocks = n / 32;
+    for b in 0..blocks {
+        let word = u32::from_le_bytes(bits[4 * b..4 * b + 4].try_into().expect("four bytes"));
+        let spread_bits = _mm256_shuffle_epi8(_mm256_set1_epi32(word as i32), spread);
+        let mask = _mm256_cmpeq_epi8(_mm256_and_si256(spread_bits, place), place);
+        // SAFETY: 32 codes from 32·b lie within `q` (b < n / 32).
+        let codes = unsafe { _mm256_loadu_si256(q.as_ptr().add(32 * b).cast()) };
+        let pairs = _mm256_maddubs_epi16(ones8, _mm256_and_si256(mask, codes));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones16));
+    }
+    let lanes: [i32; 8] = std::mem::transmute(acc);
+    let tail = super::sketch::sign_sum(&bits[4 * blocks..], &q[32 * blocks..]);
+    lanes.iter().sum::<i32>() + tail
 }

@@ -87,6 +87,7 @@ pub(super) unsafe fn kernels() -> RowKernels {
         axpy_rows_q4_0: Some(|a, r, o| unsafe { axpy_rows_q4::<false>(a, r, o) }),
         axpy_rows_q4_1: Some(|a, r, o| unsafe { axpy_rows_q4::<true>(a, r, o) }),
         // SAFETY: the caller checked the CPU features, AVX2's among them.
+        sign_sum: |bits, q| unsafe { sign_sum(bits, q) },
         ..unsafe { super::avx2::kernels() }
     }
 }
@@ -380,4 +381,23 @@ unsafe fn axpy_rows_q4<const WITH_MIN: bool>(a: &[f32], rows: &[&[u8]], out: &mu
         // SAFETY: `b < nb`, as above.
         q4_blocks::<WITH_MIN, 1>(a, rows, b, op);
     }
+}
+
+/// [`super::sketch::sign_sum`] 64 values at a time: eight bytes of signs are the mask of one
+/// masked move of 64 codes, summed by one `vpdpbusd` against ones: exact integers.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn sign_sum(bits: &[u8], q: &[i8]) -> i32 {
+    let n = q.len();
+    assert!(bits.len() * 8 >= n, "a sign for every value");
+    let ones = _mm512_set1_epi8(1);
+    let mut acc = _mm512_setzero_si512();
+    let blocks = n / 64;
+    for b in 0..blocks {
+        let mask = u64::from_le_bytes(bits[8 * b..8 * b + 8].try_into().expect("eight bytes"));
+        // SAFETY: 64 codes from 64·b lie within `q` (b < n / 64).
+        let codes = unsafe { _mm512_loadu_si512(q.as_ptr().add(64 * b).cast()) };
+        acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_mov_epi8(mask, codes));
+    }
+    let tail = super::sketch::sign_sum(&bits[8 * blocks..], &q[64 * blocks..]);
+    _mm512_reduce_add_epi32(acc) + tail
 }

@@ -56,6 +56,8 @@ type FloatDotsNext = fn(&[u8], usize, &[f32], &mut [f32]);
 /// `out += Σ a[j] · row_j` for the rows laid one after another in `rows`, each `row_bytes` long
 /// (a KV cache's values), in order: `(a, rows, row_bytes, out)`.
 type FloatAxpyNext = fn(&[f32], &[u8], usize, &mut [f32]);
+/// `Σ_{bit i of bits set} q_i` ([`super::sketch`]): one row of a sign sketch against an int8 input.
+pub(crate) type SignSum = fn(&[u8], &[i8]) -> i32;
 
 /// The row kernels of one instruction set.
 #[derive(Clone, Copy)]
@@ -109,6 +111,8 @@ pub struct RowKernels {
     pub(crate) axpy_next: Option<[FloatAxpyNext; 2]>,
     /// The 5-bit types and the K-quants (`Q5_0` … `Q6_K`).
     pub(crate) more: MoreKernels,
+    /// A sign sketch row's masked sum (refine sparsity's scores), the portable integer exactly.
+    pub(crate) sign_sum: SignSum,
 }
 
 /// The kernels of `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K` and `Q6_K`, indexed in that order (the
@@ -274,6 +278,7 @@ pub(crate) const PORTABLE: RowKernels = RowKernels {
     dots_next: None,
     axpy_next: None,
     more: PORTABLE_MORE,
+    sign_sum: super::sketch::sign_sum,
 };
 
 impl RowKernels {

@@ -1,10 +1,12 @@
 //! A sign sketch of a matrix's rows, taken in a rotated basis: row `p` is kept as the signs of
 //! `R·w_p` and one scale `s_p = mean |R·w_p|` (the scale that minimises `‖R·w_p − s_p·sign(R·w_p)‖₂`),
 //! one bit per value, where `R` is a fixed orthogonal map ([`Rotation`]). Its dot with an input `x`
-//! is `s_p · Σ sign((R·w_p)_i)·(R·x)_i`, an estimate of `w_p·x = (R·w_p)·(R·x)`, taken eight values at
-//! a time from a table of the 256 signed sums of each eight rotated inputs
-//! ([`SignSketch::prepare`]): one load and one add per byte of the sketch. The sums are taken in a
-//! fixed order, so a row's estimate depends only on the row and `x`.
+//! is `s_p · Σ sign((R·w_p)_i)·(R·x)_i`, an estimate of `w_p·x = (R·w_p)·(R·x)`. The rotated input
+//! is quantized to int8 once per input (`R·x ≈ d·q`, [`SignSketch::prepare`]), so that the sum is
+//! exact integer arithmetic: `Σ sign_i·q_i = 2·Σ_{bit i set} q_i − Σ q_i`, the first sum one
+//! masked add per value in the kernel sets' [`RowKernels::sign_sum`](super::RowKernels) (64
+//! values per instruction with AVX-512, 32 with AVX2), every set giving the same integer, so a
+//! row's estimate depends only on the row and `x`.
 //!
 //! Why rotate: the signs of a row keep its direction well only where its values are alike in size,
 //! and the FFN input of a language model puts much of its energy into a few channels, where a
@@ -12,6 +14,8 @@
 //! block of others (and makes the rotated rows' values alike in size), so no channel's error
 //! dominates: on SmolLM2 it halves the refine mode's KL divergence at the same bits
 //! (docs/results.md, "Refine sparsity").
+
+use super::rows::{RowKernels, SignSum};
 
 /// Rounds of [`Rotation`].
 const ROUNDS: usize = 2;
@@ -105,13 +109,41 @@ fn hadamard_blocks(v: &mut [f32], block: usize) {
     }
 }
 
-/// An input prepared for [`SignSketch::dot`] ([`SignSketch::prepare`]): its rotation and the
-/// table of signed sums. Kept between calls so that scoring does not allocate.
-#[derive(Debug, Default)]
+/// An input prepared for [`SignSketch::dot`] ([`SignSketch::prepare`]): its rotation quantized to
+/// int8 and the sum of its codes. Kept between calls so that scoring does not allocate.
+#[derive(Debug)]
 pub struct SketchInput {
-    table: Vec<f32>,
+    /// `R·x ≈ scale·codes`.
+    codes: Vec<i8>,
+    scale: f32,
+    /// `Σ codes`.
+    total: i32,
     rotated: Vec<f32>,
     tmp: Vec<f32>,
+    sign_sum: SignSum,
+}
+
+impl Default for SketchInput {
+    fn default() -> Self {
+        Self {
+            codes: Vec::new(),
+            scale: 0.0,
+            total: 0,
+            rotated: Vec::new(),
+            tmp: Vec::new(),
+            sign_sum: RowKernels::best().sign_sum,
+        }
+    }
+}
+
+/// `Σ_{bit i of bits set} q_i` over `q.len()` values (bit `i` is bit `i % 8` of byte `i / 8`):
+/// the portable kernel, which every kernel set's must equal.
+pub(crate) fn sign_sum(bits: &[u8], q: &[i8]) -> i32 {
+    q.iter()
+        .enumerate()
+        .filter(|(i, _)| bits[i / 8] >> (i % 8) & 1 == 1)
+        .map(|(_, &v)| v as i32)
+        .sum()
 }
 
 /// The rows' signs (one bit per rotated value, least significant bit first, each row padded to
@@ -186,42 +218,31 @@ impl SignSketch {
     }
 
     /// Prepares `x` for [`SignSketch::dot`] of this or any sketch of the same width: rotates it
-    /// and fills the table of the signed sums of each eight rotated values (entry `256·j + b` is
-    /// `Σ_k ±(R·x)_{8j+k}`, `+` where bit `k` of `b` is set; values past the end count as zero).
+    /// and quantizes the rotation to int8 (`d = max |R·x| / 127`, each value rounded to the
+    /// nearest code, ties away from zero).
     pub fn prepare(&self, x: &[f32], input: &mut SketchInput) {
         assert_eq!(x.len(), self.hidden, "sketch input width");
         self.rotation.apply(x, &mut input.rotated, &mut input.tmp);
-        let rx = &input.rotated;
-        let table = &mut input.table;
-        table.clear();
-        table.resize(self.row_bytes * 256, 0.0);
-        for (j, t) in table.chunks_exact_mut(256).enumerate() {
-            let vals: [f32; 8] = std::array::from_fn(|k| rx.get(8 * j + k).copied().unwrap_or(0.0));
-            t[0] = -vals.iter().sum::<f32>();
-            for b in 1..256usize {
-                t[b] = t[b & (b - 1)] + 2.0 * vals[b.trailing_zeros() as usize];
-            }
-        }
+        let max = input.rotated.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        input.scale = max / 127.0;
+        let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
+        input.codes.clear();
+        input.codes.extend(
+            input
+                .rotated
+                .iter()
+                .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8),
+        );
+        input.total = input.codes.iter().map(|&c| c as i32).sum();
     }
 
-    /// Row `p`'s estimate of `w_p · x`, from `x` as [`SignSketch::prepare`] prepared it.
+    /// Row `p`'s estimate of `w_p · x`, from `x` as [`SignSketch::prepare`] prepared it:
+    /// `s_p · d · (2·Σ_{sign +} q − Σ q)`.
     #[inline]
     pub fn dot(&self, p: usize, input: &SketchInput) -> f32 {
-        let table = &input.table;
         let row = &self.bits[p * self.row_bytes..(p + 1) * self.row_bytes];
-        let mut acc = [0.0f32; 4];
-        let mut chunks = row.chunks_exact(4);
-        let mut j = 0;
-        for c in &mut chunks {
-            for (k, (&b, a)) in c.iter().zip(&mut acc).enumerate() {
-                *a += table[(j + k) * 256 + b as usize];
-            }
-            j += 4;
-        }
-        for (k, &b) in chunks.remainder().iter().enumerate() {
-            acc[k] += table[(j + k) * 256 + b as usize];
-        }
-        self.scale[p] * ((acc[0] + acc[1]) + (acc[2] + acc[3]))
+        let plus = (input.sign_sum)(row, &input.codes);
+        self.scale[p] * input.scale * (2 * plus - input.total) as f32
     }
 }
 
@@ -294,19 +315,39 @@ mod tests {
         let rotation = Rotation::new(h);
         let (mut rx, mut rw, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
         rotation.apply(&x, &mut rx, &mut tmp);
+        // The input's codes as `prepare` makes them.
+        let max = rx.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = max / 127.0;
+        let codes: Vec<i32> = rx
+            .iter()
+            .map(|v| (v * 127.0 / max).round() as i32)
+            .collect();
+        let total: i32 = codes.iter().sum();
         let (mut est, mut exact) = (Vec::new(), Vec::new());
         for p in 0..rows {
             let r = &w[p * h..(p + 1) * h];
             rotation.apply(r, &mut rw, &mut tmp);
             let scale = rw.iter().map(|v| v.abs()).sum::<f32>() / h as f32;
+            let plus: i32 = rw
+                .iter()
+                .zip(&codes)
+                .filter(|(&v, _)| v > 0.0)
+                .map(|(_, &c)| c)
+                .sum();
+            let e = s.dot(p, &input);
+            let want = scale * d * (2 * plus - total) as f32;
+            assert!(
+                (e - want).abs() <= 1e-5 * want.abs().max(1e-3),
+                "row {p}: {e} against {want}"
+            );
+            // Within the codes' rounding of the float signed sum.
             let signed: f32 = rw
                 .iter()
                 .zip(&rx)
                 .map(|(&v, &xi)| if v > 0.0 { xi } else { -xi })
                 .sum();
-            let e = s.dot(p, &input);
             assert!(
-                (e - scale * signed).abs() <= 1e-4 * (1.0 + e.abs()),
+                (e - scale * signed).abs() <= scale * d / 2.0 * h as f32,
                 "row {p}"
             );
             est.push(e as f64);
@@ -315,6 +356,30 @@ mod tests {
         // About √(2/π) for such rows.
         let corr = correlation(&est, &exact);
         assert!(corr > 0.6, "correlation {corr}");
+    }
+
+    /// Every kernel set's masked sum is the portable one's, at lengths around each set's step.
+    #[test]
+    fn every_kernel_set_sums_the_portable_integer() {
+        for n in [0usize, 1, 7, 31, 32, 33, 63, 64, 65, 100, 576, 4096, 4100] {
+            let bits: Vec<u8> = (0..n.div_ceil(8))
+                .map(|i| (i * 151 % 256) as u8 ^ 0x5a)
+                .collect();
+            let q: Vec<i8> = (0..n).map(|i| (noise(i + 3) * 127.0) as i8).collect();
+            let want = sign_sum(&bits, &q);
+            let brute: i32 = (0..n)
+                .filter(|&i| bits[i / 8] >> (i % 8) & 1 == 1)
+                .map(|i| q[i] as i32)
+                .sum();
+            assert_eq!(want, brute, "n {n}");
+            // Extremes: every code -127 or 127 and every bit set.
+            let all = vec![0xffu8; n.div_ceil(8)];
+            let big = vec![-127i8; n];
+            for k in RowKernels::available() {
+                assert_eq!((k.sign_sum)(&bits, &q), want, "{} n {n}", k.isa);
+                assert_eq!((k.sign_sum)(&all, &big), -127 * n as i32, "{} n {n}", k.isa);
+            }
+        }
     }
 
     /// Against an input with a few large channels (as a language model's FFN input has) and
