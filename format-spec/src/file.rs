@@ -384,9 +384,6 @@ fn read_header<R: Read + Seek>(reader: &mut R, path: &Path) -> Result<Header, Fo
     Header::decode(&page, len)
 }
 
-/// Reads, checks and decodes one section. A raw section streams through `decode` and is never
-/// held whole (see [`Dec`]); a zstd one is decompressed first. Every byte must be decoded, and
-/// damage is reported as a checksum mismatch even where it also breaks decoding.
 /// An optional section of the file at `path`, read and checked apart from the others: `None`
 /// where the file has none.
 fn read_optional<T>(
@@ -403,6 +400,9 @@ fn read_optional<T>(
         .map_err(|e| naming(path, e))
 }
 
+/// Reads, checks and decodes one section. A raw section streams through `decode` and is never
+/// held whole (see [`Dec`]); a zstd one is decompressed first. Every byte must be decoded, and
+/// damage is reported as a checksum mismatch even where it also breaks decoding.
 fn read_section<T, R: Read + Seek>(
     file: &mut R,
     path: &Path,

@@ -136,6 +136,17 @@ impl Default for SketchInput {
     }
 }
 
+/// `values ≈ d·codes`, one scale for them all: `d = max |v| / 127`, each value rounded to the
+/// nearest code (ties away from zero). Returns `d`.
+pub(crate) fn quantize_i8(values: &[f32], codes: &mut [i8]) -> f32 {
+    let max = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
+    for (c, v) in codes.iter_mut().zip(values) {
+        *c = (v * inv).round().clamp(-127.0, 127.0) as i8;
+    }
+    max / 127.0
+}
+
 /// `Σ_{bit i of bits set} q_i` over `q.len()` values (bit `i` is bit `i % 8` of byte `i / 8`):
 /// the portable kernel, which every kernel set's must equal.
 pub(crate) fn sign_sum(bits: &[u8], q: &[i8]) -> i32 {
@@ -223,16 +234,8 @@ impl SignSketch {
     pub fn prepare(&self, x: &[f32], input: &mut SketchInput) {
         assert_eq!(x.len(), self.hidden, "sketch input width");
         self.rotation.apply(x, &mut input.rotated, &mut input.tmp);
-        let max = input.rotated.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        input.scale = max / 127.0;
-        let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
-        input.codes.clear();
-        input.codes.extend(
-            input
-                .rotated
-                .iter()
-                .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8),
-        );
+        input.codes.resize(x.len(), 0);
+        input.scale = quantize_i8(&input.rotated, &mut input.codes);
         input.total = input.codes.iter().map(|&c| c as i32).sum();
     }
 

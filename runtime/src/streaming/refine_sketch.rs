@@ -31,7 +31,7 @@ use leanstream_format::model_config::Activation;
 use leanstream_format::quant::dequantize_row;
 
 use crate::kernels::bundles::{ClusterRows, NeuronRows};
-use crate::kernels::sketch::{SignSketch, SketchInput};
+use crate::kernels::sketch::{quantize_i8, SignSketch, SketchInput};
 
 use super::plan::LayerPlan;
 
@@ -71,14 +71,7 @@ impl Coordinates {
 
     /// Stores row `p`'s coordinates `a`.
     fn set(&mut self, p: usize, a: &[f32]) {
-        let max = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let scale = max / 127.0;
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        let q = &mut self.q[p * a.len()..(p + 1) * a.len()];
-        for (q, v) in q.iter_mut().zip(a) {
-            *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
-        }
-        self.scale[p] = scale;
+        self.scale[p] = quantize_i8(a, &mut self.q[p * a.len()..(p + 1) * a.len()]);
     }
 
     /// Row `p`'s coordinates' dot with `z`.
@@ -143,7 +136,7 @@ struct RowScratch {
 impl RefineSketch {
     /// Builds layer `plan`'s sketch from its bundles in the file at `path`, with the layer's input
     /// directions where the file has them.
-    pub fn build(path: &Path, plan: &LayerPlan, basis: Option<&BasisLayer>) -> Result<Self> {
+    pub fn build(path: &Path, plan: &LayerPlan, basis: Option<BasisLayer>) -> Result<Self> {
         let file = File::open(path).with_context(|| {
             format!("{}: cannot open to build the refine sketch", path.display())
         })?;
@@ -151,7 +144,7 @@ impl RefineSketch {
         let h = layout.hidden;
         let n = plan.cluster_of.len();
         let (gq, uq) = (layout.qtypes.gate, layout.qtypes.up);
-        if let Some(b) = basis {
+        if let Some(b) = &basis {
             ensure!(
                 b.rank() == 0 || b.hidden == h,
                 "{}: INPUT_BASIS has directions of width {} for a layer of width {h}; \
@@ -188,14 +181,15 @@ impl RefineSketch {
 
     /// A sketch of `n` zero neurons of width `h`, to fill with [`RefineSketch::set_row`]; with
     /// `basis`'s directions where it has some (of width `h`).
-    fn zeros(n: usize, h: usize, act: Activation, basis: Option<&BasisLayer>) -> Self {
+    fn zeros(n: usize, h: usize, act: Activation, basis: Option<BasisLayer>) -> Self {
         let exact = basis.filter(|b| b.rank() > 0).map(|b| {
             assert_eq!(b.hidden, h, "directions' width");
+            let rank = b.rank();
             ExactPart {
-                rank: b.rank(),
-                directions: b.vectors.clone(),
-                gate: Coordinates::new(n, b.rank()),
-                up: Coordinates::new(n, b.rank()),
+                rank,
+                directions: b.vectors,
+                gate: Coordinates::new(n, rank),
+                up: Coordinates::new(n, rank),
             }
         });
         Self {
@@ -367,7 +361,7 @@ mod tests {
             captured: 0.9,
             vectors: vectors.clone(),
         };
-        let build = |basis: Option<&BasisLayer>| {
+        let build = |basis: Option<BasisLayer>| {
             let mut s = RefineSketch::zeros(n, h, Activation::Silu, basis);
             let mut scratch = RowScratch::default();
             for p in 0..n {
@@ -377,7 +371,7 @@ mod tests {
             }
             s
         };
-        let (plain, with) = (build(None), build(Some(&basis)));
+        let (plain, with) = (build(None), build(Some(basis)));
         assert_eq!((plain.exact_rank(), with.exact_rank()), (0, rank));
         assert_eq!(
             with.bytes(),
