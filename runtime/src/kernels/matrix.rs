@@ -246,6 +246,13 @@ mod tests {
                     "n={n}"
                 );
             }
+            // Fused multiply-adds in the same lanes: the same bits with and without the CPU's
+            // own instructions (refine's directions rely on it).
+            assert_eq!(
+                dot(&a, &b).to_bits(),
+                portable_dot(&a, &b).to_bits(),
+                "n={n}"
+            );
         }
     }
 

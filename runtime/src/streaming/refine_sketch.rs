@@ -32,6 +32,7 @@ use leanstream_format::model_config::Activation;
 use leanstream_format::quant::dequantize_row;
 
 use crate::kernels::bundles::{ClusterRows, NeuronRows};
+use crate::kernels::dot;
 use crate::kernels::sketch::{quantize_i8, SignSketch, SketchInput};
 
 use super::plan::LayerPlan;
@@ -99,11 +100,13 @@ impl Coordinates {
 }
 
 impl ExactPart {
-    /// `a = D·w` into `a`, then `w ← w − Dᵀ·a` (the row's part outside the directions).
+    /// `a = D·w` into `a`, then `w ← w − Dᵀ·a` (the row's part outside the directions). The
+    /// coordinates are [`dot`]'s (fused multiply-adds in fixed lanes: the same bits on every
+    /// CPU), the subtraction one multiply and one subtraction per value and direction, in order.
     fn split(&self, w: &mut [f32], a: &mut [f32]) {
         let h = w.len();
         for (ak, d) in a.iter_mut().zip(self.directions.chunks_exact(h)) {
-            *ak = d.iter().zip(w.iter()).map(|(x, y)| x * y).sum();
+            *ak = dot(d, w);
         }
         for (&ak, d) in a.iter().zip(self.directions.chunks_exact(h)) {
             w.iter_mut().zip(d).for_each(|(v, dv)| *v -= ak * dv);
