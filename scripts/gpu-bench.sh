@@ -3,6 +3,8 @@
 # with a GPU (docs/gpu.md, "Measuring"). Makes what it measures from the repository alone (no
 # download): the embedded model, its q4 conversion, and a synthetic Llama-2-7B-shaped pair of
 # LAYERS layers planted from the embedded model's activity (`leanstream-prep synth`). For each file
+# (converted files also streamed: `--policy leanstream --memory ffn:30% --flash ufs4`, the
+# attention on the GPU and the FFN on the CPU from an emulated phone's flash)
 # it runs the same greedy generation with and without LEANSTREAM_GPU=1, ROUNDS times interleaved,
 # and prints a table (median tok/s, the ratio, whether the tokens are the same, where the step
 # ran) after the CPU, the GPU and the Vulkan driver it found.
@@ -40,8 +42,8 @@ embedded="$root/models/austen-relu"
         { cat "$work/err" >&2; exit 1; }
 
 # One generation: prints "TOK/S TOKENS-DIGEST" and leaves its `gpu:` line in $work/line.
-generate() { # GPU(0/1) MODEL POLICY
-    LEANSTREAM_GPU="$1" "$ls" run --model "$2" --policy "$3" -p "It was a fine morning, and Emma" \
+generate() { # GPU(0/1) MODEL POLICY [FLAGS...]
+    LEANSTREAM_GPU="$1" "$ls" run --model "$2" --policy "$3" "${@:4}" -p "It was a fine morning, and Emma" \
         -n "$tokens" --ignore-eos --temp 0 --kv f32 --ctx 512 --json 2>"$work/err" |
         python3 -c 'import json, sys, hashlib; r = json.load(sys.stdin)
 print(r["tokens_per_s"], hashlib.md5(str(r["tokens"]).encode()).hexdigest()[:8])' ||
@@ -55,12 +57,15 @@ echo "$tokens tokens decoded, greedy, f32 KV cache, ctx 512; median of $rounds i
 echo
 echo "| file | policy | CPU tok/s | GPU tok/s | GPU / CPU | same tokens | where the GPU step ran |"
 echo "|---|---|---|---|---|---|---|"
-for run in "$embedded:dense" "$work/austen-q4.lsb:resident" "$work/7b.gguf:dense" "$work/7b.lsb:resident"; do
-    model="${run%:*}" policy="${run##*:}"
+stream=(--memory ffn:30% --flash ufs4)
+for run in "$embedded:dense" "$work/austen-q4.lsb:resident" "$work/austen-q4.lsb:leanstream" \
+    "$work/7b.gguf:dense" "$work/7b.lsb:resident" "$work/7b.lsb:leanstream"; do
+    model="${run%:*}" policy="${run##*:}" flags=()
+    [[ "$policy" == leanstream ]] && flags=("${stream[@]}")
     cpu=() gpu=() same=yes
     for ((r = 0; r < rounds; r++)); do
-        read -r c cd < <(generate 0 "$model" "$policy")
-        read -r g gd < <(generate 1 "$model" "$policy")
+        read -r c cd < <(generate 0 "$model" "$policy" "${flags[@]}")
+        read -r g gd < <(generate 1 "$model" "$policy" "${flags[@]}")
         cpu+=("$c") gpu+=("$g")
         [[ "$cd" == "$gd" ]] || same=no
     done

@@ -10,7 +10,7 @@
 //! or one that changed behind its back, is uploaded again from [`KvCache::save`]).
 
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::ffn::PartTypes;
@@ -20,7 +20,7 @@ use wgpu::util::DeviceExt;
 use super::{f32_bytes, input_words, Dispatch, Gpu, GpuWeights};
 use crate::kernels::Weight;
 use crate::model::kv_cache::KvCache;
-use crate::model::{Attention, DenseFfn, FfnWeights, Model};
+use crate::model::{Attention, DenseFfn, FfnBackend, FfnWeights, Model, TokenScratch};
 use crate::source::config::{Activation, ModelConfig};
 use crate::streaming::skip_rule::{Skip, SkipRule};
 
@@ -63,6 +63,8 @@ pub struct BundleParts {
 enum FfnSource<'a> {
     Dense(&'a DenseFfn),
     Bundles(BundleParts),
+    /// Computed on the CPU between the GPU's attention steps ([`GpuLayers::upload_attention`]).
+    Cpu,
 }
 
 /// Why `model`'s decode step cannot run on the GPU, or `None` when it can.
@@ -159,7 +161,8 @@ struct LayerWeights {
     wk: GpuWeights,
     wv: GpuWeights,
     wo: GpuWeights,
-    ffn: GpuFfn,
+    /// `None`: the FFN runs on the CPU ([`GpuLayers::upload_attention`]).
+    ffn: Option<GpuFfn>,
     attn_norm: wgpu::Buffer,
     ffn_norm: wgpu::Buffer,
     /// Qwen3's q and k norms.
@@ -188,6 +191,10 @@ struct Cache {
     _scores: wgpu::Buffer,
     /// The whole step, in order.
     dispatches: Vec<Dispatch>,
+    /// Where each layer's dispatches start, and where its FFN's start (with the FFN on the CPU,
+    /// the layer's end); then where the final norm's start.
+    layer_starts: Vec<(usize, usize)>,
+    head_start: usize,
     /// Positions whose keys and values the buffers hold, and a fingerprint of each position's
     /// last-layer values as the caller's cache stores them ([`fingerprint`]).
     len: usize,
@@ -208,6 +215,10 @@ pub struct GpuLayers {
     /// The host's copies of the rotary table and the read-back values.
     table: Vec<f32>,
     kv: Vec<f32>,
+    /// The residual stream on the host, where the FFN runs on the CPU.
+    x: Vec<f32>,
+    /// Whether the layers' FFNs run on the CPU ([`GpuLayers::upload_attention`]).
+    cpu_ffn: bool,
     /// Whether the layers' FFNs are bundles (their counts are read back).
     bundles: bool,
     /// The last step's active neurons per layer (bundle layers; empty otherwise).
@@ -253,6 +264,28 @@ impl GpuLayers {
         })
     }
 
+    /// Uploads the dense half of a decode step — `model`'s norms (a model of norms only), the
+    /// `attention` projections and the output `head` — and leaves every layer's FFN to the CPU:
+    /// each [`step`](Self::step) reads the residual stream back after a layer's attention, hands
+    /// it to the CPU's FFN ([`CpuFfn`]: a streaming model's reads from flash run meanwhile) and
+    /// writes the result back for the next layer.
+    pub fn upload_attention(
+        gpu: Arc<Gpu>,
+        model: &Model,
+        attention: &[Attention],
+        head: &Weight,
+    ) -> Result<Self> {
+        if let Some(why) = unsupported_config(model.config()) {
+            bail!("{why}");
+        }
+        Self::upload_from(gpu, model, attention, head, |_| Ok(FfnSource::Cpu))
+    }
+
+    /// Whether the layers' FFNs run on the CPU ([`upload_attention`](Self::upload_attention)).
+    pub fn ffn_on_cpu(&self) -> bool {
+        self.cpu_ffn
+    }
+
     fn upload_from<'a>(
         gpu: Arc<Gpu>,
         model: &Model,
@@ -266,10 +299,10 @@ impl GpuLayers {
         for (name, source) in KERNELS {
             gpu.kernel(name, source)?;
         }
-        for lw in &built.layers {
-            if lw.ffn.skip.is_some() {
-                gpu.gather_pipeline(lw.ffn.up.qtype)?;
-                gpu.down_pipeline(lw.ffn.down.qtype)?;
+        for f in built.layers.iter().filter_map(|l| l.ffn.as_ref()) {
+            if f.skip.is_some() {
+                gpu.gather_pipeline(f.up.qtype)?;
+                gpu.down_pipeline(f.down.qtype)?;
             }
         }
         Ok(built)
@@ -306,12 +339,13 @@ impl GpuLayers {
         let mut layers = Vec::with_capacity(c.num_layers);
         for (l, (layer, attn)) in model.blocks().iter().zip(attention).enumerate() {
             let ffn = match ffn_of(l)? {
-                FfnSource::Dense(ffn) => GpuFfn {
+                FfnSource::Cpu => None,
+                FfnSource::Dense(ffn) => Some(GpuFfn {
                     gate: up_w(&ffn.gate)?,
                     up: up_w(&ffn.up)?,
                     down: up_w(&ffn.down)?,
                     skip: None,
-                },
+                }),
                 FfnSource::Bundles(b) => {
                     if b.neurons != n || b.hidden != h {
                         bail!(
@@ -334,12 +368,12 @@ impl GpuLayers {
                         charge.take(bytes.len() as u64)?;
                         gpu.upload_rows(bytes, n, h, qtype)
                     };
-                    GpuFfn {
+                    Some(GpuFfn {
                         gate: rows(g, b.qtypes.gate)?,
                         up: rows(u, b.qtypes.up)?,
                         down: rows(d, b.qtypes.down)?,
                         skip: Some(b.skip),
-                    }
+                    })
                 }
             };
             let mut bias = layer.qkv_bias.clone().unwrap_or_default();
@@ -360,7 +394,10 @@ impl GpuLayers {
             });
         }
         let head = up_w(head)?;
-        let bundles = layers.iter().any(|l| l.ffn.skip.is_some());
+        let bundles = layers
+            .iter()
+            .any(|l| l.ffn.as_ref().is_some_and(|f| f.skip.is_some()));
+        let cpu_ffn = layers.iter().all(|l| l.ffn.is_none());
         let final_norm = init("final_norm", model.final_norm())?;
         let kv_words = 2 * c.num_layers * kvd;
         let q8_words = [h, qd, n]
@@ -389,7 +426,9 @@ impl GpuLayers {
             true => (n, c.num_layers * n, 3 * c.num_layers, DOWN_SLICES * h),
             false => (1, 1, 3, 1),
         };
-        let readback_words = vocab + kv_words + if bundles { ind_words + score_words } else { 0 };
+        // At least the residual stream, which a step with the FFN on the CPU reads per layer.
+        let readback_words =
+            (vocab + kv_words + if bundles { ind_words + score_words } else { 0 }).max(h);
         let b = Buffers {
             x: f("x", h)?,
             xn: f("xn", h)?,
@@ -453,8 +492,8 @@ impl GpuLayers {
             &final_norm,
         ];
         let weights = layers.iter().flat_map(|l| {
-            let f = &l.ffn;
-            [&l.wq, &l.wk, &l.wv, &l.wo, &f.gate, &f.up, &f.down]
+            let ffn = l.ffn.iter().flat_map(|f| [&f.gate, &f.up, &f.down]);
+            [&l.wq, &l.wk, &l.wv, &l.wo].into_iter().chain(ffn)
         });
         let bytes = weights.chain([&head]).map(|w| w.bytes).sum::<usize>()
             + small
@@ -472,6 +511,8 @@ impl GpuLayers {
             bytes,
             table: vec![0.0; hd],
             kv: vec![0.0; kv_words],
+            x: Vec::with_capacity(h),
+            cpu_ffn,
             bundles,
             active: Vec::new(),
             record: false,
@@ -652,7 +693,9 @@ impl GpuLayers {
             Some(s) => (1.0 / (s as f64).sqrt()) as f32,
             None => 1.0 / (hd as f32).sqrt(),
         };
+        let mut layer_starts = Vec::with_capacity(self.layers.len());
         for (l, lw) in self.layers.iter().enumerate() {
+            let start = d.len();
             d.push(norm_of(&b.x, &lw.attn_norm, h));
             let mut quantized = false;
             matvec(&mut d, &lw.wq, &b.xn, &mut quantized, &b.q, false)?;
@@ -698,14 +741,18 @@ impl GpuLayers {
                 (nh as u32, 1),
             ));
             matvec(&mut d, &lw.wo, &b.att, &mut false, &b.x, true)?;
-            d.push(norm_of(&b.x, &lw.ffn_norm, h));
-            let mut quantized = false;
-            let GpuFfn {
+            layer_starts.push((start, d.len()));
+            let Some(GpuFfn {
                 gate,
                 up,
                 down,
                 skip,
-            } = &lw.ffn;
+            }) = &lw.ffn
+            else {
+                continue;
+            };
+            d.push(norm_of(&b.x, &lw.ffn_norm, h));
+            let mut quantized = false;
             let Some(skip) = skip else {
                 matvec(&mut d, gate, &b.xn, &mut quantized, &b.gate, false)?;
                 matvec(&mut d, up, &b.xn, &mut quantized, &b.up, false)?;
@@ -777,6 +824,7 @@ impl GpuLayers {
                 groups(h)?,
             ));
         }
+        let head_start = d.len();
         d.push(norm_of(&b.x, &self.final_norm, h));
         matvec(&mut d, &self.head, &b.xn, &mut false, &b.logits, false)?;
         Ok(Cache {
@@ -784,6 +832,8 @@ impl GpuLayers {
             keys_values: keys.into_iter().zip(values).collect(),
             _scores: scores,
             dispatches: d,
+            layer_starts,
+            head_start,
             len: 0,
             prints: vec![0; capacity],
         })
@@ -791,13 +841,16 @@ impl GpuLayers {
 
     /// One token at position `pos` (the synced cache's length), whose embedding row is
     /// `embedding`: its logits into `logits`, its keys and values of every layer stored in
-    /// `cache` (whose length the caller advances).
+    /// `cache` (whose length the caller advances). With the FFN on the CPU
+    /// ([`upload_attention`](Self::upload_attention)) `cpu` computes it, layer by layer, between
+    /// the GPU's attention steps; otherwise it must be `None`.
     pub fn step(
         &mut self,
         model: &Model,
         embedding: &[f32],
         cache: &mut KvCache,
         logits: &mut [f32],
+        cpu: Option<CpuFfn<'_>>,
     ) -> Result<()> {
         let c = model.config();
         let pos = cache.len();
@@ -819,72 +872,88 @@ impl GpuLayers {
                 c.hidden_size
             );
         }
-        model.rope_table(0, pos, gc.capacity, &mut self.table);
-        let q = &self.gpu.queue;
-        q.write_buffer(&self.b.x, 0, f32_bytes(embedding));
-        q.write_buffer(&self.b.table, 0, f32_bytes(&self.table));
-        let step = [pos as u32, pos as u32 + 1, 0, 0];
-        q.write_buffer(&self.b.step, 0, &step.map(u32::to_le_bytes).concat());
-        let mut enc = self
-            .gpu
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
-            for d in &gc.dispatches {
-                d.record(&mut pass);
-            }
+        if self.cpu_ffn != cpu.is_some() {
+            bail!(
+                "this step's FFN runs on the {}",
+                if self.cpu_ffn { "CPU: pass it" } else { "GPU" }
+            );
         }
-        let logit_bytes = self.b.logits.size();
-        let kv_bytes = self.b.kv_out.size();
-        let ind_bytes = self.b.ind.size();
+        model.rope_table(0, pos, gc.capacity, &mut self.table);
+        let (g, b) = (&*self.gpu, &self.b);
+        let q = &g.queue;
+        q.write_buffer(&b.x, 0, f32_bytes(embedding));
+        q.write_buffer(&b.table, 0, f32_bytes(&self.table));
+        let step = [pos as u32, pos as u32 + 1, 0, 0];
+        q.write_buffer(&b.step, 0, &step.map(u32::to_le_bytes).concat());
+        let record = |d: &[Dispatch]| {
+            let mut enc = g
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            {
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+                for d in d {
+                    d.record(&mut pass);
+                }
+            }
+            enc
+        };
+        let mut rest = 0;
+        if let Some(CpuFfn { backend, scratch }) = cpu {
+            // Per layer: the attention on the GPU, the residual stream read back, the FFN on the
+            // CPU, the stream written back. The next layer's reads from flash, queued when its
+            // input is known, run while the GPU computes its attention.
+            let x = &mut self.x;
+            x.clear();
+            x.extend_from_slice(embedding);
+            let x_bytes = 4 * x.len() as u64;
+            for (l, &(start, end)) in gc.layer_starts.iter().enumerate() {
+                backend.begin_layer(l, x)?;
+                let mut enc = record(&gc.dispatches[start..end]);
+                enc.copy_buffer_to_buffer(&b.x, 0, &b.readback, 0, x_bytes);
+                q.submit([enc.finish()]);
+                g.read_back(&b.readback, x_bytes, |bytes| read_f32(bytes, x))?;
+                model.ffn_token(l, x, &mut *backend, &mut *scratch)?;
+                q.write_buffer(&b.x, 0, f32_bytes(x));
+            }
+            rest = gc.head_start;
+        }
+        let mut enc = record(&gc.dispatches[rest..]);
+        let logit_bytes = b.logits.size();
+        let kv_bytes = b.kv_out.size();
+        let ind_bytes = b.ind.size();
         let mut read = logit_bytes + kv_bytes;
-        enc.copy_buffer_to_buffer(&self.b.logits, 0, &self.b.readback, 0, None);
-        enc.copy_buffer_to_buffer(&self.b.kv_out, 0, &self.b.readback, logit_bytes, None);
+        enc.copy_buffer_to_buffer(&b.logits, 0, &b.readback, 0, None);
+        enc.copy_buffer_to_buffer(&b.kv_out, 0, &b.readback, logit_bytes, None);
         if self.bundles {
-            enc.copy_buffer_to_buffer(&self.b.ind, 0, &self.b.readback, read, None);
+            enc.copy_buffer_to_buffer(&b.ind, 0, &b.readback, read, None);
             read += ind_bytes;
             if self.record {
-                enc.copy_buffer_to_buffer(&self.b.scores, 0, &self.b.readback, read, None);
-                read += self.b.scores.size();
+                enc.copy_buffer_to_buffer(&b.scores, 0, &b.readback, read, None);
+                read += b.scores.size();
             }
         }
         q.submit([enc.finish()]);
-        let slice = self.b.readback.slice(..read);
-        let (tx, rx) = mpsc::channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-        self.gpu
-            .device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .context("waiting for the GPU")?;
-        rx.recv()
-            .context("the GPU dropped a read-back")?
-            .context("reading the GPU's result back")?;
-        {
-            let view = slice
-                .get_mapped_range()
-                .context("mapping the GPU's result")?;
+        let (kv, active, scores) = (&mut self.kv, &mut self.active, &mut self.scores);
+        let (bundles, recorded) = (self.bundles, self.record);
+        g.read_back(&b.readback, read, |view| {
             let (lb, rest) = view.split_at(logit_bytes as usize);
             let (kb, rest) = rest.split_at(kv_bytes as usize);
             read_f32(lb, logits);
-            read_f32(kb, &mut self.kv);
-            if self.bundles {
+            read_f32(kb, kv);
+            if bundles {
                 let (ib, sb) = rest.split_at(ind_bytes as usize);
-                self.active.clear();
-                self.active.extend(
+                active.clear();
+                active.extend(
                     ib.chunks_exact(12)
                         .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])),
                 );
-                self.scores.clear();
-                if self.record {
-                    self.scores.resize(sb.len() / 4, 0.0);
-                    read_f32(sb, &mut self.scores);
+                scores.clear();
+                if recorded {
+                    scores.resize(sb.len() / 4, 0.0);
+                    read_f32(sb, scores);
                 }
             }
-        }
-        self.b.readback.unmap();
+        })?;
         let kvd = c.num_kv_heads * c.head_dim;
         for (l, kv) in self.kv.chunks_exact(2 * kvd).enumerate() {
             let (k, v) = kv.split_at(kvd);
@@ -894,6 +963,23 @@ impl GpuLayers {
         gc.prints[pos] = fingerprint(cache, c.num_layers, c.head_dim, pos);
         gc.len = pos + 1;
         Ok(())
+    }
+}
+
+/// The CPU's half of a step whose FFN runs there: the FFN backend (a streaming model's engine)
+/// and the token's scratch.
+pub struct CpuFfn<'a> {
+    pub backend: &'a mut dyn FfnBackend,
+    pub scratch: &'a mut TokenScratch,
+}
+
+impl CpuFfn<'_> {
+    /// The same, borrowed again (one step at a time).
+    pub fn reborrow(&mut self) -> CpuFfn<'_> {
+        CpuFfn {
+            backend: &mut *self.backend,
+            scratch: &mut *self.scratch,
+        }
     }
 }
 

@@ -32,7 +32,7 @@ use crate::platform::memory_size::{format_size, parse_budget};
 
 pub use bundles::GpuBundles;
 pub use head::{GpuDense, GpuHead};
-pub use layers::{unsupported, unsupported_config, BundleParts, GpuLayers};
+pub use layers::{unsupported, unsupported_config, BundleParts, CpuFfn, GpuLayers};
 pub use model::{GpuModel, Placement};
 
 const BYTES: &str = include_str!("shaders/bytes.wgsl");
@@ -575,7 +575,24 @@ impl Gpu {
         enc.copy_buffer_to_buffer(&m.output, 0, &m.readback, 0, None);
         let start = Instant::now();
         self.queue.submit([enc.finish()]);
-        let slice = m.readback.slice(..);
+        let mut elapsed = Duration::ZERO;
+        self.read_back(&m.readback, m.readback.size(), |view| {
+            elapsed = start.elapsed();
+            for (o, b) in out.iter_mut().zip(view.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        })?;
+        Ok(elapsed)
+    }
+
+    /// Waits for the work submitted, maps the first `bytes` of `readback` and hands them to `f`.
+    pub(crate) fn read_back(
+        &self,
+        readback: &wgpu::Buffer,
+        bytes: u64,
+        f: impl FnOnce(&[u8]),
+    ) -> Result<()> {
+        let slice = readback.slice(..bytes);
         let (tx, rx) = mpsc::channel();
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
@@ -586,17 +603,14 @@ impl Gpu {
         rx.recv()
             .context("the GPU dropped a read-back")?
             .context("reading the GPU's result back")?;
-        let elapsed = start.elapsed();
         {
             let view = slice
                 .get_mapped_range()
                 .context("mapping the GPU's result")?;
-            for (o, b) in out.iter_mut().zip(view.chunks_exact(4)) {
-                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
+            f(&view);
         }
-        m.readback.unmap();
-        Ok(elapsed)
+        readback.unmap();
+        Ok(())
     }
 }
 

@@ -662,7 +662,7 @@ impl LanguageModel for OnGpuBundles<'_> {
         };
         assert!(self
             .gpu
-            .forward(self.model, embed, tokens, cache, all_logits, logits)?);
+            .forward(self.model, embed, tokens, cache, all_logits, logits, None)?);
         Ok(())
     }
 }
@@ -812,11 +812,22 @@ fn open_converted(
     sparsity: crate::streaming::Sparsity,
     kv: crate::model::kv_cache::KvType,
 ) -> crate::streaming::StreamingModel {
+    open_within(path, policy, sparsity, kv, None)
+}
+
+/// [`open_converted`] within `memory` bytes.
+fn open_within(
+    path: &Path,
+    policy: crate::streaming::Policy,
+    sparsity: crate::streaming::Sparsity,
+    kv: crate::model::kv_cache::KvType,
+    memory: Option<u64>,
+) -> crate::streaming::StreamingModel {
     use crate::streaming::{StreamOptions, Tuning};
     let opts = StreamOptions {
         policy,
         sparsity,
-        memory: None,
+        memory,
         flash: None,
         ctx: 32,
         ctx_floor: None,
@@ -964,26 +975,126 @@ fn resident_on_the_gpu_converted_embedded_model() {
              logit; {ties} neurons decided differently at a tie; {share:.3} of the neurons active"
         );
     }
-    // What the GPU does not run stays on the CPU, saying why.
-    let refused = [
-        (
+    // Refine sparsity keeps its FFN on the CPU, the dense half on the GPU.
+    let mut m = open_converted(
+        &path,
+        Policy::Resident,
+        Sparsity::Refine { keep_permille: 500 },
+        KvType::F32,
+    );
+    let line = m.use_gpu(None).unwrap();
+    assert!(line.contains("FFN on the CPU"), "{line}");
+    // Streamed dense weights keep the model on the CPU, saying why.
+    let least = crate::streaming::streaming_minimum_memory(&path, 32).unwrap();
+    let mut m = open_within(
+        &path,
+        Policy::Leanstream,
+        Sparsity::Certified,
+        KvType::default(),
+        Some(least),
+    );
+    let e = format!("{:#}", m.use_gpu(None).unwrap_err());
+    assert!(e.contains("dense weights stream from flash"), "{e}");
+    assert!(m.gpu().is_none());
+    std::fs::remove_file(path).unwrap();
+}
+
+/// The streaming policy with the dense half on the GPU and each layer's FFN on the CPU: streamed
+/// within a budget that holds `share` of the FFN, one token at a time (`prompt`, then six greedy
+/// tokens), its logits are bit for bit those of the same step with every bundle in memory (no
+/// budget), and within [`STEP_TOLERANCE`] of the CPU's streamed at the same budget, with the
+/// same greedy tokens (f32 KV caches); the streamed run reads bundles. Returns the largest
+/// relative difference from the CPU and the bytes read per token.
+fn compare_split(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64) {
+    use crate::model::kv_cache::KvType;
+    use crate::streaming::{Policy, Sparsity};
+    let budget = crate::streaming::memory_split_with(path, 32, KvType::F32)
+        .unwrap()
+        .budget_for_ffn_share(share);
+    let open = |memory| {
+        open_within(
+            path,
             Policy::Leanstream,
             Sparsity::Certified,
-            "not on the GPU yet",
-        ),
-        (
-            Policy::Resident,
-            Sparsity::Refine { keep_permille: 500 },
-            "--sparsity refine is not on the GPU yet",
-        ),
-    ];
-    for (policy, sparsity, why) in refused {
-        let mut m = open_converted(&path, policy, sparsity, KvType::F32);
-        let e = format!("{:#}", m.use_gpu(None).unwrap_err());
-        assert!(e.contains(why), "{policy:?}: {e}");
-        assert!(m.gpu().is_none());
+            KvType::F32,
+            memory,
+        )
+    };
+    let (mut cpu, mut streamed, mut whole) = (open(Some(budget)), open(Some(budget)), open(None));
+    for m in [&mut streamed, &mut whole] {
+        let line = m.use_gpu(None).unwrap();
+        assert!(line.contains("FFN on the CPU"), "{line}");
     }
-    std::fs::remove_file(path).unwrap();
+    let (mut cc, mut sc, mut wc) = (
+        cpu.new_cache(32),
+        streamed.new_cache(32),
+        whole.new_cache(32),
+    );
+    let (mut cl, mut sl, mut wl) = (Vec::new(), Vec::new(), Vec::new());
+    let mut worst = 0.0f32;
+    let mut token = prompt[0];
+    for step in 0..prompt.len() + 6 {
+        cpu.forward_into(&[token], &mut cc, false, &mut cl).unwrap();
+        streamed
+            .forward_into(&[token], &mut sc, false, &mut sl)
+            .unwrap();
+        whole
+            .forward_into(&[token], &mut wc, false, &mut wl)
+            .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&sl) == bits(&wl),
+            "step {step}: streamed and in memory differ"
+        );
+        let d = relative_difference(&sl, &cl);
+        assert!(
+            d <= STEP_TOLERANCE,
+            "step {step}: the logits differ from the CPU's by {d:e} of the largest"
+        );
+        assert_eq!(argmax(&sl), argmax(&cl), "step {step}: another token");
+        worst = worst.max(d);
+        token = match prompt.get(step + 1) {
+            Some(&t) => t,
+            None => argmax(&cl),
+        };
+    }
+    assert!(streamed.gpu().is_some(), "the step stayed on the GPU");
+    // A prompt at once: the same logits as token by token.
+    sc.clear();
+    streamed
+        .forward_into(prompt, &mut sc, true, &mut sl)
+        .unwrap();
+    cc.clear();
+    cpu.forward_into(prompt, &mut cc, true, &mut cl).unwrap();
+    let d = relative_difference(&sl, &cl);
+    assert!(d <= STEP_TOLERANCE, "the prompt's logits: {d:e}");
+    let read = streamed.summary().bytes_read_per_token;
+    assert!(read > 0.0, "the streamed run read no bundles");
+    (worst.max(d), read)
+}
+
+#[test]
+fn streaming_with_the_attention_on_the_gpu() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let relu = converted(
+        "austen-q8-split.lsb",
+        &root.join("models/austen-relu"),
+        &["--quant", "q8"],
+    );
+    let swiglu = converted(
+        "llama-k-split.lsb",
+        &root.join("tests/fixtures/arch/llama-k.q4_k_m.gguf"),
+        &[],
+    );
+    for path in [relu, swiglu] {
+        let (worst, read) = compare_split(&path, 0.3, &[12, 145, 6, 89, 10]);
+        eprintln!(
+            "{}: the FFN on the CPU, 30 % of it cached: largest difference {worst:e} of the \
+             largest logit; {read:.0} bytes of bundles read per token",
+            path.display()
+        );
+        std::fs::remove_file(path).unwrap();
+    }
 }
 
 #[test]

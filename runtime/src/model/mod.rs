@@ -107,6 +107,9 @@ struct Buffers {
     s: Scratch,
 }
 
+/// One token's scratch for [`Model::ffn_token`], kept between calls (no allocation per token).
+pub struct TokenScratch(Scratch);
+
 /// Per-call scratch space for a chunk of `t` tokens.
 struct Scratch {
     /// Each position's rotary tables: `head_dim/2` cosines, then as many sines.
@@ -566,6 +569,32 @@ impl Model {
         let attn = &self.own().expect("block() runs a resident model").attention[l];
         self.block_with(l, attn, start, x, cache, &mut s, Ffn::Resident(probe))
             .expect("a resident FFN cannot fail");
+    }
+
+    /// Scratch for [`ffn_token`](Self::ffn_token).
+    pub fn token_scratch(&self) -> TokenScratch {
+        TokenScratch(Scratch::new(&self.config, 1))
+    }
+
+    /// Layer `l`'s FFN half for one token: `x` (`hidden`, the residual stream after the layer's
+    /// attention) gets the FFN of its norm from `backend`, as a forward pass adds it. What runs on
+    /// the CPU when the GPU computes the attention (docs/gpu.md).
+    pub fn ffn_token(
+        &self,
+        l: usize,
+        x: &mut [f32],
+        backend: &mut dyn FfnBackend,
+        s: &mut TokenScratch,
+    ) -> Result<()> {
+        if x.len() != self.config.hidden_size || l >= self.layers.len() {
+            bail!(
+                "layer {l}'s FFN for {} values in a model of {} layers of {}",
+                x.len(),
+                self.layers.len(),
+                self.config.hidden_size
+            );
+        }
+        self.ffn_block(l, &self.layers[l], 1, x, &mut s.0, Ffn::Backend(backend))
     }
 
     /// Final norm and output head over the rows of `x` (`rows × hidden`).

@@ -121,6 +121,9 @@ pub struct StreamingModel {
     /// The decode step on the GPU, where [`StreamingModel::use_gpu`] put it.
     #[cfg(feature = "gpu")]
     gpu: Option<Box<crate::gpu::GpuBundles>>,
+    /// One token's logits from the GPU's step, where the FFN runs on the CPU.
+    #[cfg(feature = "gpu")]
+    gpu_row: Vec<f32>,
 }
 
 /// What was read: all of it (FFN and dense), and the dense weights' part.
@@ -383,46 +386,87 @@ impl StreamingModel {
             io_base: IoCounters::default(),
             #[cfg(feature = "gpu")]
             gpu: None,
+            #[cfg(feature = "gpu")]
+            gpu_row: Vec::new(),
         })
     }
 
-    /// Moves the decode step to the GPU, its FFN from the resident bundles in their stored
-    /// encodings under the file's skip rule ([`crate::gpu::GpuBundles`]; docs/gpu.md): for
-    /// `resident` (exact sparsity) and `dense` with every dense weight in memory. Returns the
-    /// line that says what runs where, or an error saying why the model stays on the CPU.
+    /// Moves the decode step to the GPU (docs/gpu.md). For `resident` (exact sparsity) and
+    /// `dense`, the whole step, its FFN from the resident bundles in their stored encodings under
+    /// the file's skip rule ([`crate::gpu::GpuBundles::upload`]); for the streaming policies and
+    /// the other sparsity modes, the dense half — norms, attention, the output head — while each
+    /// layer's FFN runs on the CPU from the bundles this model reads and caches, as it would
+    /// without the GPU ([`crate::gpu::GpuBundles::upload_attention`]). Either needs the dense
+    /// weights in memory. Returns the line that says what runs where, or an error saying why the
+    /// model stays on the CPU.
     #[cfg(feature = "gpu")]
     pub fn use_gpu(&mut self, gpu_memory: Option<u64>) -> Result<String> {
-        let name = match self.policy {
-            Policy::Resident => "resident",
-            Policy::Dense => "dense",
-            _ => bail!(
-                "this policy's FFN is not on the GPU yet (on a converted file --policy resident \
-                 and dense run there)"
-            ),
-        };
-        let sparsity = match self.engine.sparsity() {
-            Sparsity::Exact | Sparsity::Dense => None,
-            Sparsity::Refine { .. } => Some("refine"),
-            Sparsity::Certified => Some("certified"),
-            Sparsity::Predicted => Some("predicted"),
-        };
-        if let Some(sparsity) = sparsity {
-            bail!("--policy {name} with --sparsity {sparsity} is not on the GPU yet");
-        }
+        let whole = matches!(self.policy, Policy::Resident | Policy::Dense)
+            && matches!(self.engine.sparsity(), Sparsity::Exact | Sparsity::Dense);
         let (attention, head) = self.dense.resident().context(
             "the dense weights stream from flash under this budget; the GPU needs them in memory",
         )?;
+        let gpu = crate::gpu::Gpu::open(gpu_memory)?;
         let engine = &self.engine;
-        let gpu = crate::gpu::GpuBundles::upload(
-            crate::gpu::Gpu::open(gpu_memory)?,
-            &self.model,
-            attention,
-            head,
-            |l| engine.bundle_parts(l),
-        )?;
-        let line = gpu.describe();
-        self.gpu = Some(Box::new(gpu));
+        let step = if whole {
+            crate::gpu::GpuBundles::upload(gpu, &self.model, attention, head, |l| {
+                engine.bundle_parts(l)
+            })?
+        } else {
+            crate::gpu::GpuBundles::upload_attention(gpu, &self.model, attention, head)?
+        };
+        let line = step.describe();
+        self.gpu = Some(Box::new(step));
         Ok(line)
+    }
+
+    /// [`forward_into`](crate::model::LanguageModel::forward_into) with the dense half on the
+    /// GPU and the FFN on the CPU, a token at a time (each a call of the engine, as a decoded
+    /// token is without the GPU). `Ok(false)`: the GPU could not hold the KV cache, nothing was
+    /// computed and the step is dropped.
+    #[cfg(feature = "gpu")]
+    fn forward_split(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        all_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<bool> {
+        self.take_watched_budget();
+        let mut row = std::mem::take(&mut self.gpu_row);
+        logits.clear();
+        for (i, &token) in tokens.iter().enumerate() {
+            let positions = cache.len() + 1;
+            self.lend_kv([(&mut *cache, positions)])?;
+            self.engine.begin_call(&[token], cache.len())?;
+            let gpu = self.gpu.as_deref_mut().expect("the caller checked");
+            let dense = &mut self.dense;
+            let embed =
+                |token, row: &mut [f32]| crate::model::DenseWeights::embed(dense, &[token], row);
+            let engine: &mut dyn crate::model::FfnBackend = &mut self.engine;
+            let done = gpu.forward(
+                &self.model,
+                embed,
+                &[token],
+                cache,
+                false,
+                &mut row,
+                Some(engine),
+            );
+            self.engine.end_call(1);
+            if !done? {
+                // Only the first token syncs a new cache.
+                ensure!(i == 0, "the GPU dropped its KV cache within a call");
+                self.gpu_row = row;
+                return Ok(false);
+            }
+            self.tokens += 1;
+            if all_logits || i + 1 == tokens.len() {
+                logits.extend_from_slice(&row);
+            }
+        }
+        self.gpu_row = row;
+        Ok(true)
     }
 
     /// Starts recording the active neurons (stored positions) of each token and layer the CPU
@@ -655,14 +699,24 @@ impl crate::model::LanguageModel for StreamingModel {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         #[cfg(feature = "gpu")]
-        if self.gpu.is_some() {
-            self.take_watched_budget();
-            let gpu = self.gpu.as_deref_mut().expect("checked above");
-            let dense = &mut self.dense;
-            let embed =
-                |token, row: &mut [f32]| crate::model::DenseWeights::embed(dense, &[token], row);
-            if gpu.forward(&self.model, embed, tokens, cache, all_logits, logits)? {
-                self.tokens += tokens.len() as u64;
+        if let Some(gpu) = self.gpu.as_deref_mut() {
+            let on_gpu = if gpu.ffn_on_cpu() {
+                self.forward_split(tokens, cache, all_logits, logits)?
+            } else {
+                self.take_watched_budget();
+                let gpu = self.gpu.as_deref_mut().expect("checked above");
+                let dense = &mut self.dense;
+                let embed = |token, row: &mut [f32]| {
+                    crate::model::DenseWeights::embed(dense, &[token], row)
+                };
+                let done =
+                    gpu.forward(&self.model, embed, tokens, cache, all_logits, logits, None)?;
+                if done {
+                    self.tokens += tokens.len() as u64;
+                }
+                done
+            };
+            if on_gpu {
                 return Ok(());
             }
             // The GPU could not hold the KV cache: the CPU from now on.
