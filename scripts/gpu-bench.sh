@@ -3,11 +3,12 @@
 # with a GPU (docs/gpu.md, "Measuring"). Makes what it measures from the repository alone (no
 # download): the embedded model, its q4 conversion, and a synthetic Llama-2-7B-shaped pair of
 # LAYERS layers planted from the embedded model's activity (`leanstream-prep synth`). For each file
-# (converted files also streamed: `--policy leanstream --memory ffn:30% --flash ufs4`, the
+# (converted files also streamed: `--policy leanstream --memory ffn:10% --flash ufs4`, the
 # attention on the GPU and the FFN on the CPU from an emulated phone's flash)
 # it runs the same greedy generation with and without LEANSTREAM_GPU=1, ROUNDS times interleaved,
 # and prints a table (median tok/s, the ratio, whether the tokens are the same, where the step
-# ran) after the CPU, the GPU and the Vulkan driver it found.
+# ran; for the streamed runs the share of the device's busy time that computing hid, 1 −
+# io_wait/io_busy from `--json`, CPU / GPU) after the CPU, the GPU and the Vulkan driver it found.
 #
 # usage: scripts/gpu-bench.sh [LAYERS=4] [TOKENS=64] [ROUNDS=3]
 # BIN_DIR=DIR takes `leanstream` (built with `--features gpu`) and `leanstream-prep` from DIR
@@ -41,12 +42,14 @@ embedded="$root/models/austen-relu"
         --gguf "$work/7b.gguf" -o "$work/7b.lsb" >/dev/null 2>"$work/err" ||
         { cat "$work/err" >&2; exit 1; }
 
-# One generation: prints "TOK/S TOKENS-DIGEST" and leaves its `gpu:` line in $work/line.
+# One generation: prints "TOK/S TOKENS-DIGEST HIDDEN" and leaves its `gpu:` line in $work/line.
 generate() { # GPU(0/1) MODEL POLICY [FLAGS...]
     LEANSTREAM_GPU="$1" "$ls" run --model "$2" --policy "$3" "${@:4}" -p "It was a fine morning, and Emma" \
         -n "$tokens" --ignore-eos --temp 0 --kv f32 --ctx 512 --json 2>"$work/err" |
         python3 -c 'import json, sys, hashlib; r = json.load(sys.stdin)
-print(r["tokens_per_s"], hashlib.md5(str(r["tokens"]).encode()).hexdigest()[:8])' ||
+busy, wait = r.get("io_busy_fraction", 0), r.get("io_wait_fraction", 0)
+hidden = "%.2f" % (1 - wait / busy) if busy > 0 else "-"
+print(r["tokens_per_s"], hashlib.md5(str(r["tokens"]).encode()).hexdigest()[:8], hidden)' ||
         { cat "$work/err" >&2; exit 1; }
     grep -m1 '^gpu:' "$work/err" >"$work/line" || echo "gpu: (no line)" >"$work/line"
 }
@@ -55,21 +58,21 @@ median() { tr ' ' '\n' | sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1
 echo
 echo "$tokens tokens decoded, greedy, f32 KV cache, ctx 512; median of $rounds interleaved rounds"
 echo
-echo "| file | policy | CPU tok/s | GPU tok/s | GPU / CPU | same tokens | where the GPU step ran |"
-echo "|---|---|---|---|---|---|---|"
-stream=(--memory ffn:30% --flash ufs4)
+echo "| file | policy | CPU tok/s | GPU tok/s | GPU / CPU | same tokens | reads hidden (CPU / GPU) | where the GPU step ran |"
+echo "|---|---|---|---|---|---|---|---|"
+stream=(--memory ffn:10% --flash ufs4)
 for run in "$embedded:dense" "$work/austen-q4.lsb:resident" "$work/austen-q4.lsb:leanstream" \
     "$work/7b.gguf:dense" "$work/7b.lsb:resident" "$work/7b.lsb:leanstream"; do
     model="${run%:*}" policy="${run##*:}" flags=()
     [[ "$policy" == leanstream ]] && flags=("${stream[@]}")
     cpu=() gpu=() same=yes
     for ((r = 0; r < rounds; r++)); do
-        read -r c cd < <(generate 0 "$model" "$policy" "${flags[@]}")
-        read -r g gd < <(generate 1 "$model" "$policy" "${flags[@]}")
+        read -r c cd ch < <(generate 0 "$model" "$policy" "${flags[@]}")
+        read -r g gd gh < <(generate 1 "$model" "$policy" "${flags[@]}")
         cpu+=("$c") gpu+=("$g")
         [[ "$cd" == "$gd" ]] || same=no
     done
     c="$(echo "${cpu[*]}" | median)" g="$(echo "${gpu[*]}" | median)"
-    printf '| %s | %s | %.2f | %.2f | %.2f× | %s | %s |\n' "$(basename "$model")" "$policy" "$c" "$g" \
-        "$(python3 -c "print($g / $c)")" "$same" "$(cut -c1-120 "$work/line")"
+    printf '| %s | %s | %.2f | %.2f | %.2f× | %s | %s / %s | %s |\n' "$(basename "$model")" "$policy" "$c" "$g" \
+        "$(python3 -c "print($g / $c)")" "$same" "$ch" "$gh" "$(cut -c1-120 "$work/line")"
 done
