@@ -1003,8 +1003,11 @@ fn resident_on_the_gpu_converted_embedded_model() {
 /// within a budget that holds `share` of the FFN, one token at a time (`prompt`, then six greedy
 /// tokens), its logits are bit for bit those of the same step with every bundle in memory (no
 /// budget), and within [`STEP_TOLERANCE`] of the CPU's streamed at the same budget, with the
-/// same greedy tokens (f32 KV caches); the streamed run reads bundles. Returns the largest
-/// relative difference from the CPU and the bytes read per token.
+/// same greedy tokens (f32 KV caches); the streamed run reads bundles, and its neuron cache holds
+/// the bytes of the attention weights the CPU gave up. A GPU budget that holds the step but not
+/// its KV cache sends the model back to the CPU at the first token, the attention read again:
+/// the CPU's logits bit for bit. Returns the largest relative difference from the CPU and the
+/// bytes read per token.
 fn compare_split(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64) {
     use crate::model::kv_cache::KvType;
     use crate::streaming::{Policy, Sparsity};
@@ -1024,7 +1027,40 @@ fn compare_split(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64) {
     for m in [&mut streamed, &mut whole] {
         let line = m.use_gpu(None).unwrap();
         assert!(line.contains("FFN on the CPU"), "{line}");
+        assert!(line.contains("freed for the neuron cache"), "{line}");
     }
+    // The dense weights planned resident, less the attention's.
+    let attention = cpu.split.dense - streamed.split.dense;
+    assert!(attention > 0, "the attention left the CPU's plan");
+    let grown = streamed.split.neuron_cache - cpu.split.neuron_cache;
+    assert!(
+        grown >= attention.min(streamed.split.ffn_total - cpu.split.neuron_cache),
+        "the cache grew by {grown} bytes for {attention} bytes of attention"
+    );
+    // The step fits the GPU's budget, its KV cache does not: the CPU from the first token.
+    let step_bytes = streamed.gpu().unwrap().layers().bytes() as u64;
+    let mut back = open(Some(budget));
+    back.use_gpu(Some(step_bytes + 1024)).unwrap();
+    let (mut bc, mut bl, mut cc0, mut cl0) = (
+        back.new_cache(32),
+        Vec::new(),
+        cpu.new_cache(32),
+        Vec::new(),
+    );
+    back.forward_into(prompt, &mut bc, true, &mut bl).unwrap();
+    assert!(
+        back.gpu().is_none(),
+        "the KV cache did not fit: back on the CPU"
+    );
+    assert_eq!(
+        back.split.neuron_cache, cpu.split.neuron_cache,
+        "the cache as planned without the GPU"
+    );
+    cpu.forward_into(prompt, &mut cc0, true, &mut cl0).unwrap();
+    assert!(
+        bl.iter().zip(&cl0).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the CPU's logits"
+    );
     let (mut cc, mut sc, mut wc) = (
         cpu.new_cache(32),
         streamed.new_cache(32),

@@ -607,6 +607,8 @@ pub struct DenseStream {
     extents: Extents,
     streamed: DenseStreamed,
     attention: Layers,
+    /// The attention projections are computed elsewhere (the GPU): not held, not read.
+    away: bool,
     embed: Table,
     /// `None`: tied to the embedding.
     head: Option<Table>,
@@ -640,6 +642,7 @@ impl DenseStream {
             extents,
             streamed,
             attention: Layers::Unloaded,
+            away: false,
             embed: Table::Unloaded,
             head: None,
         };
@@ -668,7 +671,9 @@ impl DenseStream {
         let embed_moves = all || from.embedding != to.embedding;
         if all || from.attention != to.attention {
             self.attention.unload(io);
-            self.attention = Layers::open(io, &e.attention, to.attention)?;
+            if !self.away {
+                self.attention = Layers::open(io, &e.attention, to.attention)?;
+            }
         }
         if let (Some(h), true) = (&mut self.head, head_moves) {
             h.unload(io);
@@ -687,6 +692,25 @@ impl DenseStream {
                 s.queue_blocks(io);
             }
         }
+        Ok(())
+    }
+
+    /// Drops the attention projections (their memory freed, their reads withdrawn): another
+    /// device computes them, the GPU's half of each step. Until
+    /// [`attention_back`](Self::attention_back) a forward pass that asks for them is an error, and
+    /// budget changes neither read nor stream them.
+    #[cfg(feature = "gpu")]
+    pub fn attention_away(&mut self) {
+        self.away = true;
+        self.attention.unload(&self.io);
+    }
+
+    /// Holds the attention projections again, resident or streamed as the placement says.
+    #[cfg(feature = "gpu")]
+    pub fn attention_back(&mut self) -> Result<()> {
+        self.away = false;
+        let e = &self.extents;
+        self.attention = Layers::open(&mut self.io, &e.attention, self.streamed.attention)?;
         Ok(())
     }
 
@@ -720,6 +744,9 @@ impl DenseWeights for DenseStream {
     }
 
     fn attention(&mut self, l: usize) -> Result<&Attention> {
+        if self.away {
+            bail!("the attention projections are on the GPU, not in this process's memory");
+        }
         match &mut self.attention {
             Layers::Streamed(stream) => stream.get(&mut self.io, l),
             Layers::Resident(layers) => Ok(&layers[l]),

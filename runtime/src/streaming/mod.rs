@@ -124,6 +124,10 @@ pub struct StreamingModel {
     /// One token's logits from the GPU's step, where the FFN runs on the CPU.
     #[cfg(feature = "gpu")]
     gpu_row: Vec<f32>,
+    /// The dense weights' sizes as planned before the attention went to the GPU (whose memory
+    /// the neuron cache then holds), to plan with again if the model goes back to the CPU.
+    #[cfg(feature = "gpu")]
+    dense_on_cpu: Option<planner::DenseSizes>,
 }
 
 /// What was read: all of it (FFN and dense), and the dense weights' part.
@@ -388,6 +392,8 @@ impl StreamingModel {
             gpu: None,
             #[cfg(feature = "gpu")]
             gpu_row: Vec::new(),
+            #[cfg(feature = "gpu")]
+            dense_on_cpu: None,
         })
     }
 
@@ -415,9 +421,46 @@ impl StreamingModel {
         } else {
             crate::gpu::GpuBundles::upload_attention(gpu, &self.model, attention, head)?
         };
-        let line = step.describe();
+        let mut line = step.describe();
+        let split_step = step.ffn_on_cpu();
         self.gpu = Some(Box::new(step));
+        if split_step {
+            // The GPU computes the attention: the CPU's copy goes, and its bytes to the cache.
+            let sizes = self.replan_input.dense.clone();
+            self.dense.attention_away();
+            let dense = &mut self.replan_input.dense;
+            dense.total -= sizes.attention;
+            dense.attention = 0;
+            dense.attention_buffers = 0;
+            self.dense_on_cpu = Some(sizes.clone());
+            if let Some(budget) = self.budget {
+                self.apply_plan(budget)?;
+            }
+            crate::platform::memory::release_freed_memory();
+            line.push_str(&format!(
+                "; the CPU's {} of attention weights freed for the neuron cache",
+                crate::platform::memory_size::format_size(sizes.attention)
+            ));
+        }
         Ok(line)
+    }
+
+    /// Back to the CPU (the GPU could not hold the KV cache): the step dropped and, where it held
+    /// the attention, the plan made again with the attention on the CPU and the projections
+    /// read again (the cache shrinks first).
+    #[cfg(feature = "gpu")]
+    fn leave_gpu(&mut self) -> Result<()> {
+        self.gpu = None;
+        if let Some(sizes) = self.dense_on_cpu.take() {
+            self.replan_input.dense = sizes;
+            if let Some(budget) = self.budget {
+                self.apply_plan(budget)?;
+            }
+            self.dense
+                .attention_back()
+                .context("reading the attention weights again for the CPU")?;
+        }
+        Ok(())
     }
 
     /// [`forward_into`](crate::model::LanguageModel::forward_into) with the dense half on the
@@ -503,12 +546,26 @@ impl StreamingModel {
         if self.policy == Policy::Mmap {
             bail!("--policy mmap's memory is held by the kernel (a cgroup), not by a budget the runtime can change");
         }
+        let from = self.budget;
+        self.apply_plan(budget)?;
+        self.budget_changes.push(BudgetChange {
+            at_token: self.tokens,
+            from,
+            to: budget,
+            micros: started.elapsed().as_micros() as u64,
+            rss_after: crate::platform::memory::current_rss_bytes(),
+            dense_streamed: self.split.dense_streamed,
+        });
+        Ok(())
+    }
+
+    /// Plans `budget` ([`planner::replan`]) and makes the model hold what the plan says.
+    fn apply_plan(&mut self, budget: u64) -> Result<()> {
         let input = planner::PlanInput {
             budget: Some(budget),
             ..self.replan_input.clone()
         };
         let split = planner::replan(input, &self.split)?;
-        let from = self.budget;
         let lent = self.kv_lendable(&split);
         // Room is made before anything is read: the cache shrinks first, and a part of the dense
         // weights is dropped before it is read again in its new form.
@@ -525,14 +582,6 @@ impl StreamingModel {
         crate::platform::memory::release_freed_memory();
         self.split = split;
         self.budget = Some(budget);
-        self.budget_changes.push(BudgetChange {
-            at_token: self.tokens,
-            from,
-            to: budget,
-            micros: started.elapsed().as_micros() as u64,
-            rss_after: crate::platform::memory::current_rss_bytes(),
-            dense_streamed: self.split.dense_streamed,
-        });
         Ok(())
     }
 
@@ -720,7 +769,7 @@ impl crate::model::LanguageModel for StreamingModel {
                 return Ok(());
             }
             // The GPU could not hold the KV cache: the CPU from now on.
-            self.gpu = None;
+            self.leave_gpu()?;
         }
         // A trace was recorded one token at a time (a chunk would round differently); otherwise
         // no more tokens at once than the scratch was planned for.
