@@ -984,8 +984,9 @@ fn plan_input(
         dense,
         kv_cache: KvCache::bytes_for(config, ctx, kv) as u64,
         resident_state: plans.iter().map(|p| p.resident_bytes()).sum(),
-        // Speculative reads for the next layer while this layer's own reads are in flight.
-        io_buffers: 2 * io_budget,
+        // Speculative reads for the next layer while this layer's own reads are in flight (up to
+        // the whole layer: more than the speculation budget where that is capped).
+        io_buffers: layer_max.max(io_budget) + io_budget,
         scratch: planner::scratch_bytes(config, chunk),
         ffn: sizes().sum(),
         needs_all_ffn: matches!(policy, Policy::Resident | Policy::Dense),
