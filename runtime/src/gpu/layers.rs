@@ -281,11 +281,6 @@ impl GpuLayers {
         Self::upload_from(gpu, model, attention, head, |_| Ok(FfnSource::Cpu))
     }
 
-    /// Whether the layers' FFNs run on the CPU ([`upload_attention`](Self::upload_attention)).
-    pub fn ffn_on_cpu(&self) -> bool {
-        self.cpu_ffn
-    }
-
     fn upload_from<'a>(
         gpu: Arc<Gpu>,
         model: &Model,

@@ -175,8 +175,9 @@ impl LanguageModel for GpuModel {
 
 /// `tokens` through `layers`, one at a time, each embedding row from `embed`: the logits of
 /// the last (or with `all_logits` of every one) into `logits`, the keys and values into
-/// `cache`; `cpu` computes the FFNs where they run on the CPU ([`GpuLayers::upload_attention`]). `Ok(Err(why))`, with one `gpu:` line on standard error, when the GPU cannot hold
-/// the KV cache: nothing was computed and `cache` is as it was, for the CPU to go on from.
+/// `cache`; `cpu` computes the FFNs where they run on the CPU ([`GpuLayers::upload_attention`]).
+/// `Ok(Err(why))`, with one `gpu:` line on standard error, when the GPU cannot hold the KV cache:
+/// nothing was computed and `cache` is as it was, for the CPU to go on from.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward_layers(
     layers: &mut GpuLayers,

@@ -748,8 +748,8 @@ impl crate::model::LanguageModel for StreamingModel {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         #[cfg(feature = "gpu")]
-        if let Some(gpu) = self.gpu.as_deref_mut() {
-            let on_gpu = if gpu.ffn_on_cpu() {
+        if let Some(ffn_on_cpu) = self.gpu.as_deref().map(|g| g.ffn_on_cpu()) {
+            let on_gpu = if ffn_on_cpu {
                 self.forward_split(tokens, cache, all_logits, logits)?
             } else {
                 self.take_watched_budget();
