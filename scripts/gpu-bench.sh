@@ -3,8 +3,9 @@
 # with a GPU (docs/gpu.md, "Measuring"). Makes what it measures from the repository alone (no
 # download): the embedded model, its q4 conversion, and a synthetic Llama-2-7B-shaped pair of
 # LAYERS layers planted from the embedded model's activity (`leanstream-prep synth`). For each file
-# (converted files also streamed: `--policy leanstream --memory ffn:10% --flash ufs4`, the
-# attention on the GPU and the FFN on the CPU from an emulated phone's flash)
+# (converted files also streamed: `--policy leanstream --memory ffn:10% --flash ufs4`, from an
+# emulated phone's flash, with the GPU's FFN from its neuron pool and, as `leanstream/cpu-ffn`,
+# with the FFN on the CPU and the attention on the GPU)
 # it runs the same greedy generation with and without LEANSTREAM_GPU=1, ROUNDS times interleaved,
 # and prints a table (median tok/s, the ratio, whether the tokens are the same, where the step
 # ran; for the streamed runs the share of the device's busy time that computing hid, 1 −
@@ -43,8 +44,8 @@ embedded="$root/models/austen-relu"
         { cat "$work/err" >&2; exit 1; }
 
 # One generation: prints "TOK/S TOKENS-DIGEST HIDDEN" and leaves its `gpu:` line in $work/line.
-generate() { # GPU(0/1) MODEL POLICY [FLAGS...]
-    LEANSTREAM_GPU="$1" "$ls" run --model "$2" --policy "$3" "${@:4}" -p "It was a fine morning, and Emma" \
+generate() { # GPU(0/1) MODEL POLICY [FLAGS...]; FFN=cpu keeps a streamed FFN on the CPU
+    LEANSTREAM_GPU="$1" LEANSTREAM_GPU_FFN="${FFN:-gpu}" "$ls" run --model "$2" --policy "$3" "${@:4}" -p "It was a fine morning, and Emma" \
         -n "$tokens" --ignore-eos --temp 0 --kv f32 --ctx 512 --json 2>"$work/err" |
         python3 -c 'import json, sys, hashlib; r = json.load(sys.stdin)
 busy, wait = r.get("io_busy_fraction", 0), r.get("io_wait_fraction", 0)
@@ -62,8 +63,12 @@ echo "| file | policy | CPU tok/s | GPU tok/s | GPU / CPU | same tokens | reads 
 echo "|---|---|---|---|---|---|---|---|"
 stream=(--memory ffn:10% --flash ufs4)
 for run in "$embedded:dense" "$work/austen-q4.lsb:resident" "$work/austen-q4.lsb:leanstream" \
-    "$work/7b.gguf:dense" "$work/7b.lsb:resident" "$work/7b.lsb:leanstream"; do
-    model="${run%:*}" policy="${run##*:}" flags=()
+    "$work/austen-q4.lsb:leanstream/cpu-ffn" "$work/7b.gguf:dense" "$work/7b.lsb:resident" \
+    "$work/7b.lsb:leanstream" "$work/7b.lsb:leanstream/cpu-ffn"; do
+    model="${run%:*}" label="${run##*:}" flags=()
+    policy="${label%/*}"
+    export FFN=gpu
+    [[ "$label" == */cpu-ffn ]] && FFN=cpu
     [[ "$policy" == leanstream ]] && flags=("${stream[@]}")
     cpu=() gpu=() same=yes
     for ((r = 0; r < rounds; r++)); do
@@ -73,6 +78,6 @@ for run in "$embedded:dense" "$work/austen-q4.lsb:resident" "$work/austen-q4.lsb
         [[ "$cd" == "$gd" ]] || same=no
     done
     c="$(echo "${cpu[*]}" | median)" g="$(echo "${gpu[*]}" | median)"
-    printf '| %s | %s | %.2f | %.2f | %.2f× | %s | %s / %s | %s |\n' "$(basename "$model")" "$policy" "$c" "$g" \
+    printf '| %s | %s | %.2f | %.2f | %.2f× | %s | %s / %s | %s |\n' "$(basename "$model")" "$label" "$c" "$g" \
         "$(python3 -c "print($g / $c)")" "$same" "$ch" "$gh" "$(cut -c1-120 "$work/line")"
 done

@@ -117,6 +117,11 @@ struct CommonArgs {
     /// implies --gpu. Default: LEANSTREAM_GPU_MEMORY, else as much as the GPU gives.
     #[arg(long, value_parser = parse_budget)]
     gpu_memory: Option<u64>,
+    /// Where a streaming policy's FFN runs with --gpu: gpu (from the bundles streamed into a
+    /// neuron pool on the GPU) or cpu (the GPU computes the attention only); implies --gpu.
+    /// Default: LEANSTREAM_GPU_FFN, else gpu.
+    #[arg(long, value_enum)]
+    gpu_ffn: Option<GpuFfnArg>,
     /// certified (skip only neurons proven inactive: output equals resident), predicted (trust
     /// the predictors, like prior systems), or refine (compute only the --refine-keep share of
     /// each layer's neurons that a resident one-bit gate sketch scores highest, skip the rest
@@ -380,6 +385,7 @@ fn setup(common: &CommonArgs, default_ctx: usize) -> Result<Session> {
 }
 
 fn session_options(common: &CommonArgs, default_ctx: usize) -> Result<SessionOptions> {
+    let env = GpuChoice::from_env();
     Ok(SessionOptions {
         model: common.model.clone(),
         policy: common.policy.map(policy_choice),
@@ -419,10 +425,21 @@ fn session_options(common: &CommonArgs, default_ctx: usize) -> Result<SessionOpt
             expert_oracle: None,
         },
         gpu: GpuChoice {
-            on: common.gpu || common.gpu_memory.is_some() || GpuChoice::from_env().on,
+            on: common.gpu || common.gpu_memory.is_some() || common.gpu_ffn.is_some() || env.on,
             memory: common.gpu_memory,
+            ffn_on_cpu: match common.gpu_ffn {
+                Some(place) => place == GpuFfnArg::Cpu,
+                None => env.ffn_on_cpu,
+            },
         },
     })
+}
+
+/// Where a streaming policy's FFN runs with the GPU (`--gpu-ffn`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum GpuFfnArg {
+    Gpu,
+    Cpu,
 }
 
 fn policy_choice(p: PolicyArg) -> PolicyChoice {

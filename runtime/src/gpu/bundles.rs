@@ -1,8 +1,9 @@
 //! A converted file's decode step on the GPU: with its FFN from the file's neuron bundles there,
 //! what `LEANSTREAM_GPU=1` gives `--policy resident` and `--policy dense` on a converted file;
-//! with its FFN on the CPU (the dense half on the GPU, the bundles streamed from flash), what
-//! it gives the streaming policies (docs/gpu.md). The streaming model holds it and hands it each
-//! forward call ([`crate::streaming::StreamingModel`]).
+//! with its FFN from the bundles the CPU streams from flash into the GPU's neuron pool, or with
+//! its FFN on the CPU (the dense half on the GPU), what it gives the streaming policies
+//! (docs/gpu.md). The streaming model holds it and hands it each forward call
+//! ([`crate::streaming::StreamingModel`]).
 
 use std::sync::Arc;
 
@@ -10,10 +11,11 @@ use anyhow::{Context, Result};
 
 use super::layers::BundleParts;
 use super::model::{forward_layers, Rows};
-use super::{CpuFfn, Gpu, GpuLayers};
+use super::{CpuFfn, Gpu, GpuLayers, HostFfn, PoolLayer, StreamedFfn};
 use crate::kernels::Weight;
 use crate::model::kv_cache::KvCache;
 use crate::model::{Attention, FfnBackend, Model, TokenScratch};
+use crate::streaming::skip_rule::Skip;
 
 /// A converted model's decode step on the GPU, with the FFN of every layer from its bundles
 /// there, or on the CPU.
@@ -68,13 +70,62 @@ impl GpuBundles {
         })
     }
 
-    /// Whether the FFN runs on the CPU ([`upload_attention`](Self::upload_attention)).
-    pub fn ffn_on_cpu(&self) -> bool {
-        self.cpu_ffn.is_some()
+    /// Uploads the dense half of the step to `gpu` — `model`'s norms, the `attention`
+    /// projections, the output `head` — and a neuron pool of `slots` clusters for the `layers`'
+    /// bundles, which the CPU streams into it ([`GpuLayers::upload_streamed`]): each
+    /// [`forward`](Self::forward) then takes the engine that streams them.
+    pub fn upload_streamed(
+        gpu: Gpu,
+        model: &Model,
+        attention: &[Attention],
+        head: &Weight,
+        layers: Vec<(PoolLayer, Skip)>,
+        slots: usize,
+    ) -> Result<Self> {
+        let gpu = Arc::new(gpu);
+        let layers = GpuLayers::upload_streamed(gpu.clone(), model, attention, head, layers, slots)
+            .with_context(|| {
+                format!(
+                    "uploading the step and its neuron pool to {}",
+                    gpu.describe()
+                )
+            })?;
+        Ok(Self {
+            gpu,
+            layers,
+            rows: Rows::default(),
+            cpu_ffn: None,
+        })
+    }
+
+    /// Where each layer's FFN runs, and so what [`forward`](Self::forward) takes.
+    pub fn ffn_place(&self) -> FfnPlace {
+        match (&self.cpu_ffn, self.layers.pool_slots()) {
+            (Some(_), _) => FfnPlace::Cpu,
+            (None, Some(_)) => FfnPlace::Streamed,
+            (None, None) => FfnPlace::Gpu,
+        }
+    }
+
+    /// Clusters uploaded into the neuron pool so far, and the slots it has (where the FFN
+    /// streams into it).
+    pub fn pool_uploads(&self) -> Option<(u64, usize)> {
+        self.layers
+            .pool_slots()
+            .map(|slots| (self.layers.pool_uploads(), slots))
     }
 
     /// The line that says what runs on the GPU.
     pub fn describe(&self) -> String {
+        if let Some(slots) = self.layers.pool_slots() {
+            return format!(
+                "the decode step ({:.1} MiB of weights and buffers, with a neuron pool of {slots} \
+                 clusters; the KV cache in f32 besides) runs on {}, each layer's FFN from the \
+                 bundles the CPU streams into the pool",
+                self.layers.bytes() as f64 / (1 << 20) as f64,
+                self.gpu.describe()
+            );
+        }
         if self.cpu_ffn.is_some() {
             return format!(
                 "the attention and the output head ({:.1} MiB of weights and buffers; the KV \
@@ -99,10 +150,11 @@ impl GpuBundles {
     }
 
     /// `tokens` through the GPU's step (as [`crate::model::LanguageModel::forward_into`]), each
-    /// embedding row from `embed`, the FFN by `backend` where it runs on the CPU (`None`
-    /// otherwise). `Ok(false)`: the GPU cannot hold the KV cache (said once on standard error),
-    /// nothing was computed, and the caller computes on the CPU from now on (the streaming model
-    /// drops this step then).
+    /// embedding row from `embed`; `host` is the FFN backend where the FFN runs on the CPU, the
+    /// engine where it streams into the neuron pool ([`ffn_place`](Self::ffn_place)).
+    /// `Ok(false)`: the GPU cannot hold the KV cache (said once on standard error), nothing was
+    /// computed, and the caller computes on the CPU from now on (the streaming model drops this
+    /// step then).
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
@@ -112,13 +164,13 @@ impl GpuBundles {
         cache: &mut KvCache,
         all_logits: bool,
         logits: &mut Vec<f32>,
-        backend: Option<&mut dyn FfnBackend>,
+        host: Host<'_>,
     ) -> Result<bool> {
-        let cpu = match (backend, self.cpu_ffn.as_mut()) {
-            (Some(backend), Some(scratch)) => Some(CpuFfn { backend, scratch }),
-            (None, None) => None,
-            (Some(_), None) => anyhow::bail!("this step's FFN runs on the GPU"),
-            (None, Some(_)) => anyhow::bail!("this step's FFN runs on the CPU: pass its backend"),
+        let host = match (host, self.cpu_ffn.as_mut()) {
+            (Host::Backend(backend), Some(scratch)) => HostFfn::Cpu(CpuFfn { backend, scratch }),
+            (Host::Backend(_), None) => anyhow::bail!("this step's FFN does not run on the CPU"),
+            (Host::None, _) => HostFfn::None,
+            (Host::Streamed(engine), _) => HostFfn::Streamed(engine),
         };
         let done = forward_layers(
             &mut self.layers,
@@ -129,8 +181,29 @@ impl GpuBundles {
             all_logits,
             logits,
             &mut self.rows,
-            cpu,
+            host,
         )?;
         Ok(done.is_ok())
     }
+}
+
+/// Where a converted model's FFN runs with its step on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnPlace {
+    /// On the GPU from every bundle, uploaded once.
+    Gpu,
+    /// On the GPU from the bundles the CPU streams into the neuron pool.
+    Streamed,
+    /// On the CPU.
+    Cpu,
+}
+
+/// What the host brings to [`GpuBundles::forward`].
+pub enum Host<'a> {
+    /// Nothing: the FFN runs on the GPU from every bundle.
+    None,
+    /// The CPU's FFN backend ([`FfnPlace::Cpu`]).
+    Backend(&'a mut dyn FfnBackend),
+    /// The engine that streams the bundles into the neuron pool ([`FfnPlace::Streamed`]).
+    Streamed(&'a mut dyn StreamedFfn),
 }

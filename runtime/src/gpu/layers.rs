@@ -17,7 +17,9 @@ use leanstream_format::ffn::PartTypes;
 use leanstream_format::quant::{QuantType, BLOCK_LEN};
 use wgpu::util::DeviceExt;
 
+use super::pool::{NeuronPool, PoolLayer, PoolTarget, StreamedFfn};
 use super::{f32_bytes, input_words, Dispatch, Gpu, GpuWeights};
+use crate::kernels::bundles::ClusterRows;
 use crate::kernels::Weight;
 use crate::model::kv_cache::KvCache;
 use crate::model::{Attention, DenseFfn, FfnBackend, FfnWeights, Model, TokenScratch};
@@ -65,6 +67,9 @@ enum FfnSource<'a> {
     Bundles(BundleParts),
     /// Computed on the CPU between the GPU's attention steps ([`GpuLayers::upload_attention`]).
     Cpu,
+    /// Computed on the GPU from the clusters the CPU streams into the neuron pool
+    /// ([`GpuLayers::upload_streamed`]), under this skip rule.
+    Pooled(Skip),
 }
 
 /// Why `model`'s decode step cannot run on the GPU, or `None` when it can.
@@ -131,9 +136,11 @@ struct Buffers {
     att: wgpu::Buffer,
     gate: wgpu::Buffer,
     up: wgpu::Buffer,
-    /// A bundle FFN's active neurons (stored positions) and their coefficients, in stored order
-    /// (`select.wgsl`).
+    /// A bundle FFN's active neurons (stored positions, or rows in the neuron pool) and their
+    /// coefficients, in stored order (`select.wgsl`).
     idx: wgpu::Buffer,
+    /// The map `select.wgsl` binds for a layer whose bundles are not pooled (one word, unread).
+    no_map: wgpu::Buffer,
     vals: wgpu::Buffer,
     /// Every bundle layer's neuron scores (`[layer][neuron]`).
     scores: wgpu::Buffer,
@@ -172,13 +179,14 @@ struct LayerWeights {
 }
 
 /// A layer's FFN on the GPU: its gate, up and down matrices, or a converted file's bundles as
-/// three matrices of rows (gate rows, up rows, down columns, in stored order) with the file's
-/// skip rule (`skip`).
+/// three matrices of rows (gate rows, up rows, down columns, in stored order, or in the neuron
+/// pool's slots with the layer's `map`) with the file's skip rule (`skip`).
 struct GpuFfn {
     gate: GpuWeights,
     up: GpuWeights,
     down: GpuWeights,
     skip: Option<Skip>,
+    map: Option<wgpu::Buffer>,
 }
 
 /// The KV cache on the GPU for contexts of `capacity` positions, with the step's dispatches that
@@ -219,6 +227,11 @@ pub struct GpuLayers {
     x: Vec<f32>,
     /// Whether the layers' FFNs run on the CPU ([`GpuLayers::upload_attention`]).
     cpu_ffn: bool,
+    /// Where they stream into the GPU ([`GpuLayers::upload_streamed`]): the neuron pool, the
+    /// FFN input on the host and the layer's scores read back.
+    pool: Option<NeuronPool>,
+    xn: Vec<f32>,
+    layer_scores: Vec<f32>,
     /// Whether the layers' FFNs are bundles (their counts are read back).
     bundles: bool,
     /// The last step's active neurons per layer (bundle layers; empty otherwise).
@@ -281,6 +294,32 @@ impl GpuLayers {
         Self::upload_from(gpu, model, attention, head, |_| Ok(FfnSource::Cpu))
     }
 
+    /// Uploads a streaming model's decode step: `model`'s norms (a model of norms only), the
+    /// `attention` projections and the output `head`, and a neuron pool of `slots` clusters for
+    /// the `layers`' bundles (their encodings, clusters and skip rules), filled as the CPU
+    /// streams them: each [`step`](Self::step) reads the residual stream back after a layer's
+    /// attention, the CPU's engine ([`StreamedFfn`]) chooses the layer's clusters from it, reads
+    /// those it lacks and uploads those the pool lacks, and the GPU computes the FFN from the
+    /// pool under the skip rule, the neurons the engine skipped left out.
+    pub fn upload_streamed(
+        gpu: Arc<Gpu>,
+        model: &Model,
+        attention: &[Attention],
+        head: &Weight,
+        layers: Vec<(PoolLayer, Skip)>,
+        slots: usize,
+    ) -> Result<Self> {
+        if let Some(why) = unsupported_config(model.config()) {
+            bail!("{why}");
+        }
+        let skips: Vec<Skip> = layers.iter().map(|l| l.1).collect();
+        let pool_layers = layers.into_iter().map(|l| l.0).collect();
+        let pool = Some((pool_layers, slots));
+        Self::upload_with(gpu, model, attention, head, pool, |l| {
+            Ok(FfnSource::Pooled(skips[l]))
+        })
+    }
+
     fn upload_from<'a>(
         gpu: Arc<Gpu>,
         model: &Model,
@@ -288,7 +327,18 @@ impl GpuLayers {
         head: &Weight,
         ffn: impl FnMut(usize) -> Result<FfnSource<'a>>,
     ) -> Result<Self> {
-        let built = gpu.scoped(|| Self::build(gpu.clone(), model, attention, head, ffn))?;
+        Self::upload_with(gpu, model, attention, head, None, ffn)
+    }
+
+    fn upload_with<'a>(
+        gpu: Arc<Gpu>,
+        model: &Model,
+        attention: &[Attention],
+        head: &Weight,
+        pool: Option<(Vec<PoolLayer>, usize)>,
+        ffn: impl FnMut(usize) -> Result<FfnSource<'a>>,
+    ) -> Result<Self> {
+        let built = gpu.scoped(|| Self::build(gpu.clone(), model, attention, head, pool, ffn))?;
         // Every kernel of the step, built now: an adapter that rejects one keeps the layers on
         // the CPU from the start.
         for (name, source) in KERNELS {
@@ -299,6 +349,10 @@ impl GpuLayers {
                 gpu.gather_pipeline(f.up.qtype)?;
                 gpu.down_pipeline(f.down.qtype)?;
             }
+            if f.map.is_some() {
+                gpu.mapped_pipeline(f.gate.qtype)?;
+                gpu.mapped_pipeline(f.up.qtype)?;
+            }
         }
         Ok(built)
     }
@@ -308,6 +362,7 @@ impl GpuLayers {
         model: &Model,
         attention: &[Attention],
         head: &Weight,
+        pool: Option<(Vec<PoolLayer>, usize)>,
         mut ffn_of: impl FnMut(usize) -> Result<FfnSource<'a>>,
     ) -> Result<Self> {
         let c = model.config();
@@ -331,6 +386,19 @@ impl GpuLayers {
             );
         }
         let per_dim = gpu.limits.max_compute_workgroups_per_dimension as usize;
+        let pool = match pool {
+            Some((layers, slots)) => {
+                if layers.len() != c.num_layers {
+                    bail!(
+                        "{} streamed layers for a model of {} layers",
+                        layers.len(),
+                        c.num_layers
+                    );
+                }
+                Some(NeuronPool::new(&gpu, layers, h, slots, &charge)?)
+            }
+            None => None,
+        };
         let mut layers = Vec::with_capacity(c.num_layers);
         for (l, (layer, attn)) in model.blocks().iter().zip(attention).enumerate() {
             let ffn = match ffn_of(l)? {
@@ -340,7 +408,31 @@ impl GpuLayers {
                     up: up_w(&ffn.up)?,
                     down: up_w(&ffn.down)?,
                     skip: None,
+                    map: None,
                 }),
+                FfnSource::Pooled(skip) => {
+                    let pool = pool.as_ref().expect("a pooled layer has a pool");
+                    let ([gate, up, down], map) = pool.layer(&gpu, l)?;
+                    if gate.rows != n {
+                        bail!("layer {l} has {} neurons, the model {n}", gate.rows);
+                    }
+                    if n > per_dim {
+                        bail!(
+                            "layer {l}'s {n} neurons are more than one dispatch takes here \
+                             ({per_dim} workgroups)"
+                        );
+                    }
+                    if skip.threshold.is_nan() {
+                        bail!("layer {l}'s skip threshold is not a number");
+                    }
+                    Some(GpuFfn {
+                        gate,
+                        up,
+                        down,
+                        skip: Some(skip),
+                        map: Some(map.clone()),
+                    })
+                }
                 FfnSource::Bundles(b) => {
                     if b.neurons != n || b.hidden != h {
                         bail!(
@@ -368,6 +460,7 @@ impl GpuLayers {
                         up: rows(u, b.qtypes.up)?,
                         down: rows(d, b.qtypes.down)?,
                         skip: Some(b.skip),
+                        map: None,
                     })
                 }
             };
@@ -421,9 +514,10 @@ impl GpuLayers {
             true => (n, c.num_layers * n, 3 * c.num_layers, DOWN_SLICES * h),
             false => (1, 1, 3, 1),
         };
-        // At least the residual stream, which a step with the FFN on the CPU reads per layer.
-        let readback_words =
-            (vocab + kv_words + if bundles { ind_words + score_words } else { 0 }).max(h);
+        // At least the residual stream, which a step with the FFN on the CPU reads per layer, and
+        // with a pool the layer's scores after it.
+        let readback_words = (vocab + kv_words + if bundles { ind_words + score_words } else { 0 })
+            .max(h + if pool.is_some() { n } else { 0 });
         let b = Buffers {
             x: f("x", h)?,
             xn: f("xn", h)?,
@@ -434,6 +528,7 @@ impl GpuLayers {
             gate: f("gate", n)?,
             up: f("up", n)?,
             idx: f("idx", list)?,
+            no_map: f("no_map", 1)?,
             vals: f("vals", list)?,
             scores: f("scores", score_words)?,
             ind: raw(
@@ -474,6 +569,7 @@ impl GpuLayers {
             &b.gate,
             &b.up,
             &b.idx,
+            &b.no_map,
             &b.vals,
             &b.scores,
             &b.ind,
@@ -494,7 +590,8 @@ impl GpuLayers {
             + small
                 .chain(activations)
                 .map(|b| b.size() as usize)
-                .sum::<usize>();
+                .sum::<usize>()
+            + pool.as_ref().map_or(0, |p| p.bytes as usize);
         debug_assert_eq!(charge.held(), bytes as u64, "every buffer charged");
         Ok(Self {
             gpu,
@@ -507,7 +604,10 @@ impl GpuLayers {
             table: vec![0.0; hd],
             kv: vec![0.0; kv_words],
             x: Vec::with_capacity(h),
-            cpu_ffn,
+            cpu_ffn: cpu_ffn && pool.is_none(),
+            pool,
+            xn: vec![0.0; h],
+            layer_scores: Vec::with_capacity(n),
             bundles,
             active: Vec::new(),
             record: false,
@@ -518,6 +618,16 @@ impl GpuLayers {
     /// Bytes on the GPU, without the KV cache.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// The neuron pool's slots, where the FFN streams into it.
+    pub fn pool_slots(&self) -> Option<usize> {
+        self.pool.as_ref().map(NeuronPool::slots)
+    }
+
+    /// Clusters uploaded into the neuron pool so far (0 without one).
+    pub fn pool_uploads(&self) -> u64 {
+        self.pool.as_ref().map_or(0, |p| p.uploads)
     }
 
     /// The last step's active neurons per layer, where the layers' FFNs are bundles (empty
@@ -742,6 +852,7 @@ impl GpuLayers {
                 up,
                 down,
                 skip,
+                map,
             }) = &lw.ffn
             else {
                 continue;
@@ -764,15 +875,39 @@ impl GpuLayers {
             // The bundles: every neuron's gate (and under `gate_up` its up value), the skip
             // rule listing the active neurons, their up rows (under `gate`) and down columns.
             let gate_up = skip.rule == SkipRule::GateUp;
-            matvec(&mut d, gate, &b.xn, &mut quantized, &b.gate, false)?;
+            // A pooled layer computes the neurons its map does not skip, from their pool rows.
+            let mut rows = |d: &mut Vec<Dispatch>, w: &GpuWeights, out| -> Result<()> {
+                match map {
+                    None => matvec(d, w, &b.xn, &mut quantized, out, false),
+                    Some(map) => {
+                        let input = if w.qtype.is_block() {
+                            quantize(d, w.cols, &b.xn, &mut quantized)?;
+                            &b.q8
+                        } else {
+                            &b.xn
+                        };
+                        d.push(g.mapped_dispatch(w, input, out, map)?);
+                        Ok(())
+                    }
+                }
+            };
+            rows(&mut d, gate, &b.gate)?;
             if gate_up {
-                matvec(&mut d, up, &b.xn, &mut quantized, &b.up, false)?;
+                rows(&mut d, up, &b.up)?;
             }
             let (kind, fat) = act_params(skip.act);
             d.push(g.dispatch(
                 "select",
                 &select,
-                &[&b.gate, &b.up, &b.idx, &b.vals, &b.scores, &b.ind],
+                &[
+                    &b.gate,
+                    &b.up,
+                    &b.idx,
+                    &b.vals,
+                    &b.scores,
+                    &b.ind,
+                    map.as_ref().unwrap_or(&b.no_map),
+                ],
                 &p8([
                     n as u32,
                     kind,
@@ -780,6 +915,7 @@ impl GpuLayers {
                     gate_up as u32,
                     skip.threshold.to_bits(),
                     l as u32,
+                    map.is_some() as u32,
                 ]),
                 (1, 1),
             ));
@@ -808,6 +944,8 @@ impl GpuLayers {
                     down.row_bytes as u32,
                     DOWN_SLICES as u32,
                     l as u32,
+                    down.slots.neurons,
+                    down.slots.stride,
                 ]),
                 (h.div_ceil(64) as u32, DOWN_SLICES as u32),
             ));
@@ -837,15 +975,17 @@ impl GpuLayers {
     /// One token at position `pos` (the synced cache's length), whose embedding row is
     /// `embedding`: its logits into `logits`, its keys and values of every layer stored in
     /// `cache` (whose length the caller advances). With the FFN on the CPU
-    /// ([`upload_attention`](Self::upload_attention)) `cpu` computes it, layer by layer, between
-    /// the GPU's attention steps; otherwise it must be `None`.
+    /// ([`upload_attention`](Self::upload_attention)) `host` is the CPU's FFN, computing it layer
+    /// by layer between the GPU's attention steps; with the FFN streamed into the neuron pool
+    /// ([`upload_streamed`](Self::upload_streamed)) it is the engine that streams it; otherwise
+    /// [`HostFfn::None`].
     pub fn step(
         &mut self,
         model: &Model,
         embedding: &[f32],
         cache: &mut KvCache,
         logits: &mut [f32],
-        cpu: Option<CpuFfn<'_>>,
+        host: HostFfn<'_>,
     ) -> Result<()> {
         let c = model.config();
         let pos = cache.len();
@@ -867,11 +1007,18 @@ impl GpuLayers {
                 c.hidden_size
             );
         }
-        if self.cpu_ffn != cpu.is_some() {
-            bail!(
-                "this step's FFN runs on the {}",
-                if self.cpu_ffn { "CPU: pass it" } else { "GPU" }
-            );
+        let wanted = match (self.cpu_ffn, self.pool.is_some()) {
+            (true, _) => "the CPU's FFN",
+            (_, true) => "the engine that streams the FFN",
+            _ => "nothing",
+        };
+        let given = match host {
+            HostFfn::None => "nothing",
+            HostFfn::Cpu(_) => "the CPU's FFN",
+            HostFfn::Streamed(_) => "the engine that streams the FFN",
+        };
+        if wanted != given {
+            bail!("this step takes {wanted}, not {given}");
         }
         model.rope_table(0, pos, gc.capacity, &mut self.table);
         let (g, b) = (&*self.gpu, &self.b);
@@ -892,26 +1039,58 @@ impl GpuLayers {
             }
             enc
         };
-        let mut rest = 0;
-        if let Some(CpuFfn { backend, scratch }) = cpu {
-            // Per layer: the attention on the GPU, the residual stream read back, the FFN on the
-            // CPU, the stream written back. The next layer's reads from flash, queued when its
-            // input is known, run while the GPU computes its attention.
-            let x = &mut self.x;
-            x.clear();
-            x.extend_from_slice(embedding);
-            let x_bytes = 4 * x.len() as u64;
-            for (l, &(start, end)) in gc.layer_starts.iter().enumerate() {
-                backend.begin_layer(l, x)?;
-                let mut enc = record(&gc.dispatches[start..end]);
-                enc.copy_buffer_to_buffer(&b.x, 0, &b.readback, 0, x_bytes);
-                q.submit([enc.finish()]);
-                g.read_back(&b.readback, x_bytes, |bytes| read_f32(bytes, x))?;
-                model.ffn_token(l, x, &mut *backend, &mut *scratch)?;
-                q.write_buffer(&b.x, 0, f32_bytes(x));
+        let x_bytes = 4 * embedding.len() as u64;
+        let rest = match host {
+            HostFfn::None => 0,
+            HostFfn::Streamed(engine) => {
+                // Per layer: the attention on the GPU, the residual stream read back, the engine's
+                // choice of neurons from it (their clusters read, and uploaded where the pool lacks
+                // them), the FFN on the GPU from the pool, the stream and the scores read back.
+                let (x, xn) = (&mut self.x, &mut self.xn);
+                x.clear();
+                x.extend_from_slice(embedding);
+                let pool = self.pool.as_mut().expect("checked above");
+                for (l, &(start, ffn_start)) in gc.layer_starts.iter().enumerate() {
+                    let end = gc.layer_starts.get(l + 1).map_or(gc.head_start, |s| s.0);
+                    engine.begin_layer(l, x)?;
+                    let mut enc = record(&gc.dispatches[start..ffn_start]);
+                    enc.copy_buffer_to_buffer(&b.x, 0, &b.readback, 0, x_bytes);
+                    q.submit([enc.finish()]);
+                    g.read_back(&b.readback, x_bytes, |bytes| read_f32(bytes, x))?;
+                    model.ffn_input(l, x, xn);
+                    pool.begin();
+                    let mut target = PoolStep {
+                        gpu: g,
+                        pool: &mut *pool,
+                        b,
+                        dispatches: &gc.dispatches[ffn_start..end],
+                        l,
+                        x: &mut *x,
+                        scores: &mut self.layer_scores,
+                    };
+                    engine.ffn_on_gpu(l, xn, &mut target)?;
+                }
+                gc.head_start
             }
-            rest = gc.head_start;
-        }
+            HostFfn::Cpu(CpuFfn { backend, scratch }) => {
+                // Per layer: the attention on the GPU, the residual stream read back, the FFN on the
+                // CPU, the stream written back. The next layer's reads from flash, queued when its
+                // input is known, run while the GPU computes its attention.
+                let x = &mut self.x;
+                x.clear();
+                x.extend_from_slice(embedding);
+                for (l, &(start, end)) in gc.layer_starts.iter().enumerate() {
+                    backend.begin_layer(l, x)?;
+                    let mut enc = record(&gc.dispatches[start..end]);
+                    enc.copy_buffer_to_buffer(&b.x, 0, &b.readback, 0, x_bytes);
+                    q.submit([enc.finish()]);
+                    g.read_back(&b.readback, x_bytes, |bytes| read_f32(bytes, x))?;
+                    model.ffn_token(l, x, &mut *backend, &mut *scratch)?;
+                    q.write_buffer(&b.x, 0, f32_bytes(x));
+                }
+                gc.head_start
+            }
+        };
         let mut enc = record(&gc.dispatches[rest..]);
         let logit_bytes = b.logits.size();
         let kv_bytes = b.kv_out.size();
@@ -958,6 +1137,85 @@ impl GpuLayers {
         gc.prints[pos] = fingerprint(cache, c.num_layers, c.head_dim, pos);
         gc.len = pos + 1;
         Ok(())
+    }
+}
+
+/// What the host does in a step, besides writing the token and reading the logits.
+pub enum HostFfn<'a> {
+    /// Nothing: the whole step is on the GPU.
+    None,
+    /// Each layer's FFN ([`GpuLayers::upload_attention`]).
+    Cpu(CpuFfn<'a>),
+    /// Each layer's choice of neurons and their streaming into the GPU's neuron pool
+    /// ([`GpuLayers::upload_streamed`]).
+    Streamed(&'a mut dyn StreamedFfn),
+}
+
+impl HostFfn<'_> {
+    /// The same, borrowed again (one step at a time).
+    pub fn reborrow(&mut self) -> HostFfn<'_> {
+        match self {
+            HostFfn::None => HostFfn::None,
+            HostFfn::Cpu(cpu) => HostFfn::Cpu(cpu.reborrow()),
+            HostFfn::Streamed(engine) => HostFfn::Streamed(&mut **engine),
+        }
+    }
+}
+
+/// A layer of a step whose FFN streams into the neuron pool, as the engine drives it
+/// ([`PoolTarget`]).
+struct PoolStep<'a> {
+    gpu: &'a Gpu,
+    pool: &'a mut NeuronPool,
+    b: &'a Buffers,
+    /// The layer's FFN dispatches.
+    dispatches: &'a [Dispatch],
+    l: usize,
+    /// The residual stream on the host, and the layer's scores read back.
+    x: &'a mut Vec<f32>,
+    scores: &'a mut Vec<f32>,
+}
+
+impl PoolTarget for PoolStep<'_> {
+    fn holds(&mut self, key: (u32, u32)) -> bool {
+        self.pool.holds(key)
+    }
+
+    fn upload(&mut self, key: (u32, u32), rows: &ClusterRows) -> Result<()> {
+        self.pool.upload(self.gpu, key, rows)
+    }
+
+    fn compute(&mut self, needed: &[usize], candidate: &[bool]) -> Result<&[f32]> {
+        let (g, b, l) = (self.gpu, self.b, self.l);
+        let n = candidate.len();
+        self.pool.write_map(g, l, needed, candidate)?;
+        let mut enc = g
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+            for d in self.dispatches {
+                d.record(&mut pass);
+            }
+        }
+        let x_bytes = 4 * self.x.len() as u64;
+        let s_bytes = 4 * n as u64;
+        enc.copy_buffer_to_buffer(&b.x, 0, &b.readback, 0, x_bytes);
+        enc.copy_buffer_to_buffer(&b.scores, l as u64 * s_bytes, &b.readback, x_bytes, s_bytes);
+        g.queue.submit([enc.finish()]);
+        let (x, scores) = (&mut *self.x, &mut *self.scores);
+        scores.resize(n, 0.0);
+        g.read_back(&b.readback, x_bytes + s_bytes, |bytes| {
+            let (xb, sb) = bytes.split_at(x_bytes as usize);
+            read_f32(xb, x);
+            read_f32(sb, scores);
+        })?;
+        for (i, s) in scores.iter_mut().enumerate() {
+            if !self.pool.computed(i) {
+                *s = f32::NAN;
+            }
+        }
+        Ok(scores)
     }
 }
 

@@ -17,6 +17,7 @@ mod bundles;
 mod head;
 mod layers;
 mod model;
+mod pool;
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -30,15 +31,17 @@ use wgpu::util::DeviceExt;
 use crate::kernels::{Q8Vec, Weight};
 use crate::platform::memory_size::{format_size, parse_budget};
 
-pub use bundles::GpuBundles;
+pub use bundles::{FfnPlace, GpuBundles, Host};
 pub use head::{GpuDense, GpuHead};
-pub use layers::{unsupported, unsupported_config, BundleParts, CpuFfn, GpuLayers};
+pub use layers::{unsupported, unsupported_config, BundleParts, CpuFfn, GpuLayers, HostFfn};
 pub use model::{GpuModel, Placement};
+pub use pool::{PoolLayer, PoolTarget, StreamedFfn};
 
 const BYTES: &str = include_str!("shaders/bytes.wgsl");
 const COMMON: &str = include_str!("shaders/common.wgsl");
 const MATVEC: &str = include_str!("shaders/matvec.wgsl");
 const GATHER: &str = include_str!("shaders/gather.wgsl");
+const MAPPED: &str = include_str!("shaders/mapped.wgsl");
 const UNITS: &str = include_str!("shaders/units.wgsl");
 const DOWN: &str = include_str!("shaders/down.wgsl");
 const ELEMS: &str = include_str!("shaders/elems.wgsl");
@@ -71,6 +74,11 @@ fn shader_source(qtype: QuantType) -> String {
 /// The mat-vec over listed rows (`gather.wgsl`) of `qtype`.
 fn gather_source(qtype: QuantType) -> String {
     format!("{BYTES}\n{COMMON}\n{GATHER}\n{}", unit_source(qtype))
+}
+
+/// The mat-vec over a streamed layer's neurons in the neuron pool (`mapped.wgsl`) of `qtype`.
+fn mapped_source(qtype: QuantType) -> String {
+    format!("{BYTES}\n{COMMON}\n{MAPPED}\n{}", unit_source(qtype))
 }
 
 /// The down update (`down.wgsl`) over columns of `qtype`, with its `elem` (`elems.wgsl`).
@@ -295,6 +303,11 @@ impl Gpu {
         self.kernel_with(&format!("gather {qtype}"), || gather_source(qtype))
     }
 
+    /// The pipeline of the mat-vec over pooled rows of `qtype` (`mapped.wgsl`).
+    fn mapped_pipeline(&self, qtype: QuantType) -> Result<wgpu::ComputePipeline> {
+        self.kernel_with(&format!("mapped {qtype}"), || mapped_source(qtype))
+    }
+
     /// The pipeline of the down update over columns of `qtype` (`down.wgsl`).
     fn down_pipeline(&self, qtype: QuantType) -> Result<wgpu::ComputePipeline> {
         self.kernel_with(&format!("down {qtype}"), || down_source(qtype))
@@ -421,6 +434,7 @@ impl Gpu {
             qtype,
             bytes: bytes.len(),
             row_bytes,
+            slots: Slots::WHOLE,
             buffer,
             pipeline: self.pipeline(qtype)?,
         })
@@ -434,6 +448,19 @@ impl Gpu {
         input: &wgpu::Buffer,
         output: &wgpu::Buffer,
         accumulate: bool,
+    ) -> Dispatch {
+        self.matvec_dispatch_in(w, input, output, accumulate, Slots::WHOLE)
+    }
+
+    /// [`matvec_dispatch`](Self::matvec_dispatch) with the rows found in `slots` by the
+    /// listed-row entries (`common.wgsl`'s `row_at`).
+    fn matvec_dispatch_in(
+        &self,
+        w: &GpuWeights,
+        input: &wgpu::Buffer,
+        output: &wgpu::Buffer,
+        accumulate: bool,
+        slots: Slots,
     ) -> Dispatch {
         let (rows, cols, qtype) = (w.rows, w.cols, w.qtype);
         let (units, scales, sums) = if qtype.is_block() {
@@ -450,8 +477,8 @@ impl Gpu {
             scales,
             sums,
             accumulate as u32,
-            0,
-            0,
+            slots.neurons,
+            slots.stride,
         ];
         let per_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
         let rows32 = rows as u32;
@@ -468,6 +495,7 @@ impl Gpu {
     /// The mat-vec of `w`'s rows that `idx` lists (`gather.wgsl`), as many as the indirect
     /// counts at `indirect` say: `vals[k]`, an activation, becomes its coefficient with row
     /// `idx[k]`'s dot product (`max(·, 0)` too with `drelu`).
+    #[allow(clippy::too_many_arguments)]
     fn gather_dispatch(
         &self,
         w: &GpuWeights,
@@ -478,7 +506,7 @@ impl Gpu {
         indirect: (&wgpu::Buffer, u64),
     ) -> Result<Dispatch> {
         let pipeline = self.gather_pipeline(w.qtype)?;
-        let mut d = self.matvec_dispatch(w, input, vals, drelu);
+        let mut d = self.matvec_dispatch_in(w, input, vals, drelu, w.slots);
         let entries = [
             entry(0, &w.buffer),
             entry(1, input),
@@ -493,6 +521,33 @@ impl Gpu {
         });
         d.pipeline = pipeline;
         d.indirect = Some((indirect.0.clone(), indirect.1));
+        Ok(d)
+    }
+
+    /// The mat-vec of a streamed layer's neurons (`mapped.wgsl`): `out[i]` = neuron `i`'s row
+    /// (pool row `map[i]` in `w`'s slots) · `x`, for the neurons `map` does not skip.
+    fn mapped_dispatch(
+        &self,
+        w: &GpuWeights,
+        input: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+        map: &wgpu::Buffer,
+    ) -> Result<Dispatch> {
+        let pipeline = self.mapped_pipeline(w.qtype)?;
+        let mut d = self.matvec_dispatch_in(w, input, out, false, w.slots);
+        let entries = [
+            entry(0, &w.buffer),
+            entry(1, input),
+            entry(2, out),
+            entry(3, &d._params),
+            entry(4, map),
+        ];
+        d.bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("mapped"),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        d.pipeline = pipeline;
         Ok(d)
     }
 
@@ -644,8 +699,26 @@ pub struct GpuWeights {
     /// Bytes on the GPU (the encoded rows, as stored).
     pub bytes: usize,
     row_bytes: usize,
+    /// Where its rows lie in `buffer`: end to end, or in a neuron pool's slots.
+    slots: Slots,
     buffer: wgpu::Buffer,
     pipeline: wgpu::ComputePipeline,
+}
+
+/// How the listed-row shaders find row `i` of a matrix (`common.wgsl`'s `row_at`): in slots of
+/// `neurons` rows, `stride` bytes apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slots {
+    neurons: u32,
+    stride: u32,
+}
+
+impl Slots {
+    /// Rows end to end: one slot.
+    const WHOLE: Slots = Slots {
+        neurons: u32::MAX,
+        stride: 0,
+    };
 }
 
 /// One kernel's dispatch with its buffers bound: recorded into a compute pass as often as needed.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
-use super::{CpuFfn, Gpu, GpuHead, GpuLayers};
+use super::{Gpu, GpuHead, GpuLayers, HostFfn};
 use crate::model::kv_cache::KvCache;
 use crate::model::{LanguageModel, Model};
 use crate::source::config::ModelConfig;
@@ -161,7 +161,7 @@ impl LanguageModel for GpuModel {
             all_logits,
             logits,
             &mut self.rows,
-            None,
+            HostFfn::None,
         )?;
         if let Err(why) = on_gpu {
             self.on_cpu = Some(why);
@@ -175,7 +175,7 @@ impl LanguageModel for GpuModel {
 
 /// `tokens` through `layers`, one at a time, each embedding row from `embed`: the logits of
 /// the last (or with `all_logits` of every one) into `logits`, the keys and values into
-/// `cache`; `cpu` computes the FFNs where they run on the CPU ([`GpuLayers::upload_attention`]).
+/// `cache`; `host` is what the host does per layer ([`GpuLayers::step`]).
 /// `Ok(Err(why))`, with one `gpu:` line on standard error, when the GPU cannot hold the KV cache:
 /// nothing was computed and `cache` is as it was, for the CPU to go on from.
 #[allow(clippy::too_many_arguments)]
@@ -188,7 +188,7 @@ pub(super) fn forward_layers(
     all_logits: bool,
     logits: &mut Vec<f32>,
     rows: &mut Rows,
-    mut cpu: Option<CpuFfn<'_>>,
+    mut host: HostFfn<'_>,
 ) -> Result<Result<(), String>> {
     let c = model.config();
     let (t, start) = (tokens.len(), cache.len());
@@ -219,8 +219,8 @@ pub(super) fn forward_layers(
     logits.clear();
     for (i, &token) in tokens.iter().enumerate() {
         embed(token, &mut rows.embedding)?;
-        let cpu = cpu.as_mut().map(CpuFfn::reborrow);
-        layers.step(model, &rows.embedding, cache, &mut rows.logits, cpu)?;
+        let host = host.reborrow();
+        layers.step(model, &rows.embedding, cache, &mut rows.logits, host)?;
         cache.advance(1);
         if all_logits || i + 1 == t {
             logits.extend_from_slice(&rows.logits);

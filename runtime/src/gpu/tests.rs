@@ -660,9 +660,15 @@ impl LanguageModel for OnGpuBundles<'_> {
             embed.rows_f32(&[t], row);
             Ok(())
         };
-        assert!(self
-            .gpu
-            .forward(self.model, embed, tokens, cache, all_logits, logits, None)?);
+        assert!(self.gpu.forward(
+            self.model,
+            embed,
+            tokens,
+            cache,
+            all_logits,
+            logits,
+            super::Host::None
+        )?);
         Ok(())
     }
 }
@@ -871,7 +877,7 @@ fn compare_converted(
     };
     let open = |kv| open_converted(path, policy, sparsity, kv);
     let (mut cpu, mut f16, mut on_gpu) = (open(KvType::F32), open(KvType::F16), open(KvType::F32));
-    let line = on_gpu.use_gpu(None).unwrap();
+    let line = on_gpu.use_gpu(None, false).unwrap();
     assert!(line.contains("bundles"), "{line}");
     on_gpu.gpu().unwrap().layers().record_scores(true);
     cpu.record_active();
@@ -975,15 +981,22 @@ fn resident_on_the_gpu_converted_embedded_model() {
              logit; {ties} neurons decided differently at a tie; {share:.3} of the neurons active"
         );
     }
-    // Refine sparsity keeps its FFN on the CPU, the dense half on the GPU.
-    let mut m = open_converted(
-        &path,
-        Policy::Resident,
-        Sparsity::Refine { keep_permille: 500 },
-        KvType::F32,
-    );
-    let line = m.use_gpu(None).unwrap();
-    assert!(line.contains("FFN on the CPU"), "{line}");
+    // Refine sparsity streams its FFN into the neuron pool, or keeps it on the CPU when asked.
+    for ffn_on_cpu in [false, true] {
+        let mut m = open_converted(
+            &path,
+            Policy::Resident,
+            Sparsity::Refine { keep_permille: 500 },
+            KvType::F32,
+        );
+        let line = m.use_gpu(None, ffn_on_cpu).unwrap();
+        let want = if ffn_on_cpu {
+            "FFN on the CPU"
+        } else {
+            "neuron pool"
+        };
+        assert!(line.contains(want), "{line}");
+    }
     // Streamed dense weights keep the model on the CPU, saying why.
     let least = crate::streaming::streaming_minimum_memory(&path, 32).unwrap();
     let mut m = open_within(
@@ -993,10 +1006,58 @@ fn resident_on_the_gpu_converted_embedded_model() {
         KvType::default(),
         Some(least),
     );
-    let e = format!("{:#}", m.use_gpu(None).unwrap_err());
+    let e = format!("{:#}", m.use_gpu(None, false).unwrap_err());
     assert!(e.contains("dense weights stream from flash"), "{e}");
     assert!(m.gpu().is_none());
     std::fs::remove_file(path).unwrap();
+}
+
+/// `prompt`, then six greedy tokens (the CPU's), one at a time through `cpu`, `streamed` and
+/// `reference` (f32 KV caches): at each step the streamed logits are bit for bit the reference's
+/// (`what` names it), within [`STEP_TOLERANCE`] of the CPU's, with the same greedy token. Returns
+/// the largest relative difference from the CPU and the steps.
+fn decode_against(
+    cpu: &mut crate::streaming::StreamingModel,
+    streamed: &mut crate::streaming::StreamingModel,
+    reference: &mut crate::streaming::StreamingModel,
+    prompt: &[u32],
+    what: &str,
+) -> (f32, usize) {
+    let (mut cc, mut sc, mut rc) = (
+        cpu.new_cache(32),
+        streamed.new_cache(32),
+        reference.new_cache(32),
+    );
+    let (mut cl, mut sl, mut rl) = (Vec::new(), Vec::new(), Vec::new());
+    let mut worst = 0.0f32;
+    let mut token = prompt[0];
+    let steps = prompt.len() + 6;
+    for step in 0..steps {
+        cpu.forward_into(&[token], &mut cc, false, &mut cl).unwrap();
+        streamed
+            .forward_into(&[token], &mut sc, false, &mut sl)
+            .unwrap();
+        reference
+            .forward_into(&[token], &mut rc, false, &mut rl)
+            .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&sl) == bits(&rl),
+            "step {step}: streamed and {what} differ"
+        );
+        let d = relative_difference(&sl, &cl);
+        assert!(
+            d <= STEP_TOLERANCE,
+            "step {step}: the logits differ from the CPU's by {d:e} of the largest"
+        );
+        assert_eq!(argmax(&sl), argmax(&cl), "step {step}: another token");
+        worst = worst.max(d);
+        token = match prompt.get(step + 1) {
+            Some(&t) => t,
+            None => argmax(&cl),
+        };
+    }
+    (worst, steps)
 }
 
 /// The streaming policy with the dense half on the GPU and each layer's FFN on the CPU: streamed
@@ -1025,7 +1086,7 @@ fn compare_split(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64) {
     };
     let (mut cpu, mut streamed, mut whole) = (open(Some(budget)), open(Some(budget)), open(None));
     for m in [&mut streamed, &mut whole] {
-        let line = m.use_gpu(None).unwrap();
+        let line = m.use_gpu(None, true).unwrap();
         assert!(line.contains("FFN on the CPU"), "{line}");
         assert!(line.contains("freed for the neuron cache"), "{line}");
     }
@@ -1040,7 +1101,7 @@ fn compare_split(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64) {
     // The step fits the GPU's budget, its KV cache does not: the CPU from the first token.
     let step_bytes = streamed.gpu().unwrap().layers().bytes() as u64;
     let mut back = open(Some(budget));
-    back.use_gpu(Some(step_bytes + 1024)).unwrap();
+    back.use_gpu(Some(step_bytes + 1024), true).unwrap();
     let (mut bc, mut bl, mut cc0, mut cl0) = (
         back.new_cache(32),
         Vec::new(),
@@ -1061,46 +1122,14 @@ fn compare_split(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64) {
         bl.iter().zip(&cl0).all(|(a, b)| a.to_bits() == b.to_bits()),
         "the CPU's logits"
     );
-    let (mut cc, mut sc, mut wc) = (
-        cpu.new_cache(32),
-        streamed.new_cache(32),
-        whole.new_cache(32),
-    );
-    let (mut cl, mut sl, mut wl) = (Vec::new(), Vec::new(), Vec::new());
-    let mut worst = 0.0f32;
-    let mut token = prompt[0];
-    for step in 0..prompt.len() + 6 {
-        cpu.forward_into(&[token], &mut cc, false, &mut cl).unwrap();
-        streamed
-            .forward_into(&[token], &mut sc, false, &mut sl)
-            .unwrap();
-        whole
-            .forward_into(&[token], &mut wc, false, &mut wl)
-            .unwrap();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert!(
-            bits(&sl) == bits(&wl),
-            "step {step}: streamed and in memory differ"
-        );
-        let d = relative_difference(&sl, &cl);
-        assert!(
-            d <= STEP_TOLERANCE,
-            "step {step}: the logits differ from the CPU's by {d:e} of the largest"
-        );
-        assert_eq!(argmax(&sl), argmax(&cl), "step {step}: another token");
-        worst = worst.max(d);
-        token = match prompt.get(step + 1) {
-            Some(&t) => t,
-            None => argmax(&cl),
-        };
-    }
+    let (worst, _) = decode_against(&mut cpu, &mut streamed, &mut whole, prompt, "in memory");
     assert!(streamed.gpu().is_some(), "the step stayed on the GPU");
     // A prompt at once: the same logits as token by token.
-    sc.clear();
+    let (mut cc, mut sc) = (cpu.new_cache(32), streamed.new_cache(32));
+    let (mut cl, mut sl) = (Vec::new(), Vec::new());
     streamed
         .forward_into(prompt, &mut sc, true, &mut sl)
         .unwrap();
-    cc.clear();
     cpu.forward_into(prompt, &mut cc, true, &mut cl).unwrap();
     let d = relative_difference(&sl, &cl);
     assert!(d <= STEP_TOLERANCE, "the prompt's logits: {d:e}");
@@ -1167,6 +1196,93 @@ fn resident_on_the_gpu_converted_relu_family() {
         eprintln!(
             "{name} bundles: largest difference {worst:e} of the largest logit; {ties} neurons \
              decided differently at a tie; {share:.3} of the neurons active"
+        );
+        std::fs::remove_file(path).unwrap();
+    }
+}
+
+/// The streaming policy with its FFN on the GPU from the neuron pool: streamed within a budget
+/// that holds `share` of the FFN, one token at a time (`prompt`, then six greedy tokens), its
+/// logits are bit for bit those of the GPU's resident step (every bundle uploaded once), and
+/// within [`STEP_TOLERANCE`] of the CPU's streamed at the same budget with the same greedy
+/// tokens (f32 KV caches). The pool holds fewer clusters than the model, so clusters are given
+/// up and uploaded again; the engine's reads are the CPU's. A GPU budget that cannot hold the
+/// pool keeps the FFN on the CPU, saying why. Returns the largest relative difference from the
+/// CPU, the bytes read per token and the clusters uploaded per token.
+fn compare_pooled(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64, f64) {
+    use crate::model::kv_cache::KvType;
+    use crate::streaming::{Policy, Sparsity};
+    let budget = crate::streaming::memory_split_with(path, 32, KvType::F32)
+        .unwrap()
+        .budget_for_ffn_share(share);
+    let open = |policy, memory| open_within(path, policy, Sparsity::Certified, KvType::F32, memory);
+    let mut cpu = open(Policy::Leanstream, Some(budget));
+    let mut streamed = open(Policy::Leanstream, Some(budget));
+    let line = streamed.use_gpu(None, false).unwrap();
+    assert!(line.contains("neuron pool of"), "{line}");
+    assert!(line.contains("freed for the neuron cache"), "{line}");
+    let mut resident = open_converted(path, Policy::Resident, Sparsity::Exact, KvType::F32);
+    let line = resident.use_gpu(None, false).unwrap();
+    assert!(line.contains("from the file's bundles"), "{line}");
+    let file = leanstream_format::LsbFile::open(path).unwrap();
+    let clusters: usize = file.ffn.layers.iter().map(|l| l.clusters.len()).sum();
+    let (_, slots) = streamed.gpu().unwrap().pool_uploads().unwrap();
+    assert!(
+        slots < clusters,
+        "a pool of {slots} clusters holds the whole model ({clusters})"
+    );
+    let what = "resident on the GPU";
+    let (worst, steps) = decode_against(&mut cpu, &mut streamed, &mut resident, prompt, what);
+    let (uploads, _) = streamed.gpu().unwrap().pool_uploads().unwrap();
+    assert!(
+        uploads as usize > slots,
+        "{uploads} uploads into {slots} slots: nothing was given up"
+    );
+    let (read, cpu_read) = (
+        streamed.summary().bytes_read_per_token,
+        cpu.summary().bytes_read_per_token,
+    );
+    assert!(read > 0.0, "the streamed run read no bundles");
+    // A GPU budget that holds the step without a pool: the FFN on the CPU, saying why.
+    let step_bytes = {
+        let mut split = open(Policy::Leanstream, Some(budget));
+        split.use_gpu(None, true).unwrap();
+        split.gpu().unwrap().layers().bytes() as u64
+    };
+    let mut small = open(Policy::Leanstream, Some(budget));
+    let line = small.use_gpu(Some(step_bytes + 4096), false).unwrap();
+    assert!(line.contains("FFN on the CPU"), "{line}");
+    assert!(line.contains("no neuron pool on the GPU"), "{line}");
+    eprintln!("bytes read per token: {read:.0} with the pool, {cpu_read:.0} on the CPU");
+    (worst, read, uploads as f64 / steps as f64)
+}
+
+#[test]
+fn streaming_into_the_gpu_neuron_pool() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let relu = converted(
+        "austen-q8-pool.lsb",
+        &root.join("models/austen-relu"),
+        &["--quant", "q8"],
+    );
+    let swiglu = converted(
+        "llama-k-pool.lsb",
+        &root.join("tests/fixtures/arch/llama-k.q4_k_m.gguf"),
+        &[],
+    );
+    // The prompts of the resident tests above: on the embedded model the prompt of the split
+    // test moves a q8 quant of the GPU's by one step at its fourth token (1.2e-3 of the largest
+    // logit from the CPU's, the GPU's resident step alike).
+    for (path, prompt) in [
+        (relu, [12, 345, 6, 789, 10]),
+        (swiglu, [12, 145, 6, 89, 10]),
+    ] {
+        let (worst, read, uploads) = compare_pooled(&path, 0.3, &prompt);
+        eprintln!(
+            "{}: the FFN on the GPU from the pool, 30 % of it cached: largest difference {worst:e} \
+             of the largest logit; {read:.0} bytes of bundles read and {uploads:.1} clusters \
+             uploaded per token",
+            path.display()
         );
         std::fs::remove_file(path).unwrap();
     }

@@ -597,6 +597,13 @@ impl Model {
         self.ffn_block(l, &self.layers[l], 1, x, &mut s.0, Ffn::Backend(backend))
     }
 
+    /// Layer `l`'s FFN input: the residual stream `x` (one token) through the FFN norm, into
+    /// `xn`, as [`Model::ffn_token`] hands it to its backend.
+    pub fn ffn_input(&self, l: usize, x: &[f32], xn: &mut [f32]) {
+        let c = &self.config;
+        norm::rms_norm(x, &self.layers[l].ffn_norm, c.rms_norm_eps, xn);
+    }
+
     /// Final norm and output head over the rows of `x` (`rows × hidden`).
     pub fn logits(&self, x: &[f32]) -> Vec<f32> {
         let mut own = self.own().expect("logits() runs a resident model");

@@ -399,14 +399,17 @@ impl StreamingModel {
 
     /// Moves the decode step to the GPU (docs/gpu.md). For `resident` (exact sparsity) and
     /// `dense`, the whole step, its FFN from the resident bundles in their stored encodings under
-    /// the file's skip rule ([`crate::gpu::GpuBundles::upload`]); for the streaming policies and
-    /// the other sparsity modes, the dense half — norms, attention, the output head — while each
-    /// layer's FFN runs on the CPU from the bundles this model reads and caches, as it would
-    /// without the GPU ([`crate::gpu::GpuBundles::upload_attention`]). Either needs the dense
-    /// weights in memory. Returns the line that says what runs where, or an error saying why the
-    /// model stays on the CPU.
+    /// the file's skip rule ([`crate::gpu::GpuBundles::upload`]). For the streaming policies and
+    /// the other sparsity modes, the dense half — norms, attention, the output head — and the
+    /// FFN from a neuron pool on the GPU into which this model streams the bundles it chooses,
+    /// reads and caches as it would without the GPU
+    /// ([`crate::gpu::GpuBundles::upload_streamed`]); with `ffn_on_cpu`, or where the GPU cannot
+    /// hold the pool, each layer's FFN on the CPU instead
+    /// ([`crate::gpu::GpuBundles::upload_attention`]). Each needs the dense weights in memory.
+    /// Returns the line that says what runs where, or an error saying why the model stays on the
+    /// CPU.
     #[cfg(feature = "gpu")]
-    pub fn use_gpu(&mut self, gpu_memory: Option<u64>) -> Result<String> {
+    pub fn use_gpu(&mut self, gpu_memory: Option<u64>, ffn_on_cpu: bool) -> Result<String> {
         let whole = matches!(self.policy, Policy::Resident | Policy::Dense)
             && matches!(self.engine.sparsity(), Sparsity::Exact | Sparsity::Dense);
         let (attention, head) = self.dense.resident().context(
@@ -414,15 +417,37 @@ impl StreamingModel {
         )?;
         let gpu = crate::gpu::Gpu::open(gpu_memory)?;
         let engine = &self.engine;
+        let mut why_cpu = None;
         let step = if whole {
             crate::gpu::GpuBundles::upload(gpu, &self.model, attention, head, |l| {
                 engine.bundle_parts(l)
             })?
-        } else {
+        } else if ffn_on_cpu {
             crate::gpu::GpuBundles::upload_attention(gpu, &self.model, attention, head)?
+        } else {
+            let layers = engine.pool_layers();
+            let slots = pool_slots(&layers, engine.cache_sizes());
+            match crate::gpu::GpuBundles::upload_streamed(
+                gpu,
+                &self.model,
+                attention,
+                head,
+                layers,
+                slots,
+            ) {
+                Ok(step) => step,
+                Err(e) => {
+                    why_cpu = Some(format!("{e:#}"));
+                    let gpu = crate::gpu::Gpu::open(gpu_memory)?;
+                    crate::gpu::GpuBundles::upload_attention(gpu, &self.model, attention, head)?
+                }
+            }
         };
         let mut line = step.describe();
-        let split_step = step.ffn_on_cpu();
+        if let Some(why) = why_cpu {
+            line.push_str(&format!(" (no neuron pool on the GPU: {why})"));
+        }
+        let split_step = !whole;
         self.gpu = Some(Box::new(step));
         if split_step {
             // The GPU computes the attention: the CPU's copy goes, and its bytes to the cache.
@@ -464,9 +489,9 @@ impl StreamingModel {
     }
 
     /// [`forward_into`](crate::model::LanguageModel::forward_into) with the dense half on the
-    /// GPU and the FFN on the CPU, a token at a time (each a call of the engine, as a decoded
-    /// token is without the GPU). `Ok(false)`: the GPU could not hold the KV cache, nothing was
-    /// computed and the step is dropped.
+    /// GPU and the FFN streamed into its neuron pool or on the CPU, a token at a time (each a
+    /// call of the engine, as a decoded token is without the GPU). `Ok(false)`: the GPU could not
+    /// hold the KV cache, nothing was computed and the step is dropped.
     #[cfg(feature = "gpu")]
     fn forward_split(
         &mut self,
@@ -486,16 +511,11 @@ impl StreamingModel {
             let dense = &mut self.dense;
             let embed =
                 |token, row: &mut [f32]| crate::model::DenseWeights::embed(dense, &[token], row);
-            let engine: &mut dyn crate::model::FfnBackend = &mut self.engine;
-            let done = gpu.forward(
-                &self.model,
-                embed,
-                &[token],
-                cache,
-                false,
-                &mut row,
-                Some(engine),
-            );
+            let host = match gpu.ffn_place() {
+                crate::gpu::FfnPlace::Streamed => crate::gpu::Host::Streamed(&mut self.engine),
+                _ => crate::gpu::Host::Backend(&mut self.engine),
+            };
+            let done = gpu.forward(&self.model, embed, &[token], cache, false, &mut row, host);
             self.engine.end_call(1);
             if !done? {
                 // Only the first token syncs a new cache.
@@ -748,8 +768,8 @@ impl crate::model::LanguageModel for StreamingModel {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         #[cfg(feature = "gpu")]
-        if let Some(ffn_on_cpu) = self.gpu.as_deref().map(|g| g.ffn_on_cpu()) {
-            let on_gpu = if ffn_on_cpu {
+        if let Some(place) = self.gpu.as_deref().map(|g| g.ffn_place()) {
+            let on_gpu = if place != crate::gpu::FfnPlace::Gpu {
                 self.forward_split(tokens, cache, all_logits, logits)?
             } else {
                 self.take_watched_budget();
@@ -758,8 +778,9 @@ impl crate::model::LanguageModel for StreamingModel {
                 let embed = |token, row: &mut [f32]| {
                     crate::model::DenseWeights::embed(dense, &[token], row)
                 };
+                let host = crate::gpu::Host::None;
                 let done =
-                    gpu.forward(&self.model, embed, tokens, cache, all_logits, logits, None)?;
+                    gpu.forward(&self.model, embed, tokens, cache, all_logits, logits, host)?;
                 if done {
                     self.tokens += tokens.len() as u64;
                 }
@@ -1081,4 +1102,18 @@ fn open_plan_input(path: &Path, shape: Shape, certificates: bool) -> Result<plan
         Policy::Leanstream,
     )
     .0)
+}
+
+/// Clusters the GPU's neuron pool holds for a streaming model of these `layers`, whose largest
+/// layer's bundles and neuron cache take `sizes` bytes: a layer's clusters (any of them may be
+/// needed at once) and as many more as the cache holds, so that the pool keeps about what the
+/// cache keeps; never more than the model has.
+#[cfg(feature = "gpu")]
+fn pool_slots(layers: &[(crate::gpu::PoolLayer, skip_rule::Skip)], sizes: (u64, u64)) -> usize {
+    let most = layers.iter().map(|l| l.0.clusters.len()).max().unwrap_or(0);
+    let total = layers.iter().map(|l| l.0.clusters.len()).sum::<usize>();
+    let (layer_bytes, cache_bytes) = sizes;
+    // The cache in clusters of the largest layer's mean size.
+    let per_cluster = (layer_bytes / most.max(1) as u64).max(1);
+    (most + (cache_bytes / per_cluster) as usize).min(total)
 }

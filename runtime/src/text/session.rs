@@ -63,6 +63,9 @@ pub struct GpuChoice {
     /// The most bytes of GPU memory the model takes (`--gpu-memory`); `None`: what
     /// `LEANSTREAM_GPU_MEMORY` says, or no limit.
     pub memory: Option<u64>,
+    /// A streaming policy's FFN on the CPU, the GPU computing the attention only (`--gpu-ffn
+    /// cpu`, or `LEANSTREAM_GPU_FFN=cpu`); otherwise on the GPU from its neuron pool.
+    pub ffn_on_cpu: bool,
 }
 
 impl GpuChoice {
@@ -72,6 +75,14 @@ impl GpuChoice {
         Self {
             on: std::env::var_os("LEANSTREAM_GPU").is_some_and(|v| !v.is_empty() && v != "0"),
             memory: None,
+            ffn_on_cpu: match std::env::var("LEANSTREAM_GPU_FFN") {
+                Ok(v) if v.trim().eq_ignore_ascii_case("cpu") => true,
+                Ok(v) if !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("gpu") => {
+                    eprintln!("gpu: LEANSTREAM_GPU_FFN={v} is neither gpu nor cpu; using gpu");
+                    false
+                }
+                _ => false,
+            },
         }
     }
 }
@@ -294,7 +305,7 @@ impl Session {
         // A converted file's decode step on the GPU (docs/gpu.md): one line says where it runs.
         #[cfg(feature = "gpu")]
         if o.gpu.on {
-            match model.use_gpu(o.gpu.memory) {
+            match model.use_gpu(o.gpu.memory, o.gpu.ffn_on_cpu) {
                 Ok(line) => eprintln!("gpu: {line}"),
                 Err(e) => eprintln!(
                     "gpu: --policy {} on a converted file: {e:#}; running on the CPU",

@@ -13,6 +13,10 @@
 //
 // With `p.accumulate` the row's result is added to `out[row]` (the decode step's residual adds:
 // one f32 addition, as the CPU's `x += proj`).
+//
+// The listed-row entries (gather.wgsl, mapped.wgsl) find row `i` with `row_at`: rows lie in slots
+// of `p.slot_neurons` rows, `p.slot_stride` bytes apart (a streamed FFN's GPU neuron pool); a
+// matrix of rows end to end is one slot (`slot_neurons` 2³² − 1, `slot_stride` 0).
 
 struct Params {
     rows: u32,
@@ -22,8 +26,8 @@ struct Params {
     sums: u32,
     // 1: add the result to `out` (the residual stream) instead of writing it.
     accumulate: u32,
-    pad1: u32,
-    pad2: u32,
+    slot_neurons: u32,
+    slot_stride: u32,
 }
 
 @group(0) @binding(0) var<storage, read> w: array<u32>;
@@ -33,6 +37,11 @@ struct Params {
 
 const WG: u32 = 64u;
 var<workgroup> partial: array<f32, WG>;
+
+// The first byte of row `i`.
+fn row_at(i: u32) -> u32 {
+    return (i / p.slot_neurons) * p.slot_stride + (i % p.slot_neurons) * p.row_bytes;
+}
 
 fn xf(i: u32) -> f32 {
     return bitcast<f32>(xin[i]);
@@ -45,6 +54,25 @@ fn xd(b: u32) -> f32 {
 
 fn xs(b: u32) -> f32 {
     return bitcast<f32>(xin[p.sums + b]);
+}
+
+// The dot product of the row whose bytes start at `rb` with the input, computed by the whole
+// workgroup (`lid` its invocation): each invocation sums its units in order, then the 64 sums
+// are added in a fixed tree. Every invocation gets the result; call it in uniform control flow.
+fn row_dot(rb: u32, lid: u32) -> f32 {
+    var acc = 0.0;
+    for (var u = lid; u < p.units; u += WG) {
+        acc += unit_dot(rb, u);
+    }
+    partial[lid] = acc;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if lid < s {
+            partial[lid] += partial[lid + s];
+        }
+        workgroupBarrier();
+    }
+    return partial[0];
 }
 
 // Byte `k` of `v`, signed or unsigned.

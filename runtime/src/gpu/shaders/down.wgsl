@@ -1,17 +1,18 @@
 // A bundle FFN's down update: `Σ_k c_k · down_{idx[k]}` over the active neurons the select
 // kernel listed (`idx`, their coefficients `vals`, their count `ind[3·layer]`), the down columns
-// stored as rows of `h` values in one encoding, end to end in `w` (decoded by the appended
-// `elem`, elems.wgsl). The list is cut into `p.slices` consecutive runs; workgroup (x, s) sums
-// run `s` in list order for 64 output values into `partial[s·h + j]`, and reduce.wgsl adds the
-// runs to the residual stream in order.
+// stored as rows of `h` values in one encoding in `w` (decoded by the appended `elem`,
+// elems.wgsl), column `i` at byte `(i / slot_neurons)·slot_stride + (i % slot_neurons)·row_bytes`
+// as common.wgsl's `row_at` finds it. The list is cut into `p.slices` consecutive runs; workgroup
+// (x, s) sums run `s` in list order for 64 output values into `partial[s·h + j]`, and
+// reduce.wgsl adds the runs to the residual stream in order.
 
 struct Params {
     h: u32,
     row_bytes: u32,
     slices: u32,
     layer: u32,
-    pad0: u32,
-    pad1: u32,
+    slot_neurons: u32,
+    slot_stride: u32,
     pad2: u32,
     pad3: u32,
 }
@@ -38,7 +39,9 @@ fn main(
     let hi = ((s + 1u) * count) / p.slices;
     var acc = 0.0;
     for (var k = lo; k < hi; k++) {
-        acc += vals[k] * elem(idx[k] * p.row_bytes, j);
+        let i = idx[k];
+        let rb = (i / p.slot_neurons) * p.slot_stride + (i % p.slot_neurons) * p.row_bytes;
+        acc += vals[k] * elem(rb, j);
     }
     partial[s * p.h + j] = acc;
 }

@@ -12,21 +12,10 @@ fn main(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let k = wid.x;
-    let rb = idx[k] * p.row_bytes;
-    var acc = 0.0;
-    for (var u = lid; u < p.units; u += WG) {
-        acc += unit_dot(rb, u);
-    }
-    partial[lid] = acc;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if lid < s {
-            partial[lid] += partial[lid + s];
-        }
-        workgroupBarrier();
-    }
+    let rb = row_at(idx[k]);
+    let total = row_dot(rb, lid);
     if lid == 0u {
-        var c = out[k] * partial[0];
+        var c = out[k] * total;
         if p.accumulate != 0u {
             c = max(c, 0.0);
         }

@@ -11,23 +11,12 @@ fn main(
         return;
     }
     let rb = row * p.row_bytes;
-    var acc = 0.0;
-    for (var u = lid; u < p.units; u += WG) {
-        acc += unit_dot(rb, u);
-    }
-    partial[lid] = acc;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if lid < s {
-            partial[lid] += partial[lid + s];
-        }
-        workgroupBarrier();
-    }
+    let total = row_dot(rb, lid);
     if lid == 0u {
         if p.accumulate != 0u {
-            out[row] += partial[0];
+            out[row] += total;
         } else {
-            out[row] = partial[0];
+            out[row] = total;
         }
     }
 }

@@ -8,6 +8,10 @@
 //
 // One workgroup of 256 invocations: each takes a run of consecutive neurons, counts its active
 // ones, and writes them from the offset the runs before it leave.
+//
+// A streamed layer (`p.mapped`, mapped.wgsl) has its neurons in the GPU's neuron pool: neuron `i`
+// is listed as its pool row `map[i]`, and a neuron the CPU did not ask for (`map[i]` is
+// `SKIPPED`) is never active (its score is written as 0; the host knows it was not computed).
 
 struct Params {
     n: u32,
@@ -18,7 +22,7 @@ struct Params {
     rule: u32,
     threshold: u32,
     layer: u32,
-    pad0: u32,
+    mapped: u32,
     pad1: u32,
 }
 
@@ -28,7 +32,10 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> vals: array<f32>;
 @group(0) @binding(4) var<storage, read_write> scores: array<f32>;
 @group(0) @binding(5) var<storage, read_write> ind: array<u32>;
-@group(0) @binding(6) var<uniform> p: Params;
+@group(0) @binding(6) var<storage, read> map: array<u32>;
+@group(0) @binding(7) var<uniform> p: Params;
+
+const SKIPPED: u32 = 0xffffffffu;
 
 const WG: u32 = 256u;
 var<workgroup> counts: array<u32, WG>;
@@ -65,6 +72,11 @@ fn value(i: u32) -> f32 {
     return c;
 }
 
+// Whether neuron `i` was computed.
+fn computed(i: u32) -> bool {
+    return p.mapped == 0u || map[i] != SKIPPED;
+}
+
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32) {
     let chunk = (p.n + WG - 1u) / WG;
@@ -74,6 +86,10 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     let base = p.layer * p.n;
     var m = 0u;
     for (var i = lo; i < hi; i++) {
+        if !computed(i) {
+            scores[base + i] = 0.0;
+            continue;
+        }
         let s = abs(value(i));
         scores[base + i] = s;
         if s > threshold {
@@ -88,8 +104,12 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     }
     // The decisions are the scores written above, so the second pass lists what the first counted.
     for (var i = lo; i < hi; i++) {
-        if scores[base + i] > threshold {
-            idx[at] = i;
+        if computed(i) && scores[base + i] > threshold {
+            var row = i;
+            if p.mapped != 0u {
+                row = map[i];
+            }
+            idx[at] = row;
             vals[at] = value(i);
             at++;
         }

@@ -423,30 +423,57 @@ impl StreamEngine {
     fn ffn_row(&mut self, l: usize, token: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
         // The FFN input as the kernels see it: its q8 form feeds both the sketch and block bundles.
         let operand = Operand::new(x, QuantType::Q8_0);
+        let mut rows = self.select_row(l, token, x, &operand)?;
+        let sel = &mut rows[0];
+        self.compute(l, &sel.needed, &sel.candidate, &operand, out)?;
+        let scores = std::mem::take(&mut self.work.scores);
+        let done = self.finish_row(l, token, x, sel, &scores);
+        self.work.scores = scores;
+        self.rows = rows;
+        done
+    }
+
+    /// What one token's layer `l` needs ([`StreamEngine::select`]), its reads refined: the
+    /// selections taken out of `self.rows` (the first is this row's), for the caller to put back.
+    fn select_row(
+        &mut self,
+        l: usize,
+        token: usize,
+        x: &[f32],
+        operand: &Operand,
+    ) -> Result<Vec<Selection>> {
         let mut rows = std::mem::take(&mut self.rows);
         if rows.is_empty() {
             rows.push(Selection::default());
         }
         let sel = &mut rows[0];
-        self.select(l, token, x, &operand, sel)?;
+        self.select(l, token, x, operand, sel)?;
         let mut is_needed = std::mem::take(&mut self.marks.is_needed);
         is_needed.clear();
         is_needed.resize(self.core.plans[l].clusters.len(), false);
         sel.needed.iter().for_each(|&c| is_needed[c] = true);
         self.core.refine(l, &is_needed, self.schedule.refine());
         self.marks.is_needed = is_needed;
-        self.compute(l, &sel.needed, &sel.candidate, &operand, out)?;
+        Ok(rows)
+    }
+
+    /// After one token's layer `l` was computed with these exact `scores`: its own predictor
+    /// scored where it was read, then [`StreamEngine::retain_and_measure`].
+    fn finish_row(
+        &mut self,
+        l: usize,
+        token: usize,
+        x: &[f32],
+        sel: &mut Selection,
+        scores: &[f32],
+    ) -> Result<()> {
         if let Some((read, extent)) = sel.own_read.take() {
             let t = Instant::now();
             sel.own = active_from_read(&self.core.io, read, extent, x)?;
             sel.has_own = true;
             self.core.metrics.select_s += t.elapsed().as_secs_f64();
         }
-        let scores = std::mem::take(&mut self.work.scores);
-        let done = self.retain_and_measure(l, token, sel, &scores);
-        self.work.scores = scores;
-        self.rows = rows;
-        done
+        self.retain_and_measure(l, token, sel, scores)
     }
 
     /// Computes the needed clusters into `out`: resident ones first, then reads as they land (or
@@ -575,6 +602,38 @@ impl StreamEngine {
         })
     }
 
+    /// Each layer's encodings, clusters and skip rule, for the GPU's neuron pool
+    /// ([`crate::gpu::GpuBundles::upload_streamed`]).
+    #[cfg(feature = "gpu")]
+    pub(crate) fn pool_layers(&self) -> Vec<(crate::gpu::PoolLayer, Skip)> {
+        (0..self.core.plans.len())
+            .map(|l| {
+                let plan = &self.core.plans[l];
+                let clusters = plan
+                    .clusters
+                    .iter()
+                    .map(|c| (c.first as u32, c.count as u32))
+                    .collect();
+                let layer = crate::gpu::PoolLayer {
+                    qtypes: plan.layout.qtypes,
+                    clusters,
+                };
+                (layer, self.skip(l))
+            })
+            .collect()
+    }
+
+    /// Bytes of the largest layer's bundles, and of the neuron cache.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn cache_sizes(&self) -> (u64, u64) {
+        let layer = self
+            .core
+            .plans
+            .iter()
+            .map(|p| p.clusters.iter().map(|c| c.size).sum::<u64>());
+        (layer.max().unwrap_or(0), self.core.cache.capacity())
+    }
+
     /// The skip rule of layer `l`'s neurons: none skipped in dense mode.
     fn skip(&self, l: usize) -> Skip {
         let skip = self.core.plans[l].skip;
@@ -679,5 +738,73 @@ impl FfnBackend for StreamEngine {
         } else {
             self.ffn_chunk(l, x, out)
         }
+    }
+}
+
+/// The FFN on the GPU from its neuron pool: the layer's neurons chosen here as for the CPU's
+/// kernels ([`StreamEngine::select`], the same reads refined), each needed cluster the pool
+/// lacks uploaded from memory or from its read as it lands, the layer computed there, and the
+/// cache told what was used from the GPU's scores.
+#[cfg(feature = "gpu")]
+impl crate::gpu::StreamedFfn for StreamEngine {
+    fn begin_layer(&mut self, l: usize, residual: &[f32]) -> Result<()> {
+        FfnBackend::begin_layer(self, l, residual)
+    }
+
+    fn ffn_on_gpu(
+        &mut self,
+        l: usize,
+        x: &[f32],
+        gpu: &mut dyn crate::gpu::PoolTarget,
+    ) -> Result<()> {
+        let token = self.call_token;
+        let operand = Operand::new(x, QuantType::Q8_0);
+        let mut rows = self.select_row(l, token, x, &operand)?;
+        let sel = &mut rows[0];
+
+        let start = Instant::now();
+        let stalled = self.core.metrics.stall_s;
+        let core = &mut self.core;
+        let mut missing = std::mem::take(&mut self.work.missing);
+        let mut scratch = std::mem::take(&mut self.work.chunk_rows);
+        missing.clear();
+        // What is in memory first (uploaded where the pool lacks it), then the reads as they
+        // land, each offered to the cache once uploaded.
+        for &ci in &sel.needed {
+            let key = (l as u32, ci as u32);
+            if !core.has_resident(key) {
+                missing.push(ci);
+            } else if !gpu.holds(key) {
+                let rows = core
+                    .resident_into(key, &mut scratch)
+                    .expect("checked by has_resident")?;
+                gpu.upload(key, &rows)?;
+            }
+        }
+        if !missing.is_empty() {
+            core.watch(l, &missing);
+            for _ in 0..missing.len() {
+                let (ci, buf) = core.take_watched(l)?;
+                if core.has_room(core.io_budget / TOP_UP_SHARE) {
+                    self.schedule.taken(core);
+                }
+                let key = (l as u32, ci as u32);
+                if !gpu.holds(key) {
+                    let plan = &core.plans[l];
+                    let rows = ClusterRows::new(&plan.layout, &buf, plan.clusters[ci].count)
+                        .with_context(|| format!("layer {l}'s cluster {ci}"))?;
+                    gpu.upload(key, &rows)?;
+                }
+                core.offer(key, Bytes::Read(buf));
+            }
+        }
+        self.work.missing = missing;
+        self.work.chunk_rows = scratch;
+        let scores = gpu.compute(&sel.needed, &sel.candidate)?;
+        let stall = self.core.metrics.stall_s - stalled;
+        self.core.metrics.compute_s += start.elapsed().as_secs_f64() - stall;
+        let done = self.finish_row(l, token, x, sel, scores);
+        self.rows = rows;
+        done
     }
 }
