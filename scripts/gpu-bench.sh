@@ -9,7 +9,9 @@
 # it runs the same greedy generation with and without LEANSTREAM_GPU=1, ROUNDS times interleaved,
 # and prints a table (median tok/s, the ratio, whether the tokens are the same, where the step
 # ran; for the streamed runs the share of the device's busy time that computing hid, 1 −
-# io_wait/io_busy from `--json`, CPU / GPU) after the CPU, the GPU and the Vulkan driver it found.
+# io_wait/io_busy from `--json`, CPU / GPU) after the CPU, the GPU and the Vulkan driver it found;
+# then, from `leanstream bench --trace` timelines of the streamed 7B-shaped file, how its reads
+# overlapped the GPU's submissions and the host's work between them (scripts/gpu-overlap.py).
 #
 # usage: scripts/gpu-bench.sh [LAYERS=4] [TOKENS=64] [ROUNDS=3]
 # BIN_DIR=DIR takes `leanstream` (built with `--features gpu`) and `leanstream-prep` from DIR
@@ -80,4 +82,18 @@ for run in "$embedded:dense" "$work/austen-q4.lsb:resident" "$work/austen-q4.lsb
     c="$(echo "${cpu[*]}" | median)" g="$(echo "${gpu[*]}" | median)"
     printf '| %s | %s | %.2f | %.2f | %.2f× | %s | %s / %s | %s |\n' "$(basename "$model")" "$label" "$c" "$g" \
         "$(python3 -c "print($g / $c)")" "$same" "$ch" "$gh" "$(cut -c1-120 "$work/line")"
+done
+
+# The overlap from a timeline: the streamed 7B-shaped file on the GPU, its FFN from the neuron pool
+# and on the CPU, each run's reads against the GPU's submissions and the host's work between them.
+echo
+echo "Reads against the GPU's work, from \`leanstream bench --trace\` (7b.lsb, --memory ffn:10%, --flash ufs4, $tokens tokens):"
+echo
+for ffn in gpu cpu; do
+    LEANSTREAM_GPU=1 LEANSTREAM_GPU_FFN="$ffn" "$ls" bench --model "$work/7b.lsb" --policy leanstream \
+        --memory ffn:10% --flash ufs4 --tokens "$tokens" --trace "$work/trace-$ffn.json" >/dev/null 2>"$work/err" ||
+        { cat "$work/err" >&2; exit 1; }
+    echo "FFN on the $ffn:"
+    python3 "$root/scripts/gpu-overlap.py" "$work/trace-$ffn.json"
+    echo
 done

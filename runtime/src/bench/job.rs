@@ -287,6 +287,10 @@ fn execute(job: &Job) -> Result<Outcome> {
             if let (Some(io), Some(_)) = (session.io(), &job.trace) {
                 io.record_spans();
             }
+            #[cfg(feature = "gpu")]
+            if let (Some(gpu), Some(_)) = (session.gpu_layers(), &job.trace) {
+                gpu.record_spans();
+            }
             let model = session.model();
             let mut rows = RowsIo::open(record.as_deref(), reference.as_deref(), vocab)?;
             let t0 = Instant::now();
@@ -301,7 +305,12 @@ fn execute(job: &Job) -> Result<Outcome> {
             let peak_rss = peak_rss_bytes();
             if let Some(path) = &job.trace {
                 let reads = session.io().map(|io| io.take_spans()).unwrap_or_default();
-                let events = super::trace::run_events(t0, &steps, &reads);
+                #[allow(unused_mut)]
+                let mut events = super::trace::run_events(t0, &steps, &reads);
+                #[cfg(feature = "gpu")]
+                if let Some(gpu) = session.gpu_layers() {
+                    events.extend(super::trace::gpu_events(t0, &gpu.take_spans()));
+                }
                 std::fs::write(path, serde_json::to_vec(&events)?)
                     .with_context(|| format!("cannot write {}", path.display()))?;
             }

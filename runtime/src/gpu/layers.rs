@@ -11,6 +11,7 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use leanstream_format::ffn::PartTypes;
@@ -239,6 +240,33 @@ pub struct GpuLayers {
     /// Whether each step's neuron scores are read back, and the last step's (`[layer][neuron]`).
     record: bool,
     scores: Vec<f32>,
+    /// The steps' spans, while kept for a timeline ([`GpuLayers::record_spans`]).
+    spans: Option<Vec<GpuSpan>>,
+}
+
+/// One span of a step on the timeline (`leanstream bench --trace`): on the GPU, from a
+/// submission to its results read back, or on the host between two submissions.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuSpan {
+    /// The layer; `None` for the whole step, or the final norm and head after the layers.
+    pub layer: Option<u32>,
+    pub what: SpanKind,
+    pub start: Instant,
+    pub end: Instant,
+}
+
+/// What a [`GpuSpan`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpanKind {
+    /// The GPU computing a layer's attention.
+    Attention,
+    /// The GPU computing a layer's FFN from the neuron pool.
+    Ffn,
+    /// The host between the submissions: the engine's choice, the reads it waits for and the
+    /// uploads into the pool, or (`--gpu-ffn cpu`) the FFN on the CPU.
+    Host,
+    /// The GPU computing the whole step, or the final norm and head after the layers.
+    Step,
 }
 
 impl GpuLayers {
@@ -612,12 +640,23 @@ impl GpuLayers {
             active: Vec::new(),
             record: false,
             scores: Vec::new(),
+            spans: None,
         })
     }
 
     /// Bytes on the GPU, without the KV cache.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Starts keeping each step's spans for a timeline ([`take_spans`](Self::take_spans)).
+    pub fn record_spans(&mut self) {
+        self.spans.get_or_insert_with(Vec::new);
+    }
+
+    /// The spans kept since [`record_spans`](Self::record_spans) (which goes on keeping them).
+    pub fn take_spans(&mut self) -> Vec<GpuSpan> {
+        self.spans.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// The neuron pool's slots, where the FFN streams into it.
@@ -1050,13 +1089,16 @@ impl GpuLayers {
                 x.clear();
                 x.extend_from_slice(embedding);
                 let pool = self.pool.as_mut().expect("checked above");
+                let spans = &mut self.spans;
                 for (l, &(start, ffn_start)) in gc.layer_starts.iter().enumerate() {
                     let end = gc.layer_starts.get(l + 1).map_or(gc.head_start, |s| s.0);
                     engine.begin_layer(l, x)?;
+                    let t0 = Instant::now();
                     let mut enc = record(&gc.dispatches[start..ffn_start]);
                     enc.copy_buffer_to_buffer(&b.x, 0, &b.readback, 0, x_bytes);
                     q.submit([enc.finish()]);
                     g.read_back(&b.readback, x_bytes, |bytes| read_f32(bytes, x))?;
+                    let t1 = Instant::now();
                     model.ffn_input(l, x, xn);
                     pool.begin();
                     let mut target = PoolStep {
@@ -1067,8 +1109,21 @@ impl GpuLayers {
                         l,
                         x: &mut *x,
                         scores: &mut self.layer_scores,
+                        ran: None,
                     };
                     engine.ffn_on_gpu(l, xn, &mut target)?;
+                    let t4 = Instant::now();
+                    let (t2, t3) = target.ran.unwrap_or((t4, t4));
+                    keep(
+                        spans,
+                        l,
+                        [
+                            (SpanKind::Attention, t0, t1),
+                            (SpanKind::Host, t1, t2),
+                            (SpanKind::Ffn, t2, t3),
+                            (SpanKind::Host, t3, t4),
+                        ],
+                    );
                 }
                 gc.head_start
             }
@@ -1081,16 +1136,26 @@ impl GpuLayers {
                 x.extend_from_slice(embedding);
                 for (l, &(start, end)) in gc.layer_starts.iter().enumerate() {
                     backend.begin_layer(l, x)?;
+                    let t0 = Instant::now();
                     let mut enc = record(&gc.dispatches[start..end]);
                     enc.copy_buffer_to_buffer(&b.x, 0, &b.readback, 0, x_bytes);
                     q.submit([enc.finish()]);
                     g.read_back(&b.readback, x_bytes, |bytes| read_f32(bytes, x))?;
+                    let t1 = Instant::now();
                     model.ffn_token(l, x, &mut *backend, &mut *scratch)?;
                     q.write_buffer(&b.x, 0, f32_bytes(x));
+                    let t2 = Instant::now();
+                    let spans = &mut self.spans;
+                    keep(
+                        spans,
+                        l,
+                        [(SpanKind::Attention, t0, t1), (SpanKind::Host, t1, t2)],
+                    );
                 }
                 gc.head_start
             }
         };
+        let t0 = Instant::now();
         let mut enc = record(&gc.dispatches[rest..]);
         let logit_bytes = b.logits.size();
         let kv_bytes = b.kv_out.size();
@@ -1128,6 +1193,15 @@ impl GpuLayers {
                 }
             }
         })?;
+        if let Some(spans) = &mut self.spans {
+            let end = Instant::now();
+            spans.push(GpuSpan {
+                layer: None,
+                what: SpanKind::Step,
+                start: t0,
+                end,
+            });
+        }
         let kvd = c.num_kv_heads * c.head_dim;
         for (l, kv) in self.kv.chunks_exact(2 * kvd).enumerate() {
             let (k, v) = kv.split_at(kvd);
@@ -1137,6 +1211,22 @@ impl GpuLayers {
         gc.prints[pos] = fingerprint(cache, c.num_layers, c.head_dim, pos);
         gc.len = pos + 1;
         Ok(())
+    }
+}
+
+/// Keeps layer `l`'s `parts` (what, start, end) as spans, where they are kept.
+fn keep<const N: usize>(
+    spans: &mut Option<Vec<GpuSpan>>,
+    l: usize,
+    parts: [(SpanKind, Instant, Instant); N],
+) {
+    if let Some(spans) = spans {
+        spans.extend(parts.map(|(what, start, end)| GpuSpan {
+            layer: Some(l as u32),
+            what,
+            start,
+            end,
+        }));
     }
 }
 
@@ -1174,6 +1264,8 @@ struct PoolStep<'a> {
     /// The residual stream on the host, and the layer's scores read back.
     x: &'a mut Vec<f32>,
     scores: &'a mut Vec<f32>,
+    /// When the FFN was submitted and when its results were back.
+    ran: Option<(Instant, Instant)>,
 }
 
 impl PoolTarget for PoolStep<'_> {
@@ -1188,6 +1280,7 @@ impl PoolTarget for PoolStep<'_> {
     fn compute(&mut self, needed: &[usize], candidate: &[bool]) -> Result<&[f32]> {
         let (g, b, l) = (self.gpu, self.b, self.l);
         let n = candidate.len();
+        let start = Instant::now();
         self.pool.write_map(g, l, needed, candidate)?;
         let mut enc = g
             .device
@@ -1210,6 +1303,7 @@ impl PoolTarget for PoolStep<'_> {
             read_f32(xb, x);
             read_f32(sb, scores);
         })?;
+        self.ran = Some((start, Instant::now()));
         for (i, s) in scores.iter_mut().enumerate() {
             if !self.pool.computed(i) {
                 *s = f32::NAN;

@@ -33,7 +33,9 @@ use crate::platform::memory_size::{format_size, parse_budget};
 
 pub use bundles::{FfnPlace, GpuBundles, Host};
 pub use head::{GpuDense, GpuHead};
-pub use layers::{unsupported, unsupported_config, BundleParts, CpuFfn, GpuLayers, HostFfn};
+pub use layers::{
+    unsupported, unsupported_config, BundleParts, CpuFfn, GpuLayers, GpuSpan, HostFfn, SpanKind,
+};
 pub use model::{GpuModel, Placement};
 pub use pool::{PoolLayer, PoolTarget, StreamedFfn};
 

@@ -1231,8 +1231,32 @@ fn compare_pooled(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64, f64) {
         slots < clusters,
         "a pool of {slots} clusters holds the whole model ({clusters})"
     );
+    streamed.gpu().unwrap().layers().record_spans();
     let what = "resident on the GPU";
     let (worst, steps) = decode_against(&mut cpu, &mut streamed, &mut resident, prompt, what);
+    // The timeline: per token, each layer's attention, the host's work, the FFN from the pool
+    // and the host's again, then the head, one after the other.
+    let spans = streamed.gpu().unwrap().layers().take_spans();
+    let layers = file.ffn.layers.len();
+    assert_eq!(spans.len(), steps * (4 * layers + 1));
+    use super::SpanKind::{Attention, Ffn, Host, Step};
+    for (i, s) in spans.iter().enumerate() {
+        let (k, l) = (i % (4 * layers + 1), (i % (4 * layers + 1)) / 4);
+        let want = match (k == 4 * layers, k % 4) {
+            (true, _) => (None, Step),
+            (_, 0) => (Some(l as u32), Attention),
+            (_, 2) => (Some(l as u32), Ffn),
+            _ => (Some(l as u32), Host),
+        };
+        assert_eq!((s.layer, s.what), want, "span {i}");
+        assert!(s.start <= s.end, "span {i}");
+        if i > 0 {
+            assert!(
+                spans[i - 1].end <= s.start,
+                "span {i} overlaps the one before"
+            );
+        }
+    }
     let (uploads, _) = streamed.gpu().unwrap().pool_uploads().unwrap();
     assert!(
         uploads as usize > slots,

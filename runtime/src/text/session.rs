@@ -442,6 +442,15 @@ impl Session {
         }
     }
 
+    /// The decode step on the GPU of a converted file's model, where it runs there.
+    #[cfg(feature = "gpu")]
+    pub fn gpu_layers(&mut self) -> Option<&mut crate::gpu::GpuLayers> {
+        match &mut self.engine {
+            Engine::Streaming(s) => s.gpu().map(|g| g.layers()),
+            _ => None,
+        }
+    }
+
     /// The streaming policies' read queue; `None` for dense.
     pub fn io(&self) -> Option<&crate::storage::IoQueue> {
         match &self.engine {
