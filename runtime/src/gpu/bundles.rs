@@ -71,8 +71,9 @@ impl GpuBundles {
     }
 
     /// Uploads the dense half of the step to `gpu` — `model`'s norms, the `attention`
-    /// projections, the output `head` — and a neuron pool of `slots` clusters for the `layers`'
-    /// bundles, which the CPU streams into it ([`GpuLayers::upload_streamed`]): each
+    /// projections, the output `head` — and a neuron pool of `slots` clusters (fewer where the
+    /// GPU's budget holds fewer beside a KV cache of `ctx` positions) for the `layers`' bundles,
+    /// which the CPU streams into it ([`GpuLayers::upload_streamed`]): each
     /// [`forward`](Self::forward) then takes the engine that streams them.
     pub fn upload_streamed(
         gpu: Gpu,
@@ -81,15 +82,17 @@ impl GpuBundles {
         head: &Weight,
         layers: Vec<(PoolLayer, Skip)>,
         slots: usize,
+        ctx: usize,
     ) -> Result<Self> {
         let gpu = Arc::new(gpu);
-        let layers = GpuLayers::upload_streamed(gpu.clone(), model, attention, head, layers, slots)
-            .with_context(|| {
-                format!(
-                    "uploading the step and its neuron pool to {}",
-                    gpu.describe()
-                )
-            })?;
+        let layers =
+            GpuLayers::upload_streamed(gpu.clone(), model, attention, head, layers, slots, ctx)
+                .with_context(|| {
+                    format!(
+                        "uploading the step and its neuron pool to {}",
+                        gpu.describe()
+                    )
+                })?;
         Ok(Self {
             gpu,
             layers,
@@ -120,9 +123,10 @@ impl GpuBundles {
         if let Some(slots) = self.layers.pool_slots() {
             return format!(
                 "the decode step ({:.1} MiB of weights and buffers, with a neuron pool of {slots} \
-                 clusters; the KV cache in f32 besides) runs on {}, each layer's FFN from the \
-                 bundles the CPU streams into the pool",
+                 clusters in {:.1} MiB; the KV cache in f32 besides) runs on {}, each layer's FFN \
+                 from the bundles the CPU streams into the pool",
                 self.layers.bytes() as f64 / (1 << 20) as f64,
+                self.layers.pool_bytes() as f64 / (1 << 20) as f64,
                 self.gpu.describe()
             );
         }

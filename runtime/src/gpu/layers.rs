@@ -324,7 +324,8 @@ impl GpuLayers {
 
     /// Uploads a streaming model's decode step: `model`'s norms (a model of norms only), the
     /// `attention` projections and the output `head`, and a neuron pool of `slots` clusters for
-    /// the `layers`' bundles (their encodings, clusters and skip rules), filled as the CPU
+    /// the `layers`' bundles (their encodings, clusters and skip rules), fewer where the GPU's
+    /// budget holds fewer beside the step and a KV cache of `ctx` positions, filled as the CPU
     /// streams them: each [`step`](Self::step) reads the residual stream back after a layer's
     /// attention, the CPU's engine ([`StreamedFfn`]) chooses the layer's clusters from it, reads
     /// those it lacks and uploads those the pool lacks, and the GPU computes the FFN from the
@@ -336,13 +337,14 @@ impl GpuLayers {
         head: &Weight,
         layers: Vec<(PoolLayer, Skip)>,
         slots: usize,
+        ctx: usize,
     ) -> Result<Self> {
         if let Some(why) = unsupported_config(model.config()) {
             bail!("{why}");
         }
         let skips: Vec<Skip> = layers.iter().map(|l| l.1).collect();
         let pool_layers = layers.into_iter().map(|l| l.0).collect();
-        let pool = Some((pool_layers, slots));
+        let pool = Some((pool_layers, slots, ctx));
         Self::upload_with(gpu, model, attention, head, pool, |l| {
             Ok(FfnSource::Pooled(skips[l]))
         })
@@ -363,7 +365,7 @@ impl GpuLayers {
         model: &Model,
         attention: &[Attention],
         head: &Weight,
-        pool: Option<(Vec<PoolLayer>, usize)>,
+        pool: Option<(Vec<PoolLayer>, usize, usize)>,
         ffn: impl FnMut(usize) -> Result<FfnSource<'a>>,
     ) -> Result<Self> {
         let built = gpu.scoped(|| Self::build(gpu.clone(), model, attention, head, pool, ffn))?;
@@ -390,7 +392,7 @@ impl GpuLayers {
         model: &Model,
         attention: &[Attention],
         head: &Weight,
-        pool: Option<(Vec<PoolLayer>, usize)>,
+        pool: Option<(Vec<PoolLayer>, usize, usize)>,
         mut ffn_of: impl FnMut(usize) -> Result<FfnSource<'a>>,
     ) -> Result<Self> {
         let c = model.config();
@@ -415,7 +417,7 @@ impl GpuLayers {
         }
         let per_dim = gpu.limits.max_compute_workgroups_per_dimension as usize;
         let pool = match pool {
-            Some((layers, slots)) => {
+            Some((layers, slots, ctx)) => {
                 if layers.len() != c.num_layers {
                     bail!(
                         "{} streamed layers for a model of {} layers",
@@ -423,7 +425,8 @@ impl GpuLayers {
                         c.num_layers
                     );
                 }
-                Some(NeuronPool::new(&gpu, layers, h, slots, &charge)?)
+                let reserve = step_reserve(c, attention, head, ctx);
+                Some(NeuronPool::new(&gpu, layers, h, slots, reserve, &charge)?)
             }
             None => None,
         };
@@ -662,6 +665,11 @@ impl GpuLayers {
     /// The neuron pool's slots, where the FFN streams into it.
     pub fn pool_slots(&self) -> Option<usize> {
         self.pool.as_ref().map(NeuronPool::slots)
+    }
+
+    /// Bytes of the neuron pool (0 without one).
+    pub fn pool_bytes(&self) -> u64 {
+        self.pool.as_ref().map_or(0, |p| p.bytes)
     }
 
     /// Clusters uploaded into the neuron pool so far (0 without one).
@@ -1212,6 +1220,30 @@ impl GpuLayers {
         gc.len = pos + 1;
         Ok(())
     }
+}
+
+/// About the bytes a streamed step takes on the GPU besides its neuron pool: the `attention`
+/// projections and the `head` as stored, the norms and biases, the activations' buffers
+/// (generously: the scores of every layer twice, the logits twice, 24 vectors of the widest
+/// width) and the KV cache of `ctx` positions, for
+/// [`NeuronPool::new`] to leave room for. The charges stay exact: a reserve too small makes an
+/// upload fail, saying why, not overrun the budget.
+fn step_reserve(c: &ModelConfig, attention: &[Attention], head: &Weight, ctx: usize) -> u64 {
+    let weights = attention
+        .iter()
+        .flat_map(|a| [&a.wq, &a.wk, &a.wv, &a.wo])
+        .chain([head])
+        .map(|w| super::weight_bytes(w) as u64)
+        .sum::<u64>();
+    let (h, n, layers) = (c.hidden_size, c.intermediate_size, c.num_layers);
+    let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let words = 2 * c.vocab_size
+        + 4 * layers * kvd
+        + 2 * layers * n
+        + 24 * h.max(qd).max(n)
+        + layers * (qd + 2 * kvd + 4 * h);
+    let kv = 2 * layers * kvd * ctx + c.num_heads * ctx;
+    weights + 4 * (words + kv) as u64
 }
 
 /// Keeps layer `l`'s `parts` (what, start, end) as spans, where they are kept.

@@ -60,14 +60,16 @@ pub(super) struct NeuronPool {
 }
 
 impl NeuronPool {
-    /// A pool of `slots` clusters for `layers` of `hidden` values: an error when it is smaller
-    /// than the largest layer (every cluster of a layer may be needed at once) or larger than one
-    /// buffer holds. `charge` takes each buffer's bytes first.
+    /// A pool of `slots` clusters for `layers` of `hidden` values, fewer where the GPU's budget
+    /// holds fewer besides the `reserve` bytes the rest of the step and its KV cache will take:
+    /// an error when that is less than the largest layer (every cluster of a layer may be needed
+    /// at once) or more than one buffer holds. `charge` takes each buffer's bytes first.
     pub(super) fn new(
         gpu: &Gpu,
         layers: Vec<PoolLayer>,
         hidden: usize,
         slots: usize,
+        reserve: u64,
         charge: &super::Charge,
     ) -> Result<Self> {
         let slot_neurons = layers
@@ -76,11 +78,6 @@ impl NeuronPool {
             .max()
             .context("a streamed model without clusters")?;
         let most = layers.iter().map(|l| l.clusters.len()).max().unwrap_or(0);
-        if slots < most {
-            bail!(
-                "a pool of {slots} clusters holds less than a layer ({most} clusters) on the GPU"
-            );
-        }
         if slots as u64 * slot_neurons as u64 >= SKIPPED as u64 {
             bail!("a pool of {slots} clusters of {slot_neurons} neurons has too many rows");
         }
@@ -110,6 +107,21 @@ impl NeuronPool {
             });
         }
         let strides = widest.map(|w| slot_neurons as u64 * w as u64);
+        let slot_bytes = strides.iter().sum::<u64>();
+        let slots = match gpu.budget {
+            Some(budget) => {
+                let free = budget.saturating_sub(charge.held() + reserve);
+                slots.min((free / slot_bytes) as usize)
+            }
+            None => slots,
+        };
+        if slots < most {
+            bail!(
+                "a neuron pool of {slots} clusters ({}) holds less than a layer ({most} clusters) \
+                 beside the step and its KV cache",
+                crate::platform::memory_size::format_size(slots as u64 * slot_bytes)
+            );
+        }
         let max = gpu.max_matrix_bytes().min(u32::MAX as u64);
         let mut bytes = shaped.iter().map(|l| l.map.size()).sum::<u64>();
         let parts = strides.map(|stride| {

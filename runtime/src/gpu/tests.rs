@@ -1205,8 +1205,9 @@ fn resident_on_the_gpu_converted_relu_family() {
 /// that holds `share` of the FFN, one token at a time (`prompt`, then six greedy tokens), its
 /// logits are bit for bit those of the GPU's resident step (every bundle uploaded once), and
 /// within [`STEP_TOLERANCE`] of the CPU's streamed at the same budget with the same greedy
-/// tokens (f32 KV caches). The pool holds fewer clusters than the model, so clusters are given
-/// up and uploaded again; the engine's reads are the CPU's. A GPU budget that cannot hold the
+/// tokens (f32 KV caches). The pool holds fewer clusters than the model (where the neuron cache
+/// holds them all, a `--gpu-memory` makes it smaller), so clusters are given up and uploaded
+/// again; the engine's reads are the CPU's. A GPU budget that cannot hold the
 /// pool keeps the FFN on the CPU, saying why. Returns the largest relative difference from the
 /// CPU, the bytes read per token and the clusters uploaded per token.
 fn compare_pooled(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64, f64) {
@@ -1226,7 +1227,22 @@ fn compare_pooled(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64, f64) {
     assert!(line.contains("from the file's bundles"), "{line}");
     let file = leanstream_format::LsbFile::open(path).unwrap();
     let clusters: usize = file.ffn.layers.iter().map(|l| l.clusters.len()).sum();
-    let (_, slots) = streamed.gpu().unwrap().pool_uploads().unwrap();
+    let (_, mut slots) = streamed.gpu().unwrap().pool_uploads().unwrap();
+    if slots >= clusters {
+        // A GPU budget that takes part of the pool away.
+        let g = streamed.gpu().unwrap().layers();
+        let (total, pool) = (g.bytes() as u64, g.pool_bytes());
+        for part in [0.8, 0.6, 0.4] {
+            let mut smaller = open(Policy::Leanstream, Some(budget));
+            let gpu_memory = total - pool + (pool as f64 * part) as u64;
+            let line = smaller.use_gpu(Some(gpu_memory), false).unwrap();
+            if line.contains("neuron pool of") {
+                (_, slots) = smaller.gpu().unwrap().pool_uploads().unwrap();
+                streamed = smaller;
+                break;
+            }
+        }
+    }
     assert!(
         slots < clusters,
         "a pool of {slots} clusters holds the whole model ({clusters})"
@@ -1234,6 +1250,7 @@ fn compare_pooled(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64, f64) {
     streamed.gpu().unwrap().layers().record_spans();
     let what = "resident on the GPU";
     let (worst, steps) = decode_against(&mut cpu, &mut streamed, &mut resident, prompt, what);
+    assert!(streamed.gpu().is_some(), "the step stayed on the GPU");
     // The timeline: per token, each layer's attention, the host's work, the FFN from the pool
     // and the host's again, then the head, one after the other.
     let spans = streamed.gpu().unwrap().layers().take_spans();

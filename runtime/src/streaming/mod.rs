@@ -426,7 +426,10 @@ impl StreamingModel {
             crate::gpu::GpuBundles::upload_attention(gpu, &self.model, attention, head)?
         } else {
             let layers = engine.pool_layers();
-            let slots = pool_slots(&layers, engine.cache_sizes());
+            // The cache as it will be planned once the attention's bytes are its.
+            let (layer, cache) = engine.cache_sizes();
+            let cache = cache + self.replan_input.dense.attention;
+            let slots = pool_slots(&layers, (layer, cache));
             match crate::gpu::GpuBundles::upload_streamed(
                 gpu,
                 &self.model,
@@ -434,6 +437,7 @@ impl StreamingModel {
                 head,
                 layers,
                 slots,
+                self.ctx,
             ) {
                 Ok(step) => step,
                 Err(e) => {
@@ -453,10 +457,7 @@ impl StreamingModel {
             // The GPU computes the attention: the CPU's copy goes, and its bytes to the cache.
             let sizes = self.replan_input.dense.clone();
             self.dense.attention_away();
-            let dense = &mut self.replan_input.dense;
-            dense.total -= sizes.attention;
-            dense.attention = 0;
-            dense.attention_buffers = 0;
+            self.replan_input.dense = sizes.without_attention();
             self.dense_on_cpu = Some(sizes.clone());
             if let Some(budget) = self.budget {
                 self.apply_plan(budget)?;

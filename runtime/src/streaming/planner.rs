@@ -57,6 +57,18 @@ pub struct DenseSizes {
     pub tied: bool,
 }
 
+impl DenseSizes {
+    /// The same weights without the attention projections (held elsewhere: on the GPU).
+    pub fn without_attention(&self) -> Self {
+        Self {
+            total: self.total - self.attention,
+            attention: 0,
+            attention_buffers: 0,
+            ..self.clone()
+        }
+    }
+}
+
 /// Which dense weights stream from flash instead of staying resident.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct DenseStreamed {
