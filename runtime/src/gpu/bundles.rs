@@ -110,6 +110,33 @@ impl GpuBundles {
         }
     }
 
+    /// What runs on the GPU, for `--json`'s `gpu` object: where the FFN runs (`gpu` from every
+    /// bundle, `pool`, `cpu`), the step's bytes without the KV cache, and with a pool its slots,
+    /// bytes and the clusters uploaded since `uploads_base` was the count.
+    pub fn summary(&self, uploads_base: u64) -> serde_json::Value {
+        let ffn = match self.ffn_place() {
+            FfnPlace::Gpu => "gpu",
+            FfnPlace::Streamed => "pool",
+            FfnPlace::Cpu => "cpu",
+        };
+        let mut v = serde_json::json!({
+            "adapter": self.gpu.describe(),
+            "ffn": ffn,
+            "bytes": self.layers.bytes(),
+        });
+        if let Some(slots) = self.layers.pool_slots() {
+            v["pool_slots"] = slots.into();
+            v["pool_bytes"] = self.layers.pool_bytes().into();
+            v["pool_uploads"] = (self.layers.pool_uploads() - uploads_base).into();
+        }
+        v
+    }
+
+    /// Clusters uploaded into the neuron pool so far (0 without one).
+    pub fn layers_uploads(&self) -> u64 {
+        self.layers.pool_uploads()
+    }
+
     /// Clusters uploaded into the neuron pool so far, and the slots it has (where the FFN
     /// streams into it).
     pub fn pool_uploads(&self) -> Option<(u64, usize)> {

@@ -1275,6 +1275,10 @@ fn compare_pooled(path: &Path, share: f64, prompt: &[u32]) -> (f32, f64, f64) {
         }
     }
     let (uploads, _) = streamed.gpu().unwrap().pool_uploads().unwrap();
+    let summary = streamed.gpu_summary().unwrap();
+    assert_eq!(summary["ffn"], "pool");
+    assert_eq!(summary["pool_slots"], slots);
+    assert_eq!(summary["pool_uploads"], uploads);
     assert!(
         uploads as usize > slots,
         "{uploads} uploads into {slots} slots: nothing was given up"

@@ -124,6 +124,9 @@ pub struct StreamingModel {
     /// One token's logits from the GPU's step, where the FFN runs on the CPU.
     #[cfg(feature = "gpu")]
     gpu_row: Vec<f32>,
+    /// The neuron pool's uploads when the clock was last reset.
+    #[cfg(feature = "gpu")]
+    gpu_uploads_base: u64,
     /// The dense weights' sizes as planned before the attention went to the GPU (whose memory
     /// the neuron cache then holds), to plan with again if the model goes back to the CPU.
     #[cfg(feature = "gpu")]
@@ -392,6 +395,8 @@ impl StreamingModel {
             gpu: None,
             #[cfg(feature = "gpu")]
             gpu_row: Vec::new(),
+            #[cfg(feature = "gpu")]
+            gpu_uploads_base: 0,
             #[cfg(feature = "gpu")]
             dense_on_cpu: None,
         })
@@ -711,6 +716,17 @@ impl StreamingModel {
         self.tokens = 0;
         self.io_base = self.io_counters();
         self.engine.reset_metrics();
+        #[cfg(feature = "gpu")]
+        {
+            self.gpu_uploads_base = self.gpu.as_deref().map_or(0, |g| g.layers_uploads());
+        }
+    }
+
+    /// What runs on the GPU since the clock was reset, for `--json` (`None` on the CPU).
+    #[cfg(feature = "gpu")]
+    pub fn gpu_summary(&self) -> Option<serde_json::Value> {
+        let g = self.gpu.as_deref()?;
+        Some(g.summary(self.gpu_uploads_base))
     }
 
     /// The read queue (its counters, retries and failures included, and its timeline).

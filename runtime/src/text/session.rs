@@ -419,6 +419,10 @@ impl Session {
                 v["policy"] = policy_name(self.policy).into();
                 v["memory_budget_bytes"] = s.budget.into();
                 v["memory_split"] = serde_json::to_value(&s.split).expect("serialisable");
+                #[cfg(feature = "gpu")]
+                if let Some(gpu) = s.gpu_summary() {
+                    v["gpu"] = gpu;
+                }
                 v
             }
             Engine::Experts(m) => {
