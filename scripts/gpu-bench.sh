@@ -45,14 +45,18 @@ embedded="$root/models/austen-relu"
         --gguf "$work/7b.gguf" -o "$work/7b.lsb" >/dev/null 2>"$work/err" ||
         { cat "$work/err" >&2; exit 1; }
 
-# One generation: prints "TOK/S TOKENS-DIGEST HIDDEN" and leaves its `gpu:` line in $work/line.
+# One generation: prints "TOK/S TOKENS-DIGEST HIDDEN UPLOADS" (UPLOADS: clusters uploaded into the
+# GPU's neuron pool per token, prompt included, or -) and leaves its `gpu:` line in $work/line.
 generate() { # GPU(0/1) MODEL POLICY [FLAGS...]; FFN=cpu keeps a streamed FFN on the CPU
     LEANSTREAM_GPU="$1" LEANSTREAM_GPU_FFN="${FFN:-gpu}" "$ls" run --model "$2" --policy "$3" "${@:4}" -p "It was a fine morning, and Emma" \
         -n "$tokens" --ignore-eos --temp 0 --kv f32 --ctx 512 --json 2>"$work/err" |
         python3 -c 'import json, sys, hashlib; r = json.load(sys.stdin)
 busy, wait = r.get("io_busy_fraction", 0), r.get("io_wait_fraction", 0)
 hidden = "%.2f" % (1 - wait / busy) if busy > 0 else "-"
-print(r["tokens_per_s"], hashlib.md5(str(r["tokens"]).encode()).hexdigest()[:8], hidden)' ||
+pool = r.get("gpu", {}).get("pool_uploads")
+tokens = r["prompt_tokens"] + r["generated_tokens"]
+uploads = "%.1f" % (pool / tokens) if pool is not None else "-"
+print(r["tokens_per_s"], hashlib.md5(str(r["tokens"]).encode()).hexdigest()[:8], hidden, uploads)' ||
         { cat "$work/err" >&2; exit 1; }
     grep -m1 '^gpu:' "$work/err" >"$work/line" || echo "gpu: (no line)" >"$work/line"
 }
@@ -61,8 +65,8 @@ median() { tr ' ' '\n' | sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1
 echo
 echo "$tokens tokens decoded, greedy, f32 KV cache, ctx 512; median of $rounds interleaved rounds"
 echo
-echo "| file | policy | CPU tok/s | GPU tok/s | GPU / CPU | same tokens | reads hidden (CPU / GPU) | where the GPU step ran |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| file | policy | CPU tok/s | GPU tok/s | GPU / CPU | same tokens | reads hidden (CPU / GPU) | pool uploads / token | where the GPU step ran |"
+echo "|---|---|---|---|---|---|---|---|---|"
 stream=(--memory ffn:10% --flash ufs4)
 for run in "$embedded:dense" "$work/austen-q4.lsb:resident" "$work/austen-q4.lsb:leanstream" \
     "$work/austen-q4.lsb:leanstream/cpu-ffn" "$work/7b.gguf:dense" "$work/7b.lsb:resident" \
@@ -74,14 +78,14 @@ for run in "$embedded:dense" "$work/austen-q4.lsb:resident" "$work/austen-q4.lsb
     [[ "$policy" == leanstream ]] && flags=("${stream[@]}")
     cpu=() gpu=() same=yes
     for ((r = 0; r < rounds; r++)); do
-        read -r c cd ch < <(generate 0 "$model" "$policy" "${flags[@]}")
-        read -r g gd gh < <(generate 1 "$model" "$policy" "${flags[@]}")
+                read -r c cd ch _ < <(generate 0 "$model" "$policy" "${flags[@]}")
+        read -r g gd gh gu < <(generate 1 "$model" "$policy" "${flags[@]}")
         cpu+=("$c") gpu+=("$g")
         [[ "$cd" == "$gd" ]] || same=no
     done
     c="$(echo "${cpu[*]}" | median)" g="$(echo "${gpu[*]}" | median)"
-    printf '| %s | %s | %.2f | %.2f | %.2f× | %s | %s / %s | %s |\n' "$(basename "$model")" "$label" "$c" "$g" \
-        "$(python3 -c "print($g / $c)")" "$same" "$ch" "$gh" "$(cut -c1-120 "$work/line")"
+        printf '| %s | %s | %.2f | %.2f | %.2f× | %s | %s / %s | %s | %s |\n' "$(basename "$model")" "$label" "$c" "$g" \
+        "$(python3 -c "print($g / $c)")" "$same" "$ch" "$gh" "$gu" "$(cut -c1-120 "$work/line")"
 done
 
 # The overlap from a timeline: the streamed 7B-shaped file on the GPU, its FFN from the neuron pool
