@@ -202,7 +202,12 @@ fn gpu_flags_say_what_runs_where() {
     };
     let cpu = run(&[]);
     assert!(!stderr(&cpu).contains("gpu:"), "{}", stderr(&cpu));
-    for flags in [&["--gpu"][..], &["--gpu-memory", "64MiB"]] {
+    for flags in [
+        &["--gpu"][..],
+        &["--gpu-memory", "64MiB"],
+        &["--gpu-ffn", "cpu"],
+        &["--gpu-ffn", "gpu"],
+    ] {
         let out = run(flags);
         let line = stderr(&out);
         if cfg!(feature = "gpu") {
@@ -221,6 +226,13 @@ fn gpu_flags_say_what_runs_where() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(
         stderr(&bad).contains("invalid value 'lots' for '--gpu-memory"),
+        "{}",
+        stderr(&bad)
+    );
+    let bad = run(&["--gpu-ffn", "npu"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr(&bad).contains("invalid value 'npu' for '--gpu-ffn"),
         "{}",
         stderr(&bad)
     );
