@@ -447,15 +447,7 @@ impl GpuLayers {
                     if gate.rows != n {
                         bail!("layer {l} has {} neurons, the model {n}", gate.rows);
                     }
-                    if n > per_dim {
-                        bail!(
-                            "layer {l}'s {n} neurons are more than one dispatch takes here \
-                             ({per_dim} workgroups)"
-                        );
-                    }
-                    if skip.threshold.is_nan() {
-                        bail!("layer {l}'s skip threshold is not a number");
-                    }
+                    check_bundles(l, n, per_dim, skip)?;
                     Some(GpuFfn {
                         gate,
                         up,
@@ -472,15 +464,7 @@ impl GpuLayers {
                             b.hidden
                         );
                     }
-                    if n > per_dim {
-                        bail!(
-                            "layer {l}'s {n} neurons are more than one dispatch takes here \
-                             ({per_dim} workgroups)"
-                        );
-                    }
-                    if b.skip.threshold.is_nan() {
-                        bail!("layer {l}'s skip threshold is not a number");
-                    }
+                    check_bundles(l, n, per_dim, b.skip)?;
                     let [g, u, d] = &b.parts;
                     let rows = |bytes: &[u8], qtype| {
                         charge.take(bytes.len() as u64)?;
@@ -746,7 +730,7 @@ impl GpuLayers {
     }
 
     /// The KV buffers for `capacity` positions and the step's dispatches over them.
-    fn make_cache(&self, model: &Model, capacity: usize) -> Result<Cache> {
+    fn make_cache<'s>(&'s self, model: &Model, capacity: usize) -> Result<Cache> {
         let g = &*self.gpu;
         let c = model.config();
         let (h, hd, n) = (c.hidden_size, c.head_dim, c.intermediate_size);
@@ -824,19 +808,28 @@ impl GpuLayers {
         };
         // `w · x` into `out` (added to it with `accumulate`), `x` quantized first for a block
         // encoding; `quantized` says whether `b.q8` already holds this `x`.
+        // What `w`'s mat-vec shaders read for the input `x`: `x`, or for a block encoding its q8
+        // form (quantized into `b.q8` unless `quantized` says it holds it).
+        let input_for = |d: &mut Vec<Dispatch>,
+                         w: &GpuWeights,
+                         x: &'s wgpu::Buffer,
+                         quantized: &mut bool|
+         -> Result<&'s wgpu::Buffer> {
+            if w.qtype.is_block() {
+                quantize(d, w.cols, x, quantized)?;
+                Ok(&b.q8)
+            } else {
+                Ok(x)
+            }
+        };
         let matvec = |d: &mut Vec<Dispatch>,
                       w: &GpuWeights,
-                      x: &wgpu::Buffer,
+                      x: &'s wgpu::Buffer,
                       quantized: &mut bool,
                       out: &wgpu::Buffer,
                       accumulate: bool|
          -> Result<()> {
-            let input = if w.qtype.is_block() {
-                quantize(d, w.cols, x, quantized)?;
-                &b.q8
-            } else {
-                x
-            };
+            let input = input_for(d, w, x, quantized)?;
             d.push(g.matvec_dispatch(w, input, out, accumulate));
             Ok(())
         };
@@ -927,12 +920,7 @@ impl GpuLayers {
                 match map {
                     None => matvec(d, w, &b.xn, &mut quantized, out, false),
                     Some(map) => {
-                        let input = if w.qtype.is_block() {
-                            quantize(d, w.cols, &b.xn, &mut quantized)?;
-                            &b.q8
-                        } else {
-                            &b.xn
-                        };
+                        let input = input_for(d, w, &b.xn, &mut quantized)?;
                         d.push(g.mapped_dispatch(w, input, out, map)?);
                         Ok(())
                     }
@@ -967,12 +955,7 @@ impl GpuLayers {
                 (1, 1),
             ));
             if !gate_up {
-                let input = if up.qtype.is_block() {
-                    quantize(&mut d, up.cols, &b.xn, &mut quantized)?;
-                    &b.q8
-                } else {
-                    &b.xn
-                };
+                let input = input_for(&mut d, up, &b.xn, &mut quantized)?;
                 d.push(g.gather_dispatch(
                     up,
                     input,
@@ -1220,6 +1203,20 @@ impl GpuLayers {
         gc.len = pos + 1;
         Ok(())
     }
+}
+
+/// Why layer `l`'s bundles of `n` neurons cannot run on a GPU of `per_dim` workgroups a
+/// dispatch under `skip`, if they cannot.
+fn check_bundles(l: usize, n: usize, per_dim: usize, skip: Skip) -> Result<()> {
+    if n > per_dim {
+        bail!(
+            "layer {l}'s {n} neurons are more than one dispatch takes here ({per_dim} workgroups)"
+        );
+    }
+    if skip.threshold.is_nan() {
+        bail!("layer {l}'s skip threshold is not a number");
+    }
+    Ok(())
 }
 
 /// About the bytes a streamed step takes on the GPU besides its neuron pool: the `attention`

@@ -430,11 +430,9 @@ impl StreamingModel {
         } else if ffn_on_cpu {
             crate::gpu::GpuBundles::upload_attention(gpu, &self.model, attention, head)?
         } else {
-            let layers = engine.pool_layers();
             // The cache as it will be planned once the attention's bytes are its.
-            let (layer, cache) = engine.cache_sizes();
-            let cache = cache + self.replan_input.dense.attention;
-            let slots = pool_slots(&layers, (layer, cache));
+            let slots = engine.pool_slots(self.replan_input.dense.attention);
+            let layers = engine.pool_layers();
             match crate::gpu::GpuBundles::upload_streamed(
                 gpu,
                 &self.model,
@@ -456,9 +454,8 @@ impl StreamingModel {
         if let Some(why) = why_cpu {
             line.push_str(&format!(" (no neuron pool on the GPU: {why})"));
         }
-        let split_step = !whole;
         self.gpu = Some(Box::new(step));
-        if split_step {
+        if !whole {
             // The GPU computes the attention: the CPU's copy goes, and its bytes to the cache.
             let sizes = self.replan_input.dense.clone();
             self.dense.attention_away();
@@ -1119,18 +1116,4 @@ fn open_plan_input(path: &Path, shape: Shape, certificates: bool) -> Result<plan
         Policy::Leanstream,
     )
     .0)
-}
-
-/// Clusters the GPU's neuron pool holds for a streaming model of these `layers`, whose largest
-/// layer's bundles and neuron cache take `sizes` bytes: a layer's clusters (any of them may be
-/// needed at once) and as many more as the cache holds, so that the pool keeps about what the
-/// cache keeps; never more than the model has.
-#[cfg(feature = "gpu")]
-fn pool_slots(layers: &[(crate::gpu::PoolLayer, skip_rule::Skip)], sizes: (u64, u64)) -> usize {
-    let most = layers.iter().map(|l| l.0.clusters.len()).max().unwrap_or(0);
-    let total = layers.iter().map(|l| l.0.clusters.len()).sum::<usize>();
-    let (layer_bytes, cache_bytes) = sizes;
-    // The cache in clusters of the largest layer's mean size.
-    let per_cluster = (layer_bytes / most.max(1) as u64).max(1);
-    (most + (cache_bytes / per_cluster) as usize).min(total)
 }

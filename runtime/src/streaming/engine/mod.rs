@@ -623,15 +623,23 @@ impl StreamEngine {
             .collect()
     }
 
-    /// Bytes of the largest layer's bundles, and of the neuron cache.
+    /// Clusters the GPU's neuron pool holds: a layer's clusters (any of them may be needed at
+    /// once) and as many more as the neuron cache holds with `more` bytes, so that the pool keeps
+    /// about what the cache keeps (in clusters of the largest layer's mean size); never more than
+    /// the model has.
     #[cfg(feature = "gpu")]
-    pub(crate) fn cache_sizes(&self) -> (u64, u64) {
-        let layer = self
-            .core
-            .plans
+    pub(crate) fn pool_slots(&self, more: u64) -> usize {
+        let plans = &self.core.plans;
+        let most = plans.iter().map(|p| p.clusters.len()).max().unwrap_or(0);
+        let layer_bytes = plans
             .iter()
-            .map(|p| p.clusters.iter().map(|c| c.size).sum::<u64>());
-        (layer.max().unwrap_or(0), self.core.cache.capacity())
+            .map(|p| p.clusters.iter().map(|c| c.size).sum::<u64>())
+            .max()
+            .unwrap_or(0);
+        let total = plans.iter().map(|p| p.clusters.len()).sum::<usize>();
+        let per_cluster = (layer_bytes / most.max(1) as u64).max(1);
+        let cache = self.core.cache.capacity() + more;
+        (most + (cache / per_cluster) as usize).min(total)
     }
 
     /// The skip rule of layer `l`'s neurons: none skipped in dense mode.
